@@ -1,0 +1,38 @@
+"""fvstep: training methods for video diffusion models as pure step functions over state pytrees.
+
+The public API (DESIGN.md): ``TrainState``, ``Role``, ``EMA``, ``update``, ``sequence``,
+``every``, ``cond``, ``managed``, ``compile``, ``plan``, ``Accumulation``,
+``clip_grad_norm``, and the modules ``tree``, ``random``, ``optim``, ``schedules``.
+"""
+
+from fvstep import optim, random, schedules, tree
+from fvstep.accumulation import Accumulation
+from fvstep.compose import cond, every, managed, sequence
+from fvstep.grads import clip_grad_norm
+from fvstep.state import EMA, ConsumedStateError, Role, TrainState
+from fvstep.stepfn import Step, compile, plan
+from fvstep.update import update
+
+__version__ = "0.1.0.dev0"
+
+__all__ = [
+    "EMA",
+    "Accumulation",
+    "ConsumedStateError",
+    "Role",
+    "Step",
+    "TrainState",
+    "__version__",
+    "clip_grad_norm",
+    "compile",
+    "cond",
+    "every",
+    "managed",
+    "optim",
+    "plan",
+    "random",
+    "schedules",
+    "sequence",
+    "tree",
+    "update",
+]

@@ -1,0 +1,427 @@
+"""The training state: roles, their parameters, optimizer state and EMA, the step and the key.
+
+``TrainState`` is a frozen attrs pytree (namespace :data:`fvstep.tree.NAMESPACE`) whose
+leaves are tensors: every role's parameters and persistent buffers (the module's live
+tensors), eager optimizer state, optional EMA, the step counter, the RNG key and any
+method-owned state. Modules, optimizers and hyper-parameters are static metadata, so the
+optree paths of the leaves are the checkpoint keys.
+
+A step uses its input state's buffers in place and returns a new state; it marks the
+input *consumed* (:func:`mark_consumed`), after which any attribute read of the old
+state raises :class:`ConsumedStateError`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import attrs
+import torch
+from torch import nn
+
+from fvstep import random as fsrandom
+from fvstep.optim import Optimizer
+from fvstep.tree import field, frozen
+
+__all__ = [
+    "EMA",
+    "ConsumedStateError",
+    "EMAState",
+    "Role",
+    "RoleState",
+    "TrainState",
+    "bind_module",
+    "is_consumed",
+    "mark_consumed",
+]
+
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+class ConsumedStateError(RuntimeError):
+    """A consumed (donated) state was used after a step took it."""
+
+
+@attrs.frozen
+class EMA:
+    """Exponential moving average of a role's trainable parameters (static configuration).
+
+    After each optimizer update of the role at global step ``>= start_step``:
+    ``ema = decay * ema + (1 - decay) * param``, held in fp32. The first active update
+    re-initialises the average from the live weights.
+
+    Args:
+        decay: In ``[0, 1)``.
+        start_step: The first global step at which the average is updated.
+    """
+
+    decay: float = attrs.field(default=0.999)
+    start_step: int = 0
+
+    @decay.validator
+    def _check_decay(self, _: attrs.Attribute, value: float) -> None:
+        if not 0.0 <= value < 1.0:
+            raise ValueError(f"EMA decay must be in [0, 1), got {value}")
+
+
+@attrs.frozen(eq=False)
+class Role:
+    """A role of a training method: a module, and how (or whether) it is trained.
+
+    Args:
+        module: The role's ``nn.Module``. Its parameters become the state's leaves.
+        optimizer: A functional optimizer (``fvstep.optim.adamw(...)``) for a trained
+            role; ``None`` for a frozen role.
+        trainable: Defaults to ``optimizer is not None``. ``trainable=False`` with an
+            optimizer, or ``trainable=True`` without one, is a ``ValueError``.
+        ema: An :class:`EMA` of the trainable parameters, or ``None``.
+        allow_low_precision: Opt in to bf16/fp16 trainable parameters with an optimizer
+            that needs fp32 master weights (updates smaller than an ulp are lost).
+        allow_no_sync: Opt in to the ``no_sync`` accumulation policy for this role
+            (it holds a full unsharded gradient between micro-batches).
+
+    Raises:
+        ValueError: For an inconsistent combination, as above.
+
+    Example:
+        >>> Role(student, optimizer=fvstep.optim.adamw(lr=1e-4), ema=EMA(0.999))
+    """
+
+    module: nn.Module
+    optimizer: Optimizer | None = None
+    trainable: bool | None = None
+    ema: EMA | None = None
+    allow_low_precision: bool = False
+    allow_no_sync: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        if not isinstance(self.module, nn.Module):
+            raise TypeError(f"Role.module must be an nn.Module, got {type(self.module).__name__}")
+        if self.trainable is None:
+            object.__setattr__(self, "trainable", self.optimizer is not None)
+        if self.trainable and self.optimizer is None:
+            raise ValueError("a trainable role needs an optimizer (Role(module, optimizer=...))")
+        if not self.trainable and self.optimizer is not None:
+            raise ValueError(
+                "an optimizer was given for a frozen role (trainable=False); "
+                "drop the optimizer or make the role trainable"
+            )
+        if self.ema is not None and not self.trainable:
+            raise ValueError("an EMA needs a trainable role")
+
+
+@frozen
+class EMAState:
+    """The fp32 moving average of a role's trainable parameters.
+
+    Attributes:
+        params: fp32 copies, keyed like the role's parameters.
+        initialized: 0-d bool tensor; false until the first active update.
+    """
+
+    params: dict[str, torch.Tensor]
+    initialized: torch.Tensor
+
+
+@frozen
+class RoleState:
+    """One role's leaves and its static description.
+
+    Attributes:
+        params: Every parameter of the module, by qualified name (the live tensors).
+        buffers: The module's persistent buffers, by qualified name.
+        opt_state: The optimizer's state (``None`` for a frozen role).
+        ema: The :class:`EMAState`, or ``None``.
+        role: The :class:`Role` (static).
+        trainable_names: Names of the parameters the optimizer updates (static).
+    """
+
+    params: dict[str, torch.Tensor]
+    buffers: dict[str, torch.Tensor]
+    opt_state: Any
+    ema: EMAState | None
+    role: Role = field(pytree_node=False)
+    trainable_names: tuple[str, ...] = field(pytree_node=False, default=())
+
+    @property
+    def module(self) -> nn.Module:
+        """The role's module, bound to this state's tensors."""
+        return bind_module(self)
+
+    def trainable_params(self) -> dict[str, torch.Tensor]:
+        """The parameters the optimizer updates, by name."""
+        return {n: self.params[n] for n in self.trainable_names}
+
+
+@attrs.define
+class _Lease:
+    """Mutable bookkeeping that is not part of the pytree: who consumed the state."""
+
+    consumed_by: str | None = None
+
+
+_GUARDED = frozenset({"step", "key", "roles", "extra", "module", "role", "replace"})
+
+
+@frozen
+class TrainState:
+    """Every bit a step reads: step counter, RNG key, roles and method-owned state.
+
+    Attributes:
+        step: 0-d int64 CPU tensor, the number of steps taken.
+        key: The base RNG key (``fvstep.random.key``); steps fold the step counter in.
+        roles: :class:`RoleState` by role name.
+        extra: Method-owned state (any pytree of tensors; e.g. a stream's cache).
+
+    Use :meth:`create` to build one.
+    """
+
+    step: torch.Tensor
+    key: torch.Tensor
+    roles: dict[str, RoleState]
+    extra: dict[str, Any] = attrs.field(factory=dict)
+    _lease: _Lease = field(init=False, pytree_node=False, factory=_Lease, eq=False, repr=False)
+
+    def __getattribute__(self, name: str) -> Any:
+        if name in _GUARDED:
+            lease = object.__getattribute__(self, "_lease")
+            if lease.consumed_by is not None:
+                raise ConsumedStateError(
+                    f"TrainState.{name} was read after the state was consumed by "
+                    f"{lease.consumed_by}. A step updates its input's tensors in place and "
+                    "returns the new state: use the returned state, or take "
+                    "fvstep.tree.clone(state) before the step to keep a copy."
+                )
+        return object.__getattribute__(self, name)
+
+    def __repr__(self) -> str:
+        lease = object.__getattribute__(self, "_lease")
+        if lease.consumed_by is not None:
+            return f"TrainState(<consumed by {lease.consumed_by}>)"
+        roles = ", ".join(self.roles)
+        return f"TrainState(step={int(self.step)}, roles=[{roles}], extra={list(self.extra)})"
+
+    @classmethod
+    def create(
+        cls,
+        roles: Mapping[str, Role],
+        *,
+        key: torch.Tensor,
+        extra: Mapping[str, Any] | None = None,
+    ) -> TrainState:
+        """Build the initial state from roles and a key.
+
+        Trainable roles get their optimizer state allocated eagerly (and an fp32 EMA if
+        configured); frozen roles have ``requires_grad`` turned off.
+
+        Args:
+            roles: Role name to :class:`Role`.
+            key: The base key (``fvstep.random.key(seed)``).
+            extra: Method-owned initial state: a pytree whose leaves are tensors.
+
+        Returns:
+            A new state at step 0.
+
+        Raises:
+            ValueError: If two roles share a module or a parameter (give each role its
+                own copy), if a trainable role has bf16/fp16 parameters and an optimizer
+                that needs fp32 master weights without ``allow_low_precision=True``, or
+                if ``roles`` is empty.
+            TypeError: If a role is not a :class:`Role`, the key is not a key, or a
+                leaf of ``extra`` is not a tensor.
+
+        Example:
+            >>> state = TrainState.create(
+            ...     {"student": Role(net, optimizer=fvstep.optim.adamw(lr=1e-4))},
+            ...     key=fvstep.random.key(0),
+            ... )
+        """
+        if not roles:
+            raise ValueError("TrainState.create needs at least one role")
+        for name, role in roles.items():
+            if not isinstance(name, str) or not name.isidentifier():
+                raise ValueError(f"role names must be identifiers, got {name!r}")
+            if not isinstance(role, Role):
+                raise TypeError(f"role {name!r} must be a fvstep.Role, got {type(role).__name__}")
+        if not fsrandom.is_key(key):
+            raise TypeError("key must be an fvstep key: use fvstep.random.key(seed)")
+        _check_no_aliasing(roles)
+        extra = dict(extra or {})
+        _check_tensor_leaves(extra, "extra")
+        role_states = {name: _create_role_state(name, role) for name, role in roles.items()}
+        return cls(
+            step=torch.zeros((), dtype=torch.int64),
+            key=key.clone(),
+            roles=role_states,
+            extra=extra,
+        )
+
+    def module(self, name: str) -> nn.Module:
+        """The module of role ``name``, bound to this state's tensors.
+
+        Raises:
+            KeyError: If there is no such role.
+        """
+        return bind_module(self.role(name))
+
+    def role(self, name: str) -> RoleState:
+        """The :class:`RoleState` of role ``name``.
+
+        Raises:
+            KeyError: Naming the roles that exist.
+        """
+        try:
+            return self.roles[name]
+        except KeyError:
+            raise KeyError(f"no role {name!r}; the state has roles {sorted(self.roles)}") from None
+
+    def replace(self, **changes: Any) -> TrainState:
+        """A new state with ``changes`` applied (``attrs.evolve``), not consumed."""
+        return attrs.evolve(self, **changes)
+
+
+def mark_consumed(state: TrainState, by: str) -> None:
+    """Mark ``state`` consumed by ``by`` (e.g. ``"the step at step 3"``).
+
+    Any later read of its fields raises :class:`ConsumedStateError` naming ``by``.
+
+    Raises:
+        ConsumedStateError: If the state was already consumed.
+    """
+    lease = object.__getattribute__(state, "_lease")
+    if lease.consumed_by is not None:
+        raise ConsumedStateError(
+            f"this TrainState was already consumed by {lease.consumed_by}; "
+            "a state can be used by one step only (clone it to run it twice)"
+        )
+    lease.consumed_by = by
+
+
+def is_consumed(state: TrainState) -> bool:
+    """Whether ``state`` has been consumed by a step."""
+    return object.__getattribute__(state, "_lease").consumed_by is not None
+
+
+def _named_persistent_buffers(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    for mod_name, mod in module.named_modules():
+        for buf_name, buf in mod._buffers.items():
+            if buf is not None and buf_name not in mod._non_persistent_buffers_set:
+                yield (f"{mod_name}.{buf_name}" if mod_name else buf_name), buf
+
+
+def _create_role_state(name: str, role: Role) -> RoleState:
+    module = role.module
+    params = dict(module.named_parameters(remove_duplicate=False))
+    buffers = dict(_named_persistent_buffers(module))
+    if role.trainable:
+        assert role.optimizer is not None
+        trainable = tuple(n for n, p in params.items() if p.requires_grad)
+        if not trainable:
+            raise ValueError(f"trainable role {name!r} has no parameter with requires_grad=True")
+        low = [n for n in trainable if params[n].dtype in _LOW_PRECISION]
+        if low and role.optimizer.needs_fp32_master and not role.allow_low_precision:
+            raise ValueError(
+                f"role {name!r} is trainable with {params[low[0]].dtype} parameters "
+                f"({len(low)} of them, e.g. {low[0]!r}), and its optimizer needs fp32 master "
+                "weights: small updates would round away. Keep the parameters in fp32 (use "
+                "MixedPrecisionPolicy for bf16 compute) or pass Role(..., "
+                "allow_low_precision=True)"
+            )
+        trainable_params = {n: params[n] for n in trainable}
+        opt_state = role.optimizer.init(trainable_params)
+        ema = None
+        if role.ema is not None:
+            ema = EMAState(
+                params={n: p.detach().to(torch.float32, copy=True) for n, p in trainable_params.items()},
+                initialized=torch.zeros((), dtype=torch.bool),
+            )
+    else:
+        for p in params.values():
+            p.requires_grad_(False)
+        trainable, opt_state, ema = (), None, None
+    state = RoleState(
+        params=params,
+        buffers=buffers,
+        opt_state=opt_state,
+        ema=ema,
+        role=role,
+        trainable_names=trainable,
+    )
+    module.__dict__["_fvstep_bound"] = (params, buffers)
+    return state
+
+
+def _check_no_aliasing(roles: Mapping[str, Role]) -> None:
+    seen_modules: dict[int, tuple[str, str]] = {}
+    seen_storage: dict[tuple[str, int], tuple[str, str]] = {}
+    for role_name, role in roles.items():
+        for mod_name, mod in role.module.named_modules():
+            other = seen_modules.get(id(mod))
+            if other is not None and other[0] != role_name:
+                raise ValueError(
+                    f"roles {other[0]!r} and {role_name!r} share a module "
+                    f"({other[1] or '<root>'!r} / {mod_name or '<root>'!r}); give each role its "
+                    "own copy (e.g. copy.deepcopy(module)), even when both start from one checkpoint"
+                )
+            seen_modules.setdefault(id(mod), (role_name, mod_name))
+        tensors = list(role.module.named_parameters(remove_duplicate=False))
+        tensors += list(role.module.named_buffers(remove_duplicate=False))
+        for t_name, t in tensors:
+            local = t.to_local() if hasattr(t, "to_local") else t
+            if local.numel() == 0:
+                continue
+            where = (str(local.device), local.untyped_storage().data_ptr())
+            other = seen_storage.get(where)
+            if other is not None and other[0] != role_name:
+                raise ValueError(
+                    f"roles {other[0]!r} and {role_name!r} share the tensor storage of "
+                    f"{other[1]!r} / {t_name!r}; give each role its own copy "
+                    "(e.g. copy.deepcopy(module))"
+                )
+            seen_storage.setdefault(where, (role_name, t_name))
+
+
+def _check_tensor_leaves(tree: Any, what: str) -> None:
+    from fvstep.tree import flatten_with_paths
+
+    paths, flat, _ = flatten_with_paths(tree)
+    for path, leaf in zip(paths, flat):
+        if not isinstance(leaf, torch.Tensor):
+            raise TypeError(
+                f"{what}.{path} must be a tensor, got {type(leaf).__name__} ({leaf!r}); "
+                "state leaves are tensors only (wrap counters as torch.tensor(...))"
+            )
+
+
+def _locate(module: nn.Module, name: str) -> tuple[nn.Module, str]:
+    prefix, _, leaf = name.rpartition(".")
+    return (module.get_submodule(prefix) if prefix else module), leaf
+
+
+def bind_module(role_state: RoleState) -> nn.Module:
+    """Make the role's module compute with ``role_state``'s tensors, and return it.
+
+    A no-op when the module already holds them (the common case: a state and the
+    module share their live tensors). Otherwise, e.g. after ``fvstep.tree.clone``, the
+    state's tensors are put into the module: plain tensors are re-registered (the
+    module then uses the state's own tensors), DTensor parameters of FSDP2-sharded
+    modules are copied into the live shards.
+    """
+    module = role_state.role.module
+    bound = module.__dict__.get("_fvstep_bound")
+    if bound is not None and bound[0] is role_state.params and bound[1] is role_state.buffers:
+        return module
+    with torch.no_grad():
+        for slot, tensors in (("_parameters", role_state.params), ("_buffers", role_state.buffers)):
+            for name, tensor in tensors.items():
+                owner, leaf = _locate(module, name)
+                live = getattr(owner, slot)[leaf]
+                if live is tensor:
+                    continue
+                if hasattr(live, "to_local"):
+                    live.copy_(tensor)
+                else:
+                    getattr(owner, slot)[leaf] = tensor
+    module.__dict__["_fvstep_bound"] = (role_state.params, role_state.buffers)
+    return module
