@@ -641,6 +641,12 @@ class SGD:
         for a param whose ``initialized`` flag is off this passes ``None`` to torch's kernel,
         copies the buffer torch creates into the eager buffer and sets the flag.
 
+        With ``fused=True``, torch's fused kernel only creates buffers when none exist yet
+        (``torch.optim.SGD(fused=True)`` raises a ``TypeError`` when a param gets its first
+        gradient after others did); here such params are updated in a separate first-step
+        call of the same kernel, which is elementwise, so every case torch supports is
+        unchanged.
+
         As in ``torch.optim.SGD``, torch's foreach kernel adds the momentum term into the
         gradient tensors in place when ``nesterov`` (without ``maximize`` or weight decay):
         pass copies of ``grads`` if they are needed afterwards.
@@ -681,24 +687,37 @@ class SGD:
             buffers = [
                 state.momentum_buffer[n] if bool(state.initialized[n]) else None for n in names
             ]
+        # torch's fused SGD kernel only creates buffers when *all* of them are missing (it
+        # fails on a mix); run the not-yet-initialized params as a separate first-step call.
+        # The kernels are elementwise, so this equals one call wherever torch's works.
+        groups = [list(range(len(names)))]
+        if fused and has_momentum and None in buffers and any(b is not None for b in buffers):
+            groups = [
+                [i for i, b in enumerate(buffers) if b is None],
+                [i for i, b in enumerate(buffers) if b is not None],
+            ]
         with torch.no_grad():
-            _torch_sgd(
-                [params[n].detach() for n in names],
-                [grads[n].detach() for n in names],  # type: ignore[union-attr]
-                buffers,
-                has_sparse_grad=False,
-                foreach=foreach,
-                fused=fused,
-                grad_scale=None,
-                found_inf=None,
-                weight_decay=self.weight_decay,
-                momentum=self.momentum,
-                lr=lr,
-                dampening=self.dampening,
-                nesterov=self.nesterov,
-                maximize=self.maximize,
-            )
-            # torch writes the buffers it creates back into the list (`buffers[i] = clone`).
+            for group in groups:
+                group_buffers = [buffers[i] for i in group] if has_momentum else []
+                _torch_sgd(
+                    [params[names[i]].detach() for i in group],
+                    [grads[names[i]].detach() for i in group],  # type: ignore[union-attr]
+                    group_buffers,
+                    has_sparse_grad=False,
+                    foreach=foreach,
+                    fused=fused,
+                    grad_scale=None,
+                    found_inf=None,
+                    weight_decay=self.weight_decay,
+                    momentum=self.momentum,
+                    lr=lr,
+                    dampening=self.dampening,
+                    nesterov=self.nesterov,
+                    maximize=self.maximize,
+                )
+                # torch writes the buffers it creates back into the list (`list[i] = clone`).
+                for i, buf in zip(group, group_buffers):
+                    buffers[i] = buf
             for name, buf in zip(names, buffers):
                 eager = state.momentum_buffer[name]
                 if buf is None:
