@@ -100,6 +100,8 @@ def _check_int(value: SupportsIndex, name: str, *, minimum: int = 0) -> int:
 
 def _check_real(value: float, name: str) -> float:
     try:
+        if isinstance(value, (str, bytes)):
+            raise TypeError
         v = float(value)
     except (TypeError, ValueError):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__}: {value!r}") from None

@@ -157,16 +157,19 @@ def _leaf_mismatch(a: Any, b: Any) -> str | None:
     return None
 
 
-def assert_trees_equal(a: Any, b: Any) -> None:
+def assert_trees_equal(a: Any, b: Any, *, check_static: bool = True) -> None:
     """Assert that two pytrees are bitwise identical.
 
-    Compares structure (treespec, static metadata included), then every leaf: tensor type,
+    Compares structure (treespec, static metadata included unless ``check_static=False``,
+    which compares the leaf paths only: use it for states built from different module
+    objects, e.g. a resumed run against an uninterrupted one), then every leaf: tensor type,
     shape, dtype, device, DTensor placements and the raw bits (so NaNs with equal bits are
     equal and ``-0.0 != 0.0``). DTensors are compared shard by shard on each rank.
 
     Args:
         a: A pytree.
         b: A pytree.
+        check_static: Whether static metadata (modules, hyper-parameters) must be equal.
 
     Raises:
         AssertionError: Naming the first differing path, with both leaves' shapes and
@@ -177,7 +180,7 @@ def assert_trees_equal(a: Any, b: Any) -> None:
     """
     paths_a, flat_a, spec_a = flatten_with_paths(a)
     paths_b, flat_b, spec_b = flatten_with_paths(b)
-    if spec_a != spec_b:
+    if (spec_a != spec_b) if check_static else (paths_a != paths_b):
         only_a = sorted(set(paths_a) - set(paths_b))
         only_b = sorted(set(paths_b) - set(paths_a))
         detail = f"paths only in the first: {only_a[:5]}; only in the second: {only_b[:5]}"

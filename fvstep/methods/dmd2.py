@@ -1,0 +1,364 @@
+"""DMD2 distillation: a few-step student, a frozen teacher and a trained critic ("fake score").
+
+Roles: ``student`` (trained), ``teacher`` (frozen), ``critic`` (trained). Each micro-batch:
+
+- **Student rollout.** From pure noise ``x`` (shaped like ``batch["latents"]``) at
+  ``t = denoising_steps[0]`` (1.0), a target step index ``j`` is drawn uniformly from the
+  ``denoising_steps`` list; the student denoises without gradient through the steps before
+  ``j`` (``x0 = x - t v``, re-noised to the next step with fresh noise), then once more at
+  step ``j``: ``x0_hat = x - t_j * v_student(x, t_j)`` (with gradient for the generator).
+- **Score timestep.** ``t ~ U[0, 1)``, shifted ``t' = shift t / (1 + (shift - 1) t)`` and
+  clamped to ``[min_ratio, max_ratio]``; fresh noise ``eps`` for each score evaluation;
+  ``x_t = (1 - t') x0_hat + t' eps``.
+- **Critic loss** ``mean((v_critic(x_t, t') - (eps - x0_hat))^2)`` on a no-grad rollout.
+- **Generator loss** ``0.5 * MSE(x0_hat, sg(x0_hat - g))`` with
+  ``g = nan_to_num((x0_critic - x0_teacher_cfg) / mean|x0_hat - x0_teacher_cfg|)``, where
+  ``x0 = x_t - t' v`` and the teacher's velocity is classifier-free guided on a null
+  (all-zeros) text: ``v_cfg = v_uncond + s (v_cond - v_uncond)``. The critic and teacher
+  run under ``torch.no_grad()``.
+
+Every random draw comes from a generator made from a split of the loss function's key:
+``split(key, 5) = (rollout, generator_t, generator_noise, critic_t, critic_noise)``, and
+the rollout key splits into (noise, target step, re-noise). So :func:`dmd2_losses`'s
+``fused_loss`` on a key gives exactly ``generator_loss`` and ``critic_loss`` on that key.
+
+The reference's schedule: the critic steps every iteration, the student only when
+``i % generator_update_interval == 0`` (:func:`dmd2`).
+
+Example:
+    >>> state = fvstep.TrainState.create(roles={
+    ...     "student": fvstep.Role(student, optimizer=fvstep.optim.adamw(lr=1e-5)),
+    ...     "teacher": fvstep.Role(teacher),
+    ...     "critic": fvstep.Role(critic, optimizer=fvstep.optim.adamw(lr=1e-5)),
+    ... }, key=fvstep.random.key(0))
+    >>> step = fvstep.compile(dmd2(generator_update_interval=5, guidance_scale=3.5))
+    >>> [e.roles for e in fvstep.plan(step, 0)], [e.roles for e in fvstep.plan(step, 1)]
+    ([('student', 'critic')], [('critic',)])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, NamedTuple
+
+import attrs
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fvstep import random as fsrandom
+from fvstep.compose import Cond, cond, every, sequence
+from fvstep.compose import Sequence as SequenceMethod
+from fvstep.methods.finetune import LossFn, add_noise, x0_from_velocity
+from fvstep.models import predict
+from fvstep.state import TrainState
+from fvstep.update import update
+
+__all__ = ["DMD2Losses", "FusedLossFn", "Ordering", "dmd2", "dmd2_losses", "rollout", "score_time"]
+
+Ordering = Literal["fused", "sequential"]
+FusedLossFn = Callable[[TrainState, Any, torch.Tensor], tuple[dict[str, torch.Tensor], dict[str, Any]]]
+
+_NUM_KEYS = 5
+_ROLLOUT, _GEN_T, _GEN_NOISE, _CRITIC_T, _CRITIC_NOISE = range(_NUM_KEYS)
+
+
+class DMD2Losses(NamedTuple):
+    """The loss functions of DMD2 (each ``(state, batch, key) -> ...``).
+
+    Attributes:
+        generator_loss: ``(loss, metrics)``: the student's distribution-matching loss.
+        critic_loss: ``(loss, metrics)``: the critic's denoising loss on a no-grad rollout.
+        fused_loss: ``({"student": g_loss, "critic": c_loss}, metrics)`` from one student
+            forward pass (the critic's loss on the rollout, detached).
+    """
+
+    generator_loss: LossFn
+    critic_loss: LossFn
+    fused_loss: FusedLossFn
+
+
+def score_time(
+    key: torch.Tensor,
+    batch_size: int,
+    *,
+    shift: float,
+    min_ratio: float,
+    max_ratio: float,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
+    """Draw ``(batch_size,)`` score timesteps: uniform, shifted, clamped to the ratios.
+
+    ``t ~ U[0, 1)``, ``t' = shift t / (1 + (shift - 1) t)``, clamped to
+    ``[min_ratio, max_ratio]``. ``shift = 1`` leaves ``t`` unshifted.
+
+    Example:
+        >>> t = score_time(k, 4, shift=3.0, min_ratio=0.02, max_ratio=0.98)
+    """
+    t = torch.rand((batch_size,), generator=fsrandom.generator(key, device), device=device)
+    t = shift * t / (1 + (shift - 1) * t)
+    return t.clamp(min_ratio, max_ratio)
+
+
+def _randn_like(key: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return torch.randn(
+        like.shape,
+        generator=fsrandom.generator(key, like.device),
+        device=like.device,
+        dtype=like.dtype,
+    )
+
+
+def rollout(
+    student: nn.Module,
+    like: torch.Tensor,
+    text: torch.Tensor,
+    key: torch.Tensor,
+    denoising_steps: Sequence[float] = (1.0,),
+) -> torch.Tensor:
+    """The student's few-step generation ``x0_hat`` from pure noise, at a drawn target step.
+
+    ``split(key, 3)`` gives the initial noise (shaped like ``like``), the target step index
+    (uniform over ``denoising_steps``, drawn on the CPU) and the re-noising noise. The steps
+    before the target run under ``torch.no_grad()``; the last evaluation follows the
+    caller's grad mode.
+
+    Args:
+        student: A module with the forward contract of :mod:`fvstep.models`.
+        like: A tensor giving the shape, dtype and device of the samples.
+        text: Text embeddings ``(B, L, D)``.
+        key: The rollout key.
+        denoising_steps: Decreasing times in ``(0, 1]``; the first is where noise starts.
+
+    Returns:
+        ``x0_hat``, shaped like ``like``.
+
+    Example:
+        >>> with torch.no_grad():
+        ...     x0_hat = rollout(state.module("student"), batch["latents"], batch["text"], k)
+    """
+    k_noise, k_target, k_renoise = fsrandom.split(key, 3)
+    x = _randn_like(k_noise, like)
+    steps = tuple(float(s) for s in denoising_steps)
+    target = 0
+    if len(steps) > 1:
+        target = int(torch.randint(len(steps), (1,), generator=fsrandom.generator(k_target)))
+    batch_size = like.shape[0]
+
+    def time(s: float) -> torch.Tensor:
+        return torch.full((batch_size,), s, device=like.device)
+
+    with torch.no_grad():
+        for i in range(target):
+            t_i = time(steps[i])
+            x0 = x0_from_velocity(x, t_i, predict(student, x, t_i * 1000, text))
+            x = add_noise(x0, _randn_like(fsrandom.fold_in(k_renoise, i), like), time(steps[i + 1]))
+    t_j = time(steps[target])
+    return x0_from_velocity(x, t_j, predict(student, x, t_j * 1000, text))
+
+
+def _check_config(
+    guidance_scale: float,
+    shift: float,
+    min_ratio: float,
+    max_ratio: float,
+    denoising_steps: Sequence[float],
+) -> None:
+    if not guidance_scale >= 0:
+        raise ValueError(f"guidance_scale must be >= 0, got {guidance_scale}")
+    if not shift > 0:
+        raise ValueError(f"shift must be > 0, got {shift}")
+    if not 0.0 <= min_ratio <= max_ratio <= 1.0:
+        raise ValueError(
+            f"need 0 <= min_ratio <= max_ratio <= 1, got min_ratio={min_ratio}, max_ratio={max_ratio}"
+        )
+    steps = list(denoising_steps)
+    if not steps or any(not 0.0 < s <= 1.0 for s in steps):
+        raise ValueError(f"denoising_steps must be non-empty times in (0, 1], got {steps}")
+    if any(a <= b for a, b in zip(steps, steps[1:])):
+        raise ValueError(f"denoising_steps must be strictly decreasing, got {steps}")
+
+
+def dmd2_losses(
+    *,
+    guidance_scale: float = 3.5,
+    shift: float = 3.0,
+    min_ratio: float = 0.02,
+    max_ratio: float = 0.98,
+    denoising_steps: Sequence[float] = (1.0,),
+    student: str = "student",
+    teacher: str = "teacher",
+    critic: str = "critic",
+) -> DMD2Losses:
+    """The DMD2 loss functions (see the module docstring for the formulas and keys).
+
+    Batches need ``"text"`` ``(B, L, D)`` and ``"latents"`` (only its shape, dtype and
+    device are used: DMD2 generates its samples).
+
+    Args:
+        guidance_scale: The teacher's classifier-free guidance scale ``s`` (``1``: no
+            guidance, the unconditional pass is skipped).
+        shift: The score timestep shift (``1``: none).
+        min_ratio: Lower clamp of the score timestep, as a fraction of the schedule.
+        max_ratio: Upper clamp of the score timestep.
+        denoising_steps: The student's few-step schedule, decreasing in ``(0, 1]``;
+            ``(1.0,)`` is one-step generation.
+        student: The student role's name.
+        teacher: The teacher role's name.
+        critic: The critic role's name.
+
+    Returns:
+        A :class:`DMD2Losses` with ``generator_loss``, ``critic_loss``, ``fused_loss``.
+
+    Raises:
+        ValueError: For out-of-range settings.
+
+    Example:
+        >>> losses = dmd2_losses(guidance_scale=3.5)
+        >>> method = fvstep.sequence(fvstep.update("critic", losses.critic_loss),
+        ...                          fvstep.every(5, fvstep.update("student", losses.generator_loss)))
+    """
+    _check_config(guidance_scale, shift, min_ratio, max_ratio, denoising_steps)
+    steps = tuple(float(s) for s in denoising_steps)
+
+    def draw_time(key: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        return score_time(
+            key,
+            like.shape[0],
+            shift=shift,
+            min_ratio=min_ratio,
+            max_ratio=max_ratio,
+            device=like.device,
+        )
+
+    def generator_terms(
+        state: TrainState, x0_hat: torch.Tensor, text: torch.Tensor, keys: Sequence[torch.Tensor]
+    ) -> tuple[torch.Tensor, dict[str, Any]]:
+        with torch.no_grad():
+            x0 = x0_hat.detach()
+            t = draw_time(keys[_GEN_T], x0)
+            x_t = add_noise(x0, _randn_like(keys[_GEN_NOISE], x0), t)
+            timestep = t * 1000
+            v_critic = predict(state.module(critic), x_t, timestep, text)
+            v_teacher = predict(state.module(teacher), x_t, timestep, text)
+            if guidance_scale != 1.0:
+                v_uncond = predict(state.module(teacher), x_t, timestep, torch.zeros_like(text))
+                v_teacher = v_uncond + guidance_scale * (v_teacher - v_uncond)
+            x0_critic = x0_from_velocity(x_t, t, v_critic).float()
+            x0_teacher = x0_from_velocity(x_t, t, v_teacher).float()
+            denom = (x0.float() - x0_teacher).abs().mean()
+            g = torch.nan_to_num((x0_critic - x0_teacher) / denom)
+            target = x0.float() - g
+        loss = 0.5 * F.mse_loss(x0_hat.float(), target)
+        return loss, {"score_t_mean": t.mean(), "dmd_denominator": denom}
+
+    def critic_terms(
+        state: TrainState, x0: torch.Tensor, text: torch.Tensor, keys: Sequence[torch.Tensor]
+    ) -> tuple[torch.Tensor, dict[str, Any]]:
+        t = draw_time(keys[_CRITIC_T], x0)
+        eps = _randn_like(keys[_CRITIC_NOISE], x0)
+        x_t = add_noise(x0, eps, t)
+        v = predict(state.module(critic), x_t, t * 1000, text)
+        loss = F.mse_loss(v.float(), (eps - x0).float())
+        return loss, {"critic_t_mean": t.mean().detach()}
+
+    def generator_loss(
+        state: TrainState, batch: Any, key: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, Any]]:
+        keys = fsrandom.split(key, _NUM_KEYS)
+        text = batch["text"]
+        x0_hat = rollout(state.module(student), batch["latents"], text, keys[_ROLLOUT], steps)
+        return generator_terms(state, x0_hat, text, keys)
+
+    def critic_loss(
+        state: TrainState, batch: Any, key: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, Any]]:
+        keys = fsrandom.split(key, _NUM_KEYS)
+        text = batch["text"]
+        with torch.no_grad():
+            x0_hat = rollout(state.module(student), batch["latents"], text, keys[_ROLLOUT], steps)
+        return critic_terms(state, x0_hat, text, keys)
+
+    def fused_loss(
+        state: TrainState, batch: Any, key: torch.Tensor
+    ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        keys = fsrandom.split(key, _NUM_KEYS)
+        text = batch["text"]
+        x0_hat = rollout(state.module(student), batch["latents"], text, keys[_ROLLOUT], steps)
+        g_loss, g_metrics = generator_terms(state, x0_hat, text, keys)
+        c_loss, c_metrics = critic_terms(state, x0_hat.detach(), text, keys)
+        return {student: g_loss, critic: c_loss}, {**g_metrics, **c_metrics}
+
+    return DMD2Losses(generator_loss, critic_loss, fused_loss)
+
+
+@attrs.frozen
+class _IsMultiple:
+    """The predicate ``step % n == 0`` (a named, comparable callable for :func:`fvstep.cond`)."""
+
+    n: int
+
+    def __call__(self, step: int) -> bool:
+        return step % self.n == 0
+
+
+def dmd2(
+    *,
+    generator_update_interval: int = 5,
+    ordering: Ordering = "fused",
+    guidance_scale: float = 3.5,
+    shift: float = 3.0,
+    min_ratio: float = 0.02,
+    max_ratio: float = 0.98,
+    denoising_steps: Sequence[float] = (1.0,),
+) -> Cond | SequenceMethod:
+    """DMD2 as a composed method: the critic every step, the student every ``n`` steps.
+
+    Roles: ``student`` and ``critic`` trained, ``teacher`` frozen.
+
+    - ``ordering="fused"``: ``cond(i % n == 0, update(("student", "critic"), fused_loss),
+      update("critic", critic_loss))``; on generator steps both roles train from one student
+      forward pass.
+    - ``ordering="sequential"``: ``sequence(every(n, update("student", generator_loss)),
+      update("critic", critic_loss))``; the critic trains after the student, on a fresh
+      rollout of the updated student drawn with its own key.
+
+    Args:
+        generator_update_interval: ``n``: the student steps at ``i % n == 0``.
+        ordering: ``"fused"`` or ``"sequential"``.
+        guidance_scale: See :func:`dmd2_losses`.
+        shift: See :func:`dmd2_losses`.
+        min_ratio: See :func:`dmd2_losses`.
+        max_ratio: See :func:`dmd2_losses`.
+        denoising_steps: See :func:`dmd2_losses`.
+
+    Returns:
+        The method, for :func:`fvstep.compile`.
+
+    Raises:
+        ValueError: For an unknown ordering, ``n < 1`` or out-of-range loss settings.
+
+    Example:
+        >>> step = fvstep.compile(dmd2(ordering="sequential"),
+        ...                       accumulation=fvstep.Accumulation(microbatches=2))
+        >>> [e.roles for e in fvstep.plan(step, 5)]
+        [('student',), ('critic',)]
+    """
+    n = generator_update_interval
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"generator_update_interval must be an int >= 1, got {n!r}")
+    losses = dmd2_losses(
+        guidance_scale=guidance_scale,
+        shift=shift,
+        min_ratio=min_ratio,
+        max_ratio=max_ratio,
+        denoising_steps=denoising_steps,
+    )
+    critic_unit = update("critic", losses.critic_loss, name="dmd2_critic")
+    if ordering == "fused":
+        fused_unit = update(("student", "critic"), losses.fused_loss, name="dmd2_fused")
+        return cond(_IsMultiple(n), fused_unit, critic_unit)
+    if ordering == "sequential":
+        generator_unit = update("student", losses.generator_loss, name="dmd2_generator")
+        return sequence(every(n, generator_unit), critic_unit)
+    raise ValueError(f"unknown ordering {ordering!r}; choose 'fused' or 'sequential'")

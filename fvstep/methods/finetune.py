@@ -1,0 +1,197 @@
+"""Flow-matching fine-tuning, and the flow-matching primitives the other methods share.
+
+The flow-matching path is ``x_t = (1 - t) * x0 + t * eps`` for ``t`` in ``[0, 1]``; a
+module predicts the velocity ``eps - x0`` (see the forward contract in
+:mod:`fvstep.models`), so ``x0 = x_t - t * v``.
+
+Example:
+    >>> step = fvstep.compile(finetune(t_sampling="logit_normal"),
+    ...                       accumulation=fvstep.Accumulation(microbatches=2))
+    >>> state, metrics = step(state, {"latents": x0, "text": text})
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+
+from fvstep import random as fsrandom
+from fvstep.models import predict
+from fvstep.state import TrainState
+from fvstep.update import Update, update
+
+__all__ = [
+    "TSampling",
+    "add_noise",
+    "broadcast_time",
+    "finetune",
+    "flow_matching_loss",
+    "sample_time",
+    "x0_from_velocity",
+]
+
+TSampling = Literal["uniform", "logit_normal"]
+_T_SAMPLINGS: tuple[str, ...] = ("uniform", "logit_normal")
+
+LossFn = Callable[[TrainState, Any, torch.Tensor], tuple[torch.Tensor, dict[str, Any]]]
+
+
+def broadcast_time(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Reshape per-sample times ``(B,)`` to broadcast against ``like`` ``(B, ...)``, in its dtype.
+
+    Example:
+        >>> broadcast_time(torch.ones(2), torch.zeros(2, 4, 1, 2, 2)).shape
+        torch.Size([2, 1, 1, 1, 1])
+    """
+    return t.to(like.dtype).reshape(-1, *([1] * (like.dim() - 1)))
+
+
+def add_noise(x0: torch.Tensor, eps: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """The point ``x_t = (1 - t) * x0 + t * eps`` of the flow-matching path (``t``: ``(B,)``).
+
+    Example:
+        >>> x_t = add_noise(x0, eps, t)
+    """
+    tb = broadcast_time(t, x0)
+    return (1 - tb) * x0 + tb * eps
+
+
+def x0_from_velocity(x_t: torch.Tensor, t: torch.Tensor, velocity: torch.Tensor) -> torch.Tensor:
+    """The clean sample that a velocity points to: ``x0 = x_t - t * v`` (``t``: ``(B,)``).
+
+    Example:
+        >>> x0_hat = x0_from_velocity(x_t, t, predict(net, x_t, t * 1000, text))
+    """
+    return x_t - broadcast_time(t, x_t) * velocity
+
+
+def sample_time(
+    key: torch.Tensor,
+    batch_size: int,
+    *,
+    device: torch.device | str = "cpu",
+    t_sampling: TSampling = "uniform",
+    logit_mean: float = 0.0,
+    logit_std: float = 1.0,
+) -> torch.Tensor:
+    """Draw ``(batch_size,)`` fp32 flow-matching times in ``[0, 1]`` from ``key``.
+
+    Args:
+        key: An fvstep key; the draw never touches the global RNG.
+        batch_size: How many times.
+        device: Where they are drawn.
+        t_sampling: ``"uniform"`` (``U[0, 1)``) or ``"logit_normal"``
+            (``sigmoid(N(logit_mean, logit_std^2))``).
+        logit_mean: Mean of the logit-normal's normal.
+        logit_std: Standard deviation of the logit-normal's normal.
+
+    Returns:
+        The times.
+
+    Example:
+        >>> t = sample_time(k, 4, t_sampling="logit_normal")
+    """
+    g = fsrandom.generator(key, device)
+    if t_sampling == "uniform":
+        return torch.rand((batch_size,), generator=g, device=device)
+    if t_sampling == "logit_normal":
+        z = torch.randn((batch_size,), generator=g, device=device)
+        return torch.sigmoid(z * logit_std + logit_mean)
+    raise ValueError(f"unknown t_sampling {t_sampling!r}; choose one of {_T_SAMPLINGS}")
+
+
+def _check_t_sampling(t_sampling: str, logit_std: float) -> None:
+    if t_sampling not in _T_SAMPLINGS:
+        raise ValueError(f"unknown t_sampling {t_sampling!r}; choose one of {_T_SAMPLINGS}")
+    if not logit_std > 0:
+        raise ValueError(f"logit_std must be > 0, got {logit_std}")
+
+
+def flow_matching_loss(
+    *,
+    role: str = "student",
+    t_sampling: TSampling = "uniform",
+    logit_mean: float = 0.0,
+    logit_std: float = 1.0,
+) -> LossFn:
+    """The flow-matching loss of one role, as a loss function for :func:`fvstep.update`.
+
+    ``loss_fn(state, batch, key) -> (loss, metrics)``: splits ``key`` into a time key and a
+    noise key, draws ``t`` (:func:`sample_time`) and ``eps ~ N(0, I)`` from generators made
+    from them (never the global RNG), forms ``x_t = (1 - t) x0 + t eps`` with
+    ``x0 = batch["latents"]`` and returns ``MSE(v(x_t, 1000 t, batch["text"]), eps - x0)``
+    (in fp32) with metrics ``{"t_mean": mean t}``.
+
+    Args:
+        role: The role whose module predicts the velocity.
+        t_sampling: ``"uniform"`` or ``"logit_normal"``.
+        logit_mean: The logit-normal's mean.
+        logit_std: The logit-normal's standard deviation (> 0).
+
+    Returns:
+        The loss function.
+
+    Raises:
+        ValueError: For an unknown ``t_sampling`` or ``logit_std <= 0``.
+
+    Example:
+        >>> unit = fvstep.update("student", flow_matching_loss(t_sampling="logit_normal"))
+    """
+    _check_t_sampling(t_sampling, logit_std)
+
+    def loss_fn(
+        state: TrainState, batch: Any, key: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, Any]]:
+        x0 = batch["latents"]
+        k_t, k_eps = fsrandom.split(key, 2)
+        t = sample_time(
+            k_t,
+            x0.shape[0],
+            device=x0.device,
+            t_sampling=t_sampling,
+            logit_mean=logit_mean,
+            logit_std=logit_std,
+        )
+        eps = torch.randn(
+            x0.shape, generator=fsrandom.generator(k_eps, x0.device), device=x0.device, dtype=x0.dtype
+        )
+        x_t = add_noise(x0, eps, t)
+        v = predict(state.module(role), x_t, t * 1000, batch["text"])
+        loss = F.mse_loss(v.float(), (eps - x0).float())
+        return loss, {"t_mean": t.mean().detach()}
+
+    return loss_fn
+
+
+def finetune(
+    *,
+    role: str = "student",
+    t_sampling: TSampling = "uniform",
+    logit_mean: float = 0.0,
+    logit_std: float = 1.0,
+) -> Update:
+    """Flow-matching fine-tuning: ``fvstep.update(role, flow_matching_loss(...))``.
+
+    Args:
+        role: The trained role.
+        t_sampling: ``"uniform"`` or ``"logit_normal"`` (see :func:`flow_matching_loss`).
+        logit_mean: The logit-normal's mean.
+        logit_std: The logit-normal's standard deviation.
+
+    Returns:
+        The method (one update unit named ``"finetune"``).
+
+    Example:
+        >>> state = fvstep.TrainState.create(
+        ...     {"student": fvstep.Role(net, optimizer=fvstep.optim.adamw(lr=1e-4))},
+        ...     key=fvstep.random.key(0))
+        >>> step = fvstep.compile(finetune())
+        >>> state, metrics = step(state, batch)
+    """
+    loss_fn = flow_matching_loss(
+        role=role, t_sampling=t_sampling, logit_mean=logit_mean, logit_std=logit_std
+    )
+    return update(role, loss_fn, name="finetune")
