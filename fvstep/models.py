@@ -153,7 +153,9 @@ def synthetic_batch(
     return {"latents": latents, "text": text}
 
 
-def predict(module: nn.Module, x: torch.Tensor, t: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
+def predict(
+    module: nn.Module, x: torch.Tensor, t: torch.Tensor, text: torch.Tensor
+) -> torch.Tensor:
     """The velocity that ``module`` predicts at ``x``, through the forward contract.
 
     Args:
@@ -178,7 +180,9 @@ def predict(module: nn.Module, x: torch.Tensor, t: torch.Tensor, text: torch.Ten
     out: Any = module(hidden_states=x, timestep=t, encoder_hidden_states=text, return_dict=False)
     velocity = out[0]
     if not isinstance(velocity, torch.Tensor) or velocity.shape != x.shape:
-        got = tuple(velocity.shape) if isinstance(velocity, torch.Tensor) else type(velocity).__name__
+        got = (
+            tuple(velocity.shape) if isinstance(velocity, torch.Tensor) else type(velocity).__name__
+        )
         raise ValueError(
             f"the module's output[0] must be a velocity of the input's shape {tuple(x.shape)}, "
             f"got {got}; see the forward contract in fvstep.models"

@@ -147,7 +147,7 @@ def _check_lr_value(lr: object, what: str) -> float:
     if isinstance(lr, bool) or not isinstance(lr, (int, float)):
         raise TypeError(f"{what} must be a float, got {type(lr).__name__}: {lr!r}")
     value = float(lr)
-    if not 0.0 <= value:
+    if not value >= 0.0:  # also rejects NaN
         raise ValueError(f"Invalid learning rate: {lr} ({what} must be >= 0)")
     return value
 
@@ -173,7 +173,7 @@ def _check_flag(name: str, value: object, *, optional: bool = False) -> None:
 def _check_nonnegative(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a float, got {type(value).__name__}: {value!r}")
-    if not 0.0 <= value:
+    if not value >= 0.0:  # also rejects NaN
         raise ValueError(f"Invalid {name} value: {value} (must be >= 0)")
 
 
@@ -186,7 +186,9 @@ def _check_impl_flags(foreach: bool | None, fused: bool | None) -> None:
 
 def _check_params(params: Mapping[str, torch.Tensor]) -> None:
     if not isinstance(params, Mapping):
-        raise TypeError(f"params must be a mapping of names to tensors, got {type(params).__name__}")
+        raise TypeError(
+            f"params must be a mapping of names to tensors, got {type(params).__name__}"
+        )
     for name, p in params.items():
         if not isinstance(name, str):
             raise TypeError(f"param names must be strings, got {name!r}")
@@ -234,9 +236,7 @@ def _check_grads(
                 f"grad of '{name}' has dtype {g.dtype} but the param has dtype {p.dtype}"
             )
         if g.device != p.device:
-            raise ValueError(
-                f"grad of '{name}' is on {g.device} but the param is on {p.device}"
-            )
+            raise ValueError(f"grad of '{name}' is on {g.device} but the param is on {p.device}")
         if g.is_sparse:
             raise ValueError(f"grad of '{name}' is sparse; sparse gradients are not supported")
         names.append(name)
@@ -627,7 +627,9 @@ class SGD:
                 for name, p in params.items():
                     momentum_buffer[name] = _zeros_like(p)
                     initialized[name] = torch.zeros((), dtype=torch.bool)
-        return SGDState(count=_new_count(), momentum_buffer=momentum_buffer, initialized=initialized)
+        return SGDState(
+            count=_new_count(), momentum_buffer=momentum_buffer, initialized=initialized
+        )
 
     def update(
         self,
@@ -716,12 +718,15 @@ class SGD:
                     maximize=self.maximize,
                 )
                 # torch writes the buffers it creates back into the list (`list[i] = clone`).
-                for i, buf in zip(group, group_buffers):
-                    buffers[i] = buf
-            for name, buf in zip(names, buffers):
+                if has_momentum:
+                    for i, buf in zip(group, group_buffers, strict=True):
+                        buffers[i] = buf
+            for name, buf in zip(names if has_momentum else [], buffers, strict=True):
                 eager = state.momentum_buffer[name]
                 if buf is None:
-                    raise RuntimeError(f"torch's sgd kernel created no momentum buffer for '{name}'")
+                    raise RuntimeError(
+                        f"torch's sgd kernel created no momentum buffer for '{name}'"
+                    )
                 if buf is not eager:
                     eager.copy_(buf)
                     state.initialized[name].fill_(True)
@@ -781,4 +786,3 @@ def sgd(
         foreach=foreach,
         fused=fused,
     )
-

@@ -92,7 +92,9 @@ def _check_int(value: SupportsIndex, name: str, *, minimum: int = 0) -> int:
     try:
         v = operator.index(value)
     except TypeError:
-        raise TypeError(f"{name} must be an integer, got {type(value).__name__}: {value!r}") from None
+        raise TypeError(
+            f"{name} must be an integer, got {type(value).__name__}: {value!r}"
+        ) from None
     if v < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {v}")
     return v
@@ -104,7 +106,9 @@ def _check_real(value: float, name: str) -> float:
             raise TypeError
         v = float(value)
     except (TypeError, ValueError):
-        raise TypeError(f"{name} must be a real number, got {type(value).__name__}: {value!r}") from None
+        raise TypeError(
+            f"{name} must be a real number, got {type(value).__name__}: {value!r}"
+        ) from None
     if not math.isfinite(v):
         raise ValueError(f"{name} must be finite, got {v}")
     return v
@@ -128,13 +132,13 @@ def _check_warmup_total(warmup_steps: SupportsIndex, total_steps: SupportsIndex)
     warmup = _check_int(warmup_steps, "warmup_steps")
     total = _check_int(total_steps, "total_steps", minimum=1)
     if warmup > total:
-        raise ValueError(
-            f"warmup_steps ({warmup}) must not exceed total_steps ({total})"
-        )
+        raise ValueError(f"warmup_steps ({warmup}) must not exceed total_steps ({total})")
     return warmup, total
 
 
-def _check_boundaries(boundaries: Sequence[SupportsIndex], n_pieces: int, what: str) -> tuple[int, ...]:
+def _check_boundaries(
+    boundaries: Sequence[SupportsIndex], n_pieces: int, what: str
+) -> tuple[int, ...]:
     bounds = tuple(_check_int(b, f"boundaries[{i}]") for i, b in enumerate(boundaries))
     if len(bounds) != n_pieces - 1:
         raise ValueError(
@@ -637,4 +641,3 @@ def piecewise_constant(values: Sequence[float], boundaries: Sequence[int]) -> Sc
 
     step_function.__name__ = step_function.__qualname__ = "piecewise_constant"
     return step_function
-

@@ -38,6 +38,7 @@ Example:
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, NamedTuple
 
@@ -57,7 +58,9 @@ from fvstep.update import update
 __all__ = ["DMD2Losses", "FusedLossFn", "Ordering", "dmd2", "dmd2_losses", "rollout", "score_time"]
 
 Ordering = Literal["fused", "sequential"]
-FusedLossFn = Callable[[TrainState, Any, torch.Tensor], tuple[dict[str, torch.Tensor], dict[str, Any]]]
+FusedLossFn = Callable[
+    [TrainState, Any, torch.Tensor], tuple[dict[str, torch.Tensor], dict[str, Any]]
+]
 
 _NUM_KEYS = 5
 _ROLLOUT, _GEN_T, _GEN_NOISE, _CRITIC_T, _CRITIC_NOISE = range(_NUM_KEYS)
@@ -175,7 +178,7 @@ def _check_config(
     steps = list(denoising_steps)
     if not steps or any(not 0.0 < s <= 1.0 for s in steps):
         raise ValueError(f"denoising_steps must be non-empty times in (0, 1], got {steps}")
-    if any(a <= b for a, b in zip(steps, steps[1:])):
+    if any(a <= b for a, b in itertools.pairwise(steps)):
         raise ValueError(f"denoising_steps must be strictly decreasing, got {steps}")
 
 

@@ -156,7 +156,10 @@ def flow_matching_loss(
             logit_std=logit_std,
         )
         eps = torch.randn(
-            x0.shape, generator=fsrandom.generator(k_eps, x0.device), device=x0.device, dtype=x0.dtype
+            x0.shape,
+            generator=fsrandom.generator(k_eps, x0.device),
+            device=x0.device,
+            dtype=x0.dtype,
         )
         x_t = add_noise(x0, eps, t)
         v = predict(state.module(role), x_t, t * 1000, batch["text"])

@@ -1,0 +1,30 @@
+"""Reference training methods, written against fvstep's public API.
+
+Every method calls its roles' modules through the forward contract of
+:mod:`fvstep.models` (``module(hidden_states=x, timestep=1000 t,
+encoder_hidden_states=text, return_dict=False)[0]`` is the flow-matching velocity), so
+any ``nn.Module`` with that signature works, not only ``diffusers`` models.
+
+- :func:`finetune` / :func:`flow_matching_loss`: flow-matching fine-tuning (one role).
+- :func:`dmd2` / :func:`dmd2_losses`: DMD2 distillation (student, teacher, critic).
+- :func:`rl` / :func:`rl_inner_loss`: an RL-style managed step (student, old, reference).
+
+Example:
+    >>> from fvstep.methods import dmd2
+    >>> step = fvstep.compile(dmd2(generator_update_interval=5),
+    ...                       accumulation=fvstep.Accumulation(microbatches=2))
+"""
+
+from fvstep.methods.dmd2 import DMD2Losses, dmd2, dmd2_losses
+from fvstep.methods.finetune import finetune, flow_matching_loss
+from fvstep.methods.rl import rl, rl_inner_loss
+
+__all__ = [
+    "DMD2Losses",
+    "dmd2",
+    "dmd2_losses",
+    "finetune",
+    "flow_matching_loss",
+    "rl",
+    "rl_inner_loss",
+]
