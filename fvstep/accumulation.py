@@ -39,6 +39,8 @@ class Accumulation:
         sync: One of ``"every"``, ``"no_sync"``, ``"deferred"``.
         keep_params_gathered: Keep FSDP2 parameters unsharded between micro-batches
             (``set_reshard_after_backward(last)``): fewer all-gathers, more memory.
+        defer_all_reduce: With HSDP, all-reduce across replicas only after the last
+            micro-batch (``set_requires_all_reduce(last)``).
 
     Raises:
         ValueError: For ``K < 1`` or an unknown policy.
@@ -50,6 +52,7 @@ class Accumulation:
     microbatches: int = 1
     sync: SyncPolicy = "every"
     keep_params_gathered: bool = False
+    defer_all_reduce: bool = False
 
     def __attrs_post_init__(self) -> None:
         if isinstance(self.microbatches, bool) or not isinstance(self.microbatches, int):

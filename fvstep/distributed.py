@@ -1,27 +1,278 @@
-"""FSDP2-sharded roles and the gradient-sync policies of accumulation.
+"""FSDP2-sharded roles, the gradient-sync policies of accumulation, and collective counts.
 
 Only this module, ``fvstep.checkpoint`` and the executor call ``torch.distributed``.
+
+- :func:`make_mesh` and :func:`shard_module` shard a role with ``fully_shard`` (per
+  block, then the root), optionally HSDP on a 2-D ``("replicate", "shard")`` mesh.
+- :class:`FSDPGradSync` applies an :class:`~fvstep.accumulation.Accumulation` policy per
+  micro-batch to the FSDP2 roots of the roles a unit trains, and restores FSDP2's
+  defaults afterwards, whatever happens.
+- :class:`CollectiveCounter` counts the collectives (and their bytes) that run inside it:
+  the proof that a policy did what it says.
 """
 
 from __future__ import annotations
 
+import collections
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from fvstep.accumulation import Accumulation
-from fvstep.state import TrainState
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["grad_sync_for", "is_sharded"]
+from fvstep.accumulation import Accumulation
+from fvstep.state import RoleState, TrainState
+
+__all__ = [
+    "CollectiveCounter",
+    "FSDPGradSync",
+    "blocks_policy",
+    "data_parallel_index",
+    "grad_sync_for",
+    "is_sharded",
+    "make_mesh",
+    "shard_module",
+]
+
+ShardPolicy = Callable[[str, nn.Module, nn.Module | None], bool]
 
 
 def is_sharded(module: Any) -> bool:
-    """Whether ``module`` is an FSDP2 root (``fully_shard`` was applied to it)."""
-    from torch.distributed.fsdp import FSDPModule
-
+    """Whether ``module`` is an FSDP2 module (``fully_shard`` was applied to it)."""
     return isinstance(module, FSDPModule)
 
 
-def grad_sync_for(state: TrainState, accumulation: Accumulation) -> Any:
+def make_mesh(
+    *, replicate: int = 1, shard: int | None = None, device_type: str | None = None
+) -> DeviceMesh:
+    """A device mesh for FSDP2 (1-D ``("shard",)``) or HSDP (2-D ``("replicate", "shard")``).
+
+    Args:
+        replicate: The number of replicas (HSDP when > 1).
+        shard: Ranks per shard group; default ``world_size // replicate``.
+        device_type: ``"cuda"`` or ``"cpu"``; default ``"cuda"`` if available.
+
+    Returns:
+        The mesh (``init_device_mesh``).
+
+    Raises:
+        RuntimeError: If no process group is initialised.
+        ValueError: If ``replicate * shard`` is not the world size.
+
+    Example:
+        >>> mesh = make_mesh()                   # FSDP over all ranks
+        >>> mesh = make_mesh(replicate=2)        # HSDP: 2 replicas
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("make_mesh needs an initialised process group (torchrun or init_process_group)")
+    world = dist.get_world_size()
+    shard = shard if shard is not None else world // max(replicate, 1)
+    if replicate < 1 or shard < 1 or replicate * shard != world:
+        raise ValueError(f"replicate ({replicate}) x shard ({shard}) must equal the world size {world}")
+    device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+    if replicate == 1:
+        return init_device_mesh(device_type, (shard,), mesh_dim_names=("shard",))
+    return init_device_mesh(device_type, (replicate, shard), mesh_dim_names=("replicate", "shard"))
+
+
+def blocks_policy(name: str, module: nn.Module, parent: nn.Module | None) -> bool:
+    """The default wrapping policy: the blocks of the root's ``nn.ModuleList`` attributes.
+
+    ``blocks.0``, ``blocks.1``, ... of a Wan transformer (``layers.*`` of a Llama-style
+    model); lists nested inside blocks (an attention's ``to_out``) are not wrapped.
+    """
+    return isinstance(parent, nn.ModuleList) and name.count(".") == 1
+
+
+def shard_module(
+    module: nn.Module,
+    *,
+    mesh: DeviceMesh,
+    policy: ShardPolicy = blocks_policy,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    reshard_after_forward: bool = True,
+) -> nn.Module:
+    """Shard ``module`` with FSDP2: ``fully_shard`` each block the policy picks, then the root.
+
+    Args:
+        module: The role's module (parameters on the mesh's device type).
+        mesh: From :func:`make_mesh`; a 2-D mesh gives HSDP.
+        policy: ``(qualified_name, submodule, parent) -> bool``: which submodules become
+            their own FSDP2 groups (default: the blocks of every ``nn.ModuleList``).
+        mp_policy: e.g. ``MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+            reduce_dtype=torch.float32)``.
+        reshard_after_forward: FSDP2's option, for every group.
+
+    Returns:
+        The same module, now an ``FSDPModule``.
+
+    Raises:
+        ValueError: If the module is already sharded.
+
+    Example:
+        >>> shard_module(student, mesh=make_mesh(), mp_policy=MixedPrecisionPolicy(torch.bfloat16))
+    """
+    if is_sharded(module):
+        raise ValueError("the module is already sharded (fully_shard was applied)")
+    mp_policy = mp_policy or MixedPrecisionPolicy()
+    parents = {id(child): parent for parent in module.modules() for child in parent.children()}
+    chosen = [m for n, m in module.named_modules() if n and policy(n, m, parents.get(id(m)))]
+    for block in reversed(chosen):  # inner groups before outer ones
+        fully_shard(block, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
+    fully_shard(module, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
+    return module
+
+
+def data_parallel_index(sequence_parallel_size: int = 1) -> int:
+    """This rank's data-parallel index: ranks of one sequence-parallel group share it.
+
+    ``0`` without an initialised process group.
+    """
+    if sequence_parallel_size < 1:
+        raise ValueError(f"sequence_parallel_size must be >= 1, got {sequence_parallel_size}")
+    if not dist.is_initialized():
+        return 0
+    world = dist.get_world_size()
+    if world % sequence_parallel_size:
+        raise ValueError(
+            f"world size {world} is not divisible by sequence_parallel_size {sequence_parallel_size}"
+        )
+    return dist.get_rank() // sequence_parallel_size
+
+
+def _unsharded_grad_bytes(module: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+
+
+class FSDPGradSync:
+    """Applies an accumulation policy to the FSDP2 roots of the roles one unit trains.
+
+    Per micro-batch ``m`` of ``K`` (``last = m == K - 1``):
+
+    - ``every``: FSDP2's defaults (reduce-scatter each backward and wait for it);
+    - ``no_sync``: ``set_requires_gradient_sync(last)`` (needs ``Role(allow_no_sync=True)``);
+    - ``deferred``: ``set_is_last_backward(last)``;
+    - ``keep_params_gathered``: ``set_reshard_after_backward(last)``;
+    - HSDP with ``defer_all_reduce``: ``set_requires_all_reduce(last)``.
+
+    :meth:`end` restores FSDP2's defaults (sync on, last backward, reshard, all-reduce)
+    on every root it touched, also after an error.
+    """
+
+    def __init__(self, accumulation: Accumulation) -> None:
+        self.accumulation = accumulation
+        self.roots: list[FSDPModule] = []
+        self.num_microbatches = 1
+
+    def begin(self, roles: Sequence[RoleState], num_microbatches: int) -> None:
+        """Collect the sharded roots and check the per-role opt-ins."""
+        self.num_microbatches = num_microbatches
+        self.roots = []
+        for rs in roles:
+            module = rs.role.module
+            if not is_sharded(module):
+                continue
+            if self.accumulation.sync == "no_sync" and num_microbatches > 1 and not rs.role.allow_no_sync:
+                mib = _unsharded_grad_bytes(module) / 2**20
+                raise ValueError(
+                    f"sync='no_sync' keeps an unsharded gradient of up to {mib:.1f} MiB per rank "
+                    f"for a role's module ({type(module).__name__}) between micro-batches; opt in "
+                    "with Role(..., allow_no_sync=True), or use sync='deferred' (same result, "
+                    "sharded gradients)"
+                )
+            self.roots.append(module)  # type: ignore[arg-type]
+
+    def before_backward(self, index: int) -> None:
+        """Set the FSDP2 flags for micro-batch ``index``."""
+        last = index == self.num_microbatches - 1
+        acc = self.accumulation
+        for root in self.roots:
+            if acc.sync == "no_sync":
+                root.set_requires_gradient_sync(last)
+            elif acc.sync == "deferred":
+                root.set_is_last_backward(last)
+            if acc.keep_params_gathered:
+                root.set_reshard_after_backward(last)
+            if acc.defer_all_reduce:
+                root.set_requires_all_reduce(last)
+
+    def end(self) -> dict[str, Any]:
+        """Restore FSDP2's defaults on every root touched."""
+        for root in self.roots:
+            root.set_requires_gradient_sync(True)
+            root.set_is_last_backward(True)
+            root.set_reshard_after_backward(True)
+            root.set_requires_all_reduce(True)
+        self.roots = []
+        return {}
+
+
+def grad_sync_for(state: TrainState, accumulation: Accumulation) -> FSDPGradSync | None:
     """The gradient-sync controller for ``state``'s roles, or ``None`` if none is sharded."""
     if not any(is_sharded(rs.role.module) for rs in state.roles.values()):
         return None
-    raise NotImplementedError("FSDP2-sharded roles arrive with the distributed issue")
+    return FSDPGradSync(accumulation)
+
+
+_KINDS = {
+    "allgather": "all_gather",
+    "reduce_scatter": "reduce_scatter",
+    "allreduce": "all_reduce",
+    "all_reduce": "all_reduce",
+    "all_gather": "all_gather",
+    "broadcast": "broadcast",
+    "alltoall": "all_to_all",
+    "all_to_all": "all_to_all",
+}
+
+
+def _kind(op_name: str) -> str:
+    base = op_name.split("::")[-1].strip("_").split(".")[0]
+    for key, kind in _KINDS.items():
+        if base.startswith(key) or base.startswith(key.replace("_", "")):
+            return kind
+    return base
+
+
+class CollectiveCounter(TorchDispatchMode):
+    """Counts the collectives issued inside it, by kind, with the bytes of their inputs.
+
+    A ``TorchDispatchMode`` that sees every ``c10d`` op (FSDP2's all-gathers and
+    reduce-scatters, the all-reduces of a clip norm); it adds Python overhead to every
+    op, so use it for checks and debugging, not in timed runs.
+
+    Example:
+        >>> with CollectiveCounter() as counter:
+        ...     state, metrics = step(state, batch)
+        >>> counter.counts
+        {'all_gather': 12, 'reduce_scatter': 6}
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: collections.Counter[str] = collections.Counter()
+        self.bytes: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func.namespace in ("c10d", "_c10d_functional"):
+            kind = _kind(func.name())
+            if not kind.startswith("wait"):
+                self.counts[kind] += 1
+                first = args[0] if args else None
+                if isinstance(first, (list, tuple)) and first:
+                    first = first[0]
+                if isinstance(first, (list, tuple)) and first:
+                    first = first[0]
+                if isinstance(first, torch.Tensor):
+                    self.bytes[kind] += first.numel() * first.element_size()
+        return func(*args, **(kwargs or {}))
+
+    def metrics(self) -> dict[str, int]:
+        """``collectives/<kind>`` counts and ``collectives/<kind>_bytes``."""
+        out = {f"collectives/{k}": v for k, v in self.counts.items()}
+        out.update({f"collectives/{k}_bytes": v for k, v in self.bytes.items()})
+        return out

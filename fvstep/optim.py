@@ -29,7 +29,7 @@ moments are allocated with ``torch.zeros_like`` (which keeps DTensor placements)
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from typing import Protocol, TypeVar, Union, runtime_checkable
+from typing import Protocol, TypeVar, runtime_checkable
 
 import attrs
 import torch
@@ -51,7 +51,7 @@ __all__ = [
     "sgd",
 ]
 
-LearningRate = Union[float, Callable[[int], float]]  # noqa: UP007 (a runtime alias on py310)
+LearningRate = float | Callable[[int], float]
 """A constant learning rate, or a schedule: the learning rate as a function of the
 optimizer's own update count (``0`` for the first update)."""
 
@@ -762,6 +762,9 @@ def sgd(
         foreach: ``None`` picks torch's default for the params' device (foreach on
             CUDA-like devices, the single-tensor loop on CPU).
         fused: Use torch's fused kernel (CPU and CUDA support it); only when asked for.
+            Avoid it for bf16/fp16 params with momentum on CPU: torch's CPU kernel
+            (``FusedSGDKernel.cpp``) loads such a momentum buffer as float32, reading past
+            its end, so neither torch nor this is deterministic there.
 
     Returns:
         The :class:`SGD` optimizer.

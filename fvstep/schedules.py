@@ -35,6 +35,13 @@ Bit-identity with diffusers and torch:
     other values of those arguments hold against ``get_cosine_schedule_with_warmup`` and
     ``get_polynomial_decay_schedule_with_warmup`` called directly.
 
+Errors:
+    Factories raise ``ValueError`` for out-of-range hyper-parameters (negative step
+    counts or LRs, ``warmup_steps > total_steps``, ratios outside ``[0, 1]``, ...) and
+    ``TypeError`` for values of the wrong kind (a float where a step count is expected).
+    Schedules raise ``ValueError`` for a negative step and ``TypeError`` for a step that is
+    not an integer (a Python int, NumPy integer or integer tensor of one element).
+
 Example:
     >>> sched = join([linear_warmup(1e-3, warmup_steps=100), constant(1e-4)], [1000])
     >>> sched(50), sched(999), sched(1000)

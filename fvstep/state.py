@@ -31,6 +31,7 @@ __all__ = [
     "Role",
     "RoleState",
     "TrainState",
+    "adopt",
     "bind_module",
     "is_consumed",
     "mark_consumed",
@@ -399,29 +400,47 @@ def _locate(module: nn.Module, name: str) -> tuple[nn.Module, str]:
     return (module.get_submodule(prefix) if prefix else module), leaf
 
 
-def bind_module(role_state: RoleState) -> nn.Module:
-    """Make the role's module compute with ``role_state``'s tensors, and return it.
+def adopt(role_state: RoleState) -> RoleState:
+    """Make the role's module compute with ``role_state``'s values; return the role state
+    whose tensors are the ones the module now holds.
 
-    A no-op when the module already holds them (the common case: a state and the
-    module share their live tensors). Otherwise, e.g. after ``fvstep.tree.clone``, the
-    state's tensors are put into the module: plain tensors are re-registered (the
-    module then uses the state's own tensors), DTensor parameters of FSDP2-sharded
-    modules are copied into the live shards.
+    A no-op when the module already holds the state's tensors (the common case: a state
+    and its module share their live tensors). Otherwise, e.g. after
+    ``fvstep.tree.clone``: plain tensors are put into the module (the module then uses the
+    state's own tensors, and the returned role state is ``role_state``); DTensor
+    parameters of an FSDP2-sharded module cannot be swapped, so their values are copied
+    into the live shards and the returned role state holds the live tensors. Another
+    state that held those live tensors then sees the copied values: keep clones of
+    sharded states as snapshots and run steps on one lineage at a time.
     """
     module = role_state.role.module
     bound = module.__dict__.get("_fvstep_bound")
     if bound is not None and bound[0] is role_state.params and bound[1] is role_state.buffers:
-        return module
-    with torch.no_grad():
+        return role_state
+    live_params = dict(module.named_parameters(remove_duplicate=False))
+    live_buffers = dict(_named_persistent_buffers(module))
+    if set(live_params) != set(role_state.params) or set(live_buffers) != set(role_state.buffers):
+        raise ValueError(
+            f"the module of this role has parameters/buffers {sorted(live_params)[:3]}..., "
+            f"which do not match the state's {sorted(role_state.params)[:3]}...: was the module "
+            "re-wrapped or changed after TrainState.create?"
+        )
+    if any(hasattr(p, "to_local") for p in live_params.values()):
+        with torch.no_grad():
+            for name, live in (*live_params.items(), *live_buffers.items()):
+                mine = role_state.params.get(name, role_state.buffers.get(name))
+                if mine is not live:
+                    live.copy_(mine)
+        role_state = attrs.evolve(role_state, params=live_params, buffers=live_buffers)
+    else:
         for slot, tensors in (("_parameters", role_state.params), ("_buffers", role_state.buffers)):
             for name, tensor in tensors.items():
                 owner, leaf = _locate(module, name)
-                live = getattr(owner, slot)[leaf]
-                if live is tensor:
-                    continue
-                if hasattr(live, "to_local"):
-                    live.copy_(tensor)
-                else:
-                    getattr(owner, slot)[leaf] = tensor
+                getattr(owner, slot)[leaf] = tensor
     module.__dict__["_fvstep_bound"] = (role_state.params, role_state.buffers)
-    return module
+    return role_state
+
+
+def bind_module(role_state: RoleState) -> nn.Module:
+    """The role's module, computing with ``role_state``'s values (see :func:`adopt`)."""
+    return adopt(role_state).role.module

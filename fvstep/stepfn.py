@@ -3,9 +3,11 @@
 ``step = compile(method, accumulation=..., clip=..., sanitize=...)`` is a callable
 ``step(state, batch, key=None) -> (state, metrics)``. It reads nothing but its arguments:
 
-- the step's key is ``fold_in(key if given else state.key, step)``; a leaf at tree
-  position ``p`` gets ``fold_in(step_key, p)``, and its micro-batch ``m`` gets
-  ``fold_in(leaf_key, m)`` — so randomness is restored from the step counter alone;
+- the step's key is ``fold_in(fold_in(key if given else state.key, step), dp)`` with
+  ``dp`` the data-parallel index (``rank // sequence_parallel_size``; 0 on one process),
+  so data-parallel ranks draw different noise and a sequence-parallel group the same; a
+  leaf at tree position ``p`` gets ``fold_in(step_key, p)``, and its micro-batch ``m``
+  gets ``fold_in(leaf_key, m)`` — so randomness is restored from the step counter alone;
 - modules run inside ``rng_scope`` of their micro-batch key (dropout is deterministic);
 - the input state is consumed (it is updated in place, like a donated buffer); the
   returned state has ``step + 1``.
@@ -18,16 +20,18 @@ caller's choice (it synchronises a GPU).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import attrs
 import torch
 
+from fvstep import distributed
 from fvstep import random as fsrandom
 from fvstep.accumulation import Accumulation, split_microbatches
 from fvstep.compose import Managed, ManagedContext, PlanEntry, _check_method
 from fvstep.grads import SANITIZE_POLICIES, ClipGradNorm, Sanitize
-from fvstep.state import TrainState, mark_consumed
+from fvstep.state import TrainState, adopt, mark_consumed
 from fvstep.update import DEFAULT, GradSync, NoSync, Update, run_update
 
 __all__ = ["Step", "compile", "plan"]
@@ -42,12 +46,17 @@ class Step:
         accumulation: Micro-batching and the gradient-sync policy.
         clip: The default clipping of units that do not set their own.
         sanitize: The default non-finite policy of units that do not set their own.
+        sequence_parallel_size: Ranks that share a key (one sequence-parallel group).
+        count_collectives: Add ``collectives/<kind>`` counts and bytes to the metrics
+            (:class:`fvstep.distributed.CollectiveCounter`; slows every op down).
     """
 
     method: Any
     accumulation: Accumulation
     clip: ClipGradNorm | None
     sanitize: Sanitize
+    sequence_parallel_size: int = 1
+    count_collectives: bool = False
 
     def plan(self, step: int) -> list[PlanEntry]:
         """What runs at ``step``: one :class:`PlanEntry` per active leaf, in order."""
@@ -70,8 +79,6 @@ class Step:
         return self.sanitize if leaf.sanitize is DEFAULT else leaf.sanitize
 
     def _grad_sync(self, state: TrainState, accumulation: Accumulation) -> GradSync:
-        from fvstep import distributed
-
         return distributed.grad_sync_for(state, accumulation) or NoSync()
 
     def _run_unit(
@@ -117,9 +124,20 @@ class Step:
         if not isinstance(state, TrainState):
             raise TypeError(f"a step takes a TrainState, got {type(state).__name__}")
         step = int(state.step)
-        step_key = fsrandom.fold_in(state.key if key is None else key, step)
-        work = state.replace()
+        dp = distributed.data_parallel_index(self.sequence_parallel_size)
+        step_key = fsrandom.fold_in(fsrandom.fold_in(state.key if key is None else key, step), dp)
+        work = state.replace(roles={name: adopt(rs) for name, rs in state.roles.items()})
         mark_consumed(state, f"the step function at step {step}")
+        counter = distributed.CollectiveCounter() if self.count_collectives else None
+        with counter or contextlib.nullcontext():
+            work, metrics = self._run_leaves(work, batch, step, step_key)
+        if counter is not None:
+            metrics.update(counter.metrics())
+        return work.replace(step=torch.tensor(step + 1, dtype=torch.int64)), metrics
+
+    def _run_leaves(
+        self, work: TrainState, batch: Any, step: int, step_key: torch.Tensor
+    ) -> tuple[TrainState, dict[str, Any]]:
         microbatches: list[Any] | None = None
         metrics: dict[str, Any] = {}
         for pos, leaf in self.method.active(step):
@@ -136,7 +154,7 @@ class Step:
                     work, leaf, batch, leaf_key, self.accumulation, microbatches
                 )
             metrics.update(leaf_metrics)
-        return work.replace(step=torch.tensor(step + 1, dtype=torch.int64)), metrics
+        return work, metrics
 
 
 def compile(  # noqa: A001 - the public name in DESIGN.md
@@ -145,6 +163,8 @@ def compile(  # noqa: A001 - the public name in DESIGN.md
     accumulation: Accumulation | None = None,
     clip: ClipGradNorm | None = None,
     sanitize: Sanitize = None,
+    sequence_parallel_size: int = 1,
+    count_collectives: bool = False,
 ) -> Step:
     """Compile a composed method and an execution policy into a step function.
 
@@ -153,6 +173,8 @@ def compile(  # noqa: A001 - the public name in DESIGN.md
         accumulation: ``Accumulation(microbatches=K, sync=...)``; default one micro-batch.
         clip: Default clipping for units that do not set their own (``None``: off).
         sanitize: Default non-finite policy: ``None``, ``"nan_to_num"`` or ``"skip"``.
+        sequence_parallel_size: Ranks per sequence-parallel group; they share noise.
+        count_collectives: Report collective counts and bytes in the metrics.
 
     Returns:
         A :class:`Step`.
@@ -167,7 +189,11 @@ def compile(  # noqa: A001 - the public name in DESIGN.md
         raise ValueError(f"unknown sanitize policy {sanitize!r}; choose one of {SANITIZE_POLICIES}")
     if clip is not None and not isinstance(clip, ClipGradNorm):
         raise TypeError("clip must be fvstep.clip_grad_norm(...) or None")
-    return Step(method, accumulation or Accumulation(), clip, sanitize)
+    if isinstance(sequence_parallel_size, bool) or sequence_parallel_size < 1:
+        raise ValueError(f"sequence_parallel_size must be >= 1, got {sequence_parallel_size}")
+    return Step(
+        method, accumulation or Accumulation(), clip, sanitize, sequence_parallel_size, count_collectives
+    )
 
 
 def plan(step_fn: Step, step: int) -> list[PlanEntry]:

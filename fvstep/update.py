@@ -208,8 +208,8 @@ def run_update(
         p.requires_grad_(False)
     loss_log: dict[str, list[torch.Tensor]] = {r: [] for r in unit.roles}
     metric_log: dict[str, list[Any]] = {}
-    sync.begin(role_states, num)
     try:
+        sync.begin(role_states, num)
         for index, (batch, key) in enumerate(zip(microbatches, keys)):
             with fsrandom.rng_scope(key):
                 losses, metrics = _unpack(unit.loss_fn(state, batch, key), unit.roles)

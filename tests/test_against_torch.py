@@ -2,7 +2,7 @@
 
 The hand-written loop uses only torch and diffusers: ``torch.optim.AdamW``,
 ``torch.nn.utils.clip_grad_norm_``, K micro-batches with ``loss / K``. It draws its noise
-with the key derivation fvstep documents (``fold_in(fold_in(fold_in(key, step), 0), m)``,
+with the key derivation fvstep documents (``fold_in(fold_in(fold_in(fold_in(key, step), rank 0), position 0), m)``,
 then ``split`` into time and noise keys), so both sides see the same numbers.
 """
 
@@ -38,7 +38,7 @@ def hand_written_loop(module, seed: int, k: int, max_norm: float, foreach: bool 
         batch = batch_at(step)
         micro = zip(batch["latents"].chunk(k), batch["text"].chunk(k))
         for m, (x0, text) in enumerate(micro):
-            k_t, k_eps = split(fold_in(fold_in(fold_in(base, step), 0), m), 2)
+            k_t, k_eps = split(fold_in(fold_in(fold_in(fold_in(base, step), 0), 0), m), 2)
             t = torch.rand((x0.shape[0],), generator=generator(k_t))
             eps = torch.randn(x0.shape, generator=generator(k_eps))
             tb = t.view(-1, 1, 1, 1, 1)

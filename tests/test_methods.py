@@ -319,6 +319,24 @@ def test_dmd2_fused_loss_equals_the_separate_losses(denoising_steps: tuple[float
 
 
 @needs_diffusers
+def test_dmd2_generator_loss_vanishes_when_the_critic_matches_the_teacher() -> None:
+    teacher = tiny_wan(seed=0, **TINY)
+    state = fs.TrainState.create(
+        roles={
+            "student": fs.Role(tiny_wan(seed=1, **TINY), optimizer=fs.optim.adamw(lr=1e-3)),
+            "teacher": fs.Role(teacher),
+            "critic": fs.Role(copy.deepcopy(teacher), optimizer=fs.optim.adamw(lr=1e-3)),
+        },
+        key=fs.random.key(0),
+    )
+    batch = batch_at(0)
+    unguided = dmd2_losses(guidance_scale=1.0).generator_loss(state, batch, fs.random.key(0))[0]
+    assert float(unguided.detach()) == 0.0  # g = (x0_critic - x0_teacher) / ... = 0 exactly
+    guided = dmd2_losses(guidance_scale=3.0).generator_loss(state, batch, fs.random.key(0))[0]
+    assert float(guided.detach()) > 0.0
+
+
+@needs_diffusers
 def test_dmd2_steps_are_reproducible_from_the_state() -> None:
     method = dmd2(generator_update_interval=2, ordering="sequential", denoising_steps=(1.0, 0.5))
     finals = []

@@ -473,7 +473,7 @@ def test_integer_tensor_and_numpy_steps_give_the_int_step_value(
     for i in (0, 3, 17, 64):
         assert sched(torch.tensor(i)) == sched(i)  # type: ignore[arg-type]
         assert sched(torch.tensor(i, dtype=torch.int32)) == sched(i)  # type: ignore[arg-type]
-        assert sched(np.int64(i)) == sched(i)  # type: ignore[arg-type]
+        assert sched(np.int64(i)) == sched(i)
 
 
 @pytest.mark.parametrize("sched", _all_schedules(), ids=lambda s: s.__name__)
