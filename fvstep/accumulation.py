@@ -86,7 +86,7 @@ def split_microbatches(batch: Any, num: int) -> list[Any]:
         return list(batch)
     if num == 1:
         return [batch]
-    paths, flat, spec = optree.tree_flatten_with_path(batch)
+    _paths, flat, spec = optree.tree_flatten_with_path(batch)
     sizes = {int(x.shape[0]) for x in flat if isinstance(x, torch.Tensor) and x.dim() > 0}
     if len(sizes) > 1:
         raise ValueError(f"batch tensors disagree on dim 0: sizes {sorted(sizes)}")

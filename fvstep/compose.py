@@ -175,10 +175,12 @@ class ManagedContext:
     Attributes:
         step: The global step being run.
         position: The managed step's position in the method tree.
+        accumulation: The default accumulation of inner updates (the compiled step's).
     """
 
     step: int
     position: int
+    accumulation: Accumulation
     _run_unit: Callable[..., tuple[TrainState, dict[str, Any]]]
 
     def update(
@@ -192,10 +194,11 @@ class ManagedContext:
     ) -> tuple[TrainState, dict[str, Any]]:
         """Run ``unit`` once on ``batch`` (split into micro-batches), keyed by ``key``.
 
-        The unit's own ``clip``/``sanitize`` apply, else the compile-wide ones; the
-        micro-batch keys are ``fold_in(key, m)``. Returns the new state and the metrics.
+        ``accumulation`` defaults to the compiled step's; the unit's own
+        ``clip``/``sanitize`` apply, else the managed step's, else the compile-wide ones;
+        the micro-batch keys are ``fold_in(key, m)``. Returns the new state and metrics.
         """
-        return self._run_unit(state, unit, batch, key, accumulation or Accumulation())
+        return self._run_unit(state, unit, batch, key, accumulation or self.accumulation)
 
 
 @attrs.frozen(eq=False)
@@ -207,6 +210,7 @@ class Managed:
     name: str
     clip: ClipGradNorm | None = DEFAULT
     sanitize: Sanitize = DEFAULT
+    mutates: tuple[str, ...] = ()
 
     def num_leaves(self) -> int:
         """A managed step is one leaf."""
@@ -221,6 +225,9 @@ def managed(
     fn: Callable[[TrainState, Any, torch.Tensor, ManagedContext], tuple[TrainState, dict]],
     *,
     trains: str | tuple[str, ...],
+    mutates: str | tuple[str, ...] = (),
+    clip: ClipGradNorm | None = DEFAULT,
+    sanitize: Sanitize = DEFAULT,
     name: str = "managed",
 ) -> Managed:
     """Wrap a method that runs its own inner loop (RL: sample, reward, several updates).
@@ -228,15 +235,26 @@ def managed(
     ``fn(state, batch, key, ctx) -> (state, metrics)`` gets the whole batch (no
     accumulation is applied for it) and runs inner updates with ``ctx.update(state, unit,
     batch, key)``. It may change frozen-but-mutated roles (an RL ``old`` policy) through
-    their tensors in place. ``trains`` declares the roles it updates, for :func:`plan`.
+    their tensors in place. ``trains`` declares the roles its optimizers step and
+    ``mutates`` the frozen roles it changes otherwise, for :func:`plan`. ``fn`` runs inside
+    ``rng_scope`` of its key, so modules it calls directly are deterministic too.
+
+    Args:
+        fn: The outer step.
+        trains: Roles whose optimizers it steps.
+        mutates: Frozen roles it changes in place (e.g. ``"old"``).
+        clip: Default clipping of its inner updates (else the compile-wide one).
+        sanitize: Default non-finite policy of its inner updates.
+        name: A label for metrics and plans.
 
     Example:
         >>> managed(rl_outer_step, trains="student")
     """
     trains_t = (trains,) if isinstance(trains, str) else tuple(trains)
+    mutates_t = (mutates,) if isinstance(mutates, str) else tuple(mutates)
     if not callable(fn):
         raise TypeError("managed needs a function (state, batch, key, ctx) -> (state, metrics)")
-    return Managed(fn, trains_t, name)
+    return Managed(fn, trains_t, name, clip, sanitize, mutates_t)
 
 
 @attrs.frozen
@@ -248,6 +266,7 @@ class PlanEntry:
         name: The unit's or managed step's name.
         roles: The roles whose optimizers step.
         managed: Whether it runs its own inner loop.
+        mutates: Frozen roles it changes in place (managed steps only).
         clip: The resolved clipping (``None``: none).
         sanitize: The resolved non-finite policy.
     """
@@ -258,3 +277,4 @@ class PlanEntry:
     managed: bool
     clip: ClipGradNorm | None
     sanitize: Sanitize
+    mutates: tuple[str, ...] = ()

@@ -68,11 +68,15 @@ def make_mesh(
         >>> mesh = make_mesh(replicate=2)        # HSDP: 2 replicas
     """
     if not dist.is_initialized():
-        raise RuntimeError("make_mesh needs an initialised process group (torchrun or init_process_group)")
+        raise RuntimeError(
+            "make_mesh needs an initialised process group (torchrun or init_process_group)"
+        )
     world = dist.get_world_size()
     shard = shard if shard is not None else world // max(replicate, 1)
     if replicate < 1 or shard < 1 or replicate * shard != world:
-        raise ValueError(f"replicate ({replicate}) x shard ({shard}) must equal the world size {world}")
+        raise ValueError(
+            f"replicate ({replicate}) x shard ({shard}) must equal the world size {world}"
+        )
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
     if replicate == 1:
         return init_device_mesh(device_type, (shard,), mesh_dim_names=("shard",))
@@ -122,7 +126,9 @@ def shard_module(
     parents = {id(child): parent for parent in module.modules() for child in parent.children()}
     chosen = [m for n, m in module.named_modules() if n and policy(n, m, parents.get(id(m)))]
     for block in reversed(chosen):  # inner groups before outer ones
-        fully_shard(block, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
+        fully_shard(
+            block, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward
+        )
     fully_shard(module, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
     return module
 
@@ -176,7 +182,11 @@ class FSDPGradSync:
             module = rs.role.module
             if not is_sharded(module):
                 continue
-            if self.accumulation.sync == "no_sync" and num_microbatches > 1 and not rs.role.allow_no_sync:
+            if (
+                self.accumulation.sync == "no_sync"
+                and num_microbatches > 1
+                and not rs.role.allow_no_sync
+            ):
                 mib = _unsharded_grad_bytes(module) / 2**20
                 raise ValueError(
                     f"sync='no_sync' keeps an unsharded gradient of up to {mib:.1f} MiB per rank "

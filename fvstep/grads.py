@@ -15,7 +15,15 @@ from typing import Literal
 import attrs
 import torch
 
-__all__ = ["SANITIZE_POLICIES", "ClipGradNorm", "Sanitize", "as_full", "clip_grad_norm", "nan_to_num_", "total_norm"]
+__all__ = [
+    "SANITIZE_POLICIES",
+    "ClipGradNorm",
+    "Sanitize",
+    "as_full",
+    "clip_grad_norm",
+    "nan_to_num_",
+    "total_norm",
+]
 
 Sanitize = Literal["nan_to_num", "skip"] | None
 SANITIZE_POLICIES: tuple[str | None, ...] = (None, "nan_to_num", "skip")

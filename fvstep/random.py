@@ -44,7 +44,11 @@ def _words(k: torch.Tensor) -> tuple[int, int]:
         raise TypeError(
             "expected an fvstep key (a CPU int64 tensor of shape (2,), from fvstep.random.key), "
             f"got {type(k).__name__}"
-            + (f" of shape {tuple(k.shape)} and dtype {k.dtype}" if isinstance(k, torch.Tensor) else "")
+            + (
+                f" of shape {tuple(k.shape)} and dtype {k.dtype}"
+                if isinstance(k, torch.Tensor)
+                else ""
+            )
         )
     a, b = k.tolist()
     return a & _MASK, b & _MASK
@@ -116,9 +120,7 @@ def split(k: torch.Tensor, num: int = 2) -> tuple[torch.Tensor, ...]:
     if num < 1:
         raise ValueError(f"split needs num >= 1, got {num}")
     a, b = _words(k)
-    return tuple(
-        _make(_mix(a ^ _mix(2 * i + 1)), _mix(b ^ _mix(2 * i + 2))) for i in range(num)
-    )
+    return tuple(_make(_mix(a ^ _mix(2 * i + 1)), _mix(b ^ _mix(2 * i + 2))) for i in range(num))
 
 
 def seed_of(k: torch.Tensor) -> int:

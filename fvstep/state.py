@@ -22,7 +22,7 @@ from torch import nn
 
 from fvstep import random as fsrandom
 from fvstep.optim import Optimizer
-from fvstep.tree import field, frozen
+from fvstep.tree import field, frozen, replace
 
 __all__ = [
     "EMA",
@@ -279,7 +279,7 @@ class TrainState:
 
     def replace(self, **changes: Any) -> TrainState:
         """A new state with ``changes`` applied (``attrs.evolve``), not consumed."""
-        return attrs.evolve(self, **changes)
+        return replace(self, **changes)
 
 
 def mark_consumed(state: TrainState, by: str) -> None:
@@ -313,7 +313,7 @@ def _named_persistent_buffers(module: nn.Module) -> Iterator[tuple[str, torch.Te
 
 def _create_role_state(name: str, role: Role) -> RoleState:
     module = role.module
-    params = dict(module.named_parameters(remove_duplicate=False))
+    params: dict[str, torch.Tensor] = dict(module.named_parameters(remove_duplicate=False))
     buffers = dict(_named_persistent_buffers(module))
     if role.trainable:
         assert role.optimizer is not None
@@ -334,7 +334,9 @@ def _create_role_state(name: str, role: Role) -> RoleState:
         ema = None
         if role.ema is not None:
             ema = EMAState(
-                params={n: p.detach().to(torch.float32, copy=True) for n, p in trainable_params.items()},
+                params={
+                    n: p.detach().to(torch.float32, copy=True) for n, p in trainable_params.items()
+                },
                 initialized=torch.zeros((), dtype=torch.bool),
             )
     else:
@@ -366,8 +368,10 @@ def _check_no_aliasing(roles: Mapping[str, Role]) -> None:
                     "own copy (e.g. copy.deepcopy(module)), even when both start from one checkpoint"
                 )
             seen_modules.setdefault(id(mod), (role_name, mod_name))
-        tensors = list(role.module.named_parameters(remove_duplicate=False))
-        tensors += list(role.module.named_buffers(remove_duplicate=False))
+        tensors: list[tuple[str, torch.Tensor]] = [
+            *role.module.named_parameters(remove_duplicate=False),
+            *role.module.named_buffers(remove_duplicate=False),
+        ]
         for t_name, t in tensors:
             local = t.to_local() if hasattr(t, "to_local") else t
             if local.numel() == 0:
@@ -387,7 +391,7 @@ def _check_tensor_leaves(tree: Any, what: str) -> None:
     from fvstep.tree import flatten_with_paths
 
     paths, flat, _ = flatten_with_paths(tree)
-    for path, leaf in zip(paths, flat):
+    for path, leaf in zip(paths, flat, strict=False):
         if not isinstance(leaf, torch.Tensor):
             raise TypeError(
                 f"{what}.{path} must be a tensor, got {type(leaf).__name__} ({leaf!r}); "
@@ -429,9 +433,10 @@ def adopt(role_state: RoleState) -> RoleState:
         with torch.no_grad():
             for name, live in (*live_params.items(), *live_buffers.items()):
                 mine = role_state.params.get(name, role_state.buffers.get(name))
+                assert mine is not None
                 if mine is not live:
                     live.copy_(mine)
-        role_state = attrs.evolve(role_state, params=live_params, buffers=live_buffers)
+        role_state = replace(role_state, params=live_params, buffers=live_buffers)
     else:
         for slot, tensors in (("_parameters", role_state.params), ("_buffers", role_state.buffers)):
             for name, tensor in tensors.items():

@@ -68,6 +68,7 @@ class Step:
                 managed=isinstance(leaf, Managed),
                 clip=self._clip(leaf),
                 sanitize=self._sanitize(leaf),
+                mutates=leaf.mutates if isinstance(leaf, Managed) else (),
             )
             for pos, leaf in self.method.active(step)
         ]
@@ -80,6 +81,18 @@ class Step:
 
     def _grad_sync(self, state: TrainState, accumulation: Accumulation) -> GradSync:
         return distributed.grad_sync_for(state, accumulation) or NoSync()
+
+    def _managed_runner(self, leaf: Managed) -> Any:
+        """Inner updates of a managed step: its clip/sanitize fill in for the unit's."""
+
+        def run(state: TrainState, unit: Update, batch: Any, key: torch.Tensor, acc: Accumulation):
+            if unit.clip is DEFAULT and leaf.clip is not DEFAULT:
+                unit = attrs.evolve(unit, clip=leaf.clip)
+            if unit.sanitize is DEFAULT and leaf.sanitize is not DEFAULT:
+                unit = attrs.evolve(unit, sanitize=leaf.sanitize)
+            return self._run_unit(state, unit, batch, key, acc)
+
+        return run
 
     def _run_unit(
         self,
@@ -143,8 +156,9 @@ class Step:
         for pos, leaf in self.method.active(step):
             leaf_key = fsrandom.fold_in(step_key, pos)
             if isinstance(leaf, Managed):
-                ctx = ManagedContext(step, pos, self._run_unit)
-                work, leaf_metrics = leaf.fn(work, batch, leaf_key, ctx)
+                ctx = ManagedContext(step, pos, self.accumulation, self._managed_runner(leaf))
+                with fsrandom.rng_scope(leaf_key):
+                    work, leaf_metrics = leaf.fn(work, batch, leaf_key, ctx)
                 if not isinstance(work, TrainState):
                     raise TypeError(f"managed step {leaf.name!r} must return (TrainState, metrics)")
             else:
@@ -157,7 +171,7 @@ class Step:
         return work, metrics
 
 
-def compile(  # noqa: A001 - the public name in DESIGN.md
+def compile(
     method: Any,
     *,
     accumulation: Accumulation | None = None,
@@ -192,7 +206,12 @@ def compile(  # noqa: A001 - the public name in DESIGN.md
     if isinstance(sequence_parallel_size, bool) or sequence_parallel_size < 1:
         raise ValueError(f"sequence_parallel_size must be >= 1, got {sequence_parallel_size}")
     return Step(
-        method, accumulation or Accumulation(), clip, sanitize, sequence_parallel_size, count_collectives
+        method,
+        accumulation or Accumulation(),
+        clip,
+        sanitize,
+        sequence_parallel_size,
+        count_collectives,
     )
 
 

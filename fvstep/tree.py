@@ -13,9 +13,11 @@ import struct
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import attrs
 import optree
 import torch
 from optree.integrations import attrs as optree_attrs
+from typing_extensions import dataclass_transform
 
 __all__ = [
     "NAMESPACE",
@@ -26,6 +28,7 @@ __all__ = [
     "frozen",
     "leaves",
     "path_str",
+    "replace",
     "tree_digest",
     "tree_map",
 ]
@@ -38,6 +41,7 @@ T = TypeVar("T")
 field = optree_attrs.field
 
 
+@dataclass_transform(frozen_default=True, field_specifiers=(optree_attrs.field, attrs.field))
 def frozen(cls: type[T]) -> type[T]:
     """Decorate ``cls`` as a frozen attrs class registered as a pytree in :data:`NAMESPACE`.
 
@@ -47,6 +51,11 @@ def frozen(cls: type[T]) -> type[T]:
         ...     count: torch.Tensor
     """
     return optree_attrs.frozen(cls, namespace=NAMESPACE)
+
+
+def replace(obj: T, **changes: Any) -> T:
+    """A copy of the frozen state object ``obj`` with ``changes`` (``attrs.evolve``)."""
+    return attrs.evolve(obj, **changes)  # type: ignore[misc]
 
 
 def tree_map(fn: Callable[..., Any], tree: Any, *rest: Any, none_is_leaf: bool = False) -> Any:
@@ -187,7 +196,7 @@ def assert_trees_equal(a: Any, b: Any, *, check_static: bool = True) -> None:
         if not only_a and not only_b:
             detail = "same paths, different node types or static metadata"
         raise AssertionError(f"tree structures differ ({detail})\n  {spec_a}\n  {spec_b}")
-    for path, x, y in zip(paths_a, flat_a, flat_b):
+    for path, x, y in zip(paths_a, flat_a, flat_b, strict=False):
         why = _leaf_mismatch(x, y)
         if why is not None:
             raise AssertionError(f"trees differ at '{path or '<root>'}': {why}")
@@ -207,7 +216,7 @@ def tree_digest(tree: Any) -> str:
     """
     paths, flat, _ = flatten_with_paths(tree)
     h = hashlib.sha256()
-    for path, x in zip(paths, flat):
+    for path, x in zip(paths, flat, strict=False):
         h.update(path.encode())
         h.update(b"\0")
         if isinstance(x, torch.Tensor):

@@ -18,6 +18,7 @@ import torch
 from fvstep import random as fsrandom
 from fvstep.grads import SANITIZE_POLICIES, ClipGradNorm, Sanitize, as_full, nan_to_num_, total_norm
 from fvstep.state import RoleState, TrainState
+from fvstep.tree import replace
 
 __all__ = [
     "DEFAULT",
@@ -155,7 +156,9 @@ def _unpack(out: Any, roles: tuple[str, ...]) -> tuple[dict[str, torch.Tensor], 
     elif isinstance(out, Mapping):
         losses = dict(out)
         if set(losses) != set(roles):
-            raise ValueError(f"loss_fn returned losses for {sorted(losses)}, expected {sorted(roles)}")
+            raise ValueError(
+                f"loss_fn returned losses for {sorted(losses)}, expected {sorted(roles)}"
+            )
     else:
         raise TypeError(f"loss_fn must return a tensor loss, got {type(out).__name__}")
     for role, loss in losses.items():
@@ -190,10 +193,10 @@ def run_update(
     """
     num = len(microbatches)
     role_states = [state.role(r) for r in unit.roles]
-    for rs, name in zip(role_states, unit.roles):
+    for rs, name in zip(role_states, unit.roles, strict=False):
         if not rs.role.trainable:
             raise ValueError(f"unit {unit.name!r} trains role {name!r}, which is frozen")
-    trained = {r: rs.trainable_params() for r, rs in zip(unit.roles, role_states)}
+    trained = {r: rs.trainable_params() for r, rs in zip(unit.roles, role_states, strict=False)}
     silenced = [
         p
         for r, rs in state.roles.items()
@@ -210,7 +213,7 @@ def run_update(
     metric_log: dict[str, list[Any]] = {}
     try:
         sync.begin(role_states, num)
-        for index, (batch, key) in enumerate(zip(microbatches, keys)):
+        for index, (batch, key) in enumerate(zip(microbatches, keys, strict=False)):
             with fsrandom.rng_scope(key):
                 losses, metrics = _unpack(unit.loss_fn(state, batch, key), unit.roles)
                 sync.before_backward(index)
@@ -235,7 +238,7 @@ def run_update(
     out.update(sync_metrics)
     step = int(state.step)
     new_roles = dict(state.roles)
-    for role, rs in zip(unit.roles, role_states):
+    for role, rs in zip(unit.roles, role_states, strict=False):
         new_roles[role], role_metrics = _apply_role(rs, trained[role], step, clip, sanitize)
         out.update({f"{role}/{k}": v for k, v in role_metrics.items()})
     return state.replace(roles=new_roles), out
@@ -261,19 +264,19 @@ def _apply_role(
         norm_type = clip.norm_type if clip is not None else 2.0
         norm = total_norm(grads, norm_type=norm_type, foreach=clip.foreach if clip else None)
         metrics["grad_norm"] = as_full(norm).detach()
-    skipped = sanitize == "skip" and not bool(torch.isfinite(as_full(norm)))
+    skipped = norm is not None and sanitize == "skip" and not bool(torch.isfinite(as_full(norm)))
     metrics["skipped"] = skipped
     metrics["lr"] = optimizer.learning_rate(int(rs.opt_state.count))
     opt_state, ema = rs.opt_state, rs.ema
     if not skipped:
-        if clip is not None:
+        if clip is not None and norm is not None:
             clip.apply(param_list, norm)
         opt_state = optimizer.update(params, {n: p.grad for n, p in params.items()}, opt_state)
         if ema is not None and rs.role.ema is not None and step >= rs.role.ema.start_step:
             _update_ema(ema.params, params, ema.initialized, rs.role.ema.decay)
     for p in param_list:
         p.grad = None
-    return attrs.evolve(rs, opt_state=opt_state), metrics
+    return replace(rs, opt_state=opt_state), metrics
 
 
 @torch.no_grad()

@@ -17,6 +17,7 @@ Usage (see ``conftest.py``'s ``ranks`` fixture)::
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import tempfile
@@ -82,10 +83,8 @@ class RankPool:
     def close(self) -> None:
         """Stop every rank (politely, then by force)."""
         for conn in self._conns:
-            try:
+            with contextlib.suppress(BrokenPipeError, OSError):
                 conn.send(None)
-            except (BrokenPipeError, OSError):
-                pass
         for proc in self._procs:
             proc.join(timeout=10)
             if proc.is_alive():
@@ -126,5 +125,7 @@ class RankPool:
                 errors.append(f"rank {rank}:\n{value}")
         if errors:
             self.close()
-            raise AssertionError(f"{fn.__name__} failed on {len(errors)} rank(s):\n" + "\n".join(errors))
+            raise AssertionError(
+                f"{fn.__name__} failed on {len(errors)} rank(s):\n" + "\n".join(errors)
+            )
         return results

@@ -36,14 +36,16 @@ def hand_written_loop(module, seed: int, k: int, max_norm: float, foreach: bool 
     base = fs.random.key(seed)
     for step in range(NUM_STEPS):
         batch = batch_at(step)
-        micro = zip(batch["latents"].chunk(k), batch["text"].chunk(k))
+        micro = zip(batch["latents"].chunk(k), batch["text"].chunk(k), strict=False)
         for m, (x0, text) in enumerate(micro):
             k_t, k_eps = split(fold_in(fold_in(fold_in(fold_in(base, step), 0), 0), m), 2)
             t = torch.rand((x0.shape[0],), generator=generator(k_t))
             eps = torch.randn(x0.shape, generator=generator(k_eps))
             tb = t.view(-1, 1, 1, 1, 1)
             x_t = (1 - tb) * x0 + tb * eps
-            v = module(hidden_states=x_t, timestep=t * 1000, encoder_hidden_states=text, return_dict=False)[0]
+            v = module(
+                hidden_states=x_t, timestep=t * 1000, encoder_hidden_states=text, return_dict=False
+            )[0]
             (F.mse_loss(v.float(), (eps - x0).float()) / k).backward()
         torch.nn.utils.clip_grad_norm_(module.parameters(), max_norm, foreach=foreach)
         opt.step()

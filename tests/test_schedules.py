@@ -341,7 +341,9 @@ def test_cosine_matches_torch_cosine_annealing_closed_form_within_16_ulp_of_lr(
     # on [0, total], the error analysis bounds them by ~10 ulp(lr).
     # Past total the arguments grow and their rounding is amplified, so compare on [0, total].
     eta_min = lr * floor
-    expected = _closed_form_lrs(lambda o: CosineAnnealingLR(o, T_max=total, eta_min=eta_min), lr)
+    expected = _closed_form_lrs(
+        lambda o: CosineAnnealingLR(o, T_max=total, eta_min=eta_min), lr, total + 1
+    )
     sched = schedules.cosine(lr, total_steps=total, min_ratio=floor)
     for i in range(total + 1):
         assert abs(sched(i) - expected[i]) <= 16 * math.ulp(lr), i

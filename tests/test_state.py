@@ -109,7 +109,10 @@ def test_shared_storage_across_roles_is_a_value_error():
 def test_two_copies_of_one_checkpoint_are_fine():
     a = net(0)
     state = fs.TrainState.create(
-        {"student": fs.Role(a, optimizer=fs.optim.sgd(lr=0.1)), "teacher": fs.Role(copy.deepcopy(a))},
+        {
+            "student": fs.Role(a, optimizer=fs.optim.sgd(lr=0.1)),
+            "teacher": fs.Role(copy.deepcopy(a)),
+        },
         key=fs.random.key(0),
     )
     tree.assert_trees_equal(state.roles["student"].params, state.roles["teacher"].params)

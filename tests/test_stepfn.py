@@ -11,7 +11,7 @@ from torch import nn
 
 import fvstep as fs
 from fvstep import tree
-from fvstep.random import fold_in, generator
+from fvstep.random import generator
 
 
 def mlp(seed: int) -> nn.Module:
@@ -222,7 +222,9 @@ def test_ema_is_reinitialised_from_live_weights_at_its_first_active_step():
     tree.assert_trees_equal(state.roles["a"].ema.params, live)
     state, _ = step(state, make_batch(1))
     assert bool(state.roles["a"].ema.initialized)
-    expected = {n: 0.5 * live[n] + 0.5 * p.detach().float() for n, p in state.roles["a"].params.items()}
+    expected = {
+        n: 0.5 * live[n] + 0.5 * p.detach().float() for n, p in state.roles["a"].params.items()
+    }
     for n in expected:
         torch.testing.assert_close(state.roles["a"].ema.params[n], expected[n])
 

@@ -27,7 +27,7 @@ class PairState:
 def test_clone_is_bitwise_equal_and_shares_no_storage(t):
     c = tree.clone(t)
     tree.assert_trees_equal(t, c)
-    for x, y in zip(tree.leaves(t), tree.leaves(c)):
+    for x, y in zip(tree.leaves(t), tree.leaves(c), strict=False):
         assert x is not y
         if x.numel():
             assert x.untyped_storage().data_ptr() != y.untyped_storage().data_ptr()
@@ -54,7 +54,7 @@ def test_clone_keeps_parameters_and_requires_grad():
 
 def test_attrs_state_is_a_pytree_in_the_namespace_with_static_fields():
     s = PairState(a=torch.ones(1), b={"z": torch.zeros(2)}, label="y")
-    paths, flat, _ = tree.flatten_with_paths(s)
+    paths, _flat, _ = tree.flatten_with_paths(s)
     assert paths == ["a", "b.z"]
     doubled = tree.tree_map(lambda x: x * 2, s)
     assert isinstance(doubled, PairState) and doubled.label == "y"

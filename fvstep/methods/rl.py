@@ -222,14 +222,13 @@ def rl(
         group_size: Samples per prompt (>= 2); advantages are normalised within a group.
         sample_steps: Euler steps of the old policy's sampler (>= 1).
         reward_fn: ``(samples, batch) -> (N,)``; default :func:`latent_mse_reward`.
-        accumulation: Micro-batching of the inner updates (the compile-wide accumulation
-            does not apply to a managed step); default one micro-batch.
+        accumulation: Micro-batching of the inner updates; default the compiled step's.
         clip: The inner unit's clipping (default: the compile-wide setting).
         sanitize: The inner unit's non-finite policy (default: the compile-wide setting).
         name: The managed step's name and metrics prefix.
 
     Returns:
-        ``fvstep.managed(outer_step, trains="student", name=name)``.
+        ``fvstep.managed(outer_step, trains="student", mutates="old", name=name)``.
 
     Raises:
         ValueError: For out-of-range settings.
@@ -292,4 +291,4 @@ def rl(
         ).mean()
         return state, metrics
 
-    return managed(outer_step, trains="student", name=name)
+    return managed(outer_step, trains="student", mutates="old", name=name)
