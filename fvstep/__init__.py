@@ -5,9 +5,10 @@ The public API (DESIGN.md): ``TrainState``, ``Role``, ``EMA``, ``update``, ``seq
 ``clip_grad_norm``, and the modules ``tree``, ``random``, ``optim``, ``schedules``.
 """
 
-from fvstep import optim, random, schedules, tree
+from fvstep import checkpoint, optim, random, schedules, tree
 from fvstep.accumulation import Accumulation
 from fvstep.compose import cond, every, managed, sequence
+from fvstep.executor import Checkpoints, run
 from fvstep.grads import clip_grad_norm
 from fvstep.state import EMA, ConsumedStateError, Role, TrainState
 from fvstep.stepfn import Step, compile, plan
@@ -18,11 +19,13 @@ __version__ = "0.1.0.dev0"
 __all__ = [
     "EMA",
     "Accumulation",
+    "Checkpoints",
     "ConsumedStateError",
     "Role",
     "Step",
     "TrainState",
     "__version__",
+    "checkpoint",
     "clip_grad_norm",
     "compile",
     "cond",
@@ -31,6 +34,7 @@ __all__ = [
     "optim",
     "plan",
     "random",
+    "run",
     "schedules",
     "sequence",
     "tree",

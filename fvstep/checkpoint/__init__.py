@@ -1,0 +1,27 @@
+"""Checkpoints: DCP of the whole state pytree, atomic, optionally async, reshardable.
+
+- :func:`save` / :func:`load` — every rank calls them; ``load`` returns a new state.
+- :class:`AsyncSaver` — background saves with DCP's ``async_save``.
+- :func:`latest`, :func:`list_complete`, :func:`checkpoint_dir`, :func:`prune` — the
+  layout of a directory of checkpoints; "latest" never picks an incomplete one.
+- :func:`read_manifest` — what a checkpoint holds; :class:`CheckpointError` — why a
+  checkpoint cannot be used.
+"""
+
+from fvstep.checkpoint.layout import checkpoint_dir, latest, list_complete, prune
+from fvstep.checkpoint.manifest import FORMAT_VERSION, CheckpointError, Manifest, read_manifest
+from fvstep.checkpoint.store import AsyncSaver, load, save
+
+__all__ = [
+    "FORMAT_VERSION",
+    "AsyncSaver",
+    "CheckpointError",
+    "Manifest",
+    "checkpoint_dir",
+    "latest",
+    "list_complete",
+    "load",
+    "prune",
+    "read_manifest",
+    "save",
+]

@@ -1,0 +1,413 @@
+"""Consolidated inference export of one role: a ``safetensors`` file, or a diffusers folder.
+
+A role's parameters may be FSDP2 shards (DTensors). Export gathers each one with
+``DTensor.full_tensor()``, a collective, so **every rank calls the export function**; one
+rank (global rank 0) writes. Besides the gathers, an export runs two tiny collectives
+when a process group is initialised: the writing ranks' checks of the destination are
+shared before the gathers (so a refusal is raised on every rank instead of leaving the
+others waiting in a gather), and their outcome is shared after the write (so every rank
+returns, or raises, together). Without a process group nothing is communicated.
+
+Files are written atomically: into a temporary file (or folder) next to the target,
+flushed and fsynced, then renamed into place. A crash leaves either the old target or
+the new one, never a partial file under the target's name.
+
+Example:
+    >>> export_role(state, "student", "out/student.safetensors", weights="ema")
+    >>> export_diffusers(state, "student", "out/student", dtype=torch.bfloat16)
+    >>> WanTransformer3DModel.from_pretrained("out/student")
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, Literal, cast
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from fvstep.state import RoleState, TrainState
+
+__all__ = ["WEIGHTS_NAME", "export_diffusers", "export_role", "gather_weights"]
+
+WEIGHTS_NAME = "model.safetensors"
+"""The file name :func:`export_role` writes when given a directory."""
+
+Weights = Literal["params", "ema"]
+
+
+def gather_weights(
+    state: TrainState,
+    role: str,
+    *,
+    weights: Weights = "params",
+    dtype: torch.dtype | None = None,
+    rank0_only: bool = True,
+) -> dict[str, torch.Tensor] | None:
+    """The full (unsharded) weights of one role, on the CPU, keyed like its ``state_dict``.
+
+    The keys are the module's parameter names and persistent buffer names. DTensor
+    leaves are gathered with ``full_tensor()``, a collective: call this on every rank.
+
+    Args:
+        state: The training state.
+        role: The role's name.
+        weights: ``"params"`` for the live parameters, ``"ema"`` for the fp32 moving
+            average of the trainable parameters (the other parameters and the buffers
+            keep their live values).
+        dtype: Cast the floating-point tensors to this dtype (integer and bool buffers
+            are kept as they are); ``None`` keeps each tensor's dtype (fp32 for EMA).
+        rank0_only: Return the weights on global rank 0 and ``None`` on the others (which
+            drop each gathered tensor at once); ``False`` returns them on every rank.
+
+    Returns:
+        Name to contiguous CPU tensor, no two sharing storage; ``None`` on ranks other
+        than 0 when ``rank0_only``.
+
+    Raises:
+        ValueError: For an unknown role, an unknown ``weights``, ``weights="ema"`` for a
+            role without an EMA, or a ``dtype`` that is not floating point.
+
+    Example:
+        >>> sd = gather_weights(state, "student", weights="ema", dtype=torch.bfloat16)
+    """
+    role_state = _role_state(state, role)
+    _check_options(role_state, role, weights, dtype)
+    keep = rank0_only is False or _rank() == 0
+    return _gather(role_state, weights=weights, dtype_for=lambda _: dtype, keep=keep)
+
+
+def export_role(
+    state: TrainState,
+    role: str,
+    path: str | os.PathLike[str],
+    *,
+    weights: Weights = "params",
+    dtype: torch.dtype | None = None,
+    rank0_only: bool = True,
+    overwrite: bool = False,
+) -> Path | None:
+    """Write one role's full weights into a single ``safetensors`` file.
+
+    Call it on every rank (sharded parameters are gathered collectively). The keys are
+    the module's ``state_dict`` keys, so ``module.load_state_dict(load_file(path))``
+    restores an unsharded copy of the module.
+
+    Args:
+        state: The training state.
+        role: The role's name.
+        path: A file path ending in ``.safetensors``, or a directory, in which
+            ``model.safetensors`` is written (the directory is created if needed).
+        weights: ``"params"`` or ``"ema"`` (see :func:`gather_weights`).
+        dtype: Cast the floating-point tensors to this dtype (e.g. ``torch.bfloat16``).
+        rank0_only: Only global rank 0 writes (the default). ``False``: every rank writes
+            to ``path`` (e.g. to node-local disks) and returns it.
+        overwrite: Replace an existing file at the target.
+
+    Returns:
+        The path of the file written on a writing rank, ``None`` on the others.
+
+    Raises:
+        ValueError: For an unknown role or ``weights``, ``weights="ema"`` without an EMA,
+            a non-floating ``dtype``, an existing target without ``overwrite=True``, or
+            a target that is a directory. Raised on every rank.
+        RuntimeError: On the other ranks, when writing failed on a writing rank.
+
+    Example:
+        >>> export_role(state, "student", "exports/step_1000", weights="ema")
+        PosixPath('exports/step_1000/model.safetensors')
+    """
+    role_state = _role_state(state, role)
+    _check_options(role_state, role, weights, dtype)
+    path = Path(path)
+    target = path if path.suffix == ".safetensors" else path / WEIGHTS_NAME
+    writes = rank0_only is False or _rank() == 0
+
+    def check_target() -> None:
+        if target.is_dir():
+            raise ValueError(f"the export target {str(target)!r} is a directory")
+        if target.exists() and not overwrite:
+            raise ValueError(
+                f"{str(target)!r} exists; pass overwrite=True to replace it, or choose another path"
+            )
+
+    _agree("check the export target", check_target if writes else None)
+    tensors = _gather(role_state, weights=weights, dtype_for=lambda _: dtype, keep=writes)
+
+    def write() -> None:
+        assert tensors is not None
+        target.parent.mkdir(parents=True, exist_ok=True)
+        _write_file_atomically(target, lambda tmp: _save_safetensors(tensors, tmp))
+
+    _agree("write the export", write if writes else None)
+    return target if writes else None
+
+
+def export_diffusers(
+    state: TrainState,
+    role: str,
+    path: str | os.PathLike[str],
+    *,
+    weights: Weights = "params",
+    dtype: torch.dtype | None = None,
+    overwrite: bool = False,
+) -> Path | None:
+    """Write a role whose module is a diffusers ``ModelMixin`` as a diffusers model folder.
+
+    The folder holds ``config.json`` (the module's config, as ``save_config`` writes it,
+    with the ``_class_name`` of the diffusers class even when the module was wrapped by
+    ``fully_shard``) and ``diffusion_pytorch_model.safetensors``, so that
+    ``ModelClass.from_pretrained(path)`` (or ``diffusers.AutoModel``) loads it. Call it
+    on every rank; global rank 0 writes.
+
+    With ``dtype``, the tensors of the class's ``_keep_in_fp32_modules`` stay in fp32
+    (as ``from_pretrained(..., torch_dtype=dtype)`` would hold them), the others are cast.
+
+    Args:
+        state: The training state.
+        role: The role's name.
+        path: The folder to write. It must not exist, or be empty, unless ``overwrite``.
+        weights: ``"params"`` or ``"ema"`` (see :func:`gather_weights`).
+        dtype: Cast the floating-point tensors to this dtype (e.g. ``torch.bfloat16``).
+        overwrite: Replace an existing non-empty folder at ``path``. The old folder is
+            moved aside, the new one renamed into place, then the old one removed.
+
+    Returns:
+        ``path`` on rank 0, ``None`` on the others.
+
+    Raises:
+        ImportError: If diffusers is not installed.
+        ValueError: For an unknown role or ``weights``, a module that is not a diffusers
+            ``ModelMixin``, ``weights="ema"`` without an EMA, a non-floating ``dtype``, a
+            ``path`` that is a file, or a non-empty ``path`` without ``overwrite=True``.
+            Raised on every rank.
+        RuntimeError: On the other ranks, when writing failed on rank 0.
+
+    Example:
+        >>> export_diffusers(state, "student", "exports/student", dtype=torch.bfloat16)
+        >>> net = WanTransformer3DModel.from_pretrained("exports/student")
+    """
+    from diffusers.utils import SAFETENSORS_WEIGHTS_NAME
+
+    role_state = _role_state(state, role)
+    module = role_state.role.module
+    cls = _diffusers_class(module, role)
+    _check_options(role_state, role, weights, dtype)
+    path = Path(path)
+    writes = _rank() == 0
+
+    def check_target() -> None:
+        if path.exists() and not path.is_dir():
+            raise ValueError(f"the export target {str(path)!r} exists and is not a directory")
+        if path.is_dir() and any(path.iterdir()) and not overwrite:
+            raise ValueError(
+                f"{str(path)!r} exists and is not empty; pass overwrite=True to replace it, "
+                "or choose another path"
+            )
+
+    _agree("check the export target", check_target if writes else None)
+    fp32_names = tuple(getattr(cls, "_keep_in_fp32_modules", None) or ())
+
+    def dtype_for(name: str) -> torch.dtype | None:
+        if dtype is not None and any(m in name.split(".") for m in fp32_names):
+            return torch.float32
+        return dtype
+
+    tensors = _gather(role_state, weights=weights, dtype_for=dtype_for, keep=writes)
+
+    def write() -> None:
+        assert tensors is not None
+        config = _config_json(module, cls)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex}"
+        try:
+            tmp.mkdir()
+            _save_safetensors(tensors, tmp / SAFETENSORS_WEIGHTS_NAME)
+            _fsync(tmp / SAFETENSORS_WEIGHTS_NAME)
+            (tmp / cls.config_name).write_text(config)
+            _fsync(tmp / cls.config_name)
+            _fsync(tmp)
+            _replace_dir(tmp, path)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    _agree("write the export", write if writes else None)
+    return path if writes else None
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _agree(what: str, action: Callable[[], None] | None) -> None:
+    """Run ``action`` (on the ranks that have one), then share its outcome with every rank.
+
+    The rank(s) whose action raised re-raise their error; the others raise a
+    ``RuntimeError`` naming the failed rank, or a ``ValueError`` when the failure was one,
+    so that all ranks leave together and no rank waits in a later collective.
+    """
+    error: BaseException | None = None
+    if action is not None:
+        try:
+            action()
+        except Exception as e:
+            error = e
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        if error is not None:
+            raise error
+        return
+    mine = None if error is None else (type(error) is ValueError, str(error))
+    outcomes: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(outcomes, mine)
+    if error is not None:
+        raise error
+    for rank, outcome in enumerate(outcomes):
+        if outcome is not None:
+            is_value_error, message = outcome
+            kind = ValueError if is_value_error else RuntimeError
+            raise kind(f"rank {rank} failed to {what}: {message}")
+
+
+def _role_state(state: TrainState, role: str) -> RoleState:
+    if role not in state.roles:
+        raise ValueError(f"no role {role!r}; the state has roles {sorted(state.roles)}")
+    return state.roles[role]
+
+
+def _check_options(
+    role_state: RoleState, role: str, weights: str, dtype: torch.dtype | None
+) -> None:
+    if weights not in ("params", "ema"):
+        raise ValueError(f"weights must be 'params' or 'ema', got {weights!r}")
+    if weights == "ema" and role_state.ema is None:
+        raise ValueError(
+            f"weights='ema' but role {role!r} has no EMA; configure one with "
+            "Role(..., ema=fvstep.EMA(decay)) or export weights='params'"
+        )
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(f"dtype must be a floating-point torch.dtype or None, got {dtype!r}")
+
+
+def _named_sources(role_state: RoleState, weights: str) -> Iterator[tuple[str, torch.Tensor]]:
+    ema = role_state.ema.params if weights == "ema" and role_state.ema is not None else {}
+    for name, param in role_state.params.items():
+        yield name, ema.get(name, param)
+    yield from role_state.buffers.items()
+
+
+def _gather(
+    role_state: RoleState,
+    *,
+    weights: str,
+    dtype_for: Callable[[str], torch.dtype | None],
+    keep: bool,
+) -> dict[str, torch.Tensor] | None:
+    out: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for name, source in _named_sources(role_state, weights):
+            tensor = source.detach()
+            dtype = dtype_for(name)
+            if dtype is not None and tensor.is_floating_point():
+                # Cast the shard before the gather: same bits, less to communicate.
+                tensor = tensor.to(dtype)
+            if isinstance(tensor, DTensor):
+                tensor = tensor.full_tensor()  # a collective: every rank gets here
+            if not keep:
+                continue
+            tensor = tensor.to("cpu").contiguous()
+            local = source.to_local() if isinstance(source, DTensor) else source
+            if tensor.untyped_storage().data_ptr() == local.untyped_storage().data_ptr():
+                # Never hand out the state's own memory (and safetensors refuses tensors
+                # that share it, e.g. tied weights).
+                tensor = tensor.clone()
+            out[name] = tensor
+    return out if keep else None
+
+
+def _save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def _fsync(path: Path) -> None:
+    flags = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) if path.is_dir() else os.O_RDONLY
+    try:
+        fd = os.open(path, flags)
+    except OSError:  # directories cannot be opened on some platforms
+        if path.is_dir():
+            return
+        raise
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_file_atomically(target: Path, write: Callable[[Path], None]) -> None:
+    tmp = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex}"
+    try:
+        write(tmp)
+        _fsync(tmp)
+        os.replace(tmp, target)
+        _fsync(target.parent)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+
+
+def _replace_dir(new: Path, target: Path) -> None:
+    """Rename the folder ``new`` to ``target``, replacing an existing ``target``."""
+    if target.is_dir() and any(target.iterdir()):
+        # rename(2) replaces empty directories only: move the old one aside first.
+        old = target.parent / f".{target.name}.old-{uuid.uuid4().hex}"
+        os.replace(target, old)
+        os.replace(new, target)
+        _fsync(target.parent)
+        shutil.rmtree(old)
+    else:
+        os.replace(new, target)
+        _fsync(target.parent)
+
+
+def _diffusers_class(module: nn.Module, role: str) -> type[Any]:
+    """The diffusers class behind ``module``: its own, or the one ``fully_shard`` wrapped."""
+    from diffusers import ModelMixin
+
+    if not isinstance(module, ModelMixin):
+        raise ValueError(
+            f"export_diffusers needs a diffusers ModelMixin, but role {role!r} holds a "
+            f"{type(module).__name__}; use export_role for a plain safetensors file"
+        )
+    for cls in type(module).__mro__:
+        if issubclass(cls, ModelMixin) and not issubclass(cls, FSDPModule):
+            return cls
+    raise AssertionError("unreachable: a ModelMixin instance has a ModelMixin class")
+
+
+def _config_json(module: nn.Module, cls: type[Any]) -> str:
+    """``config.json`` as ``cls.save_config`` writes it, for ``module``'s config.
+
+    ``to_json_string`` names ``type(self)``, which for a module wrapped by ``fully_shard``
+    is the dynamic ``FSDP<Name>`` class that diffusers cannot load (and it writes that
+    name into the module's own config). A stand-in object named after ``cls`` carrying
+    a copy of the config gives the file diffusers expects.
+    """
+    from diffusers.configuration_utils import ConfigMixin, FrozenDict
+
+    stand_in_type = type(
+        cls.__name__,
+        (),
+        {"__module__": cls.__module__, "_auto_class": getattr(cls, "_auto_class", None)},
+    )
+    stand_in: Any = stand_in_type()
+    stand_in._internal_dict = FrozenDict(dict(cast(Any, module).config))
+    return ConfigMixin.to_json_string(stand_in)

@@ -1,0 +1,259 @@
+"""Testing helpers for users: prove that *your* method resumes exactly.
+
+- :func:`assert_resume_exact` runs a method uninterrupted and interrupted (crashing at
+  chosen steps, resuming from the newest checkpoint each time) and asserts that the
+  final states are bitwise identical.
+- :func:`spawn` runs a function on several CPU ranks (gloo), for multi-rank checks.
+- :mod:`hypothesis` strategies: :func:`resume_scenarios` and :func:`train_states`.
+- :func:`assert_trees_equal` (from :mod:`fvstep.tree`).
+
+Example:
+    >>> def factory():
+    ...     state = fs.TrainState.create({...}, key=fs.random.key(0))
+    ...     return state, fs.compile(my_method), my_data
+    >>> assert_resume_exact(factory, num_steps=6, interruptions=[2, 4], workdir=tmp_path)
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+import os
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+
+from fvstep.executor import Checkpoints, run
+from fvstep.state import TrainState
+from fvstep.tree import assert_trees_equal
+
+__all__ = [
+    "ResumeScenario",
+    "SimulatedCrash",
+    "assert_resume_exact",
+    "assert_trees_equal",
+    "resume_scenarios",
+    "spawn",
+    "train_states",
+]
+
+Factory = Callable[[], tuple[TrainState, Callable[..., Any], Any]]
+
+
+class SimulatedCrash(RuntimeError):
+    """Raised by the data of an interrupted run, at the step where it 'crashes'."""
+
+
+@attrs.frozen
+class _CrashAt:
+    data: Any
+    step: int
+
+    def batch(self, step: int, *, rank: int = 0, world_size: int = 1) -> Any:
+        if step == self.step:
+            raise SimulatedCrash(f"simulated crash before step {step}")
+        if hasattr(self.data, "batch"):
+            return self.data.batch(step, rank=rank, world_size=world_size)
+        return self.data(step)
+
+
+def assert_resume_exact(
+    factory: Factory,
+    *,
+    num_steps: int,
+    interruptions: Sequence[int],
+    workdir: str | os.PathLike[str],
+    checkpoint_every: int = 1,
+    async_save: bool = False,
+) -> TrainState:
+    """Assert that interrupting and resuming a run does not change its final state, bit for bit.
+
+    ``factory()`` must build everything anew each call — modules, the initial state, the
+    compiled step and the data — as a restarted process would. The uninterrupted run
+    goes to ``num_steps``; the interrupted run crashes before each step in
+    ``interruptions`` (in order) and is restarted from the newest checkpoint (saved every
+    ``checkpoint_every`` steps) until it reaches ``num_steps``. On several ranks, every
+    rank calls this with the same ``workdir``.
+
+    Args:
+        factory: ``() -> (initial_state, step_fn, data)``.
+        num_steps: The final step count.
+        interruptions: Steps (``0 <= s < num_steps``) before which the run crashes.
+        workdir: An empty directory for the checkpoints (shared by all ranks).
+        checkpoint_every: The checkpoint interval of the interrupted run.
+        async_save: Use background saves in the interrupted run.
+
+    Returns:
+        The final state of the uninterrupted run.
+
+    Raises:
+        AssertionError: Naming the first leaf where the resumed run differs.
+        ValueError: For interruptions outside ``[0, num_steps)``.
+    """
+    if any(not 0 <= s < num_steps for s in interruptions):
+        raise ValueError(f"interruptions {list(interruptions)} must lie in [0, {num_steps})")
+    state, step_fn, data = factory()
+    expected = run(step_fn, state, data, num_steps=num_steps, progress=False)
+    checkpoints = Checkpoints(
+        Path(workdir) / "checkpoints", every=checkpoint_every, keep=2, async_save=async_save
+    )
+    for stop in sorted(interruptions):
+        state, step_fn, data = factory()
+        try:
+            run(
+                step_fn,
+                state,
+                _CrashAt(data, stop),
+                num_steps=num_steps,
+                checkpoints=checkpoints,
+                progress=False,
+            )
+        except SimulatedCrash:
+            pass
+    state, step_fn, data = factory()
+    resumed = run(
+        step_fn, state, data, num_steps=num_steps, checkpoints=checkpoints, progress=False
+    )
+    try:
+        assert_trees_equal(resumed, expected, check_static=False)
+    except AssertionError as e:
+        raise AssertionError(
+            f"the run interrupted before steps {sorted(interruptions)} and resumed differs from "
+            f"the uninterrupted run: {e}"
+        ) from None
+    return expected
+
+
+def _spawned(
+    rank: int, fn_spec: tuple[str, str], world_size: int, store: str, args: tuple, results: Any
+) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{store}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=120),
+    )
+    try:
+        module, name = fn_spec
+        fn = getattr(importlib.import_module(module), name)
+        results[rank] = fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(fn: Callable[..., Any], *args: Any, world_size: int = 2) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` CPU ranks (gloo); return results.
+
+    ``fn`` must be a module-level function (it is imported by name in each rank) and its
+    results picklable. A failure on any rank raises in the caller.
+    """
+    import torch.multiprocessing as mp
+
+    spec = (fn.__module__, fn.__qualname__)
+    with tempfile.TemporaryDirectory(prefix="fvstep-spawn-") as tmp:
+        manager = mp.get_context("spawn").Manager()
+        results = manager.dict()
+        mp.start_processes(
+            _spawned,
+            args=(spec, world_size, os.path.join(tmp, "store"), args, results),
+            nprocs=world_size,
+            start_method="spawn",
+        )
+        out = [results[r] for r in range(world_size)]
+        manager.shutdown()
+    return out
+
+
+@attrs.frozen
+class ResumeScenario:
+    """One drawn resume scenario (see :func:`resume_scenarios`)."""
+
+    seed: int
+    num_steps: int
+    interruptions: tuple[int, ...]
+    microbatches: int
+    sync: str
+
+
+def resume_scenarios(
+    *, max_steps: int = 6, max_interruptions: int = 2, microbatches: Sequence[int] = (1, 2, 3)
+) -> Any:
+    """A hypothesis strategy of :class:`ResumeScenario` (seed, steps, crash points, K, policy)."""
+    from hypothesis import strategies as st
+
+    @st.composite
+    def draw(d: Any) -> ResumeScenario:
+        num_steps = d(st.integers(2, max_steps))
+        stops = d(
+            st.lists(
+                st.integers(1, num_steps - 1), min_size=1, max_size=max_interruptions, unique=True
+            )
+        )
+        return ResumeScenario(
+            seed=d(st.integers(0, 2**31 - 1)),
+            num_steps=num_steps,
+            interruptions=tuple(sorted(stops)),
+            microbatches=d(st.sampled_from(list(microbatches))),
+            sync=d(st.sampled_from(["every", "no_sync", "deferred"])),
+        )
+
+    return draw()
+
+
+def train_states(*, max_roles: int = 3) -> Any:
+    """A hypothesis strategy of small :class:`TrainState` s: MLP roles of drawn widths and
+    dtypes (fp32, bf16, fp16), AdamW/SGD or frozen, optional EMA, and method-owned extra
+    state; the leaves are filled with drawn bits."""
+    from hypothesis import strategies as st
+
+    from fvstep import optim
+    from fvstep import random as fsrandom
+    from fvstep.state import EMA, Role
+
+    @st.composite
+    def draw(d: Any) -> TrainState:
+        num_roles = d(st.integers(1, max_roles))
+        seed = d(st.integers(0, 2**31 - 1))
+        gen = torch.Generator().manual_seed(seed)
+        roles = {}
+        for i in range(num_roles):
+            dtype = d(st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
+            width = d(st.integers(1, 5))
+            depth = d(st.integers(1, 3))
+            layers = [torch.nn.Linear(width, width, bias=d(st.booleans())) for _ in range(depth)]
+            module = torch.nn.Sequential(*layers).to(dtype)
+            kind = d(st.sampled_from(["adamw", "sgd", "frozen"]))
+            opt = {
+                "adamw": optim.adamw(lr=1e-3, amsgrad=d(st.booleans())),
+                "sgd": optim.sgd(lr=0.1, momentum=0.9),
+                "frozen": None,
+            }[kind]
+            ema = EMA(0.9) if opt is not None and d(st.booleans()) else None
+            roles[f"role{i}"] = Role(module, optimizer=opt, ema=ema, allow_low_precision=True)
+        extra = {
+            "counter": torch.tensor(d(st.integers(0, 100))),
+            "cache": [torch.randn(d(st.integers(0, 3)), 2, generator=gen)],
+        }
+        state = TrainState.create(roles, key=fsrandom.key(seed), extra=extra)
+        with torch.no_grad():
+            for leaf in _float_leaves(state):
+                leaf.copy_(
+                    torch.randn(leaf.shape, generator=gen, dtype=torch.float64).to(leaf.dtype)
+                )
+        return state
+
+    return draw()
+
+
+def _float_leaves(state: TrainState) -> list[torch.Tensor]:
+    from fvstep.tree import leaves
+
+    return [x for x in leaves(state) if x.is_floating_point()]
