@@ -5,7 +5,7 @@ The public API (DESIGN.md): ``TrainState``, ``Role``, ``EMA``, ``update``, ``seq
 ``clip_grad_norm``, and the modules ``tree``, ``random``, ``optim``, ``schedules``.
 """
 
-from fvstep import checkpoint, optim, random, schedules, tree
+from fvstep import checkpoint, data, optim, random, schedules, tree
 from fvstep.accumulation import Accumulation
 from fvstep.compose import cond, every, managed, sequence
 from fvstep.executor import Checkpoints, run
@@ -28,6 +28,7 @@ __all__ = [
     "checkpoint",
     "clip_grad_norm",
     "compile",
+    "data",
     "cond",
     "every",
     "managed",

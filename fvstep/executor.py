@@ -42,7 +42,7 @@ class Checkpoints:
         >>> Checkpoints("runs/a/ckpt", every=100, keep=3, async_save=True)
     """
 
-    dir: str | os.PathLike[str] = attrs.field(converter=Path)
+    dir: Path = attrs.field(converter=Path)
     every: int = 100
     keep: int | None = 3
     async_save: bool = False

@@ -254,7 +254,7 @@ def _agree(what: str, action: Callable[[], None] | None) -> None:
     ``RuntimeError`` naming the failed rank, or a ``ValueError`` when the failure was one,
     so that all ranks leave together and no rank waits in a later collective.
     """
-    error: BaseException | None = None
+    error: Exception | None = None
     if action is not None:
         try:
             action()
@@ -339,13 +339,10 @@ def _save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
 
 
 def _fsync(path: Path) -> None:
-    flags = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) if path.is_dir() else os.O_RDONLY
-    try:
-        fd = os.open(path, flags)
-    except OSError:  # directories cannot be opened on some platforms
-        if path.is_dir():
-            return
-        raise
+    is_dir = path.is_dir()
+    if is_dir and os.name != "posix":
+        return  # directories cannot be opened for fsync on Windows
+    fd = os.open(path, os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if is_dir else 0))
     try:
         os.fsync(fd)
     finally:

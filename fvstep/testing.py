@@ -16,6 +16,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import importlib
 import os
@@ -103,7 +104,7 @@ def assert_resume_exact(
     )
     for stop in sorted(interruptions):
         state, step_fn, data = factory()
-        try:
+        with contextlib.suppress(SimulatedCrash):
             run(
                 step_fn,
                 state,
@@ -112,8 +113,6 @@ def assert_resume_exact(
                 checkpoints=checkpoints,
                 progress=False,
             )
-        except SimulatedCrash:
-            pass
     state, step_fn, data = factory()
     resumed = run(
         step_fn, state, data, num_steps=num_steps, checkpoints=checkpoints, progress=False
@@ -231,7 +230,7 @@ def train_states(*, max_roles: int = 3) -> Any:
             layers = [torch.nn.Linear(width, width, bias=d(st.booleans())) for _ in range(depth)]
             module = torch.nn.Sequential(*layers).to(dtype)
             kind = d(st.sampled_from(["adamw", "sgd", "frozen"]))
-            opt = {
+            opt: Any = {
                 "adamw": optim.adamw(lr=1e-3, amsgrad=d(st.booleans())),
                 "sgd": optim.sgd(lr=0.1, momentum=0.9),
                 "frozen": None,

@@ -279,6 +279,11 @@ def _apply_role(
     return replace(rs, opt_state=opt_state), metrics
 
 
+def _local(x: torch.Tensor) -> torch.Tensor:
+    to_local = getattr(x, "to_local", None)
+    return to_local() if to_local is not None else x
+
+
 @torch.no_grad()
 def _update_ema(
     ema: dict[str, torch.Tensor],
@@ -286,9 +291,13 @@ def _update_ema(
     initialized: torch.Tensor,
     decay: float,
 ) -> None:
-    """``ema = decay * ema + (1 - decay) * param`` in fp32; the first call copies."""
-    targets = [ema[n] for n in params]
-    sources = [p.detach().to(torch.float32) for p in params.values()]
+    """``ema = decay * ema + (1 - decay) * param`` in fp32; the first call copies.
+
+    The EMA is sharded exactly like the parameters, so DTensors are updated shard by
+    shard (on their local tensors: no communication, and foreach kernels apply).
+    """
+    targets = [_local(ema[n]) for n in params]
+    sources = [_local(p.detach()).to(torch.float32) for p in params.values()]
     if not bool(initialized):
         torch._foreach_copy_(targets, sources)
         initialized.fill_(True)

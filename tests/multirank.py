@@ -116,7 +116,7 @@ class RankPool:
                 break
             try:
                 status, value = conn.recv()
-            except EOFError:
+            except (EOFError, ConnectionResetError):
                 errors.append(f"rank {rank}: died (exit code {self._procs[rank].exitcode})")
                 break
             if status == "ok":

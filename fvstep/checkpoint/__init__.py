@@ -6,7 +6,11 @@
   layout of a directory of checkpoints; "latest" never picks an incomplete one.
 - :func:`read_manifest` — what a checkpoint holds; :class:`CheckpointError` — why a
   checkpoint cannot be used.
+- :func:`export_role`, :func:`export_diffusers` — one role's consolidated weights for
+  inference (``fvstep.export``).
 """
+
+from fvstep.export import export_diffusers, export_role
 
 from fvstep.checkpoint.layout import checkpoint_dir, latest, list_complete, prune
 from fvstep.checkpoint.manifest import FORMAT_VERSION, CheckpointError, Manifest, read_manifest
@@ -18,6 +22,8 @@ __all__ = [
     "CheckpointError",
     "Manifest",
     "checkpoint_dir",
+    "export_diffusers",
+    "export_role",
     "latest",
     "list_complete",
     "load",

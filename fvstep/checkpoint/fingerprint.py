@@ -61,7 +61,7 @@ def _contributes(x: Any) -> bool:
     return all(c == 0 for c, p in zip(coordinate, x.placements) if not p.is_shard())
 
 
-def leaf_checksum(x: torch.Tensor) -> torch.Tensor:
+def leaf_checksum(x: Any) -> torch.Tensor:
     """This rank's contribution to the global checksum of ``x`` (a 0-d int64 tensor)."""
     if hasattr(x, "to_local"):
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset

@@ -250,7 +250,7 @@ def load(path: str | os.PathLike[str], *, like: T, group: Any = None) -> T:
                 f"checkpoint {str(path)!r}: the content of '{p}' does not match the manifest's "
                 "checksum (the files were changed or damaged after the save)"
             )
-    return optree.tree_unflatten(spec, fresh)  # type: ignore[no-any-return]
+    return optree.tree_unflatten(spec, fresh)  # type: ignore[return-value]
 
 
 class AsyncSaver:
@@ -297,7 +297,7 @@ class AsyncSaver:
             response = dcp.async_save(
                 flat, checkpoint_id=tmp, process_group=upload_group, no_dist=world == 1
             )
-        upload = getattr(response, "upload_completion", response)
+        upload: Any = getattr(response, "upload_completion", response)
 
         def finish() -> None:
             upload.result()

@@ -1,0 +1,286 @@
+"""Consolidated export of one role: safetensors round trips, diffusers folders, EMA, dtype
+casts, refusals and atomicity, on one process and on 2 FSDP2-sharded CPU ranks (gloo)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+import fvstep as fs
+from fvstep import tree
+from fvstep.export import export_diffusers, export_role, gather_weights
+from fvstep.methods.finetune import flow_matching_loss
+from fvstep.models import predict, synthetic_batch, tiny_wan
+
+diffusers = pytest.importorskip("diffusers")
+WanTransformer3DModel = diffusers.WanTransformer3DModel
+WEIGHTS = diffusers.utils.SAFETENSORS_WEIGHTS_NAME
+
+
+def make_state(module: nn.Module | None = None, *, ema: bool = True) -> fs.TrainState:
+    return fs.TrainState.create(
+        {
+            "student": fs.Role(
+                tiny_wan(seed=0) if module is None else module,
+                optimizer=fs.optim.adamw(lr=1e-3),
+                ema=fs.EMA(0.9) if ema else None,
+            )
+        },
+        key=fs.random.key(0),
+    )
+
+
+def trained_state(num_steps: int = 2) -> fs.TrainState:
+    """Two steps, so that the parameters differ from the init and the EMA from both."""
+    state = make_state()
+    step = fs.compile(fs.update("student", flow_matching_loss()))
+    for i in range(num_steps):
+        state, _ = step(state, synthetic_batch(fs.random.fold_in(fs.random.key(1), i)))
+    return state
+
+
+def state_dict_of(state: fs.TrainState, role: str = "student") -> dict[str, torch.Tensor]:
+    return dict(state.module(role).state_dict())
+
+
+def load_diffusers(path: Path, **kwargs) -> nn.Module:
+    """``WanTransformer3DModel.from_pretrained(path)``.
+
+    diffusers 0.42 cannot load a class with ``_keep_in_fp32_modules`` (Wan has some)
+    without accelerate: it forces ``low_cpu_mem_usage=False`` and then refuses it. When
+    accelerate is missing, load with the fp32 list cleared (it only changes which
+    tensors a ``torch_dtype`` cast skips; these loads are fp32).
+    """
+    try:
+        import accelerate  # noqa: F401
+
+        patch: contextlib.AbstractContextManager = contextlib.nullcontext()
+    except ImportError:
+        patch = pytest.MonkeyPatch.context()
+    with patch as mp:
+        if mp is not None:
+            mp.setattr(WanTransformer3DModel, "_keep_in_fp32_modules", None)
+        return WanTransformer3DModel.from_pretrained(path, **kwargs)
+
+
+def tmp_leftovers(directory: Path) -> list[str]:
+    return [p.name for p in directory.rglob(".*")]
+
+
+# --- export_role ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("target", ["dir", "file"])
+def test_export_role_round_trip_is_bitwise_the_state_dict(tmp_path, target):
+    state = trained_state()
+    path = tmp_path / "out" if target == "dir" else tmp_path / "student.safetensors"
+    written = export_role(state, "student", path)
+    expected = tmp_path / "out" / "model.safetensors" if target == "dir" else path
+    assert written == expected
+    tree.assert_trees_equal(load_file(written), state_dict_of(state))
+    assert tmp_leftovers(tmp_path) == []
+
+
+def test_export_role_of_a_plain_module_keeps_integer_buffers_and_casts_floats(tmp_path):
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+    state = make_state(net, ema=False)
+    written = export_role(state, "student", tmp_path, dtype=torch.bfloat16)
+    assert written is not None
+    loaded = load_file(written)
+    expected = {
+        n: t.to(torch.bfloat16) if t.is_floating_point() else t
+        for n, t in state_dict_of(state).items()
+    }
+    assert loaded["1.num_batches_tracked"].dtype == torch.int64
+    tree.assert_trees_equal(loaded, expected)
+
+
+def test_export_role_ema_exports_the_average_for_trainable_params_and_live_values_else(
+    tmp_path,
+):
+    module = tiny_wan(seed=0)
+    module.patch_embedding.bias.requires_grad_(False)  # a frozen param of a trained role
+    state = make_state(module)
+    step = fs.compile(fs.update("student", flow_matching_loss()))
+    for i in range(2):
+        state, _ = step(state, synthetic_batch(fs.random.fold_in(fs.random.key(1), i)))
+    rs = state.roles["student"]
+    assert rs.ema is not None and "patch_embedding.bias" not in rs.ema.params
+    written = export_role(state, "student", tmp_path, weights="ema")
+    assert written is not None
+    loaded = load_file(written)
+    expected = {**state_dict_of(state), **rs.ema.params}
+    tree.assert_trees_equal(loaded, expected)
+    # Two updates in, the average differs from the live weights.
+    assert not torch.equal(loaded["proj_out.weight"], rs.params["proj_out.weight"])
+
+
+def test_gather_weights_never_shares_memory_with_the_state():
+    state = make_state()
+    weights = gather_weights(state, "student")
+    assert weights is not None
+    live = state.roles["student"].params["proj_out.weight"]
+    weights["proj_out.weight"].add_(1.0)
+    assert not torch.equal(weights["proj_out.weight"], live)
+
+
+# --- export_diffusers ---------------------------------------------------------------------
+
+
+def test_export_diffusers_loads_bitwise_and_predicts_the_same(tmp_path):
+    state = trained_state()
+    path = tmp_path / "student"
+    assert export_diffusers(state, "student", path) == path
+    assert sorted(p.name for p in path.iterdir()) == ["config.json", WEIGHTS]
+    module = state.module("student")
+    assert json.loads((path / "config.json").read_text()) == json.loads(module.to_json_string())
+    loaded = load_diffusers(path)
+    tree.assert_trees_equal(dict(loaded.state_dict()), state_dict_of(state))
+    batch = synthetic_batch(fs.random.key(3), batch_size=2)
+    t = torch.full((2,), 500.0)
+    module.eval()
+    loaded.eval()
+    with torch.no_grad():
+        ours = predict(module, batch["latents"], t, batch["text"])
+        theirs = predict(loaded, batch["latents"], t, batch["text"])
+    assert torch.equal(ours, theirs)
+    assert tmp_leftovers(tmp_path) == []
+
+
+def test_export_diffusers_ema_loads_the_average(tmp_path):
+    state = trained_state()
+    export_diffusers(state, "student", tmp_path / "ema", weights="ema")
+    loaded = load_diffusers(tmp_path / "ema")
+    expected = {**state_dict_of(state), **state.roles["student"].ema.params}
+    tree.assert_trees_equal(dict(loaded.state_dict()), expected)
+
+
+def test_export_diffusers_dtype_cast_keeps_the_classes_fp32_modules_in_fp32(tmp_path):
+    state = make_state()
+    export_diffusers(state, "student", tmp_path / "bf16", dtype=torch.bfloat16)
+    loaded = load_file(tmp_path / "bf16" / WEIGHTS)
+    keep = WanTransformer3DModel._keep_in_fp32_modules
+    for name, value in state_dict_of(state).items():
+        dtype = torch.float32 if any(m in name.split(".") for m in keep) else torch.bfloat16
+        assert torch.equal(loaded[name], value.to(dtype)), name
+        assert loaded[name].dtype == dtype, name
+    assert any(t.dtype == torch.float32 for t in loaded.values())
+    assert any(t.dtype == torch.bfloat16 for t in loaded.values())
+
+
+# --- refusals and atomicity ---------------------------------------------------------------
+
+
+def test_errors_name_the_problem(tmp_path):
+    state = make_state(ema=False)
+    with pytest.raises(ValueError, match="no role 'critic'"):
+        export_role(state, "critic", tmp_path)
+    with pytest.raises(ValueError, match="no EMA"):
+        export_role(state, "student", tmp_path, weights="ema")
+    with pytest.raises(ValueError, match="no EMA"):
+        export_diffusers(state, "student", tmp_path / "d", weights="ema")
+    with pytest.raises(ValueError, match="weights must be"):
+        export_role(state, "student", tmp_path, weights="average")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="floating-point"):
+        export_role(state, "student", tmp_path, dtype=torch.int32)
+    (tmp_path / "x.safetensors").mkdir()
+    with pytest.raises(ValueError, match="is a directory"):
+        export_role(state, "student", tmp_path / "x.safetensors")
+    plain = make_state(nn.Linear(2, 2), ema=False)
+    with pytest.raises(ValueError, match="diffusers ModelMixin.*export_role"):
+        export_diffusers(plain, "student", tmp_path / "d")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.safetensors"]
+
+
+def test_existing_exports_are_kept_unless_overwrite(tmp_path):
+    old, new = make_state(), trained_state()
+    file = export_role(old, "student", tmp_path / "f.safetensors")
+    with pytest.raises(ValueError, match="overwrite=True"):
+        export_role(new, "student", tmp_path / "f.safetensors")
+    tree.assert_trees_equal(load_file(file), state_dict_of(old))
+    export_role(new, "student", tmp_path / "f.safetensors", overwrite=True)
+    tree.assert_trees_equal(load_file(file), state_dict_of(new))
+
+    folder = tmp_path / "d"
+    folder.mkdir()  # an empty folder is a fine target
+    export_diffusers(old, "student", folder)
+    with pytest.raises(ValueError, match="not empty.*overwrite=True"):
+        export_diffusers(new, "student", folder)
+    tree.assert_trees_equal(load_file(folder / WEIGHTS), state_dict_of(old))
+    export_diffusers(new, "student", folder, overwrite=True)
+    tree.assert_trees_equal(load_file(folder / WEIGHTS), state_dict_of(new))
+    assert tmp_leftovers(tmp_path) == []
+
+
+def test_a_failed_write_leaves_the_previous_export_intact(tmp_path, monkeypatch):
+    import safetensors.torch
+
+    old = make_state()
+    file = export_role(old, "student", tmp_path / "f.safetensors")
+    export_diffusers(old, "student", tmp_path / "d")
+
+    def crash(tensors, filename, metadata=None):
+        Path(filename).write_bytes(b"partial")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", crash)
+    new = trained_state()
+    with pytest.raises(OSError, match="disk full"):
+        export_role(new, "student", tmp_path / "f.safetensors", overwrite=True)
+    with pytest.raises(OSError, match="disk full"):
+        export_diffusers(new, "student", tmp_path / "d", overwrite=True)
+    monkeypatch.undo()
+    tree.assert_trees_equal(load_file(file), state_dict_of(old))
+    tree.assert_trees_equal(load_file(tmp_path / "d" / WEIGHTS), state_dict_of(old))
+    assert tmp_leftovers(tmp_path) == []
+
+
+# --- 2 FSDP2-sharded ranks ----------------------------------------------------------------
+
+
+def check_sharded_export(rank: int, world_size: int, directory: str):
+    from fvstep import distributed as fsd
+
+    mesh = fsd.make_mesh(device_type="cpu")
+    module = fsd.shard_module(tiny_wan(seed=0), mesh=mesh)
+    state = make_state(module)
+    assert type(module).__name__ == "FSDPWanTransformer3DModel"
+    assert all(hasattr(p, "full_tensor") for p in state.roles["student"].params.values())
+    out = Path(directory)
+    written = {
+        "params": export_role(state, "student", out / "params"),
+        "ema_bf16": export_role(
+            state, "student", out / "ema.safetensors", weights="ema", dtype=torch.bfloat16
+        ),
+        "diffusers": export_diffusers(state, "student", out / "diffusers"),
+    }
+    try:  # refused on rank 0 (which checks the path), raised on every rank: no hang
+        export_role(state, "student", out / "params")
+        refusal = None
+    except ValueError as e:
+        refusal = str(e)
+    return {k: None if v is None else str(v) for k, v in written.items()}, refusal
+
+
+@pytest.mark.multirank
+def test_sharded_export_is_bitwise_the_unsharded_model_and_loads_in_diffusers(ranks, tmp_path):
+    (paths, refusal_0), (others, refusal_1) = ranks.run(check_sharded_export, str(tmp_path))
+    assert all(v is None for v in others.values()), others
+    assert "overwrite=True" in refusal_0 and "rank 0" in refusal_1 and "overwrite" in refusal_1
+    expected = dict(tiny_wan(seed=0).state_dict())
+    tree.assert_trees_equal(load_file(paths["params"]), expected)
+    tree.assert_trees_equal(
+        load_file(paths["ema_bf16"]), {n: t.to(torch.bfloat16) for n, t in expected.items()}
+    )
+    config = json.loads((Path(paths["diffusers"]) / "config.json").read_text())
+    assert config["_class_name"] == "WanTransformer3DModel"
+    loaded = load_diffusers(Path(paths["diffusers"]))
+    tree.assert_trees_equal(dict(loaded.state_dict()), expected)
+    assert tmp_leftovers(tmp_path) == []
