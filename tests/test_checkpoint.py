@@ -458,7 +458,7 @@ class CrashServer:
         env = {
             **os.environ,
             "OMP_NUM_THREADS": "1",
-            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
         }
         self.log = log
         self._stderr = open(log, "w")  # noqa: SIM115  closed in close()
@@ -645,6 +645,14 @@ def test_changed_shard_content_fails_the_checksum_naming_the_leaf(saved):
     leaf = "roles.student.opt_state.exp_avg.0.weight"
     corrupt_leaf_bytes(saved, leaf, small_state().roles["student"].opt_state.exp_avg["0.weight"])
     assert_refused(saved, small_state(seed=9), CheckpointError, f"'{leaf}'", "checksum")
+
+
+def test_an_edited_manifest_fails_its_own_digest(saved):
+    manifest = saved / MANIFEST_NAME
+    body = json.loads(manifest.read_text())
+    body["checksums"]["roles.student.params.0.weight"] += 1
+    manifest.write_text(json.dumps(body))
+    assert_refused(saved, small_state(), CheckpointError, "digest")
 
 
 def test_a_role_added_since_the_save_is_named(saved):

@@ -17,8 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fvstep as fs
-from fvstep import distributed as fsd
 import fvstep.methods
+from fvstep import distributed as fsd
 from fvstep.methods import dmd2, finetune, rl
 from fvstep.models import synthetic_batch, tiny_wan
 from fvstep.random import fold_in
