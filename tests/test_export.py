@@ -14,7 +14,7 @@ from torch import nn
 
 import fvstep as fs
 from fvstep import tree
-from fvstep.export import export_diffusers, export_role, gather_weights
+from fvstep.checkpoint.export import export_diffusers, export_role, gather_weights
 from fvstep.methods.finetune import flow_matching_loss
 from fvstep.models import predict, synthetic_batch, tiny_wan
 

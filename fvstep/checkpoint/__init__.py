@@ -7,13 +7,13 @@
 - :func:`read_manifest` — what a checkpoint holds; :class:`CheckpointError` — why a
   checkpoint cannot be used.
 - :func:`export_role`, :func:`export_diffusers` — one role's consolidated weights for
-  inference (``fvstep.export``).
+  inference (``fvstep.checkpoint.export``).
 """
 
 from fvstep.checkpoint.layout import checkpoint_dir, latest, list_complete, prune
 from fvstep.checkpoint.manifest import FORMAT_VERSION, CheckpointError, Manifest, read_manifest
 from fvstep.checkpoint.store import AsyncSaver, load, save
-from fvstep.export import export_diffusers, export_role
+from fvstep.checkpoint.export import export_diffusers, export_role
 
 __all__ = [
     "FORMAT_VERSION",
