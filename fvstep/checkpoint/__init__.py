@@ -10,10 +10,10 @@
   inference (``fvstep.checkpoint.export``).
 """
 
+from fvstep.checkpoint.export import export_diffusers, export_role
 from fvstep.checkpoint.layout import checkpoint_dir, latest, list_complete, prune
 from fvstep.checkpoint.manifest import FORMAT_VERSION, CheckpointError, Manifest, read_manifest
 from fvstep.checkpoint.store import AsyncSaver, load, save
-from fvstep.checkpoint.export import export_diffusers, export_role
 
 __all__ = [
     "FORMAT_VERSION",
