@@ -265,6 +265,27 @@ def test_round_trip_on_two_ranks_is_bitwise_and_per_rank_values_return_to_their_
     assert sorted(os.listdir(tmp_path)) == ["step_000000005"]
 
 
+def async_round_trip_on_ranks(rank: int, world_size: int, root: str):
+    extra = {"per_rank": torch.tensor([rank]), "shared": torch.tensor([7])}
+    state = wan_state(rank, sharded=True, extra=extra)
+    expected = tree.clone(state)
+    with ckpt.AsyncSaver() as saver:
+        saver.save(state, checkpoint_dir(root, 5))
+        with torch.no_grad():  # the next in-place update, while the write is in flight
+            for x in tree.leaves(state):
+                if x.is_floating_point():
+                    x.add_(1.0)
+    like = wan_state(rank, sharded=True, seed=1, fill=None, extra=zeros_like_state(extra))
+    loaded = load(checkpoint_dir(root, 5), like=like)
+    tree.assert_trees_equal(loaded, expected, check_static=False)
+    return int(loaded.extra["per_rank"])
+
+
+@pytest.mark.multirank
+def test_async_save_on_two_ranks_captures_the_sharded_state_at_call_time(ranks, tmp_path):
+    assert ranks.run(async_round_trip_on_ranks, str(tmp_path)) == [0, 1]
+
+
 def save_sharded_on_ranks(rank: int, world_size: int, root: str, per_rank: bool):
     extra = {"per_rank": torch.tensor([rank])} if per_rank else {"shared": torch.tensor([7])}
     state = wan_state(rank, sharded=True, extra=extra)
@@ -405,11 +426,6 @@ def rmtree_killed_midway(path, *args, **kwargs):
     raise SimulatedKill(f"killed while deleting {path}")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="library bug: layout.prune deletes a step_* directory in place (shutil.rmtree); "
-    "a crash mid-delete leaves a manifest without its shards, which list_complete lists",
-)
 def test_a_crash_while_pruning_leaves_only_loadable_checkpoints(tmp_path, monkeypatch):
     for step in (1, 2, 3):
         save(small_state(seed=step), checkpoint_dir(tmp_path, step))
@@ -421,11 +437,6 @@ def test_a_crash_while_pruning_leaves_only_loadable_checkpoints(tmp_path, monkey
         assert_loads_as(path, small_state(seed=step), small_state(seed=9))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="library bug: store._publish removes the old checkpoint in place "
-    "(shutil.rmtree(final)) before the rename; a crash mid-delete leaves a broken latest",
-)
 def test_a_crash_while_overwriting_leaves_a_loadable_latest(tmp_path, monkeypatch):
     save(small_state(seed=1), checkpoint_dir(tmp_path, 1))
     path = save(small_state(seed=2), checkpoint_dir(tmp_path, 2))
@@ -619,11 +630,6 @@ def test_a_directory_that_is_not_a_checkpoint_is_refused(tmp_path):
     assert_refused(tmp_path / "notes", small_state(), CheckpointError, "not an fvstep checkpoint")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="library bug: store.load catches Exception, but DCP's CheckpointException "
-    "derives from BaseException, so a damaged shard escapes as a raw CheckpointException",
-)
 def test_a_truncated_shard_is_refused(saved):
     shard = shard_files(saved)[0]
     with open(shard, "r+b") as f:
@@ -631,11 +637,6 @@ def test_a_truncated_shard_is_refused(saved):
     assert_refused(saved, small_state(seed=9), CheckpointError)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="library bug: store.load catches Exception, but DCP's CheckpointException "
-    "derives from BaseException, so a missing shard escapes as a raw CheckpointException",
-)
 def test_a_deleted_shard_is_refused(saved):
     shard_files(saved)[0].unlink()
     assert_refused(saved, small_state(seed=9), CheckpointError)

@@ -61,6 +61,17 @@ def _contributes(x: Any) -> bool:
     return all(c == 0 for c, p in zip(coordinate, x.placements) if not p.is_shard())
 
 
+_CHUNK = 1 << 20  # elements per pass: int64 temporaries stay cache-sized on a CPU
+
+
+def _mix_sum(bits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    h = bits * _K1 + index * _K2 + _K3
+    h ^= h >> 31
+    h *= _K2
+    h ^= h >> 29
+    return h.sum()
+
+
 def leaf_checksum(x: Any) -> torch.Tensor:
     """This rank's contribution to the global checksum of ``x`` (a 0-d int64 tensor)."""
     if hasattr(x, "to_local"):
@@ -74,14 +85,21 @@ def leaf_checksum(x: Any) -> torch.Tensor:
     else:
         local = x.detach()
         shape, offset, global_shape = tuple(local.shape), (0,) * local.dim(), tuple(local.shape)
+    total = torch.zeros((), dtype=torch.int64, device=local.device)
     if local.numel() == 0:
-        return torch.zeros((), dtype=torch.int64, device=local.device)
-    bits = _bits64(local).reshape(shape)
-    h = bits * _K1 + _global_index(shape, offset, global_shape, local.device) * _K2 + _K3
-    h = h ^ (h >> 31)
-    h = h * _K2
-    h = h ^ (h >> 29)
-    return h.sum()
+        return total
+    flat = local.contiguous().reshape(-1)
+    if all(o == 0 for o in offset[1:]) and tuple(shape[1:]) == tuple(global_shape[1:]):
+        # A block of whole rows (FSDP2's Shard(0)): global flat index = start + local index.
+        start = offset[0] * (flat.numel() // max(shape[0], 1)) if shape else 0
+        chunk = _CHUNK if local.device.type == "cpu" else 1 << 26
+        base = torch.arange(min(chunk, flat.numel()), dtype=torch.int64, device=local.device)
+        for lo in range(0, flat.numel(), chunk):
+            part = flat[lo : lo + chunk]
+            total += _mix_sum(_bits64(part), base[: part.numel()] + (start + lo))
+        return total
+    index = _global_index(tuple(shape), tuple(offset), global_shape, local.device).reshape(-1)
+    return _mix_sum(_bits64(flat), index)
 
 
 def fingerprint(

@@ -14,11 +14,12 @@ import re
 import shutil
 from pathlib import Path
 
-from fvstep.checkpoint.manifest import CheckpointError, read_manifest
+from fvstep.checkpoint.manifest import CheckpointError, NewerFormatError, read_manifest
 
 __all__ = [
     "checkpoint_dir",
     "commit",
+    "discard",
     "latest",
     "list_complete",
     "prune",
@@ -63,6 +64,8 @@ def list_complete(root: str | os.PathLike[str]) -> list[tuple[int, Path]]:
     """Complete checkpoints under ``root`` as ``(step, path)``, oldest first.
 
     A directory counts only if its name is ``step_<digits>`` and its manifest is valid.
+    One written by a newer format counts too (loading it then says to upgrade), so an
+    older fvstep never silently resumes from an older step.
     """
     root = Path(root)
     if not root.is_dir():
@@ -74,6 +77,8 @@ def list_complete(root: str | os.PathLike[str]) -> list[tuple[int, Path]]:
             continue
         try:
             read_manifest(entry)
+        except NewerFormatError:
+            pass
         except (CheckpointError, OSError):
             continue
         found.append((int(match.group(1)), entry))
@@ -107,4 +112,18 @@ def prune(root: str | os.PathLike[str], keep: int | None, *, keep_temp: Path | N
         return
     complete = list_complete(root)
     for _, path in complete[: max(len(complete) - max(keep, 1), 0)]:
-        shutil.rmtree(path, ignore_errors=True)
+        discard(path)
+
+
+def discard(path: Path) -> None:
+    """Delete a checkpoint directory so that a crash midway never leaves a listed, broken one.
+
+    It is first renamed to ``.tmp-deleting-<name>`` (atomic; temporaries are never
+    listed and are swept by later prunes), then deleted.
+    """
+    aside = path.with_name(f".tmp-deleting-{path.name}")
+    if aside.exists():
+        shutil.rmtree(aside)
+    os.replace(path, aside)
+    _fsync_dir(path.parent)
+    shutil.rmtree(aside, ignore_errors=True)

@@ -29,6 +29,10 @@ class CheckpointError(ValueError):
     """A checkpoint is missing, incomplete, corrupt or does not fit the state."""
 
 
+class NewerFormatError(CheckpointError):
+    """A complete checkpoint written by a newer fvstep format than this one reads."""
+
+
 @attrs.frozen
 class Manifest:
     """What a checkpoint holds.
@@ -98,7 +102,7 @@ def read_manifest(directory: str | os.PathLike[str]) -> Manifest:
         raise CheckpointError(f"{str(path)!r} is not an fvstep checkpoint manifest")
     version = body.get("format_version")
     if not isinstance(version, int) or version > FORMAT_VERSION:
-        raise CheckpointError(
+        raise NewerFormatError(
             f"the checkpoint {str(directory)!r} has format version {version}, newer than the "
             f"{FORMAT_VERSION} this fvstep reads: upgrade fvstep"
         )

@@ -22,10 +22,12 @@ import optree
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 import fvstep
 from fvstep.checkpoint.fingerprint import fingerprint
-from fvstep.checkpoint.layout import commit, list_complete
+from fvstep.checkpoint.layout import commit, discard, list_complete
 from fvstep.checkpoint.manifest import CheckpointError, Manifest, read_manifest
 from fvstep.tree import flatten_with_paths
 
@@ -71,46 +73,60 @@ def _describe_leaf(x: torch.Tensor, per_rank: bool) -> dict[str, Any]:
     }
 
 
-def _prepare(state: Any, path: str | os.PathLike[str], overwrite: bool, group: Any):
-    """Collective: flatten, fingerprint, make the temporary directory. Returns the plan."""
+def _make_temp_dir(final: Path, overwrite: bool, group: Any) -> Path:
+    """Collective: rank 0 checks ``final`` and makes a fresh temporary directory."""
     rank, world = _rank_world(group)
-    final = Path(path)
     tmp = _temp_for(final)
-    paths, leaves, _ = flatten_with_paths(state)
+    error: str | None = None
     if rank == 0:
         if final.exists() and not overwrite:
-            error: str | None = f"checkpoint {str(final)!r} already exists (pass overwrite=True)"
+            error = f"checkpoint {str(final)!r} already exists (pass overwrite=True)"
         else:
-            error = None
             if tmp.exists():
                 shutil.rmtree(tmp)
             tmp.mkdir(parents=True)
-    else:
-        error = None
     if world > 1:
         box = [error]
         dist.broadcast_object_list(box, src=0, group=group)
         error = box[0]
     if error is not None:
         raise CheckpointError(error)
+    return tmp
+
+
+def _write(
+    paths: list[str],
+    leaves: list[torch.Tensor],
+    step: int,
+    final: Path,
+    tmp: Path,
+    overwrite: bool,
+    group: Any,
+) -> None:
+    """Collective: fingerprint, write the shards with DCP, and (rank 0) commit."""
+    rank, world = _rank_world(group)
     checksums, per_rank = fingerprint(paths, leaves, group=group)
     flat = {(_rank_key(p, rank) if p in per_rank else p): x.detach() for p, x in zip(paths, leaves)}
     manifest = Manifest(
-        step=int(getattr(state, "step", 0)),
+        step=step,
         world_size=world,
         leaves={p: _describe_leaf(x, p in per_rank) for p, x in zip(paths, leaves)},
         checksums=checksums,
         per_rank=per_rank,
         fvstep_version=fvstep.__version__,
     )
-    _barrier(group)
-    return final, tmp, flat, manifest
+    with _quiet_single_process(world):
+        dcp.save(flat, checkpoint_id=tmp, process_group=group, no_dist=world == 1)
+    if rank == 0:
+        _publish(final, tmp, manifest, overwrite)
 
 
 def _publish(final: Path, tmp: Path, manifest: Manifest, overwrite: bool) -> None:
     manifest.write(tmp)
     if overwrite and final.exists():
-        shutil.rmtree(final)
+        # Between these two renames no step_<n> exists; a crash there leaves the older
+        # checkpoints as "latest", never a half-deleted one.
+        discard(final)
     commit(tmp, final)
 
 
@@ -138,12 +154,10 @@ def save(
     Example:
         >>> save(state, "ckpt/step_000000100")
     """
-    final, tmp, flat, manifest = _prepare(state, path, overwrite, group)
-    rank, world = _rank_world(group)
-    with _quiet_single_process(world):
-        dcp.save(flat, checkpoint_id=tmp, process_group=group, no_dist=world == 1)
-    if rank == 0:
-        _publish(final, tmp, manifest, overwrite)
+    final = Path(path)
+    tmp = _make_temp_dir(final, overwrite, group)
+    paths, leaves, _ = flatten_with_paths(state)
+    _write(paths, leaves, int(getattr(state, "step", 0)), final, tmp, overwrite, group)
     _barrier(group)
     return final
 
@@ -237,10 +251,12 @@ def load(path: str | os.PathLike[str], *, like: T, group: Any = None) -> T:
     try:
         with _quiet_single_process(world):
             dcp.load(flat, checkpoint_id=path, process_group=group, no_dist=world == 1)
-    except Exception as e:  # DCP wraps reader errors in CheckpointException
+    except (Exception, CheckpointException) as e:  # DCP's exception is a BaseException
+        failures = getattr(e, "failures", None) or {rank: e}
+        detail = "; ".join(f"rank {r}: {type(f).__name__}: {f}" for r, f in failures.items())
         raise CheckpointError(
-            f"could not read checkpoint {str(path)!r}: {type(e).__name__}: {e}"
-        ) from e
+            f"could not read checkpoint {str(path)!r} (a shard missing or damaged?): {detail}"
+        ) from None
     checksums, per_rank = fingerprint(paths, fresh, group=group)
     for p in paths:
         expected = manifest.per_rank[p][rank] if p in manifest.per_rank else manifest.checksums[p]
@@ -254,12 +270,14 @@ def load(path: str | os.PathLike[str], *, like: T, group: Any = None) -> T:
 
 
 class AsyncSaver:
-    """Saves in the background with DCP's ``async_save``; one save in flight at a time.
+    """Saves in the background; one save in flight at a time.
 
-    :meth:`save` blocks for the collective preparation and for DCP's staging (a copy of
-    every tensor), so the caller may update the state in place as soon as it returns;
-    the files are written and the checkpoint committed on a background thread. A
-    failure there is raised by the next :meth:`save`, :meth:`wait` or :meth:`close`.
+    :meth:`save` blocks only to check the target and to *stage* the state — a CPU copy
+    of every tensor, made by DCP's ``DefaultStager`` — so the caller may update the
+    state in place as soon as it returns. The fingerprint, DCP's write and the commit run
+    on a background thread, with a gloo process group of their own so that their
+    collectives never interleave with a training step's. A failure there is raised by
+    the next :meth:`save`, :meth:`wait` or :meth:`close`.
 
     Example:
         >>> with AsyncSaver() as saver:
@@ -272,13 +290,12 @@ class AsyncSaver:
         self._group = group
         self._upload_group: Any = None
         self._pending: concurrent.futures.Future[None] | None = None
+        self._stager = DefaultStager(StagingOptions(False, False, False, False))
         self._executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="fvstep-ckpt"
         )
 
     def _uploads(self) -> Any:
-        # DCP's background thread runs collectives: give it a gloo group of its own so they
-        # never interleave with the training step's collectives.
         if self._upload_group is None and _rank_world(self._group)[1] > 1:
             self._upload_group = dist.new_group(backend="gloo")
         return self._upload_group
@@ -291,20 +308,15 @@ class AsyncSaver:
         """
         self.wait()
         upload_group = self._uploads()
-        final, tmp, flat, manifest = _prepare(state, path, overwrite, self._group)
-        rank, world = _rank_world(self._group)
-        with _quiet_single_process(world):
-            response = dcp.async_save(
-                flat, checkpoint_id=tmp, process_group=upload_group, no_dist=world == 1
-            )
-        upload: Any = getattr(response, "upload_completion", response)
-
-        def finish() -> None:
-            upload.result()
-            if rank == 0:
-                _publish(final, tmp, manifest, overwrite)
-
-        self._pending = self._executor.submit(finish)
+        final = Path(path)
+        tmp = _make_temp_dir(final, overwrite, self._group)
+        paths, leaves, _ = flatten_with_paths(state)
+        staged: Any = self._stager.stage({p: x.detach() for p, x in zip(paths, leaves)})
+        staged_leaves = [staged[p] for p in paths]
+        step = int(getattr(state, "step", 0))
+        self._pending = self._executor.submit(
+            _write, paths, staged_leaves, step, final, tmp, overwrite, upload_group
+        )
 
     def wait(self) -> None:
         """Wait for the save in flight; raise its error, if any."""
@@ -318,6 +330,7 @@ class AsyncSaver:
             self.wait()
         finally:
             self._executor.shutdown(wait=True)
+            self._stager.close()
 
     def __enter__(self) -> AsyncSaver:
         return self
