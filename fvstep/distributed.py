@@ -14,6 +14,7 @@ Only this module, ``fvstep.checkpoint`` and the executor call ``torch.distribute
 from __future__ import annotations
 
 import collections
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -32,9 +33,13 @@ __all__ = [
     "FSDPGradSync",
     "blocks_policy",
     "data_parallel_index",
+    "gather_objects",
     "grad_sync_for",
+    "init_from_env",
     "is_sharded",
+    "launch",
     "make_mesh",
+    "rank_and_world",
     "shard_module",
 ]
 
@@ -286,3 +291,80 @@ class CollectiveCounter(TorchDispatchMode):
         out = {f"collectives/{k}": v for k, v in self.counts.items()}
         out.update({f"collectives/{k}_bytes": v for k, v in self.bytes.items()})
         return out
+
+
+def _launched(entry: tuple[str, str], args: tuple[Any, ...]) -> Any:
+    """The body of each launched rank: a gloo (or NCCL) process group from the env, then ``entry``."""
+    import importlib
+
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "gloo":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
+    else:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group(backend)
+    try:
+        module, name = entry
+        fn = getattr(importlib.import_module(module), name)
+        return fn(*args)
+    finally:
+        dist.destroy_process_group()
+
+
+def launch(fn: Callable[..., Any], *args: Any, nproc: int = 2) -> list[Any]:
+    """Run ``fn(*args)`` on ``nproc`` local ranks with torch.distributed's elastic launcher.
+
+    Each rank initialises the default process group (NCCL with GPUs, else gloo) from
+    the launcher's environment before calling ``fn``, and destroys it after. ``fn``
+    must be a module-level function (ranks import it by name); its results must be
+    picklable.
+
+    Returns:
+        The results, by rank.
+
+    Raises:
+        torch.distributed.elastic.multiprocessing.errors.ChildFailedError: If a rank failed.
+
+    Example:
+        >>> results = launch(train_and_report, "runs/a", nproc=2)
+    """
+    import uuid
+
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=str(uuid.uuid4()),
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        max_restarts=0,
+        monitor_interval=0.1,
+        start_method="spawn",
+    )
+    results = elastic_launch(config, _launched)((fn.__module__, fn.__qualname__), args)
+    return [results[r] for r in sorted(results)]
+
+
+def rank_and_world() -> tuple[int, int]:
+    """``(rank, world_size)`` of the default process group; ``(0, 1)`` without one."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def gather_objects(obj: Any) -> list[Any]:
+    """Every rank's ``obj`` (picklable), by rank; ``[obj]`` without a process group."""
+    _, world = rank_and_world()
+    if world == 1:
+        return [obj]
+    out: list[Any] = [None] * world
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def init_from_env() -> None:
+    """Initialise the default process group from torchrun's environment, if not yet done."""
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")

@@ -1,0 +1,22 @@
+"""Benchmarks of fvstep: each module is a command with ``main(argv) -> int``.
+
+- :mod:`fvstep.bench.accumulation` — step time, peak memory and collective bytes of the
+  accumulation policies (``every``, ``no_sync``, ``deferred``) against K, beside the
+  analytic expectation.
+- :mod:`fvstep.bench.overhead` — fvstep's compiled fine-tune step against a hand-written
+  imperative (FSDP2) loop, alternated A/B in one process group; fvstep's own CPU time.
+- :mod:`fvstep.bench.checkpoint` — sync/async save, load, and the disk's own sequential
+  write bandwidth on the same bytes.
+- :mod:`fvstep.bench.common` — model presets, data, distributed setup, timing, FLOPs,
+  tables.
+
+Run on one process (unsharded) or under ``torchrun`` (every role sharded with FSDP2;
+gloo on CPU, NCCL on CUDA). Only rank 0 prints and writes files. Performance is
+measured here and never asserted in tests.
+
+Example:
+    $ python benchmarks/accumulation.py --preset tiny-wan --k 1 2 --steps 3 --warmup 1
+    $ torchrun --standalone --nproc_per_node 2 benchmarks/overhead.py --preset tiny-wan
+"""
+
+__all__ = ["accumulation", "checkpoint", "common", "overhead"]

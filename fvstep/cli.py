@@ -1,0 +1,325 @@
+"""The ``fvstep`` command line: ``demo``, ``verify-resume``, ``bench``.
+
+``fvstep demo`` and ``fvstep verify-resume`` launch their ranks themselves through
+torch.distributed's elastic launcher when ``--nproc`` > 1, and run in place when started
+under ``torchrun`` (which sets ``WORLD_SIZE``). Errors are one line on stderr and a
+non-zero exit; ``--debug`` shows the traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, NoReturn
+
+__all__ = ["main"]
+
+
+class CLIError(Exception):
+    """A user error: printed as one line, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise CLIError(f"{self.prog}: {message} (see {self.prog} --help)")
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="fvstep", description="Training methods as pure steps, with exact resume."
+    )
+    parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    demo = sub.add_parser(
+        "demo", help="tiny DMD2 distillation that interrupts itself, resumes and proves it"
+    )
+    demo.add_argument("--steps", type=int, default=24, help="steps per run (default 24)")
+    demo.add_argument("--nproc", type=int, default=2, help="ranks (gloo on CPU; default 2)")
+    demo.add_argument("--policy", choices=["every", "no_sync", "deferred"], default="deferred")
+    demo.add_argument("--microbatches", type=int, default=2, help="K (default 2)")
+    demo.add_argument("--every", type=int, default=4, help="checkpoint interval (default 4)")
+    demo.add_argument(
+        "--out", default="fvstep-demo", help="output directory (default ./fvstep-demo)"
+    )
+    demo.add_argument("--debug", action="store_true", help="show tracebacks")
+
+    verify = sub.add_parser("verify-resume", help="prove the resume law for MODULE:FACTORY")
+    verify.add_argument("factory", help="MODULE:FACTORY; FACTORY() returns (state, step_fn, data)")
+    verify.add_argument("--steps", type=int, default=6)
+    verify.add_argument(
+        "--interrupt", type=int, nargs="+", default=None, help="steps to crash before"
+    )
+    verify.add_argument("--every", type=int, default=2, help="checkpoint interval (default 2)")
+    verify.add_argument("--nproc", type=int, default=1)
+    verify.add_argument(
+        "--workdir", default=None, help="checkpoint directory (default: a temp dir)"
+    )
+    verify.add_argument("--debug", action="store_true", help="show tracebacks")
+
+    bench = sub.add_parser("bench", help="benchmarks: accumulation | overhead | checkpoint")
+    bench.add_argument("name", choices=["accumulation", "overhead", "checkpoint"])
+    bench.add_argument("args", nargs=argparse.REMAINDER, help="options of the benchmark (--help)")
+    return parser
+
+
+def _under_launcher() -> bool:
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def _check_out_dir(path: str) -> Path:
+    out = Path(path)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".fvstep-write-test"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise CLIError(
+            f"fvstep: cannot write to the output directory {path!r}: {e.strerror or e}"
+        ) from None
+    return out.resolve()
+
+
+def _check_positive(**values: int) -> None:
+    for name, value in values.items():
+        if value < 1:
+            raise CLIError(f"fvstep: --{name.replace('_', '-')} must be >= 1, got {value}")
+
+
+# ---------------------------------------------------------------------------- demo
+
+
+def _demo_rank(config: Any) -> dict[str, Any]:
+    from fvstep.demo import run_demo
+
+    return run_demo(config)
+
+
+def _run_on_ranks(fn: Any, arg: Any, nproc: int) -> list[Any]:
+    if nproc == 1 or _under_launcher():
+        if _under_launcher():
+            from fvstep.distributed import init_from_env
+
+            init_from_env()
+        return [fn(arg)]
+    from fvstep.distributed import launch
+
+    return launch(fn, arg, nproc=nproc)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from fvstep.demo import DemoConfig, plot_losses
+
+    _check_positive(
+        steps=args.steps, nproc=args.nproc, microbatches=args.microbatches, every=args.every
+    )
+    if args.steps < 4:
+        raise CLIError("fvstep: --steps must be >= 4 (the demo crashes mid-run and resumes)")
+    out = _check_out_dir(args.out)
+    for run in ("uninterrupted", "interrupted"):
+        stale = out / run
+        if stale.exists():
+            import shutil
+
+            shutil.rmtree(stale)
+    config = DemoConfig(
+        out=str(out),
+        num_steps=args.steps,
+        microbatches=args.microbatches,
+        sync=args.policy,
+        every=args.every,
+    )
+    start = time.perf_counter()
+    summary = _run_on_ranks(_demo_rank, config, args.nproc)[0]
+    elapsed = time.perf_counter() - start
+    if int(os.environ.get("RANK", "0")) != 0:
+        return 0 if summary["equal"] else 1
+    png = plot_losses(out, resumed_from=summary["resumed_from"], crash_at=summary["crash_at"])
+    rows = _last_losses(out)
+    print()
+    print("fvstep demo — DMD2 (student, frozen teacher, critic) on a tiny Wan transformer")
+    print(
+        f"  ranks                {summary['world_size']} (gloo, FSDP2)"
+        if summary["world_size"] > 1
+        else "  ranks                1"
+    )
+    print(
+        f"  steps                {args.steps} per run, K={args.microbatches} micro-batches, sync={args.policy}"
+    )
+    print(
+        f"  interruption         crash before step {summary['crash_at']}, resumed from step {summary['resumed_from']}"
+    )
+    print(f"  final losses         {rows}")
+    print(
+        f"  checkpoint size      {summary['checkpoint_bytes'] / 2**20:.2f} MiB ({summary['num_leaves']} leaves per rank)"
+    )
+    print(
+        f"  metrics              {out / 'uninterrupted' / 'metrics.jsonl'}, {out / 'interrupted' / 'metrics.jsonl'}"
+    )
+    print(f"  plot                 {png if png else 'matplotlib not installed: no plot'}")
+    print(f"  time                 {elapsed:.1f} s")
+    if summary["equal"]:
+        print(
+            "  verdict              RESUMED RUN == UNINTERRUPTED RUN, bitwise (every leaf, every rank)"
+        )
+        return 0
+    print(f"  verdict              DIFFERENT: {summary['first_difference']}")
+    return 1
+
+
+def _last_losses(out: Path) -> str:
+    import json
+
+    lines = (out / "interrupted" / "metrics.jsonl").read_text().splitlines()
+    last: dict[str, float] = {}
+    for line in lines:
+        row = json.loads(line)
+        last.update({k: v for k, v in row.items() if k.endswith("/loss")})
+    return ", ".join(f"{k} {v:.4f}" for k, v in sorted(last.items()))
+
+
+# ------------------------------------------------------------------- verify-resume
+
+
+def _load_factory(spec: str) -> Any:
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise CLIError(f"fvstep: factory must be MODULE:FACTORY, got {spec!r}")
+    sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:
+        raise CLIError(f"fvstep: cannot import {module_name!r}: {type(e).__name__}: {e}") from None
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise CLIError(f"fvstep: {module_name!r} has no callable {attr!r}")
+    return factory
+
+
+def _checked_factory(spec: str) -> Any:
+    from fvstep.state import TrainState
+
+    factory = _load_factory(spec)
+
+    def checked() -> Any:
+        made = factory()
+        if not (isinstance(made, tuple) and len(made) == 3):
+            raise CLIError(
+                f"fvstep: {spec} must return (state, step_fn, data), got {type(made).__name__}"
+                + (f" of length {len(made)}" if isinstance(made, tuple) else "")
+            )
+        state, step_fn, data = made
+        if not isinstance(state, TrainState):
+            raise CLIError(
+                f"fvstep: {spec} returned {type(state).__name__} where a TrainState must be"
+            )
+        if not callable(step_fn):
+            raise CLIError(f"fvstep: {spec} returned a step_fn that is not callable")
+        return made
+
+    return checked
+
+
+def _verify_rank(job: dict[str, Any]) -> str | None:
+    from fvstep.testing import assert_resume_exact
+
+    try:
+        assert_resume_exact(
+            _checked_factory(job["factory"]),
+            num_steps=job["steps"],
+            interruptions=job["interrupt"],
+            workdir=job["workdir"],
+            checkpoint_every=job["every"],
+        )
+    except AssertionError as e:
+        return str(e)
+    return None
+
+
+def _verify(args: argparse.Namespace) -> int:
+    _check_positive(steps=args.steps, nproc=args.nproc, every=args.every)
+    _checked_factory(args.factory)  # fail fast on an import error, before launching ranks
+    interrupt = args.interrupt or [args.steps // 2]
+    if any(not 0 <= s < args.steps for s in interrupt):
+        raise CLIError(f"fvstep: --interrupt steps must lie in [0, {args.steps}), got {interrupt}")
+    with tempfile.TemporaryDirectory(prefix="fvstep-verify-") as tmp:
+        job = {
+            "factory": args.factory,
+            "steps": args.steps,
+            "interrupt": interrupt,
+            "every": args.every,
+            "workdir": args.workdir or tmp,
+        }
+        failures = _run_on_ranks(_verify_rank, job, args.nproc)
+    failure = next((f for f in failures if f is not None), None)
+    if int(os.environ.get("RANK", "0")) != 0:
+        return 0 if failure is None else 1
+    where = f"{args.steps} steps, crashes before {interrupt}, checkpoints every {args.every}, {args.nproc} rank(s)"
+    if failure is None:
+        print(f"resume is exact: {args.factory} ({where})")
+        return 0
+    print(f"resume is NOT exact: {args.factory} ({where})")
+    print(f"  {failure}")
+    print(
+        "  Look for state the step reads that is not in the TrainState: a global RNG draw outside"
+    )
+    print("  the step, a counter kept on an object, data that is not a function of the step.")
+    return 1
+
+
+# --------------------------------------------------------------------------- bench
+
+
+def _bench(args: argparse.Namespace) -> int:
+    module = importlib.import_module(f"fvstep.bench.{args.name}")
+    return int(module.main(list(args.args)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``fvstep`` console script."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    try:
+        args = _build_parser().parse_args(argv)
+        command = {"demo": _demo, "verify-resume": _verify, "bench": _bench}[args.command]
+        return command(args)
+    except CLIError as e:
+        if debug:
+            raise
+        print(str(e), file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("fvstep: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
+        if debug:
+            raise
+        cause = _root_cause(e)
+        print(
+            f"fvstep: error: {type(cause).__name__}: {cause} (run with --debug for the traceback)",
+            file=sys.stderr,
+        )
+        return 1
+
+
+def _root_cause(e: BaseException) -> BaseException:
+    failures = getattr(e, "failures", None)  # the elastic launcher's ChildFailedError
+    if failures:
+        first = next(iter(failures.values()))
+        message = getattr(first, "message", None)
+        if isinstance(message, dict):
+            text = message.get("message", str(first))
+        else:
+            text = str(message or first)
+        return RuntimeError(text.strip().splitlines()[-1] if text.strip() else "a rank failed")
+    return e
+
+
+if __name__ == "__main__":
+    sys.exit(main())
