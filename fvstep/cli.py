@@ -214,7 +214,7 @@ def _checked_factory(spec: str) -> Any:
                 f"fvstep: {spec} must return (state, step_fn, data), got {type(made).__name__}"
                 + (f" of length {len(made)}" if isinstance(made, tuple) else "")
             )
-        state, step_fn, data = made
+        state, step_fn, _data = made
         if not isinstance(state, TrainState):
             raise CLIError(
                 f"fvstep: {spec} returned {type(state).__name__} where a TrainState must be"

@@ -62,13 +62,13 @@ def _setup(config: DemoConfig, sharded: bool) -> tuple[fs.TrainState, fs.Step, S
     def shard(module: torch.nn.Module) -> torch.nn.Module:
         return fsd.shard_module(module, mesh=mesh) if mesh is not None else module
 
-    teacher = tiny_wan(seed=config.seed)
+    teacher: Any = tiny_wan(seed=config.seed)
     optimizer = fs.optim.adamw(lr=fs.schedules.constant_with_warmup(2e-4, warmup_steps=4))
     roles = {
         "student": fs.Role(shard(copy.deepcopy(teacher)), optimizer=optimizer, allow_no_sync=True),
         "teacher": fs.Role(shard(teacher)),
         "critic": fs.Role(
-            shard(tiny_wan(seed=config.seed + 1)),
+            shard(tiny_wan(seed=config.seed + 1)),  # type: ignore[arg-type]
             optimizer=fs.optim.adamw(lr=4e-4),
             allow_no_sync=True,
         ),
@@ -76,7 +76,7 @@ def _setup(config: DemoConfig, sharded: bool) -> tuple[fs.TrainState, fs.Step, S
     state = fs.TrainState.create(roles, key=fs.random.key(config.seed))
     step = fs.compile(
         dmd2(generator_update_interval=config.generator_update_interval, ordering="sequential"),
-        accumulation=fs.Accumulation(microbatches=config.microbatches, sync=config.sync),
+        accumulation=fs.Accumulation(microbatches=config.microbatches, sync=config.sync),  # type: ignore[arg-type]
         clip=fs.clip_grad_norm(1.0),
     )
     data = ShuffledSource(
@@ -169,9 +169,8 @@ def plot_losses(out: str | Path, *, resumed_from: int, crash_at: int) -> Path | 
     }
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharex=True)
     for ax, metric in zip(axes, ["critic/loss", "student/loss"]):
-        for (label, rows), style in zip(
-            runs.items(), [dict(lw=3, alpha=0.4), dict(lw=1.2, ls="--")]
-        ):
+        styles: list[dict[str, Any]] = [{"lw": 3, "alpha": 0.4}, {"lw": 1.2, "ls": "--"}]
+        for (label, rows), style in zip(runs.items(), styles):
             points = [(r["step"], r[metric]) for r in rows if metric in r]
             if points:
                 ax.plot(*zip(*points), label=label, marker="o", ms=3, **style)

@@ -13,6 +13,7 @@ Usage, from the repository root::
 
     python docs/_ext/check_snippets.py                 # every page
     python docs/_ext/check_snippets.py docs/tutorial.md
+    python docs/_ext/check_snippets.py --show docs/tutorial.md   # print what it prints
 
 Exits non-zero if any page fails, printing the page, its script and the error.
 """
@@ -42,7 +43,7 @@ def _script(page: Path, workdir: Path) -> str | None:
     return _PRELUDE + "\n".join(parts) if parts else None
 
 
-def check(page: Path) -> bool:
+def check(page: Path, *, show: bool = False) -> bool:
     """Run ``page``'s examples; print the outcome; return whether they passed."""
     with tempfile.TemporaryDirectory(prefix="fvstep-docs-") as tmp:
         workdir = Path(tmp)
@@ -57,6 +58,8 @@ def check(page: Path) -> bool:
         elapsed = time.perf_counter() - start
     if done.returncode == 0:
         print(f"ok    {page} ({elapsed:.1f} s)")
+        if show:
+            print(done.stdout + done.stderr)
         return True
     numbered = "\n".join(f"{i + 1:4d}  {line}" for i, line in enumerate(script.splitlines()))
     print(f"FAIL  {page} ({elapsed:.1f} s)\n{numbered}\n{done.stdout}{done.stderr}")
@@ -64,9 +67,10 @@ def check(page: Path) -> bool:
 
 
 def main(argv: list[str]) -> int:
+    show = "--show" in argv
     root = Path(__file__).resolve().parents[1]
-    pages = [Path(a) for a in argv] or sorted(root.rglob("*.md"))
-    results = [check(page) for page in pages]
+    pages = [Path(a) for a in argv if a != "--show"] or sorted(root.rglob("*.md"))
+    results = [check(page, show=show) for page in pages]
     return 0 if all(results) else 1
 
 
