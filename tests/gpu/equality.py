@@ -1,0 +1,162 @@
+"""The distributed equality checks on GPUs (NCCL), run by torchrun — not collected by pytest.
+
+    python -m torch.distributed.run --standalone --nproc_per_node 2 tests/gpu/equality.py \
+        --json equality.json
+
+What it checks on each rank (the CPU versions are tests/test_distributed.py):
+- fvstep's compiled fine-tune step vs a hand-written imperative FSDP2 loop (tiny Wan,
+  fully_shard per block and at the root, MixedPrecisionPolicy(bf16 params, fp32 reduce),
+  fp32 master weights, torch.optim.AdamW, clip_grad_norm_, K micro-batches, loss / K),
+  after 5 steps, for every, deferred and no_sync: bitwise?
+- every == deferred bitwise; no_sync vs every: max abs difference;
+- reduce-scatter counts per step (K x groups for every/deferred, groups for no_sync).
+Deterministic algorithms are on (CUBLAS_WORKSPACE_CONFIG=:4096:8), so that a difference
+means a different computation, not a non-deterministic kernel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+import fvstep as fs
+from fvstep import distributed as fsd
+from fvstep import tree
+from fvstep.methods.finetune import flow_matching_loss
+from fvstep.models import synthetic_batch, tiny_wan
+from fvstep.random import fold_in, generator, split
+
+NUM_STEPS = 5
+K = 2
+MAX_NORM = 0.5
+NUM_GROUPS = 3
+MP = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def batch_at(step: int, rank: int, device: torch.device) -> dict:
+    return synthetic_batch(fold_in(fold_in(fs.random.key(99), step), rank), batch_size=4, device=device)
+
+
+def fvstep_run(rank: int, device: torch.device, sync: str):
+    mesh = fsd.make_mesh(device_type="cuda")
+    module = fsd.shard_module(tiny_wan(seed=0).to(device), mesh=mesh, mp_policy=MP)
+    state = fs.TrainState.create(
+        {"student": fs.Role(module, optimizer=fs.optim.adamw(lr=1e-3, weight_decay=0.1), allow_no_sync=True)},
+        key=fs.random.key(7),
+    )
+    step = fs.compile(
+        fs.update("student", flow_matching_loss()),
+        accumulation=fs.Accumulation(microbatches=K, sync=sync),
+        clip=fs.clip_grad_norm(MAX_NORM),
+        count_collectives=True,
+    )
+    counts = []
+    for i in range(NUM_STEPS):
+        state, metrics = step(state, batch_at(i, rank, device))
+        counts.append(metrics.get("collectives/reduce_scatter"))
+    return state.roles["student"], counts
+
+
+def hand_written(rank: int, device: torch.device, sync: str):
+    mesh = init_device_mesh("cuda", (dist.get_world_size(),))
+    module = tiny_wan(seed=0).to(device)
+    for block in module.blocks:
+        fully_shard(block, mesh=mesh, mp_policy=MP)
+    fully_shard(module, mesh=mesh, mp_policy=MP)
+    opt = torch.optim.AdamW(module.parameters(), lr=1e-3, weight_decay=0.1)
+    base = fs.random.key(7)
+    for step in range(NUM_STEPS):
+        batch = batch_at(step, rank, device)
+        for m, (x0, text) in enumerate(zip(batch["latents"].chunk(K), batch["text"].chunk(K))):
+            last = m == K - 1
+            if sync == "no_sync":
+                module.set_requires_gradient_sync(last)
+            elif sync == "deferred":
+                module.set_is_last_backward(last)
+            k_t, k_eps = split(fold_in(fold_in(fold_in(fold_in(base, step), rank), 0), m), 2)
+            t = torch.rand((x0.shape[0],), generator=generator(k_t, device), device=device)
+            eps = torch.randn(x0.shape, generator=generator(k_eps, device), device=device)
+            tb = t.view(-1, 1, 1, 1, 1)
+            x_t = (1 - tb) * x0 + tb * eps
+            v = module(hidden_states=x_t, timestep=t * 1000, encoder_hidden_states=text, return_dict=False)[0]
+            (F.mse_loss(v.float(), (eps - x0).float()) / K).backward()
+        torch.nn.utils.clip_grad_norm_(module.parameters(), MAX_NORM)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    module.set_requires_gradient_sync(True)
+    module.set_is_last_backward(True)
+    return module, opt
+
+
+def max_abs_diff(a: dict, b: dict) -> float:
+    diffs = [(a[n].to_local().float() - b[n].to_local().float()).abs() for n in a]
+    return max((d.max().item() for d in diffs if d.numel()), default=0.0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    dist.init_process_group("nccl")
+    rank = dist.get_rank()
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+    torch.cuda.set_device(device)
+    torch.use_deterministic_algorithms(True)
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    results: dict = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(), "world": dist.get_world_size(),
+                     "python": platform.python_version(), "policies": {}}
+    finals = {}
+    for sync in ["every", "deferred", "no_sync"]:
+        ours, counts = fvstep_run(rank, device, sync)
+        module, opt = hand_written(rank, device, sync)
+        theirs = dict(module.named_parameters())
+        exact = True
+        try:
+            tree.assert_trees_equal(ours.params, theirs)
+            tree.assert_trees_equal(
+                ours.opt_state.exp_avg, {n: opt.state[p]["exp_avg"] for n, p in theirs.items()}
+            )
+            tree.assert_trees_equal(
+                ours.opt_state.exp_avg_sq, {n: opt.state[p]["exp_avg_sq"] for n, p in theirs.items()}
+            )
+        except AssertionError as e:
+            exact = False
+            results["policies"].setdefault(sync, {})["first_difference"] = str(e)[:300]
+        results["policies"].setdefault(sync, {}).update(
+            bitwise_vs_hand_written=exact,
+            max_abs_diff_vs_hand_written=max_abs_diff(ours.params, theirs),
+            reduce_scatters_per_step=counts,
+            expected_reduce_scatters=K * NUM_GROUPS if sync != "no_sync" else NUM_GROUPS,
+        )
+        finals[sync] = {n: p.detach().clone() for n, p in ours.params.items()}
+    try:
+        tree.assert_trees_equal(finals["every"], finals["deferred"])
+        results["every_equals_deferred_bitwise"] = True
+    except AssertionError:
+        results["every_equals_deferred_bitwise"] = False
+    results["no_sync_vs_every_max_abs_diff"] = max_abs_diff(finals["every"], finals["no_sync"])
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, results)
+    if rank == 0:
+        text = json.dumps(gathered, indent=1)
+        print(text)
+        if args.json:
+            with open(args.json, "w") as f:
+                f.write(text)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
