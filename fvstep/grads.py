@@ -36,6 +36,7 @@ class ClipGradNorm:
     max_norm: float
     norm_type: float = 2.0
     foreach: bool | None = None
+    joint: bool = False
 
     def __attrs_post_init__(self) -> None:
         if not self.max_norm > 0:
@@ -47,14 +48,21 @@ class ClipGradNorm:
 
 
 def clip_grad_norm(
-    max_norm: float, *, norm_type: float = 2.0, foreach: bool | None = None
+    max_norm: float, *, norm_type: float = 2.0, foreach: bool | None = None, joint: bool = False
 ) -> ClipGradNorm:
     """Clip each trained role's gradients by their global norm, as ``clip_grad_norm_`` does.
+
+    The norm is over every shard of every parameter (DTensor gradients of FSDP2 roles
+    included). By default each role of a unit is clipped by its own norm; with
+    ``joint=True`` the roles a unit trains together are clipped by one norm over all of
+    them (metric ``<role>+<role>/grad_norm``), like one ``clip_grad_norm_`` call over the
+    parameters of several modules.
 
     Args:
         max_norm: The maximum norm (> 0).
         norm_type: The p of the p-norm (``float("inf")`` allowed).
         foreach: torch's foreach switch (``None``: torch's default).
+        joint: Clip the roles of a multi-role unit together.
 
     Returns:
         A :class:`ClipGradNorm` to pass as ``clip=`` to ``fvstep.compile`` or ``fvstep.update``.
@@ -62,7 +70,7 @@ def clip_grad_norm(
     Example:
         >>> step = fvstep.compile(method, clip=clip_grad_norm(1.0))
     """
-    return ClipGradNorm(max_norm=max_norm, norm_type=norm_type, foreach=foreach)
+    return ClipGradNorm(max_norm=max_norm, norm_type=norm_type, foreach=foreach, joint=joint)
 
 
 def total_norm(

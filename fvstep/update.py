@@ -238,23 +238,39 @@ def run_update(
     out.update(sync_metrics)
     step = int(state.step)
     new_roles = dict(state.roles)
-    for role, rs in zip(unit.roles, role_states, strict=False):
-        new_roles[role], role_metrics = _apply_role(rs, trained[role], step, clip, sanitize)
-        out.update({f"{role}/{k}": v for k, v in role_metrics.items()})
+    joint = clip is not None and clip.joint
+    groups = [list(unit.roles)] if joint else [[r] for r in unit.roles]
+    by_name = dict(zip(unit.roles, role_states))
+    for group in groups:
+        updated, group_metrics = _apply_group(
+            group, [by_name[r] for r in group], [trained[r] for r in group], step, clip, sanitize
+        )
+        for role, rs in zip(group, updated):
+            new_roles[role] = rs
+        prefix = "+".join(group)
+        out.update({f"{prefix}/{k}": v for k, v in group_metrics.items() if k in _NORM_METRICS})
+        for role in group:
+            out[f"{role}/skipped"] = group_metrics["skipped"]
+            out[f"{role}/lr"] = group_metrics["lr"][role]
     return state.replace(roles=new_roles), out
 
 
-def _apply_role(
-    rs: RoleState,
-    params: dict[str, torch.Tensor],
+_NORM_METRICS = ("grad_norm",)
+
+
+def _apply_group(
+    names: list[str],
+    role_states: list[RoleState],
+    params_by_role: list[dict[str, torch.Tensor]],
     step: int,
     clip: ClipGradNorm | None,
     sanitize: Sanitize,
-) -> tuple[RoleState, dict[str, Any]]:
-    """Sanitize, clip, optimize and EMA one role after its gradients are accumulated."""
-    optimizer = rs.role.optimizer
-    assert optimizer is not None
-    param_list = list(params.values())
+) -> tuple[list[RoleState], dict[str, Any]]:
+    """Sanitize, clip (one norm over the group), optimize and EMA roles after backward.
+
+    A group is one role, or every role of the unit with ``clip_grad_norm(joint=True)``.
+    """
+    param_list = [p for params in params_by_role for p in params.values()]
     grads = [p.grad for p in param_list if p.grad is not None]
     metrics: dict[str, Any] = {}
     if sanitize == "nan_to_num":
@@ -266,17 +282,24 @@ def _apply_role(
         metrics["grad_norm"] = as_full(norm).detach()
     skipped = norm is not None and sanitize == "skip" and not bool(torch.isfinite(as_full(norm)))
     metrics["skipped"] = skipped
-    metrics["lr"] = optimizer.learning_rate(int(rs.opt_state.count))
-    opt_state, ema = rs.opt_state, rs.ema
-    if not skipped:
-        if clip is not None and norm is not None:
-            clip.apply(param_list, norm)
-        opt_state = optimizer.update(params, {n: p.grad for n, p in params.items()}, opt_state)
-        if ema is not None and rs.role.ema is not None and step >= rs.role.ema.start_step:
-            _update_ema(ema.params, params, ema.initialized, rs.role.ema.decay)
+    metrics["lr"] = {}
+    if not skipped and clip is not None and norm is not None:
+        clip.apply(param_list, norm)
+    updated = []
+    for name, rs, params in zip(names, role_states, params_by_role):
+        optimizer = rs.role.optimizer
+        assert optimizer is not None
+        metrics["lr"][name] = optimizer.learning_rate(int(rs.opt_state.count))
+        opt_state = rs.opt_state
+        if not skipped:
+            opt_state = optimizer.update(params, {n: p.grad for n, p in params.items()}, opt_state)
+            ema = rs.ema
+            if ema is not None and rs.role.ema is not None and step >= rs.role.ema.start_step:
+                _update_ema(ema.params, params, ema.initialized, rs.role.ema.decay)
+        updated.append(replace(rs, opt_state=opt_state))
     for p in param_list:
         p.grad = None
-    return replace(rs, opt_state=opt_state), metrics
+    return updated, metrics
 
 
 def _local(x: torch.Tensor) -> torch.Tensor:

@@ -284,3 +284,34 @@ def test_a_list_of_microbatches_is_taken_as_given():
     with pytest.raises(AssertionError, match="static metadata"):
         tree.assert_trees_equal(n1, n2)  # two states of different module objects
     tree.assert_trees_equal(n1, n2, check_static=False)
+
+
+def test_joint_clip_is_one_clip_grad_norm_over_all_roles_of_the_unit():
+    def fused(state, batch, key):
+        a = state.module("a")[0](batch["x"])
+        b = state.module("b")[0](batch["x"])
+        return {"a": (a**2).mean() * 10, "b": (b**2).mean()}, {}
+
+    state = fs.TrainState.create(
+        {
+            "a": fs.Role(mlp(0), optimizer=fs.optim.sgd(lr=0.1)),
+            "b": fs.Role(mlp(1), optimizer=fs.optim.sgd(lr=0.1)),
+        },
+        key=fs.random.key(0),
+    )
+    a_ref, b_ref = mlp(0), mlp(1)
+    batch = make_batch(0)
+    step = fs.compile(fs.update(("a", "b"), fused), clip=fs.clip_grad_norm(0.1, joint=True))
+    new, metrics = step(state, batch)
+    # by hand: both losses, one clip over both modules' parameters, SGD
+    ((a_ref[0](batch["x"]) ** 2).mean() * 10).backward()
+    ((b_ref[0](batch["x"]) ** 2).mean()).backward()
+    params = [p for m in (a_ref, b_ref) for p in m.parameters()]
+    norm = torch.nn.utils.clip_grad_norm_(params, 0.1)
+    with torch.no_grad():
+        for p in params:
+            if p.grad is not None:
+                p.sub_(0.1 * p.grad)
+    assert torch.equal(metrics["a+b/grad_norm"], norm)
+    tree.assert_trees_equal(new.roles["a"].params, dict(a_ref.named_parameters()))
+    tree.assert_trees_equal(new.roles["b"].params, dict(b_ref.named_parameters()))
