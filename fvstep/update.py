@@ -73,7 +73,9 @@ def update(
 
     At each step it runs, for each micro-batch ``m`` of ``K``: ``loss_fn(state, batch_m,
     key_m)`` inside ``fvstep.random.rng_scope(key_m)``, then backward of ``loss / K``
-    (with a dict of losses, each role's loss reaches only that role's parameters).
+    (with a dict of losses, of their sum: each role's gradient is the gradient of the
+    sum, so a loss that reads another trained role's output must detach it or compute
+    it under ``torch.no_grad()``, as DMD2's losses do).
     After the last micro-batch, per role: sanitize non-finite gradients, clip by global
     norm, apply the role's optimizer at its schedule position, update its EMA.
 
@@ -217,14 +219,9 @@ def run_update(
             with fsrandom.rng_scope(key):
                 losses, metrics = _unpack(unit.loss_fn(state, batch, key), unit.roles)
                 sync.before_backward(index)
-                if len(losses) == 1:
-                    (next(iter(losses.values())) / num).backward()
-                else:
-                    last = len(losses) - 1
-                    for i, (role, loss) in enumerate(losses.items()):
-                        torch.autograd.backward(
-                            loss / num, inputs=list(trained[role].values()), retain_graph=i < last
-                        )
+                # One backward of the (summed) loss: FSDP2's hooks see one pass, and
+                # autograd.backward(inputs=...) cannot name FSDP2's unsharded parameters.
+                (sum(losses.values()) / num).backward()
             for role, loss in losses.items():
                 loss_log[role].append(loss.detach())
             for k, v in metrics.items():

@@ -291,7 +291,9 @@ def test_a_clone_of_a_sharded_state_keeps_placements_and_replays_bitwise(ranks):
     assert ranks.run(check_clone_of_a_sharded_state_replays_exactly) == [True, True]
 
 
-def check_dmd2_on_sharded_roles(rank: int, world_size: int, sync: str, opt_in: bool):
+def check_dmd2_on_sharded_roles(
+    rank: int, world_size: int, sync: str, opt_in: bool, ordering: str = "sequential"
+):
     from fvstep.methods import dmd2
 
     mesh = fsd.make_mesh(device_type="cpu")
@@ -312,7 +314,7 @@ def check_dmd2_on_sharded_roles(rank: int, world_size: int, sync: str, opt_in: b
     state = fs.TrainState.create(roles, key=fs.random.key(0))
     teacher_before = tree.clone(state.roles["teacher"])
     step = fs.compile(
-        dmd2(generator_update_interval=2, ordering="sequential"),
+        dmd2(generator_update_interval=2, ordering=ordering),
         accumulation=fs.Accumulation(microbatches=K, sync=sync),
         clip=fs.clip_grad_norm(1.0),
     )
@@ -338,8 +340,9 @@ def check_dmd2_on_sharded_roles(rank: int, world_size: int, sync: str, opt_in: b
     }
 
 
-def test_dmd2_on_two_ranks_trains_the_planned_roles_and_never_the_teacher(ranks):
-    for result in ranks.run(check_dmd2_on_sharded_roles, "deferred", False):
+@pytest.mark.parametrize("ordering", ["sequential", "fused"])
+def test_dmd2_on_two_ranks_trains_the_planned_roles_and_never_the_teacher(ranks, ordering):
+    for result in ranks.run(check_dmd2_on_sharded_roles, "deferred", False, ordering):
         assert "error" not in result, result
         assert all(torch.isfinite(torch.tensor(result["losses"])))
         assert "Shard(dim=0)" in result["placements"]  # moments are sharded like the params
@@ -348,3 +351,45 @@ def test_dmd2_on_two_ranks_trains_the_planned_roles_and_never_the_teacher(ranks)
 def test_dmd2_no_sync_is_refused_for_a_role_without_opt_in(ranks):
     for result in ranks.run(check_dmd2_on_sharded_roles, "no_sync", False):
         assert "allow_no_sync=True" in result.get("error", ""), result
+
+
+def check_joint_clip_on_shards(rank: int, world_size: int):
+    from fvstep.models import predict
+
+    mesh = fsd.make_mesh(device_type="cpu")
+    a, b = tiny_wan(seed=0), tiny_wan(seed=1)
+    a_ref, b_ref = copy.deepcopy(a), copy.deepcopy(b)
+    state = fs.TrainState.create(
+        {
+            "a": fs.Role(fsd.shard_module(a, mesh=mesh), optimizer=fs.optim.sgd(lr=0.1)),
+            "b": fs.Role(fsd.shard_module(b, mesh=mesh), optimizer=fs.optim.sgd(lr=0.1)),
+        },
+        key=fs.random.key(0),
+    )
+    batch = batch_at(0, rank)
+    t = torch.full((4,), 500.0)
+
+    def fused(state, batch, key):
+        va = predict(state.module("a"), batch["latents"], t, batch["text"])
+        vb = predict(state.module("b"), batch["latents"], t, batch["text"])
+        return {"a": (va**2).mean(), "b": (vb**2).mean() * 10}, {}
+
+    step = fs.compile(fs.update(("a", "b"), fused), clip=fs.clip_grad_norm(0.05, joint=True))
+    new, metrics = step(state, batch)
+    for m in (a_ref, b_ref):
+        for block in m.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(m, mesh=mesh)
+    (predict(a_ref, batch["latents"], t, batch["text"]) ** 2).mean().backward()
+    ((predict(b_ref, batch["latents"], t, batch["text"]) ** 2).mean() * 10).backward()
+    params = [*a_ref.parameters(), *b_ref.parameters()]
+    norm = torch.nn.utils.clip_grad_norm_(params, 0.05)
+    torch.optim.SGD(params, lr=0.1).step()
+    tree.assert_trees_equal(new.roles["a"].params, dict(a_ref.named_parameters()))
+    tree.assert_trees_equal(new.roles["b"].params, dict(b_ref.named_parameters()))
+    return float(metrics["a+b/grad_norm"]), float(norm.full_tensor())
+
+
+def test_joint_clip_on_shards_is_one_clip_grad_norm_over_every_shard_of_both_roles(ranks):
+    for ours, theirs in ranks.run(check_joint_clip_on_shards):
+        assert ours == theirs and ours > 0.05  # the clip was active

@@ -193,21 +193,22 @@ def test_gradients_reach_only_the_trained_role_and_no_grad_outlives_the_unit():
     tree.assert_trees_equal(new.roles["b"], b_before)
 
 
-def test_one_loss_per_role_reaches_only_that_roles_parameters():
+def test_a_dict_of_losses_backpropagates_their_sum_once():
     def fused(state, batch, key):
-        b = state.module("b")(batch["x"])  # first, so dropout draws match b_only's
+        b = state.module("b")(batch["x"])
         a = state.module("a")(batch["x"])
-        # a's loss reads b's output without detaching: b must still get only b_loss's grad.
-        return {"a": ((a - b) ** 2).mean(), "b": (b**2).mean()}, {}
+        # a's loss reads b's output detached (the contract); b's loss is its own.
+        return {"a": ((a - b.detach()) ** 2).mean(), "b": (b**2).mean()}, {}
 
     def b_only(state, batch, key):
         return (state.module("b")(batch["x"]) ** 2).mean()
 
     fused_state = two_role_state()
     reference = tree.clone(fused_state)
-    new, _ = fs.compile(fs.update(("a", "b"), fused))(fused_state, make_batch(0))
+    new, metrics = fs.compile(fs.update(("a", "b"), fused))(fused_state, make_batch(0))
     ref, _ = fs.compile(fs.update("b", b_only))(reference, make_batch(0))
     tree.assert_trees_equal(new.roles["b"], ref.roles["b"])
+    assert "a/loss" in metrics and "b/loss" in metrics
 
 
 def test_ema_is_reinitialised_from_live_weights_at_its_first_active_step():
