@@ -3,7 +3,8 @@
 - :func:`assert_resume_exact` runs a method uninterrupted and interrupted (crashing at
   chosen steps, resuming from the newest checkpoint each time) and asserts that the
   final states are bitwise identical.
-- :func:`spawn` runs a function on several CPU ranks (gloo), for multi-rank checks.
+- Multi-rank checks: run them with ``fvstep.distributed.launch(fn, ..., nproc=2)`` (or
+  ``fvstep verify-resume --nproc 2``); every rank calls :func:`assert_resume_exact`.
 - :mod:`hypothesis` strategies: :func:`resume_scenarios` and :func:`train_states`.
 - :func:`assert_trees_equal` (from :mod:`fvstep.tree`).
 
@@ -17,10 +18,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import datetime
-import importlib
 import os
-import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -38,7 +36,6 @@ __all__ = [
     "assert_resume_exact",
     "assert_trees_equal",
     "resume_scenarios",
-    "spawn",
     "train_states",
 ]
 
@@ -125,50 +122,6 @@ def assert_resume_exact(
             f"the uninterrupted run: {e}"
         ) from None
     return expected
-
-
-def _spawned(
-    rank: int, fn_spec: tuple[str, str], world_size: int, store: str, args: tuple, results: Any
-) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{store}",
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=120),
-    )
-    try:
-        module, name = fn_spec
-        fn = getattr(importlib.import_module(module), name)
-        results[rank] = fn(rank, world_size, *args)
-    finally:
-        dist.destroy_process_group()
-
-
-def spawn(fn: Callable[..., Any], *args: Any, world_size: int = 2) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` CPU ranks (gloo); return results.
-
-    ``fn`` must be a module-level function (it is imported by name in each rank) and its
-    results picklable. A failure on any rank raises in the caller.
-    """
-    import torch.multiprocessing as mp
-
-    spec = (fn.__module__, fn.__qualname__)
-    with tempfile.TemporaryDirectory(prefix="fvstep-spawn-") as tmp:
-        manager = mp.get_context("spawn").Manager()
-        results = manager.dict()
-        mp.start_processes(
-            _spawned,
-            args=(spec, world_size, os.path.join(tmp, "store"), args, results),
-            nprocs=world_size,
-            start_method="spawn",
-        )
-        out = [results[r] for r in range(world_size)]
-        manager.shutdown()
-    return out
 
 
 @attrs.frozen
