@@ -34,7 +34,7 @@ class Accumulation:
     Each micro-batch's loss is divided by ``microbatches`` so the accumulated gradient is
     the gradient of the mean loss.
 
-    Args:
+    Attributes:
         microbatches: ``K >= 1``.
         sync: One of ``"every"``, ``"no_sync"``, ``"deferred"``.
         keep_params_gathered: Keep FSDP2 parameters unsharded between micro-batches
@@ -45,7 +45,7 @@ class Accumulation:
     Raises:
         ValueError: For ``K < 1`` or an unknown policy.
 
-    Example:
+    Examples:
         >>> Accumulation(microbatches=4, sync="deferred")
     """
 

@@ -77,7 +77,7 @@ class Sequence:
 def sequence(*methods: Any) -> Sequence:
     """Run ``methods`` in order within one step; each sees the state the previous returned.
 
-    Example:
+    Examples:
         >>> sequence(update("student", gen_loss), update("critic", critic_loss))
     """
     if not methods:
@@ -119,7 +119,7 @@ def every(n: int, method: Any, *, offset: int = 0) -> Every:
         method: A unit or composed method.
         offset: The first step it runs at (>= 0).
 
-    Example:
+    Examples:
         >>> every(5, update("student", gen_loss))   # steps 0, 5, 10, ...
     """
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
@@ -156,7 +156,7 @@ def cond(pred: Callable[[int], bool], if_true: Any, if_false: Any | None = None)
 
     ``pred`` must be a pure function of the step (an int).
 
-    Example:
+    Examples:
         >>> cond(lambda i: i % 5 == 0, update(("student", "critic"), fused_loss),
         ...      update("critic", critic_loss))
     """
@@ -247,7 +247,7 @@ def managed(
         sanitize: Default non-finite policy of its inner updates.
         name: A label for metrics and plans.
 
-    Example:
+    Examples:
         >>> managed(rl_outer_step, trains="student")
     """
     trains_t = (trains,) if isinstance(trains, str) else tuple(trains)

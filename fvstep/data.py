@@ -27,7 +27,7 @@ item twice (once from each epoch, possibly on different ranks).
 This module never talks to ``torch.distributed``: the caller passes ``rank`` and
 ``world_size``.
 
-Example:
+Examples:
     >>> from fvstep import random as fr
     >>> from fvstep.data import ShuffledSource, SyntheticLatents
     >>> data = ShuffledSource(SyntheticLatents(64, key=fr.key(1)), key=fr.key(0), batch_size=4)
@@ -102,7 +102,7 @@ class ShuffledSource:
         ValueError: If ``dataset`` is empty, ``batch_size < 1`` or ``batch_size`` exceeds
             the dataset size.
 
-    Example:
+    Examples:
         >>> from fvstep import random as fr
         >>> data = ShuffledSource(list(range(10)), key=fr.key(0), batch_size=2)
         >>> data.steps_per_epoch(world_size=2)
@@ -303,7 +303,7 @@ class SyntheticLatents:
         TypeError: If ``key`` is not an fvstep key.
         ValueError: If ``num`` is negative or a shape has a negative size.
 
-    Example:
+    Examples:
         >>> from fvstep import random as fr
         >>> ds = SyntheticLatents(8, key=fr.key(0))
         >>> len(ds), ds[3]["latents"].shape, ds[3]["text"].shape

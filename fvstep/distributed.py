@@ -68,7 +68,7 @@ def make_mesh(
         RuntimeError: If no process group is initialised.
         ValueError: If ``replicate * shard`` is not the world size.
 
-    Example:
+    Examples:
         >>> mesh = make_mesh()                   # FSDP over all ranks
         >>> mesh = make_mesh(replicate=2)        # HSDP: 2 replicas
     """
@@ -122,7 +122,7 @@ def shard_module(
     Raises:
         ValueError: If the module is already sharded.
 
-    Example:
+    Examples:
         >>> shard_module(student, mesh=make_mesh(), mp_policy=MixedPrecisionPolicy(torch.bfloat16))
     """
     if is_sharded(module):
@@ -260,7 +260,7 @@ class CollectiveCounter(TorchDispatchMode):
     reduce-scatters, the all-reduces of a clip norm); it adds Python overhead to every
     op, so use it for checks and debugging, not in timed runs.
 
-    Example:
+    Examples:
         >>> with CollectiveCounter() as counter:
         ...     state, metrics = step(state, batch)
         >>> counter.counts
@@ -325,7 +325,7 @@ def launch(fn: Callable[..., Any], *args: Any, nproc: int = 2) -> list[Any]:
     Raises:
         torch.distributed.elastic.multiprocessing.errors.ChildFailedError: If a rank failed.
 
-    Example:
+    Examples:
         >>> results = launch(train_and_report, "runs/a", nproc=2)
     """
     import uuid

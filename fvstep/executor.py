@@ -32,13 +32,13 @@ __all__ = ["Checkpoints", "run"]
 class Checkpoints:
     """Where and how often :func:`run` saves.
 
-    Args:
+    Attributes:
         dir: The directory of checkpoints (one ``step_<n>`` directory each).
         every: Save after every ``every`` steps (and always at the end).
         keep: Keep the newest ``keep`` complete checkpoints (``None``: all).
         async_save: Write in the background (:class:`fvstep.checkpoint.AsyncSaver`).
 
-    Example:
+    Examples:
         >>> Checkpoints("runs/a/ckpt", every=100, keep=3, async_save=True)
     """
 
@@ -185,7 +185,7 @@ def run(
     Raises:
         CheckpointError: If the newest checkpoint does not fit ``state``.
 
-    Example:
+    Examples:
         >>> state = run(step_fn, state, source, num_steps=1000,
         ...             checkpoints=Checkpoints("ckpt", every=100, keep=3))
     """

@@ -67,7 +67,7 @@ def clip_grad_norm(
     Returns:
         A :class:`ClipGradNorm` to pass as ``clip=`` to ``fvstep.compile`` or ``fvstep.update``.
 
-    Example:
+    Examples:
         >>> step = fvstep.compile(method, clip=clip_grad_norm(1.0))
     """
     return ClipGradNorm(max_norm=max_norm, norm_type=norm_type, foreach=foreach, joint=joint)

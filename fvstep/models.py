@@ -19,7 +19,7 @@ is the velocity).
 Batches are dicts with ``"latents"`` (clean latents ``x0``, ``(B, C, F, H, W)``) and
 ``"text"`` (text embeddings, ``(B, L, D)``).
 
-Example:
+Examples:
     >>> net = tiny_wan(seed=0)
     >>> batch = synthetic_batch(fvstep.random.key(0), batch_size=2)
     >>> t = torch.full((2,), 500.0)
@@ -80,7 +80,7 @@ def tiny_wan(
     Raises:
         ImportError: If diffusers is not installed (``pip install fvstep[models]``).
 
-    Example:
+    Examples:
         >>> teacher = tiny_wan(seed=0)
         >>> student = copy.deepcopy(teacher)
     """
@@ -134,7 +134,7 @@ def synthetic_batch(
     Returns:
         ``{"latents": (B, C, F, H, W), "text": (B, L, D)}``, standard normal entries.
 
-    Example:
+    Examples:
         >>> batch = synthetic_batch(fvstep.random.fold_in(data_key, step), batch_size=2)
     """
     k_latents, k_text = fsrandom.split(key, 2)
@@ -170,7 +170,7 @@ def predict(
     Raises:
         ValueError: If ``t`` is not of shape ``(B,)`` or the output's shape is not ``x``'s.
 
-    Example:
+    Examples:
         >>> v = predict(state.module("student"), x_t, t * 1000, batch["text"])
     """
     if t.dim() != 1 or t.shape[0] != x.shape[0]:

@@ -330,7 +330,7 @@ class AdamW:
         foreach: Use torch's foreach implementation; ``None`` picks torch's default.
         fused: Use torch's fused kernel; ``None``/``False`` do not.
 
-    Example:
+    Examples:
         >>> opt = adamw(1e-3, betas=(0.9, 0.95), weight_decay=0.1)
         >>> state = opt.init(dict(model.named_parameters()))
         >>> grads = {n: p.grad for n, p in model.named_parameters()}
@@ -516,7 +516,7 @@ def adamw(
     Raises:
         ValueError: On out-of-range hyper-parameters or ``foreach=fused=True``.
 
-    Example:
+    Examples:
         >>> opt = adamw(3e-4, betas=(0.9, 0.95), weight_decay=0.1)
         >>> warmup = adamw(lambda c: 3e-4 * min(1.0, (c + 1) / 1000))
     """
@@ -568,7 +568,7 @@ class SGD:
         foreach: Use torch's foreach implementation; ``None`` picks torch's default.
         fused: Use torch's fused kernel; ``None``/``False`` do not.
 
-    Example:
+    Examples:
         >>> opt = sgd(0.1, momentum=0.9, nesterov=True)
         >>> state = opt.init(params)
         >>> state = opt.update(params, grads, state)
@@ -773,7 +773,7 @@ def sgd(
         ValueError: On out-of-range hyper-parameters, nesterov without momentum or with
             dampening, or ``foreach=fused=True``.
 
-    Example:
+    Examples:
         >>> opt = sgd(0.1, momentum=0.9, nesterov=True, weight_decay=5e-4)
     """
     if not callable(lr):

@@ -8,7 +8,7 @@ key checkpoints as an ordinary tensor leaf.
 Draw random numbers from a key with :func:`generator`; code that uses the *global* RNG
 (dropout, some samplers) runs deterministically inside :func:`rng_scope`.
 
-Example:
+Examples:
     >>> k = key(0)
     >>> k_noise, k_t = split(fold_in(k, 7), 2)
     >>> noise = torch.randn(4, generator=generator(k_noise))
@@ -152,7 +152,7 @@ def rng_scope(k: torch.Tensor) -> Iterator[None]:
     deterministic functions of the key. The previous global state comes back on exit,
     also when the body raises.
 
-    Example:
+    Examples:
         >>> with rng_scope(k):
         ...     y = torch.nn.functional.dropout(x, 0.1)
     """

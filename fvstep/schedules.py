@@ -42,7 +42,7 @@ Errors:
     Schedules raise ``ValueError`` for a negative step and ``TypeError`` for a step that is
     not an integer (a Python int, NumPy integer or integer tensor of one element).
 
-Example:
+Examples:
     >>> sched = join([linear_warmup(1e-3, warmup_steps=100), constant(1e-4)], [1000])
     >>> sched(50), sched(999), sched(1000)
     (0.0005, 0.001, 0.0001)
@@ -189,7 +189,7 @@ def constant(lr: float) -> Schedule:
     Raises:
         ValueError: If ``lr`` is negative or not finite.
 
-    Example:
+    Examples:
         >>> constant(1e-4)(12345)
         0.0001
     """
@@ -217,7 +217,7 @@ def constant_with_warmup(lr: float, *, warmup_steps: int) -> Schedule:
     Raises:
         ValueError: If ``lr`` is negative or not finite, or ``warmup_steps`` is negative.
 
-    Example:
+    Examples:
         >>> sched = constant_with_warmup(1.0, warmup_steps=4)
         >>> [sched(i) for i in range(6)]
         [0.0, 0.25, 0.5, 0.75, 1.0, 1.0]
@@ -256,7 +256,7 @@ def linear_warmup(lr: float, *, warmup_steps: int, init_ratio: float = 0.0) -> S
         ValueError: If ``lr`` is negative or not finite, ``warmup_steps`` is negative, or
             ``init_ratio`` lies outside ``[0, 1]``.
 
-    Example:
+    Examples:
         >>> sched = linear_warmup(1.0, warmup_steps=4, init_ratio=0.5)
         >>> [sched(i) for i in range(6)]
         [0.5, 0.625, 0.75, 0.875, 1.0, 1.0]
@@ -310,7 +310,7 @@ def warmup_cosine(
             ``total_steps`` is 0, ``warmup_steps > total_steps``, ``min_ratio`` lies outside
             ``[0, 1]``, or ``num_cycles`` is not positive and finite.
 
-    Example:
+    Examples:
         >>> sched = warmup_cosine(1.0, warmup_steps=2, total_steps=6)
         >>> [round(sched(i), 6) for i in range(7)]
         [0.0, 0.5, 1.0, 0.853553, 0.5, 0.146447, 0.0]
@@ -368,7 +368,7 @@ def cosine(
         ValueError: If ``lr`` is negative or not finite, ``total_steps < 1``,
             ``min_ratio`` lies outside ``[0, 1]``, or ``num_cycles`` is not positive.
 
-    Example:
+    Examples:
         >>> sched = cosine(1.0, total_steps=4, min_ratio=0.1)
         >>> [round(sched(i), 6) for i in range(5)]
         [1.0, 0.868198, 0.55, 0.231802, 0.1]
@@ -398,7 +398,7 @@ def warmup_cosine_restarts(
         ValueError: If ``lr`` is negative or not finite, a step count is negative,
             ``total_steps`` is 0, ``warmup_steps > total_steps``, or ``num_cycles < 1``.
 
-    Example:
+    Examples:
         >>> sched = warmup_cosine_restarts(1.0, warmup_steps=0, total_steps=4, num_cycles=2)
         >>> [round(sched(i), 6) for i in range(5)]
         [1.0, 0.5, 1.0, 0.5, 0.0]
@@ -442,7 +442,7 @@ def warmup_linear(
             ``total_steps`` is 0, ``warmup_steps > total_steps``, or ``min_ratio`` lies
             outside ``[0, 1]``.
 
-    Example:
+    Examples:
         >>> sched = warmup_linear(1.0, warmup_steps=2, total_steps=6)
         >>> [sched(i) for i in range(8)]
         [0.0, 0.5, 1.0, 0.75, 0.5, 0.25, 0.0, 0.0]
@@ -487,7 +487,7 @@ def linear_decay(
     Raises:
         ValueError: As :func:`warmup_linear`.
 
-    Example:
+    Examples:
         >>> sched = linear_decay(1.0, total_steps=4)
         >>> [sched(i) for i in range(6)]
         [1.0, 0.75, 0.5, 0.25, 0.0, 0.0]
@@ -526,7 +526,7 @@ def polynomial(
             step count is negative, ``warmup_steps >= total_steps`` (the decay needs at
             least one step), or ``power <= 0``.
 
-    Example:
+    Examples:
         >>> sched = polynomial(1.0, warmup_steps=0, total_steps=4, end_lr=0.0, power=2.0)
         >>> [sched(i) for i in range(6)]
         [1.0, 0.5625, 0.25, 0.0625, 0.0, 0.0]
@@ -587,7 +587,7 @@ def join(schedules: Sequence[Schedule], boundaries: Sequence[int]) -> Schedule:
             increasing.
         TypeError: If a schedule is not callable or a boundary is not an integer.
 
-    Example:
+    Examples:
         >>> sched = join([constant_with_warmup(1.0, warmup_steps=2), linear_decay(1.0, total_steps=2)], [3])
         >>> [sched(i) for i in range(6)]
         [0.0, 0.5, 1.0, 1.0, 0.5, 0.0]
@@ -633,7 +633,7 @@ def piecewise_constant(values: Sequence[float], boundaries: Sequence[int]) -> Sc
         ValueError: If ``values`` is empty or has the wrong length, a value is negative or
             not finite, or the boundaries are negative or not strictly increasing.
 
-    Example:
+    Examples:
         >>> sched = piecewise_constant([1e-3, 1e-4, 1e-5], [10, 20])
         >>> sched(9), sched(10), sched(25)
         (0.001, 0.0001, 1e-05)

@@ -52,7 +52,7 @@ class EMA:
     ``ema = decay * ema + (1 - decay) * param``, held in fp32. The first active update
     re-initialises the average from the live weights.
 
-    Args:
+    Attributes:
         decay: In ``[0, 1)``.
         start_step: The first global step at which the average is updated.
     """
@@ -70,7 +70,7 @@ class EMA:
 class Role:
     """A role of a training method: a module, and how (or whether) it is trained.
 
-    Args:
+    Attributes:
         module: The role's ``nn.Module``. Its parameters become the state's leaves.
         optimizer: A functional optimizer (``fvstep.optim.adamw(...)``) for a trained
             role; ``None`` for a frozen role.
@@ -85,7 +85,7 @@ class Role:
     Raises:
         ValueError: For an inconsistent combination, as above.
 
-    Example:
+    Examples:
         >>> Role(student, optimizer=fvstep.optim.adamw(lr=1e-4), ema=EMA(0.999))
     """
 
@@ -232,7 +232,7 @@ class TrainState:
             TypeError: If a role is not a :class:`Role`, the key is not a key, or a
                 leaf of ``extra`` is not a tensor.
 
-        Example:
+        Examples:
             >>> state = TrainState.create(
             ...     {"student": Role(net, optimizer=fvstep.optim.adamw(lr=1e-4))},
             ...     key=fvstep.random.key(0),

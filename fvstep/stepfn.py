@@ -193,7 +193,7 @@ def compile(
     Returns:
         A :class:`Step`.
 
-    Example:
+    Examples:
         >>> step = compile(update("student", loss), accumulation=Accumulation(4),
         ...                clip=clip_grad_norm(1.0))
         >>> state, metrics = step(state, batch)
@@ -218,7 +218,7 @@ def compile(
 def plan(step_fn: Step, step: int) -> list[PlanEntry]:
     """What ``step_fn`` runs at ``step`` (a pure function of ``step``).
 
-    Example:
+    Examples:
         >>> [e.roles for e in plan(step_fn, 5)]
         [('critic',), ('student',)]
     """

@@ -8,7 +8,7 @@
 - :mod:`hypothesis` strategies: :func:`resume_scenarios` and :func:`train_states`.
 - :func:`assert_trees_equal` (from :mod:`fvstep.tree`).
 
-Example:
+Examples:
     >>> def factory():
     ...     state = fs.TrainState.create({...}, key=fs.random.key(0))
     ...     return state, fs.compile(my_method), my_data

@@ -45,7 +45,7 @@ field = optree_attrs.field
 def frozen(cls: type[T]) -> type[T]:
     """Decorate ``cls`` as a frozen attrs class registered as a pytree in :data:`NAMESPACE`.
 
-    Example:
+    Examples:
         >>> @frozen
         ... class CounterState:
         ...     count: torch.Tensor
@@ -98,7 +98,7 @@ def clone(tree: T) -> T:
     kept (``DTensor.clone`` keeps its mesh and placements). Non-tensor leaves are shared.
     A consumed :class:`~fvstep.state.TrainState` cannot be cloned.
 
-    Example:
+    Examples:
         >>> snapshot = clone(state)
     """
     return tree_map(_clone_leaf, tree)
@@ -184,7 +184,7 @@ def assert_trees_equal(a: Any, b: Any, *, check_static: bool = True) -> None:
         AssertionError: Naming the first differing path, with both leaves' shapes and
             dtypes and the max abs difference.
 
-    Example:
+    Examples:
         >>> assert_trees_equal(clone(state), state)
     """
     paths_a, flat_a, spec_a = flatten_with_paths(a)
@@ -210,7 +210,7 @@ def tree_digest(tree: Any) -> str:
     leaves. Static metadata (modules, hyper-parameters) is not part of it. For a DTensor
     it covers the local shard, so it is a per-rank digest.
 
-    Example:
+    Examples:
         >>> tree_digest(state) == tree_digest(clone(state))
         True
     """

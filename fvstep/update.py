@@ -93,7 +93,7 @@ def update(
     Returns:
         An :class:`Update`, composable with ``sequence``, ``every``, ``cond``.
 
-    Example:
+    Examples:
         >>> unit = update("student", flow_matching_loss, clip=clip_grad_norm(1.0))
     """
     roles_t = (roles,) if isinstance(roles, str) else tuple(roles)
@@ -152,7 +152,7 @@ def _unpack(out: Any, roles: tuple[str, ...]) -> tuple[dict[str, torch.Tensor], 
         if len(roles) != 1:
             raise TypeError(
                 f"loss_fn of a unit training {roles} returned one loss; return a dict "
-                "{role: loss} so each role's gradient comes from its own loss"
+                "{role: loss} (the unit backpropagates their sum)"
             )
         losses = {roles[0]: out}
     elif isinstance(out, Mapping):

@@ -22,11 +22,11 @@ from typing import Any
 
 import griffe
 
-_EXAMPLE_TITLE = re.compile(r"^(\s*)Example:\s*$", re.MULTILINE)
+_EXAMPLE_TITLE = re.compile(r"^([ \t]*)Example:[ \t]*$", re.MULTILINE)
 _ROLE = re.compile(r":(?:class|func|meth|mod|data|attr|exc|obj|math):`(~?)([^`]+)`")
-_MATH = re.compile(r"^(\s*)\.\. math::\s*$", re.MULTILINE)
-_LITERAL_INTRO = re.compile(r"(\S)::\s*$", re.MULTILINE)
-_RULE = re.compile(r"^(\s*)(=+(?:\s+=+)+)\s*$")
+_MATH = re.compile(r"^[ \t]*\.\. math::[ \t]*$", re.MULTILINE)
+_LITERAL_INTRO = re.compile(r"(\S)::[ \t]*$", re.MULTILINE)
+_RULE = re.compile(r"^([ \t]*)(=+(?:[ \t]+=+)+)[ \t]*$")
 
 
 def _role(match: re.Match[str]) -> str:

@@ -14,7 +14,7 @@ Run on one process (unsharded) or under ``torchrun`` (every role sharded with FS
 gloo on CPU, NCCL on CUDA). Only rank 0 prints and writes files. Performance is
 measured here and never asserted in tests.
 
-Example:
+Examples:
     $ python benchmarks/accumulation.py --preset tiny-wan --k 1 2 --steps 3 --warmup 1
     $ torchrun --standalone --nproc_per_node 2 benchmarks/overhead.py --preset tiny-wan
 """

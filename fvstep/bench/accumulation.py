@@ -65,7 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--policies", nargs="+", default=list(POLICIES))
     parser.add_argument("--steps", type=int, default=5, help="timed steps per configuration")
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--impl", choices=("default", "foreach", "fused", "single"), default="default")
+    parser.add_argument(
+        "--impl", choices=("default", "foreach", "fused", "single"), default="default"
+    )
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--clip", type=float, default=1.0, help="max grad norm (0: off)")
     parser.add_argument("--plot", default=None, help="write a PNG plot here (matplotlib)")
@@ -83,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     if min(args.k) < 1 or args.steps < 1 or args.warmup < 0:
         print("--k must be >= 1, --steps >= 1 and --warmup >= 0")
         return 2
+    c.apply_threads(args)
     rt = c.setup_runtime(args.device)
     try:
         result = run(args, rt, policies)
@@ -104,7 +107,8 @@ def run(args: Any, rt: c.Runtime, policies: list[tuple[str, bool]]) -> dict[str,
     flops_per_sample = c.train_flops_per_sample(module, preset)
     numel = c.trainable_numel(module)
     c.prepare_module(module, rt, dtype=dtype, compile_blocks=args.compile)
-    optimizer = fs.optim.adamw(lr=args.lr, **c.optimizer_options(args.impl))
+    foreach, fused = c.optimizer_options(args.impl)
+    optimizer = fs.optim.adamw(lr=args.lr, foreach=foreach, fused=fused)
     state = fs.TrainState.create(
         {"student": fs.Role(module, optimizer=optimizer, allow_no_sync=True)},
         key=fs.random.key(args.seed),
@@ -157,6 +161,7 @@ def run(args: Any, rt: c.Runtime, policies: list[tuple[str, bool]]) -> dict[str,
                         keep_params_gathered=keep,
                         param_bytes=param_bytes,
                         reduce_bytes=4,
+                        clip=clip is not None,
                     ),
                     "expected_extra_bytes": (
                         numel * 4 * (1 - 1 / rt.world) if sync == "no_sync" and k > 1 else 0.0
@@ -211,7 +216,7 @@ def report(result: dict[str, Any]) -> None:
     mem = "peak MiB" if cuda else "ΔRSS MiB"
     headers = [
         "K", "policy", "step ms med (min-max)", "MFU", mem, "+vs every", "exp +",
-        "AG n m/e", "AG MiB m/e", "RS n m/e", "RS MiB m/e", "AR n",
+        "AG n m/e", "AG MiB m/e", "RS n m/e", "RS MiB m/e", "AR n m/e",
     ]  # fmt: skip
     table = []
     for r in rows:
@@ -229,14 +234,15 @@ def report(result: dict[str, Any]) -> None:
                 _pair(got.get("all_gather_bytes", 0), exp["all_gather_bytes"], 2**-20),
                 _pair(got.get("reduce_scatter", 0), exp["reduce_scatter"]),
                 _pair(got.get("reduce_scatter_bytes", 0), exp["reduce_scatter_bytes"], 2**-20),
-                got.get("all_reduce", 0),
+                _pair(got.get("all_reduce", 0), exp["all_reduce"]),
             ]
         )
     c.print_table(headers, table)
     print(
         "m/e = measured (one extra step, CollectiveCounter) / analytic expectation per step "
         "and rank; AG = all-gather (gathered bytes, param dtype), RS = reduce-scatter "
-        "(output-shard bytes, fp32), AR = all-reduce; '+vs every' = peak minus the peak of "
+        "(output-shard bytes, fp32), AR = all-reduce (the clip norm's; CollectiveCounter does "
+        "not see collectives issued inside DTensor ops); '+vs every' = peak minus the peak of "
         "'every' at the same K, 'exp +' = no_sync's unsharded fp32 gradient minus its shard."
     )
 
@@ -256,7 +262,10 @@ def plot(result: dict[str, Any], path: str) -> None:
             "peak memory (MiB)" if cuda else "ΔRSS (MiB)",
             lambda r: (r["peak_bytes"] if cuda else r["peak_delta_bytes"] or 0) / 2**20,
         ),
-        ("reduce-scatter MiB / step", lambda r: r["collectives"].get("reduce_scatter_bytes", 0) / 2**20),
+        (
+            "reduce-scatter MiB / step",
+            lambda r: r["collectives"].get("reduce_scatter_bytes", 0) / 2**20,
+        ),
     ]
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.6))
     for ax, (label, value) in zip(axes, panels):
@@ -268,6 +277,8 @@ def plot(result: dict[str, Any], path: str) -> None:
         ax.grid(alpha=0.3)
     axes[0].legend()
     info = result["info"]
-    fig.suptitle(f"{info['preset']}, {info['dtype']}, world {info['world_size']}, {info['device_name']}")
+    fig.suptitle(
+        f"{info['preset']}, {info['dtype']}, world {info['world_size']}, {info['device_name']}"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)

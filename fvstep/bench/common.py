@@ -17,6 +17,7 @@ import platform
 import statistics
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -166,7 +167,8 @@ def build_model(preset: Preset, *, device: torch.device, seed: int = 0) -> nn.Mo
     devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices), torch.device(device):
         torch.manual_seed(seed)
-        return WanTransformer3DModel(**preset.config)
+        model: nn.Module = WanTransformer3DModel(**preset.config)  # type: ignore[assignment]
+    return model
 
 
 def make_batch(
@@ -242,6 +244,9 @@ def setup_runtime(device: str | None) -> Runtime:
     kind = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if kind not in ("cpu", "cuda"):
         raise ValueError(f"--device must be cpu or cuda, got {device!r}")
+    # diffusers' Wan returns a view of its output; FSDP2 warns about in-place ops on it,
+    # which the benchmarks never do.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     dev = torch.device("cuda", local_rank) if kind == "cuda" else torch.device("cpu")
@@ -288,7 +293,14 @@ def add_runtime_args(parser: Any, *, dtype: bool = True) -> None:
         )
         parser.add_argument("--batch-per-microbatch", type=int, default=1)
         parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--json", default=None, help="write the results as JSON here")
+
+
+def apply_threads(args: Any) -> None:
+    """``torch.set_num_threads(--threads)`` when given."""
+    if getattr(args, "threads", None):
+        torch.set_num_threads(args.threads)
 
 
 def resolve_dtype(args: Any, rt: Runtime) -> str:
@@ -343,14 +355,15 @@ def autocast_context(rt: Runtime, dtype: str) -> contextlib.AbstractContextManag
     return torch.autocast(rt.device.type, dtype=torch.bfloat16)
 
 
-def optimizer_options(impl: str) -> dict[str, bool | None]:
-    """``foreach``/``fused`` for ``--impl default|foreach|fused|single``."""
-    return {
-        "default": {"foreach": None, "fused": None},
-        "foreach": {"foreach": True, "fused": None},
-        "fused": {"foreach": None, "fused": True},
-        "single": {"foreach": False, "fused": None},
-    }[impl]
+def optimizer_options(impl: str) -> tuple[bool | None, bool | None]:
+    """``(foreach, fused)`` for ``--impl default|foreach|fused|single``."""
+    options: dict[str, tuple[bool | None, bool | None]] = {
+        "default": (None, None),
+        "foreach": (True, None),
+        "fused": (None, True),
+        "single": (False, None),
+    }
+    return options[impl]
 
 
 # ------------------------------------------------------------------ timing and memory
@@ -456,7 +469,12 @@ def _tokens_of(name: str, video: int, text: int) -> int:
         return text
     if name.startswith(("condition_embedder.time", "condition_embedder.time_proj")):
         return 1
-    if ".attn2." in name and name.rsplit(".", 1)[-1] in ("to_k", "to_v", "add_k_proj", "add_v_proj"):
+    if ".attn2." in name and name.rsplit(".", 1)[-1] in (
+        "to_k",
+        "to_v",
+        "add_k_proj",
+        "add_v_proj",
+    ):
         return text  # cross-attention keys/values are projections of the text tokens
     return video
 
@@ -525,6 +543,7 @@ def expected_collectives(
     keep_params_gathered: bool,
     param_bytes: int,
     reduce_bytes: int,
+    clip: bool = False,
 ) -> dict[str, float]:
     """The analytic FSDP2 collectives of one step of a unit training ``module``.
 
@@ -537,13 +556,15 @@ def expected_collectives(
     - reduce-scatters: ``K`` per group (``every``, ``deferred``), ``1`` (``no_sync``);
       bytes as :class:`fvstep.distributed.CollectiveCounter` counts them, the output
       shard: ``sum N_g * reduce_bytes / world`` each time (the data reduced is ``world``
-      times that).
+      times that);
+    - all-reduces: one a step for the global gradient norm when clipping.
 
     All zero on one process (unsharded).
     """
     groups = fsdp_groups(module)
     if world == 1 or not groups:
-        return {"all_gather": 0, "all_gather_bytes": 0, "reduce_scatter": 0, "reduce_scatter_bytes": 0}
+        kinds = ("all_gather", "all_gather_bytes", "reduce_scatter", "reduce_scatter_bytes")
+        return dict.fromkeys((*kinds, "all_reduce"), 0)
     numel = sum(padded_numel(ps, world) for _, ps in groups)
     k = microbatches
     ag = k + 1 if keep_params_gathered else 2 * k
@@ -553,6 +574,7 @@ def expected_collectives(
         "all_gather_bytes": numel * param_bytes * ag,
         "reduce_scatter": len(groups) * rs,
         "reduce_scatter_bytes": numel * reduce_bytes * rs / world,
+        "all_reduce": 1 if clip else 0,
     }
 
 
@@ -561,7 +583,9 @@ def trainable_numel(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters() if p.requires_grad)
 
 
-def local_tensor_bytes(tensors: Iterator[torch.Tensor] | Sequence[torch.Tensor], device: torch.device) -> int:
+def local_tensor_bytes(
+    tensors: Iterator[torch.Tensor] | Sequence[torch.Tensor], device: torch.device
+) -> int:
     """Bytes of the local shards of ``tensors`` that live on ``device``'s type."""
     total = 0
     for t in tensors:

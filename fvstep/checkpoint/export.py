@@ -12,7 +12,7 @@ Files are written atomically: into a temporary file (or folder) next to the targ
 flushed and fsynced, then renamed into place. A crash leaves either the old target or
 the new one, never a partial file under the target's name.
 
-Example:
+Examples:
     >>> export_role(state, "student", "out/student.safetensors", weights="ema")
     >>> export_diffusers(state, "student", "out/student", dtype=torch.bfloat16)
     >>> WanTransformer3DModel.from_pretrained("out/student")
@@ -76,7 +76,7 @@ def gather_weights(
         ValueError: For an unknown role, an unknown ``weights``, ``weights="ema"`` for a
             role without an EMA, or a ``dtype`` that is not floating point.
 
-    Example:
+    Examples:
         >>> sd = gather_weights(state, "student", weights="ema", dtype=torch.bfloat16)
     """
     role_state = _role_state(state, role)
@@ -121,7 +121,7 @@ def export_role(
             a target that is a directory. Raised on every rank.
         RuntimeError: On the other ranks, when writing failed on a writing rank.
 
-    Example:
+    Examples:
         >>> export_role(state, "student", "exports/step_1000", weights="ema")
         PosixPath('exports/step_1000/model.safetensors')
     """
@@ -191,7 +191,7 @@ def export_diffusers(
             Raised on every rank.
         RuntimeError: On the other ranks, when writing failed on rank 0.
 
-    Example:
+    Examples:
         >>> export_diffusers(state, "student", "exports/student", dtype=torch.bfloat16)
         >>> net = WanTransformer3DModel.from_pretrained("exports/student")
     """

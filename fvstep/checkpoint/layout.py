@@ -88,7 +88,7 @@ def list_complete(root: str | os.PathLike[str]) -> list[tuple[int, Path]]:
 def latest(root: str | os.PathLike[str]) -> Path | None:
     """The newest complete checkpoint under ``root``, or ``None``.
 
-    Example:
+    Examples:
         >>> path = latest("runs/exp1/checkpoints")
         >>> state = load(path, like=state) if path else state
     """

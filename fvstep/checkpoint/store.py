@@ -151,7 +151,7 @@ def save(
     Raises:
         CheckpointError: If ``path`` exists and ``overwrite`` is false.
 
-    Example:
+    Examples:
         >>> save(state, "ckpt/step_000000100")
     """
     final = Path(path)
@@ -230,7 +230,7 @@ def load(path: str | os.PathLike[str], *, like: T, group: Any = None) -> T:
             dtype changed, per-rank values on another world size), a shard is missing or
             truncated, or the loaded content does not match the manifest's checksums.
 
-    Example:
+    Examples:
         >>> state = load(latest(root), like=initial_state)
     """
     path = Path(path)
@@ -279,7 +279,7 @@ class AsyncSaver:
     collectives never interleave with a training step's. A failure there is raised by
     the next :meth:`save`, :meth:`wait` or :meth:`close`.
 
-    Example:
+    Examples:
         >>> with AsyncSaver() as saver:
         ...     for step in ...:
         ...         state, _ = step_fn(state, batch)

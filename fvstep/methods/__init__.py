@@ -9,7 +9,7 @@ any ``nn.Module`` with that signature works, not only ``diffusers`` models.
 - :func:`dmd2` / :func:`dmd2_losses`: DMD2 distillation (student, teacher, critic).
 - :func:`rl` / :func:`rl_inner_loss`: an RL-style managed step (student, old, reference).
 
-Example:
+Examples:
     >>> from fvstep.methods import dmd2
     >>> step = fvstep.compile(dmd2(generator_update_interval=5),
     ...                       accumulation=fvstep.Accumulation(microbatches=2))

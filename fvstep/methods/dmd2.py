@@ -25,7 +25,7 @@ the rollout key splits into (noise, target step, re-noise). So :func:`dmd2_losse
 The reference's schedule: the critic steps every iteration, the student only when
 ``i % generator_update_interval == 0`` (:func:`dmd2`).
 
-Example:
+Examples:
     >>> state = fvstep.TrainState.create(roles={
     ...     "student": fvstep.Role(student, optimizer=fvstep.optim.adamw(lr=1e-5)),
     ...     "teacher": fvstep.Role(teacher),
@@ -95,7 +95,7 @@ def score_time(
     ``t ~ U[0, 1)``, ``t' = shift t / (1 + (shift - 1) t)``, clamped to
     ``[min_ratio, max_ratio]``. ``shift = 1`` leaves ``t`` unshifted.
 
-    Example:
+    Examples:
         >>> t = score_time(k, 4, shift=3.0, min_ratio=0.02, max_ratio=0.98)
     """
     t = torch.rand((batch_size,), generator=fsrandom.generator(key, device), device=device)
@@ -136,7 +136,7 @@ def rollout(
     Returns:
         ``x0_hat``, shaped like ``like``.
 
-    Example:
+    Examples:
         >>> with torch.no_grad():
         ...     x0_hat = rollout(state.module("student"), batch["latents"], batch["text"], k)
     """
@@ -216,7 +216,7 @@ def dmd2_losses(
     Raises:
         ValueError: For out-of-range settings.
 
-    Example:
+    Examples:
         >>> losses = dmd2_losses(guidance_scale=3.5)
         >>> method = fvstep.sequence(fvstep.update("critic", losses.critic_loss),
         ...                          fvstep.every(5, fvstep.update("student", losses.generator_loss)))
@@ -341,7 +341,7 @@ def dmd2(
     Raises:
         ValueError: For an unknown ordering, ``n < 1`` or out-of-range loss settings.
 
-    Example:
+    Examples:
         >>> step = fvstep.compile(dmd2(ordering="sequential"),
         ...                       accumulation=fvstep.Accumulation(microbatches=2))
         >>> [e.roles for e in fvstep.plan(step, 5)]

@@ -4,7 +4,7 @@ The flow-matching path is ``x_t = (1 - t) * x0 + t * eps`` for ``t`` in ``[0, 1]
 module predicts the velocity ``eps - x0`` (see the forward contract in
 :mod:`fvstep.models`), so ``x0 = x_t - t * v``.
 
-Example:
+Examples:
     >>> step = fvstep.compile(finetune(t_sampling="logit_normal"),
     ...                       accumulation=fvstep.Accumulation(microbatches=2))
     >>> state, metrics = step(state, {"latents": x0, "text": text})
@@ -42,7 +42,7 @@ LossFn = Callable[[TrainState, Any, torch.Tensor], tuple[torch.Tensor, dict[str,
 def broadcast_time(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """Reshape per-sample times ``(B,)`` to broadcast against ``like`` ``(B, ...)``, in its dtype.
 
-    Example:
+    Examples:
         >>> broadcast_time(torch.ones(2), torch.zeros(2, 4, 1, 2, 2)).shape
         torch.Size([2, 1, 1, 1, 1])
     """
@@ -52,7 +52,7 @@ def broadcast_time(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 def add_noise(x0: torch.Tensor, eps: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     """The point ``x_t = (1 - t) * x0 + t * eps`` of the flow-matching path (``t``: ``(B,)``).
 
-    Example:
+    Examples:
         >>> x_t = add_noise(x0, eps, t)
     """
     tb = broadcast_time(t, x0)
@@ -62,7 +62,7 @@ def add_noise(x0: torch.Tensor, eps: torch.Tensor, t: torch.Tensor) -> torch.Ten
 def x0_from_velocity(x_t: torch.Tensor, t: torch.Tensor, velocity: torch.Tensor) -> torch.Tensor:
     """The clean sample that a velocity points to: ``x0 = x_t - t * v`` (``t``: ``(B,)``).
 
-    Example:
+    Examples:
         >>> x0_hat = x0_from_velocity(x_t, t, predict(net, x_t, t * 1000, text))
     """
     return x_t - broadcast_time(t, x_t) * velocity
@@ -91,7 +91,7 @@ def sample_time(
     Returns:
         The times.
 
-    Example:
+    Examples:
         >>> t = sample_time(k, 4, t_sampling="logit_normal")
     """
     g = fsrandom.generator(key, device)
@@ -137,7 +137,7 @@ def flow_matching_loss(
     Raises:
         ValueError: For an unknown ``t_sampling`` or ``logit_std <= 0``.
 
-    Example:
+    Examples:
         >>> unit = fvstep.update("student", flow_matching_loss(t_sampling="logit_normal"))
     """
     _check_t_sampling(t_sampling, logit_std)
@@ -187,7 +187,7 @@ def finetune(
     Returns:
         The method (one update unit named ``"finetune"``).
 
-    Example:
+    Examples:
         >>> state = fvstep.TrainState.create(
         ...     {"student": fvstep.Role(net, optimizer=fvstep.optim.adamw(lr=1e-4))},
         ...     key=fvstep.random.key(0))

@@ -18,7 +18,7 @@ outer step), ``reference`` (frozen; the KL anchor). One outer step (:func:`rl`):
 The step is ``fvstep.managed(..., trains="student")``: the executor's accumulation,
 clipping and optimizer stepping apply only through the inner ``ctx.update`` calls.
 
-Example:
+Examples:
     >>> state = fvstep.TrainState.create(roles={
     ...     "student": fvstep.Role(policy, optimizer=fvstep.optim.adamw(lr=1e-5)),
     ...     "old": fvstep.Role(copy.deepcopy(policy)),
@@ -69,7 +69,7 @@ def euler_sample(
     ``x <- x + (t_next - t) v(x, t)`` on the uniform grid ``1, 1 - 1/n, ..., 0``; with one
     step this is ``x0 = noise - v(noise, 1)``. Runs in the caller's grad mode.
 
-    Example:
+    Examples:
         >>> with torch.no_grad():
         ...     x0 = euler_sample(state.module("old"), noise, text, num_steps=2)
     """
@@ -86,7 +86,7 @@ def euler_sample(
 def latent_mse_reward(samples: torch.Tensor, batch: Mapping[str, Any]) -> torch.Tensor:
     """A cheap deterministic reward: ``-mean((x0 - batch["latents"])^2)`` per sample (fp32).
 
-    Example:
+    Examples:
         >>> latent_mse_reward(torch.zeros(2, 1), {"latents": torch.ones(2, 1)})
         tensor([-1., -1.])
     """
@@ -106,7 +106,7 @@ def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) 
     Returns:
         ``(N,)`` advantages (zero for a group of equal rewards).
 
-    Example:
+    Examples:
         >>> group_advantages(torch.tensor([1.0, 3.0, 5.0, 5.0]), 2)
         tensor([-1.0000,  1.0000,  0.0000,  0.0000])
     """
@@ -130,7 +130,7 @@ def blend_(
     Raises:
         ValueError: If the two do not have the same names.
 
-    Example:
+    Examples:
         >>> blend_(state.roles["old"].params, state.roles["student"].params, 0.9)
     """
     if set(target) != set(source):
@@ -162,7 +162,7 @@ def rl_inner_loss(
     Returns:
         ``loss_fn(state, batch, key) -> (loss, {"policy_loss", "kl"})``.
 
-    Example:
+    Examples:
         >>> unit = fvstep.update("student", rl_inner_loss(kl_weight=0.1))
     """
     if not kl_weight >= 0:
@@ -233,7 +233,7 @@ def rl(
     Raises:
         ValueError: For out-of-range settings.
 
-    Example:
+    Examples:
         >>> step = fvstep.compile(rl(num_inner=2, accumulation=fvstep.Accumulation(2)))
         >>> [e.roles for e in fvstep.plan(step, 0)]
         [('student',)]

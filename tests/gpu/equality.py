@@ -44,14 +44,20 @@ MP = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32
 
 
 def batch_at(step: int, rank: int, device: torch.device) -> dict:
-    return synthetic_batch(fold_in(fold_in(fs.random.key(99), step), rank), batch_size=4, device=device)
+    return synthetic_batch(
+        fold_in(fold_in(fs.random.key(99), step), rank), batch_size=4, device=device
+    )
 
 
 def fvstep_run(rank: int, device: torch.device, sync: str):
     mesh = fsd.make_mesh(device_type="cuda")
     module = fsd.shard_module(tiny_wan(seed=0).to(device), mesh=mesh, mp_policy=MP)
     state = fs.TrainState.create(
-        {"student": fs.Role(module, optimizer=fs.optim.adamw(lr=1e-3, weight_decay=0.1), allow_no_sync=True)},
+        {
+            "student": fs.Role(
+                module, optimizer=fs.optim.adamw(lr=1e-3, weight_decay=0.1), allow_no_sync=True
+            )
+        },
         key=fs.random.key(7),
     )
     step = fs.compile(
@@ -88,7 +94,9 @@ def hand_written(rank: int, device: torch.device, sync: str):
             eps = torch.randn(x0.shape, generator=generator(k_eps, device), device=device)
             tb = t.view(-1, 1, 1, 1, 1)
             x_t = (1 - tb) * x0 + tb * eps
-            v = module(hidden_states=x_t, timestep=t * 1000, encoder_hidden_states=text, return_dict=False)[0]
+            v = module(
+                hidden_states=x_t, timestep=t * 1000, encoder_hidden_states=text, return_dict=False
+            )[0]
             (F.mse_loss(v.float(), (eps - x0).float()) / K).backward()
         torch.nn.utils.clip_grad_norm_(module.parameters(), MAX_NORM)
         opt.step()
@@ -115,8 +123,13 @@ def main() -> None:
     import warnings
 
     warnings.filterwarnings("ignore")
-    results: dict = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(), "world": dist.get_world_size(),
-                     "python": platform.python_version(), "policies": {}}
+    results: dict = {
+        "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name(),
+        "world": dist.get_world_size(),
+        "python": platform.python_version(),
+        "policies": {},
+    }
     finals = {}
     for sync in ["every", "deferred", "no_sync"]:
         ours, counts = fvstep_run(rank, device, sync)
@@ -129,7 +142,8 @@ def main() -> None:
                 ours.opt_state.exp_avg, {n: opt.state[p]["exp_avg"] for n, p in theirs.items()}
             )
             tree.assert_trees_equal(
-                ours.opt_state.exp_avg_sq, {n: opt.state[p]["exp_avg_sq"] for n, p in theirs.items()}
+                ours.opt_state.exp_avg_sq,
+                {n: opt.state[p]["exp_avg_sq"] for n, p in theirs.items()},
             )
         except AssertionError as e:
             exact = False
