@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fvstep.accumulation import Accumulation
@@ -254,7 +255,10 @@ def _kind(op_name: str) -> str:
 
 
 class CollectiveCounter(TorchDispatchMode):
-    """Counts the collectives issued inside it, by kind, with the bytes of their inputs.
+    """Counts the collectives issued inside it, by kind, with their bytes.
+
+    The bytes are those of each op's first tensor argument: the gathered output of an
+    all-gather, the output shard of a reduce-scatter, the buffer of an all-reduce.
 
     A ``TorchDispatchMode`` that sees every ``c10d`` op (FSDP2's all-gathers and
     reduce-scatters, the all-reduces of a clip norm); it adds Python overhead to every
@@ -273,9 +277,13 @@ class CollectiveCounter(TorchDispatchMode):
         self.bytes: collections.Counter[str] = collections.Counter()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if any(issubclass(t, DTensor) for t in types):
+            # Let DTensor decompose the op; its own collectives (a clip norm's all-reduce)
+            # then come back here as plain c10d ops.
+            return NotImplemented
         if func.namespace in ("c10d", "_c10d_functional"):
             kind = _kind(func.name())
-            if not kind.startswith("wait"):
+            if not kind.startswith(("wait", "wrap_tensor_autograd")):
                 self.counts[kind] += 1
                 first = args[0] if args else None
                 if isinstance(first, (list, tuple)) and first:

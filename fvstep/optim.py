@@ -450,11 +450,13 @@ class AdamW:
         lr = self.learning_rate(int(state.count))
         foreach, fused = _resolve_impl((params[n] for n in names), self.foreach, self.fused)
         with torch.no_grad():
-            p_list = [params[n].detach() for n in names]
-            g_list = [grads[n].detach() for n in names]  # type: ignore[union-attr]
+            # No .detach(): under no_grad torch.optim hands the parameters to the same
+            # kernels as they are, and detaching a DTensor costs ~17 µs of host time each.
+            p_list = [params[n] for n in names]
+            g_list = [grads[n] for n in names]
             _torch_adamw(
                 p_list,
-                g_list,
+                g_list,  # type: ignore[arg-type]
                 [state.exp_avg[n] for n in names],
                 [state.exp_avg_sq[n] for n in names],
                 [state.max_exp_avg_sq[n] for n in names] if self.amsgrad else [],
@@ -702,8 +704,8 @@ class SGD:
             for group in groups:
                 group_buffers = [buffers[i] for i in group] if has_momentum else []
                 _torch_sgd(
-                    [params[names[i]].detach() for i in group],
-                    [grads[names[i]].detach() for i in group],  # type: ignore[union-attr]
+                    [params[names[i]] for i in group],
+                    [grads[names[i]] for i in group],  # type: ignore[misc]
                     group_buffers,
                     has_sparse_grad=False,
                     foreach=foreach,

@@ -161,7 +161,12 @@ def rng_scope(k: torch.Tensor) -> Iterator[None]:
     # Reading the CUDA states initialises CUDA, so a lazily queued seed cannot leak out.
     cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
     try:
-        torch.manual_seed(seed)  # seeds CPU and every CUDA device
+        # The CPU and CUDA generators directly: torch.manual_seed would also seed other
+        # backends (and build a stack trace each call), which this scope does not restore.
+        torch.default_generator.manual_seed(seed)
+        if cuda_states is not None:
+            for generator in torch.cuda.default_generators:
+                generator.manual_seed(seed)
         yield
     finally:
         torch.set_rng_state(cpu_state)

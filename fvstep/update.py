@@ -9,6 +9,8 @@ parameters of the roles the unit trains: the other roles' parameters have
 
 from __future__ import annotations
 
+import functools
+import operator
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -221,7 +223,7 @@ def run_update(
                 sync.before_backward(index)
                 # One backward of the (summed) loss: FSDP2's hooks see one pass, and
                 # autograd.backward(inputs=...) cannot name FSDP2's unsharded parameters.
-                (sum(losses.values()) / num).backward()
+                (functools.reduce(operator.add, losses.values()) / num).backward()
             for role, loss in losses.items():
                 loss_log[role].append(loss.detach())
             for k, v in metrics.items():

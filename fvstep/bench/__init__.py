@@ -7,8 +7,10 @@
   imperative (FSDP2) loop, alternated A/B in one process group; fvstep's own CPU time.
 - :mod:`fvstep.bench.checkpoint` — sync/async save, load, and the disk's own sequential
   write bandwidth on the same bytes.
-- :mod:`fvstep.bench.common` — model presets, data, distributed setup, timing, FLOPs,
-  tables.
+- :mod:`fvstep.bench.common` — distributed setup, options, timing, memory, tables;
+  :mod:`fvstep.bench.presets` — models and data; :mod:`fvstep.bench.analytic` — model
+  FLOPs (MFU) and the expected FSDP2 collectives; :mod:`fvstep.bench.profiling` — the
+  hook that sets fvstep's own host time apart from the work it calls.
 
 Run on one process (unsharded) or under ``torchrun`` (every role sharded with FSDP2;
 gloo on CPU, NCCL on CUDA). Only rank 0 prints and writes files. Performance is
@@ -19,4 +21,4 @@ Examples:
     $ torchrun --standalone --nproc_per_node 2 benchmarks/overhead.py --preset tiny-wan
 """
 
-__all__ = ["accumulation", "checkpoint", "common", "overhead"]
+__all__ = ["accumulation", "analytic", "checkpoint", "common", "overhead", "presets", "profiling"]

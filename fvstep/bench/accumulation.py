@@ -6,7 +6,7 @@ each optionally ``+keep`` for ``keep_params_gathered=True``) one fine-tune step
 (device synchronised around each; median, min and max; under torchrun the slowest
 rank's time per step), then ONE extra step with ``count_collectives=True`` — apart from
 the timed ones, since the counter slows every op. Reported beside the analytic
-expectation (:func:`fvstep.bench.common.expected_collectives`):
+expectation (:func:`fvstep.bench.analytic.expected_collectives`):
 
 - all-gathers: ``2K`` per FSDP group and step (``K + 1`` with ``+keep``), bytes of the
   gathered parameters in the param dtype (bf16 with ``--dtype bf16``);
@@ -15,7 +15,7 @@ expectation (:func:`fvstep.bench.common.expected_collectives`):
   ``world`` times that);
 - memory: ``no_sync`` holds the role's unsharded fp32 gradient between micro-batches,
   ``numel * 4 * (1 - 1/world)`` bytes above ``every`` (which holds the shards);
-- MFU: analytic model FLOPs (:func:`fvstep.bench.common.train_flops_per_sample`) per
+- MFU: analytic model FLOPs (:func:`fvstep.bench.analytic.train_flops_per_sample`) per
   step and device over the median step time and ``--peak-tflops``.
 
 Peak memory is ``torch.cuda.max_memory_allocated`` on CUDA and the RSS high-water mark
@@ -30,9 +30,11 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
 import fvstep as fs
+from fvstep.bench import analytic, presets
 from fvstep.bench import common as c
 from fvstep.methods.finetune import flow_matching_loss
 
@@ -80,10 +82,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         policies = [parse_policy(t) for t in args.policies]
     except ValueError as e:
-        print(e)
+        print(e, file=sys.stderr)
         return 2
     if min(args.k) < 1 or args.steps < 1 or args.warmup < 0:
-        print("--k must be >= 1, --steps >= 1 and --warmup >= 0")
+        print("--k must be >= 1, --steps >= 1 and --warmup >= 0", file=sys.stderr)
         return 2
     c.apply_threads(args)
     rt = c.setup_runtime(args.device)
@@ -101,11 +103,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args: Any, rt: c.Runtime, policies: list[tuple[str, bool]]) -> dict[str, Any]:
     """Measure every (K, policy); returns the JSON-able result (on every rank)."""
-    preset = c.PRESETS[args.preset]
+    preset = presets.PRESETS[args.preset]
     dtype = c.resolve_dtype(args, rt)
-    module = c.build_model(preset, device=rt.device, seed=args.seed)
-    flops_per_sample = c.train_flops_per_sample(module, preset)
-    numel = c.trainable_numel(module)
+    module = presets.build_model(preset, device=rt.device, seed=args.seed)
+    flops_per_sample = analytic.train_flops_per_sample(module, preset)
+    numel = analytic.trainable_numel(module)
     c.prepare_module(module, rt, dtype=dtype, compile_blocks=args.compile)
     foreach, fused = c.optimizer_options(args.impl)
     optimizer = fs.optim.adamw(lr=args.lr, foreach=foreach, fused=fused)
@@ -121,7 +123,7 @@ def run(args: Any, rt: c.Runtime, policies: list[tuple[str, bool]]) -> dict[str,
     rows = []
     for k in args.k:
         samples = k * args.batch_per_microbatch
-        batch = c.make_batch(preset, samples, device=rt.device, seed=args.seed + rt.rank)
+        batch = presets.make_batch(preset, samples, device=rt.device, seed=args.seed + rt.rank)
         for sync, keep in policies:
             acc = fs.Accumulation(microbatches=k, sync=sync, keep_params_gathered=keep)  # type: ignore[arg-type]
             step = fs.compile(method, accumulation=acc, clip=clip)
@@ -145,7 +147,7 @@ def run(args: Any, rt: c.Runtime, policies: list[tuple[str, bool]]) -> dict[str,
                     "policy": sync + ("+keep" if keep else ""),
                     "step_s": stat,
                     "tflops_per_step": flops / 1e12,
-                    "mfu": c.mfu(flops, stat["median"], peak),
+                    "mfu": analytic.mfu(flops, stat["median"], peak),
                     "peak_bytes": mem[0] if len(mem) == 2 else None,
                     "peak_delta_bytes": mem[1] if len(mem) == 2 else None,
                     "collectives": {
@@ -153,7 +155,7 @@ def run(args: Any, rt: c.Runtime, policies: list[tuple[str, bool]]) -> dict[str,
                         for key, v in metrics.items()
                         if key.startswith("collectives/")
                     },
-                    "expected": c.expected_collectives(
+                    "expected": analytic.expected_collectives(
                         module,
                         world=rt.world,
                         microbatches=k,
@@ -182,7 +184,7 @@ def run(args: Any, rt: c.Runtime, policies: list[tuple[str, bool]]) -> dict[str,
         peak_tflops=None if peak is None else peak / 1e12,
         steps=args.steps,
         warmup=args.warmup,
-        fsdp_groups=len(c.fsdp_groups(module)),
+        fsdp_groups=len(analytic.fsdp_groups(module)),
     )
     return {"benchmark": "accumulation", "info": info, "rows": rows}
 
@@ -272,6 +274,7 @@ def plot(result: dict[str, Any], path: str) -> None:
         for policy in dict.fromkeys(r["policy"] for r in rows):
             mine = [r for r in rows if r["policy"] == policy]
             ax.plot([r["k"] for r in mine], [value(r) for r in mine], marker="o", label=policy)
+        ax.set_xticks(sorted({r["k"] for r in rows}))
         ax.set_xlabel("micro-batches K")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)

@@ -1,10 +1,10 @@
-"""Shared pieces of the benchmarks: model presets, data, distributed setup, timing,
-memory, FLOPs, the FSDP2 groups of a module, and tables.
+"""Shared pieces of the benchmarks: distributed setup, options, timing, memory, tables.
 
 A benchmark process is either a single process (modules unsharded) or one rank of a
 ``torchrun`` launch (``WORLD_SIZE > 1``): :func:`setup_runtime` then initialises the
 process group (NCCL on CUDA, gloo on CPU) and :func:`prepare_module` shards every role
-with :func:`fvstep.distributed.shard_module`.
+with :func:`fvstep.distributed.shard_module`. Model presets live in
+:mod:`fvstep.bench.presets`, analytic FLOPs and collectives in :mod:`fvstep.bench.analytic`.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import statistics
 import sys
 import time
 import warnings
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,165 +29,29 @@ from torch import nn
 
 import fvstep as fs
 from fvstep import distributed as fsd
-from fvstep.models import synthetic_batch
+from fvstep.bench.presets import PRESETS
 
 __all__ = [
-    "PRESETS",
-    "Preset",
+    "MemoryMeter",
     "Runtime",
     "add_runtime_args",
-    "build_model",
-    "expected_collectives",
+    "apply_threads",
+    "autocast_context",
+    "describe",
     "format_stat",
-    "fsdp_groups",
-    "make_batch",
-    "mfu",
+    "mib",
     "optimizer_options",
+    "peak_flops",
     "prepare_module",
     "print_table",
+    "resolve_dtype",
     "setup_runtime",
     "summarize",
     "teardown_runtime",
-    "train_flops_per_sample",
+    "time_call",
     "with_autocast",
+    "write_json",
 ]
-
-_WAN_COMMON: dict[str, Any] = {
-    "patch_size": (1, 2, 2),
-    "cross_attn_norm": True,
-    "qk_norm": "rms_norm_across_heads",
-    "eps": 1e-6,
-}
-
-
-@dataclass(frozen=True)
-class Preset:
-    """A model (a ``WanTransformer3DModel`` config) and the shape of one sample.
-
-    Attributes:
-        name: The preset's name (``--preset``).
-        config: ``WanTransformer3DModel`` keyword arguments.
-        latent_shape: ``(C, F, H, W)`` of one sample's latents.
-        text_len: Text tokens per sample.
-        note: One line for the help text.
-    """
-
-    name: str
-    config: dict[str, Any]
-    latent_shape: tuple[int, int, int, int]
-    text_len: int
-    note: str = ""
-
-    @property
-    def num_tokens(self) -> int:
-        """Video tokens per sample: ``F/pf * H/ph * W/pw``."""
-        _, f, h, w = self.latent_shape
-        pf, ph, pw = self.config["patch_size"]
-        return (f // pf) * (h // ph) * (w // pw)
-
-    def skeleton(self) -> Preset:
-        """The same blocks and parameter tensors with tiny dims: a host-bound twin.
-
-        Same number of layers, hence the same parameter-tensor count and FSDP2 groups,
-        so a step's Python work is the same while its arithmetic is negligible.
-        """
-        config = {**self.config, **PRESETS["tiny-wan"].config}
-        config["num_layers"] = self.config["num_layers"]
-        tiny = PRESETS["tiny-wan"]
-        return replace(tiny, name=f"{self.name}-skeleton", config=config)
-
-
-PRESETS: dict[str, Preset] = {
-    "tiny-wan": Preset(
-        "tiny-wan",
-        {
-            **_WAN_COMMON,
-            "num_attention_heads": 2,
-            "attention_head_dim": 8,
-            "in_channels": 4,
-            "out_channels": 4,
-            "text_dim": 16,
-            "freq_dim": 16,
-            "ffn_dim": 32,
-            "num_layers": 2,
-            "rope_max_seq_len": 32,
-        },
-        latent_shape=(4, 2, 4, 4),
-        text_len=3,
-        note="fvstep.models.tiny_wan (10k params, 8 tokens): CPU smoke runs",
-    ),
-    "small-wan": Preset(
-        "small-wan",
-        {
-            **_WAN_COMMON,
-            "num_attention_heads": 4,
-            "attention_head_dim": 32,
-            "in_channels": 16,
-            "out_channels": 16,
-            "text_dim": 64,
-            "freq_dim": 32,
-            "ffn_dim": 512,
-            "num_layers": 4,
-            "rope_max_seq_len": 64,
-        },
-        latent_shape=(16, 4, 16, 16),
-        text_len=32,
-        note="4 blocks of dim 128 (1.0M params, 256 tokens): CPU runs with some arithmetic",
-    ),
-    "wan-1.3b": Preset(
-        "wan-1.3b",
-        {
-            **_WAN_COMMON,
-            "num_attention_heads": 12,
-            "attention_head_dim": 128,
-            "in_channels": 16,
-            "out_channels": 16,
-            "text_dim": 4096,
-            "freq_dim": 256,
-            "ffn_dim": 8960,
-            "num_layers": 30,
-            "rope_max_seq_len": 1024,
-        },
-        latent_shape=(16, 21, 26, 26),
-        text_len=512,
-        note="Wan2.1-1.3B shape, random init (3549 tokens + 512 text tokens a sample): GPU",
-    ),
-}
-
-
-def build_model(preset: Preset, *, device: torch.device, seed: int = 0) -> nn.Module:
-    """The preset's ``WanTransformer3DModel``, fp32, initialised directly on ``device``.
-
-    Construction runs under ``torch.device(device)`` (parameters are allocated and
-    initialised there: no CPU copy of a 1.3B model) and a forked RNG seeded with
-    ``seed``, so every rank builds the same weights and the global RNG is untouched.
-    """
-    from diffusers import WanTransformer3DModel
-
-    devices = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices), torch.device(device):
-        torch.manual_seed(seed)
-        model: nn.Module = WanTransformer3DModel(**preset.config)  # type: ignore[assignment]
-    return model
-
-
-def make_batch(
-    preset: Preset, batch_size: int, *, device: torch.device, seed: int = 0
-) -> dict[str, torch.Tensor]:
-    """A synthetic ``{"latents", "text"}`` batch of the preset's shapes (fp32)."""
-    c, f, h, w = preset.latent_shape
-    return synthetic_batch(
-        fs.random.key(seed),
-        batch_size=batch_size,
-        channels=c,
-        frames=f,
-        height=h,
-        width=w,
-        text_len=preset.text_len,
-        text_dim=preset.config["text_dim"],
-        device=device,
-    )
-
 
 # ------------------------------------------------------------------ distributed runtime
 
@@ -458,141 +322,6 @@ def format_stat(stat: dict[str, float], scale: float = 1e3, digits: int = 1) -> 
 def mib(nbytes: float | None, digits: int = 1) -> str:
     """Bytes as MiB, ``"n/a"`` for ``None``."""
     return "n/a" if nbytes is None else f"{nbytes / 2**20:.{digits}f}"
-
-
-# ------------------------------------------------------------------ FLOPs
-
-
-def _tokens_of(name: str, video: int, text: int) -> int:
-    """How many tokens per sample a linear layer of a Wan transformer is applied to."""
-    if name.startswith("condition_embedder.text_embedder"):
-        return text
-    if name.startswith(("condition_embedder.time", "condition_embedder.time_proj")):
-        return 1
-    if ".attn2." in name and name.rsplit(".", 1)[-1] in (
-        "to_k",
-        "to_v",
-        "add_k_proj",
-        "add_v_proj",
-    ):
-        return text  # cross-attention keys/values are projections of the text tokens
-    return video
-
-
-def train_flops_per_sample(module: nn.Module, preset: Preset) -> float:
-    """Training FLOPs (forward + backward) of one sample through a Wan transformer.
-
-    ``6 * weights * tokens`` for every linear layer (and the patch-embedding conv, a
-    linear map per token), with the tokens the layer acts on (video tokens ``T``, text
-    tokens ``L`` for the text embedder and cross-attention keys/values, one for the time
-    embedding), plus attention: ``12 * layers * T^2 * dim`` for self-attention and
-    ``12 * layers * T * L * dim`` for cross-attention (``QK^T`` and ``AV``, 2 FLOPs a
-    multiply-add, times 3 for forward + backward). Norms and elementwise ops are left out.
-    """
-    video, text = preset.num_tokens, preset.text_len
-    linear = 0.0
-    for name, mod in module.named_modules():
-        if isinstance(mod, (nn.Linear, nn.Conv3d)):
-            linear += 6.0 * mod.weight.numel() * _tokens_of(name, video, text)
-    cfg = preset.config
-    dim = cfg["num_attention_heads"] * cfg["attention_head_dim"]
-    attention = 12.0 * cfg["num_layers"] * dim * (video * video + video * text)
-    return linear + attention
-
-
-def mfu(flops_per_step: float, seconds: float, peak: float | None) -> float | None:
-    """Model FLOPs utilisation of one device, or ``None`` without a peak."""
-    return None if peak is None or seconds <= 0 else flops_per_step / seconds / peak
-
-
-# ------------------------------------------------------------------ FSDP2 groups
-
-
-def fsdp_groups(module: nn.Module) -> list[tuple[str, list[torch.Tensor]]]:
-    """The FSDP2 parameter groups of a sharded module: ``(module name, its own params)``.
-
-    A group's parameters are those of an ``fully_shard``-ed module that no nested
-    ``fully_shard``-ed module owns. Empty for an unsharded module.
-    """
-    sharded = [(n, m) for n, m in module.named_modules() if fsd.is_sharded(m)]
-    owned: set[int] = set()
-    groups = []
-    for name, mod in reversed(sharded):  # innermost first
-        params = [p for p in mod.parameters() if id(p) not in owned]
-        owned.update(id(p) for p in params)
-        groups.append((name or "<root>", params))
-    return list(reversed(groups))
-
-
-def padded_numel(params: Sequence[torch.Tensor], world: int) -> int:
-    """Elements FSDP2 all-gathers for ``params``: dim 0 padded to a multiple of ``world``."""
-    total = 0
-    for p in params:
-        rows = p.shape[0] if p.dim() else 1
-        rest = p.numel() // max(rows, 1) if p.dim() else 1
-        total += -(-rows // world) * world * rest
-    return total
-
-
-def expected_collectives(
-    module: nn.Module,
-    *,
-    world: int,
-    microbatches: int,
-    sync: str,
-    keep_params_gathered: bool,
-    param_bytes: int,
-    reduce_bytes: int,
-    clip: bool = False,
-) -> dict[str, float]:
-    """The analytic FSDP2 collectives of one step of a unit training ``module``.
-
-    With ``G`` groups of padded sizes ``N_g`` and ``K`` micro-batches, per step:
-
-    - all-gathers: each group is gathered for the forward and again for the backward of
-      each micro-batch, ``2K`` times (``K + 1`` with ``keep_params_gathered``: only the
-      first forward gathers, later forwards find the parameters still unsharded); bytes
-      = the gathered output, ``sum N_g * param_bytes`` each time;
-    - reduce-scatters: ``K`` per group (``every``, ``deferred``), ``1`` (``no_sync``);
-      bytes as :class:`fvstep.distributed.CollectiveCounter` counts them, the output
-      shard: ``sum N_g * reduce_bytes / world`` each time (the data reduced is ``world``
-      times that);
-    - all-reduces: one a step for the global gradient norm when clipping.
-
-    All zero on one process (unsharded).
-    """
-    groups = fsdp_groups(module)
-    if world == 1 or not groups:
-        kinds = ("all_gather", "all_gather_bytes", "reduce_scatter", "reduce_scatter_bytes")
-        return dict.fromkeys((*kinds, "all_reduce"), 0)
-    numel = sum(padded_numel(ps, world) for _, ps in groups)
-    k = microbatches
-    ag = k + 1 if keep_params_gathered else 2 * k
-    rs = 1 if sync == "no_sync" else k
-    return {
-        "all_gather": len(groups) * ag,
-        "all_gather_bytes": numel * param_bytes * ag,
-        "reduce_scatter": len(groups) * rs,
-        "reduce_scatter_bytes": numel * reduce_bytes * rs / world,
-        "all_reduce": 1 if clip else 0,
-    }
-
-
-def trainable_numel(module: nn.Module) -> int:
-    """Global element count of the trainable parameters (DTensors count globally)."""
-    return sum(p.numel() for p in module.parameters() if p.requires_grad)
-
-
-def local_tensor_bytes(
-    tensors: Iterator[torch.Tensor] | Sequence[torch.Tensor], device: torch.device
-) -> int:
-    """Bytes of the local shards of ``tensors`` that live on ``device``'s type."""
-    total = 0
-    for t in tensors:
-        local = t.to_local() if hasattr(t, "to_local") else t
-        if local.device.type == device.type:
-            total += local.numel() * local.element_size()
-    return total
 
 
 # ------------------------------------------------------------------ reporting

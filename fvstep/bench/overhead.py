@@ -13,17 +13,19 @@ side (the side that goes first alternates), so drift cancels. Reported:
 - step time: the ratio of the medians (and the median, min, max of per-round ratios);
 - peak memory: each side's own resident bytes (parameters and optimizer state, local
   shards) plus the most its steps allocated above what was allocated when they began
-  (``max_memory_allocated`` on CUDA, RSS on CPU); the ratio of the two;
+  (``max_memory_allocated`` on CUDA, RSS on CPU); the ratio of the two on CUDA (on CPU
+  the RSS high-water mark cannot be attributed to one side);
 - fvstep's own CPU time per step, measured two ways:
   1. *skeleton A/B*: the same A/B on a host-bound twin of the model (same blocks and
-     parameter tensors, tiny dims; :meth:`fvstep.bench.common.Preset.skeleton`), where
+     parameter tensors, tiny dims; :meth:`fvstep.bench.presets.Preset.skeleton`), where
      a step's time is the Python and dispatch work; the difference of the medians is
      the host time fvstep adds, shown as a share of the real model's step time;
-  2. *cProfile*: ``--profile-steps`` fvstep steps of the real model under cProfile;
-     the time inside ``Step.__call__`` minus the calls it makes into the loss function
-     (model forward), backward, the optimizer kernel and gradient clipping, i.e.
-     fvstep's bookkeeping (an upper bound: the profiler slows every Python call);
-- MFU of each side (analytic FLOPs, see :func:`fvstep.bench.common.train_flops_per_sample`).
+  2. *profile hook*: ``--profile-steps`` fvstep steps of the real model under
+     :class:`fvstep.bench.profiling.BookkeepingClock`: the step's time minus the calls fvstep's frames make
+     into the loss function (model forward), backward, the optimizer kernel and
+     gradient clipping, i.e. fvstep's bookkeeping — an upper bound, loose where the
+     bookkeeping makes many Python calls (DTensor dispatch), since the hook slows each;
+- MFU of each side (analytic FLOPs, see :func:`fvstep.bench.analytic.train_flops_per_sample`).
 
 Targets (reported, never asserted): step time <= 1.01x and peak memory <= 1.01x of the
 hand-written loop on GPU; fvstep's CPU time <= 0.5% of the step time.
@@ -37,11 +39,9 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import cProfile
 import math
-import os
-import pstats
 import statistics
+import sys
 from typing import Any
 
 import torch
@@ -50,10 +50,12 @@ from torch import nn
 
 import fvstep as fs
 from fvstep import distributed as fsd
+from fvstep.bench import analytic, presets
 from fvstep.bench import common as c
+from fvstep.bench.profiling import BookkeepingClock
 from fvstep.methods.finetune import flow_matching_loss
 
-__all__ = ["fvstep_bookkeeping_seconds", "hand_written_step", "main"]
+__all__ = ["hand_written_step", "main"]
 
 
 def hand_written_step(
@@ -140,7 +142,7 @@ class _Fvstep(_Side):
         self.state, _ = self.step_fn(self.state, batch)
 
     def resident_bytes(self, device: torch.device) -> int:
-        return c.local_tensor_bytes(fs.tree.leaves(self.state), device)
+        return analytic.local_tensor_bytes(fs.tree.leaves(self.state), device)
 
 
 class _HandWritten(_Side):
@@ -170,18 +172,19 @@ class _HandWritten(_Side):
         moments = [
             t for s in self.opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)
         ]
-        return c.local_tensor_bytes([*self.module.parameters(), *moments], device)
+        return analytic.local_tensor_bytes([*self.module.parameters(), *moments], device)
 
 
 def _build_sides(
-    preset: c.Preset, args: Any, rt: c.Runtime, dtype: str, compile_blocks: bool
-) -> tuple[_Side, _Side]:
-    sides = []
-    for cls in (_Fvstep, _HandWritten):
-        module = c.build_model(preset, device=rt.device, seed=args.seed)
-        c.prepare_module(module, rt, dtype=dtype, compile_blocks=compile_blocks)
-        sides.append(cls(module, args, rt, dtype))
-    return sides[0], sides[1]
+    preset: presets.Preset, args: Any, rt: c.Runtime, dtype: str, compile_blocks: bool
+) -> tuple[_Fvstep, _HandWritten]:
+    """Both sides, each with its own copy of the model (same seed, same preparation)."""
+
+    def module() -> nn.Module:
+        m = presets.build_model(preset, device=rt.device, seed=args.seed)
+        return c.prepare_module(m, rt, dtype=dtype, compile_blocks=compile_blocks)
+
+    return _Fvstep(module(), args, rt, dtype), _HandWritten(module(), args, rt, dtype)
 
 
 def run_ab(
@@ -216,68 +219,19 @@ def run_ab(
     out["time_ratio"] = out[a.name]["step_s"]["median"] / out[b.name]["step_s"]["median"]
     out["round_ratios"] = c.summarize(ratios)
     pa, pb = out[a.name]["peak_bytes"], out[b.name]["peak_bytes"]
-    out["memory_ratio"] = None if pa is None or pb is None or pb == 0 else pa / pb
+    # On CPU the RSS high-water mark mixes both sides' allocator reuse: no ratio.
+    comparable = rt.device.type == "cuda" and pa is not None and pb
+    out["memory_ratio"] = pa / pb if comparable else None
     return out
 
 
-_FVSTEP_DIR = os.path.dirname(os.path.dirname(os.path.abspath(fs.__file__)))
-_NOT_LIBRARY = ("bench", "methods", "models.py")
-_WORK = (
-    os.path.join("torch", "autograd"),
-    os.path.join("torch", "optim"),
-    os.path.join("torch", "nn", "utils", "clip_grad.py"),
-    os.path.join("fvstep", "methods"),
-    os.path.join("fvstep", "bench"),
-    os.path.join("fvstep", "models.py"),
-)
-
-
-def _is_library(filename: str) -> bool:
-    path = os.path.abspath(filename)
-    package = os.path.join(_FVSTEP_DIR, "fvstep") + os.sep
-    return path.startswith(package) and not path[len(package) :].startswith(_NOT_LIBRARY)
-
-
-def _is_work(func: tuple[str, int, str]) -> bool:
-    filename, _, name = func
-    if filename.endswith(os.path.join("torch", "_tensor.py")):
-        return name == "backward"
-    return any(part in filename for part in _WORK)
-
-
-def fvstep_bookkeeping_seconds(profile: pstats.Stats) -> tuple[float, float]:
-    """``(time in Step.__call__, of which fvstep's bookkeeping)`` from a profile.
-
-    Bookkeeping = the cumulative time of ``Step.__call__`` minus the calls that fvstep's
-    own frames make into work: loss functions (model forward), ``backward``,
-    ``torch.optim`` kernels, gradient norm and clipping.
-    """
-    stats = profile.stats  # type: ignore[attr-defined]
-    total = sum(
-        ct
-        for (filename, _, name), (_, _, _, ct, _) in stats.items()
-        if name == "__call__" and filename.endswith(os.path.join("fvstep", "stepfn.py"))
-    )
-    work = 0.0
-    for func, (_, _, _, _, callers) in stats.items():
-        if not _is_work(func):
-            continue
-        for caller, edge in callers.items():
-            if _is_library(caller[0]):
-                work += edge[3]
-    return total, total - work
-
-
 def _profile(side: _Fvstep, batch: dict[str, torch.Tensor], steps: int, rt: c.Runtime) -> float:
-    profiler = cProfile.Profile()
+    clock = BookkeepingClock()
     for _ in range(steps):
         c.synchronize(rt.device)
-        profiler.enable()
-        side.step(batch)
-        profiler.disable()
+        clock.measure(lambda: side.step(batch))
     c.synchronize(rt.device)
-    _, bookkeeping = fvstep_bookkeeping_seconds(pstats.Stats(profiler))
-    return rt.max_over_ranks([bookkeeping / steps])[0]
+    return rt.max_over_ranks([clock.bookkeeping / steps])[0]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -302,7 +256,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--clip", type=float, default=1.0, help="max grad norm (0: off)")
-    parser.add_argument("--profile-steps", type=int, default=3, help="cProfile'd steps (0: skip)")
+    parser.add_argument(
+        "--profile-steps", type=int, default=3, help="steps under the profile hook (0: skip)"
+    )
     parser.add_argument("--no-skeleton", action="store_true", help="skip the skeleton A/B")
     return parser
 
@@ -311,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; returns the exit code."""
     args = build_parser().parse_args(argv)
     if args.k < 1 or args.steps < 1 or args.rounds < 1 or args.warmup < 0:
-        print("--k, --steps and --rounds must be >= 1, --warmup >= 0")
+        print("--k, --steps and --rounds must be >= 1, --warmup >= 0", file=sys.stderr)
         return 2
     c.apply_threads(args)
     rt = c.setup_runtime(args.device)
@@ -327,26 +283,26 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args: Any, rt: c.Runtime) -> dict[str, Any]:
     """The real-model A/B, the skeleton A/B and the profile; the JSON-able result."""
-    preset = c.PRESETS[args.preset]
+    preset = presets.PRESETS[args.preset]
     dtype = c.resolve_dtype(args, rt)
     fv, hand = _build_sides(preset, args, rt, dtype, args.compile)
     samples = args.k * args.batch_per_microbatch
-    batch = c.make_batch(preset, samples, device=rt.device, seed=args.seed + rt.rank)
+    batch = presets.make_batch(preset, samples, device=rt.device, seed=args.seed + rt.rank)
     real = run_ab(fv, hand, batch, args, rt)
-    flops = c.train_flops_per_sample(fv.state.module("student"), preset) * samples  # type: ignore[attr-defined]
+    flops = analytic.train_flops_per_sample(fv.state.module("student"), preset) * samples
     peak = c.peak_flops(args, rt)
     for name in ("fvstep", "hand-written"):
-        real[name]["mfu"] = c.mfu(flops, real[name]["step_s"]["median"], peak)
+        real[name]["mfu"] = analytic.mfu(flops, real[name]["step_s"]["median"], peak)
     fv_median = real["fvstep"]["step_s"]["median"]
     result: dict[str, Any] = {"benchmark": "overhead", "real": real}
     if args.profile_steps > 0:
-        seconds = _profile(fv, batch, args.profile_steps, rt)  # type: ignore[arg-type]
+        seconds = _profile(fv, batch, args.profile_steps, rt)
         result["profile"] = {"bookkeeping_s": seconds, "share": seconds / fv_median}
     del fv, hand
     if not args.no_skeleton:
         skeleton = preset.skeleton()
         sk_fv, sk_hand = _build_sides(skeleton, args, rt, dtype, False)
-        sk_batch = c.make_batch(skeleton, samples, device=rt.device, seed=args.seed + rt.rank)
+        sk_batch = presets.make_batch(skeleton, samples, device=rt.device, seed=args.seed + rt.rank)
         sk = run_ab(sk_fv, sk_hand, sk_batch, args, rt)
         extra = sk["fvstep"]["step_s"]["median"] - sk["hand-written"]["step_s"]["median"]
         result["skeleton"] = {**sk, "extra_s": extra, "share": extra / fv_median}
@@ -407,7 +363,7 @@ def report(result: dict[str, Any]) -> None:
     c.print_table(headers, rows)
     rr = real["round_ratios"]
     mem = "n/a" if real["memory_ratio"] is None else f"{real['memory_ratio']:.4f}x"
-    mem_kind = "allocated" if cuda else "RSS, coarse"
+    mem_kind = "allocated" if cuda else "CPU RSS is not attributable to one side"
     print(
         f"step time fvstep/hand = {real['time_ratio']:.4f}x "
         f"(per round {rr['median']:.4f}, {rr['min']:.4f}-{rr['max']:.4f}; target <= 1.01x)"
@@ -422,6 +378,7 @@ def report(result: dict[str, Any]) -> None:
     if "profile" in result:
         p = result["profile"]
         print(
-            f"fvstep bookkeeping (cProfile, upper bound): {p['bookkeeping_s'] * 1e3:.3f} ms/step = "
-            f"{p['share']:.3%} of the real step"
+            f"fvstep bookkeeping (profile hook, upper bound): {p['bookkeeping_s'] * 1e3:.3f} "
+            f"ms/step = {p['share']:.3%} of the real step (the hook's cost per Python call "
+            "inflates call-heavy code such as DTensor dispatch; the skeleton A/B is the number)"
         )

@@ -23,7 +23,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 import fvstep
 from fvstep.checkpoint.fingerprint import fingerprint
@@ -102,10 +101,11 @@ def _write(
     tmp: Path,
     overwrite: bool,
     group: Any,
+    prints: tuple[dict[str, int], dict[str, list[int]]] | None = None,
 ) -> None:
-    """Collective: fingerprint, write the shards with DCP, and (rank 0) commit."""
+    """Collective: fingerprint (unless ``prints`` are given), write with DCP, (rank 0) commit."""
     rank, world = _rank_world(group)
-    checksums, per_rank = fingerprint(paths, leaves, group=group)
+    checksums, per_rank = prints if prints is not None else fingerprint(paths, leaves, group=group)
     flat = {(_rank_key(p, rank) if p in per_rank else p): x.detach() for p, x in zip(paths, leaves)}
     manifest = Manifest(
         step=step,
@@ -269,15 +269,61 @@ def load(path: str | os.PathLike[str], *, like: T, group: Any = None) -> T:
     return optree.tree_unflatten(spec, fresh)  # type: ignore[return-value]
 
 
+class _Stager:
+    """Copies a state's tensors to host memory, reusing its buffers from save to save.
+
+    DTensors are staged as DTensors with the same mesh and placements around a host copy
+    of their local shard (what DCP writes). From a GPU the copy goes to pinned memory,
+    asynchronously, and is synchronised once at the end.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def _host(self, path: str, local: torch.Tensor) -> torch.Tensor:
+        buf = self._buffers.get(path)
+        if buf is None or buf.shape != local.shape or buf.dtype != local.dtype:
+            pin = local.device.type == "cuda"
+            buf = torch.empty(local.shape, dtype=local.dtype, pin_memory=pin)
+            self._buffers[path] = buf
+        buf.copy_(local, non_blocking=local.device.type == "cuda")
+        return buf
+
+    def stage(self, paths: list[str], leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+        from torch.distributed.tensor import DTensor
+
+        staged: list[torch.Tensor] = []
+        for path, x in zip(paths, leaves):
+            if isinstance(x, DTensor):
+                host = self._host(path, x.to_local().detach())
+                staged.append(
+                    DTensor.from_local(
+                        host,
+                        x.device_mesh,
+                        x.placements,
+                        run_check=False,
+                        shape=x.shape,
+                        stride=x.stride(),
+                    )
+                )
+            else:
+                staged.append(self._host(path, x.detach()))
+        if any(x.device.type == "cuda" for x in leaves):
+            torch.cuda.synchronize()
+        return staged
+
+
 class AsyncSaver:
     """Saves in the background; one save in flight at a time.
 
-    :meth:`save` blocks only to check the target and to *stage* the state — a CPU copy
-    of every tensor, made by DCP's ``DefaultStager`` — so the caller may update the
-    state in place as soon as it returns. The fingerprint, DCP's write and the commit run
-    on a background thread, with a gloo process group of their own so that their
-    collectives never interleave with a training step's. A failure there is raised by
-    the next :meth:`save`, :meth:`wait` or :meth:`close`.
+    :meth:`save` blocks only to check the target and to *stage* the state — a host copy
+    of every tensor (pinned and asynchronous from a GPU; the buffers are reused from save
+    to save) — so the caller may update the state in place as soon as it returns. On a
+    GPU the content checksums are computed on the device before staging (milliseconds);
+    on a CPU they are computed in the background. DCP's write and the commit run on a
+    background thread, with a gloo process group of their own so that their collectives
+    never interleave with a training step's. A failure there is raised by the next
+    :meth:`save`, :meth:`wait` or :meth:`close`.
 
     Examples:
         >>> with AsyncSaver() as saver:
@@ -290,7 +336,7 @@ class AsyncSaver:
         self._group = group
         self._upload_group: Any = None
         self._pending: concurrent.futures.Future[None] | None = None
-        self._stager = DefaultStager(StagingOptions(False, False, False, False))
+        self._stager = _Stager()
         self._executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="fvstep-ckpt"
         )
@@ -311,11 +357,12 @@ class AsyncSaver:
         final = Path(path)
         tmp = _make_temp_dir(final, overwrite, self._group)
         paths, leaves, _ = flatten_with_paths(state)
-        staged: Any = self._stager.stage({p: x.detach() for p, x in zip(paths, leaves)})
-        staged_leaves = [staged[p] for p in paths]
+        on_gpu = any(x.device.type == "cuda" for x in leaves)
+        prints = fingerprint(paths, leaves, group=self._group) if on_gpu else None
+        staged = self._stager.stage(paths, leaves)
         step = int(getattr(state, "step", 0))
         self._pending = self._executor.submit(
-            _write, paths, staged_leaves, step, final, tmp, overwrite, upload_group
+            _write, paths, staged, step, final, tmp, overwrite, upload_group, prints
         )
 
     def wait(self) -> None:
@@ -330,7 +377,6 @@ class AsyncSaver:
             self.wait()
         finally:
             self._executor.shutdown(wait=True)
-            self._stager.close()
 
     def __enter__(self) -> AsyncSaver:
         return self
