@@ -243,8 +243,9 @@ def report(result: dict[str, Any]) -> None:
     print(
         "m/e = measured (one extra step, CollectiveCounter) / analytic expectation per step "
         "and rank; AG = all-gather (gathered bytes, param dtype), RS = reduce-scatter "
-        "(output-shard bytes, fp32), AR = all-reduce (the clip norm's; CollectiveCounter does "
-        "not see collectives issued inside DTensor ops); '+vs every' = peak minus the peak of "
+        "(output-shard bytes, fp32), AR = all-reduce (the clip norm's, issued inside DTensor "
+        "ops; the GPU runs of 2026-11-29 predate the counter seeing them and show 0); "
+        "'+vs every' = peak minus the peak of "
         "'every' at the same K, 'exp +' = no_sync's unsharded fp32 gradient minus its shard."
     )
 
