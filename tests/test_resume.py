@@ -159,3 +159,19 @@ def test_method_owned_state_outside_the_train_state_is_caught(tmp_path):
 
     with pytest.raises(AssertionError, match="resumed differs"):
         assert_resume_exact(leaky_factory, num_steps=4, interruptions=[2], workdir=tmp_path)
+
+
+def test_resume_stays_exact_with_torch_compile_per_block(tmp_path):
+    # The bench's --compile applies torch.compile to each transformer block (as torchtitan
+    # does); compiled kernels are deterministic, so the law must still hold.
+    def factory():
+        module = tiny_wan(seed=0)
+        for block in module.blocks:
+            block.compile()
+        state = fs.TrainState.create(
+            {"student": fs.Role(module, optimizer=fs.optim.adamw(lr=1e-3))}, key=fs.random.key(0)
+        )
+        step = fs.compile(finetune(), accumulation=fs.Accumulation(2), clip=fs.clip_grad_norm(1.0))
+        return state, step, SyntheticData(1, batch_size=2)
+
+    assert_resume_exact(factory, num_steps=5, interruptions=[2, 3], workdir=tmp_path, checkpoint_every=2)
