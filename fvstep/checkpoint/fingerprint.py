@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["fingerprint", "leaf_checksum"]
+__all__ = ["fingerprint", "leaf_checksum", "local_sums"]
 
 _K1 = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64
 _K2 = -4658895280553007687  # 0xBF58476D1CE4E5B9
@@ -102,8 +102,30 @@ def leaf_checksum(x: Any) -> torch.Tensor:
     return _mix_sum(_bits64(flat), index)
 
 
+def local_sums(leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each leaf's local checksum contribution (no communication), as CPU 0-d tensors.
+
+    Thread-safe with respect to other readers of the leaves: it only reads them, so a
+    save can compute it while DCP writes the same tensors.
+    """
+    sums = [leaf_checksum(x) for x in leaves]
+    by_device: dict[torch.device, list[int]] = {}
+    for i, v in enumerate(sums):
+        by_device.setdefault(v.device, []).append(i)
+    out: list[torch.Tensor] = [torch.zeros((), dtype=torch.int64)] * len(sums)
+    for indices in by_device.values():  # one device-to-host copy per device
+        host = torch.stack([sums[i] for i in indices]).cpu()
+        for i, v in zip(indices, host):
+            out[i] = v
+    return out
+
+
 def fingerprint(
-    paths: list[str], leaves: list[torch.Tensor], *, group: Any = None
+    paths: list[str],
+    leaves: list[torch.Tensor],
+    *,
+    group: Any = None,
+    sums: list[torch.Tensor] | None = None,
 ) -> tuple[dict[str, int], dict[str, list[int]]]:
     """Global checksums of every leaf, and the per-rank checksums of leaves that differ.
 
@@ -111,11 +133,17 @@ def fingerprint(
     tensor's checksum is its own. With several ranks, plain leaves whose checksums differ
     between ranks are *per-rank* values: returned in the second dict, by rank.
 
+    Args:
+        paths: The leaves' paths.
+        leaves: The leaves.
+        group: The process group.
+        sums: :func:`local_sums` of the leaves, if already computed.
+
     Returns:
         ``(checksums, per_rank)``: ``checksums[path]`` for shared leaves,
         ``per_rank[path][rank]`` for leaves that differ between ranks.
     """
-    sums = [leaf_checksum(x).to("cpu") for x in leaves]
+    sums = list(sums) if sums is not None else local_sums(leaves)
     sharded = [i for i, x in enumerate(leaves) if hasattr(x, "to_local")]
     plain = [i for i, x in enumerate(leaves) if not hasattr(x, "to_local")]
     world = dist.get_world_size(group) if dist.is_initialized() else 1

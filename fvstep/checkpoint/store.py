@@ -25,7 +25,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 import fvstep
-from fvstep.checkpoint.fingerprint import fingerprint
+from fvstep.checkpoint.fingerprint import fingerprint, local_sums
 from fvstep.checkpoint.layout import commit, discard, list_complete
 from fvstep.checkpoint.manifest import CheckpointError, Manifest, read_manifest
 from fvstep.tree import flatten_with_paths
@@ -103,10 +103,43 @@ def _write(
     group: Any,
     prints: tuple[dict[str, int], dict[str, list[int]]] | None = None,
 ) -> None:
-    """Collective: fingerprint (unless ``prints`` are given), write with DCP, (rank 0) commit."""
+    """Collective: fingerprint (unless ``prints`` are given), write with DCP, (rank 0) commit.
+
+    The checksums of sharded leaves (and, on one process, of every leaf) are computed on a
+    second thread while DCP writes: the file writes wait on the disk, the checksums on
+    the processor. Plain leaves of several ranks are checksummed first, because whether
+    a value is saved per rank depends on them.
+    """
     rank, world = _rank_world(group)
-    checksums, per_rank = prints if prints is not None else fingerprint(paths, leaves, group=group)
-    flat = {(_rank_key(p, rank) if p in per_rank else p): x.detach() for p, x in zip(paths, leaves)}
+    if prints is not None:
+        checksums, per_rank = prints
+        flat = {
+            (_rank_key(p, rank) if p in per_rank else p): x.detach() for p, x in zip(paths, leaves)
+        }
+        with _quiet_single_process(world):
+            dcp.save(flat, checkpoint_id=tmp, process_group=group, no_dist=world == 1)
+    else:
+        early = [i for i, x in enumerate(leaves) if world > 1 and not hasattr(x, "to_local")]
+        early_set = set(early)
+        late = [i for i in range(len(leaves)) if i not in early_set]
+        with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+            pending = pool.submit(local_sums, [leaves[i] for i in late])
+            early_sums = local_sums([leaves[i] for i in early])
+            _, per_rank = fingerprint(
+                [paths[i] for i in early], [leaves[i] for i in early], group=group, sums=early_sums
+            )
+            flat = {
+                (_rank_key(p, rank) if p in per_rank else p): x.detach()
+                for p, x in zip(paths, leaves)
+            }
+            with _quiet_single_process(world):
+                dcp.save(flat, checkpoint_id=tmp, process_group=group, no_dist=world == 1)
+            sums: list[torch.Tensor] = [torch.zeros((), dtype=torch.int64)] * len(leaves)
+            for i, v in zip(early, early_sums):
+                sums[i] = v
+            for i, v in zip(late, pending.result()):
+                sums[i] = v
+        checksums, per_rank = fingerprint(paths, leaves, group=group, sums=sums)
     manifest = Manifest(
         step=step,
         world_size=world,
@@ -115,8 +148,6 @@ def _write(
         per_rank=per_rank,
         fvstep_version=fvstep.__version__,
     )
-    with _quiet_single_process(world):
-        dcp.save(flat, checkpoint_id=tmp, process_group=group, no_dist=world == 1)
     if rank == 0:
         _publish(final, tmp, manifest, overwrite)
 
