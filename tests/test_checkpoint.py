@@ -746,3 +746,18 @@ def test_a_background_failure_surfaces_at_the_next_call(tmp_path, monkeypatch, s
     finally:
         with contextlib.suppress(OSError):
             saver.close()
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float64, torch.int64, torch.float32, torch.bfloat16, torch.bool]
+)
+def test_checksums_never_modify_the_leaves(dtype):
+    from fvstep.checkpoint.fingerprint import leaf_checksum
+
+    x = (torch.randn(3000, generator=torch.Generator().manual_seed(0)) * 100).to(dtype)
+    before = x.clone()
+    first = leaf_checksum(x)
+    assert torch.equal(x, before)
+    assert torch.equal(leaf_checksum(x), first)
+    x.view(-1)[7] = before.view(-1)[8] if dtype != torch.bool else ~before.view(-1)[7]
+    assert not torch.equal(leaf_checksum(x), first) or torch.equal(x, before)

@@ -4,10 +4,11 @@
 checkpoint must be verifiable after resharding (saved on 2 ranks, loaded on 1), so the
 manifest records, per leaf, a 64-bit checksum of the *global* tensor:
 
-    checksum = sum over elements e of mix(bits(e), global_index(e))   (mod 2**64)
+    checksum = sum over elements e of mix(bits(e) ^ K2 * global_index(e))   (mod 2**64)
 
-where ``mix`` is an avalanche mix of the element's raw bits and its flat index in the
-global tensor. A sum is exact in int64 arithmetic and independent of order, so each rank
+where ``mix`` is a multiply-xorshift of the element's raw bits combined with its flat
+index in the global tensor (each step a bijection, so any change of one element
+changes the sum). A sum is exact in int64 arithmetic and independent of order, so each rank
 sums its own shard and one all-reduce adds the shards; ranks holding a replica (the
 replicate axis of HSDP) contribute only once. The index term makes swapped elements
 count. The computation is a few int64 tensor ops on the leaf's own device.
@@ -29,11 +30,12 @@ _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def _bits64(x: torch.Tensor) -> torch.Tensor:
+    """The raw bits of ``x`` widened to int64, always in a new tensor (it is mixed in place)."""
     if x.dtype == torch.bool:
         x = x.to(torch.uint8)
     if x.is_complex():
         x = torch.view_as_real(x)
-    return x.contiguous().view(_INT[x.element_size()]).to(torch.int64)
+    return x.contiguous().view(_INT[x.element_size()]).to(torch.int64, copy=True)
 
 
 def _global_index(
@@ -64,12 +66,18 @@ def _contributes(x: Any) -> bool:
 _CHUNK = 1 << 20  # elements per pass: int64 temporaries stay cache-sized on a CPU
 
 
-def _mix_sum(bits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    h = bits * _K1 + index * _K2 + _K3
-    h ^= h >> 31
-    h *= _K2
-    h ^= h >> 29
-    return h.sum()
+def _mix_sum(bits: torch.Tensor, index_k2: torch.Tensor) -> torch.Tensor:
+    """sum over elements of xorshift((bits ^ index * K2) * K1), in place on ``bits``."""
+    bits ^= index_k2
+    bits *= _K1
+    bits ^= bits >> 32
+    return bits.sum()
+
+
+def _wrap(value: int) -> int:
+    """A Python int reduced to the int64 range (two's complement), as torch wraps."""
+    value &= (1 << 64) - 1
+    return value - (1 << 64) if value >= (1 << 63) else value
 
 
 def leaf_checksum(x: Any) -> torch.Tensor:
@@ -93,13 +101,16 @@ def leaf_checksum(x: Any) -> torch.Tensor:
         # A block of whole rows (FSDP2's Shard(0)): global flat index = start + local index.
         start = offset[0] * (flat.numel() // max(shape[0], 1)) if shape else 0
         chunk = _CHUNK if local.device.type == "cpu" else 1 << 26
-        base = torch.arange(min(chunk, flat.numel()), dtype=torch.int64, device=local.device)
+        base_k2 = torch.arange(min(chunk, flat.numel()), dtype=torch.int64, device=local.device)
+        base_k2 *= _K2
         for lo in range(0, flat.numel(), chunk):
             part = flat[lo : lo + chunk]
-            total += _mix_sum(_bits64(part), base[: part.numel()] + (start + lo))
+            # index * K2 = base * K2 + (start + lo) * K2, the second term wrapped to int64
+            shift = _wrap((start + lo) * _K2)
+            total += _mix_sum(_bits64(part), base_k2[: part.numel()] + shift)
         return total
     index = _global_index(tuple(shape), tuple(offset), global_shape, local.device).reshape(-1)
-    return _mix_sum(_bits64(flat), index)
+    return _mix_sum(_bits64(flat), index * _K2)
 
 
 def local_sums(leaves: list[torch.Tensor]) -> list[torch.Tensor]:
