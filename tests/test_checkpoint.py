@@ -392,7 +392,7 @@ def test_prune_keeps_the_newest_n_and_never_the_newest_complete(one_checkpoint, 
         complete = sorted(s for s, k in entries.items() if k == "complete")
         ckpt.prune(root, keep, keep_temp=in_flight)
         kept = [s for s, _ in list_complete(root)]
-        expected = complete if keep is None else complete[len(complete) - max(keep, 1) :]
+        expected = complete if keep is None else complete[max(len(complete) - max(keep, 1), 0) :]
         assert kept == expected
         if complete:
             assert kept[-1] == complete[-1]  # the newest complete one survives, even keep=0

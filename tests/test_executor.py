@@ -161,6 +161,7 @@ def test_sigterm_saves_and_returns_cleanly(tmp_path):
             proc.send_signal(signal.SIGTERM)
             break
     out = proc.stdout.read()
+    proc.stdout.close()
     assert proc.wait(timeout=60) == 0
     returned = int(out.split("returned at")[-1])
     assert returned >= 4
