@@ -101,12 +101,24 @@ def _demo_rank(config: Any) -> dict[str, Any]:
     return run_demo(config)
 
 
-def _run_on_ranks(fn: Any, arg: Any, nproc: int) -> list[Any]:
-    if nproc == 1 or _under_launcher():
-        if _under_launcher():
-            from fvstep.distributed import init_from_env
+def _from_rank0(value: Any) -> Any:
+    """Under torchrun: rank 0's ``value`` on every rank (also a barrier). Else ``value``."""
+    if not _under_launcher():
+        return value
+    from fvstep.distributed import gather_objects, init_from_env
 
-            init_from_env()
+    init_from_env()
+    return gather_objects(value)[0]
+
+
+def _run_on_ranks(fn: Any, arg: Any, nproc: int) -> list[Any]:
+    """Every rank's ``fn(arg)``: in place (under torchrun, gathered), or on launched ranks."""
+    if _under_launcher():
+        from fvstep.distributed import gather_objects, init_from_env
+
+        init_from_env()
+        return gather_objects(fn(arg))
+    if nproc == 1:
         return [fn(arg)]
     from fvstep.distributed import launch
 
@@ -122,12 +134,14 @@ def _demo(args: argparse.Namespace) -> int:
     if args.steps < 4:
         raise CLIError("fvstep: --steps must be >= 4 (the demo crashes mid-run and resumes)")
     out = _check_out_dir(args.out)
-    for run in ("uninterrupted", "interrupted"):
-        stale = out / run
-        if stale.exists():
-            import shutil
+    if int(os.environ.get("RANK", "0")) == 0:
+        for run in ("uninterrupted", "interrupted"):
+            stale = out / run
+            if stale.exists():
+                import shutil
 
-            shutil.rmtree(stale)
+                shutil.rmtree(stale)
+    _from_rank0(None)  # under torchrun: the other ranks wait for the clean-up
     config = DemoConfig(
         out=str(out),
         num_steps=args.steps,
@@ -254,13 +268,14 @@ def _verify(args: argparse.Namespace) -> int:
             "steps": args.steps,
             "interrupt": interrupt,
             "every": args.every,
-            "workdir": args.workdir or tmp,
+            "workdir": _from_rank0(args.workdir or tmp),  # one directory for all ranks
         }
         failures = _run_on_ranks(_verify_rank, job, args.nproc)
     failure = next((f for f in failures if f is not None), None)
     if int(os.environ.get("RANK", "0")) != 0:
         return 0 if failure is None else 1
-    where = f"{args.steps} steps, crashes before {interrupt}, checkpoints every {args.every}, {args.nproc} rank(s)"
+    num_ranks = int(os.environ.get("WORLD_SIZE", "0")) or args.nproc
+    where = f"{args.steps} steps, crashes before {interrupt}, checkpoints every {args.every}, {num_ranks} rank(s)"
     if failure is None:
         print(f"resume is exact: {args.factory} ({where})")
         return 0

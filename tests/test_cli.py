@@ -84,3 +84,30 @@ def wrong_shape_factory():
 def test_debug_shows_the_traceback():
     result = run_cli("--debug", "verify-resume", "no_such_module:factory")
     assert result.returncode != 0 and "Traceback" in result.stderr
+
+
+def test_verify_resume_runs_under_torchrun_on_two_ranks():
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            "-m",
+            "fvstep",
+            "verify-resume",
+            "examples.resume_ok:factory",
+            "--steps",
+            "4",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resume is exact" in result.stdout and "2 rank(s)" in result.stdout
