@@ -32,14 +32,17 @@ from fvstep.state import RoleState, TrainState
 __all__ = [
     "CollectiveCounter",
     "FSDPGradSync",
+    "barrier",
     "blocks_policy",
     "data_parallel_index",
+    "destroy",
     "gather_objects",
     "grad_sync_for",
     "init_from_env",
     "is_sharded",
     "launch",
     "make_mesh",
+    "max_over_ranks",
     "rank_and_world",
     "shard_module",
 ]
@@ -372,7 +375,47 @@ def gather_objects(obj: Any) -> list[Any]:
     return out
 
 
-def init_from_env() -> None:
-    """Initialise the default process group from torchrun's environment, if not yet done."""
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+def init_from_env(*, backend: str | None = None, timeout_s: float | None = None) -> bool:
+    """Initialise the default process group from torchrun's environment, if not yet done.
+
+    Args:
+        backend: ``"nccl"`` or ``"gloo"``; default NCCL when CUDA is available.
+        timeout_s: The collectives' timeout (default: torch's).
+
+    Returns:
+        Whether this call created the group (the caller then owns :func:`destroy`).
+    """
+    if dist.is_initialized():
+        return False
+    import datetime
+
+    kwargs: dict[str, Any] = {}
+    if timeout_s is not None:
+        kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
+    dist.init_process_group(backend or ("nccl" if torch.cuda.is_available() else "gloo"), **kwargs)
+    return True
+
+
+def destroy() -> None:
+    """Wait for every rank, then destroy the default process group (if there is one)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def barrier() -> None:
+    """A barrier over all ranks; a no-op without a process group."""
+    if rank_and_world()[1] > 1:
+        dist.barrier()
+
+
+def max_over_ranks(values: Sequence[float], *, device: torch.device | None = None) -> list[float]:
+    """Element-wise maximum of ``values`` over ranks (``values`` itself on one process).
+
+    ``device`` is where the reduction runs (a CUDA device under NCCL).
+    """
+    if rank_and_world()[1] == 1 or not values:
+        return list(values)
+    t = torch.tensor(list(values), dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return [float(v) for v in t.cpu()]

@@ -10,7 +10,6 @@ with :func:`fvstep.distributed.shard_module`. Model presets live in
 from __future__ import annotations
 
 import contextlib
-import datetime
 import json
 import os
 import platform
@@ -24,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import fvstep as fs
@@ -78,17 +76,13 @@ class Runtime:
 
     def barrier(self) -> None:
         """A barrier over all ranks (a no-op on one process)."""
-        if self.sharded:
-            dist.barrier()
+        fsd.barrier()
 
     def max_over_ranks(self, values: Sequence[float]) -> list[float]:
         """Element-wise maximum over ranks (the slowest rank's time, the largest peak)."""
-        if not self.sharded or not values:
-            return list(values)
-        t = torch.tensor(list(values), dtype=torch.float64)
-        t = t.to(self.device) if self.device.type == "cuda" else t
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return [float(v) for v in t.cpu()]
+        return fsd.max_over_ranks(
+            values, device=self.device if self.device.type == "cuda" else None
+        )
 
     def print(self, *args: Any) -> None:
         """Print on rank 0 only."""
@@ -118,20 +112,16 @@ def setup_runtime(device: str | None) -> Runtime:
         torch.cuda.set_device(dev)
     if world == 1:
         return Runtime(rank=0, world=1, device=dev)
-    started = not dist.is_initialized()
-    if started:
-        dist.init_process_group(
-            "nccl" if kind == "cuda" else "gloo", timeout=datetime.timedelta(minutes=10)
-        )
+    started = fsd.init_from_env(backend="nccl" if kind == "cuda" else "gloo", timeout_s=600)
     mesh = fsd.make_mesh(device_type=kind)
-    return Runtime(dist.get_rank(), dist.get_world_size(), dev, mesh, started)
+    rank, world = fsd.rank_and_world()
+    return Runtime(rank, world, dev, mesh, started)
 
 
 def teardown_runtime(rt: Runtime) -> None:
     """Destroy the process group if :func:`setup_runtime` created it."""
-    if rt.started_group and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    if rt.started_group:
+        fsd.destroy()
 
 
 def add_runtime_args(parser: Any, *, dtype: bool = True) -> None:
