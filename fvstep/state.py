@@ -6,6 +6,12 @@ tensors), eager optimizer state, optional EMA, the step counter, the RNG key and
 method-owned state. Modules, optimizers and hyper-parameters are static metadata, so the
 optree paths of the leaves are the checkpoint keys.
 
+A tensor that a module holds under several names (tied weights, ``dec.weight =
+enc.weight``, or a submodule used twice) is one leaf, under its first name in
+``named_parameters()`` (or persistent-buffer) order; the other names are recorded as
+static aliases (:attr:`RoleState.tied`) and :func:`adopt` puts the one tensor into every
+aliased slot.
+
 A step uses its input state's buffers in place and returns a new state; it marks the
 input *consumed* (:func:`mark_consumed`), after which any attribute read of the old
 state raises :class:`ConsumedStateError`.
@@ -136,6 +142,11 @@ class RoleState:
         ema: The :class:`EMAState`, or ``None``.
         role: The :class:`Role` (static).
         trainable_names: Names of the parameters the optimizer updates (static).
+        tied: ``(alias, canonical)`` pairs (static): the module holds the tensor of
+            ``params[canonical]`` (or ``buffers[canonical]``) under the name ``alias``
+            too, as with tied weights. Only canonical names are leaves (and checkpoint
+            keys), so a tied tensor has one optimizer state and one EMA;
+            :func:`adopt` puts it into every aliased slot.
     """
 
     params: dict[str, torch.Tensor]
@@ -144,6 +155,7 @@ class RoleState:
     ema: EMAState | None
     role: Role = field(pytree_node=False)
     trainable_names: tuple[str, ...] = field(pytree_node=False, default=())
+    tied: tuple[tuple[str, str], ...] = field(pytree_node=False, default=())
 
     @property
     def module(self) -> nn.Module:
@@ -216,6 +228,14 @@ class TrainState:
         Trainable roles get their optimizer state allocated eagerly (and an fp32 EMA if
         configured); frozen roles have ``requires_grad`` turned off.
 
+        A tensor that a module holds under several names (tied weights such as
+        ``dec.weight = enc.weight``, or a submodule used twice) becomes one leaf under
+        its first name in ``named_parameters()`` order (persistent-buffer order for
+        buffers), with one optimizer state, as ``torch.optim`` keeps one per tensor;
+        the other names are recorded in :attr:`RoleState.tied`. This also holds for
+        FSDP2-sharded modules, where ``fully_shard`` keeps a tied parameter as one
+        DTensor as long as both of its modules are in one FSDP2 group.
+
         Args:
             roles: Role name to :class:`Role`.
             key: The base key (``fvstep.random.key(seed)``).
@@ -226,7 +246,10 @@ class TrainState:
 
         Raises:
             ValueError: If two roles share a module or a parameter (give each role its
-                own copy), if a trainable role has bf16/fp16 parameters and an optimizer
+                own copy), if two different tensors of one role share storage (one a
+                view of the other: tie by sharing one tensor instead), if a
+                non-persistent buffer shares storage with a parameter or persistent
+                buffer, if a trainable role has bf16/fp16 parameters and an optimizer
                 that needs fp32 master weights without ``allow_low_precision=True``, or
                 if ``roles`` is empty.
             TypeError: If a role is not a :class:`Role`, the key is not a key, or a
@@ -304,17 +327,83 @@ def is_consumed(state: TrainState) -> bool:
     return object.__getattribute__(state, "_lease").consumed_by is not None
 
 
-def _named_persistent_buffers(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    for mod_name, mod in module.named_modules():
+def _named_buffers(
+    module: nn.Module, *, persistent: bool = True
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every name of the module's persistent (or non-persistent) buffers, in
+    ``state_dict`` order: a buffer held under several names appears under each."""
+    for mod_name, mod in module.named_modules(remove_duplicate=False):
         for buf_name, buf in mod._buffers.items():
-            if buf is not None and buf_name not in mod._non_persistent_buffers_set:
+            if buf is not None and (buf_name not in mod._non_persistent_buffers_set) == persistent:
                 yield (f"{mod_name}.{buf_name}" if mod_name else buf_name), buf
+
+
+def _named_persistent_buffers(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    return _named_buffers(module, persistent=True)
+
+
+def _distinct_tensors(
+    module: nn.Module,
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], tuple[tuple[str, str], ...]]:
+    """The module's distinct parameters and persistent buffers, each under its first name,
+    and the ``(alias, canonical)`` pairs of the other names of the same tensors."""
+    first_name: dict[int, str] = {}  # id() is safe: the module keeps every tensor alive
+    tied: list[tuple[str, str]] = []
+    slots: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]] = ({}, {})
+    named = (module.named_parameters(remove_duplicate=False), _named_persistent_buffers(module))
+    for distinct, tensors in zip(slots, named, strict=True):
+        for name, tensor in tensors:
+            canonical = first_name.setdefault(id(tensor), name)
+            if canonical == name:
+                distinct[name] = tensor
+            else:
+                tied.append((name, canonical))
+    return slots[0], slots[1], tuple(tied)
+
+
+def _storage_key(tensor: torch.Tensor) -> tuple[str, int] | None:
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    if local.numel() == 0 or local.device.type == "meta":
+        return None
+    return str(local.device), local.untyped_storage().data_ptr()
+
+
+def _check_no_partial_aliasing(
+    role_name: str, module: nn.Module, tensors: Mapping[str, torch.Tensor]
+) -> None:
+    """Refuse different tensors of one role that share storage: a checkpoint restores
+    them as independent tensors, so a resumed run would silently differ."""
+    seen: dict[tuple[str, int], str] = {}
+    for name, tensor in tensors.items():
+        where = _storage_key(tensor)
+        if where is None:
+            continue
+        other = seen.setdefault(where, name)
+        if other != name:
+            raise ValueError(
+                f"role {role_name!r}: {other!r} and {name!r} are different tensors that share "
+                "storage (one is a view of the other), which a checkpoint would restore as "
+                "independent tensors. Tie them by holding one tensor under both names "
+                f"(e.g. decoder.weight = encoder.weight), or give {name!r} its own storage "
+                "(.clone())"
+            )
+    held = {id(t) for t in tensors.values()}
+    for name, buf in _named_buffers(module, persistent=False):
+        where = _storage_key(buf)
+        if where is not None and where in seen:
+            raise ValueError(
+                f"role {role_name!r}: the non-persistent buffer {name!r} "
+                f"{'is' if id(buf) in held else 'shares storage with'} {seen[where]!r}, which "
+                "the state holds: after a checkpoint load or a clone the buffer would keep "
+                "the old values. Register it as a persistent buffer, or recompute it from "
+                f"{seen[where]!r} in forward"
+            )
 
 
 def _create_role_state(name: str, role: Role) -> RoleState:
     module = role.module
-    params: dict[str, torch.Tensor] = dict(module.named_parameters(remove_duplicate=False))
-    buffers = dict(_named_persistent_buffers(module))
+    params, buffers, tied = _distinct_tensors(module)
+    _check_no_partial_aliasing(name, module, {**params, **buffers})
     if role.trainable:
         assert role.optimizer is not None
         trainable = tuple(n for n, p in params.items() if p.requires_grad)
@@ -350,6 +439,7 @@ def _create_role_state(name: str, role: Role) -> RoleState:
         ema=ema,
         role=role,
         trainable_names=trainable,
+        tied=tied,
     )
     module.__dict__["_fvstep_bound"] = (params, buffers)
     return state
@@ -373,10 +463,9 @@ def _check_no_aliasing(roles: Mapping[str, Role]) -> None:
             *role.module.named_buffers(remove_duplicate=False),
         ]
         for t_name, t in tensors:
-            local = t.to_local() if hasattr(t, "to_local") else t
-            if local.numel() == 0:
+            where = _storage_key(t)
+            if where is None:
                 continue
-            where = (str(local.device), local.untyped_storage().data_ptr())
             other = seen_storage.get(where)
             if other is not None and other[0] != role_name:
                 raise ValueError(
@@ -410,12 +499,30 @@ def adopt(role_state: RoleState) -> RoleState:
 
     A no-op when the module already holds the state's tensors (the common case: a state
     and its module share their live tensors). Otherwise, e.g. after
-    ``fvstep.tree.clone``: plain tensors are put into the module (the module then uses the
-    state's own tensors, and the returned role state is ``role_state``); DTensor
+    ``fvstep.tree.clone`` or ``fvstep.checkpoint.load``: plain tensors are put into the
+    module, each into its own slot and into the slots of its aliases
+    (:attr:`RoleState.tied`), so tied weights are one tensor again (the module then uses
+    the state's own tensors, and the returned role state is ``role_state``). DTensor
     parameters of an FSDP2-sharded module cannot be swapped, so their values are copied
-    into the live shards and the returned role state holds the live tensors. Another
-    state that held those live tensors then sees the copied values: keep clones of
-    sharded states as snapshots and run steps on one lineage at a time.
+    into the live shards (``fully_shard`` keeps a tied parameter as one DTensor in every
+    slot) and the returned role state holds the live tensors. Another state that held
+    those live tensors then sees the copied values: keep clones of sharded states as
+    snapshots and run steps on one lineage at a time.
+
+    Args:
+        role_state: The role state whose values the module should compute with.
+
+    Returns:
+        The role state whose tensors the module holds.
+
+    Raises:
+        ValueError: If the module's parameter or buffer names no longer match the state's
+            (the module was changed after ``TrainState.create``), or a sharded module no
+            longer holds one tensor under the names the state records as tied.
+
+    Examples:
+        >>> snapshot = fvstep.tree.clone(state)
+        >>> module = adopt(snapshot.role("student")).role.module  # computes with the copy
     """
     module = role_state.role.module
     bound = module.__dict__.get("_fvstep_bound")
@@ -423,25 +530,41 @@ def adopt(role_state: RoleState) -> RoleState:
         return role_state
     live_params = dict(module.named_parameters(remove_duplicate=False))
     live_buffers = dict(_named_persistent_buffers(module))
-    if set(live_params) != set(role_state.params) or set(live_buffers) != set(role_state.buffers):
+    aliases = dict(role_state.tied)
+    mine = {**role_state.params, **role_state.buffers}
+    if (
+        set(live_params) | set(live_buffers) != set(mine) | set(aliases)
+        or not set(role_state.params) <= set(live_params)
+        or not set(role_state.buffers) <= set(live_buffers)
+    ):
         raise ValueError(
             f"the module of this role has parameters/buffers {sorted(live_params)[:3]}..., "
             f"which do not match the state's {sorted(role_state.params)[:3]}...: was the module "
             "re-wrapped or changed after TrainState.create?"
         )
+    live = {**live_params, **live_buffers}
     if any(hasattr(p, "to_local") for p in live_params.values()):
+        for alias, canonical in role_state.tied:
+            if live[alias] is not live[canonical]:
+                raise ValueError(
+                    f"the sharded module holds different tensors under {canonical!r} and "
+                    f"{alias!r}, which were one tied tensor at TrainState.create: was the "
+                    "module re-wrapped or the tie broken after TrainState.create?"
+                )
         with torch.no_grad():
-            for name, live in (*live_params.items(), *live_buffers.items()):
-                mine = role_state.params.get(name, role_state.buffers.get(name))
-                assert mine is not None
-                if mine is not live:
-                    live.copy_(mine)
-        role_state = replace(role_state, params=live_params, buffers=live_buffers)
+            for name, tensor in mine.items():
+                if tensor is not live[name]:
+                    live[name].copy_(tensor)
+        role_state = replace(
+            role_state,
+            params={n: live_params[n] for n in role_state.params},
+            buffers={n: live_buffers[n] for n in role_state.buffers},
+        )
     else:
-        for slot, tensors in (("_parameters", role_state.params), ("_buffers", role_state.buffers)):
-            for name, tensor in tensors.items():
-                owner, leaf = _locate(module, name)
-                getattr(owner, slot)[leaf] = tensor
+        for name in live:
+            owner, leaf = _locate(module, name)
+            slot = owner._parameters if name in live_params else owner._buffers
+            slot[leaf] = mine[aliases.get(name, name)]
     module.__dict__["_fvstep_bound"] = (role_state.params, role_state.buffers)
     return role_state
 

@@ -54,8 +54,10 @@ def gather_weights(
 ) -> dict[str, torch.Tensor] | None:
     """The full (unsharded) weights of one role, on the CPU, keyed like its ``state_dict``.
 
-    The keys are the module's parameter names and persistent buffer names. DTensor
-    leaves are gathered with ``full_tensor()``, a collective: call this on every rank.
+    The keys are the module's parameter names and persistent buffer names, as in its
+    ``state_dict``: a tied tensor (:attr:`~fvstep.state.RoleState.tied`) appears under
+    each of its names, gathered once and copied. DTensor leaves are gathered with
+    ``full_tensor()``, a collective: call this on every rank.
 
     Args:
         state: The training state.
@@ -99,7 +101,9 @@ def export_role(
 
     Call it on every rank (sharded parameters are gathered collectively). The keys are
     the module's ``state_dict`` keys, so ``module.load_state_dict(load_file(path))``
-    restores an unsharded copy of the module.
+    restores an unsharded copy of the module. A tied tensor is written under each of
+    its names (as ``state_dict`` lists it), each its own copy: safetensors cannot store
+    shared memory, and a strict ``load_state_dict`` expects every name.
 
     Args:
         state: The training state.
@@ -297,10 +301,17 @@ def _check_options(
 
 
 def _named_sources(role_state: RoleState, weights: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every ``state_dict`` name of the role with the tensor to export under it.
+
+    A tied tensor is one leaf of the state, but ``state_dict`` (and so a strict
+    ``load_state_dict``) has it under each of its names: its aliases are yielded too.
+    """
     ema = role_state.ema.params if weights == "ema" and role_state.ema is not None else {}
-    for name, param in role_state.params.items():
-        yield name, ema.get(name, param)
-    yield from role_state.buffers.items()
+    sources = {name: ema.get(name, param) for name, param in role_state.params.items()}
+    sources.update(role_state.buffers)
+    yield from sources.items()
+    for alias, canonical in role_state.tied:
+        yield alias, sources[canonical]
 
 
 def _gather(
@@ -311,6 +322,9 @@ def _gather(
     keep: bool,
 ) -> dict[str, torch.Tensor] | None:
     out: dict[str, torch.Tensor] = {}
+    # A tied tensor's aliases reuse its gathered copy: one gather (a collective, so every
+    # rank must skip the same ones) per tensor and dtype.
+    gathered: dict[tuple[int, torch.dtype], str] = {}
     with torch.no_grad():
         for name, source in _named_sources(role_state, weights):
             tensor = source.detach()
@@ -318,6 +332,11 @@ def _gather(
             if dtype is not None and tensor.is_floating_point():
                 # Cast the shard before the gather: same bits, less to communicate.
                 tensor = tensor.to(dtype)
+            first = gathered.setdefault((id(source), tensor.dtype), name)
+            if first != name:
+                if keep:
+                    out[name] = out[first].clone()  # safetensors refuses shared memory
+                continue
             if isinstance(tensor, DTensor):
                 tensor = tensor.full_tensor()  # a collective: every rank gets here
             if not keep:
