@@ -34,6 +34,7 @@ __all__ = [
     "FSDPGradSync",
     "barrier",
     "blocks_policy",
+    "check_roles_are_data_parallel",
     "data_parallel_index",
     "destroy",
     "gather_objects",
@@ -44,7 +45,9 @@ __all__ = [
     "make_mesh",
     "max_over_ranks",
     "rank_and_world",
+    "release_modules",
     "shard_module",
+    "unrested_modules",
 ]
 
 ShardPolicy = Callable[[str, nn.Module, nn.Module | None], bool]
@@ -183,6 +186,10 @@ class FSDPGradSync:
         self.roots: list[FSDPModule] = []
         self.num_microbatches = 1
 
+    def release(self, state: TrainState, *, after_error: bool = False) -> None:
+        """Reshard every FSDP2 group of every role of ``state`` (see :func:`release_modules`)."""
+        release_modules(state, after_error=after_error)
+
     def begin(self, roles: Sequence[RoleState], num_microbatches: int) -> None:
         """Collect the sharded roots and check the per-role opt-ins."""
         self.num_microbatches = num_microbatches
@@ -230,8 +237,96 @@ class FSDPGradSync:
         return {}
 
 
+def _fsdp_modules(module: nn.Module) -> list[FSDPModule]:
+    return [m for m in module.modules() if isinstance(m, FSDPModule)]
+
+
+def release_modules(state: TrainState, *, after_error: bool = False) -> None:
+    """Return every FSDP2 module of every role of ``state`` to rest: all groups sharded.
+
+    FSDP2 does not reshard the root group after forward (its backward would gather it
+    again at once), so a role read under ``torch.no_grad()`` keeps its root group
+    unsharded, and that group's unsharded parameters keep the ``requires_grad`` they had
+    when they were gathered. fvstep calls this before and after every unit, so that no
+    such state survives a unit (DESIGN point 9); :func:`unrested_modules` checks it.
+
+    Args:
+        state: The state whose roles' modules to release.
+        after_error: A forward or backward raised midway: wait for and discard in-flight
+            collectives and partial reductions too (FSDP2's ``reset_iter_state`` where the
+            installed torch has it).
+    """
+    for rs in state.roles.values():
+        modules = _fsdp_modules(rs.role.module)
+        if not modules:
+            continue
+        root = modules[0]
+        reset = getattr(root, "reset_iter_state", None)
+        if after_error and reset is not None and root._get_fsdp_state()._is_root:
+            reset()
+        for m in modules:
+            m.reshard()
+
+
+def unrested_modules(state: TrainState) -> list[str]:
+    """What a module of ``state`` holds that the state does not; ``[]`` when at rest.
+
+    At rest (after every unit and every step): each role's module holds exactly the
+    state's parameter tensors (no FSDP2 group unsharded), every trainable parameter has
+    ``requires_grad`` on and every frozen one off, and no parameter has a ``.grad``.
+
+    Examples:
+        >>> state, _ = step(state, batch)
+        >>> assert unrested_modules(state) == []
+    """
+    problems: list[str] = []
+    for name, rs in state.roles.items():
+        module = rs.role.module
+        live = dict(module.named_parameters(remove_duplicate=False))
+        trainable = set(rs.trainable_names)
+        for pname, tensor in rs.params.items():
+            held = live.get(pname)
+            if held is not tensor:
+                kind = "an unsharded FSDP2 parameter" if is_sharded(module) else "another tensor"
+                problems.append(f"{name}.{pname}: the module holds {kind}, not the state's leaf")
+            if tensor.requires_grad != (pname in trainable):
+                problems.append(f"{name}.{pname}: requires_grad is {tensor.requires_grad}")
+            if tensor.grad is not None:
+                problems.append(f"{name}.{pname}: has a .grad")
+    return problems
+
+
+def check_roles_are_data_parallel(state: TrainState) -> None:
+    """Refuse, on several ranks, a trained role whose module is not sharded or replicated.
+
+    Without FSDP2 every rank would train its own copy of such a role (no gradient is
+    reduced) and the copies would silently diverge.
+
+    Raises:
+        ValueError: Naming the role and how to shard or replicate it.
+    """
+    _, world = rank_and_world()
+    if world == 1:
+        return
+    for name, rs in state.roles.items():
+        if rs.role.trainable and not is_sharded(rs.role.module):
+            raise ValueError(
+                f"role {name!r} is trained on {world} ranks but its module is not sharded: "
+                "each rank would train its own copy and the copies would diverge. Shard it "
+                "before TrainState.create with fvstep.distributed.shard_module(module, "
+                "mesh=make_mesh()), or replicate it (plain data parallel) with "
+                "shard_module(module, mesh=make_mesh(replicate=world_size))"
+            )
+
+
 def grad_sync_for(state: TrainState, accumulation: Accumulation) -> FSDPGradSync | None:
-    """The gradient-sync controller for ``state``'s roles, or ``None`` if none is sharded."""
+    """The gradient-sync controller for ``state``'s roles, or ``None`` if none is sharded.
+
+    Raises:
+        ValueError: On several ranks, for a trained role that is not sharded
+            (:func:`check_roles_are_data_parallel`).
+    """
+    check_roles_are_data_parallel(state)
     if not any(is_sharded(rs.role.module) for rs in state.roles.values()):
         return None
     return FSDPGradSync(accumulation)
