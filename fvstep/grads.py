@@ -5,6 +5,15 @@ last micro-batch's backward: sanitize, then clip, then the optimizer. The norm a
 clipping are torch's own (``torch.nn.utils.get_total_norm`` and
 ``clip_grads_with_norm_``), so a step is bitwise equal to a loop that calls
 ``clip_grad_norm_``; on DTensor gradients they compute the global norm over all shards.
+
+The sanitize policies (:data:`SANITIZE_POLICIES`):
+
+- ``"error"`` (the default of ``fvstep.compile``): raise :class:`NonFiniteGradientError`
+  before any leaf changes when a loss or a gradient is NaN or infinite;
+- ``"skip"``: leave the role bit-unchanged for this update (metric ``<role>/skipped``);
+- ``"nan_to_num"``: zero the non-finite gradient entries and step;
+- ``None``: no check at all. Unsafe: one NaN gradient turns every parameter and
+  optimizer moment into NaN without an error.
 """
 
 from __future__ import annotations
@@ -18,15 +27,71 @@ import torch
 __all__ = [
     "SANITIZE_POLICIES",
     "ClipGradNorm",
+    "NonFiniteGradientError",
     "Sanitize",
     "as_full",
     "clip_grad_norm",
+    "first_non_finite",
     "nan_to_num_",
     "total_norm",
 ]
 
-Sanitize = Literal["nan_to_num", "skip"] | None
-SANITIZE_POLICIES: tuple[str | None, ...] = (None, "nan_to_num", "skip")
+Sanitize = Literal["error", "nan_to_num", "skip"] | None
+SANITIZE_POLICIES: tuple[str | None, ...] = ("error", "skip", "nan_to_num", None)
+
+
+class NonFiniteGradientError(FloatingPointError):
+    """A unit's loss or gradient was NaN or infinite under ``sanitize="error"``.
+
+    Raised after the last micro-batch's backward and before the unit changes any leaf
+    (no optimizer step, no EMA, no clipping). On several ranks every rank raises: the
+    decision comes from the global gradient norm (and every rank's losses).
+
+    Attributes:
+        step: The step counter of the state the unit ran on.
+        unit: The unit's name.
+        role: The role whose loss or gradient is not finite (``None`` when it is so on
+            another rank only).
+        parameter: The first parameter of ``role`` with a non-finite gradient entry on
+            this rank, or ``None`` (a loss, or another rank's shard).
+        microbatch: The micro-batch of a non-finite loss, else ``None``.
+        kind: ``"NaN"``, ``"Inf"``, or ``None`` when not known on this rank.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        step: int | None = None,
+        unit: str | None = None,
+        role: str | None = None,
+        parameter: str | None = None,
+        microbatch: int | None = None,
+        kind: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.step = step
+        self.unit = unit
+        self.role = role
+        self.parameter = parameter
+        self.microbatch = microbatch
+        self.kind = kind
+
+    def __reduce__(self) -> tuple:
+        # Keep the attributes when the error crosses a process boundary (pickled).
+        details = {
+            "step": self.step,
+            "unit": self.unit,
+            "role": self.role,
+            "parameter": self.parameter,
+            "microbatch": self.microbatch,
+            "kind": self.kind,
+        }
+        return (_rebuild_error, (type(self), self.args, details))
+
+
+def _rebuild_error(cls: type, args: tuple, details: dict) -> NonFiniteGradientError:
+    return cls(*args, **details)
 
 
 @attrs.frozen
@@ -88,6 +153,27 @@ def as_full(norm: torch.Tensor) -> torch.Tensor:
     """A plain tensor of a norm that may be a (partial or replicated) DTensor."""
     full = getattr(norm, "full_tensor", None)
     return full() if full is not None else norm
+
+
+def _non_finite_kind(x: torch.Tensor) -> str | None:
+    """``"NaN"`` or ``"Inf"`` if ``x`` (a local tensor) has such an entry, else ``None``."""
+    if bool(torch.isfinite(x).all()):
+        return None
+    return "NaN" if bool(torch.isnan(x).any()) else "Inf"
+
+
+def first_non_finite(named: Sequence[tuple[str, torch.Tensor]]) -> tuple[str, str] | None:
+    """The first ``(name, kind)`` of ``named`` tensors with a NaN or infinite entry.
+
+    DTensors are checked on their local shard (no communication). One host sync per
+    tensor: for error messages, not for the hot path.
+    """
+    for name, x in named:
+        local = x.to_local() if hasattr(x, "to_local") else x
+        kind = _non_finite_kind(local.detach())
+        if kind is not None:
+            return name, kind
+    return None
 
 
 def nan_to_num_(grads: Sequence[torch.Tensor]) -> None:

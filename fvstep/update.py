@@ -10,6 +10,7 @@ parameters of the roles the unit trains: the other roles' parameters have
 from __future__ import annotations
 
 import functools
+import math
 import operator
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
@@ -18,7 +19,16 @@ import attrs
 import torch
 
 from fvstep import random as fsrandom
-from fvstep.grads import SANITIZE_POLICIES, ClipGradNorm, Sanitize, as_full, nan_to_num_, total_norm
+from fvstep.grads import (
+    SANITIZE_POLICIES,
+    ClipGradNorm,
+    NonFiniteGradientError,
+    Sanitize,
+    as_full,
+    first_non_finite,
+    nan_to_num_,
+    total_norm,
+)
 from fvstep.state import RoleState, TrainState
 from fvstep.tree import replace
 
@@ -86,10 +96,19 @@ def update(
         loss_fn: ``(state, batch, key) -> loss | (loss, metrics) | ({role: loss}, metrics)``.
         clip: A :func:`fvstep.clip_grad_norm`, ``None`` for no clipping, or left out for
             the compile-wide setting.
-        sanitize: ``"nan_to_num"`` (zero non-finite entries), ``"skip"`` (leave
-            parameters and optimizer state bit-unchanged if the gradient norm is not
-            finite; metric ``<role>/skipped``), ``None``, or left out for the
-            compile-wide setting.
+        sanitize: What to do with a NaN or infinite gradient, or left out for the
+            compile-wide setting (whose default is ``"error"``):
+
+            - ``"error"``: raise :class:`~fvstep.grads.NonFiniteGradientError` (naming the
+              step, unit, role and the first non-finite parameter, or the role and
+              micro-batch of a non-finite loss) before any leaf of the unit changes;
+              costs one device sync per unit, and reuses the clipping norm;
+            - ``"skip"``: leave the roles' parameters, optimizer state and EMA
+              bit-unchanged when their gradient norm is not finite (metric
+              ``<role>/skipped``);
+            - ``"nan_to_num"``: zero non-finite gradient entries, then step;
+            - ``None``: no check. Unsafe: a single NaN gradient silently turns every
+              parameter and optimizer moment of the role into NaN.
         name: A label for metrics (default: the roles joined by ``+``).
 
     Returns:
@@ -113,11 +132,22 @@ def update(
 
 
 class GradSync(Protocol):
-    """What the executor does around micro-batches to control gradient reduction.
+    """What the executor does around a unit to control gradient reduction and module state.
 
     The single-process implementation is :class:`NoSync`; ``fvstep.distributed``
-    provides the FSDP2 one.
+    provides the FSDP2 one. :meth:`release` is what keeps DESIGN point 9 ("no state
+    outside the state"): it is called before a unit touches any module and again after it
+    (also on error), and must return every role's module to its resting state, so that
+    nothing a unit leaves in a module (an FSDP2 group still unsharded after a no-grad
+    forward, say) can reach the next unit.
     """
+
+    def release(self, state: TrainState, *, after_error: bool = False) -> None:
+        """Return every role's module of ``state`` to its resting state.
+
+        ``after_error``: a forward or backward raised midway; in-flight collectives and
+        partial gradient reductions are to be discarded too.
+        """
 
     def begin(self, roles: Sequence[RoleState], num_microbatches: int) -> None:
         """Called once before the first micro-batch of a unit."""
@@ -132,6 +162,9 @@ class GradSync(Protocol):
 
 class NoSync:
     """The gradient-sync policy of unsharded modules: nothing to do."""
+
+    def release(self, state: TrainState, *, after_error: bool = False) -> None:
+        """Plain modules hold no state between units."""
 
     def begin(self, roles: Sequence[RoleState], num_microbatches: int) -> None:
         """Nothing to prepare."""
@@ -186,14 +219,22 @@ def run_update(
     clip: ClipGradNorm | None,
     sanitize: Sanitize,
     sync: GradSync,
+    before_change: Callable[[], None] | None = None,
 ) -> tuple[TrainState, dict[str, Any]]:
     """Run one unit on ``state`` (whose tensors it updates in place); the engine of steps.
 
     ``clip`` and ``sanitize`` are the unit's settings with defaults already resolved.
-    Metrics: ``<role>/loss`` (mean over micro-batches of the unscaled loss), the loss
-    function's own metrics as ``<name>/<metric>`` (mean over micro-batches),
-    ``<role>/grad_norm`` (before clipping; when clipping or skipping), ``<role>/lr``,
-    ``<role>/skipped``.
+    ``before_change`` is called once, after the last backward and every check, right
+    before the unit changes its first leaf (the first optimizer update): until then the
+    unit has changed nothing a state holds (gradients are not leaves), also when it
+    raises. Metrics: ``<role>/loss`` (mean over micro-batches of the unscaled loss), the
+    loss function's own metrics as ``<name>/<metric>`` (mean over micro-batches),
+    ``<role>/grad_norm`` (before clipping; when clipping, skipping or checking with
+    ``"error"``), ``<role>/lr``, ``<role>/skipped``.
+
+    Raises:
+        NonFiniteGradientError: With ``sanitize="error"``, if a loss or a gradient is not
+            finite (on any rank); no leaf was changed and no ``.grad`` is left.
     """
     num = len(microbatches)
     role_states = [state.role(r) for r in unit.roles]
@@ -211,10 +252,15 @@ def run_update(
     for params in trained.values():
         for p in params.values():
             p.grad = None
+    # Modules must be at rest before requires_grad changes: FSDP2 copies a sharded
+    # parameter's requires_grad to its unsharded twin only when it unshards, so a group
+    # left unsharded by an earlier no-grad read would keep requires_grad off.
+    sync.release(state)
     for p in silenced:
         p.requires_grad_(False)
     loss_log: dict[str, list[torch.Tensor]] = {r: [] for r in unit.roles}
     metric_log: dict[str, list[Any]] = {}
+    failed = True
     try:
         sync.begin(role_states, num)
         for index, (batch, key) in enumerate(zip(microbatches, keys, strict=False)):
@@ -228,64 +274,108 @@ def run_update(
                 loss_log[role].append(loss.detach())
             for k, v in metrics.items():
                 metric_log.setdefault(k, []).append(v)
+        failed = False
     finally:
-        sync_metrics = sync.end()
-        for p in silenced:
-            p.requires_grad_(True)
+        try:
+            sync_metrics = sync.end()
+        finally:
+            for p in silenced:
+                p.requires_grad_(True)
+            if failed:  # no .grad outlives a unit, not even a failed one
+                for params in trained.values():
+                    for p in params.values():
+                        p.grad = None
+            # Reading a role under no_grad leaves FSDP2's root group unsharded (the root
+            # does not reshard after forward); return every module to rest here too.
+            sync.release(state, after_error=failed)
     out: dict[str, Any] = {f"{r}/loss": _mean(v) for r, v in loss_log.items()}
     out.update({f"{unit.name}/{k}": _mean(v) for k, v in metric_log.items()})
     out.update(sync_metrics)
     step = int(state.step)
     new_roles = dict(state.roles)
     joint = clip is not None and clip.joint
-    groups = [list(unit.roles)] if joint else [[r] for r in unit.roles]
+    names = [list(unit.roles)] if joint else [[r] for r in unit.roles]
     by_name = dict(zip(unit.roles, role_states))
-    for group in groups:
-        updated, group_metrics = _apply_group(
-            group, [by_name[r] for r in group], [trained[r] for r in group], step, clip, sanitize
-        )
-        for role, rs in zip(group, updated):
-            new_roles[role] = rs
-        prefix = "+".join(group)
-        out.update({f"{prefix}/{k}": v for k, v in group_metrics.items() if k in _NORM_METRICS})
-        for role in group:
-            out[f"{role}/skipped"] = group_metrics["skipped"]
-            out[f"{role}/lr"] = group_metrics["lr"][role]
+    try:
+        # Measure every group before changing any: a non-finite gradient in the second
+        # role of a unit must stop the unit before the first role's optimizer steps.
+        groups = [
+            _measure_group(g, [by_name[r] for r in g], [trained[r] for r in g], clip, sanitize)
+            for g in names
+        ]
+        if sanitize == "error":
+            _check_finite(step, unit, loss_log, groups)
+        if before_change is not None:
+            before_change()
+        for group in groups:
+            updated, group_metrics = _apply_group(group, step, clip, sanitize)
+            for role, rs in zip(group.names, updated):
+                new_roles[role] = rs
+            prefix = "+".join(group.names)
+            out.update({f"{prefix}/{k}": v for k, v in group_metrics.items() if k in _NORM_METRICS})
+            for role in group.names:
+                out[f"{role}/skipped"] = group_metrics["skipped"]
+                out[f"{role}/lr"] = group_metrics["lr"][role]
+    finally:
+        for params in trained.values():  # no .grad outlives a unit, not even a failed one
+            for p in params.values():
+                p.grad = None
     return state.replace(roles=new_roles), out
 
 
 _NORM_METRICS = ("grad_norm",)
 
 
-def _apply_group(
+@attrs.define
+class _Group:
+    """Roles updated together (one role, or all of a unit's with a joint clip) and the
+    global norm of their gradients, measured before anything changes."""
+
+    names: list[str]
+    role_states: list[RoleState]
+    params_by_role: list[dict[str, torch.Tensor]]
+    norm: torch.Tensor | None = None  # as computed: a DTensor for sharded gradients
+    full_norm: torch.Tensor | None = None  # a plain tensor, the same on every rank
+
+    def params(self) -> list[torch.Tensor]:
+        return [p for params in self.params_by_role for p in params.values()]
+
+
+def _measure_group(
     names: list[str],
     role_states: list[RoleState],
     params_by_role: list[dict[str, torch.Tensor]],
-    step: int,
     clip: ClipGradNorm | None,
     sanitize: Sanitize,
-) -> tuple[list[RoleState], dict[str, Any]]:
-    """Sanitize, clip (one norm over the group), optimize and EMA roles after backward.
-
-    A group is one role, or every role of the unit with ``clip_grad_norm(joint=True)``.
-    """
-    param_list = [p for params in params_by_role for p in params.values()]
-    grads = [p.grad for p in param_list if p.grad is not None]
-    metrics: dict[str, Any] = {}
+) -> _Group:
+    """Sanitize with ``"nan_to_num"`` and take the group's global gradient norm (when
+    clipping, skipping or checking); changes gradients only, never a leaf."""
+    group = _Group(names, role_states, params_by_role)
+    grads = [p.grad for p in group.params() if p.grad is not None]
     if sanitize == "nan_to_num":
         nan_to_num_(grads)
-    norm = None
-    if clip is not None or sanitize == "skip":
+    if clip is not None or sanitize in ("skip", "error"):
         norm_type = clip.norm_type if clip is not None else 2.0
-        norm = total_norm(grads, norm_type=norm_type, foreach=clip.foreach if clip else None)
-        metrics["grad_norm"] = as_full(norm).detach()
-    skipped = norm is not None and sanitize == "skip" and not bool(torch.isfinite(as_full(norm)))
+        group.norm = total_norm(grads, norm_type=norm_type, foreach=clip.foreach if clip else None)
+        group.full_norm = as_full(group.norm).detach()
+    return group
+
+
+def _apply_group(
+    group: _Group, step: int, clip: ClipGradNorm | None, sanitize: Sanitize
+) -> tuple[list[RoleState], dict[str, Any]]:
+    """Clip (one norm over the group), optimize and EMA the group's roles."""
+    metrics: dict[str, Any] = {}
+    norm = group.norm
+    if group.full_norm is not None:
+        metrics["grad_norm"] = group.full_norm
+    skipped = norm is not None and sanitize == "skip" and not bool(torch.isfinite(group.full_norm))
     metrics["skipped"] = skipped
     metrics["lr"] = {}
     if not skipped and clip is not None and norm is not None:
-        clip.apply(param_list, norm)
+        clip.apply(group.params(), norm)
     updated = []
-    for name, rs, params in zip(names, role_states, params_by_role):
+    for name, rs, params in zip(group.names, group.role_states, group.params_by_role):
         optimizer = rs.role.optimizer
         assert optimizer is not None
         metrics["lr"][name] = optimizer.learning_rate(int(rs.opt_state.count))
@@ -296,9 +386,125 @@ def _apply_group(
             if ema is not None and rs.role.ema is not None and step >= rs.role.ema.start_step:
                 _update_ema(ema.params, params, ema.initialized, rs.role.ema.decay)
         updated.append(replace(rs, opt_state=opt_state))
-    for p in param_list:
+    for p in group.params():
         p.grad = None
     return updated, metrics
+
+
+def _mesh_of(groups: list[_Group]) -> Any:
+    """The device mesh of the first sharded (DTensor) parameter of ``groups``, or None."""
+    for group in groups:
+        for p in group.params():
+            mesh = getattr(p, "device_mesh", None)
+            if mesh is not None:
+                return mesh
+    return None
+
+
+def _count_over_ranks(flag: torch.Tensor, mesh: Any) -> torch.Tensor:
+    """``flag`` summed over the ranks of ``mesh`` (itself without a mesh).
+
+    Through DTensor (a ``Partial`` value made whole), like the global gradient norm, so
+    that the core issues no ``torch.distributed`` call of its own.
+    """
+    if mesh is None:
+        return flag
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    value = flag.reshape(1).to(mesh.device_type)
+    for dim in range(mesh.ndim):  # one mesh dim at a time: DTensor warns about several
+        placements = [Replicate()] * mesh.ndim
+        placements[dim] = Partial()
+        value = DTensor.from_local(value, mesh, placements).full_tensor()
+    return value[0]
+
+
+def _check_finite(
+    step: int, unit: Update, loss_log: Mapping[str, list[torch.Tensor]], groups: list[_Group]
+) -> None:
+    """``sanitize="error"``: raise if a loss (on any rank) or a group's global gradient
+    norm is not finite. One device sync (the norms are global; the losses are counted
+    over ranks), so that every rank takes the same decision."""
+    # A loss may be a DTensor (a loss computed from sharded parameters): check its shard.
+    losses = [_local(loss).float().reshape(()) for r in unit.roles for loss in loss_log[r]]
+    mesh = _mesh_of(groups)
+    device = losses[0].device
+    bad_losses = (~torch.isfinite(torch.stack(losses))).sum().float()
+    bad_losses = _count_over_ranks(bad_losses, mesh).to(device)
+    norms = [g.full_norm.float().reshape(()).to(device) for g in groups if g.full_norm is not None]
+    verdict = torch.stack([bad_losses, *norms]).tolist()  # the one device sync
+    if verdict[0] == 0 and all(math.isfinite(v) for v in verdict[1:]):
+        return
+    where = f"step {step}, unit {unit.name!r}"
+    after = (
+        "No leaf was changed (no optimizer step, clipping or EMA update), and no .grad is "
+        "left. Pass sanitize='skip' (drop such updates) or 'nan_to_num' (zero the entries) "
+        "to fvstep.compile or fvstep.update to train through them instead."
+    )
+    if verdict[0] != 0:
+        num = len(next(iter(loss_log.values())))
+        for m in range(num):
+            for role in unit.roles:
+                value = float(_local(loss_log[role][m]))
+                if not math.isfinite(value):
+                    kind = "NaN" if math.isnan(value) else "Inf"
+                    raise NonFiniteGradientError(
+                        f"{where}: the loss of role {role!r} is {value} ({kind}) at micro-batch "
+                        f"{m} of {num}, so its gradients cannot be trusted. Look for a NaN or "
+                        f"Inf in that micro-batch's data, or an overflow in the loss. {after}",
+                        step=step,
+                        unit=unit.name,
+                        role=role,
+                        microbatch=m,
+                        kind=kind,
+                    )
+        raise NonFiniteGradientError(
+            f"{where}: a loss was not finite on another rank (that rank's error names the "
+            f"role and micro-batch); this rank's losses are finite. {after}",
+            step=step,
+            unit=unit.name,
+        )
+    for group, norm in zip([g for g in groups if g.full_norm is not None], verdict[1:]):
+        if math.isfinite(norm):
+            continue
+        label = "+".join(group.names)
+        for role, params in zip(group.names, group.params_by_role):
+            found = first_non_finite([(n, p.grad) for n, p in params.items() if p.grad is not None])
+            if found is None:
+                continue
+            name, kind = found
+            shard = " (in this rank's shard)" if mesh is not None else ""
+            raise NonFiniteGradientError(
+                f"{where}, role {role!r}: the gradient of parameter {name!r} has {kind} "
+                f"entries{shard} (the first non-finite gradient of the role; gradient norm "
+                f"{norm}), with a finite loss. Look for an operation whose backward is not "
+                "finite at its input (sqrt or pow at 0, log of 0, a division by a tiny "
+                f"value, a custom autograd Function), or an overflow in low precision. {after}",
+                step=step,
+                unit=unit.name,
+                role=role,
+                parameter=name,
+                kind=kind,
+            )
+        if mesh is not None:
+            raise NonFiniteGradientError(
+                f"{where}, role {label!r}: the global gradient norm is {norm}, but every "
+                "gradient entry of this rank's shards is finite: the non-finite entries are on "
+                "another rank (its error names the parameter), or the norm overflowed. "
+                f"{after}",
+                step=step,
+                unit=unit.name,
+                role=label,
+            )
+        raise NonFiniteGradientError(
+            f"{where}, role {label!r}: every gradient entry is finite but their norm "
+            f"overflowed to {norm}: the gradients are too large for their dtype (scale the "
+            f"loss down). {after}",
+            step=step,
+            unit=unit.name,
+            role=label,
+            kind="Inf",
+        )
 
 
 def _local(x: torch.Tensor) -> torch.Tensor:

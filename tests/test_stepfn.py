@@ -66,7 +66,7 @@ def two_role_method(n: int = 2):
     seed=st.integers(0, 2**16),
     k=st.sampled_from([1, 2, 4]),
     sync=st.sampled_from(["every", "no_sync", "deferred"]),
-    sanitize=st.sampled_from([None, "nan_to_num", "skip"]),
+    sanitize=st.sampled_from([None, "error", "nan_to_num", "skip"]),
 )
 def test_a_step_is_deterministic_given_a_cloned_state_batch_and_key(seed, k, sync, sanitize):
     step = fs.compile(
