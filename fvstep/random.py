@@ -16,12 +16,14 @@ Examples:
 
 from __future__ import annotations
 
+import hashlib
+
 import contextlib
 from collections.abc import Iterator
 
 import torch
 
-__all__ = ["fold_in", "generator", "is_key", "key", "rng_scope", "seed_of", "split"]
+__all__ = ["fold_in", "fold_in_name", "generator", "is_key", "key", "rng_scope", "seed_of", "split"]
 
 _MASK = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -105,6 +107,22 @@ def fold_in(k: torch.Tensor, data: int) -> torch.Tensor:
     a, b = _words(k)
     d = _mix(data & _MASK)
     return _make(_mix(a ^ d), _mix(b ^ _mix(d ^ 0x632BE59BD9B4E019)))
+
+
+def fold_in_name(k: torch.Tensor, name: str) -> torch.Tensor:
+    """Derive a new key from ``k`` and a name (a unit's name, a role's name).
+
+    ``fold_in(k, d)`` with ``d`` the first 8 bytes of the name's SHA-256 (UTF-8), so the
+    key depends on the name alone: stable across processes, Python versions and the
+    position of whatever carries the name.
+
+    Examples:
+        >>> unit_key = fold_in_name(step_key, "dmd2_critic")
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"fold_in_name needs a str, got {type(name).__name__}")
+    digest = hashlib.sha256(name.encode("utf-8")).digest()
+    return fold_in(k, int.from_bytes(digest[:8], "little"))
 
 
 def split(k: torch.Tensor, num: int = 2) -> tuple[torch.Tensor, ...]:

@@ -113,3 +113,15 @@ def test_a_non_key_is_rejected_with_a_clear_error():
         fr.fold_in(torch.zeros(3), 1)
     with pytest.raises(ValueError, match="num >= 1"):
         fr.split(fr.key(0), 0)
+
+
+@given(st.text(max_size=20), st.text(max_size=20))
+def test_fold_in_name_depends_on_the_name_alone(a, b):
+    import hashlib
+
+    k = random.key(3)
+    assert torch.equal(random.fold_in_name(k, a), random.fold_in_name(k, a))
+    expected = random.fold_in(k, int.from_bytes(hashlib.sha256(a.encode()).digest()[:8], "little"))
+    assert torch.equal(random.fold_in_name(k, a), expected)
+    if a != b:
+        assert not torch.equal(random.fold_in_name(k, a), random.fold_in_name(k, b))
