@@ -1,10 +1,10 @@
 """The executor: loop a step over data, log metrics, save and resume checkpoints.
 
 ``run(step, state, data, num_steps=..., checkpoints=Checkpoints(dir, every, keep))``
-resumes from the newest complete checkpoint under ``dir`` if there is one, runs steps
-``state.step .. num_steps - 1``, saves every ``every`` steps and at the end, and on
-SIGTERM saves and returns early. Data is a function of the step, so resuming at step
-``s`` needs nothing but ``s``.
+locks ``dir`` for the run, resumes from the newest checkpoint under ``dir`` that loads
+(skipping damaged ones, with a warning), runs steps ``state.step .. num_steps - 1``,
+saves every ``every`` steps and at the end, and on SIGTERM saves and returns early.
+Data is a function of the step, so resuming at step ``s`` needs nothing but ``s``.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import json
 import math
 import os
 import signal
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,12 @@ import torch
 import torch.distributed as dist
 
 from fvstep import checkpoint as ckpt
+from fvstep.checkpoint import layout
+from fvstep.checkpoint.manifest import (
+    CheckpointError,
+    CheckpointSkippedWarning,
+    DamagedCheckpointError,
+)
 from fvstep.state import TrainState
 
 __all__ = ["Checkpoints", "run"]
@@ -35,8 +42,15 @@ class Checkpoints:
     Attributes:
         dir: The directory of checkpoints (one ``step_<n>`` directory each).
         every: Save after every ``every`` steps (and always at the end).
-        keep: Keep the newest ``keep`` complete checkpoints (``None``: all).
+        keep: Keep the newest ``keep`` complete checkpoints (``None``: all). When
+            :func:`run` returns, exactly ``keep`` remain (also with ``async_save``).
         async_save: Write in the background (:class:`fvstep.checkpoint.AsyncSaver`).
+        on_damaged: What :func:`run` does when a checkpoint newer than the one it
+            resumes from cannot be loaded (damaged shard, checksum mismatch, damaged
+            manifest): ``"skip"`` (default) warns with
+            :class:`~fvstep.checkpoint.CheckpointSkippedWarning`, renames it
+            ``step_<n>.damaged`` (kept, never listed, pruned or counted in ``keep``) and
+            tries the next older one; ``"error"`` raises.
 
     Examples:
         >>> Checkpoints("runs/a/ckpt", every=100, keep=3, async_save=True)
@@ -46,12 +60,17 @@ class Checkpoints:
     every: int = 100
     keep: int | None = 3
     async_save: bool = False
+    on_damaged: str = "skip"
 
     def __attrs_post_init__(self) -> None:
         if self.every < 1:
             raise ValueError(f"Checkpoints.every must be >= 1, got {self.every}")
         if self.keep is not None and self.keep < 1:
             raise ValueError(f"Checkpoints.keep must be >= 1 or None, got {self.keep}")
+        if self.on_damaged not in ("skip", "error"):
+            raise ValueError(
+                f"Checkpoints.on_damaged must be 'skip' or 'error', got {self.on_damaged!r}"
+            )
 
 
 def _rank_world() -> tuple[int, int]:
@@ -68,12 +87,21 @@ def _batch(data: Any, step: int, rank: int, world: int) -> Any:
     raise TypeError("data must be a function of the step, or have .batch(step, rank=, world_size=)")
 
 
+_NOT_SCALAR = object()
+
+
 def _scalar(v: Any) -> Any:
+    """A JSON value for a metric: a number, a bool, ``None`` for NaN and infinities (strict
+    JSON has no token for them), or ``_NOT_SCALAR`` (not logged)."""
     if isinstance(v, torch.Tensor):
-        return v.detach().float().item() if v.numel() == 1 else None
+        if v.numel() != 1:
+            return _NOT_SCALAR
+        v = v.detach().float().item()
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
     if isinstance(v, (bool, int, float)):
         return v
-    return None
+    return _NOT_SCALAR
 
 
 class _MetricsLog:
@@ -99,9 +127,9 @@ class _MetricsLog:
     def write(self, step: int, metrics: dict[str, Any]) -> None:
         if self.file is None:
             return
-        row = {"step": step}
-        row.update({k: s for k, v in metrics.items() if (s := _scalar(v)) is not None})
-        self.file.write(json.dumps(row) + "\n")
+        row: dict[str, Any] = {"step": step}
+        row.update({k: s for k, v in metrics.items() if (s := _scalar(v)) is not _NOT_SCALAR})
+        self.file.write(json.dumps(row, allow_nan=False) + "\n")
         self.file.flush()
         if self.tb is not None:
             for k, v in row.items():
@@ -161,10 +189,20 @@ def run(
 ) -> TrainState:
     """Run ``step`` until the state's step counter reaches ``num_steps``.
 
-    Resumes from the newest complete checkpoint under ``checkpoints.dir`` (if any): the
-    loaded state replaces ``state`` (which only supplies the structure). Saves after
-    every ``checkpoints.every`` steps and at the end; on SIGTERM it finishes the step in
-    progress, saves, and returns early (the returned state's ``step`` says where).
+    With ``checkpoints``, it first takes the lock of ``checkpoints.dir``
+    (:func:`fvstep.checkpoint.lock_dir`, held until it returns), so a second run on the
+    same directory fails at once (an ``flock``, which a network filesystem may not
+    honour). It resumes from the newest checkpoint under
+    ``checkpoints.dir`` that loads (the loaded state replaces ``state``, which only
+    supplies the structure); a newer one that is damaged is skipped with a
+    :class:`~fvstep.checkpoint.CheckpointSkippedWarning` and renamed
+    ``step_<n>.damaged`` (see ``Checkpoints.on_damaged``). It saves after every
+    ``checkpoints.every`` steps and at the end, keeping the newest ``checkpoints.keep``;
+    on SIGTERM it finishes the step in progress, saves, and returns early (the returned
+    state's ``step`` says where). It never saves a state with a NaN or infinite leaf.
+
+    Metrics are written as strict JSON, one object per line: a NaN or infinite metric is
+    written as ``null``; only scalars are logged.
 
     Args:
         step: A compiled step (``fvstep.compile``) or any ``(state, batch) -> (state, metrics)``.
@@ -175,7 +213,7 @@ def run(
         checkpoints: Where and how often to save; ``None`` for no checkpoints.
         metrics_path: A JSONL file for metrics (rank 0); default
             ``<checkpoints.dir>/metrics.jsonl`` when checkpointing. Lines of steps that a
-            resume recomputes are dropped.
+            resume recomputes are dropped. NaN and infinities are written as ``null``.
         progress: Show a progress bar on rank 0 (tqdm, when installed).
         on_metrics: Called with ``(step, metrics)`` after every step, on every rank.
 
@@ -183,17 +221,45 @@ def run(
         The final state.
 
     Raises:
-        CheckpointError: If the newest checkpoint does not fit ``state``.
+        CheckpointLockedError: (a ``CheckpointError``) If another run holds the lock of
+            ``checkpoints.dir``; the message names its host and pid.
+        CheckpointError: If the newest checkpoint does not fit ``state`` or is of a newer
+            format; if a checkpoint is damaged and ``on_damaged="error"``, or every
+            checkpoint is damaged; if a save fails or the state to save holds NaN or Inf.
+        ValueError: If the checkpoint to resume from (or ``state``) is past ``num_steps``.
 
     Examples:
         >>> state = run(step_fn, state, source, num_steps=1000,
         ...             checkpoints=Checkpoints("ckpt", every=100, keep=3))
     """
     rank, world = _rank_world()
-    if checkpoints is not None:
-        found = ckpt.latest(checkpoints.dir)
-        if found is not None:
-            state = ckpt.load(found, like=state)
+    lock = _lock(checkpoints.dir, rank, world) if checkpoints is not None else None
+    try:
+        if checkpoints is not None:
+            state = _resume(state, checkpoints, num_steps, rank, world)
+        if int(state.step) > num_steps:
+            raise ValueError(
+                f"the state is at step {int(state.step)}, past num_steps={num_steps}: "
+                "run counts steps from 0, so num_steps is the step to reach, not a number "
+                "of steps to add"
+            )
+        return _loop(step, state, data, num_steps, checkpoints, metrics_path, progress, on_metrics)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _loop(
+    step: Callable[[TrainState, Any], tuple[TrainState, dict[str, Any]]],
+    state: TrainState,
+    data: Any,
+    num_steps: int,
+    checkpoints: Checkpoints | None,
+    metrics_path: str | os.PathLike[str] | None,
+    progress: bool,
+    on_metrics: Callable[[int, dict[str, Any]], None] | None,
+) -> TrainState:
+    rank, world = _rank_world()
     start = int(state.step)
     if metrics_path is None and checkpoints is not None:
         metrics_path = checkpoints.dir / "metrics.jsonl"
@@ -219,6 +285,12 @@ def run(
                     break
         if checkpoints is not None and last_saved != int(state.step):
             _save(state, checkpoints, saver)
+        if saver is not None and checkpoints is not None:
+            saver.wait()
+            # The last save was in flight when _save pruned: prune again now that it is
+            # committed, so that exactly `keep` remain.
+            if rank == 0:
+                ckpt.prune(checkpoints.dir, checkpoints.keep)
     finally:
         try:
             if saver is not None:
@@ -228,6 +300,85 @@ def run(
             if bar is not None:
                 bar.close()
     return state
+
+
+def _lock(root: Path, rank: int, world: int) -> layout.DirectoryLock | None:
+    """Collective: rank 0 locks ``root``; every rank raises rank 0's error, if any."""
+    lock, error = None, None
+    if rank == 0:
+        try:
+            lock = layout.lock_dir(root)
+        except CheckpointError as e:
+            error = e
+    if world > 1:
+        box: list[Any] = [error]
+        dist.broadcast_object_list(box, src=0)
+        error = box[0]
+    if error is not None:
+        raise error
+    return lock
+
+
+def _resume(
+    state: TrainState, checkpoints: Checkpoints, num_steps: int, rank: int, world: int
+) -> TrainState:
+    """Collective: load the newest checkpoint that verifies, skipping (or refusing) damaged ones.
+
+    Every rank tries the same candidates in the same order (rank 0's listing), and ``load``
+    agrees on every failure, so all ranks resume from the same checkpoint.
+    """
+    root = checkpoints.dir
+    candidates = layout.list_step_dirs(root) if rank == 0 else None
+    if world > 1:
+        box: list[Any] = [candidates]
+        dist.broadcast_object_list(box, src=0)
+        candidates = box[0]
+    assert candidates is not None
+    if candidates and candidates[-1][0] > num_steps:
+        newest = candidates[-1][0]
+        raise ValueError(
+            f"the newest checkpoint under {str(root)!r} is at step {newest}, past "
+            f"num_steps={num_steps}: resuming would return it without running a step. "
+            f"num_steps is the step to reach (not a number of steps to add): pass "
+            f"num_steps >= {newest}, or use another checkpoint directory for a new run"
+        )
+    skipped: list[tuple[Path, DamagedCheckpointError]] = []
+    for _, path in reversed(candidates):
+        try:
+            loaded = ckpt.load(path, like=state)
+        except DamagedCheckpointError as e:
+            if checkpoints.on_damaged == "error":
+                raise
+            skipped.append((path, e))
+            continue
+        _set_aside(skipped, path, rank)
+        return loaded
+    if skipped:
+        raise CheckpointError(
+            f"no checkpoint under {str(root)!r} can be loaded; every one is damaged: "
+            + "; ".join(f"{p.name}: {e}" for p, e in skipped)
+            + ". Move them away to start the run afresh"
+        )
+    return state
+
+
+def _set_aside(skipped: list[tuple[Path, DamagedCheckpointError]], used: Path, rank: int) -> None:
+    """Warn about each damaged checkpoint newer than ``used``; rank 0 renames it aside, so
+    that it is neither "latest" nor counted in ``keep`` (it is kept, for inspection)."""
+    for path, error in skipped:
+        where = ""
+        if rank == 0:
+            try:
+                where = f"; it was renamed {layout.set_aside(path).name!r}"
+            except OSError as e:
+                where = f"; it could not be renamed aside ({e})"
+        warnings.warn(
+            CheckpointSkippedWarning(
+                f"skipped the damaged checkpoint {str(path)!r} and resumed from the older "
+                f"{used.name!r}: {error}{where}"
+            ),
+            stacklevel=4,
+        )
 
 
 def _save(state: TrainState, checkpoints: Checkpoints, saver: ckpt.AsyncSaver | None) -> None:

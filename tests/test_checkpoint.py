@@ -728,16 +728,18 @@ def test_a_background_failure_surfaces_at_the_next_call(tmp_path, monkeypatch, s
         with monkeypatch.context() as m:
             m.setattr(store, "_publish", fail_publish)
             saver.save(state, checkpoint_dir(tmp_path, 1))
-            with pytest.raises(OSError, match="disk full while committing"):
+            with pytest.raises(CheckpointError, match="disk full while committing") as info:
                 if surfaces_at == "wait":
                     saver.wait()
                 elif surfaces_at == "save":
                     saver.save(state, checkpoint_dir(tmp_path, 2))
                 else:
                     saver.close()
+        assert str(checkpoint_dir(tmp_path, 1)) in str(info.value)
         assert latest(tmp_path) is None and list_complete(tmp_path) == []
         assert not checkpoint_dir(tmp_path, 1).exists()
         assert not checkpoint_dir(tmp_path, 2).exists()
+        assert not list(tmp_path.glob(".tmp-*"))  # the failed save cleaned up after itself
         if surfaces_at != "close":  # the error was reported once; the saver works again
             saver.save(state, checkpoint_dir(tmp_path, 3))
             saver.wait()

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 import torch
@@ -127,6 +128,8 @@ def test_bad_checkpoint_settings_are_rejected():
         fs.Checkpoints("x", every=0)
     with pytest.raises(ValueError, match="keep must be >= 1"):
         fs.Checkpoints("x", keep=0)
+    with pytest.raises(ValueError, match="on_damaged must be 'skip' or 'error'"):
+        fs.Checkpoints("x", on_damaged="ignore")
 
 
 SIGTERM_SCRIPT = textwrap.dedent(
@@ -166,3 +169,301 @@ def test_sigterm_saves_and_returns_cleanly(tmp_path):
     returned = int(out.split("returned at")[-1])
     assert returned >= 4
     assert ckpt.latest(tmp_path / "ckpt").name == f"step_{returned:09d}"
+
+
+# ------------------------------------------------- never a wrong value, never silently
+
+
+def strict_json(line: str):
+    def refuse(token):
+        raise ValueError(f"non-standard JSON token {token}")
+
+    return json.loads(line, parse_constant=refuse)
+
+
+def with_metrics(step, extra_metrics):
+    def stepped(state, batch):
+        state, metrics = step(state, batch)
+        return state, {**metrics, **extra_metrics(int(state.step))}
+
+    return stepped
+
+
+def test_metrics_jsonl_is_strict_json_with_null_for_nonfinite_values(tmp_path):
+    state, step, data = tiny_setup()
+    step = with_metrics(
+        step,
+        lambda s: {
+            "nan": float("nan"),
+            "inf": torch.tensor(float("inf")),
+            "neg_inf": torch.tensor([-float("inf")]),
+            "fine": 0.5,
+            "vector": torch.ones(3),  # not a scalar: not logged
+        },
+    )
+    fs.run(step, state, data, num_steps=3, metrics_path=tmp_path / "m.jsonl", progress=False)
+    rows = [strict_json(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for r in rows:
+        assert r["nan"] is None and r["inf"] is None and r["neg_inf"] is None
+        assert r["fine"] == 0.5 and "vector" not in r
+
+
+def poison_at(step, bad_step: int):
+    """A hand-written step that writes a NaN into a parameter at ``bad_step`` without raising
+    (a compiled step would refuse first)."""
+
+    def stepped(state, batch):
+        state, metrics = step(state, batch)
+        if int(state.step) == bad_step:
+            with torch.no_grad():
+                state.roles["net"].params["weight"][0, 0] = float("nan")
+        return state, metrics
+
+    return stepped
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_run_never_checkpoints_a_nonfinite_state(tmp_path, async_save):
+    state, step, data = tiny_setup()
+    checkpoints = fs.Checkpoints(tmp_path, every=1, keep=None, async_save=async_save)
+    with pytest.raises(ckpt.CheckpointError) as info:
+        fs.run(
+            poison_at(step, 3), state, data, num_steps=6, checkpoints=checkpoints, progress=False
+        )
+    message = str(info.value)
+    assert "'roles.net.params.weight'" in message and "step 3" in message, message
+    assert [s for s, _ in ckpt.list_complete(tmp_path)] == [1, 2]
+    assert not list(tmp_path.glob(".tmp-*"))
+
+
+def run_to(tmp_path, num_steps: int, **options):
+    state, step, data = tiny_setup()
+    seen: list[int] = []
+    final = fs.run(
+        step,
+        state,
+        data,
+        num_steps=num_steps,
+        checkpoints=fs.Checkpoints(tmp_path, **options),
+        progress=False,
+        on_metrics=lambda s, m: seen.append(s),
+    )
+    return final, seen
+
+
+def test_run_refuses_a_checkpoint_past_num_steps(tmp_path):
+    run_to(tmp_path, 8, every=4)
+    with pytest.raises(ValueError) as info:
+        run_to(tmp_path, 3, every=4)
+    message = str(info.value)
+    assert "step 8" in message and "num_steps=3" in message and str(tmp_path) in message
+    final, seen = run_to(tmp_path, 8, every=4)  # reaching it exactly is "already done"
+    assert int(final.step) == 8 and seen == []
+
+
+def test_run_refuses_a_state_past_num_steps():
+    state, step, data = tiny_setup()
+    state = fs.run(step, state, data, num_steps=4, progress=False)
+    with pytest.raises(ValueError, match="state is at step 4, past num_steps=2"):
+        fs.run(step, state, data, num_steps=2, progress=False)
+
+
+@pytest.mark.parametrize("keep", [1, 2])
+def test_async_save_leaves_exactly_keep_checkpoints(tmp_path, keep):
+    final, _ = run_to(tmp_path, 7, every=2, keep=keep, async_save=True)
+    assert [s for s, _ in ckpt.list_complete(tmp_path)] == [2, 4, 6, 7][-keep:]
+    assert not list(tmp_path.glob(".tmp-*"))
+    assert int(final.step) == 7
+
+
+# ------------------------------------------------------------------ the lock
+
+
+def test_a_locked_directory_fails_the_run_at_once_naming_the_holder(tmp_path):
+    import socket
+
+    seen = []
+    with ckpt.lock_dir(tmp_path):
+        state, step, data = tiny_setup()
+        with pytest.raises(ckpt.CheckpointLockedError) as info:
+            fs.run(
+                step,
+                state,
+                data,
+                num_steps=2,
+                checkpoints=fs.Checkpoints(tmp_path),
+                progress=False,
+                on_metrics=lambda s, m: seen.append(s),
+            )
+    message = str(info.value)
+    assert f"process {os.getpid()} on host {socket.gethostname()!r}" in message, message
+    assert str(tmp_path) in message
+    assert seen == [] and ckpt.list_complete(tmp_path) == []  # nothing ran, nothing written
+
+
+def test_run_releases_the_lock_when_it_returns_or_raises(tmp_path):
+    run_to(tmp_path, 2, every=1)
+    ckpt.lock_dir(tmp_path).release()  # free again
+    state, step, _ = tiny_setup()
+
+    def crash(s):
+        raise RuntimeError("crash")
+
+    with pytest.raises(RuntimeError, match="crash"):
+        fs.run(
+            step, state, crash, num_steps=4, checkpoints=fs.Checkpoints(tmp_path), progress=False
+        )
+    with ckpt.lock_dir(tmp_path) as lock:
+        assert lock.held
+
+
+LOCKED_SCRIPT = textwrap.dedent(
+    """
+    import sys, torch
+    sys.path.insert(0, {root!r})
+    import fvstep as fs
+    from tests.test_executor import tiny_setup
+    torch.set_num_threads(1)
+    state, step, data = tiny_setup()
+    try:
+        fs.run(step, state, data, num_steps=2, checkpoints=fs.Checkpoints({dir!r}),
+               progress=False)
+    except fs.checkpoint.CheckpointLockedError as e:
+        print("locked:", e, flush=True)
+        sys.exit(3)
+    """
+)
+
+
+def test_a_run_in_another_process_fails_while_the_lock_is_held(tmp_path):
+    import socket
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = LOCKED_SCRIPT.format(root=root, dir=str(tmp_path))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with ckpt.lock_dir(tmp_path):
+        done = subprocess.run(
+            [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120
+        )
+    assert done.returncode == 3, done.stdout + done.stderr
+    assert f"process {os.getpid()} on host {socket.gethostname()!r}" in done.stdout
+    assert ckpt.list_complete(tmp_path) == []
+
+
+def run_on_locked_dir(rank: int, world_size: int, root: str):
+    state, step, data = tiny_setup()
+    try:
+        fs.run(step, state, data, num_steps=2, checkpoints=fs.Checkpoints(root), progress=False)
+    except ckpt.CheckpointLockedError as e:
+        return str(e)
+    return "ran"
+
+
+@pytest.mark.multirank
+def test_a_locked_directory_fails_every_rank(ranks, tmp_path):
+    with ckpt.lock_dir(tmp_path):
+        messages = ranks.run(run_on_locked_dir, str(tmp_path))
+    assert all(f"process {os.getpid()} " in m for m in messages), messages
+    assert ckpt.list_complete(tmp_path) == []
+
+
+# ------------------------------------------------------- damaged checkpoints
+
+
+def damage(path, how: str) -> None:
+    from tests.test_checkpoint import corrupt_leaf_bytes, shard_files
+
+    if how == "deleted_shard":
+        shard_files(path)[0].unlink()
+    elif how == "checksum":
+        leaf = "roles.net.params.weight"
+        like, _, _ = tiny_setup()
+        value = ckpt.load(path, like=like).roles["net"].params["weight"]
+        corrupt_leaf_bytes(path, leaf, value)
+    elif how == "manifest_field":
+        body = json.loads((path / "manifest.json").read_text())
+        del body["leaves"]["roles.net.params.weight"]["dtype"]
+        (path / "manifest.json").write_text(json.dumps(body))
+    else:  # a manifest that is not UTF-8
+        (path / "manifest.json").write_bytes(b"\xff" + (path / "manifest.json").read_bytes())
+
+
+@pytest.mark.parametrize("how", ["deleted_shard", "checksum", "manifest_field", "manifest_bytes"])
+def test_run_resumes_from_the_newest_checkpoint_that_verifies(tmp_path, how):
+    reference, _ = run_to(tmp_path / "reference", 6, every=100)
+    run_to(tmp_path, 4, every=1, keep=2)  # step_3, step_4
+    damaged = ckpt.checkpoint_dir(tmp_path, 4)
+    damage(damaged, how)
+    with pytest.warns(ckpt.CheckpointSkippedWarning, match="step_000000004") as record:
+        final, seen = run_to(tmp_path, 6, every=1, keep=2)
+    assert len(record) == 1 and "step_000000003" in str(record[0].message)
+    assert seen == [3, 4, 5]  # resumed from step 3, not from scratch
+    tree.assert_trees_equal(final, reference, check_static=False)
+    # the damaged one is kept for inspection, but it is no checkpoint any more: it neither
+    # pushed the good ones out of keep=2 nor was it overwritten by the new step_4
+    assert (tmp_path / "step_000000004.damaged").is_dir()
+    assert [s for s, _ in ckpt.list_complete(tmp_path)] == [5, 6]
+
+
+def test_on_damaged_error_refuses_to_resume_past_a_damaged_checkpoint(tmp_path):
+    run_to(tmp_path, 4, every=1, keep=2)
+    damage(ckpt.checkpoint_dir(tmp_path, 4), "checksum")
+    with pytest.raises(ckpt.DamagedCheckpointError, match="step_000000004.*checksum"):
+        run_to(tmp_path, 6, every=1, on_damaged="error")
+    assert ckpt.checkpoint_dir(tmp_path, 4).is_dir()  # left where it was
+
+
+def test_run_does_not_start_over_when_every_checkpoint_is_damaged(tmp_path):
+    run_to(tmp_path, 2, every=1, keep=2)
+    for s in (1, 2):
+        damage(ckpt.checkpoint_dir(tmp_path, s), "deleted_shard")
+    with pytest.raises(ckpt.CheckpointError, match="no checkpoint .* can be loaded"):
+        run_to(tmp_path, 4, every=1)
+    assert [s for s, _ in ckpt.layout.list_step_dirs(tmp_path)] == [1, 2]  # nothing renamed
+
+
+def run_sharded_resume(rank: int, world_size: int, root: str, num_steps: int, damage_at):
+    """A hand-written step on two ranks (a per-rank value in extra); rank 1 damages its own
+    per-rank value in the checkpoint ``damage_at``."""
+    from tests.test_checkpoint import corrupt_leaf_bytes
+
+    state = fs.TrainState.create(
+        {"net": fs.Role(torch.nn.Linear(4, 4))},  # frozen: the step below trains nothing
+        key=fs.random.key(0),
+        extra={"per_rank": torch.arange(4.0) + 10.0 * rank},
+    )
+
+    def step(state, batch):
+        with torch.no_grad():
+            state.extra["per_rank"].add_(1.0)
+            state.step.add_(1)
+        return state, {}
+
+    if damage_at is not None and rank == 1:
+        path = ckpt.checkpoint_dir(root, damage_at)
+        value = torch.arange(4.0) + 10.0 + damage_at
+        corrupt_leaf_bytes(path, "extra.per_rank", value)
+    torch.distributed.barrier()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        final = fs.run(
+            step,
+            state,
+            lambda s: None,
+            num_steps=num_steps,
+            checkpoints=fs.Checkpoints(root, every=1, keep=3),
+            progress=False,
+        )
+    skipped = [str(w.message) for w in caught if w.category is ckpt.CheckpointSkippedWarning]
+    return int(final.step), final.extra["per_rank"].tolist(), skipped
+
+
+@pytest.mark.multirank
+def test_a_checkpoint_damaged_on_one_rank_is_skipped_by_every_rank(ranks, tmp_path):
+    ranks.run(run_sharded_resume, str(tmp_path), 3, None)
+    results = ranks.run(run_sharded_resume, str(tmp_path), 5, 3)
+    for rank, (step, values, skipped) in enumerate(results):
+        assert step == 5 and values == [5.0 + 10 * rank + i for i in range(4)]
+        assert len(skipped) == 1 and "step_000000003" in skipped[0], skipped
+    assert (tmp_path / "step_000000003.damaged").is_dir()

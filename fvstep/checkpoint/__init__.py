@@ -4,28 +4,45 @@
 - :class:`AsyncSaver` — background saves with DCP's ``async_save``.
 - :func:`latest`, :func:`list_complete`, :func:`checkpoint_dir`, :func:`prune` — the
   layout of a directory of checkpoints; "latest" never picks an incomplete one.
+- :func:`lock_dir` — the exclusive lock ``fvstep.run`` holds on a directory of checkpoints.
 - :func:`read_manifest` — what a checkpoint holds; :class:`CheckpointError` — why a
-  checkpoint cannot be used.
+  checkpoint cannot be used (:class:`DamagedCheckpointError`: its files are damaged;
+  :class:`CheckpointLockedError`: another run holds the directory);
+  :class:`CheckpointSkippedWarning` — ``fvstep.run`` resumed past a damaged checkpoint.
 - :func:`export_role`, :func:`export_diffusers` — one role's consolidated weights for
   inference (``fvstep.checkpoint.export``).
 """
 
 from fvstep.checkpoint.export import export_diffusers, export_role
-from fvstep.checkpoint.layout import checkpoint_dir, latest, list_complete, prune
-from fvstep.checkpoint.manifest import FORMAT_VERSION, CheckpointError, Manifest, read_manifest
+from fvstep.checkpoint.layout import checkpoint_dir, latest, list_complete, lock_dir, prune
+from fvstep.checkpoint.manifest import (
+    FORMAT_VERSION,
+    CheckpointError,
+    CheckpointLockedError,
+    CheckpointSkippedWarning,
+    DamagedCheckpointError,
+    Manifest,
+    NewerFormatError,
+    read_manifest,
+)
 from fvstep.checkpoint.store import AsyncSaver, load, save
 
 __all__ = [
     "FORMAT_VERSION",
     "AsyncSaver",
     "CheckpointError",
+    "CheckpointLockedError",
+    "CheckpointSkippedWarning",
+    "DamagedCheckpointError",
     "Manifest",
+    "NewerFormatError",
     "checkpoint_dir",
     "export_diffusers",
     "export_role",
     "latest",
     "list_complete",
     "load",
+    "lock_dir",
     "prune",
     "read_manifest",
     "save",

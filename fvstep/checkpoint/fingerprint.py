@@ -12,6 +12,10 @@ changes the sum). A sum is exact in int64 arithmetic and independent of order, s
 sums its own shard and one all-reduce adds the shards; ranks holding a replica (the
 replicate axis of HSDP) contribute only once. The index term makes swapped elements
 count. The computation is a few int64 tensor ops on the leaf's own device.
+
+The same pass can say whether a floating-point leaf is finite (:func:`local_checks`): one
+``aminmax`` of each chunk while it is in cache, which is NaN or infinite exactly when
+an element is (a save refuses non-finite states with it).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["fingerprint", "leaf_checksum", "local_sums"]
+__all__ = ["fingerprint", "leaf_checksum", "local_checks", "local_sums"]
 
 _K1 = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64
 _K2 = -4658895280553007687  # 0xBF58476D1CE4E5B9
@@ -80,22 +84,42 @@ def _wrap(value: int) -> int:
     return value - (1 << 64) if value >= (1 << 63) else value
 
 
-def leaf_checksum(x: Any) -> torch.Tensor:
-    """This rank's contribution to the global checksum of ``x`` (a 0-d int64 tensor)."""
+def _finite(part: torch.Tensor) -> torch.Tensor:
+    """Whether every element of ``part`` is finite, as a 0-d bool tensor on its device.
+
+    ``aminmax`` propagates NaN and returns an infinity when there is one, so its two
+    results are finite exactly when all elements are; it reads the chunk once and
+    allocates nothing of its size. One-byte floats (no ``aminmax`` kernel) are widened.
+    """
+    if part.is_complex():
+        part = torch.view_as_real(part)
+    if not part.is_floating_point():
+        return torch.ones((), dtype=torch.bool, device=part.device)
+    if part.element_size() == 1:
+        part = part.float()
+    lo, hi = torch.aminmax(part)
+    return torch.isfinite(lo) & torch.isfinite(hi)
+
+
+def _leaf_checks(x: Any, check_finite: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's checksum contribution for ``x`` and whether its local values are finite."""
     if hasattr(x, "to_local"):
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
         local = x.to_local().detach()
-        if not _contributes(x):
-            return torch.zeros((), dtype=torch.int64, device=local.device)
+        finite = torch.ones((), dtype=torch.bool, device=local.device)
+        if not _contributes(x):  # a replica: the rank that counts it also checks it
+            return torch.zeros((), dtype=torch.int64, device=local.device), finite
         shape, offset = compute_local_shape_and_global_offset(x.shape, x.device_mesh, x.placements)
         global_shape = tuple(x.shape)
     else:
         local = x.detach()
+        finite = torch.ones((), dtype=torch.bool, device=local.device)
         shape, offset, global_shape = tuple(local.shape), (0,) * local.dim(), tuple(local.shape)
     total = torch.zeros((), dtype=torch.int64, device=local.device)
     if local.numel() == 0:
-        return total
+        return total, finite
+    check_finite = check_finite and (local.is_floating_point() or local.is_complex())
     flat = local.contiguous().reshape(-1)
     if all(o == 0 for o in offset[1:]) and tuple(shape[1:]) == tuple(global_shape[1:]):
         # A block of whole rows (FSDP2's Shard(0)): global flat index = start + local index.
@@ -105,12 +129,64 @@ def leaf_checksum(x: Any) -> torch.Tensor:
         base_k2 *= _K2
         for lo in range(0, flat.numel(), chunk):
             part = flat[lo : lo + chunk]
+            if check_finite:  # while the chunk is in cache
+                finite &= _finite(part)
             # index * K2 = base * K2 + (start + lo) * K2, the second term wrapped to int64
             shift = _wrap((start + lo) * _K2)
             total += _mix_sum(_bits64(part), base_k2[: part.numel()] + shift)
-        return total
+        return total, finite
+    if check_finite:
+        finite &= _finite(flat)
     index = _global_index(tuple(shape), tuple(offset), global_shape, local.device).reshape(-1)
-    return _mix_sum(_bits64(flat), index * _K2)
+    return _mix_sum(_bits64(flat), index * _K2), finite
+
+
+def leaf_checksum(x: Any) -> torch.Tensor:
+    """This rank's contribution to the global checksum of ``x`` (a 0-d int64 tensor).
+
+    Args:
+        x: A tensor or a DTensor.
+
+    Returns:
+        A 0-d int64 tensor on ``x``'s device; the global checksum is the sum over ranks.
+    """
+    return _leaf_checks(x, check_finite=False)[0]
+
+
+def local_checks(
+    leaves: list[torch.Tensor], *, check_finite: bool = True
+) -> tuple[list[torch.Tensor], list[bool]]:
+    """Each leaf's local checksum contribution and whether its local values are finite.
+
+    One pass over each leaf's memory computes both (the finiteness of a chunk is taken
+    while the checksum reads it); no communication. Integer and bool leaves are always
+    finite; a DTensor's replica (not counted by the checksum) is reported finite, since
+    the rank that counts it checks it.
+
+    Thread-safe with respect to other readers of the leaves: it only reads them, so a
+    save can compute it while DCP writes the same tensors.
+
+    Args:
+        leaves: The leaves (tensors or DTensors).
+        check_finite: Also check finiteness (else every leaf is reported finite).
+
+    Returns:
+        ``(sums, finite)``: CPU 0-d int64 tensors, and one bool per leaf.
+    """
+    pairs = [_leaf_checks(x, check_finite) for x in leaves]
+    by_device: dict[torch.device, list[int]] = {}
+    for i, (v, _) in enumerate(pairs):
+        by_device.setdefault(v.device, []).append(i)
+    sums: list[torch.Tensor] = [torch.zeros((), dtype=torch.int64)] * len(pairs)
+    finite = [True] * len(pairs)
+    for indices in by_device.values():  # one device-to-host copy per device
+        both = torch.stack(
+            [torch.stack([pairs[i][0], pairs[i][1].to(torch.int64)]) for i in indices]
+        ).cpu()
+        for i, (v, ok) in zip(indices, both):
+            sums[i] = v
+            finite[i] = bool(ok)
+    return sums, finite
 
 
 def local_sums(leaves: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -118,17 +194,14 @@ def local_sums(leaves: list[torch.Tensor]) -> list[torch.Tensor]:
 
     Thread-safe with respect to other readers of the leaves: it only reads them, so a
     save can compute it while DCP writes the same tensors.
+
+    Args:
+        leaves: The leaves (tensors or DTensors).
+
+    Returns:
+        One CPU 0-d int64 tensor per leaf.
     """
-    sums = [leaf_checksum(x) for x in leaves]
-    by_device: dict[torch.device, list[int]] = {}
-    for i, v in enumerate(sums):
-        by_device.setdefault(v.device, []).append(i)
-    out: list[torch.Tensor] = [torch.zeros((), dtype=torch.int64)] * len(sums)
-    for indices in by_device.values():  # one device-to-host copy per device
-        host = torch.stack([sums[i] for i in indices]).cpu()
-        for i, v in zip(indices, host):
-            out[i] = v
-    return out
+    return local_checks(leaves, check_finite=False)[0]
 
 
 def fingerprint(

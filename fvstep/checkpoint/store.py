@@ -5,6 +5,10 @@ so the checkpoint layout *is* the state layout. DTensor leaves (FSDP2 shards) ar
 as DTensors and reshard on load; plain tensors equal on every rank are saved once;
 plain tensors that differ between ranks are saved under per-rank keys
 (``<path>@rank<r>``) and come back to their own rank — never collapsed to rank 0's.
+
+Every outcome is agreed between ranks: a failure on one rank (a non-finite leaf of its
+shard, a full disk, a damaged shard of its own) makes every rank raise the same
+``CheckpointError``, and no rank waits for a collective that another has left.
 """
 
 from __future__ import annotations
@@ -25,9 +29,14 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 import fvstep
-from fvstep.checkpoint.fingerprint import fingerprint, local_sums
+from fvstep.checkpoint.fingerprint import _comm_device, fingerprint, local_checks
 from fvstep.checkpoint.layout import commit, discard, list_complete
-from fvstep.checkpoint.manifest import CheckpointError, Manifest, read_manifest
+from fvstep.checkpoint.manifest import (
+    CheckpointError,
+    DamagedCheckpointError,
+    Manifest,
+    read_manifest,
+)
 from fvstep.tree import flatten_with_paths
 
 __all__ = ["AsyncSaver", "load", "save"]
@@ -50,9 +59,54 @@ def _quiet_single_process(world: int) -> Iterator[None]:
         yield
 
 
-def _barrier(group: Any = None) -> None:
-    if _rank_world(group)[1] > 1:
-        dist.barrier(group)
+def _broadcast_from_0(value: Any, group: Any = None) -> Any:
+    """Rank 0's ``value`` on every rank (a picklable object)."""
+    if _rank_world(group)[1] == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0, group=group)
+    return box[0]
+
+
+def _agree_min(value: int, group: Any = None) -> int:
+    """The smallest of the ranks' ``value``s, on every rank."""
+    if _rank_world(group)[1] == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=_comm_device(group))
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    return int(t.item())
+
+
+def _exc_text(exc: Any) -> str:
+    if isinstance(exc, tuple):  # DCP's failures are (exception, traceback summary)
+        exc = exc[0]
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _failure_text(e: BaseException) -> str:
+    """One line per failing rank: the cause, without DCP's tracebacks."""
+    failures = getattr(e, "failures", None)
+    if not failures:
+        return _exc_text(e)
+    return "; ".join(f"rank {r}: {_exc_text(f)}" for r, f in sorted(failures.items()))
+
+
+def _refuse_nonfinite(
+    paths: list[str], finite: list[bool], step: int, final: Path, group: Any
+) -> None:
+    """Collective: raise on every rank if any rank holds a non-finite leaf (the first by path
+    order, then by rank, is named)."""
+    rank, world = _rank_world(group)
+    bad = next((i for i, ok in enumerate(finite) if not ok), len(paths))
+    first = _agree_min(bad * world + rank, group)
+    if first < len(paths) * world:
+        where = f" on rank {first % world}" if world > 1 else ""
+        raise CheckpointError(
+            f"refusing to save checkpoint {str(final)!r}: leaf '{paths[first // world]}' holds "
+            f"NaN or Inf{where} at step {step}. A non-finite state cannot continue training; "
+            "resume from an older checkpoint, or pass allow_nonfinite=True to keep it for "
+            "inspection"
+        )
 
 
 def _temp_for(final: Path) -> Path:
@@ -74,23 +128,90 @@ def _describe_leaf(x: torch.Tensor, per_rank: bool) -> dict[str, Any]:
 
 def _make_temp_dir(final: Path, overwrite: bool, group: Any) -> Path:
     """Collective: rank 0 checks ``final`` and makes a fresh temporary directory."""
-    rank, world = _rank_world(group)
+    rank, _ = _rank_world(group)
     tmp = _temp_for(final)
     error: str | None = None
     if rank == 0:
-        if final.exists() and not overwrite:
-            error = f"checkpoint {str(final)!r} already exists (pass overwrite=True)"
-        else:
-            if tmp.exists():
-                shutil.rmtree(tmp)
-            tmp.mkdir(parents=True)
-    if world > 1:
-        box = [error]
-        dist.broadcast_object_list(box, src=0, group=group)
-        error = box[0]
+        try:
+            if final.exists() and not overwrite:
+                error = f"checkpoint {str(final)!r} already exists (pass overwrite=True)"
+            else:
+                if tmp.exists():
+                    shutil.rmtree(tmp)
+                tmp.mkdir(parents=True)
+        except OSError as e:
+            error = f"could not save checkpoint {str(final)!r}: {_exc_text(e)}"
+    error = _broadcast_from_0(error, group)
     if error is not None:
         raise CheckpointError(error)
     return tmp
+
+
+def _dcp_save(flat: dict[str, torch.Tensor], final: Path, tmp: Path, group: Any) -> None:
+    world = _rank_world(group)[1]
+    try:
+        with _quiet_single_process(world):
+            dcp.save(flat, checkpoint_id=tmp, process_group=group, no_dist=world == 1)
+    except (Exception, CheckpointException) as e:  # DCP's exception is a BaseException
+        # DCP gathers every rank's failure and raises it on all of them.
+        raise CheckpointError(
+            f"could not save checkpoint {str(final)!r}: {_failure_text(e)}"
+        ) from None
+
+
+def _write_shards(
+    paths: list[str],
+    leaves: list[torch.Tensor],
+    step: int,
+    final: Path,
+    tmp: Path,
+    group: Any,
+    prints: tuple[dict[str, int], dict[str, list[int]]] | None,
+    allow_nonfinite: bool,
+) -> tuple[dict[str, int], dict[str, list[int]]]:
+    """Collective: write the shards into ``tmp``; return the fingerprint.
+
+    Unless ``prints`` are given (then the leaves were checked already), the checksums and
+    finiteness of sharded leaves (and, on one process, of every leaf) are computed on a
+    second thread while DCP writes: the file writes wait on the disk, the checksums on
+    the processor. Plain leaves of several ranks are checksummed first, because whether
+    a value is saved per rank depends on them. A non-finite leaf on any rank is refused
+    after the write, before the commit.
+    """
+    rank, world = _rank_world(group)
+    if prints is not None:
+        checksums, per_rank = prints
+        flat = {
+            (_rank_key(p, rank) if p in per_rank else p): x.detach() for p, x in zip(paths, leaves)
+        }
+        _dcp_save(flat, final, tmp, group)
+        return checksums, per_rank
+    check = not allow_nonfinite
+    early = [i for i, x in enumerate(leaves) if world > 1 and not hasattr(x, "to_local")]
+    early_set = set(early)
+    late = [i for i in range(len(leaves)) if i not in early_set]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        pending = pool.submit(local_checks, [leaves[i] for i in late], check_finite=check)
+        early_sums, early_finite = local_checks([leaves[i] for i in early], check_finite=check)
+        _, per_rank = fingerprint(
+            [paths[i] for i in early], [leaves[i] for i in early], group=group, sums=early_sums
+        )
+        flat = {
+            (_rank_key(p, rank) if p in per_rank else p): x.detach() for p, x in zip(paths, leaves)
+        }
+        _dcp_save(flat, final, tmp, group)
+        late_sums, late_finite = pending.result()
+    sums: list[torch.Tensor] = [torch.zeros((), dtype=torch.int64)] * len(leaves)
+    finite = [True] * len(leaves)
+    for indices, part_sums, part_finite in (
+        (early, early_sums, early_finite),
+        (late, late_sums, late_finite),
+    ):
+        for i, v, ok in zip(indices, part_sums, part_finite):
+            sums[i], finite[i] = v, ok
+    if check:
+        _refuse_nonfinite(paths, finite, step, final, group)
+    return fingerprint(paths, leaves, group=group, sums=sums)
 
 
 def _write(
@@ -102,54 +223,41 @@ def _write(
     overwrite: bool,
     group: Any,
     prints: tuple[dict[str, int], dict[str, list[int]]] | None = None,
+    allow_nonfinite: bool = False,
 ) -> None:
-    """Collective: fingerprint (unless ``prints`` are given), write with DCP, (rank 0) commit.
+    """Collective: write the shards, (rank 0) commit, and agree on the outcome.
 
-    The checksums of sharded leaves (and, on one process, of every leaf) are computed on a
-    second thread while DCP writes: the file writes wait on the disk, the checksums on
-    the processor. Plain leaves of several ranks are checksummed first, because whether
-    a value is saved per rank depends on them.
+    On any failure every rank raises a ``CheckpointError`` naming ``final`` and the cause,
+    and rank 0 removes ``tmp``. When it returns, on any rank, the checkpoint is committed.
     """
     rank, world = _rank_world(group)
-    if prints is not None:
-        checksums, per_rank = prints
-        flat = {
-            (_rank_key(p, rank) if p in per_rank else p): x.detach() for p, x in zip(paths, leaves)
-        }
-        with _quiet_single_process(world):
-            dcp.save(flat, checkpoint_id=tmp, process_group=group, no_dist=world == 1)
-    else:
-        early = [i for i, x in enumerate(leaves) if world > 1 and not hasattr(x, "to_local")]
-        early_set = set(early)
-        late = [i for i in range(len(leaves)) if i not in early_set]
-        with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
-            pending = pool.submit(local_sums, [leaves[i] for i in late])
-            early_sums = local_sums([leaves[i] for i in early])
-            _, per_rank = fingerprint(
-                [paths[i] for i in early], [leaves[i] for i in early], group=group, sums=early_sums
-            )
-            flat = {
-                (_rank_key(p, rank) if p in per_rank else p): x.detach()
-                for p, x in zip(paths, leaves)
-            }
-            with _quiet_single_process(world):
-                dcp.save(flat, checkpoint_id=tmp, process_group=group, no_dist=world == 1)
-            sums: list[torch.Tensor] = [torch.zeros((), dtype=torch.int64)] * len(leaves)
-            for i, v in zip(early, early_sums):
-                sums[i] = v
-            for i, v in zip(late, pending.result()):
-                sums[i] = v
-        checksums, per_rank = fingerprint(paths, leaves, group=group, sums=sums)
-    manifest = Manifest(
-        step=step,
-        world_size=world,
-        leaves={p: _describe_leaf(x, p in per_rank) for p, x in zip(paths, leaves)},
-        checksums=checksums,
-        per_rank=per_rank,
-        fvstep_version=fvstep.__version__,
-    )
-    if rank == 0:
-        _publish(final, tmp, manifest, overwrite)
+    try:
+        checksums, per_rank = _write_shards(
+            paths, leaves, step, final, tmp, group, prints, allow_nonfinite
+        )
+        manifest = Manifest(
+            step=step,
+            world_size=world,
+            leaves={p: _describe_leaf(x, p in per_rank) for p, x in zip(paths, leaves)},
+            checksums=checksums,
+            per_rank=per_rank,
+            fvstep_version=fvstep.__version__,
+        )
+        error: CheckpointError | None = None
+        if rank == 0:
+            try:
+                _publish(final, tmp, manifest, overwrite)
+            except CheckpointError as e:
+                error = e
+            except Exception as e:  # a full disk, a read-only or vanished directory
+                error = CheckpointError(f"could not save checkpoint {str(final)!r}: {_exc_text(e)}")
+        error = _broadcast_from_0(error, group)  # also: no rank returns before the commit
+        if error is not None:
+            raise error
+    except Exception:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def _publish(final: Path, tmp: Path, manifest: Manifest, overwrite: bool) -> None:
@@ -162,25 +270,41 @@ def _publish(final: Path, tmp: Path, manifest: Manifest, overwrite: bool) -> Non
 
 
 def save(
-    state: Any, path: str | os.PathLike[str], *, overwrite: bool = False, group: Any = None
+    state: Any,
+    path: str | os.PathLike[str],
+    *,
+    overwrite: bool = False,
+    group: Any = None,
+    allow_nonfinite: bool = False,
 ) -> Path:
     """Save ``state`` (a ``TrainState`` or any fvstep pytree of tensors) to ``path``, atomically.
 
     Every rank calls it. Shards are written into ``.tmp-<name>`` beside ``path``; rank 0
     then writes the manifest (versions, world size, structure, checksums) and renames the
-    directory to ``path``. A crash before the rename leaves no checkpoint at ``path``.
+    directory to ``path``. A crash before the rename leaves no checkpoint at ``path``; a
+    failure (a full disk, a read-only directory, a non-finite leaf) raises on every rank
+    and removes the ``.tmp-<name>`` directory.
+
+    A state with a NaN or infinite value in a floating-point leaf (parameters, optimizer
+    moments, EMA, ``extra``), on any rank, is refused: resuming from it could only
+    continue a diverged run. The check rides on the checksum pass (one ``aminmax`` per
+    chunk while it is in cache: a few percent of the checksums' time).
 
     Args:
         state: The state to save; it is not consumed or changed.
         path: The checkpoint directory to create (e.g. ``layout.checkpoint_dir(root, step)``).
         overwrite: Replace an existing checkpoint at ``path``.
         group: The process group (default: the world).
+        allow_nonfinite: Save a state with NaN or Inf values anyway (for inspection).
 
     Returns:
         ``path`` as a ``Path``.
 
     Raises:
-        CheckpointError: If ``path`` exists and ``overwrite`` is false.
+        CheckpointError: If ``path`` exists and ``overwrite`` is false; if a leaf is
+            not finite (naming the first such leaf, the rank and the step) and
+            ``allow_nonfinite`` is false; or if writing fails (naming ``path`` and the
+            cause, e.g. ``No space left on device``).
 
     Examples:
         >>> save(state, "ckpt/step_000000100")
@@ -188,8 +312,8 @@ def save(
     final = Path(path)
     tmp = _make_temp_dir(final, overwrite, group)
     paths, leaves, _ = flatten_with_paths(state)
-    _write(paths, leaves, int(getattr(state, "step", 0)), final, tmp, overwrite, group)
-    _barrier(group)
+    step = int(getattr(state, "step", 0))
+    _write(paths, leaves, step, final, tmp, overwrite, group, allow_nonfinite=allow_nonfinite)
     return final
 
 
@@ -256,10 +380,12 @@ def load(path: str | os.PathLike[str], *, like: T, group: Any = None) -> T:
 
     Raises:
         FileNotFoundError: If ``path`` does not exist.
-        CheckpointError: If ``path`` is not a complete fvstep checkpoint, was written by a
-            newer format, does not fit ``like`` (a role added or removed, a shape or
-            dtype changed, per-rank values on another world size), a shard is missing or
-            truncated, or the loaded content does not match the manifest's checksums.
+        DamagedCheckpointError: (a ``CheckpointError``) If ``path`` has no valid manifest,
+            a shard is missing or truncated, or the loaded content does not match the
+            manifest's checksums (on any rank: every rank raises).
+        CheckpointError: If ``path`` was written by a newer format
+            (``NewerFormatError``), or does not fit ``like`` (a role added or removed, a
+            shape or dtype changed, per-rank values on another world size).
 
     Examples:
         >>> state = load(latest(root), like=initial_state)
@@ -283,20 +409,27 @@ def load(path: str | os.PathLike[str], *, like: T, group: Any = None) -> T:
         with _quiet_single_process(world):
             dcp.load(flat, checkpoint_id=path, process_group=group, no_dist=world == 1)
     except (Exception, CheckpointException) as e:  # DCP's exception is a BaseException
-        failures = getattr(e, "failures", None) or {rank: e}
-        detail = "; ".join(f"rank {r}: {type(f).__name__}: {f}" for r, f in failures.items())
-        raise CheckpointError(
+        detail = (
+            _failure_text(e) if getattr(e, "failures", None) else f"rank {rank}: {_exc_text(e)}"
+        )
+        raise DamagedCheckpointError(
             f"could not read checkpoint {str(path)!r} (a shard missing or damaged?): {detail}"
         ) from None
     checksums, per_rank = fingerprint(paths, fresh, group=group)
-    for p in paths:
+    bad = len(paths)
+    for i, p in enumerate(paths):
         expected = manifest.per_rank[p][rank] if p in manifest.per_rank else manifest.checksums[p]
         got = per_rank[p][rank] if p in per_rank else checksums.get(p)
         if got != expected:
-            raise CheckpointError(
-                f"checkpoint {str(path)!r}: the content of '{p}' does not match the manifest's "
-                "checksum (the files were changed or damaged after the save)"
-            )
+            bad = i
+            break
+    # A per-rank value may be damaged on one rank only: all ranks must refuse it together.
+    bad = _agree_min(bad, group)
+    if bad < len(paths):
+        raise DamagedCheckpointError(
+            f"checkpoint {str(path)!r}: the content of '{paths[bad]}' does not match the "
+            "manifest's checksum (the files were changed or damaged after the save)"
+        )
     return optree.tree_unflatten(spec, fresh)  # type: ignore[return-value]
 
 
@@ -353,8 +486,9 @@ class AsyncSaver:
     GPU the content checksums are computed on the device before staging (milliseconds);
     on a CPU they are computed in the background. DCP's write and the commit run on a
     background thread, with a gloo process group of their own so that their collectives
-    never interleave with a training step's. A failure there is raised by the next
-    :meth:`save`, :meth:`wait` or :meth:`close`.
+    never interleave with a training step's. A failure there (a full disk, a non-finite
+    leaf found by the background checksums) is raised, as a ``CheckpointError`` naming
+    the path, by the next :meth:`save`, :meth:`wait` or :meth:`close`.
 
     Examples:
         >>> with AsyncSaver() as saver:
@@ -377,33 +511,79 @@ class AsyncSaver:
             self._upload_group = dist.new_group(backend="gloo")
         return self._upload_group
 
-    def save(self, state: Any, path: str | os.PathLike[str], *, overwrite: bool = False) -> None:
+    def save(
+        self,
+        state: Any,
+        path: str | os.PathLike[str],
+        *,
+        overwrite: bool = False,
+        allow_nonfinite: bool = False,
+    ) -> None:
         """Start saving ``state`` to ``path``; returns once the state has been staged.
 
+        Every rank calls it. A non-finite leaf is refused as by :func:`save`: on a GPU
+        the check runs with the checksums before staging, so this call raises; on a CPU
+        it runs with the checksums in the background, so the next :meth:`save`,
+        :meth:`wait` or :meth:`close` raises. Either way nothing non-finite is committed,
+        and a failed save leaves no ``.tmp-*`` directory.
+
+        Args:
+            state: The state to save; it may be updated in place once this returns.
+            path: The checkpoint directory to create.
+            overwrite: Replace an existing checkpoint at ``path``.
+            allow_nonfinite: Save a state with NaN or Inf values anyway.
+
         Raises:
-            Exception: A failure of the previous background save.
+            CheckpointError: If ``path`` exists and ``overwrite`` is false, or (on a GPU)
+                a leaf is not finite; or the failure of the previous background save.
         """
         self.wait()
         upload_group = self._uploads()
         final = Path(path)
-        tmp = _make_temp_dir(final, overwrite, self._group)
         paths, leaves, _ = flatten_with_paths(state)
-        on_gpu = any(x.device.type == "cuda" for x in leaves)
-        prints = fingerprint(paths, leaves, group=self._group) if on_gpu else None
-        staged = self._stager.stage(paths, leaves)
         step = int(getattr(state, "step", 0))
+        prints = None
+        if any(x.device.type == "cuda" for x in leaves):
+            sums, finite = local_checks(leaves, check_finite=not allow_nonfinite)
+            if not allow_nonfinite:
+                _refuse_nonfinite(paths, finite, step, final, self._group)
+            prints = fingerprint(paths, leaves, group=self._group, sums=sums)
+        tmp = _make_temp_dir(final, overwrite, self._group)
+        try:
+            staged = self._stager.stage(paths, leaves)
+        except Exception:
+            if _rank_world(self._group)[0] == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
         self._pending = self._executor.submit(
-            _write, paths, staged, step, final, tmp, overwrite, upload_group, prints
+            _write,
+            paths,
+            staged,
+            step,
+            final,
+            tmp,
+            overwrite,
+            upload_group,
+            prints,
+            allow_nonfinite,
         )
 
     def wait(self) -> None:
-        """Wait for the save in flight; raise its error, if any."""
+        """Wait for the save in flight; raise its error, if any.
+
+        Raises:
+            CheckpointError: The failure of the save in flight (naming its path).
+        """
         pending, self._pending = self._pending, None
         if pending is not None:
             pending.result()
 
     def close(self) -> None:
-        """Wait for the save in flight (raising its error) and stop the background thread."""
+        """Wait for the save in flight (raising its error) and stop the background thread.
+
+        Raises:
+            CheckpointError: The failure of the save in flight (naming its path).
+        """
         try:
             self.wait()
         finally:
