@@ -46,6 +46,7 @@ from typing import Any, Protocol, SupportsIndex
 import torch
 from torch.utils.data import default_collate
 
+from fvstep._checks import check_int
 from fvstep.random import fold_in, generator, is_key
 
 __all__ = ["MapDataset", "ShuffledSource", "SyntheticLatents"]
@@ -57,18 +58,6 @@ class MapDataset(Protocol):
     def __len__(self) -> int: ...
 
     def __getitem__(self, index: int, /) -> Any: ...
-
-
-def _as_int(value: SupportsIndex, name: str, *, minimum: int) -> int:
-    try:
-        v = operator.index(value)
-    except TypeError:
-        raise TypeError(
-            f"{name} must be an integer, got {type(value).__name__}: {value!r}"
-        ) from None
-    if v < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {v}")
-    return v
 
 
 def _check_key(k: torch.Tensor) -> torch.Tensor:
@@ -130,7 +119,7 @@ class ShuffledSource:
         self._dataset = dataset
         self._num_items = len(dataset)
         self._key = _check_key(key)
-        self._batch_size = _as_int(batch_size, "batch_size", minimum=1)
+        self._batch_size = check_int(batch_size, "batch_size", minimum=1)
         if self._batch_size > self._num_items:
             raise ValueError(
                 f"batch_size ({self._batch_size}) is larger than the dataset "
@@ -163,7 +152,7 @@ class ShuffledSource:
         )
 
     def _global_batch(self, world_size: SupportsIndex) -> int:
-        w = _as_int(world_size, "world_size", minimum=1)
+        w = check_int(world_size, "world_size", minimum=1)
         g = self._batch_size * w
         if g > self._num_items:
             raise ValueError(
@@ -206,7 +195,7 @@ class ShuffledSource:
             ValueError: If ``step < 0``, ``world_size < 1`` or the global batch exceeds
                 the dataset.
         """
-        s = _as_int(step, "step", minimum=0)
+        s = check_int(step, "step", minimum=0)
         g = self._global_batch(world_size)
         if self._drop_last:
             return s // (self._num_items // g)
@@ -229,10 +218,10 @@ class ShuffledSource:
             ValueError: If ``step < 0``, ``world_size < 1``, ``rank`` is out of range or
                 the global batch exceeds the dataset.
         """
-        s = _as_int(step, "step", minimum=0)
+        s = check_int(step, "step", minimum=0)
         g = self._global_batch(world_size)
         w = g // self._batch_size
-        r = _as_int(rank, "rank", minimum=0)
+        r = check_int(rank, "rank", minimum=0)
         if r >= w:
             raise ValueError(f"rank must lie in [0, world_size) = [0, {w}), got {r}")
         if self._drop_last:
@@ -318,10 +307,10 @@ class SyntheticLatents:
         shape: Sequence[int] = (4, 2, 4, 4),
         text_shape: Sequence[int] = (3, 16),
     ) -> None:
-        self._num = _as_int(num, "num", minimum=0)
+        self._num = check_int(num, "num", minimum=0)
         self._key = _check_key(key)
-        self._shape = tuple(_as_int(d, "shape entry", minimum=0) for d in shape)
-        self._text_shape = tuple(_as_int(d, "text_shape entry", minimum=0) for d in text_shape)
+        self._shape = tuple(check_int(d, "shape entry", minimum=0) for d in shape)
+        self._text_shape = tuple(check_int(d, "text_shape entry", minimum=0) for d in text_shape)
 
     def __len__(self) -> int:
         return self._num

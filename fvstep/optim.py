@@ -1,9 +1,10 @@
 """Functional optimizers over explicit state pytrees, bit-identical to ``torch.optim``.
 
-An optimizer is a small frozen, hashable :mod:`attrs` object holding only hyper-parameters
-(static metadata, not a pytree). Its state is a separate pytree (an ``fvstep.tree.frozen``
-class whose leaves are tensors) created by :meth:`~Optimizer.init` and advanced by
-:meth:`~Optimizer.update`::
+As in optax, each optimizer is one factory (:func:`adamw`, :func:`sgd`) that documents and
+takes the hyper-parameters and returns a small frozen, hashable :mod:`attrs` object
+(:class:`AdamW`, :class:`SGD`: static metadata, not a pytree) with a pure pair of methods.
+Its state is a separate pytree (an ``fvstep.tree.frozen`` class whose leaves are tensors)
+created by :meth:`~Optimizer.init` and advanced by :meth:`~Optimizer.update`::
 
     opt = adamw(1e-4, weight_decay=0.01)
     opt_state = opt.init(params)  # every moment allocated eagerly
@@ -34,10 +35,10 @@ from typing import Protocol, TypeVar, runtime_checkable
 import attrs
 import torch
 from torch.optim.adamw import adamw as _torch_adamw
-from torch.optim.optimizer import _default_to_fused_or_foreach, _get_scalar_dtype
 from torch.optim.sgd import sgd as _torch_sgd
-from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
+from fvstep import _compat
+from fvstep._checks import check_learning_rate
 from fvstep.tree import frozen
 
 __all__ = [
@@ -143,24 +144,28 @@ def _new_count() -> torch.Tensor:
     return torch.zeros((), dtype=torch.int64)
 
 
-def _check_lr_value(lr: object, what: str) -> float:
-    if isinstance(lr, bool) or not isinstance(lr, (int, float)):
-        raise TypeError(f"{what} must be a float, got {type(lr).__name__}: {lr!r}")
-    value = float(lr)
-    if not value >= 0.0:  # also rejects NaN
-        raise ValueError(f"Invalid learning rate: {lr} ({what} must be >= 0)")
-    return value
-
-
-def _check_lr(lr: object) -> None:
-    if not callable(lr):
-        _check_lr_value(lr, "lr")
+def _as_learning_rate(lr: LearningRate) -> LearningRate:
+    """A schedule as it is; a constant checked and made a ``float``."""
+    return lr if callable(lr) else check_learning_rate(lr, "lr")
 
 
 def _learning_rate(lr: LearningRate, count: int) -> float:
     if callable(lr):
-        return _check_lr_value(lr(count), f"the learning-rate schedule's value at count {count}")
-    return float(lr)
+        return check_learning_rate(
+            lr(count), f"the learning-rate schedule's value at count {count}"
+        )
+    return lr
+
+
+def _as_betas(betas: tuple[float, float]) -> tuple[float, float]:
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(f"betas must be a pair of floats, got {betas!r}")
+    for i, beta in enumerate(betas):
+        if isinstance(beta, bool) or not isinstance(beta, (int, float)):
+            raise TypeError(f"betas[{i}] must be a float, got {type(beta).__name__}")
+        if not 0.0 <= beta < 1.0:
+            raise ValueError(f"Invalid beta parameter at index {i}: {beta} (must be in [0, 1))")
+    return (betas[0], betas[1])
 
 
 def _check_flag(name: str, value: object, *, optional: bool = False) -> None:
@@ -197,7 +202,7 @@ def _check_params(params: Mapping[str, torch.Tensor]) -> None:
 
 
 def _check_fused_params(params: Mapping[str, torch.Tensor]) -> None:
-    supported = _get_fused_kernels_supported_devices()
+    supported = _compat.fused_kernel_devices()
     for name, p in params.items():
         if p.device.type not in supported or not torch.is_floating_point(p):
             raise ValueError(
@@ -284,11 +289,11 @@ def _resolve_impl(
     """(foreach, fused) as ``torch.optim`` resolves them for ``params`` (those with grads).
 
     ``None`` for both means torch's default for the params' device and type
-    (``_default_to_fused_or_foreach`` with ``use_fused=False``: foreach on foreach-capable
-    devices such as CUDA, the single-tensor loop on CPU); fused is only used when asked for.
+    (:func:`fvstep._compat.default_foreach`: foreach on foreach-capable devices such as
+    CUDA, the single-tensor loop on CPU); fused is only used when asked for.
     """
     if foreach is None and fused is None:
-        _, foreach = _default_to_fused_or_foreach(list(params), False, use_fused=False)
+        foreach = _compat.default_foreach(list(params))
     return bool(foreach), bool(fused)
 
 
@@ -301,61 +306,26 @@ def _zeros_like(p: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------------------
 
 
-@attrs.frozen
+@attrs.frozen(kw_only=True)
 class AdamW:
-    r"""AdamW (decoupled weight decay), bitwise identical to ``torch.optim.AdamW``.
+    """The optimizer that :func:`adamw` returns: AdamW's hyper-parameters, ``init``, ``update``.
 
-    For each param :math:`\theta` with gradient :math:`g` (negated if ``maximize``), at its
-    own step :math:`t` (the number of updates in which it had a gradient) and learning rate
-    :math:`\gamma` = ``learning_rate(count)``:
-
-    .. math::
-        \theta &\leftarrow \theta - \gamma \lambda \theta \\
-        m &\leftarrow \beta_1 m + (1 - \beta_1) g \\
-        v &\leftarrow \beta_2 v + (1 - \beta_2) g^2 \\
-        \hat v &\leftarrow \max(\hat v, v) \text{ if amsgrad else } v \\
-        \theta &\leftarrow \theta - \gamma \frac{m / (1 - \beta_1^t)}
-            {\sqrt{\hat v / (1 - \beta_2^t)} + \epsilon}
-
-    A param whose grad is ``None`` is skipped (its moments and ``step`` stay untouched).
-    Build it with :func:`adamw`.
-
-    Attributes:
-        lr: Learning rate, or a schedule ``count -> lr`` of the optimizer's update count.
-        betas: ``(beta1, beta2)``, each in ``[0, 1)``.
-        eps: Term added to the denominator, ``>= 0``.
-        weight_decay: Decoupled weight-decay coefficient :math:`\lambda`, ``>= 0``.
-        amsgrad: Use the AMSGrad variant.
-        maximize: Maximize the objective instead of minimizing.
-        foreach: Use torch's foreach implementation; ``None`` picks torch's default.
-        fused: Use torch's fused kernel; ``None``/``False`` do not.
-
-    Examples:
-        >>> opt = adamw(1e-3, betas=(0.9, 0.95), weight_decay=0.1)
-        >>> state = opt.init(dict(model.named_parameters()))
-        >>> grads = {n: p.grad for n, p in model.named_parameters()}
-        >>> state = opt.update(dict(model.named_parameters()), grads, state)
+    Build it with :func:`adamw`, which documents each field, its default and the update
+    equations. The fields are read-only and checked on construction (``ValueError`` out of
+    range, ``TypeError`` of the wrong kind).
     """
 
-    lr: LearningRate = 1e-3
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    weight_decay: float = 1e-2
-    amsgrad: bool = False
-    maximize: bool = False
-    foreach: bool | None = None
-    fused: bool | None = None
+    lr: LearningRate = attrs.field(converter=_as_learning_rate)
+    betas: tuple[float, float] = attrs.field(converter=_as_betas)
+    eps: float
+    weight_decay: float
+    amsgrad: bool
+    maximize: bool
+    foreach: bool | None
+    fused: bool | None
 
     def __attrs_post_init__(self) -> None:
-        _check_lr(self.lr)
         _check_nonnegative("epsilon", self.eps)
-        if not isinstance(self.betas, tuple) or len(self.betas) != 2:
-            raise ValueError(f"betas must be a tuple of two floats, got {self.betas!r}")
-        for i, beta in enumerate(self.betas):
-            if isinstance(beta, bool) or not isinstance(beta, (int, float)):
-                raise TypeError(f"betas[{i}] must be a float, got {type(beta).__name__}")
-            if not 0.0 <= beta < 1.0:
-                raise ValueError(f"Invalid beta parameter at index {i}: {beta} (must be in [0, 1))")
         _check_nonnegative("weight_decay", self.weight_decay)
         _check_flag("amsgrad", self.amsgrad)
         _check_flag("maximize", self.maximize)
@@ -396,10 +366,12 @@ class AdamW:
                 # torch/optim/adam.py `_init_group`, note [special device hosting for step].
                 if self.fused:
                     step[name] = torch.zeros(
-                        (), dtype=_get_scalar_dtype(is_fused=self.fused), device=p.device
+                        (), dtype=_compat.optimizer_step_dtype(fused=True), device=p.device
                     )
                 else:
-                    step[name] = torch.tensor(0.0, dtype=_get_scalar_dtype(), device="cpu")
+                    step[name] = torch.tensor(
+                        0.0, dtype=_compat.optimizer_step_dtype(), device="cpu"
+                    )
                 exp_avg[name] = _zeros_like(p)
                 exp_avg_sq[name] = _zeros_like(p)
                 if self.amsgrad:
@@ -497,15 +469,31 @@ def adamw(
     foreach: bool | None = None,
     fused: bool | None = None,
 ) -> AdamW:
-    """An AdamW optimizer, bitwise identical to ``torch.optim.AdamW`` with the same arguments.
+    r"""AdamW (decoupled weight decay), bitwise identical to ``torch.optim.AdamW``.
+
+    For each param :math:`\theta` with gradient :math:`g` (negated if ``maximize``), at its
+    own step :math:`t` (the number of updates in which it had a gradient) and learning rate
+    :math:`\gamma` = ``learning_rate(count)``:
+
+    .. math::
+        \theta &\leftarrow \theta - \gamma \lambda \theta \\
+        m &\leftarrow \beta_1 m + (1 - \beta_1) g \\
+        v &\leftarrow \beta_2 v + (1 - \beta_2) g^2 \\
+        \hat v &\leftarrow \max(\hat v, v) \text{ if amsgrad else } v \\
+        \theta &\leftarrow \theta - \gamma \frac{m / (1 - \beta_1^t)}
+            {\sqrt{\hat v / (1 - \beta_2^t)} + \epsilon}
+
+    A param whose grad is ``None`` is skipped (its moments and ``step`` stay untouched).
+    The defaults are ``torch.optim.AdamW``'s.
 
     Args:
-        lr: Learning rate (``>= 0``), or a schedule ``count -> lr`` of the optimizer's own
-            update count (bitwise like ``LambdaLR(opt, lambda c: schedule(c) / base_lr)``
-            stepped once per update, when ``schedule(c) == base_lr * f(c)``).
+        lr: Learning rate (finite, ``>= 0``), or a schedule ``count -> lr`` of the
+            optimizer's own update count (bitwise like ``LambdaLR(opt, lambda c:
+            schedule(c) / base_lr)`` stepped once per update, when
+            ``schedule(c) == base_lr * f(c)``).
         betas: ``(beta1, beta2)``, each in ``[0, 1)`` (``beta1 = 0`` is allowed).
-        eps: Denominator term, ``>= 0``.
-        weight_decay: Decoupled weight decay, ``>= 0``.
+        eps: Denominator term :math:`\epsilon`, ``>= 0``.
+        weight_decay: Decoupled weight decay :math:`\lambda`, ``>= 0``.
         amsgrad: Use the AMSGrad variant.
         maximize: Maximize the objective.
         foreach: ``None`` picks torch's default for the params' device (foreach on
@@ -517,19 +505,18 @@ def adamw(
 
     Raises:
         ValueError: On out-of-range hyper-parameters or ``foreach=fused=True``.
+        TypeError: On a hyper-parameter of the wrong kind.
 
     Examples:
         >>> opt = adamw(3e-4, betas=(0.9, 0.95), weight_decay=0.1)
+        >>> state = opt.init(dict(model.named_parameters()))
+        >>> grads = {n: p.grad for n, p in model.named_parameters()}
+        >>> state = opt.update(dict(model.named_parameters()), grads, state)
         >>> warmup = adamw(lambda c: 3e-4 * min(1.0, (c + 1) / 1000))
     """
-    if not callable(lr):
-        _check_lr(lr)
-        lr = float(lr)
-    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-        raise ValueError(f"betas must be a pair of floats, got {betas!r}")
     return AdamW(
         lr=lr,
-        betas=(betas[0], betas[1]),
+        betas=betas,
         eps=eps,
         weight_decay=weight_decay,
         amsgrad=amsgrad,
@@ -544,49 +531,25 @@ def adamw(
 # --------------------------------------------------------------------------------------
 
 
-@attrs.frozen
+@attrs.frozen(kw_only=True)
 class SGD:
-    r"""SGD with optional (Nesterov) momentum, bitwise identical to ``torch.optim.SGD``.
+    """The optimizer that :func:`sgd` returns: SGD's hyper-parameters, ``init``, ``update``.
 
-    For each param :math:`\theta` with gradient :math:`g` (negated if ``maximize``) and
-    learning rate :math:`\gamma` = ``learning_rate(count)``:
-
-    .. math::
-        g &\leftarrow g + \lambda \theta \\
-        b &\leftarrow g \text{ on the param's first step, else } \mu b + (1 - \tau) g \\
-        g &\leftarrow g + \mu b \text{ if nesterov else } b \quad (\text{if } \mu \ne 0) \\
-        \theta &\leftarrow \theta - \gamma g
-
-    A param whose grad is ``None`` is skipped (its momentum buffer stays untouched and
-    uninitialized). Build it with :func:`sgd`.
-
-    Attributes:
-        lr: Learning rate, or a schedule ``count -> lr`` of the optimizer's update count.
-        momentum: Momentum factor :math:`\mu`, ``>= 0``.
-        dampening: Dampening :math:`\tau` of the momentum.
-        weight_decay: L2 penalty :math:`\lambda`, ``>= 0``.
-        nesterov: Nesterov momentum (needs ``momentum > 0`` and ``dampening == 0``).
-        maximize: Maximize the objective instead of minimizing.
-        foreach: Use torch's foreach implementation; ``None`` picks torch's default.
-        fused: Use torch's fused kernel; ``None``/``False`` do not.
-
-    Examples:
-        >>> opt = sgd(0.1, momentum=0.9, nesterov=True)
-        >>> state = opt.init(params)
-        >>> state = opt.update(params, grads, state)
+    Build it with :func:`sgd`, which documents each field, its default and the update
+    equations. The fields are read-only and checked on construction (``ValueError`` out of
+    range, ``TypeError`` of the wrong kind).
     """
 
-    lr: LearningRate = 1e-3
-    momentum: float = 0.0
-    dampening: float = 0.0
-    weight_decay: float = 0.0
-    nesterov: bool = False
-    maximize: bool = False
-    foreach: bool | None = None
-    fused: bool | None = None
+    lr: LearningRate = attrs.field(converter=_as_learning_rate)
+    momentum: float
+    dampening: float
+    weight_decay: float
+    nesterov: bool
+    maximize: bool
+    foreach: bool | None
+    fused: bool | None
 
     def __attrs_post_init__(self) -> None:
-        _check_lr(self.lr)
         _check_nonnegative("momentum", self.momentum)
         if isinstance(self.dampening, bool) or not isinstance(self.dampening, (int, float)):
             raise TypeError(f"dampening must be a float, got {type(self.dampening).__name__}")
@@ -751,14 +714,28 @@ def sgd(
     foreach: bool | None = None,
     fused: bool | None = None,
 ) -> SGD:
-    """An SGD optimizer, bitwise identical to ``torch.optim.SGD`` with the same arguments.
+    r"""SGD with optional (Nesterov) momentum, bitwise identical to ``torch.optim.SGD``.
+
+    For each param :math:`\theta` with gradient :math:`g` (negated if ``maximize``) and
+    learning rate :math:`\gamma` = ``learning_rate(count)``:
+
+    .. math::
+        g &\leftarrow g + \lambda \theta \\
+        b &\leftarrow g \text{ on the param's first step, else } \mu b + (1 - \tau) g \\
+        g &\leftarrow g + \mu b \text{ if nesterov else } b \quad (\text{if } \mu \ne 0) \\
+        \theta &\leftarrow \theta - \gamma g
+
+    A param whose grad is ``None`` is skipped (its momentum buffer stays untouched and
+    uninitialized). The defaults are ``torch.optim.SGD``'s.
 
     Args:
-        lr: Learning rate (``>= 0``), or a schedule ``count -> lr`` of the optimizer's own
-            update count.
-        momentum: Momentum factor, ``>= 0`` (``0`` keeps no state besides ``count``).
-        dampening: Dampening of the momentum (not applied on a param's first step).
-        weight_decay: L2 penalty, ``>= 0``.
+        lr: Learning rate (finite, ``>= 0``), or a schedule ``count -> lr`` of the
+            optimizer's own update count.
+        momentum: Momentum factor :math:`\mu`, ``>= 0`` (``0`` keeps no state besides
+            ``count``).
+        dampening: Dampening :math:`\tau` of the momentum (not applied on a param's first
+            step).
+        weight_decay: L2 penalty :math:`\lambda`, ``>= 0``.
         nesterov: Nesterov momentum; requires ``momentum > 0`` and ``dampening == 0``.
         maximize: Maximize the objective.
         foreach: ``None`` picks torch's default for the params' device (foreach on
@@ -774,13 +751,13 @@ def sgd(
     Raises:
         ValueError: On out-of-range hyper-parameters, nesterov without momentum or with
             dampening, or ``foreach=fused=True``.
+        TypeError: On a hyper-parameter of the wrong kind.
 
     Examples:
         >>> opt = sgd(0.1, momentum=0.9, nesterov=True, weight_decay=5e-4)
+        >>> state = opt.init(params)
+        >>> state = opt.update(params, grads, state)
     """
-    if not callable(lr):
-        _check_lr(lr)
-        lr = float(lr)
     return SGD(
         lr=lr,
         momentum=momentum,

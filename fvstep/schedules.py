@@ -27,7 +27,7 @@ Bit-identity with diffusers and torch:
     :func:`warmup_linear`            ``"linear"`` (``min_ratio`` is ``f_min``)
     :func:`polynomial`               ``"polynomial"`` (``end_lr`` is ``lr_end``)
     :func:`piecewise_constant`       ``"piecewise_constant"`` (absolute values)
-    :func:`linear_warmup`            torch ``LinearLR`` closed form
+    :func:`constant_with_warmup`     torch ``LinearLR`` closed form (``init_ratio``)
     ===============================  ==============================================
 
     Note that diffusers' ``get_scheduler`` does not forward ``num_cycles`` to the
@@ -42,8 +42,11 @@ Errors:
     Schedules raise ``ValueError`` for a negative step and ``TypeError`` for a step that is
     not an integer (a Python int, NumPy integer or integer tensor of one element).
 
+Deprecated names (they warn, and go in the next release): ``linear_warmup`` is
+:func:`constant_with_warmup`, ``piecewise`` is :func:`join`.
+
 Examples:
-    >>> sched = join([linear_warmup(1e-3, warmup_steps=100), constant(1e-4)], [1000])
+    >>> sched = join([constant_with_warmup(1e-3, warmup_steps=100), constant(1e-4)], [1000])
     >>> sched(50), sched(999), sched(1000)
     (0.0005, 0.001, 0.0001)
 """
@@ -53,8 +56,11 @@ from __future__ import annotations
 import bisect
 import math
 import operator
+import warnings
 from collections.abc import Callable, Sequence
 from typing import SupportsIndex
+
+from fvstep._checks import check_int, check_learning_rate, check_real
 
 __all__ = [
     "Schedule",
@@ -95,49 +101,16 @@ def _as_step(step: SupportsIndex) -> int:
     return s
 
 
-def _check_int(value: SupportsIndex, name: str, *, minimum: int = 0) -> int:
-    try:
-        v = operator.index(value)
-    except TypeError:
-        raise TypeError(
-            f"{name} must be an integer, got {type(value).__name__}: {value!r}"
-        ) from None
-    if v < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {v}")
-    return v
-
-
-def _check_real(value: float, name: str) -> float:
-    try:
-        if isinstance(value, (str, bytes)):
-            raise TypeError
-        v = float(value)
-    except (TypeError, ValueError):
-        raise TypeError(
-            f"{name} must be a real number, got {type(value).__name__}: {value!r}"
-        ) from None
-    if not math.isfinite(v):
-        raise ValueError(f"{name} must be finite, got {v}")
-    return v
-
-
-def _check_lr(value: float, name: str = "lr") -> float:
-    v = _check_real(value, name)
-    if v < 0.0:
-        raise ValueError(f"{name} must be >= 0, got {v}")
-    return v
-
-
 def _check_ratio(value: float, name: str) -> float:
-    v = _check_real(value, name)
+    v = check_real(value, name)
     if not 0.0 <= v <= 1.0:
         raise ValueError(f"{name} must lie in [0, 1], got {v}")
     return v
 
 
 def _check_warmup_total(warmup_steps: SupportsIndex, total_steps: SupportsIndex) -> tuple[int, int]:
-    warmup = _check_int(warmup_steps, "warmup_steps")
-    total = _check_int(total_steps, "total_steps", minimum=1)
+    warmup = check_int(warmup_steps, "warmup_steps")
+    total = check_int(total_steps, "total_steps", minimum=1)
     if warmup > total:
         raise ValueError(f"warmup_steps ({warmup}) must not exceed total_steps ({total})")
     return warmup, total
@@ -146,7 +119,7 @@ def _check_warmup_total(warmup_steps: SupportsIndex, total_steps: SupportsIndex)
 def _check_boundaries(
     boundaries: Sequence[SupportsIndex], n_pieces: int, what: str
 ) -> tuple[int, ...]:
-    bounds = tuple(_check_int(b, f"boundaries[{i}]") for i, b in enumerate(boundaries))
+    bounds = tuple(check_int(b, f"boundaries[{i}]") for i, b in enumerate(boundaries))
     if len(bounds) != n_pieces - 1:
         raise ValueError(
             f"need exactly one boundary fewer than {what}: got {n_pieces} {what} "
@@ -156,6 +129,15 @@ def _check_boundaries(
         if bounds[i] <= bounds[i - 1]:
             raise ValueError(f"boundaries must be strictly increasing, got {list(bounds)}")
     return bounds
+
+
+def _warn_deprecated(old: str, new: str) -> None:
+    warnings.warn(
+        f"fvstep.schedules.{old} is deprecated and goes in the next release; use "
+        f"fvstep.schedules.{new}, the same schedule with the same arguments",
+        DeprecationWarning,
+        stacklevel=3,
+    )
 
 
 def _lambda_lr(lr: float, factor: Callable[[int], float], name: str) -> Schedule:
@@ -193,7 +175,7 @@ def constant(lr: float) -> Schedule:
         >>> constant(1e-4)(12345)
         0.0001
     """
-    lr = _check_lr(lr)
+    lr = check_learning_rate(lr)
 
     def factor(step: int) -> float:
         return 1.0
@@ -201,52 +183,21 @@ def constant(lr: float) -> Schedule:
     return _lambda_lr(lr, factor, "constant")
 
 
-def constant_with_warmup(lr: float, *, warmup_steps: int) -> Schedule:
-    """A linear warmup from 0 to ``lr`` over ``warmup_steps`` steps, then ``lr``.
+def constant_with_warmup(lr: float, *, warmup_steps: int, init_ratio: float = 0.0) -> Schedule:
+    """A linear warmup from ``init_ratio * lr`` to ``lr`` over ``warmup_steps`` steps, then ``lr``.
 
-    Equal to diffusers ``get_scheduler("constant_with_warmup", num_warmup_steps=...)``:
-    ``lr * step / warmup_steps`` for ``step < warmup_steps`` and ``lr`` afterwards.
-
-    Args:
-        lr: The learning rate after warmup, finite and ``>= 0``.
-        warmup_steps: Length of the warmup, ``>= 0`` (0 means no warmup).
-
-    Returns:
-        The schedule.
-
-    Raises:
-        ValueError: If ``lr`` is negative or not finite, or ``warmup_steps`` is negative.
-
-    Examples:
-        >>> sched = constant_with_warmup(1.0, warmup_steps=4)
-        >>> [sched(i) for i in range(6)]
-        [0.0, 0.25, 0.5, 0.75, 1.0, 1.0]
-    """
-    lr = _check_lr(lr)
-    warmup = _check_int(warmup_steps, "warmup_steps")
-
-    def factor(step: int) -> float:
-        # diffusers.optimization.get_constant_schedule_with_warmup.lr_lambda
-        if step < warmup:
-            return float(step) / float(max(1.0, warmup))
-        return 1.0
-
-    return _lambda_lr(lr, factor, "constant_with_warmup")
-
-
-def linear_warmup(lr: float, *, warmup_steps: int, init_ratio: float = 0.0) -> Schedule:
-    """A linear ramp from ``init_ratio * lr`` to ``lr`` over ``warmup_steps`` steps, then hold.
-
-    The multiplier is computed like the closed form of torch's
-    ``LinearLR(start_factor=init_ratio, end_factor=1.0, total_iters=warmup_steps)``:
-    ``init_ratio + (1 - init_ratio) * min(warmup_steps, step) / warmup_steps``. With
-    ``init_ratio=0`` it equals :func:`constant_with_warmup` (and diffusers'
-    ``"constant_with_warmup"``) exactly; with ``init_ratio > 0`` the held value can differ
-    from ``lr`` by one rounding, exactly as torch's does.
+    The multiplier is the closed form of torch's ``LinearLR(start_factor=init_ratio,
+    end_factor=1.0, total_iters=warmup_steps)``:
+    ``init_ratio + (1 - init_ratio) * min(warmup_steps, step) / warmup_steps``. With the
+    default ``init_ratio=0`` this is, bit for bit, diffusers'
+    ``get_scheduler("constant_with_warmup", num_warmup_steps=...)``: ``lr * step /
+    warmup_steps`` for ``step < warmup_steps`` and ``lr`` afterwards. With
+    ``init_ratio > 0`` the held value can differ from ``lr`` by one rounding, exactly as
+    torch's does.
 
     Args:
         lr: The learning rate after warmup, finite and ``>= 0``.
-        warmup_steps: Length of the ramp, ``>= 0`` (0 means the schedule is constant).
+        warmup_steps: Length of the warmup, ``>= 0`` (0 means the schedule is constant).
         init_ratio: The LR at step 0 as a fraction of ``lr``, in ``[0, 1]``.
 
     Returns:
@@ -257,21 +208,35 @@ def linear_warmup(lr: float, *, warmup_steps: int, init_ratio: float = 0.0) -> S
             ``init_ratio`` lies outside ``[0, 1]``.
 
     Examples:
-        >>> sched = linear_warmup(1.0, warmup_steps=4, init_ratio=0.5)
+        >>> sched = constant_with_warmup(1.0, warmup_steps=4)
+        >>> [sched(i) for i in range(6)]
+        [0.0, 0.25, 0.5, 0.75, 1.0, 1.0]
+        >>> sched = constant_with_warmup(1.0, warmup_steps=4, init_ratio=0.5)
         >>> [sched(i) for i in range(6)]
         [0.5, 0.625, 0.75, 0.875, 1.0, 1.0]
     """
-    lr = _check_lr(lr)
-    warmup = _check_int(warmup_steps, "warmup_steps")
+    lr = check_learning_rate(lr)
+    warmup = check_int(warmup_steps, "warmup_steps")
     init = _check_ratio(init_ratio, "init_ratio")
 
     def factor(step: int) -> float:
         if warmup == 0:
             return 1.0
-        # torch.optim.lr_scheduler.LinearLR._get_closed_form_lr with end_factor=1.0
+        # torch.optim.lr_scheduler.LinearLR._get_closed_form_lr with end_factor=1.0. For
+        # init == 0 it is `0.0 + 1.0 * step / warmup`, i.e. float(step) / float(warmup)
+        # until warmup and 1.0 after: diffusers' get_constant_schedule_with_warmup.
         return init + (1.0 - init) * min(warmup, step) / warmup
 
-    return _lambda_lr(lr, factor, "linear_warmup")
+    return _lambda_lr(lr, factor, "constant_with_warmup")
+
+
+def linear_warmup(lr: float, *, warmup_steps: int, init_ratio: float = 0.0) -> Schedule:
+    """Deprecated: use :func:`constant_with_warmup` (the same schedule, same arguments).
+
+    Warns a ``DeprecationWarning``; goes in the next release.
+    """
+    _warn_deprecated("linear_warmup", "constant_with_warmup")
+    return constant_with_warmup(lr, warmup_steps=warmup_steps, init_ratio=init_ratio)
 
 
 def warmup_cosine(
@@ -326,10 +291,10 @@ def _warmup_cosine(
     num_cycles: float,
     name: str,
 ) -> Schedule:
-    lr = _check_lr(lr)
+    lr = check_learning_rate(lr)
     warmup, total = _check_warmup_total(warmup_steps, total_steps)
     floor = _check_ratio(min_ratio, "min_ratio")
-    cycles = _check_real(num_cycles, "num_cycles")
+    cycles = check_real(num_cycles, "num_cycles")
     if cycles <= 0.0:
         raise ValueError(f"num_cycles must be > 0, got {cycles}")
 
@@ -403,9 +368,9 @@ def warmup_cosine_restarts(
         >>> [round(sched(i), 6) for i in range(5)]
         [1.0, 0.5, 1.0, 0.5, 0.0]
     """
-    lr = _check_lr(lr)
+    lr = check_learning_rate(lr)
     warmup, total = _check_warmup_total(warmup_steps, total_steps)
-    cycles = _check_int(num_cycles, "num_cycles", minimum=1)
+    cycles = check_int(num_cycles, "num_cycles", minimum=1)
 
     def factor(step: int) -> float:
         # diffusers.optimization.get_cosine_with_hard_restarts_schedule_with_warmup.lr_lambda
@@ -453,7 +418,7 @@ def warmup_linear(
 def _warmup_linear(
     lr: float, warmup_steps: int, total_steps: int, min_ratio: float, name: str
 ) -> Schedule:
-    lr = _check_lr(lr)
+    lr = check_learning_rate(lr)
     warmup, total = _check_warmup_total(warmup_steps, total_steps)
     f_min = _check_ratio(min_ratio, "min_ratio")
     f_max = 1.0
@@ -531,8 +496,8 @@ def polynomial(
         >>> [sched(i) for i in range(6)]
         [1.0, 0.5625, 0.25, 0.0625, 0.0, 0.0]
     """
-    lr_init = _check_lr(lr)
-    lr_end = _check_lr(end_lr, "end_lr")
+    lr_init = check_learning_rate(lr)
+    lr_end = check_learning_rate(end_lr, "end_lr")
     if not lr_init > lr_end:
         raise ValueError(f"end_lr ({lr_end}) must be smaller than lr ({lr_init})")
     warmup, total = _check_warmup_total(warmup_steps, total_steps)
@@ -541,7 +506,7 @@ def polynomial(
             f"warmup_steps ({warmup}) must be smaller than total_steps ({total}) "
             "so that the decay has at least one step"
         )
-    exponent = _check_real(power, "power")
+    exponent = check_real(power, "power")
     if exponent <= 0.0:
         raise ValueError(f"power must be > 0, got {exponent}")
 
@@ -610,8 +575,13 @@ def join(schedules: Sequence[Schedule], boundaries: Sequence[int]) -> Schedule:
     return joined
 
 
-piecewise = join
-"""Alias of :func:`join`."""
+def piecewise(schedules: Sequence[Schedule], boundaries: Sequence[int]) -> Schedule:
+    """Deprecated: use :func:`join` (the same combinator, same arguments).
+
+    Warns a ``DeprecationWarning``; goes in the next release.
+    """
+    _warn_deprecated("piecewise", "join")
+    return join(schedules, boundaries)
 
 
 def piecewise_constant(values: Sequence[float], boundaries: Sequence[int]) -> Schedule:
@@ -638,7 +608,7 @@ def piecewise_constant(values: Sequence[float], boundaries: Sequence[int]) -> Sc
         >>> sched(9), sched(10), sched(25)
         (0.001, 0.0001, 1e-05)
     """
-    vals = tuple(_check_lr(v, f"values[{i}]") for i, v in enumerate(values))
+    vals = tuple(check_learning_rate(v, f"values[{i}]") for i, v in enumerate(values))
     if not vals:
         raise ValueError("piecewise_constant needs at least one value")
     bounds = _check_boundaries(boundaries, len(vals), "values")

@@ -563,7 +563,8 @@ def adopt(role_state: RoleState) -> RoleState:
     else:
         for name in live:
             owner, leaf = _locate(module, name)
-            slot = owner._parameters if name in live_params else owner._buffers
+            # the state's own tensor, bound as is (a leaf may be a plain tensor or DTensor)
+            slot: dict[str, Any] = owner._parameters if name in live_params else owner._buffers
             slot[leaf] = mine[aliases.get(name, name)]
     module.__dict__["_fvstep_bound"] = (role_state.params, role_state.buffers)
     return role_state

@@ -1,9 +1,12 @@
 """A compiled fine-tune step against a hand-written PyTorch loop: bitwise equal.
 
-The hand-written loop uses only torch and diffusers: ``torch.optim.AdamW``,
-``torch.nn.utils.clip_grad_norm_``, K micro-batches with ``loss / K``. It draws its noise
-with the key derivation fvstep documents (``fold_in(fold_in(fold_in(fold_in(key, step), rank 0), position 0), m)``,
-then ``split`` into time and noise keys), so both sides see the same numbers.
+The hand-written loop (:func:`fvstep.bench.reference.finetune_loop`) uses only torch:
+``torch.optim.AdamW`` under ``LambdaLR``, ``torch.nn.utils.clip_grad_norm_``, K
+micro-batches with ``loss / K`` and the flow-matching loss written out. It draws its noise
+with the key derivation fvstep documents
+(``fold_in(fold_in_name(fold_in(fold_in(key, step), rank 0), "student"), m)``, the unit
+named after its role, then ``split`` into time and noise keys), so both sides see the same
+numbers.
 """
 
 from __future__ import annotations
@@ -11,14 +14,13 @@ from __future__ import annotations
 import copy
 
 import pytest
-import torch
-import torch.nn.functional as F
 
 import fvstep as fs
 from fvstep import tree
+from fvstep.bench.reference import finetune_loop
 from fvstep.methods.finetune import flow_matching_loss
 from fvstep.models import synthetic_batch, tiny_wan
-from fvstep.random import fold_in, generator, split
+from fvstep.random import fold_in
 
 NUM_STEPS = 10
 LR = fs.schedules.warmup_cosine(1e-3, warmup_steps=3, total_steps=NUM_STEPS)
@@ -29,29 +31,19 @@ def batch_at(step: int) -> dict:
 
 
 def hand_written_loop(module, seed: int, k: int, max_norm: float, foreach: bool | None):
-    opt = torch.optim.AdamW(
-        module.parameters(), lr=1.0, betas=(0.9, 0.95), weight_decay=0.1, foreach=foreach
+    return finetune_loop(
+        module,
+        batch_at,
+        num_steps=NUM_STEPS,
+        rank=0,
+        base_key=fs.random.key(seed),
+        num_microbatches=k,
+        lr=LR,
+        betas=(0.9, 0.95),
+        weight_decay=0.1,
+        max_norm=max_norm,
+        foreach=foreach,
     )
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda c: LR(c))
-    base = fs.random.key(seed)
-    for step in range(NUM_STEPS):
-        batch = batch_at(step)
-        micro = zip(batch["latents"].chunk(k), batch["text"].chunk(k), strict=False)
-        for m, (x0, text) in enumerate(micro):
-            k_t, k_eps = split(fold_in(fold_in(fold_in(fold_in(base, step), 0), 0), m), 2)
-            t = torch.rand((x0.shape[0],), generator=generator(k_t))
-            eps = torch.randn(x0.shape, generator=generator(k_eps))
-            tb = t.view(-1, 1, 1, 1, 1)
-            x_t = (1 - tb) * x0 + tb * eps
-            v = module(
-                hidden_states=x_t, timestep=t * 1000, encoder_hidden_states=text, return_dict=False
-            )[0]
-            (F.mse_loss(v.float(), (eps - x0).float()) / k).backward()
-        torch.nn.utils.clip_grad_norm_(module.parameters(), max_norm, foreach=foreach)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-    return opt
 
 
 @pytest.mark.parametrize(("k", "foreach"), [(1, None), (2, None), (4, False)])
@@ -85,3 +77,22 @@ def test_compiled_finetune_is_bitwise_a_hand_written_loop_after_10_steps(k, fore
     tree.assert_trees_equal(ours.exp_avg, {n: s["exp_avg"] for n, s in theirs.items()})
     tree.assert_trees_equal(ours.exp_avg_sq, {n: s["exp_avg_sq"] for n, s in theirs.items()})
     tree.assert_trees_equal(ours.step, {n: s["step"] for n, s in theirs.items()})
+
+
+def test_the_overhead_benchmarks_two_sides_train_bitwise_the_same_model():
+    # The benchmark times fvstep against the same reference loop as above: with the same
+    # keys both sides do the same arithmetic, so they end bitwise equal (one process, fp32).
+    from fvstep.bench import common, overhead, presets
+
+    args = overhead.build_parser().parse_args(["--preset", "tiny-wan", "--k", "2"])
+    rt = common.setup_runtime("cpu")
+    try:
+        preset = presets.PRESETS[args.preset]
+        fv, hand = overhead._build_sides(preset, args, rt, "fp32", False)
+        batch = presets.make_batch(preset, 2 * args.batch_per_microbatch, device=rt.device, seed=0)
+        for _ in range(3):
+            fv.step(batch)
+            hand.step(batch)
+    finally:
+        common.teardown_runtime(rt)
+    tree.assert_trees_equal(fv.state.roles["student"].params, dict(hand.module.named_parameters()))

@@ -11,15 +11,14 @@ import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
-from torch.distributed.fsdp import fully_shard
 
 import fvstep as fs
-from fvstep import distributed as fsd
+from fvstep import parallel as fsd
 from fvstep import tree
+from fvstep.bench.reference import finetune_loop, shard_by_hand
 from fvstep.methods.finetune import flow_matching_loss
 from fvstep.models import synthetic_batch, tiny_wan
-from fvstep.random import fold_in, generator, split
+from fvstep.random import fold_in, generator
 
 pytestmark = pytest.mark.multirank
 
@@ -66,39 +65,22 @@ def fvstep_finetune(rank: int, sync: str, steps: int = NUM_STEPS, *, allow_no_sy
 
 
 def hand_written_fsdp_loop(rank: int, sync: str):
-    """The imperative FSDP2 loop fvstep replaces: fully_shard per block and at the root."""
+    """The imperative FSDP2 loop fvstep replaces (fvstep.bench.reference), on tiny_wan."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh("cpu", (2,))
-    module = tiny_wan(seed=0)
-    for block in module.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(module, mesh=mesh)
-    opt = torch.optim.AdamW(module.parameters(), lr=1e-3, weight_decay=0.1)
-    base = fs.random.key(7)
-    for step in range(NUM_STEPS):
-        batch = batch_at(step, rank)
-        micro = list(zip(batch["latents"].chunk(K), batch["text"].chunk(K), strict=False))
-        for m, (x0, text) in enumerate(micro):
-            last = m == K - 1
-            if sync == "no_sync":
-                module.set_requires_gradient_sync(last)
-            elif sync == "deferred":
-                module.set_is_last_backward(last)
-            k_t, k_eps = split(fold_in(fold_in(fold_in(fold_in(base, step), rank), 0), m), 2)
-            t = torch.rand((x0.shape[0],), generator=generator(k_t))
-            eps = torch.randn(x0.shape, generator=generator(k_eps))
-            tb = t.view(-1, 1, 1, 1, 1)
-            x_t = (1 - tb) * x0 + tb * eps
-            v = module(
-                hidden_states=x_t, timestep=t * 1000, encoder_hidden_states=text, return_dict=False
-            )[0]
-            (F.mse_loss(v.float(), (eps - x0).float()) / K).backward()
-        torch.nn.utils.clip_grad_norm_(module.parameters(), MAX_NORM)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    module.set_requires_gradient_sync(True)
-    module.set_is_last_backward(True)
+    module = shard_by_hand(tiny_wan(seed=0), init_device_mesh("cpu", (2,)))
+    opt = finetune_loop(
+        module,
+        lambda step: batch_at(step, rank),
+        num_steps=NUM_STEPS,
+        rank=rank,
+        base_key=fs.random.key(7),
+        num_microbatches=K,
+        sync=sync,
+        lr=1e-3,
+        weight_decay=0.1,
+        max_norm=MAX_NORM,
+    )
     return dict(module.named_parameters()), opt, module
 
 
@@ -381,9 +363,7 @@ def check_joint_clip_on_shards(rank: int, world_size: int):
     step = fs.compile(fs.update(("a", "b"), fused), clip=fs.clip_grad_norm(0.05, joint=True))
     new, metrics = step(state, batch)
     for m in (a_ref, b_ref):
-        for block in m.blocks:
-            fully_shard(block, mesh=mesh)
-        fully_shard(m, mesh=mesh)
+        shard_by_hand(m, mesh)
     (predict(a_ref, batch["latents"], t, batch["text"]) ** 2).mean().backward()
     ((predict(b_ref, batch["latents"], t, batch["text"]) ** 2).mean() * 10).backward()
     params = [*a_ref.parameters(), *b_ref.parameters()]

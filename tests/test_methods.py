@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import copy
+import importlib
 import importlib.util
+import platform
 from collections.abc import Mapping
 from typing import Any
 
@@ -434,3 +436,138 @@ def test_rl_steps_are_reproducible_from_the_state() -> None:
             state, _ = step_fn(state, synthetic_batch(fs.random.fold_in(DATA_KEY, i), batch_size=2))
         finals.append(state)
     assert_same_leaves(finals[0], finals[1])
+
+
+# --------------------------------------------------------------------------------------
+# Keyed noise: one helper (fvstep.methods._noise), the same draws as before it existed
+# --------------------------------------------------------------------------------------
+
+
+def _randn_like_as_the_methods_wrote_it(key: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    # finetune, rl (twice) and dmd2 each wrote this out before the shared helper.
+    return torch.randn(
+        like.shape,
+        generator=fs.random.generator(key, like.device),
+        device=like.device,
+        dtype=like.dtype,
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("shape", [(3,), (2, 4, 1, 2, 2), (5, 17)])
+def test_keyed_noise_helper_draws_bitwise_what_each_method_wrote_before(dtype, shape) -> None:
+    from fvstep.methods import _noise
+
+    for seed in range(3):
+        key, like = fs.random.key(seed), torch.zeros(shape, dtype=dtype)
+        fs.tree.assert_trees_equal(
+            _noise.randn_like(key, like), _randn_like_as_the_methods_wrote_it(key, like)
+        )
+        g = fs.random.generator(key)
+        fs.tree.assert_trees_equal(
+            _noise.rand(key, (shape[0],)), torch.rand((shape[0],), generator=g)
+        )
+
+
+def test_keyed_noise_values_are_pinned() -> None:
+    # Small draws take torch's scalar CPU samplers, the same on every CPU.
+    from fvstep.methods import _noise
+
+    def hexes(t: torch.Tensor) -> list[str]:
+        return [float(x).hex() for x in t]
+
+    key = fs.random.key(0)
+    assert hexes(_noise.rand(key, (3,))) == [
+        "0x1.20c0840000000p-2",
+        "0x1.7419000000000p-3",
+        "0x1.57e95c0000000p-1",
+    ]
+    assert hexes(_noise.randn(key, (3,))) == [
+        "-0x1.2474300000000p-5",
+        "0x1.eee64a0000000p-1",
+        "0x1.5d5aec0000000p-2",
+    ]
+    assert hexes(_noise.randn_like(fs.random.key(1), torch.zeros(2, dtype=torch.float64))) == [
+        "0x1.b216ece6f80fcp-2",
+        "-0x1.3e91e1ad337b4p-1",
+    ]
+
+
+class _Recorder(nn.Module):
+    """A velocity ``0.5 x`` that records every input it is given (the methods' draws)."""
+
+    def __init__(self, log: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.tensor(0.5))
+        self.log = log
+
+    def forward(self, hidden_states, timestep, encoder_hidden_states, return_dict=False):
+        self.log += [hidden_states.detach().clone(), timestep.detach().clone()]
+        return (hidden_states * self.w,)
+
+
+# The digests of every input the methods' modules saw on keys 0, 1, 2, taken before the
+# keyed draw moved into fvstep.methods._noise: the methods still draw the same numbers.
+# (Inputs only: elementwise functions of the draws, so no reduction order enters them. fp32
+# only: torch's bf16 CPU sampler gave other bits on torch 2.11 on another CPU; bf16 draws
+# are held to the old formula on the machine itself, above.)
+_DRAW_DIGESTS = {
+    "fm_uniform": "fd9b2b9b5aa2b2d4",
+    "rl_inner": "1462e87989d7fcba",
+    "dmd2_generator_loss": "1df6c125a1e49e80",
+    "dmd2_critic_loss": "5df33ad5c132ae89",
+    "dmd2_fused_loss": "822182751eabfe4d",
+}
+
+
+def _draw_digest(loss_fn: Any, dtype: torch.dtype) -> str:
+    import hashlib
+    import types
+
+    log: list[torch.Tensor] = []
+    modules = {r: _Recorder(log) for r in ("student", "teacher", "critic", "reference")}
+    view = types.SimpleNamespace(module=modules.__getitem__)
+    x0 = (torch.arange(32, dtype=torch.float32).reshape(2, 4, 1, 2, 2) / 7 - 1).to(dtype)
+    batch = {
+        "latents": x0,
+        "text": torch.ones(2, 3, 5, dtype=dtype),
+        "samples": x0,
+        "advantages": torch.tensor([0.5, -0.5]),
+    }
+    for seed in (0, 1, 2):
+        loss_fn(view, batch, fs.random.key(seed))
+    h = hashlib.sha256()
+    for t in log:
+        h.update(str((t.dtype, tuple(t.shape))).encode())
+        h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+@pytest.mark.skipif(
+    platform.machine().lower() not in ("x86_64", "amd64"),
+    reason="pinned on x86-64, where torch's CPU normal sampler is its AVX2 kernel",
+)
+@pytest.mark.parametrize("name", sorted(_DRAW_DIGESTS))
+def test_methods_draw_the_same_noise_as_before_the_shared_helper(name: str) -> None:
+    from fvstep.methods.rl import rl_inner_loss
+
+    dmd2_fns = dmd2_losses(denoising_steps=(1.0, 0.6, 0.3))
+    loss_fn = {
+        "fm_uniform": flow_matching_loss(),
+        "rl_inner": rl_inner_loss(kl_weight=0.1),
+        "dmd2_generator_loss": dmd2_fns.generator_loss,
+        "dmd2_critic_loss": dmd2_fns.critic_loss,
+        "dmd2_fused_loss": dmd2_fns.fused_loss,
+    }[name]
+    assert _draw_digest(loss_fn, torch.float32) == _DRAW_DIGESTS[name]
+
+
+def test_finetune_loss_fn_is_role_loss_fn_and_the_old_name_warns() -> None:
+    # (fvstep.methods.finetune is the function there; the module, by its full name)
+    finetune_module = importlib.import_module("fvstep.methods.finetune")
+
+    with pytest.warns(DeprecationWarning, match="LossFn is deprecated.*RoleLossFn"):
+        old = finetune_module.LossFn
+    assert old is finetune_module.RoleLossFn
+    with pytest.raises(AttributeError):
+        _ = finetune_module.NoSuchName

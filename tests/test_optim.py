@@ -738,3 +738,39 @@ def test_dtensor_params_are_bitwise_torch_optim_on_dtensors() -> None:
     mp.start_processes(
         _dtensor_worker, args=(2, _free_port()), nprocs=2, join=True, start_method="fork"
     )
+
+
+# --------------------------------------------------------------------------------------
+# One factory per optimizer; one definition of a learning rate
+# --------------------------------------------------------------------------------------
+
+
+def test_each_factory_returns_its_small_class_and_the_class_checks_its_fields() -> None:
+    opt = optim.adamw(0.1, betas=[0.8, 0.9])  # type: ignore[arg-type]
+    assert type(opt) is optim.AdamW and opt.betas == (0.8, 0.9) and opt.weight_decay == 1e-2
+    assert type(optim.sgd(0.1)) is optim.SGD
+    # Built directly, the same checks hold (the factory only documents and defaults).
+    fields = {f.name: getattr(opt, f.name) for f in attrs.fields(optim.AdamW)}
+    assert optim.AdamW(**fields) == opt
+    with pytest.raises(ValueError, match="Invalid learning rate"):
+        optim.AdamW(**{**fields, "lr": -1.0})
+    with pytest.raises(ValueError, match="Invalid beta"):
+        optim.AdamW(**{**fields, "betas": (0.9, 1.5)})
+
+
+@pytest.mark.parametrize(
+    ("lr", "error", "message"),
+    [
+        (-1e-3, ValueError, r"Invalid learning rate: lr must be >= 0"),
+        (float("nan"), ValueError, r"Invalid learning rate: lr must be finite"),
+        (float("inf"), ValueError, r"Invalid learning rate: lr must be finite"),
+        ("1e-3", TypeError, r"lr must be a real number"),
+        (True, TypeError, r"lr must be a real number"),
+    ],
+)
+def test_optimizers_and_schedules_reject_the_same_learning_rates_alike(lr, error, message) -> None:
+    from fvstep import schedules
+
+    for build in (optim.adamw, optim.sgd, schedules.constant):
+        with pytest.raises(error, match=message):
+            build(lr)

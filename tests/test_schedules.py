@@ -107,8 +107,10 @@ def test_constant_with_warmup_matches_diffusers_constant_with_warmup_step_for_st
         lambda o: get_scheduler("constant_with_warmup", o, num_warmup_steps=warmup), lr
     )
     _assert_bit_identical(schedules.constant_with_warmup(lr, warmup_steps=warmup), expected)
-    # linear_warmup from 0 is the same schedule, bit for bit.
-    _assert_bit_identical(schedules.linear_warmup(lr, warmup_steps=warmup), expected)
+    # init_ratio=0 given explicitly is the same schedule, bit for bit.
+    _assert_bit_identical(
+        schedules.constant_with_warmup(lr, warmup_steps=warmup, init_ratio=0.0), expected
+    )
 
 
 @LAW
@@ -297,14 +299,14 @@ def test_piecewise_constant_matches_diffusers_piecewise_constant_step_for_step(
     warmup=st.integers(min_value=1, max_value=1200),
     init=st.floats(min_value=1e-3, max_value=1.0, allow_nan=False),
 )
-def test_linear_warmup_matches_torch_linear_lr_closed_form_exactly(
+def test_constant_with_warmup_matches_torch_linear_lr_closed_form_exactly(
     lr: float, warmup: int, init: float
 ) -> None:
     expected = _closed_form_lrs(
         lambda o: LinearLR(o, start_factor=init, end_factor=1.0, total_iters=warmup), lr
     )
     _assert_bit_identical(
-        schedules.linear_warmup(lr, warmup_steps=warmup, init_ratio=init), expected
+        schedules.constant_with_warmup(lr, warmup_steps=warmup, init_ratio=init), expected
     )
 
 
@@ -314,7 +316,7 @@ def test_linear_warmup_matches_torch_linear_lr_closed_form_exactly(
     warmup=st.integers(min_value=1, max_value=1200),
     init=st.floats(min_value=1e-3, max_value=1.0, allow_nan=False),
 )
-def test_linear_warmup_tracks_torch_stepped_linear_lr_within_rounding(
+def test_constant_with_warmup_tracks_torch_stepped_linear_lr_within_rounding(
     lr: float, warmup: int, init: float
 ) -> None:
     # Exact equality (or 1 ulp) is impossible here: stepped LinearLR multiplies the previous
@@ -324,7 +326,7 @@ def test_linear_warmup_tracks_torch_stepped_linear_lr_within_rounding(
     expected = _stepped_lrs(
         lambda o: LinearLR(o, start_factor=init, end_factor=1.0, total_iters=warmup), lr
     )
-    sched = schedules.linear_warmup(lr, warmup_steps=warmup, init_ratio=init)
+    sched = schedules.constant_with_warmup(lr, warmup_steps=warmup, init_ratio=init)
     for i, want in enumerate(expected):
         assert math.isclose(sched(i), want, rel_tol=0.0, abs_tol=1e-12 * lr), i
 
@@ -386,7 +388,7 @@ def test_piecewise_constant_matches_torch_constant_lr(lr: float, factor: float, 
 
 
 # --------------------------------------------------------------------------------------
-# join / piecewise
+# join
 # --------------------------------------------------------------------------------------
 
 
@@ -412,18 +414,40 @@ def test_join_uses_ith_schedule_on_its_segment_with_the_step_shifted_to_the_segm
 
 
 def test_join_of_warmup_and_cosine_hands_over_at_the_boundary() -> None:
-    warm = schedules.linear_warmup(1e-3, warmup_steps=10)
+    warm = schedules.constant_with_warmup(1e-3, warmup_steps=10)
     decay = schedules.cosine(1e-3, total_steps=90, min_ratio=0.1)
     sched = schedules.join([warm, decay], [10])
     assert [sched(i) for i in range(10)] == [warm(i) for i in range(10)]
     assert [sched(10 + i) for i in range(200)] == [decay(i) for i in range(200)]
 
 
-def test_join_of_one_schedule_is_that_schedule_and_piecewise_is_join() -> None:
+def test_join_of_one_schedule_is_that_schedule() -> None:
     inner = schedules.warmup_linear(0.1, warmup_steps=3, total_steps=20)
     sched = schedules.join([inner], [])
     assert [sched(i) for i in range(30)] == [inner(i) for i in range(30)]
-    assert schedules.piecewise is schedules.join
+
+
+# --------------------------------------------------------------------------------------
+# Deprecated aliases: they warn and give the canonical schedule, bit for bit
+# --------------------------------------------------------------------------------------
+
+
+def test_deprecated_piecewise_warns_and_is_join() -> None:
+    pieces = [schedules.constant_with_warmup(1e-3, warmup_steps=4), schedules.constant(1e-4)]
+    with pytest.warns(DeprecationWarning, match=r"piecewise is deprecated.*schedules\.join"):
+        old = schedules.piecewise(pieces, [10])
+    new = schedules.join(pieces, [10])
+    assert [old(i) for i in range(20)] == [new(i) for i in range(20)]
+
+
+@pytest.mark.parametrize("init_ratio", [0.0, 0.3])
+def test_deprecated_linear_warmup_warns_and_is_constant_with_warmup(init_ratio: float) -> None:
+    with pytest.warns(
+        DeprecationWarning, match="linear_warmup is deprecated.*constant_with_warmup"
+    ):
+        old = schedules.linear_warmup(1e-3, warmup_steps=7, init_ratio=init_ratio)
+    new = schedules.constant_with_warmup(1e-3, warmup_steps=7, init_ratio=init_ratio)
+    assert [old(i) for i in range(20)] == [new(i) for i in range(20)]
 
 
 # --------------------------------------------------------------------------------------
@@ -436,7 +460,7 @@ def _all_schedules() -> list[schedules.Schedule]:
     return [
         schedules.constant(lr),
         schedules.constant_with_warmup(lr, warmup_steps=7),
-        schedules.linear_warmup(lr, warmup_steps=7, init_ratio=0.3),
+        schedules.constant_with_warmup(lr, warmup_steps=7, init_ratio=0.3),
         schedules.cosine(lr, total_steps=50, min_ratio=0.1, num_cycles=0.75),
         schedules.warmup_cosine(lr, warmup_steps=5, total_steps=50, min_ratio=0.2),
         schedules.warmup_cosine_restarts(lr, warmup_steps=5, total_steps=50, num_cycles=3),
@@ -500,9 +524,16 @@ BAD_HYPERPARAMETERS: list[tuple[str, Callable[[], object], str]] = [
     ("nan lr", lambda: S.constant(math.nan), "lr must be finite"),
     ("inf lr", lambda: S.warmup_cosine(math.inf, warmup_steps=0, total_steps=5), "finite"),
     ("negative warmup", lambda: S.constant_with_warmup(1.0, warmup_steps=-1), "warmup_steps"),
-    ("negative warmup", lambda: S.linear_warmup(1.0, warmup_steps=-2), "warmup_steps"),
-    ("init_ratio > 1", lambda: S.linear_warmup(1.0, warmup_steps=2, init_ratio=1.5), "init_ratio"),
-    ("init_ratio < 0", lambda: S.linear_warmup(1.0, warmup_steps=2, init_ratio=-0.1), "init_ratio"),
+    (
+        "init_ratio > 1",
+        lambda: S.constant_with_warmup(1.0, warmup_steps=2, init_ratio=1.5),
+        "init_ratio",
+    ),
+    (
+        "init_ratio < 0",
+        lambda: S.constant_with_warmup(1.0, warmup_steps=2, init_ratio=-0.1),
+        "init_ratio",
+    ),
     ("zero total", lambda: S.cosine(1.0, total_steps=0), "total_steps must be >= 1"),
     ("negative total", lambda: S.linear_decay(1.0, total_steps=-5), "total_steps"),
     (

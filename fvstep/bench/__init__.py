@@ -7,6 +7,9 @@
   imperative (FSDP2) loop, alternated A/B in one process group; fvstep's own CPU time.
 - :mod:`fvstep.bench.checkpoint` — sync/async save, load, and the disk's own sequential
   write bandwidth on the same bytes.
+- :mod:`fvstep.bench.reference` — the hand-written imperative loops (fine-tune, DMD2)
+  that fvstep is measured against here and tested against bitwise in ``tests/``: the one
+  copy of them.
 - :mod:`fvstep.bench.common` — distributed setup, options, timing, memory, tables;
   :mod:`fvstep.bench.presets` — models and data; :mod:`fvstep.bench.analytic` — model
   FLOPs (MFU) and the expected FSDP2 collectives; :mod:`fvstep.bench.profiling` — the
@@ -21,4 +24,13 @@ Examples:
     $ torchrun --standalone --nproc_per_node 2 benchmarks/overhead.py --preset tiny-wan
 """
 
-__all__ = ["accumulation", "analytic", "checkpoint", "common", "overhead", "presets", "profiling"]
+__all__ = [
+    "accumulation",
+    "analytic",
+    "checkpoint",
+    "common",
+    "overhead",
+    "presets",
+    "profiling",
+    "reference",
+]

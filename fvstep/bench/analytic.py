@@ -10,7 +10,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import nn
 
-from fvstep import distributed as fsd
+from fvstep import parallel as fsd
 from fvstep.bench.presets import Preset
 
 __all__ = [

@@ -40,7 +40,7 @@ from torch import nn
 
 import fvstep as fs
 from fvstep import checkpoint as ckpt
-from fvstep import distributed as fsd
+from fvstep import parallel as fsd
 from fvstep.bench import common as c
 from fvstep.bench import presets
 from fvstep.checkpoint.fingerprint import fingerprint
@@ -114,7 +114,7 @@ def run(args: Any, rt: c.Runtime) -> dict[str, Any]:
     mine = _bytes_written_here(state, rt.rank)
     total = _sum(rt, mine)
     root_name = args.dir or (tempfile.mkdtemp(prefix="fvstep-bench-ckpt-") if rt.is_main else "")
-    root = Path(_broadcast_str(rt, root_name))
+    root = Path(fsd.broadcast_object(root_name))  # rank 0's directory
     root.mkdir(parents=True, exist_ok=True)
     chunk = torch.randint(0, 256, (min(_CHUNK, max(mine, 1)),), dtype=torch.uint8).numpy().tobytes()
     paths, leaves, _ = flatten_with_paths(state)
@@ -221,14 +221,6 @@ def _sum(rt: c.Runtime, value: int) -> int:
     t = t.to(rt.device) if rt.device.type == "cuda" else t
     torch.distributed.all_reduce(t)
     return int(t.item())
-
-
-def _broadcast_str(rt: c.Runtime, value: str) -> str:
-    if not rt.sharded:
-        return value
-    box = [value]
-    torch.distributed.broadcast_object_list(box, src=0)
-    return str(box[0])
 
 
 def report(result: dict[str, Any]) -> None:

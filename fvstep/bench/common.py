@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 import fvstep as fs
-from fvstep import distributed as fsd
+from fvstep import parallel as fsd
 from fvstep.bench.presets import PRESETS
 
 __all__ = [

@@ -4,8 +4,10 @@ Both sides train their own copy of the same model (same seed, same sharding, sam
 precision policy) on the same batch with the same method — flow matching, K
 micro-batches under one sync policy, ``clip_grad_norm_``, AdamW (``fvstep.optim.adamw``
 against ``torch.optim.AdamW`` with the same ``--impl``: foreach/fused/single-tensor).
-The hand-written side is the loop of ``tests/test_distributed.py``: FSDP2 flags set by
-hand per micro-batch, ``backward``, ``clip_grad_norm_``, ``opt.step()``, ``zero_grad``.
+The hand-written side is :func:`fvstep.bench.reference.finetune_step`, the loop the
+equality tests hold fvstep to bitwise: FSDP2 flags set by hand per micro-batch,
+``backward``, ``clip_grad_norm_``, ``opt.step()``, ``zero_grad``. Both sides derive their
+noise keys the same way, so they draw the same numbers and do the same arithmetic.
 
 They run alternately in one process group, ``--rounds`` rounds of ``--steps`` steps a
 side (the side that goes first alternates), so drift cancels. Reported:
@@ -45,65 +47,15 @@ import sys
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import fvstep as fs
-from fvstep import distributed as fsd
-from fvstep.bench import analytic, presets
+from fvstep.bench import analytic, presets, reference
 from fvstep.bench import common as c
 from fvstep.bench.profiling import BookkeepingClock
 from fvstep.methods.finetune import flow_matching_loss
 
-__all__ = ["hand_written_step", "main"]
-
-
-def hand_written_step(
-    module: nn.Module,
-    opt: torch.optim.Optimizer,
-    batch: dict[str, torch.Tensor],
-    *,
-    microbatches: int,
-    sync: str,
-    keep_params_gathered: bool,
-    max_norm: float,
-    seed: int,
-    autocast: Any,
-) -> torch.Tensor:
-    """One step of the imperative loop fvstep replaces (FSDP2 flags set by hand)."""
-    sharded = fsd.is_sharded(module)
-    k = microbatches
-    loss = torch.zeros(())
-    for m, (x0, text) in enumerate(zip(batch["latents"].chunk(k), batch["text"].chunk(k))):
-        last = m == k - 1
-        if sharded:
-            if sync == "no_sync":
-                module.set_requires_gradient_sync(last)  # type: ignore[operator]
-            elif sync == "deferred":
-                module.set_is_last_backward(last)  # type: ignore[operator]
-            if keep_params_gathered:
-                module.set_reshard_after_backward(last)  # type: ignore[operator]
-        g = torch.Generator(device=x0.device)
-        g.manual_seed(seed * 1000 + m)
-        t = torch.rand((x0.shape[0],), generator=g, device=x0.device)
-        eps = torch.randn(x0.shape, generator=g, device=x0.device, dtype=x0.dtype)
-        tb = t.view(-1, *([1] * (x0.dim() - 1)))
-        x_t = (1 - tb) * x0 + tb * eps
-        with autocast:
-            v = module(
-                hidden_states=x_t, timestep=t * 1000, encoder_hidden_states=text, return_dict=False
-            )[0]
-        loss = F.mse_loss(v.float(), (eps - x0).float())
-        (loss / k).backward()
-    if max_norm > 0:
-        torch.nn.utils.clip_grad_norm_(module.parameters(), max_norm)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    if sharded:
-        module.set_requires_gradient_sync(True)  # type: ignore[operator]
-        module.set_is_last_backward(True)  # type: ignore[operator]
-        module.set_reshard_after_backward(True)  # type: ignore[operator]
-    return loss.detach()
+__all__ = ["main"]
 
 
 class _Side:
@@ -152,21 +104,24 @@ class _HandWritten(_Side):
         foreach, fused = c.optimizer_options(args.impl)
         self.opt = torch.optim.AdamW(module.parameters(), lr=args.lr, foreach=foreach, fused=fused)
         self.args, self.rt, self.dtype = args, rt, dtype
-        self.count = 0
+        self.base_key = fs.random.key(args.seed)  # the fvstep side's state key
+        self.count = 0  # the step counter, as the fvstep side's state holds it
 
     def step(self, batch: dict[str, torch.Tensor]) -> None:
-        self.count += 1
-        hand_written_step(
+        reference.finetune_step(
             self.module,
             self.opt,
             batch,
-            microbatches=self.args.k,
+            step=self.count,
+            rank=self.rt.rank,
+            base_key=self.base_key,
+            num_microbatches=self.args.k,
             sync=self.args.policy.split("+")[0],
             keep_params_gathered=self.args.policy.endswith("+keep"),
-            max_norm=self.args.clip,
-            seed=self.count,
+            max_norm=self.args.clip if self.args.clip > 0 else None,
             autocast=c.autocast_context(self.rt, self.dtype),
         )
+        self.count += 1
 
     def resident_bytes(self, device: torch.device) -> int:
         moments = [

@@ -50,7 +50,8 @@ from torch import nn
 from fvstep import random as fsrandom
 from fvstep.compose import Cond, cond, every, sequence
 from fvstep.compose import Sequence as SequenceMethod
-from fvstep.methods.finetune import LossFn, add_noise, x0_from_velocity
+from fvstep.methods import _noise
+from fvstep.methods.finetune import RoleLossFn, add_noise, x0_from_velocity
 from fvstep.models import predict
 from fvstep.state import TrainState
 from fvstep.update import update
@@ -76,8 +77,8 @@ class DMD2Losses(NamedTuple):
             forward pass (the critic's loss on the rollout, detached).
     """
 
-    generator_loss: LossFn
-    critic_loss: LossFn
+    generator_loss: RoleLossFn
+    critic_loss: RoleLossFn
     fused_loss: FusedLossFn
 
 
@@ -98,18 +99,9 @@ def score_time(
     Examples:
         >>> t = score_time(k, 4, shift=3.0, min_ratio=0.02, max_ratio=0.98)
     """
-    t = torch.rand((batch_size,), generator=fsrandom.generator(key, device), device=device)
+    t = _noise.rand(key, (batch_size,), device=device)
     t = shift * t / (1 + (shift - 1) * t)
     return t.clamp(min_ratio, max_ratio)
-
-
-def _randn_like(key: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    return torch.randn(
-        like.shape,
-        generator=fsrandom.generator(key, like.device),
-        device=like.device,
-        dtype=like.dtype,
-    )
 
 
 def rollout(
@@ -141,7 +133,7 @@ def rollout(
         ...     x0_hat = rollout(state.module("student"), batch["latents"], batch["text"], k)
     """
     k_noise, k_target, k_renoise = fsrandom.split(key, 3)
-    x = _randn_like(k_noise, like)
+    x = _noise.randn_like(k_noise, like)
     steps = tuple(float(s) for s in denoising_steps)
     target = 0
     if len(steps) > 1:
@@ -155,7 +147,9 @@ def rollout(
         for i in range(target):
             t_i = time(steps[i])
             x0 = x0_from_velocity(x, t_i, predict(student, x, t_i * 1000, text))
-            x = add_noise(x0, _randn_like(fsrandom.fold_in(k_renoise, i), like), time(steps[i + 1]))
+            x = add_noise(
+                x0, _noise.randn_like(fsrandom.fold_in(k_renoise, i), like), time(steps[i + 1])
+            )
     t_j = time(steps[target])
     return x0_from_velocity(x, t_j, predict(student, x, t_j * 1000, text))
 
@@ -240,7 +234,7 @@ def dmd2_losses(
         with torch.no_grad():
             x0 = x0_hat.detach()
             t = draw_time(keys[_GEN_T], x0)
-            x_t = add_noise(x0, _randn_like(keys[_GEN_NOISE], x0), t)
+            x_t = add_noise(x0, _noise.randn_like(keys[_GEN_NOISE], x0), t)
             timestep = t * 1000
             v_critic = predict(state.module(critic), x_t, timestep, text)
             v_teacher = predict(state.module(teacher), x_t, timestep, text)
@@ -259,7 +253,7 @@ def dmd2_losses(
         state: TrainState, x0: torch.Tensor, text: torch.Tensor, keys: Sequence[torch.Tensor]
     ) -> tuple[torch.Tensor, dict[str, Any]]:
         t = draw_time(keys[_CRITIC_T], x0)
-        eps = _randn_like(keys[_CRITIC_NOISE], x0)
+        eps = _noise.randn_like(keys[_CRITIC_NOISE], x0)
         x_t = add_noise(x0, eps, t)
         v = predict(state.module(critic), x_t, t * 1000, text)
         loss = F.mse_loss(v.float(), (eps - x0).float())

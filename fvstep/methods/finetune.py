@@ -12,6 +12,7 @@ Examples:
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -19,11 +20,13 @@ import torch
 import torch.nn.functional as F
 
 from fvstep import random as fsrandom
+from fvstep.methods import _noise
 from fvstep.models import predict
 from fvstep.state import TrainState
 from fvstep.update import Update, update
 
 __all__ = [
+    "RoleLossFn",
     "TSampling",
     "add_noise",
     "broadcast_time",
@@ -36,7 +39,25 @@ __all__ = [
 TSampling = Literal["uniform", "logit_normal"]
 _T_SAMPLINGS: tuple[str, ...] = ("uniform", "logit_normal")
 
-LossFn = Callable[[TrainState, Any, torch.Tensor], tuple[torch.Tensor, dict[str, Any]]]
+RoleLossFn = Callable[[TrainState, Any, torch.Tensor], tuple[torch.Tensor, dict[str, Any]]]
+"""A loss function for a unit that trains one role: ``(state, batch, key) -> (loss, metrics)``.
+
+One of the shapes that :data:`fvstep.update.LossFn` (anything ``fvstep.update`` accepts)
+takes; :data:`fvstep.methods.dmd2.FusedLossFn` is the one for several roles."""
+
+
+def __getattr__(name: str) -> Any:
+    # `LossFn` was this module's name for RoleLossFn, and fvstep.update.LossFn means the
+    # wider type: one name, two meanings. Deprecated for one release.
+    if name == "LossFn":
+        warnings.warn(
+            "fvstep.methods.finetune.LossFn is deprecated and goes in the next release; use "
+            "fvstep.methods.finetune.RoleLossFn (fvstep.update.LossFn is the wider type)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return RoleLossFn
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def broadcast_time(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -94,11 +115,10 @@ def sample_time(
     Examples:
         >>> t = sample_time(k, 4, t_sampling="logit_normal")
     """
-    g = fsrandom.generator(key, device)
     if t_sampling == "uniform":
-        return torch.rand((batch_size,), generator=g, device=device)
+        return _noise.rand(key, (batch_size,), device=device)
     if t_sampling == "logit_normal":
-        z = torch.randn((batch_size,), generator=g, device=device)
+        z = _noise.randn(key, (batch_size,), device=device)
         return torch.sigmoid(z * logit_std + logit_mean)
     raise ValueError(f"unknown t_sampling {t_sampling!r}; choose one of {_T_SAMPLINGS}")
 
@@ -116,7 +136,7 @@ def flow_matching_loss(
     t_sampling: TSampling = "uniform",
     logit_mean: float = 0.0,
     logit_std: float = 1.0,
-) -> LossFn:
+) -> RoleLossFn:
     """The flow-matching loss of one role, as a loss function for :func:`fvstep.update`.
 
     ``loss_fn(state, batch, key) -> (loss, metrics)``: splits ``key`` into a time key and a
@@ -155,12 +175,7 @@ def flow_matching_loss(
             logit_mean=logit_mean,
             logit_std=logit_std,
         )
-        eps = torch.randn(
-            x0.shape,
-            generator=fsrandom.generator(k_eps, x0.device),
-            device=x0.device,
-            dtype=x0.dtype,
-        )
+        eps = _noise.randn_like(k_eps, x0)
         x_t = add_noise(x0, eps, t)
         v = predict(state.module(role), x_t, t * 1000, batch["text"])
         loss = F.mse_loss(v.float(), (eps - x0).float())

@@ -42,7 +42,8 @@ from fvstep import random as fsrandom
 from fvstep.accumulation import Accumulation
 from fvstep.compose import Managed, ManagedContext, managed
 from fvstep.grads import ClipGradNorm, Sanitize
-from fvstep.methods.finetune import LossFn, add_noise, sample_time
+from fvstep.methods import _noise
+from fvstep.methods.finetune import RoleLossFn, add_noise, sample_time
 from fvstep.models import predict
 from fvstep.state import TrainState
 from fvstep.update import DEFAULT, update
@@ -145,7 +146,7 @@ def blend_(
 
 def rl_inner_loss(
     *, kl_weight: float = 0.1, student: str = "student", reference: str = "reference"
-) -> LossFn:
+) -> RoleLossFn:
     """The inner loss: advantage-weighted flow matching on samples, plus a KL-like anchor.
 
     The batch holds ``"samples"`` (``x0``, no gradient), ``"text"`` and ``"advantages"``
@@ -174,12 +175,7 @@ def rl_inner_loss(
         x0, text, adv = batch["samples"], batch["text"], batch["advantages"]
         k_t, k_eps = fsrandom.split(key, 2)
         t = sample_time(k_t, x0.shape[0], device=x0.device)
-        eps = torch.randn(
-            x0.shape,
-            generator=fsrandom.generator(k_eps, x0.device),
-            device=x0.device,
-            dtype=x0.dtype,
-        )
+        eps = _noise.randn_like(k_eps, x0)
         x_t = add_noise(x0, eps, t)
         v = predict(state.module(student), x_t, t * 1000, text).float()
         per_sample = ((v - (eps - x0).float()) ** 2).flatten(1).mean(1)
@@ -264,12 +260,7 @@ def rl(
             for k, v in batch.items()
         }
         text, like = grouped["text"], grouped["latents"]
-        noise = torch.randn(
-            like.shape,
-            generator=fsrandom.generator(k_noise, like.device),
-            device=like.device,
-            dtype=like.dtype,
-        )
+        noise = _noise.randn_like(k_noise, like)
         with torch.no_grad(), fsrandom.rng_scope(k_scope):
             samples = euler_sample(state.module("old"), noise, text, sample_steps)
             rewards = reward(samples, grouped).detach()

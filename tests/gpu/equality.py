@@ -4,7 +4,8 @@
         --json equality.json
 
 What it checks on each rank (the CPU versions are tests/test_distributed.py):
-- fvstep's compiled fine-tune step vs a hand-written imperative FSDP2 loop (tiny Wan,
+- fvstep's compiled fine-tune step vs the hand-written imperative FSDP2 loop of
+  fvstep.bench.reference, the one the CPU tests and the benchmark use (tiny Wan,
   fully_shard per block and at the root, MixedPrecisionPolicy(bf16 params, fp32 reduce),
   fp32 master weights, torch.optim.AdamW, clip_grad_norm_, K micro-batches, loss / K),
   after 5 steps, for every, deferred and no_sync: bitwise?
@@ -25,16 +26,16 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import fvstep as fs
-from fvstep import distributed as fsd
+from fvstep import parallel as fsd
 from fvstep import tree
+from fvstep.bench.reference import finetune_loop, shard_by_hand
 from fvstep.methods.finetune import flow_matching_loss
 from fvstep.models import synthetic_batch, tiny_wan
-from fvstep.random import fold_in, generator, split
+from fvstep.random import fold_in
 
 NUM_STEPS = 5
 K = 2
@@ -74,35 +75,21 @@ def fvstep_run(rank: int, device: torch.device, sync: str):
 
 
 def hand_written(rank: int, device: torch.device, sync: str):
+    """The imperative FSDP2 loop fvstep replaces (fvstep.bench.reference), on the GPU."""
     mesh = init_device_mesh("cuda", (dist.get_world_size(),))
-    module = tiny_wan(seed=0).to(device)
-    for block in module.blocks:
-        fully_shard(block, mesh=mesh, mp_policy=MP)
-    fully_shard(module, mesh=mesh, mp_policy=MP)
-    opt = torch.optim.AdamW(module.parameters(), lr=1e-3, weight_decay=0.1)
-    base = fs.random.key(7)
-    for step in range(NUM_STEPS):
-        batch = batch_at(step, rank, device)
-        for m, (x0, text) in enumerate(zip(batch["latents"].chunk(K), batch["text"].chunk(K))):
-            last = m == K - 1
-            if sync == "no_sync":
-                module.set_requires_gradient_sync(last)
-            elif sync == "deferred":
-                module.set_is_last_backward(last)
-            k_t, k_eps = split(fold_in(fold_in(fold_in(fold_in(base, step), rank), 0), m), 2)
-            t = torch.rand((x0.shape[0],), generator=generator(k_t, device), device=device)
-            eps = torch.randn(x0.shape, generator=generator(k_eps, device), device=device)
-            tb = t.view(-1, 1, 1, 1, 1)
-            x_t = (1 - tb) * x0 + tb * eps
-            v = module(
-                hidden_states=x_t, timestep=t * 1000, encoder_hidden_states=text, return_dict=False
-            )[0]
-            (F.mse_loss(v.float(), (eps - x0).float()) / K).backward()
-        torch.nn.utils.clip_grad_norm_(module.parameters(), MAX_NORM)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    module.set_requires_gradient_sync(True)
-    module.set_is_last_backward(True)
+    module = shard_by_hand(tiny_wan(seed=0).to(device), mesh, mp_policy=MP)
+    opt = finetune_loop(
+        module,
+        lambda step: batch_at(step, rank, device),
+        num_steps=NUM_STEPS,
+        rank=rank,
+        base_key=fs.random.key(7),
+        num_microbatches=K,
+        sync=sync,
+        lr=1e-3,
+        weight_decay=0.1,
+        max_norm=MAX_NORM,
+    )
     return module, opt
 
 

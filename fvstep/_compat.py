@@ -1,0 +1,118 @@
+"""Every private PyTorch API that fvstep relies on, in one place (private module).
+
+fvstep calls PyTorch's own optimizer kernels and reads a little of FSDP2's state where no
+public API says the same thing. Each such name is reached here and nowhere else in the
+package, so a torch release that moves one breaks this module, and the one test of it in
+``tests/test_compat.py``, instead of a user's run. The torch range these names are tested
+on is pinned in ``pyproject.toml`` (``dependencies``).
+
+Names under ``torch.distributed`` resolve lazily, inside the function that needs them:
+:mod:`fvstep.optim` imports this module, and the core imports nothing from
+``torch.distributed`` (``docs/architecture.md``).
+
+What is *not* here, and why: ``torch.optim.adamw.adamw`` and ``torch.optim.sgd.sgd`` are
+public (listed in those modules' ``__all__``); the ``torch._foreach_*`` operations are
+documented (beta) in PyTorch's reference; ``nn.Module``'s ``_parameters``/``_buffers``
+dicts are how ``torch.nn.utils`` itself rebinds tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.optim.optimizer import _default_to_fused_or_foreach, _get_scalar_dtype
+from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+from torch.utils._python_dispatch import TorchDispatchMode
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor.placement_types import Placement
+
+__all__ = [
+    "TorchDispatchMode",
+    "checkpoint_wrapper",
+    "default_foreach",
+    "fused_kernel_devices",
+    "is_fsdp_root",
+    "local_shape_and_global_offset",
+    "optimizer_step_dtype",
+    "tensor_version",
+]
+
+
+def fused_kernel_devices() -> list[str]:
+    """The device types that have ``fused=True`` optimizer kernels (``cuda``, ``cpu``, ...).
+
+    ``torch.utils._foreach_utils._get_fused_kernels_supported_devices``: the list
+    ``torch.optim`` checks ``fused=True`` against.
+    """
+    return list(_get_fused_kernels_supported_devices())
+
+
+def default_foreach(params: Sequence[torch.Tensor]) -> bool:
+    """Whether ``torch.optim`` picks its foreach implementation for ``params`` by default.
+
+    ``torch.optim.optimizer._default_to_fused_or_foreach(params, differentiable=False,
+    use_fused=False)[1]``: foreach on foreach-capable devices (CUDA), the single-tensor
+    loop elsewhere (CPU).
+    """
+    _, foreach = _default_to_fused_or_foreach(list(params), False, use_fused=False)
+    return bool(foreach)
+
+
+def optimizer_step_dtype(*, fused: bool = False) -> torch.dtype:
+    """The dtype of the per-parameter ``step`` tensor that ``torch.optim.AdamW`` creates.
+
+    ``torch.optim.optimizer._get_scalar_dtype``: float32 (float64 if that is the default
+    dtype) for the single-tensor and foreach kernels, float32 for the fused one.
+    """
+    return _get_scalar_dtype(is_fused=True) if fused else _get_scalar_dtype()
+
+
+def tensor_version(tensor: torch.Tensor) -> int:
+    """The version counter of ``tensor``: bumped by every in-place operation on it.
+
+    ``Tensor._version``, the counter autograd uses to detect in-place changes.
+    """
+    return int(tensor._version)
+
+
+def is_fsdp_root(module: nn.Module) -> bool:
+    """Whether the FSDP2 module ``module`` is the root of its FSDP2 tree (after lazy init).
+
+    ``module._get_fsdp_state()._is_root`` (``None``, i.e. false, before the first forward).
+    """
+    state: Any = module._get_fsdp_state()  # type: ignore[operator]
+    return bool(state._is_root)
+
+
+def local_shape_and_global_offset(
+    global_shape: Sequence[int], mesh: DeviceMesh, placements: Sequence[Placement]
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The shape of this rank's shard of a DTensor and its offset in the global tensor.
+
+    ``torch.distributed.tensor._utils.compute_local_shape_and_global_offset``.
+    """
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(
+        torch.Size(global_shape), mesh, placements
+    )
+    return tuple(shape), tuple(offset)
+
+
+def checkpoint_wrapper(module: nn.Module, **checkpoint_kwargs: Any) -> nn.Module:
+    """``module`` wrapped for (non-reentrant) activation checkpointing, as torchtitan does.
+
+    ``torch.distributed.algorithms._checkpoint.checkpoint_wrapper.checkpoint_wrapper``;
+    ``checkpoint_kwargs`` go to ``torch.utils.checkpoint.checkpoint`` (``use_reentrant``
+    is fixed to ``False`` by the wrapper's default implementation).
+    """
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        checkpoint_wrapper as wrap,
+    )
+
+    return wrap(module, **checkpoint_kwargs)

@@ -1,0 +1,268 @@
+"""The layering of ``docs/architecture.md``, checked on the source (an AST scan, no imports).
+
+- Each layer imports only itself and the layers it builds on (``LAYERS``, ``MAY_IMPORT``).
+- The core imports nothing from ``torch.distributed``, FSDP2, DTensor or fvstep's parallel
+  layer: the gradient-sync policy is injected (DESIGN point 11).
+- The reference methods never touch processes (they are loss math over the state).
+- No library module imports the package face (``fvstep/__init__.py``); only the
+  applications at the top (the command line, the demo, the benchmarks) may, and no library
+  module imports them.
+- Private torch APIs are reached through ``fvstep/_compat.py`` alone, where the
+  ``torch.distributed`` ones are imported lazily (inside the function that needs them).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "fvstep"
+
+CORE = (
+    "fvstep.accumulation",
+    "fvstep.compose",
+    "fvstep.grads",
+    "fvstep.optim",
+    "fvstep.random",
+    "fvstep.schedules",
+    "fvstep.state",
+    "fvstep.stepfn",
+    "fvstep.sync",
+    "fvstep.tree",
+    "fvstep.update",
+)
+"""The core: what a step is made of. ``fvstep.sync`` is the protocol the core is given."""
+
+CORE_HELPERS = ("fvstep._checks", "fvstep._compat")
+"""Private modules the core may use besides itself."""
+
+APPLICATIONS = ("fvstep.__main__", "fvstep.bench", "fvstep.cli", "fvstep.demo")
+"""The package's own users, at the top: they may import the face, nothing imports them."""
+
+FORBIDDEN_IN_CORE = ("torch.distributed", "fvstep.distributed", "fvstep.parallel")
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _is_within(name: str, prefixes: tuple[str, ...] | str) -> bool:
+    prefixes = (prefixes,) if isinstance(prefixes, str) else prefixes
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def _imports(module: str) -> list[tuple[str, int, bool]]:
+    """``(imported module or module.name, line, at module level)`` for every import."""
+    tree = ast.parse(MODULES[module].read_text(), filename=str(MODULES[module]))
+    top_level = {id(node) for node in tree.body}
+    package = module if MODULES[module].name == "__init__.py" else module.rpartition(".")[0]
+    found = []
+    for node in ast.walk(tree):
+        at_top = id(node) in top_level
+        if isinstance(node, ast.Import):
+            found += [(alias.name, node.lineno, at_top) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: resolve against this module's package
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, *([base] if base else [])])
+            found += [(f"{base}.{alias.name}", node.lineno, at_top) for alias in node.names]
+    return found
+
+
+def _fvstep_target(imported: str) -> str | None:
+    """The fvstep module an import reaches (``fvstep`` itself for a name of the face)."""
+    if not _is_within(imported, "fvstep"):
+        return None
+    while imported not in MODULES:
+        imported = imported.rpartition(".")[0]
+    return imported
+
+
+def _violations(modules: list[str], bad: object) -> list[str]:
+    out = []
+    for module in modules:
+        for imported, line, at_top in _imports(module):
+            reason = bad(module, imported, at_top)  # type: ignore[operator]
+            if reason:
+                out.append(f"{MODULES[module].relative_to(PACKAGE.parent)}:{line}: {reason}")
+    return out
+
+
+def _assert_none(violations: list[str]) -> None:
+    assert not violations, "\n".join(["", *violations])
+
+
+def test_the_layer_lists_name_existing_modules() -> None:
+    for module in (*CORE, *CORE_HELPERS, *APPLICATIONS):
+        assert module in MODULES or module == "fvstep.sync", f"{module} is not a module"
+
+
+def test_the_core_imports_nothing_from_torch_distributed_fsdp2_or_the_parallel_layer() -> None:
+    def bad(module: str, imported: str, at_top: bool) -> str | None:
+        # `from torch import distributed` reaches it too
+        if _is_within(imported, FORBIDDEN_IN_CORE) or imported == "torch.distributed":
+            return f"imports {imported} (the core is given a sync policy, DESIGN point 11)"
+        return None
+
+    core = [m for m in CORE if m in MODULES]
+    _assert_none(_violations(core, bad))
+
+
+LAYERS = {
+    "core": (*CORE, *CORE_HELPERS),
+    "parallel": ("fvstep.parallel", "fvstep.distributed"),
+    "checkpoint": ("fvstep.checkpoint",),
+    "executor": ("fvstep.executor", "fvstep.data", "fvstep.testing"),
+    "methods": ("fvstep.methods", "fvstep.models"),
+    "face": ("fvstep",),
+    "applications": APPLICATIONS,
+}
+"""Every module of the package, by layer (docs/architecture.md)."""
+
+MAY_IMPORT = {
+    "core": {"core"},
+    "parallel": {"core", "parallel"},
+    "checkpoint": {"core", "parallel", "checkpoint"},
+    "executor": {"core", "parallel", "checkpoint", "executor"},
+    "methods": {"core", "methods"},
+    "face": {"core", "parallel", "checkpoint", "executor", "methods", "face"},
+    "applications": set(LAYERS),
+}
+
+
+def _layer(module: str) -> str:
+    # the longest matching prefix decides (fvstep.parallel before fvstep itself)
+    found = [
+        (len(prefix), layer)
+        for layer, prefixes in LAYERS.items()
+        for prefix in prefixes
+        if module == prefix or (prefix != "fvstep" and module.startswith(prefix + "."))
+    ]
+    if not found:
+        raise AssertionError(f"{module} is in no layer: add it to LAYERS (docs/architecture.md)")
+    return max(found)[1]
+
+
+def test_every_module_belongs_to_a_layer() -> None:
+    for module in MODULES:
+        _layer(module)
+
+
+def test_each_layer_imports_only_itself_and_the_layers_it_builds_on() -> None:
+    def bad(module: str, imported: str, at_top: bool) -> str | None:
+        target = _fvstep_target(imported)
+        if target is None:
+            return None
+        mine, theirs = _layer(module), _layer(target)
+        if theirs not in MAY_IMPORT[mine]:
+            return f"the {mine} layer imports {target} of the {theirs} layer"
+        return None
+
+    _assert_none(_violations(list(MODULES), bad))
+
+
+def test_the_reference_methods_never_touch_processes() -> None:
+    methods = [m for m in MODULES if _is_within(m, "fvstep.methods")]
+
+    def bad(module: str, imported: str, at_top: bool) -> str | None:
+        if _is_within(imported, FORBIDDEN_IN_CORE) or imported == "torch.distributed":
+            return f"imports {imported} (a method is loss math over the state)"
+        return None
+
+    assert methods
+    _assert_none(_violations(methods, bad))
+
+
+def _face_names() -> set[str]:
+    """Names that ``fvstep/__init__.py`` itself defines or re-exports (not submodules)."""
+    tree = ast.parse(MODULES["fvstep"].read_text())
+    names = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {t.id for t in targets if isinstance(t, ast.Name)}
+        elif isinstance(node, ast.ImportFrom):
+            names |= {a.asname or a.name for a in node.names}
+    return {n for n in names if f"fvstep.{n}" not in MODULES}
+
+
+def test_no_library_module_imports_the_package_face_or_an_application() -> None:
+    face = _face_names()
+    library = [m for m in MODULES if m != "fvstep" and not _is_within(m, APPLICATIONS)]
+
+    def bad(module: str, imported: str, at_top: bool) -> str | None:
+        if imported == "fvstep":
+            return "imports the package face (`import fvstep`)"
+        if imported.rpartition(".")[0] == "fvstep" and imported.rpartition(".")[2] in face:
+            return f"imports {imported} from the package face"
+        target = _fvstep_target(imported)
+        if target is not None and _is_within(target, APPLICATIONS):
+            return f"imports the application {target}"
+        return None
+
+    _assert_none(_violations(library, bad))
+
+
+def _is_private_torch(imported: str) -> bool:
+    parts = imported.split(".")
+    return parts[0] == "torch" and any(p.startswith("_") for p in parts[1:])
+
+
+def test_private_torch_apis_are_reached_through_the_compat_module_only() -> None:
+    def bad(module: str, imported: str, at_top: bool) -> str | None:
+        if module != "fvstep._compat" and _is_private_torch(imported):
+            return f"imports the private {imported}: add a shim to fvstep/_compat.py"
+        return None
+
+    _assert_none(_violations(list(MODULES), bad))
+
+
+PRIVATE_TORCH_ATTRIBUTES = ("_get_fsdp_state", "_is_root", "_version")
+"""Private attributes of torch objects that fvstep reads (FSDP2 state, version counters)."""
+
+
+def test_private_torch_attributes_are_read_through_the_compat_module_only() -> None:
+    found = []
+    for module, path in MODULES.items():
+        if module == "fvstep._compat":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in PRIVATE_TORCH_ATTRIBUTES:
+                found.append(
+                    f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: reads .{node.attr}: "
+                    "use fvstep._compat"
+                )
+    _assert_none(found)
+
+
+def test_the_compat_module_imports_torch_distributed_lazily() -> None:
+    def bad(module: str, imported: str, at_top: bool) -> str | None:
+        if at_top and _is_within(imported, "torch.distributed"):
+            return f"imports {imported} at module level (the core imports this module)"
+        return None
+
+    _assert_none(_violations(["fvstep._compat"], bad))
+
+
+@pytest.mark.parametrize(
+    ("source", "expected"),
+    [
+        ("import torch.distributed as dist", ["torch.distributed"]),
+        ("from torch.distributed.fsdp import fully_shard", ["torch.distributed.fsdp.fully_shard"]),
+        ("def f():\n    from fvstep import parallel", ["fvstep.parallel"]),
+    ],
+)
+def test_the_scan_sees_module_level_and_nested_imports(tmp_path, monkeypatch, source, expected):
+    path = tmp_path / "probe.py"
+    path.write_text(source)
+    monkeypatch.setitem(MODULES, "fvstep.probe", path)
+    assert [name for name, _, _ in _imports("fvstep.probe")] == expected

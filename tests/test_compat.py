@@ -1,0 +1,120 @@
+"""fvstep._compat: each private torch API it wraps resolves, and means what fvstep assumes,
+on the installed torch (CI installs the torch pinned in pyproject.toml).
+
+One test per shim; the multi-rank ones run on the 2-rank gloo pool (tests/multirank.py).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from fvstep import _compat
+
+
+def test_fused_kernel_devices_are_the_device_types_torch_checks_fused_against() -> None:
+    devices = _compat.fused_kernel_devices()
+    assert isinstance(devices, list) and all(isinstance(d, str) for d in devices)
+    assert {"cuda", "cpu"} <= set(devices)  # fvstep documents fused AdamW/SGD on both
+    # The very list torch.optim.AdamW(fused=True) checks (and names when it refuses).
+    p = nn.Parameter(torch.zeros(1, device="meta"))
+    p.grad = torch.zeros(1, device="meta")
+    with pytest.raises(RuntimeError, match="fused=True") as refused:
+        torch.optim.AdamW([p], fused=True).step()
+    assert str(devices) in str(refused.value)
+
+
+def test_default_foreach_is_torch_optims_choice_for_the_params() -> None:
+    cpu = [torch.zeros(2)]
+    assert _compat.default_foreach(cpu) is False  # single-tensor loop on CPU
+    if torch.cuda.is_available():
+        assert _compat.default_foreach([torch.zeros(2, device="cuda")]) is True
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_optimizer_step_dtype_is_the_dtype_of_torch_adamws_step(fused: bool) -> None:
+    p = nn.Parameter(torch.zeros(3))
+    opt = torch.optim.AdamW([p], fused=fused)
+    p.grad = torch.ones(3)
+    opt.step()
+    assert opt.state[p]["step"].dtype == _compat.optimizer_step_dtype(fused=fused)
+
+
+def test_tensor_version_counts_in_place_changes() -> None:
+    t = torch.zeros(3)
+    before = _compat.tensor_version(t)
+    t.add_(1)
+    assert _compat.tensor_version(t) == before + 1
+    t.clone()  # not in place
+    assert _compat.tensor_version(t) == before + 1
+
+
+def test_torch_dispatch_mode_sees_every_aten_op() -> None:
+    seen: list[str] = []
+
+    class Record(_compat.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+            seen.append(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    with Record():
+        torch.ones(2) + torch.ones(2)
+    assert "aten.add" in seen
+
+
+def test_checkpoint_wrapper_recomputes_without_changing_values_or_grads() -> None:
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    inner = copy.deepcopy(plain)
+    calls = []
+    inner[1].register_forward_hook(lambda *_: calls.append(1))
+    wrapped = _compat.checkpoint_wrapper(inner)
+    x = torch.randn(3, 4)
+    plain(x).sum().backward()
+    out = wrapped(x)
+    out.sum().backward()
+    assert torch.equal(out, plain(x)) and len(calls) == 2  # forward, then recomputed
+    twins = dict(wrapped.named_parameters())
+    assert len(twins) == len(list(plain.parameters()))
+    for name, p in plain.named_parameters():
+        twin = next(q for n, q in twins.items() if n.endswith(name))
+        assert torch.equal(p.grad, twin.grad), name
+
+
+def check_fsdp_shims(rank: int, world_size: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    fully_shard(model[0], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    before = (_compat.is_fsdp_root(model), _compat.is_fsdp_root(model[0]))
+    model(torch.ones(1, 4)).sum().backward()
+    after = (_compat.is_fsdp_root(model), _compat.is_fsdp_root(model[0]))
+
+    full = torch.arange(10.0).reshape(5, 2)
+    dt = distribute_tensor(full, mesh, [Shard(0)])
+    shape, offset = _compat.local_shape_and_global_offset(dt.shape, dt.device_mesh, dt.placements)
+    local = dt.to_local()
+    return {
+        "before": before,
+        "after": after,
+        "shape_matches": shape == tuple(local.shape),
+        "slice_matches": torch.equal(full[offset[0] : offset[0] + shape[0]], local),
+        "offset": offset,
+    }
+
+
+@pytest.mark.multirank
+def test_fsdp_root_and_dtensor_shard_geometry_on_two_ranks(ranks) -> None:
+    results = ranks.run(check_fsdp_shims)
+    for result in results:
+        assert result["after"] == (True, False), result  # the root, after lazy init
+        assert result["before"][1] is False, result
+        assert result["shape_matches"] and result["slice_matches"], result
+    assert [r["offset"] for r in results] == [(0, 0), (3, 0)]  # 5 rows: 3 + 2
