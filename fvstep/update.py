@@ -5,6 +5,11 @@ key)`` returns a loss (or one loss per role, as a dict) and optionally a metrics
 may call any role's module through ``state.module(name)``. Gradients reach only the
 parameters of the roles the unit trains: the other roles' parameters have
 ``requires_grad`` off while the unit runs, and no ``.grad`` outlives the unit.
+
+A unit (:class:`Update`) is a step (:class:`~fvstep.stepfn.Step`), and a leaf of the
+steps composed from it; :func:`run_update` is the engine every unit runs through. The
+gradient-sync protocol it drives (:class:`~fvstep.sync.GradSync`, :class:`~fvstep.sync.NoSync`)
+lives in :mod:`fvstep.sync` and is re-exported here under its old address.
 """
 
 from __future__ import annotations
@@ -13,14 +18,14 @@ import functools
 import math
 import operator
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any, ClassVar
 
 import attrs
 import torch
 
 from fvstep import random as fsrandom
+from fvstep.accumulation import split_microbatches
 from fvstep.grads import (
-    SANITIZE_POLICIES,
     ClipGradNorm,
     NonFiniteGradientError,
     Sanitize,
@@ -30,6 +35,17 @@ from fvstep.grads import (
     total_norm,
 )
 from fvstep.state import RoleState, TrainState
+from fvstep.stepfn import (
+    UNSET,
+    CallSettings,
+    Leaf,
+    Policy,
+    RunContext,
+    Unset,
+    _check_clip,
+    _check_sanitize,
+)
+from fvstep.sync import GradSync, NoSync, Parallelism, SingleProcess
 from fvstep.tree import replace
 
 __all__ = [
@@ -44,41 +60,93 @@ __all__ = [
 
 LossFn = Callable[[TrainState, Any, torch.Tensor], Any]
 
-
-class _Default:
-    def __repr__(self) -> str:
-        return "DEFAULT"
-
-
-DEFAULT: Any = _Default()
-"""Marks an option that falls back to the setting given to ``fvstep.compile``."""
+DEFAULT: Any = UNSET
+"""The old name of :data:`fvstep.stepfn.UNSET` (an option left to the enclosing step); typed
+``Any`` so that signatures written as ``clip: ClipGradNorm | None = DEFAULT`` still check."""
 
 
 @attrs.frozen(eq=False)
-class Update:
-    """One update unit (see :func:`update`)."""
+class Update(Leaf):
+    """One update unit (see :func:`update`): a step, and a leaf of composed steps.
+
+    Attributes:
+        roles: The roles it trains.
+        loss_fn: ``(state, batch, key) -> loss | (loss, metrics) | ({role: loss}, metrics)``.
+        clip: Its own clipping, or :data:`~fvstep.stepfn.UNSET` (the enclosing one).
+        sanitize: Its own non-finite policy, or :data:`~fvstep.stepfn.UNSET`.
+        name: Keys its randomness and labels its metrics.
+        settings: Call settings, when it is called on its own (see
+            :class:`~fvstep.stepfn.CallSettings`).
+    """
+
+    kind: ClassVar[str] = "unit"
 
     roles: tuple[str, ...]
     loss_fn: LossFn
-    clip: Any = DEFAULT
-    sanitize: Any = DEFAULT
+    clip: ClipGradNorm | Unset | None = UNSET
+    sanitize: Sanitize | Unset = UNSET
     name: str = ""
+    settings: CallSettings = attrs.Factory(CallSettings)
 
-    def num_leaves(self) -> int:
-        """A unit is one leaf of a method tree."""
-        return 1
+    @property
+    def trains(self) -> tuple[str, ...]:
+        """The roles it trains."""
+        return self.roles
 
-    def active(self, step: int, base: int = 0) -> list[tuple[int, Any]]:
-        """A unit runs at every step it is reached."""
-        return [(base, self)]
+    @property
+    def policy(self) -> Policy:
+        """Its own clip and sanitize settings."""
+        return Policy(clip=self.clip, sanitize=self.sanitize)
+
+    def run(
+        self, state: TrainState, batch: Any, key: torch.Tensor, policy: Policy, ctx: RunContext
+    ) -> tuple[TrainState, dict[str, Any]]:
+        """Run as a leaf of a step: on the step's batch, split once per call."""
+        what = f"unit {self.name!r} (position {ctx.position(self)}, roles {list(self.roles)})"
+        ctx.begin(what)
+        assert policy.accumulation is not None
+        microbatches = ctx.microbatches(batch, policy.accumulation.microbatches)
+        return self._run(state, microbatches, key, policy, ctx, what)
+
+    def run_inner(
+        self, state: TrainState, batch: Any, key: torch.Tensor, policy: Policy, ctx: RunContext
+    ) -> tuple[TrainState, dict[str, Any]]:
+        """Run inside a managed step (``ctx.update``): on the batch the managed step gives."""
+        assert policy.accumulation is not None
+        microbatches = split_microbatches(batch, policy.accumulation.microbatches)
+        what = f"unit {self.name!r} (roles {list(self.roles)})"
+        return self._run(state, microbatches, key, policy, ctx, what)
+
+    def _run(
+        self,
+        state: TrainState,
+        microbatches: list[Any],
+        key: torch.Tensor,
+        policy: Policy,
+        ctx: RunContext,
+        what: str,
+    ) -> tuple[TrainState, dict[str, Any]]:
+        assert policy.accumulation is not None and policy.clip is not UNSET
+        assert policy.sanitize is not UNSET
+        return run_update(
+            state,
+            self,
+            microbatches,
+            [fsrandom.fold_in(key, m) for m in range(len(microbatches))],
+            clip=policy.clip,
+            sanitize=policy.sanitize,
+            sync=ctx.parallelism.grad_sync(state, policy.accumulation),
+            parallelism=ctx.parallelism,
+            before_change=ctx.before_change(what),
+        )
 
 
 def update(
     roles: str | Sequence[str],
     loss_fn: LossFn,
     *,
-    clip: ClipGradNorm | None = DEFAULT,
-    sanitize: Sanitize = DEFAULT,
+    clip: ClipGradNorm | Unset | None = UNSET,
+    sanitize: Sanitize | Unset = UNSET,
     name: str | None = None,
 ) -> Update:
     """Train ``roles`` on ``loss_fn``: the unit that methods are built from.
@@ -91,13 +159,17 @@ def update(
     After the last micro-batch, per role: sanitize non-finite gradients, clip by global
     norm, apply the role's optimizer at its schedule position, update its EMA.
 
+    The unit is a step: ``update(...)(state, batch)`` runs it with the default policy
+    (one micro-batch, no clipping, ``sanitize="error"``), and ``sequence``, ``every``,
+    ``cond`` and ``compile`` take it. Its key is ``fold_in_name(step_key, name)``.
+
     Args:
         roles: The role (or roles) trained; each must have an optimizer.
         loss_fn: ``(state, batch, key) -> loss | (loss, metrics) | ({role: loss}, metrics)``.
         clip: A :func:`fvstep.clip_grad_norm`, ``None`` for no clipping, or left out for
-            the compile-wide setting.
+            the enclosing setting (a managed step's, then ``compile``'s; default off).
         sanitize: What to do with a NaN or infinite gradient, or left out for the
-            compile-wide setting (whose default is ``"error"``):
+            enclosing setting (whose default is ``"error"``):
 
             - ``"error"``: raise :class:`~fvstep.grads.NonFiniteGradientError` (naming the
               step, unit, role and the first non-finite parameter, or the role and
@@ -109,10 +181,12 @@ def update(
             - ``"nan_to_num"``: zero non-finite gradient entries, then step;
             - ``None``: no check. Unsafe: a single NaN gradient silently turns every
               parameter and optimizer moment of the role into NaN.
-        name: A label for metrics (default: the roles joined by ``+``).
+        name: Keys the unit's randomness and labels its metrics (default: the roles
+            joined by ``+``); unique among the units of a composed step.
 
     Returns:
-        An :class:`Update`, composable with ``sequence``, ``every``, ``cond``.
+        An :class:`Update`, a step composable with ``sequence``, ``every``, ``cond``,
+        ``compile``.
 
     Examples:
         >>> unit = update("student", flow_matching_loss, clip=clip_grad_norm(1.0))
@@ -124,57 +198,11 @@ def update(
         raise ValueError(f"update got a role twice: {roles_t}")
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
-    if sanitize is not DEFAULT and sanitize not in SANITIZE_POLICIES:
-        raise ValueError(f"unknown sanitize policy {sanitize!r}; choose one of {SANITIZE_POLICIES}")
-    if clip is not DEFAULT and clip is not None and not isinstance(clip, ClipGradNorm):
-        raise TypeError("clip must be fvstep.clip_grad_norm(...) or None")
+    if name is not None and (not isinstance(name, str) or not name):
+        raise ValueError(f"a unit's name must be a non-empty str, got {name!r}")
+    _check_sanitize(sanitize)
+    _check_clip(clip)
     return Update(roles_t, loss_fn, clip, sanitize, name or "+".join(roles_t))
-
-
-class GradSync(Protocol):
-    """What the executor does around a unit to control gradient reduction and module state.
-
-    The single-process implementation is :class:`NoSync`; ``fvstep.distributed``
-    provides the FSDP2 one. :meth:`release` is what keeps DESIGN point 9 ("no state
-    outside the state"): it is called before a unit touches any module and again after it
-    (also on error), and must return every role's module to its resting state, so that
-    nothing a unit leaves in a module (an FSDP2 group still unsharded after a no-grad
-    forward, say) can reach the next unit.
-    """
-
-    def release(self, state: TrainState, *, after_error: bool = False) -> None:
-        """Return every role's module of ``state`` to its resting state.
-
-        ``after_error``: a forward or backward raised midway; in-flight collectives and
-        partial gradient reductions are to be discarded too.
-        """
-
-    def begin(self, roles: Sequence[RoleState], num_microbatches: int) -> None:
-        """Called once before the first micro-batch of a unit."""
-
-    def before_backward(self, index: int) -> None:
-        """Called before the backward of micro-batch ``index``."""
-
-    def end(self) -> dict[str, Any]:
-        """Called after the last backward (also on error); returns debug metrics."""
-        ...
-
-
-class NoSync:
-    """The gradient-sync policy of unsharded modules: nothing to do."""
-
-    def release(self, state: TrainState, *, after_error: bool = False) -> None:
-        """Plain modules hold no state between units."""
-
-    def begin(self, roles: Sequence[RoleState], num_microbatches: int) -> None:
-        """Nothing to prepare."""
-
-    def before_backward(self, index: int) -> None:
-        """Nothing to switch."""
-
-    def end(self) -> dict[str, Any]:
-        """No collectives were issued."""
-        return {}
 
 
 def _unpack(out: Any, roles: tuple[str, ...]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -219,11 +247,16 @@ def run_update(
     clip: ClipGradNorm | None,
     sanitize: Sanitize,
     sync: GradSync,
+    parallelism: Parallelism | None = None,
     before_change: Callable[[], None] | None = None,
 ) -> tuple[TrainState, dict[str, Any]]:
     """Run one unit on ``state`` (whose tensors it updates in place); the engine of steps.
 
     ``clip`` and ``sanitize`` are the unit's settings with defaults already resolved.
+    ``sync`` is the unit's gradient-sync controller and ``parallelism`` the process
+    layout whose :meth:`~fvstep.sync.Parallelism.sum_over_ranks` makes the
+    ``sanitize="error"`` verdict global (default :class:`~fvstep.sync.SingleProcess`:
+    this process's verdict).
     ``before_change`` is called once, after the last backward and every check, right
     before the unit changes its first leaf (the first optimizer update): until then the
     unit has changed nothing a state holds (gradients are not leaves), also when it
@@ -304,7 +337,7 @@ def run_update(
             for g in names
         ]
         if sanitize == "error":
-            _check_finite(step, unit, loss_log, groups)
+            _check_finite(step, unit, loss_log, groups, parallelism or SingleProcess())
         if before_change is not None:
             before_change()
         for group in groups:
@@ -369,7 +402,8 @@ def _apply_group(
     norm = group.norm
     if group.full_norm is not None:
         metrics["grad_norm"] = group.full_norm
-    skipped = norm is not None and sanitize == "skip" and not bool(torch.isfinite(group.full_norm))
+    full = group.full_norm  # set together with norm
+    skipped = full is not None and sanitize == "skip" and not bool(torch.isfinite(full))
     metrics["skipped"] = skipped
     metrics["lr"] = {}
     if not skipped and clip is not None and norm is not None:
@@ -401,26 +435,12 @@ def _mesh_of(groups: list[_Group]) -> Any:
     return None
 
 
-def _count_over_ranks(flag: torch.Tensor, mesh: Any) -> torch.Tensor:
-    """``flag`` summed over the ranks of ``mesh`` (itself without a mesh).
-
-    Through DTensor (a ``Partial`` value made whole), like the global gradient norm, so
-    that the core issues no ``torch.distributed`` call of its own.
-    """
-    if mesh is None:
-        return flag
-    from torch.distributed.tensor import DTensor, Partial, Replicate
-
-    value = flag.reshape(1).to(mesh.device_type)
-    for dim in range(mesh.ndim):  # one mesh dim at a time: DTensor warns about several
-        placements = [Replicate()] * mesh.ndim
-        placements[dim] = Partial()
-        value = DTensor.from_local(value, mesh, placements).full_tensor()
-    return value[0]
-
-
 def _check_finite(
-    step: int, unit: Update, loss_log: Mapping[str, list[torch.Tensor]], groups: list[_Group]
+    step: int,
+    unit: Update,
+    loss_log: Mapping[str, list[torch.Tensor]],
+    groups: list[_Group],
+    parallelism: Parallelism,
 ) -> None:
     """``sanitize="error"``: raise if a loss (on any rank) or a group's global gradient
     norm is not finite. One device sync (the norms are global; the losses are counted
@@ -430,7 +450,8 @@ def _check_finite(
     mesh = _mesh_of(groups)
     device = losses[0].device
     bad_losses = (~torch.isfinite(torch.stack(losses))).sum().float()
-    bad_losses = _count_over_ranks(bad_losses, mesh).to(device)
+    trained = [p for g in groups for p in g.params()]
+    bad_losses = parallelism.sum_over_ranks(bad_losses, trained).to(device)
     norms = [g.full_norm.float().reshape(()).to(device) for g in groups if g.full_norm is not None]
     verdict = torch.stack([bad_losses, *norms]).tolist()  # the one device sync
     if verdict[0] == 0 and all(math.isfinite(v) for v in verdict[1:]):

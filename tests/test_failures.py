@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 import fvstep as fs
-from fvstep import distributed as fsd
+from fvstep import parallel as fsp
 from fvstep import tree
 from fvstep.methods.finetune import flow_matching_loss
 from fvstep.models import predict, synthetic_batch, tiny_wan
@@ -103,7 +103,7 @@ class FailingBackward(torch.autograd.Function):
 def assert_usable_and_unchanged(state: fs.TrainState, before: fs.TrainState) -> None:
     assert not is_consumed(state)
     tree.assert_trees_equal(state, before)
-    assert fsd.unrested_modules(state) == []
+    assert fsp.unrested_modules(state) == []
 
 
 def assert_a_later_step_equals_a_fresh_one(state: fs.TrainState, before: fs.TrainState, step):
@@ -417,16 +417,16 @@ def sharded_wan_state(mesh) -> fs.TrainState:
     return fs.TrainState.create(
         {
             "student": fs.Role(
-                fsd.shard_module(tiny_wan(seed=0), mesh=mesh), optimizer=fs.optim.adamw(lr=1e-3)
+                fsp.shard_module(tiny_wan(seed=0), mesh=mesh), optimizer=fs.optim.adamw(lr=1e-3)
             ),
-            "teacher": fs.Role(fsd.shard_module(tiny_wan(seed=1), mesh=mesh)),
+            "teacher": fs.Role(fsp.shard_module(tiny_wan(seed=1), mesh=mesh)),
         },
         key=fs.random.key(7),
     )
 
 
 def check_nan_in_one_ranks_data(rank: int, world_size: int, replicate: int):
-    mesh = fsd.make_mesh(replicate=replicate, device_type="cpu")
+    mesh = fsp.make_mesh(replicate=replicate, device_type="cpu")
     state = sharded_wan_state(mesh)
     snapshot = tree.clone(state)
     step = fs.compile(
@@ -445,7 +445,7 @@ def check_nan_in_one_ranks_data(rank: int, world_size: int, replicate: int):
         message = None
     consumed = is_consumed(state)
     tree.assert_trees_equal(state, snapshot)
-    assert fsd.unrested_modules(state) == []
+    assert fsp.unrested_modules(state) == []
     good, _ = step(state, wan_batch(1, rank))
     good = tree.clone(good)
     fresh, _ = step(snapshot, wan_batch(1, rank))
@@ -465,11 +465,11 @@ def test_a_nan_in_one_ranks_data_raises_on_both_ranks_and_changes_nothing(ranks,
 def check_inf_in_one_ranks_shard(rank: int, world_size: int):
     """Rank 0's loss has an infinite gradient for output row 0 only: after the
     reduce-scatter only rank 0's shard of the weight (rows 0-1 of 4) is not finite."""
-    mesh = fsd.make_mesh(device_type="cpu")
+    mesh = fsp.make_mesh(device_type="cpu")
     state = fs.TrainState.create(
         {
             "m": fs.Role(
-                fsd.shard_module(linear(0, 3, 4), mesh=mesh), optimizer=fs.optim.sgd(lr=0.1)
+                fsp.shard_module(linear(0, 3, 4), mesh=mesh), optimizer=fs.optim.sgd(lr=0.1)
             )
         },
         key=fs.random.key(0),
@@ -520,7 +520,7 @@ def _student_reads_teacher(state, batch, key):
 
 
 def check_first_unit_failure_on_sharded_roles(rank: int, world_size: int):
-    mesh = fsd.make_mesh(device_type="cpu")
+    mesh = fsp.make_mesh(device_type="cpu")
     state = sharded_wan_state(mesh)
     snapshot = tree.clone(state)
     acc = fs.Accumulation(microbatches=K, sync="deferred")
@@ -535,7 +535,7 @@ def check_first_unit_failure_on_sharded_roles(rank: int, world_size: int):
         raise AssertionError("the step did not fail")
     assert not is_consumed(state)
     tree.assert_trees_equal(state, snapshot)
-    assert fsd.unrested_modules(state) == []
+    assert fsp.unrested_modules(state) == []
     step = fs.compile(
         fs.update("student", _student_reads_teacher), accumulation=acc, clip=fs.clip_grad_norm(1.0)
     )
@@ -553,7 +553,7 @@ def test_a_failed_first_unit_on_two_ranks_leaves_sharded_roles_usable_and_unchan
 
 
 def check_typo_on_two_ranks(rank: int, world_size: int):
-    state = sharded_wan_state(fsd.make_mesh(device_type="cpu"))
+    state = sharded_wan_state(fsp.make_mesh(device_type="cpu"))
     step = fs.compile(fs.update("studnet", flow_matching_loss()))
     try:
         step(state, wan_batch(0, rank))

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import fvstep as fs
-from fvstep import distributed as fsd
+from fvstep import parallel as fsp
 from fvstep import tree
 from fvstep.models import predict, synthetic_batch, tiny_wan
 from fvstep.random import fold_in
@@ -47,8 +47,13 @@ def _mse_of(reader: str, target: str):
     return loss
 
 
-def check_two_roles_reading_each_other(rank: int, world_size: int, k: int):
-    mesh = fsd.make_mesh(device_type="cpu")
+def check_two_roles_reading_each_other(rank: int, world_size: int, k: int, how: str = "compiled"):
+    """``how``: ``"compiled"`` (one ``fs.compile`` of K micro-batches), ``"per_unit"`` (a
+    sequence of two compiled units: a's over K micro-batches, b's over one), or
+    ``"direct"`` (the ``fs.sequence`` itself called, no compile: one micro-batch each).
+    Built through ``fvstep.*`` in every case, so FSDP2's handling applies."""
+    k_a, k_b = {"compiled": (k, k), "per_unit": (k, 1), "direct": (1, 1)}[how]
+    mesh = fsp.make_mesh(device_type="cpu")
     a0, b0 = tiny_wan(seed=0), tiny_wan(seed=1)
     ref = {"a": shard_by_hand(copy.deepcopy(a0), mesh), "b": shard_by_hand(copy.deepcopy(b0), mesh)}
     state = fs.TrainState.create(
@@ -58,23 +63,29 @@ def check_two_roles_reading_each_other(rank: int, world_size: int, k: int):
         },
         key=fs.random.key(3),
     )
-    step = fs.compile(
-        fs.sequence(fs.update("a", _mse_of("a", "b")), fs.update("b", _mse_of("b", "a"))),
-        accumulation=fs.Accumulation(microbatches=k),
-    )
+    unit_a, unit_b = fs.update("a", _mse_of("a", "b")), fs.update("b", _mse_of("b", "a"))
+    if how == "compiled":
+        step = fs.compile(fs.sequence(unit_a, unit_b), accumulation=fs.Accumulation(k))
+    elif how == "per_unit":
+        step = fs.sequence(fs.compile(unit_a, accumulation=fs.Accumulation(k)), fs.compile(unit_b))
+    else:
+        step = fs.sequence(unit_a, unit_b)
     before = {n: p.full_tensor().clone() for n, p in state.roles["b"].params.items()}
     state, _ = step(state, batch_at(0, rank))
+    assert fsp.unrested_modules(state) == [], fsp.unrested_modules(state)[:3]
     # By hand: a's unit, then b's unit, each over K micro-batches.
     opts = {r: torch.optim.AdamW(ref[r].parameters(), lr=LR, weight_decay=WD) for r in ref}
     view = modules_view(ref)
-    for position, (r, other) in enumerate((("a", "b"), ("b", "a"))):
-        for m, mb in enumerate(_split(batch_at(0, rank), k)):
-            loss = _mse_of(r, other)(view, mb, unit_key(fs.random.key(3), 0, rank, position, m))
-            (loss / k).backward()
+    for r, other, k_r in (("a", "b", k_a), ("b", "a", k_b)):  # keyed by name (the role)
+        for m, mb in enumerate(_split(batch_at(0, rank), k_r)):
+            loss = _mse_of(r, other)(view, mb, unit_key(fs.random.key(3), 0, rank, r, m))
+            (loss / k_r).backward()
         opts[r].step()
         opts[r].zero_grad(set_to_none=True)
     reshard_all(ref)
-    moved = {n: not torch.equal(before[n], state.roles["b"].params[n].full_tensor()) for n in ROOT_LEVEL}
+    moved = {
+        n: not torch.equal(before[n], state.roles["b"].params[n].full_tensor()) for n in ROOT_LEVEL
+    }
     for r in ref:
         tree.assert_trees_equal(state.roles[r].params, dict(ref[r].named_parameters()))
     return moved
@@ -89,6 +100,21 @@ def _split(batch, k):
 @pytest.mark.parametrize("k", [1, 3])
 def test_a_role_read_under_no_grad_then_trained_gets_its_root_gradients(ranks, k):
     for moved in ranks.run(check_two_roles_reading_each_other, k):
+        assert all(moved.values()), moved
+
+
+def test_compiled_units_sequenced_keep_their_own_accumulation_on_two_ranks(ranks):
+    # sequence(compile(a, K=3), compile(b)): a over 3 micro-batches, b over one, bitwise
+    # a hand-written FSDP2 loop doing the same; modules at rest after the step.
+    for moved in ranks.run(check_two_roles_reading_each_other, 3, "per_unit"):
+        assert all(moved.values()), moved
+
+
+def test_a_step_built_through_the_face_and_called_uncompiled_reshards_between_units(ranks):
+    # fs.sequence(fs.update(...), fs.update(...)) called directly runs with FSDP2's
+    # handling (the face injects FSDP2Parallelism): b's root group, left unsharded by a's
+    # no-grad read, is resharded before b trains, so b's root-level parameters move.
+    for moved in ranks.run(check_two_roles_reading_each_other, 1, "direct"):
         assert all(moved.values()), moved
 
 
@@ -109,7 +135,7 @@ def check_dmd2_against_hand_written_loop(rank: int, world_size: int, ordering: s
     from fvstep.methods import dmd2
 
     num_steps, interval = 6, 2
-    mesh = fsd.make_mesh(device_type="cpu")
+    mesh = fsp.make_mesh(device_type="cpu")
     plain = _dmd2_roles(mesh)
     ref = {r: shard_by_hand(copy.deepcopy(m), mesh) for r, m in plain.items()}
     ref["teacher"].requires_grad_(False)
@@ -129,7 +155,7 @@ def check_dmd2_against_hand_written_loop(rank: int, world_size: int, ordering: s
     )
     for i in range(num_steps):
         state, _ = step(state, batch_at(i, rank))
-        assert fsd.unrested_modules(state) == [], (i, fsd.unrested_modules(state)[:3])
+        assert fsp.unrested_modules(state) == [], (i, fsp.unrested_modules(state)[:3])
     opts = dmd2_loop(
         ref,
         lambda i: batch_at(i, rank),
@@ -174,7 +200,7 @@ def check_rest_after_every_unit(rank: int, world_size: int):
     """Each DMD2 unit as its own step, so the invariant is checked after every unit."""
     from fvstep.methods.dmd2 import dmd2_losses
 
-    mesh = fsd.make_mesh(device_type="cpu")
+    mesh = fsp.make_mesh(device_type="cpu")
     plain = _dmd2_roles(mesh)
     adamw = fs.optim.adamw(lr=LR)
     state = fs.TrainState.create(
@@ -194,14 +220,18 @@ def check_rest_after_every_unit(rank: int, world_size: int):
     report = []
     for i, unit in enumerate(units * 2):
         state, _ = unit(state, batch_at(i, rank))
-        report.append(fsd.unrested_modules(state))
+        report.append(fsp.unrested_modules(state))
     # The invariant's check can fail: a no-grad read by hand leaves the root unsharded.
     with torch.no_grad():
-        predict(state.module("critic"), batch_at(0, rank)["latents"], torch.full((6,), 1.0),
-                batch_at(0, rank)["text"])
-    broken = fsd.unrested_modules(state)
-    fsd.release_modules(state)
-    return report, broken, fsd.unrested_modules(state)
+        predict(
+            state.module("critic"),
+            batch_at(0, rank)["latents"],
+            torch.full((6,), 1.0),
+            batch_at(0, rank)["text"],
+        )
+    broken = fsp.unrested_modules(state)
+    fsp.release_modules(state)
+    return report, broken, fsp.unrested_modules(state)
 
 
 def test_no_fsdp2_group_stays_unsharded_after_any_unit(ranks):
@@ -214,7 +244,9 @@ def test_no_fsdp2_group_stays_unsharded_after_any_unit(ranks):
 def check_unsharded_trained_role(rank: int, world_size: int, replicate: bool):
     module = tiny_wan(seed=0)
     if replicate:
-        module = fsd.shard_module(module, mesh=fsd.make_mesh(replicate=world_size, device_type="cpu"))
+        module = fsp.shard_module(
+            module, mesh=fsp.make_mesh(replicate=world_size, device_type="cpu")
+        )
     state = fs.TrainState.create(
         {"m": fs.Role(module, optimizer=fs.optim.adamw(lr=LR))}, key=fs.random.key(0)
     )

@@ -1,0 +1,425 @@
+"""Laws of the one step type: every combinator takes and returns steps; sub-steps are keyed
+by name; the execution policy is explicit where it applies; the core sees only a protocol."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import fvstep as fs
+from fvstep import compose, stepfn, tree
+from fvstep.distributed import FSDP2Parallelism
+from fvstep.random import fold_in, fold_in_name, generator
+from fvstep.state import is_consumed
+from fvstep.sync import SingleProcess
+from fvstep.update import update as core_update
+
+ROLES = ("a", "b", "c", "d")
+
+
+def mlp(seed: int) -> nn.Module:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(3, 8), nn.Dropout(0.2), nn.Tanh(), nn.Linear(8, 2))
+
+
+def state_of(seed: int = 0) -> fs.TrainState:
+    return fs.TrainState.create(
+        {r: fs.Role(mlp(seed + i), optimizer=fs.optim.adamw(lr=1e-2)) for i, r in enumerate(ROLES)},
+        key=fs.random.key(seed),
+    )
+
+
+def make_batch(seed: int, n: int = 4) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"x": torch.randn(n, 3, generator=g), "y": torch.randn(n, 2, generator=g)}
+
+
+def recording(role: str, seen: list | None = None):
+    """A loss that draws noise from its key (and dropout from the global RNG), and records
+    ``(role, key, micro-batch size)``."""
+
+    def loss_fn(state, batch, key):
+        if seen is not None:
+            seen.append((role, key, batch["x"].shape[0]))
+        noise = torch.randn(batch["x"].shape, generator=generator(key)) * 0.01
+        return ((state.module(role)(batch["x"] + noise) - batch["y"]) ** 2).mean()
+
+    return loss_fn
+
+
+def assert_same_keys(seen: list, expected: list) -> None:
+    assert [(r, n) for r, _, n in seen] == [(r, n) for r, _, n in expected]
+    for (_, k1, _), (_, k2, _) in zip(seen, expected, strict=True):
+        assert torch.equal(k1, k2)
+
+
+# ---------------------------------------------------------------------------------------
+# keys by name
+# ---------------------------------------------------------------------------------------
+
+
+def test_a_units_keys_are_its_name_folded_into_the_step_key():
+    seen: list = []
+    step = fs.compile(
+        fs.sequence(
+            fs.every(2, fs.update("a", recording("a", seen), name="first")),
+            fs.update("b", recording("b", seen)),
+        ),
+        accumulation=fs.Accumulation(2),
+    )
+    state = state_of()
+    for s in range(3):
+        seen.clear()
+        state, _ = step(state, make_batch(s))
+        step_key = fold_in(fold_in(fs.random.key(0), s), 0)
+        expected = [("b", fold_in(fold_in_name(step_key, "b"), m), 2) for m in range(2)]
+        if s % 2 == 0:
+            first = [("a", fold_in(fold_in_name(step_key, "first"), m), 2) for m in range(2)]
+            expected = first + expected
+        assert_same_keys(seen, expected)
+
+
+def test_a_managed_steps_key_is_its_name_folded_into_the_step_key():
+    seen = []
+
+    def outer(state, batch, key, ctx):
+        seen.append(key)
+        return state, {}
+
+    step = fs.sequence(fs.update("a", recording("a")), fs.managed(outer, trains="b", name="rl"))
+    step(state_of(), make_batch(0))
+    step_key = fold_in(fold_in(fs.random.key(0), 0), 0)
+    assert torch.equal(seen[0], fold_in_name(step_key, "rl"))
+
+
+def later_unit_run(inserted: list[str], wrap: str, k: int, seed: int) -> tuple[list, dict]:
+    """Run ``b`` (named "later") after units named ``inserted`` (training other roles)."""
+    seen: list = []
+    units = [
+        fs.update(ROLES[2 + i % 2], recording(ROLES[2 + i % 2]), name=n)
+        for i, n in enumerate(inserted)
+    ]
+    later = fs.update("b", recording("b", seen), name="later")
+    wrapped = {
+        "none": lambda u: u,
+        "every": lambda u: fs.every(1, u),
+        "cond": lambda u: fs.cond(lambda i: i % 2 == 0, u),
+    }[wrap]
+    step = fs.compile(fs.sequence(*map(wrapped, units), later), accumulation=fs.Accumulation(k))
+    state = state_of(seed)
+    for i in range(2):
+        state, _ = step(state, make_batch(seed + i))
+    return seen, tree.clone(state.roles["b"])
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    inserted=st.lists(
+        st.sampled_from(["critic", "x", "gen", "u1"]), min_size=1, max_size=3, unique=True
+    ),
+    wrap=st.sampled_from(["none", "every", "cond"]),
+    k=st.sampled_from([1, 2]),
+    seed=st.integers(0, 2**16),
+)
+def test_inserting_a_unit_in_front_does_not_change_a_later_units_noise(inserted, wrap, k, seed):
+    alone, b_alone = later_unit_run([], wrap, k, seed)
+    after, b_after = later_unit_run(inserted, wrap, k, seed)
+    assert_same_keys(after, alone)
+    tree.assert_trees_equal(b_after, b_alone, check_static=False)  # its noise and dropout too
+
+
+def test_two_leaves_of_one_name_are_refused_at_composition():
+    a1, a2 = fs.update("a", recording("a")), fs.update(("a", "b"), recording("a"), name="a")
+    with pytest.raises(ValueError, match=r"sequence: unit 'a' and unit 'a' share the name") as info:
+        fs.sequence(a1, fs.every(2, a2))
+    assert "update(..., name=" in str(info.value) and "fold_in_name" in str(info.value)
+    with pytest.raises(ValueError, match="the same unit 'a' appears twice"):
+        fs.sequence(a1, a1)
+    with pytest.raises(ValueError, match="cond: unit 'a' and unit 'a' share the name"):
+        fs.cond(lambda i: i > 0, a1, a2)
+    with pytest.raises(ValueError, match="compile: the same unit 'a' appears twice"):
+        fs.compile(compose.Sequence((a1, a1)))  # built around the combinator's check
+    m = fs.managed(lambda s, b, k, ctx: (s, {}), trains="b", name="a")
+    with pytest.raises(ValueError, match="unit 'a' and managed step 'a' share the name"):
+        fs.sequence(a1, m)
+    fs.sequence(a1, fs.update("a", recording("a"), name="a_again"))  # renamed: fine
+
+
+# ---------------------------------------------------------------------------------------
+# one step type
+# ---------------------------------------------------------------------------------------
+
+
+def test_a_unit_called_directly_is_the_unit_compiled_with_the_defaults():
+    unit = fs.update("a", recording("a"))
+    s1, s2 = state_of(), state_of()
+    n1, m1 = unit(s1, make_batch(0))
+    n2, m2 = fs.compile(unit)(s2, make_batch(0))
+    tree.assert_trees_equal(n1, n2, check_static=False)
+    tree.assert_trees_equal(m1, m2)
+    assert is_consumed(s1) and int(n1.step) == 1
+    assert [(e.roles, e.sanitize, e.clip, e.accumulation) for e in unit.plan(0)] == [
+        (("a",), "error", None, fs.Accumulation())
+    ]
+
+
+@pytest.mark.parametrize("combinator", ["sequence", "every", "cond", "compile", "managed"])
+def test_every_combinator_returns_a_step_that_composes(combinator):
+    unit = fs.update("a", recording("a"))
+
+    def outer(state, batch, key, ctx):
+        return ctx.update(state, unit, batch, key)
+
+    made = {
+        "sequence": lambda: fs.sequence(unit),
+        "every": lambda: fs.every(1, unit),
+        "cond": lambda: fs.cond(lambda i: True, unit),
+        "compile": lambda: fs.compile(unit),
+        "managed": lambda: fs.managed(outer, trains="a", name="m"),
+    }[combinator]()
+    assert isinstance(made, fs.Step)
+    state, metrics = fs.sequence(made, fs.update("b", recording("b")))(state_of(), make_batch(0))
+    assert "a/loss" in metrics and "b/loss" in metrics and int(state.step) == 1
+
+
+def test_compiled_steps_compose_each_with_its_own_accumulation():
+    seen: list = []
+    a, b = fs.update("a", recording("a", seen)), fs.update("b", recording("b", seen))
+    step = fs.sequence(fs.compile(a, accumulation=fs.Accumulation(4)), fs.compile(b))
+    step(state_of(), make_batch(0))
+    assert [(r, n) for r, _, n in seen] == [("a", 1)] * 4 + [("b", 4)]
+    assert [e.accumulation.microbatches for e in step.plan(0)] == [4, 1]
+
+
+def test_nested_compiles_equal_one_compile_of_the_same_policy_bitwise():
+    a, b = fs.update("a", recording("a")), fs.update("b", recording("b"))
+    acc, clip = fs.Accumulation(2), fs.clip_grad_norm(0.1)
+    nested = fs.sequence(
+        fs.compile(a, accumulation=acc, clip=clip), fs.compile(b, accumulation=acc, clip=clip)
+    )
+    flat = fs.compile(fs.sequence(a, b), accumulation=acc, clip=clip)
+    s1, s2 = state_of(3), state_of(3)
+    for i in range(3):
+        s1, m1 = nested(s1, make_batch(i))
+        s2, m2 = flat(s2, make_batch(i))
+        tree.assert_trees_equal(m1, m2)
+    tree.assert_trees_equal(s1, s2, check_static=False)
+
+
+def test_the_policy_is_the_units_own_then_the_innermost_compiles_then_the_default():
+    c1, c2 = fs.clip_grad_norm(1.0), fs.clip_grad_norm(2.0)
+    a = fs.update("a", recording("a"), clip=None)  # its own: no clipping
+    b = fs.update("b", recording("b"), sanitize="skip")
+    c = fs.update("c", recording("c"))
+    inner = fs.compile(fs.sequence(a, b), accumulation=fs.Accumulation(4), clip=c1)
+    step = fs.compile(
+        fs.sequence(inner, c), accumulation=fs.Accumulation(2), clip=c2, sanitize="nan_to_num"
+    )
+    got = [(e.name, e.accumulation.microbatches, e.clip, e.sanitize) for e in step.plan(0)]
+    assert got == [("a", 4, None, "nan_to_num"), ("b", 4, c1, "skip"), ("c", 2, c2, "nan_to_num")]
+    # An inner compile that sets nothing shadows nothing.
+    assert fs.compile(fs.compile(c), sanitize="skip").plan(0)[0].sanitize == "skip"
+    assert fs.compile(c).sanitize == "error" and fs.compile(c).clip is None
+
+
+def test_a_managed_steps_inner_units_take_its_policy_over_the_compiles():
+    seen = {}
+    inner = fs.update("a", recording("a"), name="inner")
+
+    def outer(state, batch, key, ctx):
+        seen["accumulation"] = ctx.accumulation
+        return ctx.update(state, inner, batch, key)
+
+    step = fs.compile(
+        fs.managed(outer, trains="a", name="m", clip=fs.clip_grad_norm(0.5)),
+        accumulation=fs.Accumulation(2),
+        sanitize="skip",
+    )
+    (entry,) = step.plan(0)
+    assert (entry.clip, entry.sanitize, entry.accumulation) == (
+        fs.clip_grad_norm(0.5),
+        "skip",
+        fs.Accumulation(2),
+    )
+    _, metrics = step(state_of(), make_batch(0))
+    assert seen["accumulation"] == fs.Accumulation(2)
+    assert "a/grad_norm" in metrics and metrics["a/skipped"] is False
+
+
+def test_plan_positions_are_the_depth_first_index_of_every_leaf():
+    units = [fs.update(r, recording(r)) for r in ROLES]
+    step = fs.compile(
+        fs.sequence(
+            fs.cond(lambda i: i % 2 == 0, units[0], fs.compile(units[1])),
+            fs.every(3, fs.sequence(units[2], units[3])),
+        )
+    )
+    assert [(e.position, e.name) for e in step.plan(0)] == [(0, "a"), (2, "c"), (3, "d")]
+    assert [(e.position, e.name) for e in step.plan(1)] == [(1, "b")]
+
+
+# ---------------------------------------------------------------------------------------
+# checks and consumption once, at the outermost call
+# ---------------------------------------------------------------------------------------
+
+
+def test_a_typo_in_a_nested_compiled_step_is_caught_before_consumption():
+    state = state_of()
+    inner = fs.compile(fs.update("bb", recording("b")), accumulation=fs.Accumulation(2))
+    step = fs.sequence(fs.update("a", recording("a")), fs.every(7, inner, offset=3))
+    with pytest.raises(ValueError, match="no role 'bb'.*did you mean 'b'"):
+        step(state, make_batch(0))
+    assert not is_consumed(state)
+
+
+def test_a_nested_compiled_step_failing_after_a_change_is_a_step_failed_error():
+    def failing(state, batch, key):
+        raise RuntimeError("b's data missing")
+
+    state = state_of()
+    step = fs.sequence(
+        fs.compile(fs.update("a", recording("a"))), fs.compile(fs.update("b", failing))
+    )
+    with pytest.raises(fs.StepFailedError, match=r"failed in unit 'b' \(position 1") as info:
+        step(state, make_batch(0))
+    assert "already changed by unit 'a' (position 0" in str(info.value)
+    assert is_consumed(state)
+
+
+def test_a_nested_first_unit_failing_leaves_the_input_usable():
+    def failing(state, batch, key):
+        state.module("a")(batch["x"])
+        raise KeyError("no such column")
+
+    state = state_of()
+    before = tree.clone(state)
+    step = fs.sequence(fs.compile(fs.update("a", failing), accumulation=fs.Accumulation(2)))
+    with pytest.raises(KeyError):
+        step(state, make_batch(0))
+    assert not is_consumed(state)
+    tree.assert_trees_equal(state, before)
+
+
+# ---------------------------------------------------------------------------------------
+# injected parallelism
+# ---------------------------------------------------------------------------------------
+
+
+def test_steps_built_through_the_face_run_with_fsdp2_and_core_ones_single_process():
+    face, core = fs.update("a", recording("a")), core_update("a", recording("a"))
+    assert face.resolved_settings().parallelism == FSDP2Parallelism()
+    assert core.resolved_settings().parallelism == SingleProcess()
+    assert fs.sequence(core).resolved_settings().parallelism == FSDP2Parallelism()
+    assert stepfn.compile(face).resolved_settings().parallelism == FSDP2Parallelism()
+    chosen = fs.compile(face, parallelism=SingleProcess())
+    assert chosen.resolved_settings().parallelism == SingleProcess()  # the outermost wins
+
+
+def test_call_settings_are_the_outermost_ones_set():
+    unit = core_update("a", recording("a"))
+    inner = stepfn.compile(unit, sequence_parallel_size=2, count_collectives=True)
+    assert stepfn.compile(inner).sequence_parallel_size == 2
+    assert stepfn.compile(inner, sequence_parallel_size=4).sequence_parallel_size == 4
+    assert stepfn.compile(inner).count_collectives is True
+    assert compose.sequence(unit).resolved_settings() == stepfn.CallSettings(
+        SingleProcess(), 1, False
+    )
+    with pytest.raises(ValueError, match="sequence_parallel_size must be >= 1"):
+        stepfn.compile(unit, sequence_parallel_size=0)
+
+
+def test_single_process_refuses_sharded_roles_before_consumption():
+    state = state_of()
+    state.roles["a"].params["0.weight"].device_mesh = object()  # looks like a DTensor
+    step = stepfn.compile(core_update("b", recording("b")), parallelism=SingleProcess())
+    with pytest.raises(ValueError, match="role 'a' has sharded.*SingleProcess.*fvstep.compile"):
+        step(state, make_batch(0))
+    assert not is_consumed(state)
+
+
+class RecordingParallelism:
+    """A Parallelism of one process that records what the step asks of it."""
+
+    def __init__(self) -> None:
+        self.calls: list = []
+
+    def check(self, state):
+        self.calls.append("check")
+
+    def grad_sync(self, state, accumulation):
+        self.calls.append(("grad_sync", accumulation.microbatches))
+        return SingleProcess().grad_sync(state, accumulation)
+
+    def data_parallel_index(self, sequence_parallel_size):
+        self.calls.append(("dp", sequence_parallel_size))
+        return 5
+
+    def collective_counter(self):
+        return SingleProcess().collective_counter()
+
+    def sum_over_ranks(self, value, like):
+        self.calls.append("sum_over_ranks")
+        return value
+
+
+def test_the_step_uses_the_injected_parallelism():
+    seen: list = []
+    parallelism = RecordingParallelism()
+    step = stepfn.compile(
+        compose.sequence(
+            stepfn.compile(core_update("a", recording("a", seen)), accumulation=fs.Accumulation(2)),
+            core_update("b", recording("b", seen)),
+        ),
+        parallelism=parallelism,
+        sequence_parallel_size=3,
+    )
+    step(state_of(), make_batch(0))
+    assert parallelism.calls == [
+        "check",
+        ("dp", 3),
+        ("grad_sync", 2),
+        "sum_over_ranks",  # the sanitize="error" verdict, made global
+        ("grad_sync", 1),
+        "sum_over_ranks",
+    ]
+    step_key = fold_in(fold_in(fs.random.key(0), 0), 5)  # the data-parallel index it gave
+    assert torch.equal(seen[-1][1], fold_in(fold_in_name(step_key, "b"), 0))
+
+
+CORE = (
+    "state",
+    "update",
+    "compose",
+    "stepfn",
+    "optim",
+    "random",
+    "tree",
+    "grads",
+    "accumulation",
+    "sync",
+)
+
+
+@pytest.mark.parametrize("module", CORE)
+def test_the_core_imports_nothing_of_torch_distributed_or_the_parallel_layer(module):
+    source = (Path(fs.__file__).parent / f"{module}.py").read_text()
+    banned = ("torch.distributed", "fvstep.distributed", "fvstep.parallel")
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            names = [base, *(f"{base}.{a.name}" for a in node.names)]
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+            names = [f"{node.value.id}.{node.attr}"]
+        else:
+            continue
+        bad = [n for n in names if n.startswith(banned)]
+        assert not bad, f"fvstep/{module}.py line {node.lineno} uses {bad}"
