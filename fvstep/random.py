@@ -16,9 +16,8 @@ Examples:
 
 from __future__ import annotations
 
-import hashlib
-
 import contextlib
+import hashlib
 from collections.abc import Iterator
 
 import torch
