@@ -4,15 +4,15 @@ The factory builds everything anew on each call, as a restarted process would.
 """
 
 import fvstep as fs
-from fvstep import distributed as fsd
+from fvstep import parallel as fsp
 from fvstep.methods import flow_matching_loss
 from fvstep.models import synthetic_batch, tiny_wan
 
 
 def factory():
     module = tiny_wan(seed=0)
-    if fsd.rank_and_world()[1] > 1:  # under torchrun: shard it, so the ranks train one model
-        module = fsd.shard_module(module, mesh=fsd.make_mesh())
+    if fsp.rank_and_world()[1] > 1:  # under torchrun: shard it, so the ranks train one model
+        module = fsp.shard_module(module, mesh=fsp.make_mesh())
     state = fs.TrainState.create(
         {"student": fs.Role(module, optimizer=fs.optim.adamw(lr=1e-3), ema=fs.EMA(0.99))},
         key=fs.random.key(0),

@@ -6,7 +6,7 @@ The public API (DESIGN.md): ``TrainState``, ``Role``, ``EMA``, ``update``, ``seq
 ``NonFiniteGradientError``, ``StepFailedError``), and the modules ``tree``, ``random``,
 ``optim``, ``schedules``.
 
-Every step built here runs with FSDP2's handling (``fvstep.distributed.FSDP2Parallelism``)
+Every step built here runs with FSDP2's handling (``fvstep.parallel.FSDP2Parallelism``)
 unless given another ``parallelism``: the step constructors of this face are those of
 the core (:mod:`fvstep.update`, :mod:`fvstep.compose`, :mod:`fvstep.stepfn`), which know
 only the :class:`fvstep.sync.Parallelism` protocol, with the FSDP2 layout injected.
@@ -23,9 +23,9 @@ import attrs
 from fvstep import checkpoint, data, optim, random, schedules, tree
 from fvstep import compose as _compose
 from fvstep.accumulation import Accumulation
-from fvstep.distributed import FSDP2Parallelism
 from fvstep.executor import Checkpoints, run
 from fvstep.grads import NonFiniteGradientError, clip_grad_norm
+from fvstep.parallel import FSDP2Parallelism
 from fvstep.state import EMA, ConsumedStateError, Role, TrainState
 from fvstep.stepfn import Step, StepFailedError, plan
 from fvstep.update import update as _update

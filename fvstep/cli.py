@@ -105,7 +105,7 @@ def _from_rank0(value: Any) -> Any:
     """Under torchrun: rank 0's ``value`` on every rank (also a barrier). Else ``value``."""
     if not _under_launcher():
         return value
-    from fvstep.distributed import gather_objects, init_from_env
+    from fvstep.parallel import gather_objects, init_from_env
 
     init_from_env()
     return gather_objects(value)[0]
@@ -114,13 +114,13 @@ def _from_rank0(value: Any) -> Any:
 def _run_on_ranks(fn: Any, arg: Any, nproc: int) -> list[Any]:
     """Every rank's ``fn(arg)``: in place (under torchrun, gathered), or on launched ranks."""
     if _under_launcher():
-        from fvstep.distributed import gather_objects, init_from_env
+        from fvstep.parallel import gather_objects, init_from_env
 
         init_from_env()
         return gather_objects(fn(arg))
     if nproc == 1:
         return [fn(arg)]
-    from fvstep.distributed import launch
+    from fvstep.parallel import launch
 
     return launch(fn, arg, nproc=nproc)
 

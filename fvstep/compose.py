@@ -256,7 +256,7 @@ def compile(
     Compiled steps compose: ``sequence(compile(critic, accumulation=Accumulation(4)),
     compile(student))`` runs the critic's unit over 4 micro-batches and the student's
     over one. ``fvstep.compile`` is this function with ``parallelism`` defaulting to
-    ``fvstep.distributed.FSDP2Parallelism()``; here it is left unset (a call runs with
+    ``fvstep.parallel.FSDP2Parallelism()``; here it is left unset (a call runs with
     the parallelism of the outermost step that sets one, else
     :class:`~fvstep.sync.SingleProcess`).
 

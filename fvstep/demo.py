@@ -28,7 +28,7 @@ import attrs
 import torch
 
 import fvstep as fs
-from fvstep import distributed as fsd
+from fvstep import parallel
 from fvstep.checkpoint import list_complete
 from fvstep.data import ShuffledSource, SyntheticLatents
 from fvstep.methods import dmd2
@@ -57,10 +57,10 @@ class DemoConfig:
 
 
 def _setup(config: DemoConfig, sharded: bool) -> tuple[fs.TrainState, fs.Step, ShuffledSource]:
-    mesh = fsd.make_mesh(device_type="cpu") if sharded else None
+    mesh = parallel.make_mesh(device_type="cpu") if sharded else None
 
     def shard(module: torch.nn.Module) -> torch.nn.Module:
-        return fsd.shard_module(module, mesh=mesh) if mesh is not None else module
+        return parallel.shard_module(module, mesh=mesh) if mesh is not None else module
 
     teacher: Any = tiny_wan(seed=config.seed)
     optimizer = fs.optim.adamw(lr=fs.schedules.constant_with_warmup(2e-4, warmup_steps=4))
@@ -99,7 +99,7 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
     Returns:
         ``{"equal": bool, "first_difference": str | None, "crash_at": int, ...}``.
     """
-    rank, world = fsd.rank_and_world()
+    rank, world = parallel.rank_and_world()
     # FSDP2 warns that the Wan model returns a view; nothing here modifies it in place.
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     out = Path(config.out)
@@ -134,7 +134,7 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
         fs.tree.assert_trees_equal(final_b, final_a, check_static=False)
     except AssertionError as e:
         first_difference = str(e)
-    verdicts = fsd.gather_objects(first_difference)
+    verdicts = parallel.gather_objects(first_difference)
     return {
         "equal": all(v is None for v in verdicts),
         "first_difference": next((v for v in verdicts if v is not None), None),

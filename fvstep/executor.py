@@ -21,7 +21,6 @@ from typing import Any
 
 import attrs
 import torch
-import torch.distributed as dist
 
 from fvstep import checkpoint as ckpt
 from fvstep.checkpoint import layout
@@ -30,6 +29,7 @@ from fvstep.checkpoint.manifest import (
     CheckpointSkippedWarning,
     DamagedCheckpointError,
 )
+from fvstep.parallel.ranks import broadcast_object, max_over_ranks, rank_and_world
 from fvstep.state import TrainState
 
 __all__ = ["Checkpoints", "run"]
@@ -71,12 +71,6 @@ class Checkpoints:
             raise ValueError(
                 f"Checkpoints.on_damaged must be 'skip' or 'error', got {self.on_damaged!r}"
             )
-
-
-def _rank_world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
 
 
 def _batch(data: Any, step: int, rank: int, world: int) -> Any:
@@ -165,15 +159,9 @@ def _sigterm_flag() -> Iterator[dict[str, bool]]:
             signal.signal(signal.SIGTERM, previous)
 
 
-def _agree_to_stop(local: bool, world: int) -> bool:
+def _agree_to_stop(local: bool) -> bool:
     """A SIGTERM may reach only some ranks: stop when any rank was told to."""
-    if world == 1:
-        return local
-    flag = torch.tensor([int(local)], dtype=torch.int32)
-    if dist.get_backend() == "nccl":
-        flag = flag.cuda()
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())
+    return max_over_ranks([int(local)])[0] > 0
 
 
 def run(
@@ -232,11 +220,11 @@ def run(
         >>> state = run(step_fn, state, source, num_steps=1000,
         ...             checkpoints=Checkpoints("ckpt", every=100, keep=3))
     """
-    rank, world = _rank_world()
-    lock = _lock(checkpoints.dir, rank, world) if checkpoints is not None else None
+    rank, _ = rank_and_world()
+    lock = _lock(checkpoints.dir, rank) if checkpoints is not None else None
     try:
         if checkpoints is not None:
-            state = _resume(state, checkpoints, num_steps, rank, world)
+            state = _resume(state, checkpoints, num_steps, rank)
         if int(state.step) > num_steps:
             raise ValueError(
                 f"the state is at step {int(state.step)}, past num_steps={num_steps}: "
@@ -259,7 +247,7 @@ def _loop(
     progress: bool,
     on_metrics: Callable[[int, dict[str, Any]], None] | None,
 ) -> TrainState:
-    rank, world = _rank_world()
+    rank, world = rank_and_world()
     start = int(state.step)
     if metrics_path is None and checkpoints is not None:
         metrics_path = checkpoints.dir / "metrics.jsonl"
@@ -276,7 +264,7 @@ def _loop(
                     on_metrics(s, metrics)
                 if bar is not None:
                     bar.update(1)
-                stop = _agree_to_stop(flag["stop"], world)
+                stop = _agree_to_stop(flag["stop"])
                 done = s + 1 == num_steps
                 if checkpoints is not None and ((s + 1) % checkpoints.every == 0 or done or stop):
                     _save(state, checkpoints, saver)
@@ -302,7 +290,7 @@ def _loop(
     return state
 
 
-def _lock(root: Path, rank: int, world: int) -> layout.DirectoryLock | None:
+def _lock(root: Path, rank: int) -> layout.DirectoryLock | None:
     """Collective: rank 0 locks ``root``; every rank raises rank 0's error, if any."""
     lock, error = None, None
     if rank == 0:
@@ -310,29 +298,20 @@ def _lock(root: Path, rank: int, world: int) -> layout.DirectoryLock | None:
             lock = layout.lock_dir(root)
         except CheckpointError as e:
             error = e
-    if world > 1:
-        box: list[Any] = [error]
-        dist.broadcast_object_list(box, src=0)
-        error = box[0]
+    error = broadcast_object(error)
     if error is not None:
         raise error
     return lock
 
 
-def _resume(
-    state: TrainState, checkpoints: Checkpoints, num_steps: int, rank: int, world: int
-) -> TrainState:
+def _resume(state: TrainState, checkpoints: Checkpoints, num_steps: int, rank: int) -> TrainState:
     """Collective: load the newest checkpoint that verifies, skipping (or refusing) damaged ones.
 
     Every rank tries the same candidates in the same order (rank 0's listing), and ``load``
     agrees on every failure, so all ranks resume from the same checkpoint.
     """
     root = checkpoints.dir
-    candidates = layout.list_step_dirs(root) if rank == 0 else None
-    if world > 1:
-        box: list[Any] = [candidates]
-        dist.broadcast_object_list(box, src=0)
-        candidates = box[0]
+    candidates = broadcast_object(layout.list_step_dirs(root) if rank == 0 else None)
     assert candidates is not None
     if candidates and candidates[-1][0] > num_steps:
         newest = candidates[-1][0]
@@ -387,7 +366,7 @@ def _save(state: TrainState, checkpoints: Checkpoints, saver: ckpt.AsyncSaver | 
         saver.save(state, path, overwrite=True)
     else:
         ckpt.save(state, path, overwrite=True)
-    if _rank_world()[0] == 0:
+    if rank_and_world()[0] == 0:
         ckpt.prune(checkpoints.dir, checkpoints.keep, keep_temp=path.parent / f".tmp-{path.name}")
 
 

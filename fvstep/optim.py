@@ -37,7 +37,9 @@ import torch
 from torch.optim.adamw import adamw as _torch_adamw
 from torch.optim.sgd import sgd as _torch_sgd
 
-from fvstep import _compat
+from fvstep import (
+    _compat as torch_compat,  # not `_compat`: attrs-generated methods read that global
+)
 from fvstep._checks import check_learning_rate
 from fvstep.tree import frozen
 
@@ -202,7 +204,7 @@ def _check_params(params: Mapping[str, torch.Tensor]) -> None:
 
 
 def _check_fused_params(params: Mapping[str, torch.Tensor]) -> None:
-    supported = _compat.fused_kernel_devices()
+    supported = torch_compat.fused_kernel_devices()
     for name, p in params.items():
         if p.device.type not in supported or not torch.is_floating_point(p):
             raise ValueError(
@@ -293,7 +295,7 @@ def _resolve_impl(
     CUDA, the single-tensor loop on CPU); fused is only used when asked for.
     """
     if foreach is None and fused is None:
-        foreach = _compat.default_foreach(list(params))
+        foreach = torch_compat.default_foreach(list(params))
     return bool(foreach), bool(fused)
 
 
@@ -366,11 +368,11 @@ class AdamW:
                 # torch/optim/adam.py `_init_group`, note [special device hosting for step].
                 if self.fused:
                     step[name] = torch.zeros(
-                        (), dtype=_compat.optimizer_step_dtype(fused=True), device=p.device
+                        (), dtype=torch_compat.optimizer_step_dtype(fused=True), device=p.device
                     )
                 else:
                     step[name] = torch.tensor(
-                        0.0, dtype=_compat.optimizer_step_dtype(), device="cpu"
+                        0.0, dtype=torch_compat.optimizer_step_dtype(), device="cpu"
                     )
                 exp_avg[name] = _zeros_like(p)
                 exp_avg_sq[name] = _zeros_like(p)

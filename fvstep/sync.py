@@ -3,7 +3,7 @@
 A step runs its units through a :class:`Parallelism`, injected when the step is built
 (``fvstep.compile(..., parallelism=...)``). The core (``state``, ``update``, ``compose``,
 ``stepfn``, ...) knows these protocols and :class:`SingleProcess`, and nothing of
-``torch.distributed`` or FSDP2; ``fvstep.distributed.FSDP2Parallelism`` is the FSDP2
+``torch.distributed`` or FSDP2; ``fvstep.parallel.FSDP2Parallelism`` is the FSDP2
 implementation, and the one ``fvstep.compile`` uses unless told otherwise.
 
 - :class:`GradSync`: what happens around one unit's micro-batches (gradient reduction
@@ -42,7 +42,7 @@ __all__ = [
 class GradSync(Protocol):
     """What the step does around a unit to control gradient reduction and module state.
 
-    The single-process implementation is :class:`NoSync`; ``fvstep.distributed``
+    The single-process implementation is :class:`NoSync`; ``fvstep.parallel``
     provides the FSDP2 one. :meth:`release` is what keeps DESIGN point 9 ("no state
     outside the state"): it is called before a unit touches any module and again after it
     (also on error), and must return every role's module to its resting state, so that
@@ -107,7 +107,7 @@ class Parallelism(Protocol):
 
     One object serves every call of a step; it holds configuration, never training
     state. Implementations: :class:`SingleProcess` and
-    ``fvstep.distributed.FSDP2Parallelism``.
+    ``fvstep.parallel.FSDP2Parallelism``.
     """
 
     def check(self, state: TrainState) -> None:
@@ -162,7 +162,7 @@ class SingleProcess:
     """One process, plain (unsharded) modules: no sync, data-parallel index 0.
 
     It refuses a role whose parameters are sharded (DTensors): their modules need the
-    parallel layer's handling between units (``fvstep.distributed.FSDP2Parallelism``,
+    parallel layer's handling between units (``fvstep.parallel.FSDP2Parallelism``,
     the default of ``fvstep.compile``).
 
     Examples:
@@ -177,7 +177,7 @@ class SingleProcess:
                     f"role {name!r} has sharded (DTensor) parameters, but this step runs with "
                     "SingleProcess parallelism, which does not return FSDP2 modules to rest "
                     "between units. Build the step with fvstep.compile (FSDP2 by default) or "
-                    "pass parallelism=fvstep.distributed.FSDP2Parallelism()"
+                    "pass parallelism=fvstep.parallel.FSDP2Parallelism()"
                 )
 
     def grad_sync(self, state: TrainState, accumulation: Accumulation) -> GradSync:

@@ -3,7 +3,7 @@
 - :func:`assert_resume_exact` runs a method uninterrupted and interrupted (crashing at
   chosen steps, resuming from the newest checkpoint each time) and asserts that the
   final states are bitwise identical.
-- Multi-rank checks: run them with ``fvstep.distributed.launch(fn, ..., nproc=2)`` (or
+- Multi-rank checks: run them with ``fvstep.parallel.launch(fn, ..., nproc=2)`` (or
   ``fvstep verify-resume --nproc 2``); every rank calls :func:`assert_resume_exact`.
 - :mod:`hypothesis` strategies: :func:`resume_scenarios` and :func:`train_states`.
 - :func:`assert_trees_equal` (from :mod:`fvstep.tree`).

@@ -46,7 +46,7 @@ from fvstep.stepfn import (
     _check_sanitize,
 )
 from fvstep.sync import GradSync, NoSync, Parallelism, SingleProcess
-from fvstep.tree import replace
+from fvstep.tree import _local, replace
 
 __all__ = [
     "DEFAULT",
@@ -526,11 +526,6 @@ def _check_finite(
             role=label,
             kind="Inf",
         )
-
-
-def _local(x: torch.Tensor) -> torch.Tensor:
-    to_local = getattr(x, "to_local", None)
-    return to_local() if to_local is not None else x
 
 
 @torch.no_grad()

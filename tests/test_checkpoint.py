@@ -40,7 +40,7 @@ from torch import nn
 
 import fvstep as fs
 from fvstep import checkpoint as ckpt
-from fvstep import distributed as fsd
+from fvstep import parallel as fsp
 from fvstep import tree
 from fvstep.checkpoint import (
     CheckpointError,
@@ -191,11 +191,11 @@ def wan_state(rank: int, *, sharded: bool, seed: int = 0, extra=None, fill: int 
     or plain; float leaves filled with values drawn from ``fill`` (None: left as built)."""
     from fvstep.models import tiny_wan
 
-    mesh = fsd.make_mesh(device_type="cpu") if sharded else None
+    mesh = fsp.make_mesh(device_type="cpu") if sharded else None
 
     def module(s: int) -> nn.Module:
         m = tiny_wan(seed=s, num_layers=1)
-        return fsd.shard_module(m, mesh=mesh) if sharded else m
+        return fsp.shard_module(m, mesh=mesh) if sharded else m
 
     state = fs.TrainState.create(
         {

@@ -14,7 +14,7 @@ from torch import nn
 
 import fvstep as fs
 from fvstep import compose, stepfn, tree
-from fvstep.distributed import FSDP2Parallelism
+from fvstep.parallel import FSDP2Parallelism
 from fvstep.random import fold_in, fold_in_name, generator
 from fvstep.state import is_consumed
 from fvstep.sync import SingleProcess

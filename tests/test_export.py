@@ -246,10 +246,10 @@ def test_a_failed_write_leaves_the_previous_export_intact(tmp_path, monkeypatch)
 
 
 def check_sharded_export(rank: int, world_size: int, directory: str):
-    from fvstep import distributed as fsd
+    from fvstep import parallel as fsp
 
-    mesh = fsd.make_mesh(device_type="cpu")
-    module = fsd.shard_module(tiny_wan(seed=0), mesh=mesh)
+    mesh = fsp.make_mesh(device_type="cpu")
+    module = fsp.shard_module(tiny_wan(seed=0), mesh=mesh)
     state = make_state(module)
     assert type(module).__name__ == "FSDPWanTransformer3DModel"
     assert all(hasattr(p, "full_tensor") for p in state.roles["student"].params.values())

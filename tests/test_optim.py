@@ -774,3 +774,10 @@ def test_optimizers_and_schedules_reject_the_same_learning_rates_alike(lr, error
     for build in (optim.adamw, optim.sgd, schedules.constant):
         with pytest.raises(error, match=message):
             build(lr)
+
+
+def test_optimizers_have_a_repr():
+    # attrs-generated methods read a module global named `_compat`: a module that imports
+    # fvstep._compat under that name breaks them (it did, in optim.py).
+    assert repr(optim.adamw(lr=1e-3)).startswith("AdamW(")
+    assert repr(optim.sgd(lr=1e-3)).startswith("SGD(")

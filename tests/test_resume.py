@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 import fvstep as fs
 import fvstep.methods
-from fvstep import distributed as fsd
+from fvstep import parallel as fsp
 from fvstep.methods import dmd2, finetune, rl
 from fvstep.models import synthetic_batch, tiny_wan
 from fvstep.random import fold_in
@@ -43,7 +43,7 @@ class SyntheticData:
 def make_factory(method: str, seed: int, microbatches: int, sync: str, sharded: bool):
     def module(s: int) -> torch.nn.Module:
         m = tiny_wan(seed=s, num_layers=1)
-        return fsd.shard_module(m, mesh=fsd.make_mesh(device_type="cpu")) if sharded else m
+        return fsp.shard_module(m, mesh=fsp.make_mesh(device_type="cpu")) if sharded else m
 
     def trained(m: torch.nn.Module, **kw) -> fs.Role:
         return fs.Role(
@@ -57,7 +57,7 @@ def make_factory(method: str, seed: int, microbatches: int, sync: str, sharded: 
         elif method == "dmd2":
             base = tiny_wan(seed=seed, num_layers=1)
             wrap = (
-                (lambda m: fsd.shard_module(m, mesh=fsd.make_mesh(device_type="cpu")))
+                (lambda m: fsp.shard_module(m, mesh=fsp.make_mesh(device_type="cpu")))
                 if sharded
                 else (lambda m: m)
             )
@@ -174,4 +174,6 @@ def test_resume_stays_exact_with_torch_compile_per_block(tmp_path):
         step = fs.compile(finetune(), accumulation=fs.Accumulation(2), clip=fs.clip_grad_norm(1.0))
         return state, step, SyntheticData(1, batch_size=2)
 
-    assert_resume_exact(factory, num_steps=5, interruptions=[2, 3], workdir=tmp_path, checkpoint_every=2)
+    assert_resume_exact(
+        factory, num_steps=5, interruptions=[2, 3], workdir=tmp_path, checkpoint_every=2
+    )

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import fvstep as fs
-from fvstep import distributed as fsd
+from fvstep import parallel as fsp
 from fvstep import tree
 from fvstep.checkpoint import checkpoint_dir, load, save
 from fvstep.checkpoint.export import export_role, gather_weights
@@ -449,7 +449,7 @@ def test_random_tie_patterns_give_one_leaf_per_tensor_and_torch_optim_steps(ties
 
 def sharded_tied(seed: int) -> nn.Module:
     """Blocks in their own FSDP2 groups; enc and dec (the tie) in the root's group."""
-    return fsd.shard_module(TiedAutoencoder(seed), mesh=fsd.make_mesh(device_type="cpu"))
+    return fsp.shard_module(TiedAutoencoder(seed), mesh=fsp.make_mesh(device_type="cpu"))
 
 
 def check_fsdp2_tied_against_torch(rank: int, world_size: int, workdir: str) -> bool:
@@ -465,7 +465,7 @@ def check_fsdp2_tied_against_torch(rank: int, world_size: int, workdir: str) -> 
         state, _ = step(state, batch_at(i, rank))
 
     reference = TiedAutoencoder(7)
-    mesh = fsd.make_mesh(device_type="cpu")
+    mesh = fsp.make_mesh(device_type="cpu")
     fully_shard(reference.blocks[0], mesh=mesh)
     fully_shard(reference, mesh=mesh)
     opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
@@ -506,8 +506,8 @@ def check_tie_across_fsdp2_groups_is_refused(rank: int, world_size: int) -> str:
     def own_group_for_dec(name: str, module: nn.Module, parent: nn.Module | None) -> bool:
         return name == "dec"
 
-    module = fsd.shard_module(
-        TiedAutoencoder(0), mesh=fsd.make_mesh(device_type="cpu"), policy=own_group_for_dec
+    module = fsp.shard_module(
+        TiedAutoencoder(0), mesh=fsp.make_mesh(device_type="cpu"), policy=own_group_for_dec
     )
     # fully_shard has already split the tie into two DTensors: the state sees two tensors.
     state = make_state(module)

@@ -115,7 +115,7 @@ def expected_collectives(
       first forward gathers, later forwards find the parameters still unsharded); bytes
       = the gathered output, ``sum N_g * param_bytes`` each time;
     - reduce-scatters: ``K`` per group (``every``, ``deferred``), ``1`` (``no_sync``);
-      bytes as :class:`fvstep.distributed.CollectiveCounter` counts them, the output
+      bytes as :class:`fvstep.parallel.CollectiveCounter` counts them, the output
       shard: ``sum N_g * reduce_bytes / world`` each time (the data reduced is ``world``
       times that);
     - all-reduces: one a step for the global gradient norm when clipping.

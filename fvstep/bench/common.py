@@ -3,7 +3,7 @@
 A benchmark process is either a single process (modules unsharded) or one rank of a
 ``torchrun`` launch (``WORLD_SIZE > 1``): :func:`setup_runtime` then initialises the
 process group (NCCL on CUDA, gloo on CPU) and :func:`prepare_module` shards every role
-with :func:`fvstep.distributed.shard_module`. Model presets live in
+with :func:`fvstep.parallel.shard_module`. Model presets live in
 :mod:`fvstep.bench.presets`, analytic FLOPs and collectives in :mod:`fvstep.bench.analytic`.
 """
 

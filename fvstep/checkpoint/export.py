@@ -29,11 +29,12 @@ from pathlib import Path
 from typing import Any, Literal, cast
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from fvstep.checkpoint.layout import fsync
+from fvstep.parallel.ranks import gather_objects, rank_and_world
 from fvstep.state import RoleState, TrainState
 
 __all__ = ["WEIGHTS_NAME", "export_diffusers", "export_role", "gather_weights"]
@@ -83,7 +84,7 @@ def gather_weights(
     """
     role_state = _role_state(state, role)
     _check_options(role_state, role, weights, dtype)
-    keep = rank0_only is False or _rank() == 0
+    keep = rank0_only is False or rank_and_world()[0] == 0
     return _gather(role_state, weights=weights, dtype_for=lambda _: dtype, keep=keep)
 
 
@@ -133,7 +134,7 @@ def export_role(
     _check_options(role_state, role, weights, dtype)
     path = Path(path)
     target = path if path.suffix == ".safetensors" else path / WEIGHTS_NAME
-    writes = rank0_only is False or _rank() == 0
+    writes = rank0_only is False or rank_and_world()[0] == 0
 
     def check_target() -> None:
         if target.is_dir():
@@ -206,7 +207,7 @@ def export_diffusers(
     cls = _diffusers_class(module, role)
     _check_options(role_state, role, weights, dtype)
     path = Path(path)
-    writes = _rank() == 0
+    writes = rank_and_world()[0] == 0
 
     def check_target() -> None:
         if path.exists() and not path.is_dir():
@@ -235,20 +236,16 @@ def export_diffusers(
         try:
             tmp.mkdir()
             _save_safetensors(tensors, tmp / SAFETENSORS_WEIGHTS_NAME)
-            _fsync(tmp / SAFETENSORS_WEIGHTS_NAME)
+            fsync(tmp / SAFETENSORS_WEIGHTS_NAME)
             (tmp / cls.config_name).write_text(config)
-            _fsync(tmp / cls.config_name)
-            _fsync(tmp)
+            fsync(tmp / cls.config_name)
+            fsync(tmp)
             _replace_dir(tmp, path)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
 
     _agree("write the export", write if writes else None)
     return path if writes else None
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def _agree(what: str, action: Callable[[], None] | None) -> None:
@@ -264,13 +261,8 @@ def _agree(what: str, action: Callable[[], None] | None) -> None:
             action()
         except Exception as e:
             error = e
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        if error is not None:
-            raise error
-        return
     mine = None if error is None else (type(error) is ValueError, str(error))
-    outcomes: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(outcomes, mine)
+    outcomes = gather_objects(mine)  # nothing is communicated on one process
     if error is not None:
         raise error
     for rank, outcome in enumerate(outcomes):
@@ -357,24 +349,13 @@ def _save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
     save_file(tensors, str(path), metadata={"format": "pt"})
 
 
-def _fsync(path: Path) -> None:
-    is_dir = path.is_dir()
-    if is_dir and os.name != "posix":
-        return  # directories cannot be opened for fsync on Windows
-    fd = os.open(path, os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if is_dir else 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_file_atomically(target: Path, write: Callable[[Path], None]) -> None:
     tmp = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex}"
     try:
         write(tmp)
-        _fsync(tmp)
+        fsync(tmp)
         os.replace(tmp, target)
-        _fsync(target.parent)
+        fsync(target.parent)
     finally:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
@@ -387,11 +368,11 @@ def _replace_dir(new: Path, target: Path) -> None:
         old = target.parent / f".{target.name}.old-{uuid.uuid4().hex}"
         os.replace(target, old)
         os.replace(new, target)
-        _fsync(target.parent)
+        fsync(target.parent)
         shutil.rmtree(old)
     else:
         os.replace(new, target)
-        _fsync(target.parent)
+        fsync(target.parent)
 
 
 def _diffusers_class(module: nn.Module, role: str) -> type[Any]:

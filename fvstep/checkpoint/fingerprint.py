@@ -25,6 +25,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fvstep._compat import local_shape_and_global_offset
+from fvstep.parallel.ranks import collective_device, rank_and_world
+
 __all__ = ["fingerprint", "leaf_checksum", "local_checks", "local_sums"]
 
 _K1 = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64
@@ -104,13 +107,11 @@ def _finite(part: torch.Tensor) -> torch.Tensor:
 def _leaf_checks(x: Any, check_finite: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's checksum contribution for ``x`` and whether its local values are finite."""
     if hasattr(x, "to_local"):
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
         local = x.to_local().detach()
         finite = torch.ones((), dtype=torch.bool, device=local.device)
         if not _contributes(x):  # a replica: the rank that counts it also checks it
             return torch.zeros((), dtype=torch.int64, device=local.device), finite
-        shape, offset = compute_local_shape_and_global_offset(x.shape, x.device_mesh, x.placements)
+        shape, offset = local_shape_and_global_offset(x.shape, x.device_mesh, x.placements)
         global_shape = tuple(x.shape)
     else:
         local = x.detach()
@@ -230,10 +231,10 @@ def fingerprint(
     sums = list(sums) if sums is not None else local_sums(leaves)
     sharded = [i for i, x in enumerate(leaves) if hasattr(x, "to_local")]
     plain = [i for i, x in enumerate(leaves) if not hasattr(x, "to_local")]
-    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    world = rank_and_world(group)[1]
     per_rank: dict[str, list[int]] = {}
     if world > 1:
-        device = _comm_device(group)
+        device = collective_device(group)
         if sharded:
             total = torch.stack([sums[i] for i in sharded]).to(device)
             dist.all_reduce(total, group=group)
@@ -249,10 +250,3 @@ def fingerprint(
                     per_rank[paths[i]] = [int(v) for v in table[:, column]]
     checksums = {p: int(s) for p, s in zip(paths, sums) if p not in per_rank}
     return checksums, per_rank
-
-
-def _comm_device(group: Any) -> torch.device:
-    backend = dist.get_backend(group)
-    if "nccl" in str(backend) and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")

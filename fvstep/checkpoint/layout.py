@@ -37,6 +37,7 @@ __all__ = [
     "checkpoint_dir",
     "commit",
     "discard",
+    "fsync",
     "latest",
     "list_complete",
     "list_step_dirs",
@@ -77,8 +78,21 @@ def temp_dir(root: str | os.PathLike[str], step: int) -> Path:
     return Path(root) / f".tmp-step_{step:09d}"
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
+def fsync(path: str | os.PathLike[str]) -> None:
+    """Flush a file, or a directory's entries, to disk (``os.fsync``).
+
+    A directory is fsynced after a file in it is created or renamed, so that the new
+    name survives a crash. On Windows, where directories cannot be opened for fsync,
+    a directory is skipped.
+
+    Raises:
+        OSError: If ``path`` cannot be opened or flushed.
+    """
+    path = Path(path)
+    is_dir = path.is_dir()
+    if is_dir and os.name != "posix":
+        return
+    fd = os.open(path, os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if is_dir else 0))
     try:
         os.fsync(fd)
     finally:
@@ -98,9 +112,9 @@ def commit(tmp: Path, final: Path) -> None:
     """
     if final.exists():
         raise CheckpointError(f"checkpoint {str(final)!r} already exists")
-    _fsync_dir(tmp)
+    fsync(tmp)
     os.replace(tmp, final)
-    _fsync_dir(final.parent)
+    fsync(final.parent)
 
 
 def list_complete(root: str | os.PathLike[str]) -> list[tuple[int, Path]]:
@@ -180,7 +194,7 @@ def set_aside(path: Path) -> Path:
         k += 1
         target = path.with_name(f"{path.name}.damaged-{k}")
     os.replace(path, target)
-    _fsync_dir(path.parent)
+    fsync(path.parent)
     return target
 
 
@@ -241,7 +255,7 @@ def discard(path: Path) -> None:
     if aside.exists():
         shutil.rmtree(aside)
     os.replace(path, aside)
-    _fsync_dir(path.parent)
+    fsync(path.parent)
     shutil.rmtree(aside, ignore_errors=True)
 
 

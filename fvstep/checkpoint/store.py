@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import importlib.metadata
 import os
 import shutil
 import warnings
@@ -28,8 +29,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-import fvstep
-from fvstep.checkpoint.fingerprint import _comm_device, fingerprint, local_checks
+from fvstep.checkpoint.fingerprint import fingerprint, local_checks
 from fvstep.checkpoint.layout import commit, discard, list_complete
 from fvstep.checkpoint.manifest import (
     CheckpointError,
@@ -37,6 +37,7 @@ from fvstep.checkpoint.manifest import (
     Manifest,
     read_manifest,
 )
+from fvstep.parallel.ranks import broadcast_object, min_over_ranks, rank_and_world
 from fvstep.tree import flatten_with_paths
 
 __all__ = ["AsyncSaver", "load", "save"]
@@ -44,10 +45,16 @@ __all__ = ["AsyncSaver", "load", "save"]
 T = TypeVar("T")
 
 
-def _rank_world(group: Any = None) -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(group), dist.get_world_size(group)
-    return 0, 1
+def _installed_version() -> str:
+    """fvstep's version from the installed distribution's metadata (as equinox reads its
+    own): no module inside fvstep imports the package face for it."""
+    try:
+        return importlib.metadata.version("fvstep")
+    except importlib.metadata.PackageNotFoundError:  # a checkout on sys.path, not installed
+        return "0+unknown"
+
+
+_FVSTEP_VERSION = _installed_version()
 
 
 @contextlib.contextmanager
@@ -57,24 +64,6 @@ def _quiet_single_process(world: int) -> Iterator[None]:
         if world == 1:
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
-
-
-def _broadcast_from_0(value: Any, group: Any = None) -> Any:
-    """Rank 0's ``value`` on every rank (a picklable object)."""
-    if _rank_world(group)[1] == 1:
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0, group=group)
-    return box[0]
-
-
-def _agree_min(value: int, group: Any = None) -> int:
-    """The smallest of the ranks' ``value``s, on every rank."""
-    if _rank_world(group)[1] == 1:
-        return value
-    t = torch.tensor([value], dtype=torch.int64, device=_comm_device(group))
-    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
-    return int(t.item())
 
 
 def _exc_text(exc: Any) -> str:
@@ -96,9 +85,9 @@ def _refuse_nonfinite(
 ) -> None:
     """Collective: raise on every rank if any rank holds a non-finite leaf (the first by path
     order, then by rank, is named)."""
-    rank, world = _rank_world(group)
+    rank, world = rank_and_world(group)
     bad = next((i for i, ok in enumerate(finite) if not ok), len(paths))
-    first = _agree_min(bad * world + rank, group)
+    first = min_over_ranks([bad * world + rank], group=group)[0]
     if first < len(paths) * world:
         where = f" on rank {first % world}" if world > 1 else ""
         raise CheckpointError(
@@ -128,7 +117,7 @@ def _describe_leaf(x: torch.Tensor, per_rank: bool) -> dict[str, Any]:
 
 def _make_temp_dir(final: Path, overwrite: bool, group: Any) -> Path:
     """Collective: rank 0 checks ``final`` and makes a fresh temporary directory."""
-    rank, _ = _rank_world(group)
+    rank, _ = rank_and_world(group)
     tmp = _temp_for(final)
     error: str | None = None
     if rank == 0:
@@ -141,14 +130,14 @@ def _make_temp_dir(final: Path, overwrite: bool, group: Any) -> Path:
                 tmp.mkdir(parents=True)
         except OSError as e:
             error = f"could not save checkpoint {str(final)!r}: {_exc_text(e)}"
-    error = _broadcast_from_0(error, group)
+    error = broadcast_object(error, group=group)
     if error is not None:
         raise CheckpointError(error)
     return tmp
 
 
 def _dcp_save(flat: dict[str, torch.Tensor], final: Path, tmp: Path, group: Any) -> None:
-    world = _rank_world(group)[1]
+    world = rank_and_world(group)[1]
     try:
         with _quiet_single_process(world):
             dcp.save(flat, checkpoint_id=tmp, process_group=group, no_dist=world == 1)
@@ -178,7 +167,7 @@ def _write_shards(
     a value is saved per rank depends on them. A non-finite leaf on any rank is refused
     after the write, before the commit.
     """
-    rank, world = _rank_world(group)
+    rank, world = rank_and_world(group)
     if prints is not None:
         checksums, per_rank = prints
         flat = {
@@ -230,7 +219,7 @@ def _write(
     On any failure every rank raises a ``CheckpointError`` naming ``final`` and the cause,
     and rank 0 removes ``tmp``. When it returns, on any rank, the checkpoint is committed.
     """
-    rank, world = _rank_world(group)
+    rank, world = rank_and_world(group)
     try:
         checksums, per_rank = _write_shards(
             paths, leaves, step, final, tmp, group, prints, allow_nonfinite
@@ -241,7 +230,7 @@ def _write(
             leaves={p: _describe_leaf(x, p in per_rank) for p, x in zip(paths, leaves)},
             checksums=checksums,
             per_rank=per_rank,
-            fvstep_version=fvstep.__version__,
+            fvstep_version=_FVSTEP_VERSION,
         )
         error: CheckpointError | None = None
         if rank == 0:
@@ -251,7 +240,7 @@ def _write(
                 error = e
             except Exception as e:  # a full disk, a read-only or vanished directory
                 error = CheckpointError(f"could not save checkpoint {str(final)!r}: {_exc_text(e)}")
-        error = _broadcast_from_0(error, group)  # also: no rank returns before the commit
+        error = broadcast_object(error, group=group)  # also: no rank returns before the commit
         if error is not None:
             raise error
     except Exception:
@@ -400,7 +389,7 @@ def load(path: str | os.PathLike[str], *, like: T, group: Any = None) -> T:
                 "use fvstep.checkpoint.latest(root)"
             ) from None
         raise
-    rank, world = _rank_world(group)
+    rank, world = rank_and_world(group)
     paths, leaves, spec = flatten_with_paths(like)
     _check_fits(manifest, path, paths, leaves, world)
     fresh = [_empty_like(x) for x in leaves]
@@ -424,7 +413,7 @@ def load(path: str | os.PathLike[str], *, like: T, group: Any = None) -> T:
             bad = i
             break
     # A per-rank value may be damaged on one rank only: all ranks must refuse it together.
-    bad = _agree_min(bad, group)
+    bad = min_over_ranks([bad], group=group)[0]
     if bad < len(paths):
         raise DamagedCheckpointError(
             f"checkpoint {str(path)!r}: the content of '{paths[bad]}' does not match the "
@@ -507,7 +496,7 @@ class AsyncSaver:
         )
 
     def _uploads(self) -> Any:
-        if self._upload_group is None and _rank_world(self._group)[1] > 1:
+        if self._upload_group is None and rank_and_world(self._group)[1] > 1:
             self._upload_group = dist.new_group(backend="gloo")
         return self._upload_group
 
@@ -552,7 +541,7 @@ class AsyncSaver:
         try:
             staged = self._stager.stage(paths, leaves)
         except Exception:
-            if _rank_world(self._group)[0] == 0:
+            if rank_and_world(self._group)[0] == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
             raise
         self._pending = self._executor.submit(

@@ -37,7 +37,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import fvstep as fs
-from fvstep import distributed as fsd
+from fvstep import parallel as fsd
 from fvstep import tree
 from fvstep.bench.presets import PRESETS, build_model
 from fvstep.methods import dmd2
@@ -96,12 +96,12 @@ def one_run(args, rank: int, device: torch.device, mesh) -> dict:
         sync(device)
         t0 = time.perf_counter()
         state, metrics = step(state, batch)
-        losses = {
-            k: float(v) for k, v in metrics.items() if k.endswith(("/loss", "/grad_norm"))
-        }
+        losses = {k: float(v) for k, v in metrics.items() if k.endswith(("/loss", "/grad_norm"))}
         if i == 0:
             losses["nonfinite_params"] = {
-                r: [n for n, p in rs.params.items() if not bool(torch.isfinite(p.to_local()).all())][:4]
+                r: [
+                    n for n, p in rs.params.items() if not bool(torch.isfinite(p.to_local()).all())
+                ][:4]
                 for r, rs in state.roles.items()
             }
         sync(device)
@@ -129,7 +129,9 @@ def main() -> None:
     parser.add_argument("--text-len", type=int, default=512)
     parser.add_argument("--no-deterministic", dest="deterministic", action="store_false")
     parser.add_argument(
-        "--no-fill", dest="fill", action="store_false",
+        "--no-fill",
+        dest="fill",
+        action="store_false",
         help="deterministic algorithms without filling uninitialised memory with NaN",
     )
     parser.add_argument("--no-ac", dest="ac", action="store_false")

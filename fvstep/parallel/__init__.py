@@ -1,0 +1,80 @@
+"""The parallel layer: everything of fvstep that knows about ranks, FSDP2 and collectives.
+
+Split by concern (as torchtitan's ``distributed/`` folder):
+
+- :mod:`fvstep.parallel.mesh`: device meshes and FSDP2 sharding of a role's module
+  (:func:`make_mesh`, :func:`shard_module`, :func:`blocks_policy`, :func:`is_sharded`);
+- :mod:`fvstep.parallel.sync`: the FSDP2 gradient-sync policy of accumulation and
+  modules returned to rest (:class:`FSDPGradSync`, :func:`release_modules`,
+  :func:`unrested_modules`, :func:`check_roles_are_data_parallel`,
+  :func:`grad_sync_for`), and :class:`FSDP2Parallelism`, the
+  :class:`~fvstep.sync.Parallelism` that ``fvstep.compile`` injects into the core;
+- :mod:`fvstep.parallel.collectives`: :class:`CollectiveCounter`;
+- :mod:`fvstep.parallel.launcher`: :func:`launch`, :func:`init_from_env`, :func:`destroy`;
+- :mod:`fvstep.parallel.ranks`: the rank helpers every other module uses
+  (:func:`rank_and_world`, :func:`barrier`, :func:`gather_objects`,
+  :func:`broadcast_object`, :func:`max_over_ranks`, :func:`min_over_ranks`,
+  :func:`collective_device`, :func:`data_parallel_index`).
+
+The core (``tree``, ``random``, ``state``, ``optim``, ``update``, ``compose``,
+``stepfn``) imports nothing from here: it is given a :class:`FSDP2Parallelism` by the
+package face. The executor and ``fvstep.checkpoint`` use the rank helpers instead of
+calling ``torch.distributed`` themselves. ``fvstep.distributed``, where these names
+lived before, is a deprecated alias of this package.
+
+Examples:
+    >>> from fvstep import parallel
+    >>> mesh = parallel.make_mesh()
+    >>> student = parallel.shard_module(student, mesh=mesh)
+"""
+
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+from fvstep.parallel.collectives import CollectiveCounter
+from fvstep.parallel.launcher import destroy, init_from_env, launch
+from fvstep.parallel.mesh import ShardPolicy, blocks_policy, is_sharded, make_mesh, shard_module
+from fvstep.parallel.ranks import (
+    barrier,
+    broadcast_object,
+    collective_device,
+    data_parallel_index,
+    gather_objects,
+    max_over_ranks,
+    min_over_ranks,
+    rank_and_world,
+)
+from fvstep.parallel.sync import (
+    FSDP2Parallelism,
+    FSDPGradSync,
+    check_roles_are_data_parallel,
+    grad_sync_for,
+    release_modules,
+    unrested_modules,
+)
+
+__all__ = [
+    "CollectiveCounter",
+    "FSDP2Parallelism",
+    "FSDPGradSync",
+    "MixedPrecisionPolicy",
+    "ShardPolicy",
+    "barrier",
+    "blocks_policy",
+    "broadcast_object",
+    "check_roles_are_data_parallel",
+    "collective_device",
+    "data_parallel_index",
+    "destroy",
+    "gather_objects",
+    "grad_sync_for",
+    "init_from_env",
+    "is_sharded",
+    "launch",
+    "make_mesh",
+    "max_over_ranks",
+    "min_over_ranks",
+    "rank_and_world",
+    "release_modules",
+    "shard_module",
+    "unrested_modules",
+]

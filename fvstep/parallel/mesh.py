@@ -1,0 +1,121 @@
+"""Device meshes and FSDP2 sharding of a role's module.
+
+- :func:`make_mesh`: a 1-D ``("shard",)`` mesh (FSDP2) or a 2-D ``("replicate", "shard")``
+  one (HSDP) over every rank.
+- :func:`shard_module`: ``fully_shard`` each block a policy picks (default
+  :func:`blocks_policy`), then the root. Parameter names, and so checkpoint keys, do not
+  change.
+- :func:`is_sharded`: whether ``fully_shard`` was applied to a module.
+
+Examples:
+    >>> mesh = make_mesh()                       # FSDP over all ranks
+    >>> student = shard_module(student, mesh=mesh)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+__all__ = ["ShardPolicy", "blocks_policy", "is_sharded", "make_mesh", "shard_module"]
+
+ShardPolicy = Callable[[str, nn.Module, nn.Module | None], bool]
+"""``(qualified_name, submodule, parent) -> bool``: whether a submodule is its own FSDP2 group."""
+
+
+def is_sharded(module: Any) -> bool:
+    """Whether ``module`` is an FSDP2 module (``fully_shard`` was applied to it)."""
+    return isinstance(module, FSDPModule)
+
+
+def make_mesh(
+    *, replicate: int = 1, shard: int | None = None, device_type: str | None = None
+) -> DeviceMesh:
+    """A device mesh for FSDP2 (1-D ``("shard",)``) or HSDP (2-D ``("replicate", "shard")``).
+
+    Args:
+        replicate: The number of replicas (HSDP when > 1).
+        shard: Ranks per shard group; default ``world_size // replicate``.
+        device_type: ``"cuda"`` or ``"cpu"``; default ``"cuda"`` if available.
+
+    Returns:
+        The mesh (``init_device_mesh``).
+
+    Raises:
+        RuntimeError: If no process group is initialised.
+        ValueError: If ``replicate * shard`` is not the world size.
+
+    Examples:
+        >>> mesh = make_mesh()                   # FSDP over all ranks
+        >>> mesh = make_mesh(replicate=2)        # HSDP: 2 replicas
+    """
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "make_mesh needs an initialised process group (torchrun or init_process_group)"
+        )
+    world = dist.get_world_size()
+    shard = shard if shard is not None else world // max(replicate, 1)
+    if replicate < 1 or shard < 1 or replicate * shard != world:
+        raise ValueError(
+            f"replicate ({replicate}) x shard ({shard}) must equal the world size {world}"
+        )
+    device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+    if replicate == 1:
+        return init_device_mesh(device_type, (shard,), mesh_dim_names=("shard",))
+    return init_device_mesh(device_type, (replicate, shard), mesh_dim_names=("replicate", "shard"))
+
+
+def blocks_policy(name: str, module: nn.Module, parent: nn.Module | None) -> bool:
+    """The default wrapping policy: the blocks of the root's ``nn.ModuleList`` attributes.
+
+    ``blocks.0``, ``blocks.1``, ... of a Wan transformer (``layers.*`` of a Llama-style
+    model); lists nested inside blocks (an attention's ``to_out``) are not wrapped.
+    """
+    return isinstance(parent, nn.ModuleList) and name.count(".") == 1
+
+
+def shard_module(
+    module: nn.Module,
+    *,
+    mesh: DeviceMesh,
+    policy: ShardPolicy = blocks_policy,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    reshard_after_forward: bool = True,
+) -> nn.Module:
+    """Shard ``module`` with FSDP2: ``fully_shard`` each block the policy picks, then the root.
+
+    Args:
+        module: The role's module (parameters on the mesh's device type).
+        mesh: From :func:`make_mesh`; a 2-D mesh gives HSDP.
+        policy: ``(qualified_name, submodule, parent) -> bool``: which submodules become
+            their own FSDP2 groups (default: the blocks of every ``nn.ModuleList``).
+        mp_policy: e.g. ``MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+            reduce_dtype=torch.float32)``.
+        reshard_after_forward: FSDP2's option, for every group.
+
+    Returns:
+        The same module, now an ``FSDPModule``.
+
+    Raises:
+        ValueError: If the module is already sharded.
+
+    Examples:
+        >>> shard_module(student, mesh=make_mesh(), mp_policy=MixedPrecisionPolicy(torch.bfloat16))
+    """
+    if is_sharded(module):
+        raise ValueError("the module is already sharded (fully_shard was applied)")
+    mp_policy = mp_policy or MixedPrecisionPolicy()
+    parents = {id(child): parent for parent in module.modules() for child in parent.children()}
+    chosen = [m for n, m in module.named_modules() if n and policy(n, m, parents.get(id(m)))]
+    for block in reversed(chosen):  # inner groups before outer ones
+        fully_shard(
+            block, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward
+        )
+    fully_shard(module, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
+    return module

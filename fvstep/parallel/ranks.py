@@ -1,0 +1,158 @@
+"""Rank helpers: who am I, wait for the others, share a value, reduce a few numbers.
+
+Every helper works with or without a process group: without one (or on a group of one
+rank) it returns at once with the single-process answer and communicates nothing, so
+code that calls them runs unchanged on one process and under ``torchrun``. They take
+an optional ``group`` (default: the world); the object helpers pickle, so use them for
+small control values (a verdict, an error, a directory listing), not for tensors.
+
+Examples:
+    >>> rank, world = rank_and_world()
+    >>> error = broadcast_object(error)          # rank 0's value on every rank
+    >>> slowest = max_over_ranks([seconds])[0]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "barrier",
+    "broadcast_object",
+    "collective_device",
+    "data_parallel_index",
+    "gather_objects",
+    "max_over_ranks",
+    "min_over_ranks",
+    "rank_and_world",
+]
+
+
+def rank_and_world(group: Any = None) -> tuple[int, int]:
+    """``(rank, world_size)`` in ``group`` (default: the world); ``(0, 1)`` without a process group.
+
+    Examples:
+        >>> rank, world = rank_and_world()
+    """
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(group), dist.get_world_size(group)
+    return 0, 1
+
+
+def barrier(group: Any = None) -> None:
+    """Wait until every rank of ``group`` gets here; a no-op on one process."""
+    if rank_and_world(group)[1] > 1:
+        dist.barrier(group=group)
+
+
+def gather_objects(obj: Any, *, group: Any = None) -> list[Any]:
+    """Every rank's ``obj`` (picklable), by rank; ``[obj]`` on one process.
+
+    Examples:
+        >>> verdicts = gather_objects(first_difference)
+    """
+    world = rank_and_world(group)[1]
+    if world == 1:
+        return [obj]
+    out: list[Any] = [None] * world
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def broadcast_object(obj: Any, *, src: int = 0, group: Any = None) -> Any:
+    """Rank ``src``'s ``obj`` (picklable) on every rank; ``obj`` itself on one process.
+
+    ``src`` is a global rank, as in ``torch.distributed.broadcast_object_list``. The
+    other ranks' ``obj`` is ignored (pass ``None``).
+
+    Examples:
+        >>> listing = broadcast_object(list_dirs(root) if rank == 0 else None)
+    """
+    if rank_and_world(group)[1] == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]
+
+
+def collective_device(group: Any = None) -> torch.device:
+    """Where a tensor collective of ``group`` runs: this rank's CUDA device under NCCL, else the CPU."""
+    if dist.is_available() and dist.is_initialized():
+        backend = str(dist.get_backend(group))
+        if "nccl" in backend and torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _reduce_over_ranks(
+    values: Sequence[float], op: Any, device: torch.device | None, group: Any
+) -> list[Any]:
+    if rank_and_world(group)[1] == 1 or not values:
+        return list(values)
+    exact = all(isinstance(v, int) for v in values)  # bools too
+    dtype = torch.int64 if exact else torch.float64
+    t = torch.tensor(list(values), dtype=dtype, device=device or collective_device(group))
+    dist.all_reduce(t, op=op, group=group)
+    return [int(v) if exact else float(v) for v in t.cpu()]
+
+
+def max_over_ranks(
+    values: Sequence[float], *, device: torch.device | None = None, group: Any = None
+) -> list[Any]:
+    """Element-wise maximum of ``values`` over the ranks of ``group``; ``values`` on one process.
+
+    Integers (and bools) are reduced exactly (int64) and come back as ``int``; other
+    numbers as ``float`` (float64). Every rank must pass as many values.
+
+    Args:
+        values: This rank's numbers.
+        device: Where the reduction runs; default :func:`collective_device`.
+        group: The process group (default: the world).
+
+    Returns:
+        The maxima, in order, on every rank.
+
+    Examples:
+        >>> slowest = max_over_ranks([seconds])[0]
+        >>> any_rank_stopped = max_over_ranks([int(stop)])[0] > 0
+    """
+    return _reduce_over_ranks(values, dist.ReduceOp.MAX, device, group)
+
+
+def min_over_ranks(
+    values: Sequence[float], *, device: torch.device | None = None, group: Any = None
+) -> list[Any]:
+    """Element-wise minimum of ``values`` over the ranks of ``group`` (see :func:`max_over_ranks`).
+
+    Examples:
+        >>> first_bad = min_over_ranks([bad_index])[0]
+    """
+    return _reduce_over_ranks(values, dist.ReduceOp.MIN, device, group)
+
+
+def data_parallel_index(sequence_parallel_size: int = 1) -> int:
+    """This rank's data-parallel index: ranks of one sequence-parallel group share it.
+
+    ``0`` without an initialised process group.
+
+    Raises:
+        ValueError: If ``sequence_parallel_size`` is below 1 or does not divide the world
+            size.
+
+    Examples:
+        >>> key = fold_in(key, data_parallel_index())
+    """
+    if sequence_parallel_size < 1:
+        raise ValueError(f"sequence_parallel_size must be >= 1, got {sequence_parallel_size}")
+    rank, world = rank_and_world()
+    if world == 1:
+        return 0
+    if world % sequence_parallel_size:
+        raise ValueError(
+            f"world size {world} is not divisible by sequence_parallel_size {sequence_parallel_size}"
+        )
+    return rank // sequence_parallel_size

@@ -1,0 +1,263 @@
+"""The FSDP2 gradient-sync policy of accumulation, and FSDP2 modules returned to rest.
+
+- :class:`FSDPGradSync` applies an :class:`~fvstep.accumulation.Accumulation` policy per
+  micro-batch to the FSDP2 roots of the roles a unit trains, and restores FSDP2's
+  defaults afterwards, whatever happens.
+- :func:`release_modules` reshards every FSDP2 group of a state's roles;
+  :func:`unrested_modules` says what a module holds that the state does not (DESIGN
+  point 9: no state outside the state).
+- :func:`check_roles_are_data_parallel` refuses, on several ranks, a trained role that
+  is not sharded or replicated; :func:`grad_sync_for` picks the controller for a state.
+- :class:`FSDP2Parallelism` is the :class:`~fvstep.sync.Parallelism` that steps run with
+  by default (``fvstep.compile``): the functions above, behind the core's protocol.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, cast
+
+import attrs
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor, Partial, Replicate
+
+from fvstep._compat import is_fsdp_root
+from fvstep.accumulation import Accumulation
+from fvstep.parallel.collectives import CollectiveCounter
+from fvstep.parallel.mesh import is_sharded
+from fvstep.parallel.ranks import data_parallel_index, rank_and_world
+from fvstep.state import RoleState, TrainState
+from fvstep.sync import GradSync, NoSync
+
+__all__ = [
+    "FSDP2Parallelism",
+    "FSDPGradSync",
+    "check_roles_are_data_parallel",
+    "grad_sync_for",
+    "release_modules",
+    "unrested_modules",
+]
+
+
+def _unsharded_grad_bytes(module: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+
+
+class FSDPGradSync:
+    """Applies an accumulation policy to the FSDP2 roots of the roles one unit trains.
+
+    Per micro-batch ``m`` of ``K`` (``last = m == K - 1``):
+
+    - ``every``: FSDP2's defaults (reduce-scatter each backward and wait for it);
+    - ``no_sync``: ``set_requires_gradient_sync(last)`` (needs ``Role(allow_no_sync=True)``);
+    - ``deferred``: ``set_is_last_backward(last)``;
+    - ``keep_params_gathered``: ``set_reshard_after_backward(last)``;
+    - HSDP with ``defer_all_reduce``: ``set_requires_all_reduce(last)``.
+
+    :meth:`end` restores FSDP2's defaults (sync on, last backward, reshard, all-reduce)
+    on every root it touched, also after an error.
+    """
+
+    def __init__(self, accumulation: Accumulation) -> None:
+        self.accumulation = accumulation
+        self.roots: list[FSDPModule] = []
+        self.num_microbatches = 1
+
+    def release(self, state: TrainState, *, after_error: bool = False) -> None:
+        """Reshard every FSDP2 group of every role of ``state`` (see :func:`release_modules`)."""
+        release_modules(state, after_error=after_error)
+
+    def begin(self, roles: Sequence[RoleState], num_microbatches: int) -> None:
+        """Collect the sharded roots and check the per-role opt-ins."""
+        self.num_microbatches = num_microbatches
+        self.roots = []
+        for rs in roles:
+            module = rs.role.module
+            if not is_sharded(module):
+                continue
+            if (
+                self.accumulation.sync == "no_sync"
+                and num_microbatches > 1
+                and not rs.role.allow_no_sync
+            ):
+                mib = _unsharded_grad_bytes(module) / 2**20
+                raise ValueError(
+                    f"sync='no_sync' keeps an unsharded gradient of up to {mib:.1f} MiB per rank "
+                    f"for a role's module ({type(module).__name__}) between micro-batches; opt in "
+                    "with Role(..., allow_no_sync=True), or use sync='deferred' (same result, "
+                    "sharded gradients)"
+                )
+            self.roots.append(module)  # type: ignore[arg-type]
+
+    def before_backward(self, index: int) -> None:
+        """Set the FSDP2 flags for micro-batch ``index``."""
+        last = index == self.num_microbatches - 1
+        acc = self.accumulation
+        for root in self.roots:
+            if acc.sync == "no_sync":
+                root.set_requires_gradient_sync(last)
+            elif acc.sync == "deferred":
+                root.set_is_last_backward(last)
+            if acc.keep_params_gathered:
+                root.set_reshard_after_backward(last)
+            if acc.defer_all_reduce:
+                root.set_requires_all_reduce(last)
+
+    def end(self) -> dict[str, Any]:
+        """Restore FSDP2's defaults on every root touched."""
+        for root in self.roots:
+            root.set_requires_gradient_sync(True)
+            root.set_is_last_backward(True)
+            root.set_reshard_after_backward(True)
+            root.set_requires_all_reduce(True)
+        self.roots = []
+        return {}
+
+
+def _fsdp_modules(module: nn.Module) -> list[FSDPModule]:
+    return [m for m in module.modules() if isinstance(m, FSDPModule)]
+
+
+def release_modules(state: TrainState, *, after_error: bool = False) -> None:
+    """Return every FSDP2 module of every role of ``state`` to rest: all groups sharded.
+
+    FSDP2 does not reshard the root group after forward (its backward would gather it
+    again at once), so a role read under ``torch.no_grad()`` keeps its root group
+    unsharded, and that group's unsharded parameters keep the ``requires_grad`` they had
+    when they were gathered. fvstep calls this before and after every unit, so that no
+    such state survives a unit (DESIGN point 9); :func:`unrested_modules` checks it.
+
+    Args:
+        state: The state whose roles' modules to release.
+        after_error: A forward or backward raised midway: wait for and discard in-flight
+            collectives and partial reductions too (FSDP2's ``reset_iter_state`` where the
+            installed torch has it).
+    """
+    for rs in state.roles.values():
+        modules = _fsdp_modules(rs.role.module)
+        if not modules:
+            continue
+        root = modules[0]
+        reset = getattr(root, "reset_iter_state", None)
+        if after_error and reset is not None and is_fsdp_root(cast(nn.Module, root)):
+            reset()
+        for m in modules:
+            m.reshard()
+
+
+def unrested_modules(state: TrainState) -> list[str]:
+    """What a module of ``state`` holds that the state does not; ``[]`` when at rest.
+
+    At rest (after every unit and every step): each role's module holds exactly the
+    state's parameter tensors (no FSDP2 group unsharded), every trainable parameter has
+    ``requires_grad`` on and every frozen one off, and no parameter has a ``.grad``.
+
+    Examples:
+        >>> state, _ = step(state, batch)
+        >>> assert unrested_modules(state) == []
+    """
+    problems: list[str] = []
+    for name, rs in state.roles.items():
+        module = rs.role.module
+        live = dict(module.named_parameters(remove_duplicate=False))
+        trainable = set(rs.trainable_names)
+        for pname, tensor in rs.params.items():
+            held = live.get(pname)
+            if held is not tensor:
+                kind = "an unsharded FSDP2 parameter" if is_sharded(module) else "another tensor"
+                problems.append(f"{name}.{pname}: the module holds {kind}, not the state's leaf")
+            if tensor.requires_grad != (pname in trainable):
+                problems.append(f"{name}.{pname}: requires_grad is {tensor.requires_grad}")
+            if tensor.grad is not None:
+                problems.append(f"{name}.{pname}: has a .grad")
+    return problems
+
+
+def check_roles_are_data_parallel(state: TrainState) -> None:
+    """Refuse, on several ranks, a trained role whose module is not sharded or replicated.
+
+    Without FSDP2 every rank would train its own copy of such a role (no gradient is
+    reduced) and the copies would silently diverge.
+
+    Raises:
+        ValueError: Naming the role and how to shard or replicate it.
+    """
+    _, world = rank_and_world()
+    if world == 1:
+        return
+    for name, rs in state.roles.items():
+        if rs.role.trainable and not is_sharded(rs.role.module):
+            raise ValueError(
+                f"role {name!r} is trained on {world} ranks but its module is not sharded: "
+                "each rank would train its own copy and the copies would diverge. Shard it "
+                "before TrainState.create with fvstep.parallel.shard_module(module, "
+                "mesh=make_mesh()), or replicate it (plain data parallel) with "
+                "shard_module(module, mesh=make_mesh(replicate=world_size))"
+            )
+
+
+def grad_sync_for(state: TrainState, accumulation: Accumulation) -> FSDPGradSync | None:
+    """The gradient-sync controller for ``state``'s roles, or ``None`` if none is sharded.
+
+    Raises:
+        ValueError: On several ranks, for a trained role that is not sharded
+            (:func:`check_roles_are_data_parallel`).
+    """
+    check_roles_are_data_parallel(state)
+    if not any(is_sharded(rs.role.module) for rs in state.roles.values()):
+        return None
+    return FSDPGradSync(accumulation)
+
+
+@attrs.frozen
+class FSDP2Parallelism:
+    """The FSDP2 process layout: what a step needs from torch.distributed, in one object.
+
+    The :class:`~fvstep.sync.Parallelism` that ``fvstep.compile`` (and every step built
+    through ``fvstep.*``) runs with unless given another; on one process with plain
+    modules it does what :class:`~fvstep.sync.SingleProcess` does.
+
+    - :meth:`check`: :func:`check_roles_are_data_parallel`;
+    - :meth:`grad_sync`: :func:`grad_sync_for` (an :class:`FSDPGradSync` that also
+      returns every FSDP2 module to rest around each unit), or ``NoSync`` when no role
+      is sharded;
+    - :meth:`data_parallel_index`: :func:`~fvstep.parallel.ranks.data_parallel_index`;
+    - :meth:`collective_counter`: a :class:`~fvstep.parallel.collectives.CollectiveCounter`;
+    - :meth:`sum_over_ranks`: a count summed over the mesh of the sharded tensors it is
+      about, through DTensor (like the global gradient norm).
+
+    Examples:
+        >>> step = fvstep.compile(method, parallelism=FSDP2Parallelism())   # the default
+    """
+
+    def check(self, state: TrainState) -> None:
+        """Refuse, on several ranks, a trained role that is not sharded or replicated."""
+        check_roles_are_data_parallel(state)
+
+    def grad_sync(self, state: TrainState, accumulation: Accumulation) -> GradSync:
+        """The FSDP2 gradient-sync controller of one unit, or ``NoSync`` without FSDP2."""
+        return grad_sync_for(state, accumulation) or NoSync()
+
+    def data_parallel_index(self, sequence_parallel_size: int) -> int:
+        """``rank // sequence_parallel_size`` (0 without a process group)."""
+        return data_parallel_index(sequence_parallel_size)
+
+    def collective_counter(self) -> CollectiveCounter:
+        """A fresh :class:`~fvstep.parallel.collectives.CollectiveCounter`."""
+        return CollectiveCounter()
+
+    def sum_over_ranks(self, value: torch.Tensor, like: Sequence[torch.Tensor]) -> torch.Tensor:
+        """``value`` summed over the ranks of the mesh of the first DTensor of ``like``
+        (``value`` itself when none is a DTensor), one mesh dim at a time."""
+        meshes = (getattr(x, "device_mesh", None) for x in like)
+        mesh = next((m for m in meshes if m is not None), None)
+        if mesh is None:
+            return value
+        out = value.reshape(1).to(mesh.device_type)
+        for dim in range(mesh.ndim):  # one mesh dim at a time: DTensor warns about several
+            placements: list[Any] = [Replicate()] * mesh.ndim
+            placements[dim] = Partial()
+            out = DTensor.from_local(out, mesh, placements).full_tensor()
+        return out[0]
