@@ -23,7 +23,7 @@ import attrs
 from fvstep import checkpoint, data, optim, random, schedules, tree
 from fvstep import compose as _compose
 from fvstep.accumulation import Accumulation
-from fvstep.executor import Checkpoints, run
+from fvstep.executor import Checkpoints, RunResult, run, run_until
 from fvstep.grads import NonFiniteGradientError, clip_grad_norm
 from fvstep.parallel import FSDP2Parallelism
 from fvstep.state import EMA, ConsumedStateError, Role, TrainState
@@ -39,6 +39,7 @@ __all__ = [
     "ConsumedStateError",
     "NonFiniteGradientError",
     "Role",
+    "RunResult",
     "Step",
     "StepFailedError",
     "TrainState",
@@ -54,6 +55,7 @@ __all__ = [
     "plan",
     "random",
     "run",
+    "run_until",
     "schedules",
     "sequence",
     "tree",

@@ -3,7 +3,9 @@
 ``fvstep demo`` and ``fvstep verify-resume`` launch their ranks themselves through
 torch.distributed's elastic launcher when ``--nproc`` > 1, and run in place when started
 under ``torchrun`` (which sets ``WORLD_SIZE``). Errors are one line on stderr and a
-non-zero exit; ``--debug`` shows the traceback.
+non-zero exit; ``--debug`` shows the traceback. Ctrl-C exits 130 with one line.
+
+Only the standard library is imported up front; each command imports what it needs.
 """
 
 from __future__ import annotations
@@ -34,29 +36,55 @@ def _build_parser() -> argparse.ArgumentParser:
         prog="fvstep", description="Training methods as pure steps, with exact resume."
     )
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    parser.add_argument("--version", action="version", version=f"fvstep {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     demo = sub.add_parser(
         "demo", help="tiny DMD2 distillation that interrupts itself, resumes and proves it"
     )
-    demo.add_argument("--steps", type=int, default=24, help="steps per run (default 24)")
+    demo.add_argument(
+        "--steps",
+        type=int,
+        default=24,
+        help="steps per run (default 24; the minimum depends on --every: the crash falls "
+        "after the first checkpoint and before the last step)",
+    )
     demo.add_argument("--nproc", type=int, default=2, help="ranks (gloo on CPU; default 2)")
-    demo.add_argument("--policy", choices=["every", "no_sync", "deferred"], default="deferred")
-    demo.add_argument("--microbatches", type=int, default=2, help="K (default 2)")
+    demo.add_argument(
+        "--policy",
+        choices=["every", "no_sync", "deferred"],
+        default="deferred",
+        help="FSDP2 gradient sync under accumulation: when gradients are reduced between "
+        "micro-batches; changes communication, not results (default deferred; no effect "
+        "with --nproc 1)",
+    )
+    demo.add_argument(
+        "--microbatches", type=int, default=2, help="K, micro-batches per step (default 2)"
+    )
     demo.add_argument("--every", type=int, default=4, help="checkpoint interval (default 4)")
     demo.add_argument(
         "--out", default="fvstep-demo", help="output directory (default ./fvstep-demo)"
+    )
+    demo.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the output of an earlier demo in --out (else the demo refuses)",
     )
     demo.add_argument("--debug", action="store_true", help="show tracebacks")
 
     verify = sub.add_parser("verify-resume", help="prove the resume law for MODULE:FACTORY")
     verify.add_argument("factory", help="MODULE:FACTORY; FACTORY() returns (state, step_fn, data)")
-    verify.add_argument("--steps", type=int, default=6)
+    verify.add_argument("--steps", type=int, default=6, help="steps of each run (default 6)")
     verify.add_argument(
         "--interrupt", type=int, nargs="+", default=None, help="steps to crash before"
     )
     verify.add_argument("--every", type=int, default=2, help="checkpoint interval (default 2)")
-    verify.add_argument("--nproc", type=int, default=1)
+    verify.add_argument(
+        "--nproc",
+        type=int,
+        default=1,
+        help="ranks to launch, gloo on CPU (default 1; under torchrun: its ranks)",
+    )
     verify.add_argument(
         "--workdir", default=None, help="checkpoint directory (default: a temp dir)"
     )
@@ -66,6 +94,15 @@ def _build_parser() -> argparse.ArgumentParser:
     bench.add_argument("name", choices=["accumulation", "overhead", "checkpoint"])
     bench.add_argument("args", nargs=argparse.REMAINDER, help="options of the benchmark (--help)")
     return parser
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("fvstep")
+    except PackageNotFoundError:  # a source tree that is not installed
+        return "unknown (not installed)"
 
 
 def _under_launcher() -> bool:
@@ -120,28 +157,62 @@ def _run_on_ranks(fn: Any, arg: Any, nproc: int) -> list[Any]:
         return gather_objects(fn(arg))
     if nproc == 1:
         return [fn(arg)]
+    import logging
+
+    from torch.distributed.elastic.agent.server import api as agent_api
+    from torch.distributed.elastic.multiprocessing import api as processes_api
+
     from fvstep.parallel import launch
 
+    # On Ctrl-C the launcher's agent logs three warnings (the signal, each rank closed):
+    # the CLI says it in one line instead.
+    for logger in (agent_api.logger, processes_api.logger):
+        logger.setLevel(logging.ERROR)
     return launch(fn, arg, nproc=nproc)
 
 
+_DEMO_OUTPUTS = ("uninterrupted", "interrupted", "losses.png")
+
+
+def _check_demo_options(args: argparse.Namespace) -> None:
+    from fvstep.demo import min_steps
+
+    _check_positive(nproc=args.nproc, microbatches=args.microbatches, every=args.every)
+    if args.steps < min_steps(args.every):
+        raise CLIError(
+            f"fvstep: --steps must be >= {min_steps(args.every)} with --every {args.every} "
+            f"(the demo crashes after its first checkpoint and before its last step), got "
+            f"{args.steps}: use more steps or a smaller --every"
+        )
+
+
+def _demo_out_dir(args: argparse.Namespace) -> Path:
+    """``--out``, checked writable; an earlier demo's output in it is refused, or removed
+    with ``--overwrite`` (by rank 0, the other ranks waiting)."""
+    out = _check_out_dir(args.out)
+    earlier = [name for name in _DEMO_OUTPUTS if (out / name).exists()]
+    if earlier and not args.overwrite:
+        raise CLIError(
+            f"fvstep: {args.out!r} holds an earlier demo's output ({', '.join(earlier)}): "
+            "pass --overwrite to replace it, or another --out"
+        )
+    if earlier and int(os.environ.get("RANK", "0")) == 0:
+        import shutil
+
+        for name in earlier:
+            if (out / name).is_dir():
+                shutil.rmtree(out / name)
+            else:
+                (out / name).unlink()
+    _from_rank0(None)  # under torchrun: the other ranks wait for the clean-up
+    return out
+
+
 def _demo(args: argparse.Namespace) -> int:
+    _check_demo_options(args)
     from fvstep.demo import DemoConfig, plot_losses
 
-    _check_positive(
-        steps=args.steps, nproc=args.nproc, microbatches=args.microbatches, every=args.every
-    )
-    if args.steps < 4:
-        raise CLIError("fvstep: --steps must be >= 4 (the demo crashes mid-run and resumes)")
-    out = _check_out_dir(args.out)
-    if int(os.environ.get("RANK", "0")) == 0:
-        for run in ("uninterrupted", "interrupted"):
-            stale = out / run
-            if stale.exists():
-                import shutil
-
-                shutil.rmtree(stale)
-    _from_rank0(None)  # under torchrun: the other ranks wait for the clean-up
+    out = _demo_out_dir(args)
     config = DemoConfig(
         out=str(out),
         num_steps=args.steps,
@@ -154,37 +225,90 @@ def _demo(args: argparse.Namespace) -> int:
     elapsed = time.perf_counter() - start
     if int(os.environ.get("RANK", "0")) != 0:
         return 0 if summary["equal"] else 1
-    png = plot_losses(out, resumed_from=summary["resumed_from"], crash_at=summary["crash_at"])
-    rows = _last_losses(out)
-    print()
-    print("fvstep demo — DMD2 (student, frozen teacher, critic) on a tiny Wan transformer")
-    print(
-        f"  ranks                {summary['world_size']} (gloo, FSDP2)"
-        if summary["world_size"] > 1
-        else "  ranks                1"
+    png = plot_losses(
+        out, resumed_from=summary["resumed_from"], crashed_before=summary["crashed_before"]
     )
-    print(
-        f"  steps                {args.steps} per run, K={args.microbatches} micro-batches, sync={args.policy}"
-    )
-    print(
-        f"  interruption         crash before step {summary['crash_at']}, resumed from step {summary['resumed_from']}"
-    )
-    print(f"  final losses         {rows}")
-    print(
-        f"  checkpoint size      {summary['checkpoint_bytes'] / 2**20:.2f} MiB ({summary['num_leaves']} leaves per rank)"
-    )
-    print(
-        f"  metrics              {out / 'uninterrupted' / 'metrics.jsonl'}, {out / 'interrupted' / 'metrics.jsonl'}"
-    )
-    print(f"  plot                 {png if png else 'matplotlib not installed: no plot'}")
-    print(f"  time                 {elapsed:.1f} s")
+    for line in _demo_summary(args, out, summary, png, elapsed):
+        print(line)
+    return 0 if summary["equal"] else 1
+
+
+def _demo_summary(
+    args: argparse.Namespace, out: Path, summary: dict[str, Any], png: Path | None, elapsed: float
+) -> list[str]:
+    """The summary's lines: every number in it was observed on the runs, not planned."""
+    world = summary["world_size"]
+    rows = [
+        ("ranks", f"{world} (gloo, FSDP2)" if world > 1 else "1 (no sharding)"),
+        ("steps", f"{args.steps} per run, K={args.microbatches} micro-batches"),
+        ("sync policy", _policy_line(args.policy, world)),
+        ("collectives", _collectives_line(summary["collectives"])),
+        (
+            "interruption",
+            f"crashed before step {summary['crashed_before']} (checkpoints then: "
+            f"{_steps_text(summary['checkpoints_at_crash'])}); restarted from the newest, "
+            f"step {summary['resumed_from']}, {_recomputed(summary)}",
+        ),
+        ("resumed from", summary["resumed_from_path"]),
+        (
+            "checkpoints",
+            f"every {args.every} steps, all kept: uninterrupted/ "
+            f"{_steps_text(summary['checkpoints_uninterrupted'])}; interrupted/ "
+            f"{_steps_text(summary['checkpoints_final'])}",
+        ),
+        ("final losses", _last_losses(out)),
+        (
+            "checkpoint size",
+            f"{summary['checkpoint_bytes'] / 2**20:.2f} MiB ({summary['num_leaves']} leaves "
+            f"per rank)",
+        ),
+        (
+            "metrics",
+            f"{out / 'uninterrupted' / 'metrics.jsonl'}, {out / 'interrupted' / 'metrics.jsonl'}",
+        ),
+        ("plot", str(png) if png else "matplotlib not installed: no plot"),
+        ("time", f"{elapsed:.1f} s"),
+    ]
     if summary["equal"]:
-        print(
-            "  verdict              RESUMED RUN == UNINTERRUPTED RUN, bitwise (every leaf, every rank)"
+        rows.append(
+            ("verdict", "RESUMED RUN == UNINTERRUPTED RUN, bitwise (every leaf, every rank)")
         )
-        return 0
-    print(f"  verdict              DIFFERENT: {summary['first_difference']}")
-    return 1
+    else:
+        rows.append(("verdict", f"DIFFERENT: {summary['first_difference']}"))
+    title = "fvstep demo — DMD2 (student, frozen teacher, critic) on a tiny Wan transformer"
+    return ["", title, *(f"  {name:<19}  {text}" for name, text in rows)]
+
+
+def _policy_line(policy: str, world: int) -> str:
+    if world == 1:
+        return f"none: one rank communicates no gradients (--policy {policy} has no effect)"
+    return (
+        f"{policy}. A policy changes when gradients are communicated, not what is computed: "
+        "every and deferred give bitwise the same losses, no_sync the same up to summation "
+        "order (docs: Sync policies)"
+    )
+
+
+def _collectives_line(collectives: dict[str, int]) -> str:
+    if not collectives:
+        return "none (one rank)"
+    counts = ", ".join(f"{n} {kind}" for kind, n in sorted(collectives.items()))
+    return f"at most {counts} per step (counted on rank 0)"
+
+
+def _recomputed(summary: dict[str, Any]) -> str:
+    first, last = summary["resumed_from"], summary["crashed_before"] - 1
+    if last < first:
+        return "with no step to recompute"
+    return (
+        f"and recomputed step {first}" if first == last else f"and recomputed steps {first}-{last}"
+    )
+
+
+def _steps_text(steps: list[int]) -> str:
+    if not steps:
+        return "none"
+    return ("step " if len(steps) == 1 else "steps ") + ", ".join(str(s) for s in steps)
 
 
 def _last_losses(out: Path) -> str:
@@ -313,6 +437,9 @@ def main(argv: list[str] | None = None) -> int:
         print("fvstep: interrupted", file=sys.stderr)
         return 130
     except Exception as e:
+        if _is_sigint(e):  # the elastic launcher's SignalException, on Ctrl-C
+            print("fvstep: interrupted", file=sys.stderr)
+            return 130
         if debug:
             raise
         cause = _root_cause(e)
@@ -321,6 +448,12 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
+
+
+def _is_sigint(e: BaseException) -> bool:
+    import signal
+
+    return type(e).__name__ == "SignalException" and getattr(e, "sigval", None) == signal.SIGINT
 
 
 def _root_cause(e: BaseException) -> BaseException:

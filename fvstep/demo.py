@@ -12,14 +12,15 @@ runs twice from the same start:
 
 It then checks that the two final states are bitwise identical (every rank, every leaf)
 and writes metrics JSONL for both runs and a PNG of the loss curves with the resume
-point marked.
+point marked. Every checkpoint is kept (they are small), so that the summary can list
+the one the restart resumed from.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
+import signal
 import warnings
 from pathlib import Path
 from typing import Any
@@ -35,7 +36,7 @@ from fvstep.methods import dmd2
 from fvstep.models import tiny_wan
 from fvstep.testing import SimulatedCrash, _CrashAt
 
-__all__ = ["DemoConfig", "plot_losses", "run_demo"]
+__all__ = ["DemoConfig", "min_steps", "plot_losses", "run_demo"]
 
 
 @attrs.frozen
@@ -50,10 +51,39 @@ class DemoConfig:
     generator_update_interval: int = 2
     seed: int = 0
 
+    def __attrs_post_init__(self) -> None:
+        for name in ("num_steps", "microbatches", "every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.sync not in ("every", "no_sync", "deferred"):
+            raise ValueError(f"sync must be every, no_sync or deferred, got {self.sync!r}")
+        if self.num_steps < min_steps(self.every):
+            raise ValueError(
+                f"num_steps must be >= {min_steps(self.every)} with every={self.every} (the "
+                f"crash falls after the first checkpoint and before the last step), "
+                f"got {self.num_steps}"
+            )
+
     @property
     def crash_at(self) -> int:
         """The step before which the interrupted run crashes: mid-run, between checkpoints."""
-        return max(1, self.num_steps // 2 + self.every // 2 + 1) if self.num_steps > 2 else 1
+        return _crash_at(self.num_steps, self.every)
+
+
+def _crash_at(num_steps: int, every: int) -> int:
+    # Half an interval after a checkpoint near the middle (never before the first one), so
+    # that the restart recomputes the steps between that checkpoint and the crash.
+    return max(every, num_steps // 2 // every * every) + max(1, (every + 1) // 2)
+
+
+def min_steps(every: int) -> int:
+    """The fewest steps a demo with checkpoints every ``every`` steps can run: its crash
+    must fall after the first checkpoint (so that there is one to resume from) and before
+    the last step (so that the restart has steps to run)."""
+    num_steps = 1
+    while not _crash_at(num_steps, every) < num_steps:
+        num_steps += 1
+    return num_steps
 
 
 def _setup(config: DemoConfig, sharded: bool) -> tuple[fs.TrainState, fs.Step, ShuffledSource]:
@@ -78,6 +108,7 @@ def _setup(config: DemoConfig, sharded: bool) -> tuple[fs.TrainState, fs.Step, S
         dmd2(generator_update_interval=config.generator_update_interval, ordering="sequential"),
         accumulation=fs.Accumulation(microbatches=config.microbatches, sync=config.sync),  # type: ignore[arg-type]
         clip=fs.clip_grad_norm(1.0),
+        count_collectives=sharded,  # collectives/* metrics: what the sync policy changes
     )
     data = ShuffledSource(
         SyntheticLatents(
@@ -93,55 +124,101 @@ def _dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
+def _interruptible(world: int) -> None:
+    """Ctrl-C ends the demo at once, with no traceback on any rank: on one rank, SIGINT
+    raises ``KeyboardInterrupt`` (the CLI prints one line and exits 130); on several, the
+    launcher prints that line, and the ranks, given SIGINT or SIGTERM by the terminal or
+    the launcher, die of it silently (the signals' default actions). The demo saves
+    nothing on a signal: ``fs.run_until(..., handle_signals=False)``."""
+    if world > 1:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    else:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def _steps(path: Path) -> list[int]:
+    return [s for s, _ in list_complete(path)]
+
+
+def _collectives(path: Path) -> dict[str, int]:
+    """The largest count of each kind of collective in one step of a run's metrics."""
+    most: dict[str, int] = {}
+    for row in _read_jsonl(path / "metrics.jsonl"):
+        for k, v in row.items():
+            if k.startswith("collectives/") and not k.endswith("_bytes"):
+                kind = k.removeprefix("collectives/")
+                most[kind] = max(most.get(kind, 0), int(v))
+    return most
+
+
 def run_demo(config: DemoConfig) -> dict[str, Any]:
-    """Run both runs on this rank and return a summary (called on every rank).
+    """Run both runs on this rank and return a summary of what ran (called on every rank).
 
     Returns:
-        ``{"equal": bool, "first_difference": str | None, "crash_at": int, ...}``.
+        ``{"equal": bool, "first_difference": str | None, "crashed_before": int,
+        "resumed_from": int, "checkpoints_at_crash": [...], ...}``: the steps are those
+        observed (the crash raised, the checkpoint the restart loaded), not planned.
     """
     rank, world = parallel.rank_and_world()
+    _interruptible(world)
     # FSDP2 warns that the Wan model returns a view; nothing here modifies it in place.
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     out = Path(config.out)
     sharded = world > 1
-    checkpoints_a = fs.Checkpoints(out / "uninterrupted", every=config.every, keep=2)
-    checkpoints_b = fs.Checkpoints(out / "interrupted", every=config.every, keep=2)
+    checkpoints_a = fs.Checkpoints(out / "uninterrupted", every=config.every, keep=None)
+    checkpoints_b = fs.Checkpoints(out / "interrupted", every=config.every, keep=None)
+    run_options: dict[str, Any] = {"num_steps": config.num_steps, "handle_signals": False}
 
     if rank == 0:
         print(f"[1/3] uninterrupted run: {config.num_steps} steps on {world} rank(s)", flush=True)
     state, step, data = _setup(config, sharded)
-    final_a = fs.run(step, state, data, num_steps=config.num_steps, checkpoints=checkpoints_a)
+    final_a = fs.run_until(step, state, data, checkpoints=checkpoints_a, **run_options).state
 
     if rank == 0:
         print(f"[2/3] interrupted run: simulated crash before step {config.crash_at}", flush=True)
     state, step, data = _setup(config, sharded)
-    with contextlib.suppress(SimulatedCrash):
-        fs.run(
+    crashed_before = None
+    try:
+        fs.run_until(
             step,
             state,
             _CrashAt(data, config.crash_at),
-            num_steps=config.num_steps,
             checkpoints=checkpoints_b,
+            **run_options,
         )
-    resumed_from = list_complete(checkpoints_b.dir)[-1][0]
+    except SimulatedCrash:
+        crashed_before = config.crash_at
+    if crashed_before is None:
+        raise RuntimeError(f"the interrupted run did not crash before step {config.crash_at}")
+    checkpoints_at_crash = _steps(checkpoints_b.dir)
     if rank == 0:
-        print(f"[3/3] restart: resuming from the checkpoint at step {resumed_from}", flush=True)
+        print(
+            f"[3/3] restart: resuming from the newest checkpoint {checkpoints_at_crash}", flush=True
+        )
     state, step, data = _setup(config, sharded)
-    final_b = fs.run(step, state, data, num_steps=config.num_steps, checkpoints=checkpoints_b)
+    result_b = fs.run_until(step, state, data, checkpoints=checkpoints_b, **run_options)
+    if result_b.resumed_from is None:
+        raise RuntimeError("the restart found no checkpoint to resume from")
 
     first_difference = None
     try:
-        fs.tree.assert_trees_equal(final_b, final_a, check_static=False)
+        fs.tree.assert_trees_equal(result_b.state, final_a, check_static=False)
     except AssertionError as e:
         first_difference = str(e)
     verdicts = parallel.gather_objects(first_difference)
     return {
         "equal": all(v is None for v in verdicts),
         "first_difference": next((v for v in verdicts if v is not None), None),
-        "crash_at": config.crash_at,
-        "resumed_from": resumed_from,
+        "crashed_before": crashed_before,
+        "resumed_from": int(result_b.resumed_from.name.removeprefix("step_")),
+        "resumed_from_path": str(result_b.resumed_from),
+        "checkpoints_at_crash": checkpoints_at_crash,
+        "checkpoints_final": _steps(checkpoints_b.dir),
+        "checkpoints_uninterrupted": _steps(checkpoints_a.dir),
+        "collectives": _collectives(checkpoints_a.dir) if rank == 0 else {},
         "world_size": world,
-        "checkpoint_bytes": _dir_bytes(list_complete(checkpoints_b.dir)[-1][1]),
+        "checkpoint_bytes": _dir_bytes(result_b.resumed_from),
         "num_leaves": len(fs.tree.leaves(final_a)),
     }
 
@@ -150,7 +227,7 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def plot_losses(out: str | Path, *, resumed_from: int, crash_at: int) -> Path | None:
+def plot_losses(out: str | Path, *, resumed_from: int, crashed_before: int) -> Path | None:
     """Plot the loss curves of both runs, marking the crash and the resume; return the PNG.
 
     Returns ``None`` if matplotlib is not installed.
@@ -175,11 +252,11 @@ def plot_losses(out: str | Path, *, resumed_from: int, crash_at: int) -> Path | 
             if points:
                 ax.plot(*zip(*points), label=label, marker="o", ms=3, **style)
         ax.axvline(resumed_from, color="tab:red", lw=1)
-        ax.axvspan(resumed_from, crash_at, color="tab:red", alpha=0.08)
+        ax.axvspan(resumed_from, crashed_before, color="tab:red", alpha=0.08)
         ax.text(
             resumed_from,
             ax.get_ylim()[1],
-            f" resumed at {resumed_from}\n (crash before {crash_at})",
+            f" resumed at {resumed_from}\n (crash before {crashed_before})",
             va="top",
             fontsize=8,
             color="tab:red",

@@ -3,7 +3,9 @@
 ``run(step, state, data, num_steps=..., checkpoints=Checkpoints(dir, every, keep))``
 locks ``dir`` for the run, resumes from the newest checkpoint under ``dir`` that loads
 (skipping damaged ones, with a warning), runs steps ``state.step .. num_steps - 1``,
-saves every ``every`` steps and at the end, and on SIGTERM saves and returns early.
+saves every ``every`` steps and at the end, and on SIGTERM or a first Ctrl-C saves at the
+next step boundary and returns early, saying so on stderr. :func:`run_until` returns a
+:class:`RunResult` that also says why the loop ended and where the state was saved.
 Data is a function of the step, so resuming at step ``s`` needs nothing but ``s``.
 """
 
@@ -14,10 +16,12 @@ import json
 import math
 import os
 import signal
+import sys
+import threading
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import attrs
 import torch
@@ -32,7 +36,7 @@ from fvstep.checkpoint.manifest import (
 from fvstep.parallel.ranks import broadcast_object, max_over_ranks, rank_and_world
 from fvstep.state import TrainState
 
-__all__ = ["Checkpoints", "run"]
+__all__ = ["Checkpoints", "RunResult", "run", "run_until"]
 
 
 @attrs.frozen
@@ -71,6 +75,39 @@ class Checkpoints:
             raise ValueError(
                 f"Checkpoints.on_damaged must be 'skip' or 'error', got {self.on_damaged!r}"
             )
+
+
+StopReason = Literal["completed", "SIGTERM", "SIGINT"]
+
+
+@attrs.frozen
+class RunResult:
+    """How :func:`run_until` ended.
+
+    Attributes:
+        state: The final state (at ``num_steps``, or earlier when stopped by a signal).
+        stopped_by: ``"completed"`` when the state reached ``num_steps``; ``"SIGTERM"`` or
+            ``"SIGINT"`` (Ctrl-C) when a signal stopped the run early, after saving.
+        checkpoint: The checkpoint that holds ``state`` (``None`` without checkpoints).
+        resumed_from: The checkpoint the run resumed from (``None``: it started from the
+            ``state`` it was given).
+
+    Examples:
+        >>> result = run_until(step_fn, state, source, num_steps=1000,
+        ...                    checkpoints=Checkpoints("ckpt", every=100))
+        >>> if not result.completed:  # preempted: the job scheduler will restart us
+        ...     sys.exit(143)
+    """
+
+    state: TrainState
+    stopped_by: StopReason
+    checkpoint: Path | None
+    resumed_from: Path | None = None
+
+    @property
+    def completed(self) -> bool:
+        """Whether the run reached ``num_steps``."""
+        return self.stopped_by == "completed"
 
 
 def _batch(data: Any, step: int, rank: int, world: int) -> Any:
@@ -118,11 +155,12 @@ class _MetricsLog:
 
             self.tb = SummaryWriter(str(path.parent / "tensorboard"))
 
-    def write(self, step: int, metrics: dict[str, Any]) -> None:
-        if self.file is None:
+    def write(self, step: int, row: dict[str, Any]) -> None:
+        """Write ``row`` (scalars, from :func:`_scalars`) as step ``step``'s line; a step that
+        trained nothing (no metrics) writes no line."""
+        if self.file is None or not row:
             return
-        row: dict[str, Any] = {"step": step}
-        row.update({k: s for k, v in metrics.items() if (s := _scalar(v)) is not _NOT_SCALAR})
+        row = {"step": step, **row}
         self.file.write(json.dumps(row, allow_nan=False) + "\n")
         self.file.flush()
         if self.tb is not None:
@@ -137,6 +175,10 @@ class _MetricsLog:
             self.tb.close()
 
 
+def _scalars(metrics: dict[str, Any]) -> dict[str, Any]:
+    return {k: s for k, v in metrics.items() if (s := _scalar(v)) is not _NOT_SCALAR}
+
+
 def _line_step(line: str) -> int:
     try:
         return int(json.loads(line)["step"])
@@ -144,24 +186,48 @@ def _line_step(line: str) -> int:
         return -1
 
 
+_REASONS: tuple[StopReason, ...] = ("completed", "SIGTERM", "SIGINT")
+
+
 @contextlib.contextmanager
-def _sigterm_flag() -> Iterator[dict[str, bool]]:
-    flag = {"stop": False}
-    previous = None
-    installed = False
-    with contextlib.suppress(ValueError):  # not the main thread: no handler
-        previous = signal.signal(signal.SIGTERM, lambda *_: flag.update(stop=True))
-        installed = True
+def _stop_signals(rank: int, *, enabled: bool) -> Iterator[dict[str, int]]:
+    """SIGTERM and a first SIGINT (Ctrl-C) ask the loop to stop at the next step boundary
+    (``flag["stop"]`` becomes the index of the reason in ``_REASONS``); a second SIGINT
+    raises ``KeyboardInterrupt`` at once. Handlers are installed in the main thread only,
+    and SIGINT's only over Python's default handler: a caller's own handling is kept."""
+    flag = {"stop": 0, "sigints": 0}
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        flag["stop"] = flag["stop"] or _REASONS.index("SIGTERM")
+
+    def on_sigint(signum: int, frame: Any) -> None:
+        flag["sigints"] += 1
+        if flag["sigints"] > 1:
+            raise KeyboardInterrupt
+        flag["stop"] = flag["stop"] or _REASONS.index("SIGINT")
+        if rank == 0:
+            print(
+                "fvstep: Ctrl-C: saving at the end of this step (Ctrl-C again to abort now)",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    previous: dict[int, Any] = {}
+    if enabled and threading.current_thread() is threading.main_thread():
+        previous[signal.SIGTERM] = signal.signal(signal.SIGTERM, on_sigterm)
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            previous[signal.SIGINT] = signal.signal(signal.SIGINT, on_sigint)
     try:
         yield flag
     finally:
-        if installed:
-            signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
-def _agree_to_stop(local: bool) -> bool:
-    """A SIGTERM may reach only some ranks: stop when any rank was told to."""
-    return max_over_ranks([int(local)])[0] > 0
+def _agree_to_stop(local: int) -> int:
+    """A signal may reach only some ranks: stop when any rank was told to (the reason of
+    the highest index in ``_REASONS``, so that all ranks agree on it too)."""
+    return int(max_over_ranks([local])[0])
 
 
 def run(
@@ -174,8 +240,45 @@ def run(
     metrics_path: str | os.PathLike[str] | None = None,
     progress: bool = True,
     on_metrics: Callable[[int, dict[str, Any]], None] | None = None,
+    handle_signals: bool = True,
 ) -> TrainState:
-    """Run ``step`` until the state's step counter reaches ``num_steps``.
+    """Run ``step`` until the state's step counter reaches ``num_steps``; return the state.
+
+    ``run_until(...).state``: see :func:`run_until` for the arguments, what happens on
+    SIGTERM and Ctrl-C, and the errors. A caller that must tell a run stopped by a
+    signal from a completed one (to exit non-zero on preemption, say) calls
+    :func:`run_until`, or compares the returned ``state.step`` with ``num_steps``.
+
+    Examples:
+        >>> state = run(step_fn, state, source, num_steps=1000,
+        ...             checkpoints=Checkpoints("ckpt", every=100, keep=3))
+    """
+    return run_until(
+        step,
+        state,
+        data,
+        num_steps=num_steps,
+        checkpoints=checkpoints,
+        metrics_path=metrics_path,
+        progress=progress,
+        on_metrics=on_metrics,
+        handle_signals=handle_signals,
+    ).state
+
+
+def run_until(
+    step: Callable[[TrainState, Any], tuple[TrainState, dict[str, Any]]],
+    state: TrainState,
+    data: Any,
+    *,
+    num_steps: int,
+    checkpoints: Checkpoints | None = None,
+    metrics_path: str | os.PathLike[str] | None = None,
+    progress: bool = True,
+    on_metrics: Callable[[int, dict[str, Any]], None] | None = None,
+    handle_signals: bool = True,
+) -> RunResult:
+    """Run ``step`` until the state's step counter reaches ``num_steps``, or a signal.
 
     With ``checkpoints``, it first takes the lock of ``checkpoints.dir``
     (:func:`fvstep.checkpoint.lock_dir`, held until it returns), so a second run on the
@@ -185,12 +288,20 @@ def run(
     supplies the structure); a newer one that is damaged is skipped with a
     :class:`~fvstep.checkpoint.CheckpointSkippedWarning` and renamed
     ``step_<n>.damaged`` (see ``Checkpoints.on_damaged``). It saves after every
-    ``checkpoints.every`` steps and at the end, keeping the newest ``checkpoints.keep``;
-    on SIGTERM it finishes the step in progress, saves, and returns early (the returned
-    state's ``step`` says where). It never saves a state with a NaN or infinite leaf.
+    ``checkpoints.every`` steps and at the end, keeping the newest ``checkpoints.keep``.
+    It never saves a state with a NaN or infinite leaf.
+
+    On SIGTERM (a job scheduler's preemption) or a first Ctrl-C (SIGINT) it finishes the
+    step in progress, saves, prints one line on rank 0's stderr naming the checkpoint,
+    and returns early with ``stopped_by`` saying which signal; a second Ctrl-C raises
+    ``KeyboardInterrupt`` at once, without saving. A signal that reaches only some ranks
+    stops all of them at the same step. The handlers are installed in the main thread
+    only, and the SIGINT one only when Python's default handler is in place (a caller
+    that handles or ignores SIGINT keeps its own handling).
 
     Metrics are written as strict JSON, one object per line: a NaN or infinite metric is
-    written as ``null``; only scalars are logged.
+    written as ``null``; only scalars are logged; a step that trained nothing (no
+    metrics) writes no line. The progress bar shows the latest losses.
 
     Args:
         step: A compiled step (``fvstep.compile``) or any ``(state, batch) -> (state, metrics)``.
@@ -204,9 +315,12 @@ def run(
             resume recomputes are dropped. NaN and infinities are written as ``null``.
         progress: Show a progress bar on rank 0 (tqdm, when installed).
         on_metrics: Called with ``(step, metrics)`` after every step, on every rank.
+        handle_signals: Stop at the next step boundary on SIGTERM and a first SIGINT, as
+            above; ``False`` leaves both signals to the caller.
 
     Returns:
-        The final state.
+        A :class:`RunResult`: the final state, why the loop ended, and the checkpoint
+        that holds the state.
 
     Raises:
         CheckpointLockedError: (a ``CheckpointError``) If another run holds the lock of
@@ -217,21 +331,35 @@ def run(
         ValueError: If the checkpoint to resume from (or ``state``) is past ``num_steps``.
 
     Examples:
-        >>> state = run(step_fn, state, source, num_steps=1000,
-        ...             checkpoints=Checkpoints("ckpt", every=100, keep=3))
+        >>> result = run_until(step_fn, state, source, num_steps=1000,
+        ...                    checkpoints=Checkpoints("ckpt", every=100, keep=3))
+        >>> result.stopped_by, result.checkpoint
+        ('completed', PosixPath('ckpt/step_000001000'))
     """
     rank, _ = rank_and_world()
     lock = _lock(checkpoints.dir, rank) if checkpoints is not None else None
+    resumed_from = None
     try:
         if checkpoints is not None:
-            state = _resume(state, checkpoints, num_steps, rank)
+            state, resumed_from = _resume(state, checkpoints, num_steps, rank)
         if int(state.step) > num_steps:
             raise ValueError(
                 f"the state is at step {int(state.step)}, past num_steps={num_steps}: "
                 "run counts steps from 0, so num_steps is the step to reach, not a number "
                 "of steps to add"
             )
-        return _loop(step, state, data, num_steps, checkpoints, metrics_path, progress, on_metrics)
+        result = _loop(
+            step,
+            state,
+            data,
+            num_steps,
+            checkpoints,
+            metrics_path,
+            progress,
+            on_metrics,
+            handle_signals,
+        )
+        return attrs.evolve(result, resumed_from=resumed_from)
     finally:
         if lock is not None:
             lock.release()
@@ -246,7 +374,8 @@ def _loop(
     metrics_path: str | os.PathLike[str] | None,
     progress: bool,
     on_metrics: Callable[[int, dict[str, Any]], None] | None,
-) -> TrainState:
+    handle_signals: bool,
+) -> RunResult:
     rank, world = rank_and_world()
     start = int(state.step)
     if metrics_path is None and checkpoints is not None:
@@ -255,14 +384,18 @@ def _loop(
     saver = ckpt.AsyncSaver() if checkpoints is not None and checkpoints.async_save else None
     bar = _progress(progress and rank == 0, start, num_steps)
     last_saved = start
+    stop = 0
+    shown_losses: dict[str, str] = {}
     try:
-        with _sigterm_flag() as flag:
+        with _stop_signals(rank, enabled=handle_signals) as flag:
             for s in range(start, num_steps):
                 state, metrics = step(state, _batch(data, s, rank, world))
-                log.write(s, metrics)
+                row = _scalars(metrics) if log.file is not None or bar is not None else {}
+                log.write(s, row)
                 if on_metrics is not None:
                     on_metrics(s, metrics)
                 if bar is not None:
+                    _show_losses(bar, row, shown_losses)
                     bar.update(1)
                 stop = _agree_to_stop(flag["stop"])
                 done = s + 1 == num_steps
@@ -287,7 +420,25 @@ def _loop(
             log.close()
             if bar is not None:
                 bar.close()
-    return state
+    stopped_by: StopReason = "completed" if int(state.step) >= num_steps else _REASONS[stop]
+    saved = ckpt.checkpoint_dir(checkpoints.dir, int(state.step)) if checkpoints else None
+    if stopped_by != "completed" and rank == 0:
+        where = f"saved {str(saved)!r}" if saved is not None else "no checkpoints: nothing saved"
+        print(
+            f"fvstep: stopped by {stopped_by} at step {int(state.step)} of {num_steps}; {where}",
+            file=sys.stderr,
+            flush=True,
+        )
+    return RunResult(state, stopped_by, saved if saved is not None and saved.exists() else None)
+
+
+def _show_losses(bar: Any, row: dict[str, Any], shown: dict[str, str]) -> None:
+    """Show the latest value of each ``*loss`` metric on the progress bar: ``shown`` keeps
+    a role's last loss through the steps that do not train it."""
+    losses = {k: v for k, v in row.items() if k.endswith("loss") and isinstance(v, float)}
+    if losses:
+        shown.update({k.removesuffix("/loss"): f"{v:.4g}" for k, v in losses.items()})
+        bar.set_postfix(shown, refresh=False)
 
 
 def _lock(root: Path, rank: int) -> layout.DirectoryLock | None:
@@ -304,8 +455,11 @@ def _lock(root: Path, rank: int) -> layout.DirectoryLock | None:
     return lock
 
 
-def _resume(state: TrainState, checkpoints: Checkpoints, num_steps: int, rank: int) -> TrainState:
-    """Collective: load the newest checkpoint that verifies, skipping (or refusing) damaged ones.
+def _resume(
+    state: TrainState, checkpoints: Checkpoints, num_steps: int, rank: int
+) -> tuple[TrainState, Path | None]:
+    """Collective: load the newest checkpoint that verifies, skipping (or refusing) damaged
+    ones; return the state and the checkpoint it came from (``None``: none to resume from).
 
     Every rank tries the same candidates in the same order (rank 0's listing), and ``load``
     agrees on every failure, so all ranks resume from the same checkpoint.
@@ -331,14 +485,14 @@ def _resume(state: TrainState, checkpoints: Checkpoints, num_steps: int, rank: i
             skipped.append((path, e))
             continue
         _set_aside(skipped, path, rank)
-        return loaded
+        return loaded, path
     if skipped:
         raise CheckpointError(
             f"no checkpoint under {str(root)!r} can be loaded; every one is damaged: "
             + "; ".join(f"{p.name}: {e}" for p, e in skipped)
             + ". Move them away to start the run afresh"
         )
-    return state
+    return state, None
 
 
 def _set_aside(skipped: list[tuple[Path, DamagedCheckpointError]], used: Path, rank: int) -> None:

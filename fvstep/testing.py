@@ -94,8 +94,10 @@ def assert_resume_exact(
     """
     if any(not 0 <= s < num_steps for s in interruptions):
         raise ValueError(f"interruptions {list(interruptions)} must lie in [0, {num_steps})")
+    # A check, not a training run: a signal ends it (Ctrl-C raises KeyboardInterrupt) rather
+    # than stopping one of its runs early, which would compare a partial state.
     state, step_fn, data = factory()
-    expected = run(step_fn, state, data, num_steps=num_steps, progress=False)
+    expected = run(step_fn, state, data, num_steps=num_steps, progress=False, handle_signals=False)
     checkpoints = Checkpoints(
         Path(workdir) / "checkpoints", every=checkpoint_every, keep=2, async_save=async_save
     )
@@ -109,10 +111,17 @@ def assert_resume_exact(
                 num_steps=num_steps,
                 checkpoints=checkpoints,
                 progress=False,
+                handle_signals=False,
             )
     state, step_fn, data = factory()
     resumed = run(
-        step_fn, state, data, num_steps=num_steps, checkpoints=checkpoints, progress=False
+        step_fn,
+        state,
+        data,
+        num_steps=num_steps,
+        checkpoints=checkpoints,
+        progress=False,
+        handle_signals=False,
     )
     try:
         assert_trees_equal(resumed, expected, check_static=False)

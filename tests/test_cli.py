@@ -1,10 +1,11 @@
-"""The command line: the demo's verdict, verify-resume on a pure and an impure example,
-and one-line errors for bad input."""
+"""The command line: the demo's verdict and a summary of what it ran, verify-resume on a
+pure and an impure example, one-line errors for bad input, Ctrl-C, help and version."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -39,6 +40,80 @@ def test_demo_on_two_ranks_resumes_bitwise_and_writes_metrics_and_plot(tmp_path)
         for line in (out / "interrupted" / "metrics.jsonl").read_text().splitlines()
     ]
     assert [r["step"] for r in rows] == list(range(8))
+    # The summary states what ran: a crash before step 5, half an interval after the
+    # checkpoint at step 4, which the restart loaded and which is kept.
+    summary = summary_rows(result.stdout)
+    assert summary["interruption"].startswith(
+        "crashed before step 5 (checkpoints then: steps 2, 4); restarted from the newest, "
+        "step 4, and recomputed step 4"
+    )
+    assert summary["resumed from"] == str(out / "interrupted" / "step_000000004")
+    assert (out / "interrupted" / "step_000000004").is_dir()
+    assert summary["checkpoints"].endswith("interrupted/ steps 2, 4, 6, 8")
+    assert summary["sync policy"].startswith("deferred. A policy changes when gradients")
+    assert "reduce_scatter" in summary["collectives"]
+
+
+def summary_rows(stdout: str) -> dict[str, str]:
+    rows = {}
+    for line in stdout.split("fvstep demo — ")[-1].splitlines()[1:]:
+        name, _, text = line.strip().partition("  ")
+        rows[name] = text.strip()
+    return rows
+
+
+def test_demo_on_one_rank_claims_no_sync_policy_and_keeps_what_it_resumed_from(tmp_path):
+    out = tmp_path / "demo"
+    result = run_cli("demo", "--steps", "7", "--nproc", "1", "--out", str(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = summary_rows(result.stdout)
+    assert summary["sync policy"].startswith("none: one rank communicates no gradients")
+    assert "deferred" not in summary["ranks"] + summary["steps"]
+    assert summary["interruption"].startswith("crashed before step 6 (checkpoints then: step 4)")
+    assert (out / "interrupted" / "step_000000004").is_dir()
+    assert summary["verdict"].startswith("RESUMED RUN == UNINTERRUPTED RUN, bitwise")
+
+    again = run_cli("demo", "--steps", "7", "--nproc", "1", "--out", str(out))
+    assert again.returncode == 2
+    assert "holds an earlier demo's output" in again.stderr and "--overwrite" in again.stderr
+    assert (out / "interrupted" / "step_000000004").is_dir()  # untouched
+
+
+DEMO_ARGS = ("--steps", "8", "--every", "2", "--nproc", "2")
+
+
+def test_ctrl_c_on_the_demo_exits_130_with_one_line(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    demo = subprocess.Popen(
+        [sys.executable, "-m", "fvstep", "demo", *DEMO_ARGS, "--out", str(tmp_path / "demo")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        start_new_session=True,  # its own process group, as a terminal's foreground job
+    )
+    assert demo.stdout is not None
+    for line in demo.stdout:
+        if line.startswith("[1/3]"):  # rank 0 is training
+            os.killpg(demo.pid, signal.SIGINT)  # Ctrl-C: the launcher and every rank
+            break
+    _, stderr = demo.communicate(timeout=300)
+    assert demo.returncode == 130, stderr[-3000:]
+    # The progress bar (stderr, "step/s") aside, one line.
+    lines = [line for line in stderr.splitlines() if line.strip() and "step/s" not in line]
+    assert lines == ["fvstep: interrupted"], stderr[-3000:]
+
+
+def test_version_and_help_texts():
+    version = run_cli("--version")
+    assert version.returncode == 0 and version.stdout.startswith("fvstep 0.")
+    demo_help = " ".join(run_cli("demo", "--help").stdout.split())  # unwrapped
+    assert "changes communication, not results (default deferred" in demo_help
+    assert "--overwrite" in demo_help
+    verify_help = " ".join(run_cli("verify-resume", "--help").stdout.split())
+    assert "steps of each run (default 6)" in verify_help
+    assert "ranks to launch" in verify_help
 
 
 def test_verify_resume_passes_on_a_pure_example(capsys):
@@ -58,7 +133,11 @@ def test_verify_resume_fails_with_a_readable_report_on_an_impure_example(capsys)
     [
         (["demo", "--bogus"], "unrecognized arguments: --bogus"),
         (["demo", "--out", "/proc/fvstep-unwritable"], "cannot write to the output directory"),
-        (["demo", "--steps", "0"], "--steps must be >= 1"),
+        (["demo", "--steps", "0"], "--steps must be >= 7 with --every 4"),
+        (["demo", "--steps", "-1"], "--steps must be >= 7 with --every 4"),
+        (["demo", "--steps", "4", "--every", "100"], "--steps must be >= 151 with --every 100"),
+        (["demo", "--every", "0"], "--every must be >= 1"),
+        (["demo", "--nproc", "0"], "--nproc must be >= 1"),
         (["verify-resume", "no_such_module:factory"], "cannot import 'no_such_module'"),
         (["verify-resume", "examples.resume_ok"], "must be MODULE:FACTORY"),
         (["verify-resume", "examples.resume_ok:nothing"], "has no callable 'nothing'"),
