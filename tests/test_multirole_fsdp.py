@@ -19,7 +19,14 @@ from fvstep import parallel as fsp
 from fvstep import tree
 from fvstep.models import predict, synthetic_batch, tiny_wan
 from fvstep.random import fold_in
-from tests.reference import dmd2_loop, modules_view, reshard_all, shard_by_hand, unit_key
+from tests.reference import (
+    dmd2_loop,
+    microbatches,
+    modules_view,
+    reshard_all,
+    shard_by_hand,
+    unit_key,
+)
 
 pytestmark = pytest.mark.multirank
 
@@ -77,7 +84,7 @@ def check_two_roles_reading_each_other(rank: int, world_size: int, k: int, how: 
     opts = {r: torch.optim.AdamW(ref[r].parameters(), lr=LR, weight_decay=WD) for r in ref}
     view = modules_view(ref)
     for r, other, k_r in (("a", "b", k_a), ("b", "a", k_b)):  # keyed by name (the role)
-        for m, mb in enumerate(_split(batch_at(0, rank), k_r)):
+        for m, mb in enumerate(microbatches(batch_at(0, rank), k_r)):
             loss = _mse_of(r, other)(view, mb, unit_key(fs.random.key(3), 0, rank, r, m))
             (loss / k_r).backward()
         opts[r].step()
@@ -89,12 +96,6 @@ def check_two_roles_reading_each_other(rank: int, world_size: int, k: int, how: 
     for r in ref:
         tree.assert_trees_equal(state.roles[r].params, dict(ref[r].named_parameters()))
     return moved
-
-
-def _split(batch, k):
-    from tests.reference import microbatches
-
-    return microbatches(batch, k)
 
 
 @pytest.mark.parametrize("k", [1, 3])
@@ -124,7 +125,7 @@ def shard(module, mesh):
     return shard_by_hand(module, mesh)
 
 
-def _dmd2_roles(mesh):
+def _dmd2_roles():
     teacher = tiny_wan(seed=1)
     student = copy.deepcopy(teacher)
     critic = tiny_wan(seed=2)
@@ -136,7 +137,7 @@ def check_dmd2_against_hand_written_loop(rank: int, world_size: int, ordering: s
 
     num_steps, interval = 6, 2
     mesh = fsp.make_mesh(device_type="cpu")
-    plain = _dmd2_roles(mesh)
+    plain = _dmd2_roles()
     ref = {r: shard_by_hand(copy.deepcopy(m), mesh) for r, m in plain.items()}
     ref["teacher"].requires_grad_(False)
     adamw = fs.optim.adamw(lr=LR, weight_decay=WD)
@@ -201,7 +202,7 @@ def check_rest_after_every_unit(rank: int, world_size: int):
     from fvstep.methods.dmd2 import dmd2_losses
 
     mesh = fsp.make_mesh(device_type="cpu")
-    plain = _dmd2_roles(mesh)
+    plain = _dmd2_roles()
     adamw = fs.optim.adamw(lr=LR)
     state = fs.TrainState.create(
         {
