@@ -21,6 +21,7 @@ from typing_extensions import dataclass_transform
 
 __all__ = [
     "NAMESPACE",
+    "assert_trees_close",
     "assert_trees_equal",
     "clone",
     "field",
@@ -200,6 +201,50 @@ def assert_trees_equal(a: Any, b: Any, *, check_static: bool = True) -> None:
         why = _leaf_mismatch(x, y)
         if why is not None:
             raise AssertionError(f"trees differ at '{path or '<root>'}': {why}")
+
+
+def assert_trees_close(
+    a: Any, b: Any, *, rtol: float = 1.3e-6, atol: float = 1e-5, check_static: bool = False
+) -> None:
+    """Assert that two pytrees have the same paths and tensor leaves equal within tolerances.
+
+    For comparisons where the math allows only summation-order differences (a compiled
+    backward against eager autograd, context parallel against one rank): state the
+    tolerance and why at the call. Leaves are compared with ``torch.testing.assert_close``
+    (shape and dtype must match; NaN equals NaN); DTensors shard by shard on each rank;
+    non-tensor leaves must be equal.
+
+    Args:
+        a: A pytree.
+        b: A pytree.
+        rtol: Relative tolerance.
+        atol: Absolute tolerance.
+        check_static: Whether static metadata must be equal too (default: paths only).
+
+    Raises:
+        AssertionError: Naming the first path that differs, with the largest difference.
+
+    Examples:
+        >>> assert_trees_close(compiled.params, eager.params, rtol=0, atol=1e-6)
+    """
+    paths_a, flat_a, spec_a = flatten_with_paths(a)
+    paths_b, flat_b, spec_b = flatten_with_paths(b)
+    if (spec_a != spec_b) if check_static else (paths_a != paths_b):
+        only_a = sorted(set(paths_a) - set(paths_b))[:5]
+        only_b = sorted(set(paths_b) - set(paths_a))[:5]
+        raise AssertionError(
+            f"tree structures differ (only in the first: {only_a}; only in the second: {only_b})"
+        )
+    for path, x, y in zip(paths_a, flat_a, flat_b, strict=False):
+        if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
+            try:
+                torch.testing.assert_close(
+                    _local(x), _local(y), rtol=rtol, atol=atol, equal_nan=True
+                )
+            except AssertionError as error:
+                raise AssertionError(f"trees differ at '{path or '<root>'}': {error}") from None
+        elif x != y:
+            raise AssertionError(f"trees differ at '{path or '<root>'}': {x!r} != {y!r}")
 
 
 def tree_digest(tree: Any) -> str:

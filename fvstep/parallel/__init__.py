@@ -9,6 +9,10 @@ Split by concern (as torchtitan's ``distributed/`` folder):
   :func:`unrested_modules`, :func:`check_roles_are_data_parallel`,
   :func:`grad_sync_for`), and :class:`FSDP2Parallelism`, the
   :class:`~fvstep.sync.Parallelism` that ``fvstep.compile`` injects into the core;
+- :mod:`fvstep.parallel.prepare`: one call that prepares a role's module for real scale
+  (:func:`prepare`: activation checkpointing, ``torch.compile`` per block, FSDP2/HSDP
+  with mixed precision and offload, frozen roles in bf16, the attention backend), and
+  :func:`compile_counts`;
 - :mod:`fvstep.parallel.collectives`: :class:`CollectiveCounter`;
 - :mod:`fvstep.parallel.launcher`: :func:`launch`, :func:`init_from_env`, :func:`destroy`;
 - :mod:`fvstep.parallel.ranks`: the rank helpers every other module uses
@@ -26,6 +30,7 @@ Examples:
     >>> from fvstep import parallel
     >>> mesh = parallel.make_mesh()
     >>> student = parallel.shard_module(student, mesh=mesh)
+    >>> critic = parallel.prepare(critic, mesh=mesh, checkpointing="selective", compile=True)
 """
 
 from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -33,6 +38,13 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from fvstep.parallel.collectives import CollectiveCounter
 from fvstep.parallel.launcher import destroy, init_from_env, launch
 from fvstep.parallel.mesh import ShardPolicy, blocks_policy, is_sharded, make_mesh, shard_module
+from fvstep.parallel.prepare import (
+    ActivationCheckpointing,
+    Preparation,
+    compile_counts,
+    preparation,
+    prepare,
+)
 from fvstep.parallel.ranks import (
     barrier,
     broadcast_object,
@@ -53,16 +65,19 @@ from fvstep.parallel.sync import (
 )
 
 __all__ = [
+    "ActivationCheckpointing",
     "CollectiveCounter",
     "FSDP2Parallelism",
     "FSDPGradSync",
     "MixedPrecisionPolicy",
+    "Preparation",
     "ShardPolicy",
     "barrier",
     "blocks_policy",
     "broadcast_object",
     "check_roles_are_data_parallel",
     "collective_device",
+    "compile_counts",
     "data_parallel_index",
     "destroy",
     "gather_objects",
@@ -73,6 +88,8 @@ __all__ = [
     "make_mesh",
     "max_over_ranks",
     "min_over_ranks",
+    "preparation",
+    "prepare",
     "rank_and_world",
     "release_modules",
     "shard_module",

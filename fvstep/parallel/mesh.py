@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 __all__ = ["ShardPolicy", "blocks_policy", "is_sharded", "make_mesh", "shard_module"]
 
@@ -87,6 +87,7 @@ def shard_module(
     policy: ShardPolicy = blocks_policy,
     mp_policy: MixedPrecisionPolicy | None = None,
     reshard_after_forward: bool = True,
+    offload_policy: OffloadPolicy | None = None,
 ) -> nn.Module:
     """Shard ``module`` with FSDP2: ``fully_shard`` each block the policy picks, then the root.
 
@@ -98,6 +99,7 @@ def shard_module(
         mp_policy: e.g. ``MixedPrecisionPolicy(param_dtype=torch.bfloat16,
             reduce_dtype=torch.float32)``.
         reshard_after_forward: FSDP2's option, for every group.
+        offload_policy: FSDP2's offload policy (e.g. ``CPUOffloadPolicy()``); default none.
 
     Returns:
         The same module, now an ``FSDPModule``.
@@ -111,11 +113,15 @@ def shard_module(
     if is_sharded(module):
         raise ValueError("the module is already sharded (fully_shard was applied)")
     mp_policy = mp_policy or MixedPrecisionPolicy()
+    options: dict[str, Any] = {
+        "mesh": mesh,
+        "mp_policy": mp_policy,
+        "reshard_after_forward": reshard_after_forward,
+        "offload_policy": offload_policy or OffloadPolicy(),
+    }
     parents = {id(child): parent for parent in module.modules() for child in parent.children()}
     chosen = [m for n, m in module.named_modules() if n and policy(n, m, parents.get(id(m)))]
     for block in reversed(chosen):  # inner groups before outer ones
-        fully_shard(
-            block, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward
-        )
-    fully_shard(module, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
+        fully_shard(block, **options)
+    fully_shard(module, **options)
     return module

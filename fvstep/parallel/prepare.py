@@ -1,0 +1,452 @@
+"""Prepare a role's module for real scale: activation checkpointing, compile, FSDP2, precision.
+
+One call per role, composing PyTorch's own machinery in torchtitan's order:
+
+1. **activation checkpointing** per block (:class:`ActivationCheckpointing`: none, full,
+   every n-th block, or *selective*, op-level, saving the outputs of matmuls and
+   attention as torchtitan's selective AC does), through
+   ``torch.utils.checkpoint.checkpoint(use_reentrant=False, context_fn=...)``;
+2. ``torch.compile`` per block (``block.compile()``, in place);
+3. ``fully_shard`` per block and at the root (:func:`fvstep.parallel.shard_module`), with
+   a ``MixedPrecisionPolicy`` and an optional ``CPUOffloadPolicy``; a 2-D mesh gives HSDP.
+
+Frozen roles (a DMD2 teacher) are cast to ``frozen_dtype`` (bf16 by default): no
+gradient, no optimizer state, half the memory. The diffusers attention backend is set
+when asked (``module.set_attention_backend``).
+
+**Names do not change.** Checkpointing is applied by giving each chosen block an
+instance ``forward`` that runs the class's forward under ``checkpoint`` (no
+``checkpoint_wrapper`` module in the path), and ``block.compile()`` compiles in place
+(no ``_orig_mod``): parameter names, and so fvstep's checkpoint keys, are those of the
+plain module whatever the options. A checkpoint saved with them loads without them and
+vice versa (tested).
+
+**Compiles are bounded.** fvstep turns other roles' ``requires_grad`` off while a unit
+runs, and a role is read with and without grad mode, so a block's graph is specialised
+on (grad mode, parameters' ``requires_grad``): at most three graphs for all blocks of all
+roles with the same code and shapes (``inline_inbuilt_nn_modules`` shares them across
+block instances), compiled with ``dynamic=False`` so that a second shape is a second
+graph rather than a slower, dynamic one. :func:`compile_counts` reports what dynamo
+compiled, so a benchmark can show it.
+
+Examples:
+    >>> mesh = fvstep.parallel.make_mesh()
+    >>> student = prepare(student, mesh=mesh, checkpointing="selective", compile=True,
+    ...                   param_dtype=torch.bfloat16)
+    >>> teacher = prepare(teacher, mesh=mesh, trainable=False, compile=True)
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
+
+import attrs
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
+
+from fvstep.parallel.mesh import ShardPolicy, blocks_policy, is_sharded, shard_module
+
+__all__ = [
+    "ActivationCheckpointing",
+    "Preparation",
+    "block_names",
+    "compile_counts",
+    "is_checkpointed",
+    "preparation",
+    "prepare",
+]
+
+CheckpointMode = Literal["none", "full", "selective"]
+
+_aten = torch.ops.aten
+#: Ops whose outputs selective checkpointing keeps (torchtitan's list, less collectives):
+#: matmuls and the attention kernels, whose recomputation costs the most FLOPs.
+DEFAULT_SAVE_OPS: frozenset[Any] = frozenset(
+    op
+    for op in (
+        getattr(_aten, "mm", None),
+        getattr(_aten, "addmm", None),
+        getattr(_aten, "bmm", None),
+        getattr(_aten, "baddbmm", None),
+        getattr(_aten, "_scaled_dot_product_efficient_attention", None),
+        getattr(_aten, "_scaled_dot_product_flash_attention", None),
+        getattr(_aten, "_scaled_dot_product_cudnn_attention", None),
+        getattr(_aten, "_scaled_dot_product_flash_attention_for_cpu", None),
+        getattr(_aten, "_flash_attention_forward", None),
+        getattr(_aten, "_efficient_attention_forward", None),
+    )
+    if op is not None
+)
+
+
+@attrs.frozen
+class ActivationCheckpointing:
+    """Which blocks recompute their activations in backward, and how much of them.
+
+    Attributes:
+        mode: ``"none"``; ``"full"`` (a block keeps only its inputs and recomputes its
+            whole forward in backward); ``"selective"`` (op-level: the outputs of
+            ``save_ops`` — matmuls and attention by default — are kept, everything else,
+            norms, activations, element-wise ops, is recomputed).
+        every: Checkpoint every ``every``-th block (blocks ``0, every, 2 * every, ...``);
+            ``1`` checkpoints all of them.
+        save_ops: For ``"selective"``: the ATen ops (``OpOverloadPacket`` or
+            ``OpOverload``) whose outputs are saved.
+
+    Raises:
+        ValueError: On an unknown mode or ``every < 1``.
+
+    Examples:
+        >>> ActivationCheckpointing("full", every=2)      # half the blocks, fully
+        >>> ActivationCheckpointing("selective")          # all blocks, matmuls kept
+    """
+
+    mode: CheckpointMode = "full"
+    every: int = 1
+    save_ops: frozenset[Any] = attrs.field(default=DEFAULT_SAVE_OPS, converter=frozenset)
+
+    def __attrs_post_init__(self) -> None:
+        if self.mode not in ("none", "full", "selective"):
+            raise ValueError(
+                f"activation checkpointing mode must be 'none', 'full' or 'selective', "
+                f"not {self.mode!r}"
+            )
+        if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
+            raise ValueError(f"every must be an int >= 1, not {self.every!r}")
+
+    def chooses(self, index: int) -> bool:
+        """Whether the ``index``-th block is checkpointed."""
+        return self.mode != "none" and index % self.every == 0
+
+    def context_fn(self) -> Callable[[], Any] | None:
+        """``checkpoint``'s ``context_fn`` for this mode (``None`` for full)."""
+        if self.mode != "selective":
+            return None
+        save = self.save_ops
+
+        def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+            packet = getattr(op, "overloadpacket", op)
+            if op in save or packet in save:
+                return CheckpointPolicy.MUST_SAVE
+            return CheckpointPolicy.PREFER_RECOMPUTE
+
+        return functools.partial(create_selective_checkpoint_contexts, policy)
+
+
+@attrs.frozen
+class Preparation:
+    """What :func:`prepare` did to a module (kept on it; :func:`describe` prints it).
+
+    Attributes:
+        trainable: Whether the role is trained.
+        checkpointing: The activation-checkpointing choice.
+        checkpointed_blocks: Qualified names of the checkpointed blocks.
+        compiled_blocks: Qualified names of the compiled blocks.
+        sharded: Whether ``fully_shard`` was applied (per block and at the root).
+        mesh_shape: The mesh's shape and dim names, or ``None``.
+        param_dtype: Compute dtype of the parameters under FSDP2 (``None``: as stored).
+        reduce_dtype: Gradient reduction dtype (``None``: the parameter dtype).
+        storage_dtype: The dtype parameters are stored in.
+        offload: Whether parameters are offloaded to the CPU between uses.
+        attention_backend: The diffusers attention backend set, or ``None``.
+    """
+
+    trainable: bool
+    checkpointing: ActivationCheckpointing
+    checkpointed_blocks: tuple[str, ...]
+    compiled_blocks: tuple[str, ...]
+    sharded: bool
+    mesh_shape: tuple[tuple[str, int], ...] | None
+    param_dtype: torch.dtype | None
+    reduce_dtype: torch.dtype | None
+    storage_dtype: torch.dtype
+    offload: bool
+    attention_backend: str | None
+
+    def describe(self) -> dict[str, Any]:
+        """A JSON-friendly summary (for benchmark output and logs)."""
+        return {
+            "trainable": self.trainable,
+            "checkpointing": self.checkpointing.mode,
+            "checkpoint_every": self.checkpointing.every,
+            "checkpointed_blocks": len(self.checkpointed_blocks),
+            "compiled_blocks": len(self.compiled_blocks),
+            "sharded": self.sharded,
+            "mesh": dict(self.mesh_shape) if self.mesh_shape else None,
+            "param_dtype": str(self.param_dtype).removeprefix("torch.")
+            if self.param_dtype
+            else None,
+            "reduce_dtype": str(self.reduce_dtype).removeprefix("torch.")
+            if self.reduce_dtype
+            else None,
+            "storage_dtype": str(self.storage_dtype).removeprefix("torch."),
+            "offload": self.offload,
+            "attention_backend": self.attention_backend,
+        }
+
+
+_PREPARATION_ATTR = "_fvstep_preparation"
+
+
+def block_names(module: nn.Module, policy: ShardPolicy = blocks_policy) -> list[str]:
+    """The qualified names of the blocks ``policy`` picks, in module order.
+
+    Examples:
+        >>> block_names(tiny_wan(num_layers=2))
+        ['blocks.0', 'blocks.1']
+    """
+    parents = {id(child): parent for parent in module.modules() for child in parent.children()}
+    return [n for n, m in module.named_modules() if n and policy(n, m, parents.get(id(m)))]
+
+
+def _checkpointed_forward(
+    forward: Callable[..., Any],
+    context_fn: Callable[[], Any] | None,
+    *args: Any,
+    **kwargs: Any,
+) -> Any:
+    if context_fn is None:
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+    return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+
+
+def is_checkpointed(block: nn.Module) -> bool:
+    """Whether :func:`prepare` gave ``block`` a checkpointed forward."""
+    forward = block.__dict__.get("forward")
+    return isinstance(forward, functools.partial) and forward.func is _checkpointed_forward
+
+
+def _apply_checkpointing(block: nn.Module, ac: ActivationCheckpointing) -> None:
+    # The class's forward, bound to this block, run under checkpoint: an instance
+    # attribute, so nn.Module.__call__ (and compile, and FSDP2's hooks around it) sees it
+    # while the module tree, and so every parameter name, stays as it was.
+    original = type(block).forward.__get__(block)
+    block.forward = functools.partial(  # type: ignore[method-assign]
+        _checkpointed_forward, original, ac.context_fn()
+    )
+
+
+def _cast_tree(value: Any, dtype: torch.dtype) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, (tuple, list)):
+        return type(value)(_cast_tree(v, dtype) for v in value)
+    if isinstance(value, dict):
+        return {k: _cast_tree(v, dtype) for k, v in value.items()}
+    return value
+
+
+def _floating_dtype(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.dtype | None:
+    for v in (*args, *kwargs.values()):
+        if isinstance(v, torch.Tensor) and v.is_floating_point():
+            return v.dtype
+    return None
+
+
+def _cast_at_the_boundary(module: nn.Module, dtype: torch.dtype) -> None:
+    # A frozen role stored in bf16 stays a drop-in for callers in fp32 (with or without
+    # autocast, sharded or not): floating inputs are cast to its dtype on the way in and
+    # its floating outputs back to the callers' dtype on the way out.
+    callers: list[torch.dtype | None] = []
+
+    def cast_in(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        callers.append(_floating_dtype(args, kwargs))
+        return _cast_tree(args, dtype), _cast_tree(kwargs, dtype)
+
+    def cast_out(mod: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
+        caller = callers.pop()  # also after an error (always_call): the stack stays balanced
+        return output if caller is None or output is None else _cast_tree(output, caller)
+
+    module.register_forward_pre_hook(cast_in, with_kwargs=True)
+    module.register_forward_hook(cast_out, with_kwargs=True, always_call=True)
+
+
+def _as_checkpointing(
+    value: ActivationCheckpointing | CheckpointMode | None,
+) -> ActivationCheckpointing:
+    if value is None:
+        return ActivationCheckpointing("none")
+    if isinstance(value, ActivationCheckpointing):
+        return value
+    if isinstance(value, str):
+        return ActivationCheckpointing(value)
+    raise TypeError(
+        f"checkpointing must be 'none', 'full', 'selective' or an ActivationCheckpointing, "
+        f"not {type(value).__name__}"
+    )
+
+
+def _compile_kwargs(compile: bool | Mapping[str, Any]) -> dict[str, Any] | None:
+    if compile is False:
+        return None
+    if compile is True:
+        return {"fullgraph": True, "dynamic": False}
+    if isinstance(compile, Mapping):
+        return {"fullgraph": True, "dynamic": False, **compile}
+    raise TypeError(f"compile must be a bool or torch.compile options, not {compile!r}")
+
+
+def prepare(
+    module: nn.Module,
+    *,
+    mesh: DeviceMesh | None = None,
+    trainable: bool = True,
+    checkpointing: ActivationCheckpointing | CheckpointMode | None = None,
+    compile: bool | Mapping[str, Any] = False,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = torch.float32,
+    reshard_after_forward: bool = True,
+    offload: bool = False,
+    frozen_dtype: torch.dtype | None = torch.bfloat16,
+    attention_backend: str | None = None,
+    policy: ShardPolicy = blocks_policy,
+) -> nn.Module:
+    """Prepare a role's module: checkpointing, then compile, then FSDP2 (torchtitan's order).
+
+    The module is changed in place and returned; build the role with it
+    (``fvstep.Role(prepare(...), optimizer=...)``). Parameter names do not change.
+
+    Args:
+        module: The role's module, its parameters on the device they will run on.
+        mesh: Shard with FSDP2 over this mesh (a 2-D ``("replicate", "shard")`` mesh gives
+            HSDP; :func:`fvstep.parallel.make_mesh`); ``None`` leaves it unsharded (one
+            process).
+        trainable: ``False`` for a frozen role: its parameters are cast to
+            ``frozen_dtype`` and lose ``requires_grad``; it gets no optimizer. Floating
+            inputs are cast to that dtype on the way in and outputs back to the
+            caller's dtype on the way out, so fp32 callers need no change.
+        checkpointing: ``"none"`` (default), ``"full"``, ``"selective"`` or an
+            :class:`ActivationCheckpointing` (e.g. every n-th block). Under ``no_grad`` a
+            checkpointed block just runs its forward, so a role read without gradient
+            (a DMD2 teacher) pays nothing for it.
+        compile: ``True`` for ``block.compile(fullgraph=True, dynamic=False)`` on each
+            block, or a mapping of ``torch.compile`` options (e.g. ``{"backend":
+            "aot_eager"}``) merged over those.
+        param_dtype: FSDP2's compute dtype (``MixedPrecisionPolicy.param_dtype``), e.g.
+            ``torch.bfloat16`` with fp32 master parameters. Needs ``mesh``.
+        reduce_dtype: FSDP2's gradient-reduction dtype (default fp32).
+        reshard_after_forward: FSDP2's option, for every group.
+        offload: FSDP2's ``CPUOffloadPolicy`` (parameters, gradients and optimizer state
+            on the CPU between uses). Needs ``mesh``.
+        frozen_dtype: The dtype a frozen role is stored in (default bf16; ``None`` keeps
+            it).
+        attention_backend: A diffusers attention backend name (``"native"``,
+            ``"_native_cudnn"``, ``"_native_flash"``, ``"flash"``, ...), set with
+            ``module.set_attention_backend``.
+        policy: Which submodules are blocks (default: the items of the root's
+            ``nn.ModuleList`` attributes, e.g. a Wan transformer's ``blocks.*``).
+
+    Returns:
+        The same module, prepared; :func:`preparation` tells what was done.
+
+    Raises:
+        ValueError: If the module was prepared or sharded already, if FSDP2 options are
+            given without a mesh, or if it has no blocks to checkpoint or compile.
+        TypeError: On a bad ``checkpointing`` or ``compile`` value.
+
+    Examples:
+        >>> student = prepare(student, mesh=mesh, checkpointing="full", compile=True,
+        ...                   param_dtype=torch.bfloat16)
+        >>> preparation(student).describe()["compiled_blocks"]
+        30
+    """
+    if getattr(module, _PREPARATION_ATTR, None) is not None:
+        raise ValueError("the module was prepared already (fvstep.parallel.prepare)")
+    if is_sharded(module):
+        raise ValueError("the module is sharded already: prepare it before fully_shard")
+    if mesh is None and (param_dtype is not None or offload):
+        raise ValueError("param_dtype and offload are FSDP2 options: they need a mesh")
+    ac = _as_checkpointing(checkpointing)
+    compile_kwargs = _compile_kwargs(compile)
+    names = block_names(module, policy)
+    if (ac.mode != "none" or compile_kwargs is not None) and not names:
+        raise ValueError(
+            "the module has no blocks to checkpoint or compile (the policy picked none)"
+        )
+    blocks = dict(module.named_modules())
+    if attention_backend is not None:
+        setter = getattr(module, "set_attention_backend", None)
+        if setter is None:
+            raise ValueError(
+                f"{type(module).__name__} has no set_attention_backend: the attention "
+                "backend is chosen by diffusers models only"
+            )
+        setter(attention_backend)
+    if not trainable:
+        if frozen_dtype is not None:
+            module.to(frozen_dtype)
+            _cast_at_the_boundary(module, frozen_dtype)
+        module.requires_grad_(False)
+    checkpointed = [n for i, n in enumerate(names) if ac.chooses(i)]
+    for name in checkpointed:
+        _apply_checkpointing(blocks[name], ac)
+    if compile_kwargs is not None:
+        for name in names:
+            blocks[name].compile(**compile_kwargs)
+    if mesh is not None:
+        offload_policy: OffloadPolicy = CPUOffloadPolicy() if offload else OffloadPolicy()
+        shard_module(
+            module,
+            mesh=mesh,
+            policy=policy,
+            mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
+            reshard_after_forward=reshard_after_forward,
+            offload_policy=offload_policy,
+        )
+    storage = next((p.dtype for p in module.parameters()), torch.float32)
+    record = Preparation(
+        trainable=trainable,
+        checkpointing=ac,
+        checkpointed_blocks=tuple(checkpointed),
+        compiled_blocks=tuple(names) if compile_kwargs is not None else (),
+        sharded=mesh is not None,
+        mesh_shape=tuple(zip(mesh.mesh_dim_names or (), mesh.shape, strict=False))
+        if mesh is not None
+        else None,
+        param_dtype=param_dtype,
+        reduce_dtype=reduce_dtype if mesh is not None else None,
+        storage_dtype=storage,
+        offload=offload,
+        attention_backend=attention_backend,
+    )
+    object.__setattr__(module, _PREPARATION_ATTR, record)
+    return module
+
+
+def preparation(module: nn.Module) -> Preparation | None:
+    """What :func:`prepare` did to ``module`` (``None`` if it was not prepared)."""
+    return getattr(module, _PREPARATION_ATTR, None)
+
+
+def compile_counts() -> dict[str, int]:
+    """What dynamo compiled in this process so far: graphs and graph breaks.
+
+    Read from ``torch._dynamo.utils.counters`` (process-wide, as dynamo keeps them): take
+    the difference of two calls around the code of interest. Every graph past the first
+    of a block's code is a recompile; a prepared role's blocks share their graphs (at
+    most one per grad mode and ``requires_grad`` pattern and input shape).
+
+    Returns:
+        ``{"graphs": ..., "graph_breaks": ...}``.
+
+    Examples:
+        >>> before = compile_counts()
+        >>> state, metrics = step(state, batch)
+        >>> compile_counts()["graphs"] - before["graphs"]
+        3
+    """
+    from torch._dynamo.utils import counters
+
+    return {
+        "graphs": int(counters["stats"].get("unique_graphs", 0)),
+        "graph_breaks": int(sum(counters["graph_break"].values())),
+    }

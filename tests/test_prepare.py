@@ -1,0 +1,293 @@
+"""``fvstep.parallel.prepare``: activation checkpointing, compile, FSDP2, frozen roles.
+
+Laws: the options change neither parameter names nor checkpoint keys (a checkpoint saved
+with them loads without them and vice versa, leaf-exact); activation checkpointing
+changes no number (a step of prepared roles is bitwise the step of plain ones, on one
+process and against the hand-written FSDP2 loop on 2 ranks: recomputation runs the same
+kernels on the same inputs); compile changes numbers only by summation order (AOTAutograd
+traces its own backward, whose reductions, e.g. a bias gradient summed over a 3-D
+tensor's two leading dims at once, may associate differently from eager autograd's), so
+it is compared within 1e-6; compiled blocks share a bounded number of graphs however
+many steps run.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import fvstep as fs
+from fvstep import parallel as fsp
+from fvstep import tree
+from fvstep.methods import dmd2, finetune
+from fvstep.models import predict, synthetic_batch, tiny_wan
+from fvstep.parallel.prepare import (
+    ActivationCheckpointing,
+    block_names,
+    compile_counts,
+    is_checkpointed,
+    preparation,
+    prepare,
+)
+from fvstep.random import fold_in
+from tests.reference import dmd2_loop, shard_by_hand
+
+CPU_COMPILE = {"backend": "aot_eager"}  # dynamo + AOTAutograd, no C++ toolchain needed
+
+
+def _finetune_state(module: torch.nn.Module) -> fs.TrainState:
+    return fs.TrainState.create(
+        {"student": fs.Role(module, optimizer=fs.optim.adamw(lr=1e-3, weight_decay=0.1))},
+        key=fs.random.key(0),
+    )
+
+
+def _train(state: fs.TrainState, num_steps: int) -> fs.TrainState:
+    step = fs.compile(finetune(), clip=fs.clip_grad_norm(1.0))
+    for i in range(num_steps):
+        state, _ = step(state, synthetic_batch(fs.random.key(i), batch_size=2))
+    return state
+
+
+CHECKPOINTINGS = [
+    "none",
+    "full",
+    "selective",
+    ActivationCheckpointing("full", every=2),
+    ActivationCheckpointing("selective", every=3),
+]
+
+
+@pytest.mark.parametrize("compile", [False, True])
+@pytest.mark.parametrize("checkpointing", CHECKPOINTINGS, ids=str)
+def test_parameter_names_and_state_dict_keys_do_not_change(checkpointing, compile):
+    plain = tiny_wan(seed=0, num_layers=3)
+    prepared = prepare(
+        tiny_wan(seed=0, num_layers=3),
+        checkpointing=checkpointing,
+        compile=CPU_COMPILE if compile else False,
+    )
+    assert [n for n, _ in prepared.named_parameters()] == [n for n, _ in plain.named_parameters()]
+    assert list(prepared.state_dict()) == list(plain.state_dict())
+    ac = checkpointing if isinstance(checkpointing, ActivationCheckpointing) else None
+    every = ac.every if ac else 1
+    mode = ac.mode if ac else checkpointing
+    expected = [] if mode == "none" else [f"blocks.{i}" for i in range(0, 3, every)]
+    assert list(preparation(prepared).checkpointed_blocks) == expected
+    assert [n for n in block_names(prepared) if is_checkpointed(prepared.get_submodule(n))] == (
+        expected
+    )
+
+
+@pytest.mark.parametrize(
+    ("checkpointing", "compile"),
+    [
+        ("full", False),
+        ("selective", False),
+        (ActivationCheckpointing("full", every=2), False),
+        ("selective", True),
+    ],
+    ids=["full", "selective", "full-every-2", "selective+compile"],
+)
+def test_a_prepared_role_trains_bitwise_as_the_plain_one(checkpointing, compile):
+    plain = _train(_finetune_state(tiny_wan(seed=0, num_layers=3)), 3)
+    prepared = prepare(
+        tiny_wan(seed=0, num_layers=3),
+        checkpointing=checkpointing,
+        compile=CPU_COMPILE if compile else False,
+    )
+    trained = _train(_finetune_state(prepared), 3)
+    if compile:  # summation order only (module docstring)
+        tree.assert_trees_close(
+            trained.roles["student"].params, plain.roles["student"].params, rtol=0, atol=1e-6
+        )
+    else:
+        tree.assert_trees_equal(trained.roles["student"].params, plain.roles["student"].params)
+        tree.assert_trees_equal(
+            trained.roles["student"].opt_state, plain.roles["student"].opt_state
+        )
+
+
+class _OpCounter(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.matmuls = 0
+        self.others = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm):
+            self.matmuls += 1
+        else:
+            self.others += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _backward_ops(mode: str) -> tuple[int, int]:
+    module = prepare(tiny_wan(seed=0), checkpointing=mode)
+    batch = synthetic_batch(fs.random.key(0), batch_size=2)
+    out = predict(module, batch["latents"], torch.full((2,), 500.0), batch["text"]).sum()
+    with _OpCounter() as counter:
+        out.backward()
+    return counter.matmuls, counter.others
+
+
+def test_selective_checkpointing_recomputes_everything_but_matmuls_and_attention():
+    """In backward: full AC re-runs the blocks' matmuls, selective AC does not (it saved
+    their outputs) but re-runs the rest (norms, activations, element-wise ops)."""
+    none, selective, full = (_backward_ops(m) for m in ("none", "selective", "full"))
+    assert full[0] > selective[0] == none[0], (none, selective, full)
+    assert selective[1] > none[1], (none, selective, full)
+
+
+def test_a_checkpoint_saved_with_the_options_loads_without_them_and_back(tmp_path):
+    def build(options: bool) -> fs.TrainState:
+        module = tiny_wan(seed=0)
+        if options:
+            module = prepare(module, checkpointing="selective", compile=CPU_COMPILE)
+        return _finetune_state(module)
+
+    with_options = _train(build(True), 2)
+    fs.checkpoint.save(with_options, tmp_path / "a")
+    loaded = fs.checkpoint.load(tmp_path / "a", like=build(False))
+    tree.assert_trees_equal(loaded, with_options, check_static=False)
+
+    without = _train(build(False), 1)
+    fs.checkpoint.save(without, tmp_path / "b")
+    back = fs.checkpoint.load(tmp_path / "b", like=build(True))
+    tree.assert_trees_equal(back, without, check_static=False)
+    _train(back, 1)  # and it trains on
+
+
+def test_a_frozen_role_is_held_in_bf16_without_gradients_and_serves_fp32_callers():
+    teacher = prepare(tiny_wan(seed=1), trainable=False)
+    assert {p.dtype for p in teacher.parameters()} == {torch.bfloat16}
+    assert not any(p.requires_grad for p in teacher.parameters())
+    batch = synthetic_batch(fs.random.key(0), batch_size=2)
+    t = torch.full((2,), 500.0)
+    out = predict(teacher, batch["latents"], t, batch["text"])
+    assert out.dtype == torch.float32
+    reference = tiny_wan(seed=1).to(torch.bfloat16)
+    expected = predict(reference, batch["latents"].bfloat16(), t, batch["text"].bfloat16())
+    assert torch.equal(out, expected.float())
+
+    state = fs.TrainState.create(
+        {
+            "student": fs.Role(tiny_wan(seed=0), optimizer=fs.optim.adamw(lr=1e-3)),
+            "teacher": fs.Role(teacher),
+            "critic": fs.Role(tiny_wan(seed=2), optimizer=fs.optim.adamw(lr=1e-3)),
+        },
+        key=fs.random.key(0),
+    )
+    before = tree.clone(state.roles["teacher"].params)
+    step = fs.compile(dmd2(generator_update_interval=1))
+    state, metrics = step(state, batch)
+    assert torch.isfinite(metrics["student/loss"]) and torch.isfinite(metrics["critic/loss"])
+    tree.assert_trees_equal(state.roles["teacher"].params, before)
+    assert state.roles["teacher"].opt_state is None
+
+
+@pytest.mark.filterwarnings("ignore:Attention backends are an experimental feature")
+def test_the_attention_backend_is_set_and_recorded():
+    module = prepare(tiny_wan(seed=0), attention_backend="_native_math")
+    assert preparation(module).describe()["attention_backend"] == "_native_math"
+    backends = {
+        getattr(m.processor._attention_backend, "value", None)
+        for m in module.modules()
+        if hasattr(m, "processor")
+    }
+    assert backends == {"_native_math"}, backends
+    assert {
+        getattr(m.processor, "_attention_backend", None)
+        for m in tiny_wan(seed=0).modules()
+        if hasattr(m, "processor")
+    } == {None}
+
+
+def test_bad_options_are_refused_with_a_clear_error():
+    with pytest.raises(ValueError, match="mode must be"):
+        ActivationCheckpointing("sometimes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="every must be"):
+        ActivationCheckpointing("full", every=0)
+    with pytest.raises(TypeError, match="checkpointing must be"):
+        prepare(tiny_wan(), checkpointing=3)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="compile must be"):
+        prepare(tiny_wan(), compile="yes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="need a mesh"):
+        prepare(tiny_wan(), param_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="no blocks"):
+        prepare(torch.nn.Linear(2, 2), checkpointing="full")
+    with pytest.raises(ValueError, match="set_attention_backend"):
+        prepare(torch.nn.Linear(2, 2), attention_backend="native")
+    once = prepare(tiny_wan())
+    with pytest.raises(ValueError, match="prepared already"):
+        prepare(once)
+
+
+# ----------------------------------------------------------------------- two ranks
+
+
+def check_prepared_dmd2_is_bitwise_the_hand_written_loop(rank: int, world_size: int):
+    mesh = fsp.make_mesh(device_type="cpu")
+    plain = {"student": tiny_wan(seed=0), "teacher": tiny_wan(seed=1), "critic": tiny_wan(seed=2)}
+    ref = {r: shard_by_hand(copy.deepcopy(m), mesh) for r, m in plain.items()}
+    ref["teacher"].requires_grad_(False)
+    options = {"mesh": mesh, "checkpointing": "selective", "compile": CPU_COMPILE}
+    adamw = fs.optim.adamw(lr=1e-3, weight_decay=0.1)
+    state = fs.TrainState.create(
+        {
+            "student": fs.Role(prepare(plain["student"], **options), optimizer=adamw),
+            "teacher": fs.Role(
+                prepare(plain["teacher"], trainable=False, frozen_dtype=None, **options)
+            ),
+            "critic": fs.Role(prepare(plain["critic"], **options), optimizer=adamw),
+        },
+        key=fs.random.key(5),
+    )
+    step = fs.compile(
+        dmd2(generator_update_interval=2, ordering="sequential"),
+        accumulation=fs.Accumulation(2),
+        clip=fs.clip_grad_norm(1.0),
+    )
+
+    def batch_at(i: int) -> dict:
+        return synthetic_batch(fold_in(fold_in(fs.random.key(99), i), rank), batch_size=4)
+
+    graphs = []
+    for i in range(4):
+        state, _ = step(state, batch_at(i))
+        graphs.append(compile_counts()["graphs"])
+        assert fsp.unrested_modules(state) == []
+    dmd2_loop(
+        ref,
+        batch_at,
+        num_steps=4,
+        microbatches_per_step=2,
+        ordering="sequential",
+        generator_update_interval=2,
+        rank=rank,
+        base_key=fs.random.key(5),
+        lr=1e-3,
+        weight_decay=0.1,
+        max_norm=1.0,
+    )
+    for role, module in ref.items():  # compiled: summation order only (module docstring)
+        tree.assert_trees_close(
+            state.roles[role].params, dict(module.named_parameters()), rtol=0, atol=1e-6
+        )
+    assert preparation(state.module("student")).describe()["mesh"] == {"shard": world_size}
+    return graphs
+
+
+@pytest.mark.multirank
+def test_prepared_roles_on_two_ranks_match_the_hand_written_fsdp2_loop(ranks):
+    """Selective AC + compile per block + FSDP2 on all three DMD2 roles, 4 steps of
+    2 micro-batches: every parameter of every role equals the plain hand-written loop's
+    (within 1e-6: compile's summation order; bitwise on torch 2.13 when measured);
+    the compiled blocks of all roles share at most 3 graphs (grad mode x requires_grad),
+    all compiled by the first step that reads each pattern, none afterwards."""
+    for graphs in ranks.run(check_prepared_dmd2_is_bitwise_the_hand_written_loop, timeout=600):
+        assert 1 <= graphs[-1] <= 3, graphs
+        assert graphs[1:] == [graphs[-1]] * 3 or graphs[2:] == [graphs[-1]] * 2, graphs
