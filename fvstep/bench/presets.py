@@ -3,7 +3,9 @@
 - ``tiny-wan``: :func:`fvstep.models.tiny_wan`'s config, for CPU smoke runs;
 - ``small-wan``: 4 blocks of dim 128, for CPU runs with some arithmetic;
 - ``wan-1.3b``: the Wan2.1-1.3B shape (random init), 3549 video tokens and 512 text
-  tokens a sample, for GPUs.
+  tokens a sample, for GPUs;
+- ``wan-1.3b-480p``: the same model at the resolution it is trained at, 480x832, 81
+  frames (latents 16x21x60x104): 32,760 video tokens and 512 text tokens a sample.
 """
 
 from __future__ import annotations
@@ -120,6 +122,12 @@ PRESETS: dict[str, Preset] = {
         note="Wan2.1-1.3B shape, random init (3549 tokens + 512 text tokens a sample): GPU",
     ),
 }
+PRESETS["wan-1.3b-480p"] = replace(
+    PRESETS["wan-1.3b"],
+    name="wan-1.3b-480p",
+    latent_shape=(16, 21, 60, 104),
+    note="Wan2.1-1.3B at 480x832x81 (32,760 tokens + 512 text tokens a sample): GPU",
+)
 
 
 def build_model(preset: Preset, *, device: torch.device, seed: int = 0) -> nn.Module:

@@ -230,44 +230,59 @@ def _apply_checkpointing(block: nn.Module, ac: ActivationCheckpointing) -> None:
     # attribute, so nn.Module.__call__ (and compile, and FSDP2's hooks around it) sees it
     # while the module tree, and so every parameter name, stays as it was.
     original = type(block).forward.__get__(block)
-    block.forward = functools.partial(  # type: ignore[method-assign]
-        _checkpointed_forward, original, ac.context_fn()
-    )
+    block.forward = functools.partial(_checkpointed_forward, original, ac.context_fn())
 
 
-def _cast_tree(value: Any, dtype: torch.dtype) -> Any:
+def _cast_tree(value: Any, dtype: torch.dtype, *, min_ndim: int = 0) -> Any:
     if isinstance(value, torch.Tensor):
-        return value.to(dtype) if value.is_floating_point() else value
+        if value.is_floating_point() and value.ndim >= min_ndim and value.dtype != dtype:
+            return value.to(dtype)
+        return value
     if isinstance(value, (tuple, list)):
-        return type(value)(_cast_tree(v, dtype) for v in value)
+        return type(value)(_cast_tree(v, dtype, min_ndim=min_ndim) for v in value)
     if isinstance(value, dict):
-        return {k: _cast_tree(v, dtype) for k, v in value.items()}
+        return {k: _cast_tree(v, dtype, min_ndim=min_ndim) for k, v in value.items()}
     return value
 
 
 def _floating_dtype(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.dtype | None:
     for v in (*args, *kwargs.values()):
-        if isinstance(v, torch.Tensor) and v.is_floating_point():
+        if isinstance(v, torch.Tensor) and v.is_floating_point() and v.ndim >= 2:
             return v.dtype
     return None
 
 
 def _cast_at_the_boundary(module: nn.Module, dtype: torch.dtype) -> None:
-    # A frozen role stored in bf16 stays a drop-in for callers in fp32 (with or without
-    # autocast, sharded or not): floating inputs are cast to its dtype on the way in and
-    # its floating outputs back to the callers' dtype on the way out.
+    # A role computing in bf16 stays a drop-in for callers in fp32 (with or without
+    # autocast, sharded or not): floating activations (tensors of 2 or more dims) are
+    # cast to its dtype on the way in, its floating outputs back to the callers' dtype on
+    # the way out. Per-sample scalars (1-D: a diffusion timestep) keep their precision:
+    # in bf16 a timestep near 1000 would be rounded to a multiple of 4 (FSDP2's own
+    # cast_forward_inputs casts them too, which is why prepare turns it off).
     callers: list[torch.dtype | None] = []
 
     def cast_in(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         callers.append(_floating_dtype(args, kwargs))
-        return _cast_tree(args, dtype), _cast_tree(kwargs, dtype)
+        return _cast_tree(args, dtype, min_ndim=2), _cast_tree(kwargs, dtype, min_ndim=2)
 
     def cast_out(mod: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
         caller = callers.pop()  # also after an error (always_call): the stack stays balanced
         return output if caller is None or output is None else _cast_tree(output, caller)
 
-    module.register_forward_pre_hook(cast_in, with_kwargs=True)
+    module.register_forward_pre_hook(cast_in, with_kwargs=True, prepend=True)
     module.register_forward_hook(cast_out, with_kwargs=True, always_call=True)
+
+
+def _store_in(module: nn.Module, dtype: torch.dtype) -> None:
+    # diffusers models name the submodules that must stay fp32 (Wan: rope, time_embedder,
+    # scale_shift_table, norms); what from_pretrained(torch_dtype=...) keeps, keep here.
+    keep = tuple(getattr(module, "_keep_in_fp32_modules", None) or ())
+    for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+        if not tensor.is_floating_point():
+            continue
+        if any(k in name.split(".") for k in keep):
+            continue
+        tensor.data = tensor.data.to(dtype)
 
 
 def _as_checkpointing(
@@ -322,8 +337,10 @@ def prepare(
             process).
         trainable: ``False`` for a frozen role: its parameters are cast to
             ``frozen_dtype`` and lose ``requires_grad``; it gets no optimizer. Floating
-            inputs are cast to that dtype on the way in and outputs back to the
-            caller's dtype on the way out, so fp32 callers need no change.
+            activations are cast to that dtype on the way in and outputs back to the
+            caller's dtype on the way out, so fp32 callers need no change; 1-D inputs
+            (timesteps) keep their precision. The model's ``_keep_in_fp32_modules``
+            (diffusers) stay fp32.
         checkpointing: ``"none"`` (default), ``"full"``, ``"selective"`` or an
             :class:`ActivationCheckpointing` (e.g. every n-th block). Under ``no_grad`` a
             checkpointed block just runs its forward, so a role read without gradient
@@ -332,7 +349,9 @@ def prepare(
             block, or a mapping of ``torch.compile`` options (e.g. ``{"backend":
             "aot_eager"}``) merged over those.
         param_dtype: FSDP2's compute dtype (``MixedPrecisionPolicy.param_dtype``), e.g.
-            ``torch.bfloat16`` with fp32 master parameters. Needs ``mesh``.
+            ``torch.bfloat16`` with fp32 master parameters. Needs ``mesh``. Activations
+            (2-D and up) are cast to it at the root and outputs cast back; 1-D inputs,
+            timesteps, are not (FSDP2's ``cast_forward_inputs`` would round them).
         reduce_dtype: FSDP2's gradient-reduction dtype (default fp32).
         reshard_after_forward: FSDP2's option, for every group.
         offload: FSDP2's ``CPUOffloadPolicy`` (parameters, gradients and optimizer state
@@ -383,7 +402,7 @@ def prepare(
         setter(attention_backend)
     if not trainable:
         if frozen_dtype is not None:
-            module.to(frozen_dtype)
+            _store_in(module, frozen_dtype)
             _cast_at_the_boundary(module, frozen_dtype)
         module.requires_grad_(False)
     checkpointed = [n for i, n in enumerate(names) if ac.chooses(i)]
@@ -392,13 +411,17 @@ def prepare(
     if compile_kwargs is not None:
         for name in names:
             blocks[name].compile(**compile_kwargs)
+    if mesh is not None and param_dtype is not None and trainable:
+        _cast_at_the_boundary(module, param_dtype)
     if mesh is not None:
         offload_policy: OffloadPolicy = CPUOffloadPolicy() if offload else OffloadPolicy()
         shard_module(
             module,
             mesh=mesh,
             policy=policy,
-            mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
+            mp_policy=MixedPrecisionPolicy(
+                param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False
+            ),
             reshard_after_forward=reshard_after_forward,
             offload_policy=offload_policy,
         )

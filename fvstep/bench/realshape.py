@@ -1,0 +1,261 @@
+"""The real workload: fine-tune or DMD2 (3 roles) at 480x832x81, prepared roles vs by hand.
+
+Each *side* builds its roles, runs ``--warmup`` steps (compiles, allocator warm-up), then
+``--steps`` timed steps, and frees everything before the next side, in one process group:
+
+- ``prepared``: every role through :func:`fvstep.parallel.prepare` (``--checkpointing``,
+  ``--compile``, FSDP2 per block and at the root with bf16 compute and fp32 reduce when
+  sharded, the frozen teacher stored in bf16);
+- ``by-hand``: what users wrote before ``prepare`` existed: ``checkpoint_wrapper`` on each
+  block (full AC), ``block.compile()``, ``fully_shard``; the teacher kept in fp32.
+
+DMD2 runs with ``generator_update_interval=2``, so steps alternate between
+student+critic and critic-only, which are reported apart. Both sides run fvstep's
+compiled step; the difference is only the role preparation.
+
+**MFU** counts model FLOPs only: forward hooks count each role's calls per step, a call
+under grad mode with trainable parameters costs 3 forwards (forward + backward for
+inputs and weights), one under grad mode whose parameters are frozen for the unit costs
+2 (the gradient flows to its input only), one without grad costs 1; a forward is
+:func:`fvstep.bench.analytic.train_flops_per_sample` / 3 (linear layers at 2 FLOPs a
+multiply-add, plus self- and cross-attention ``QK^T`` and ``AV`` at ``4 T^2 d`` and
+``4 T L d`` per layer). Recomputation by activation checkpointing is not counted, nor
+are norms and element-wise ops.
+
+Examples:
+    $ python -m fvstep.bench.realshape --preset tiny-wan --device cpu --steps 2 --warmup 1
+    $ torchrun --standalone --nproc_per_node 2 -m fvstep.bench.realshape \\
+        --preset wan-1.3b-480p --method dmd2 --checkpointing full --compile --json dmd2.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+from typing import Any
+
+import torch
+from torch import nn
+
+import fvstep as fs
+from fvstep import parallel as fsp
+from fvstep._compat import checkpoint_wrapper
+from fvstep.bench import common as c
+from fvstep.bench.analytic import mfu, train_flops_per_sample
+from fvstep.bench.presets import PRESETS, Preset, build_model, make_batch
+from fvstep.methods import dmd2, finetune
+
+__all__ = ["build_parser", "main", "run_side"]
+
+
+class _CallCounter:
+    """Model forwards of a role per step, weighted by what backward costs them."""
+
+    def __init__(self, modules: dict[str, nn.Module]) -> None:
+        self.forwards = 0.0
+        self.handles = [m.register_forward_hook(self._hook) for m in modules.values()]
+
+    def _hook(self, module: nn.Module, args: Any, output: Any) -> None:
+        if not torch.is_grad_enabled():
+            self.forwards += 1
+            return
+        trainable = any(p.requires_grad for p in module.parameters())
+        self.forwards += 3 if trainable else 2
+
+    def take(self) -> float:
+        value, self.forwards = self.forwards, 0.0
+        return value
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def _by_hand(module: nn.Module, rt: c.Runtime, *, compile_blocks: bool, trainable: bool) -> Any:
+    for i, block in enumerate(list(module.blocks)):  # type: ignore[union-attr]
+        wrapped = checkpoint_wrapper(block)
+        if compile_blocks:
+            wrapped.compile()
+        module.blocks[i] = wrapped  # type: ignore[index,union-attr]
+    if not trainable:
+        module.requires_grad_(False)
+    if rt.sharded:
+        fsp.shard_module(
+            module,
+            mesh=rt.mesh,
+            mp_policy=fsp.MixedPrecisionPolicy(
+                param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+            ),
+        )
+    return module
+
+
+def _prepared(module: nn.Module, rt: c.Runtime, args: Any, *, trainable: bool) -> Any:
+    options: dict[str, Any] = {
+        "checkpointing": args.checkpointing,
+        "compile": args.compile,
+        "attention_backend": args.attention_backend,
+        "trainable": trainable,
+    }
+    if rt.sharded:
+        options.update(mesh=rt.mesh, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return fsp.prepare(module, **options)
+
+
+def _roles(side: str, preset: Preset, rt: c.Runtime, args: Any) -> dict[str, Any]:
+    names = ["student", "teacher", "critic"] if args.method == "dmd2" else ["student"]
+    modules = {}
+    for i, name in enumerate(names):
+        module = build_model(preset, device=rt.device, seed=args.seed + i)
+        trainable = name != "teacher"
+        if side == "prepared":
+            modules[name] = _prepared(module, rt, args, trainable=trainable)
+        else:
+            modules[name] = _by_hand(module, rt, compile_blocks=args.compile, trainable=trainable)
+    return modules
+
+
+def run_side(side: str, preset: Preset, rt: c.Runtime, args: Any) -> dict[str, Any]:
+    """Build one side's roles and state, warm up, time ``--steps`` steps; free it all."""
+    modules = _roles(side, preset, rt, args)
+    adamw = fs.optim.adamw(lr=1e-5)
+    roles = {
+        name: fs.Role(m, optimizer=None if name == "teacher" else adamw)
+        for name, m in modules.items()
+    }
+    state = fs.TrainState.create(roles, key=fs.random.key(args.seed))
+    method = dmd2(generator_update_interval=2) if args.method == "dmd2" else finetune()
+    compiled = fs.compile(method, clip=fs.clip_grad_norm(1.0))
+    step = c.with_autocast(compiled, rt, c.resolve_dtype(args, rt))
+    batch = make_batch(preset, 1, device=rt.device, seed=args.seed + rt.rank)
+    counter = _CallCounter(modules)
+    meter = c.MemoryMeter(rt.device)
+    compiled_before = fsp.compile_counts()["graphs"]
+    times: dict[str, list[float]] = {}
+    forwards: dict[str, float] = {}
+    meter.reset()
+    try:
+        for i in range(args.warmup + args.steps):
+            kind = "+".join(
+                sorted({r for e in fs.plan(compiled, int(state.step)) for r in e.roles})
+            )
+            seconds, (state, _) = c.time_call(lambda: step(state, batch), rt.device)
+            fwd = counter.take()
+            if i >= args.warmup:
+                times.setdefault(kind, []).append(seconds)
+                forwards[kind] = fwd
+    finally:
+        counter.close()
+    peak = meter.peak()
+    graphs = fsp.compile_counts()["graphs"] - compiled_before
+    description = fsp.preparation(modules["student"])
+    del state, modules, roles, step, compiled
+    gc.collect()
+    if rt.device.type == "cuda":
+        torch.cuda.empty_cache()
+    per_forward = train_flops_per_sample(build_model(preset, device=torch.device("meta")), preset)
+    per_forward /= 3.0
+    rows = {}
+    for kind, values in times.items():
+        slowest = rt.max_over_ranks(values)
+        stat = c.summarize(slowest)
+        rows[kind] = {
+            "seconds": stat,
+            "model_forwards": forwards[kind],
+            "mfu": mfu(forwards[kind] * per_forward, stat["median"], c.peak_flops(args, rt)),
+        }
+    return {
+        "side": side,
+        "steps": rows,
+        "peak_bytes": max(rt.max_over_ranks([float(peak or 0)])),
+        "graphs_compiled": graphs,
+        "preparation": description.describe() if description else "by hand",
+    }
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The benchmark's options."""
+    parser = argparse.ArgumentParser(
+        prog="fvstep bench realshape",
+        description="Fine-tune or DMD2 at the real shape: fvstep.parallel.prepare vs by hand.",
+    )
+    c.add_runtime_args(parser)
+    parser.set_defaults(preset="wan-1.3b-480p")
+    parser.add_argument("--method", choices=("finetune", "dmd2"), default="dmd2")
+    parser.add_argument(
+        "--sides",
+        nargs="+",
+        choices=("prepared", "by-hand"),
+        default=["prepared", "by-hand"],
+        help="what to compare, in this order (default both)",
+    )
+    parser.add_argument(
+        "--checkpointing",
+        choices=("none", "full", "selective"),
+        default="full",
+        help="activation checkpointing of the prepared side (default full)",
+    )
+    parser.add_argument(
+        "--attention-backend",
+        default=None,
+        help="diffusers attention backend of the prepared side, e.g. _native_cudnn",
+    )
+    parser.add_argument("--steps", type=int, default=4, help="timed steps per side")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per side")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the sides and print a table (rank 0); ``--json`` writes the results."""
+    args = build_parser().parse_args(argv)
+    if args.steps < 1 or args.warmup < 0:
+        print("--steps must be >= 1 and --warmup >= 0", file=sys.stderr)
+        return 2
+    c.apply_threads(args)
+    rt = c.setup_runtime(args.device)
+    try:
+        preset = PRESETS[args.preset]
+        info = c.describe(
+            rt,
+            preset=preset.name,
+            tokens=preset.num_tokens,
+            method=args.method,
+            compile=args.compile,
+            checkpointing=args.checkpointing,
+            attention_backend=args.attention_backend or "default",
+        )
+        rt.print(f"# {c.header_line(info)}, {preset.name} ({preset.num_tokens} tokens)")
+        results = [run_side(side, preset, rt, args) for side in args.sides]
+        if rt.is_main:
+            report(results)
+        c.write_json(args.json if rt.is_main else None, {"info": info, "results": results})
+    finally:
+        c.teardown_runtime(rt)
+    return 0
+
+
+def report(results: list[dict[str, Any]]) -> None:
+    """One row per side and kind of step."""
+    rows = []
+    for r in results:
+        for kind, row in r["steps"].items():
+            rows.append(
+                [
+                    r["side"],
+                    kind,
+                    c.format_stat(row["seconds"], scale=1.0, digits=3),
+                    f"{row['model_forwards']:.0f}",
+                    "n/a" if row["mfu"] is None else f"{100 * row['mfu']:.1f}",
+                    f"{r['peak_bytes'] / 2**30:.1f}",
+                    r["graphs_compiled"],
+                ]
+            )
+    c.print_table(
+        ["side", "step trains", "s median (min-max)", "fwd-equiv", "MFU %", "peak GiB", "graphs"],
+        rows,
+    )
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
