@@ -35,7 +35,9 @@ __all__ = [
     "TorchDispatchMode",
     "checkpoint_wrapper",
     "default_foreach",
+    "dynamo_counters",
     "fused_kernel_devices",
+    "inductor_has_option",
     "is_fsdp_root",
     "local_shape_and_global_offset",
     "optimizer_step_dtype",
@@ -116,3 +118,25 @@ def checkpoint_wrapper(module: nn.Module, **checkpoint_kwargs: Any) -> nn.Module
     )
 
     return wrap(module, **checkpoint_kwargs)
+
+
+def inductor_has_option(option: str) -> bool:
+    """Whether Inductor's config has ``option`` (a dotted name, e.g. ``"triton.x"``).
+
+    ``torch._inductor.config``: options come and go between minor releases.
+    """
+    import torch._inductor.config as inductor
+
+    node: Any = inductor
+    for part in option.split("."):
+        if not hasattr(node, part):
+            return False
+        node = getattr(node, part)
+    return True
+
+
+def dynamo_counters() -> dict[str, dict[str, int]]:
+    """A snapshot of dynamo's process-wide counters (``torch._dynamo.utils.counters``)."""
+    from torch._dynamo.utils import counters
+
+    return {k: dict(v) for k, v in counters.items()}

@@ -31,12 +31,14 @@ class _Parser(argparse.ArgumentParser):
         raise CLIError(f"{self.prog}: {message} (see {self.prog} --help)")
 
 
-def _build_parser() -> argparse.ArgumentParser:
+def _build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser of the ``fvstep`` command; the ``data`` subcommand is built in full only
+    when it is the ``command`` being run (its module imports torch)."""
     parser = _Parser(
         prog="fvstep", description="Training methods as pure steps, with exact resume."
     )
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
-    parser.add_argument("--version", action="version", version=f"fvstep {_version()}")
+    parser.add_argument("--version", action=_Version, help="show the version and exit")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     demo = sub.add_parser(
@@ -90,10 +92,38 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     verify.add_argument("--debug", action="store_true", help="show tracebacks")
 
-    bench = sub.add_parser("bench", help="benchmarks: accumulation | overhead | checkpoint")
-    bench.add_argument("name", choices=["accumulation", "overhead", "checkpoint"])
+    bench = sub.add_parser(
+        "bench", help="benchmarks: accumulation | overhead | checkpoint | realshape | data"
+    )
+    bench.add_argument(
+        "name", choices=["accumulation", "overhead", "checkpoint", "realshape", "data"]
+    )
     bench.add_argument("args", nargs=argparse.REMAINDER, help="options of the benchmark (--help)")
+
+    if command == "data":
+        from fvstep.latents.cli import add_parser as add_data_parser
+
+        add_data_parser(sub)
+    else:  # importing fvstep.latents imports torch: only listed, unless it is the command
+        sub.add_parser("data", help="datasets of precomputed latents: encode")
     return parser
+
+
+def _command(argv: list[str]) -> str | None:
+    """The subcommand ``argv`` names: its first word that is not an option (the top-level
+    options take no values), or None."""
+    return next((word for word in argv if not word.startswith("-")), None)
+
+
+class _Version(argparse.Action):
+    """``--version``: looks the version up only when asked (importlib.metadata is slow)."""
+
+    def __init__(self, option_strings: list[str], dest: str, help: str | None = None) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
+        print(f"fvstep {_version()}")
+        parser.exit()
 
 
 def _version() -> str:
@@ -420,13 +450,23 @@ def _bench(args: argparse.Namespace) -> int:
     return int(module.main(list(args.args)))
 
 
+def _data(args: argparse.Namespace) -> int:
+    from fvstep.latents.cli import UsageError, run_data
+
+    try:
+        return run_data(args)
+    except UsageError as e:
+        raise CLIError(str(e)) from None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``fvstep`` console script."""
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
     try:
-        args = _build_parser().parse_args(argv)
-        command = {"demo": _demo, "verify-resume": _verify, "bench": _bench}[args.command]
+        args = _build_parser(_command(argv)).parse_args(argv)
+        handlers = {"demo": _demo, "verify-resume": _verify, "bench": _bench, "data": _data}
+        command = handlers[args.command]
         return command(args)
     except CLIError as e:
         if debug:

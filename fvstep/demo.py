@@ -10,9 +10,15 @@ runs twice from the same start:
    fresh process state — new modules, new optimizer objects — resumes from the newest
    checkpoint and finishes.
 
+Both runs validate as they go (:class:`fvstep.executor.Validation`): the student's
+flow-matching loss on fixed held-out latents every ``every`` steps, and, at the end, a
+one-step sample of the student decoded by a tiny diffusers ``AutoencoderKLWan`` and
+written as an MP4 and a PNG strip under ``<run>/media/``. Validation changes nothing, so
+the two runs stay bitwise equal and log the same validation losses.
+
 It then checks that the two final states are bitwise identical (every rank, every leaf)
-and writes metrics JSONL for both runs and a PNG of the loss curves with the resume
-point marked. Every checkpoint is kept (they are small), so that the summary can list
+and writes metrics JSONL for both runs and a PNG of the loss curves (training losses and
+the validation loss) with the resume point marked. Every checkpoint is kept (they are small), so that the summary can list
 the one the restart resumed from.
 """
 
@@ -32,9 +38,12 @@ import fvstep as fs
 from fvstep import parallel
 from fvstep.checkpoint import list_complete
 from fvstep.data import ShuffledSource, SyntheticLatents
+from fvstep.executor import Validation
 from fvstep.methods import dmd2
-from fvstep.models import tiny_wan
+from fvstep.models import synthetic_batch, tiny_wan
+from fvstep.sampling import FewStepSampler, sample_videos
 from fvstep.testing import SimulatedCrash, _CrashAt
+from fvstep.validation import validation_loss
 
 __all__ = ["DemoConfig", "min_steps", "plot_losses", "run_demo"]
 
@@ -120,6 +129,49 @@ def _setup(config: DemoConfig, sharded: bool) -> tuple[fs.TrainState, fs.Step, S
     return state, step, data
 
 
+def _tiny_vae(seed: int) -> torch.nn.Module:
+    """A tiny ``AutoencoderKLWan`` for the demo's latents (4 channels; 2x4x4 latents decode
+    to 5 frames of 32x32), built from a config on the CPU."""
+    from diffusers import AutoencoderKLWan
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        vae: Any = AutoencoderKLWan(
+            base_dim=8,
+            z_dim=4,
+            dim_mult=[1, 1, 1, 1],
+            num_res_blocks=1,
+            latents_mean=[0.0] * 4,
+            latents_std=[1.0] * 4,
+        )
+    return vae.eval()
+
+
+def _validations(config: DemoConfig) -> list[Validation]:
+    """The student's validation loss every ``every`` steps, and a sample strip at the end."""
+    held_out = synthetic_batch(fs.random.key(config.seed + 300), batch_size=2)
+    return [
+        Validation(
+            validation_loss(held_out["latents"], held_out["text"], timesteps=(0.25, 0.5, 0.75)),
+            every=config.every,
+        ),
+        Validation(
+            sample_videos(
+                held_out["text"][:1],
+                latent_shape=(4, 2, 4, 4),
+                vae=_tiny_vae(config.seed),
+                sampler=FewStepSampler((1.0,)),  # DMD2's denoising_steps
+                fps=4,
+            ),
+            at_end=True,
+        ),
+    ]
+
+
+def _validation_rows(path: Path) -> list[dict[str, Any]]:
+    return [r for r in _read_jsonl(path / "metrics.jsonl") if "val/loss" in r]
+
+
 def _dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
@@ -168,7 +220,11 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
     sharded = world > 1
     checkpoints_a = fs.Checkpoints(out / "uninterrupted", every=config.every, keep=None)
     checkpoints_b = fs.Checkpoints(out / "interrupted", every=config.every, keep=None)
-    run_options: dict[str, Any] = {"num_steps": config.num_steps, "handle_signals": False}
+    run_options: dict[str, Any] = {
+        "num_steps": config.num_steps,
+        "handle_signals": False,
+        "validation": _validations(config),
+    }
 
     if rank == 0:
         print(f"[1/3] uninterrupted run: {config.num_steps} steps on {world} rank(s)", flush=True)
@@ -207,6 +263,7 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
     except AssertionError as e:
         first_difference = str(e)
     verdicts = parallel.gather_objects(first_difference)
+    strips = sorted((checkpoints_b.dir / "media").rglob("*.png")) if rank == 0 else []
     return {
         "equal": all(v is None for v in verdicts),
         "first_difference": next((v for v in verdicts if v is not None), None),
@@ -220,6 +277,9 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
         "world_size": world,
         "checkpoint_bytes": _dir_bytes(result_b.resumed_from),
         "num_leaves": len(fs.tree.leaves(final_a)),
+        "validation_equal": rank != 0
+        or _validation_rows(checkpoints_a.dir) == _validation_rows(checkpoints_b.dir),
+        "sample_strip": str(strips[-1]) if strips else None,
     }
 
 
@@ -228,7 +288,8 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 
 def plot_losses(out: str | Path, *, resumed_from: int, crashed_before: int) -> Path | None:
-    """Plot the loss curves of both runs, marking the crash and the resume; return the PNG.
+    """Plot both runs' training losses and validation loss, marking the crash and the
+    resume; return the PNG.
 
     Returns ``None`` if matplotlib is not installed.
     """
@@ -244,8 +305,8 @@ def plot_losses(out: str | Path, *, resumed_from: int, crashed_before: int) -> P
         "uninterrupted": _read_jsonl(out / "uninterrupted" / "metrics.jsonl"),
         "interrupted + resumed": _read_jsonl(out / "interrupted" / "metrics.jsonl"),
     }
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharex=True)
-    for ax, metric in zip(axes, ["critic/loss", "student/loss"]):
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4), sharex=True)
+    for ax, metric in zip(axes, ["critic/loss", "student/loss", "val/loss"]):
         styles: list[dict[str, Any]] = [{"lw": 3, "alpha": 0.4}, {"lw": 1.2, "ls": "--"}]
         for (label, rows), style in zip(runs.items(), styles):
             points = [(r["step"], r[metric]) for r in rows if metric in r]
@@ -261,7 +322,7 @@ def plot_losses(out: str | Path, *, resumed_from: int, crashed_before: int) -> P
             fontsize=8,
             color="tab:red",
         )
-        ax.set_title(metric)
+        ax.set_title("val/loss (student, held-out latents)" if metric == "val/loss" else metric)
         ax.set_xlabel("step")
     axes[0].set_ylabel("loss")
     axes[0].legend()

@@ -7,19 +7,22 @@ saves every ``every`` steps and at the end, and on SIGTERM or a first Ctrl-C sav
 next step boundary and returns early, saying so on stderr. :func:`run_until` returns a
 :class:`RunResult` that also says why the loop ended and where the state was saved.
 Data is a function of the step, so resuming at step ``s`` needs nothing but ``s``.
+
+``validation=Validation(fn, every=n)`` runs ``fn(state, key)`` between steps without
+changing the state or the training key stream (:class:`Validation`), and ``trackers=``
+(:mod:`fvstep.trackers`) receive metrics in batches, with no GPU sync per step, and
+validation media.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
-import math
 import os
 import signal
 import sys
 import threading
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -27,16 +30,20 @@ import attrs
 import torch
 
 from fvstep import checkpoint as ckpt
+from fvstep import random as fsrandom
 from fvstep.checkpoint import layout
 from fvstep.checkpoint.manifest import (
     CheckpointError,
     CheckpointSkippedWarning,
     DamagedCheckpointError,
 )
+from fvstep.media import Video
 from fvstep.parallel.ranks import broadcast_object, max_over_ranks, rank_and_world
+from fvstep.parallel.sync import release_modules
 from fvstep.state import TrainState
+from fvstep.trackers import JsonlTracker, MetricsQueue, TensorBoardTracker, Tracker
 
-__all__ = ["Checkpoints", "RunResult", "run", "run_until"]
+__all__ = ["Checkpoints", "RunResult", "Validation", "run", "run_until"]
 
 
 @attrs.frozen
@@ -75,6 +82,82 @@ class Checkpoints:
             raise ValueError(
                 f"Checkpoints.on_damaged must be 'skip' or 'error', got {self.on_damaged!r}"
             )
+
+
+ValidationFn = Callable[[TrainState, torch.Tensor], Mapping[str, Any]]
+"""``(state, key) -> {name: value}``: scalars (numbers or one-element tensors) are logged
+as metrics, :class:`fvstep.media.Video` values as media; anything else is ignored."""
+
+
+def _default_validation_key() -> torch.Tensor:
+    return fsrandom.key(0x5A11DA7E)
+
+
+@attrs.frozen(eq=False)
+class Validation:
+    """A validation function and when :func:`run` calls it.
+
+    At step ``s`` (the state after ``s`` steps) the validation is *due* when ``every``
+    divides ``s``, when ``s == num_steps`` and ``at_end``, or when ``s`` is the step the
+    run starts (or resumes) at and ``at_start``. A run checks its start step too, so a
+    resumed run recomputes the validation of the checkpoint's step (which the metrics
+    file dropped) exactly as the uninterrupted run computed it.
+
+    ``fn(state, key)`` runs on every rank (sharded roles need all of them) under
+    ``torch.no_grad()``, with every role's modules in eval mode and the global RNG seeded
+    from ``key`` (all three restored after), and every FSDP2 group resharded after: it
+    never changes the state, the training key stream or a checkpoint. ``key`` is
+    ``fold_in(self.key, s)``, never drawn from the state's key. Rank 0's results are
+    logged, named ``<prefix>/<name>``.
+
+    Attributes:
+        fn: The validation function (:data:`ValidationFn`), e.g.
+            :func:`fvstep.validation.validation_loss` or
+            :func:`fvstep.sampling.sample_videos`.
+        every: Validate at every multiple of ``every`` steps (``None``: only at the
+            start/end).
+        at_start: Validate at the step a run starts or resumes at.
+        at_end: Validate at ``num_steps``.
+        key: The validation key (fixed; the step is folded in).
+        prefix: The prefix of the logged names.
+
+    Examples:
+        >>> Validation(validation_loss(held_out["latents"], held_out["text"]), every=100)
+    """
+
+    fn: ValidationFn
+    every: int | None = None
+    at_start: bool = False
+    at_end: bool = True
+    key: torch.Tensor = attrs.field(factory=_default_validation_key)
+    prefix: str = "val"
+
+    def __attrs_post_init__(self) -> None:
+        if self.every is not None and self.every < 1:
+            raise ValueError(f"Validation.every must be >= 1 or None, got {self.every}")
+        if not fsrandom.is_key(self.key):
+            raise TypeError("Validation.key must be an fvstep key (fvstep.random.key(seed))")
+
+    def due(self, step: int, *, start: int, num_steps: int) -> bool:
+        """Whether the validation runs on the state at ``step``.
+
+        Args:
+            step: The state's step (the number of steps taken).
+            start: The step the run started or resumed at.
+            num_steps: The step the run ends at.
+
+        Returns:
+            Whether it is due.
+
+        Examples:
+            >>> Validation(fn, every=10).due(20, start=0, num_steps=100)
+            True
+        """
+        return (
+            (self.every is not None and step % self.every == 0)
+            or (self.at_end and step == num_steps)
+            or (self.at_start and step == start)
+        )
 
 
 StopReason = Literal["completed", "SIGTERM", "SIGINT"]
@@ -116,74 +199,6 @@ def _batch(data: Any, step: int, rank: int, world: int) -> Any:
     if callable(data):
         return data(step)
     raise TypeError("data must be a function of the step, or have .batch(step, rank=, world_size=)")
-
-
-_NOT_SCALAR = object()
-
-
-def _scalar(v: Any) -> Any:
-    """A JSON value for a metric: a number, a bool, ``None`` for NaN and infinities (strict
-    JSON has no token for them), or ``_NOT_SCALAR`` (not logged)."""
-    if isinstance(v, torch.Tensor):
-        if v.numel() != 1:
-            return _NOT_SCALAR
-        v = v.detach().float().item()
-    if isinstance(v, float) and not math.isfinite(v):
-        return None
-    if isinstance(v, (bool, int, float)):
-        return v
-    return _NOT_SCALAR
-
-
-class _MetricsLog:
-    """Rank 0's JSONL (and TensorBoard, when installed) metrics writer."""
-
-    def __init__(self, path: Path | None, resume_step: int, enabled: bool) -> None:
-        self.file = None
-        self.tb: Any = None
-        if not enabled or path is None:
-            return
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if path.exists():  # drop lines of steps that will be recomputed after a resume
-            kept = [
-                line for line in path.read_text().splitlines() if _line_step(line) < resume_step
-            ]
-            path.write_text("".join(f"{line}\n" for line in kept))
-        self.file = open(path, "a")  # noqa: SIM115 - closed in close()
-        with contextlib.suppress(ImportError):
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.tb = SummaryWriter(str(path.parent / "tensorboard"))
-
-    def write(self, step: int, row: dict[str, Any]) -> None:
-        """Write ``row`` (scalars, from :func:`_scalars`) as step ``step``'s line; a step that
-        trained nothing (no metrics) writes no line."""
-        if self.file is None or not row:
-            return
-        row = {"step": step, **row}
-        self.file.write(json.dumps(row, allow_nan=False) + "\n")
-        self.file.flush()
-        if self.tb is not None:
-            for k, v in row.items():
-                if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
-                    self.tb.add_scalar(k, v, step)
-
-    def close(self) -> None:
-        if self.file is not None:
-            self.file.close()
-        if self.tb is not None:
-            self.tb.close()
-
-
-def _scalars(metrics: dict[str, Any]) -> dict[str, Any]:
-    return {k: s for k, v in metrics.items() if (s := _scalar(v)) is not _NOT_SCALAR}
-
-
-def _line_step(line: str) -> int:
-    try:
-        return int(json.loads(line)["step"])
-    except (ValueError, KeyError, TypeError):
-        return -1
 
 
 _REASONS: tuple[StopReason, ...] = ("completed", "SIGTERM", "SIGINT")
@@ -241,6 +256,9 @@ def run(
     progress: bool = True,
     on_metrics: Callable[[int, dict[str, Any]], None] | None = None,
     handle_signals: bool = True,
+    validation: Validation | Sequence[Validation] | None = None,
+    trackers: Sequence[Tracker] | None = None,
+    log_every: int = 10,
 ) -> TrainState:
     """Run ``step`` until the state's step counter reaches ``num_steps``; return the state.
 
@@ -263,6 +281,9 @@ def run(
         progress=progress,
         on_metrics=on_metrics,
         handle_signals=handle_signals,
+        validation=validation,
+        trackers=trackers,
+        log_every=log_every,
     ).state
 
 
@@ -277,6 +298,9 @@ def run_until(
     progress: bool = True,
     on_metrics: Callable[[int, dict[str, Any]], None] | None = None,
     handle_signals: bool = True,
+    validation: Validation | Sequence[Validation] | None = None,
+    trackers: Sequence[Tracker] | None = None,
+    log_every: int = 10,
 ) -> RunResult:
     """Run ``step`` until the state's step counter reaches ``num_steps``, or a signal.
 
@@ -301,7 +325,16 @@ def run_until(
 
     Metrics are written as strict JSON, one object per line: a NaN or infinite metric is
     written as ``null``; only scalars are logged; a step that trained nothing (no
-    metrics) writes no line. The progress bar shows the latest losses.
+    metrics) writes no line. The progress bar shows the latest losses. Metrics reach the
+    file and the trackers every ``log_every`` steps, before each checkpoint and at the
+    end, read from the device with one transfer per flush (no GPU sync per step).
+
+    Each :class:`Validation` runs when it is due (see :meth:`Validation.due`), on every
+    rank, between steps and before a save; it never changes the state, the training key
+    stream or a checkpoint, so a resumed run equals an uninterrupted one with validation
+    on. Its scalars are logged at the validated step under ``<prefix>/<name>``, its
+    videos through the trackers' ``log_media``. A run stopped by a signal skips the
+    validation of its last step (the resumed run computes it at its start).
 
     Args:
         step: A compiled step (``fvstep.compile``) or any ``(state, batch) -> (state, metrics)``.
@@ -317,6 +350,16 @@ def run_until(
         on_metrics: Called with ``(step, metrics)`` after every step, on every rank.
         handle_signals: Stop at the next step boundary on SIGTERM and a first SIGINT, as
             above; ``False`` leaves both signals to the caller.
+        validation: A :class:`Validation`, or several.
+        trackers: Where metrics and media go besides the JSONL file (rank 0):
+            :class:`fvstep.trackers.Tracker` objects such as
+            :class:`~fvstep.trackers.TensorBoardTracker` or
+            :class:`~fvstep.trackers.WandbTracker`. ``None`` (the default) also writes
+            TensorBoard events to ``<metrics file's folder>/tensorboard`` when tensorboard
+            is installed (the behaviour before trackers existed); ``[]`` writes only the
+            JSONL file. Validation media go to ``<metrics file's folder>/media`` (MP4 and
+            PNG strip) and to every tracker.
+        log_every: Hand metrics to the file and the trackers every ``log_every`` steps.
 
     Returns:
         A :class:`RunResult`: the final state, why the loop ended, and the checkpoint
@@ -328,7 +371,8 @@ def run_until(
         CheckpointError: If the newest checkpoint does not fit ``state`` or is of a newer
             format; if a checkpoint is damaged and ``on_damaged="error"``, or every
             checkpoint is damaged; if a save fails or the state to save holds NaN or Inf.
-        ValueError: If the checkpoint to resume from (or ``state``) is past ``num_steps``.
+        ValueError: If the checkpoint to resume from (or ``state``) is past ``num_steps``,
+            or ``log_every < 1``.
 
     Examples:
         >>> result = run_until(step_fn, state, source, num_steps=1000,
@@ -336,6 +380,8 @@ def run_until(
         >>> result.stopped_by, result.checkpoint
         ('completed', PosixPath('ckpt/step_000001000'))
     """
+    if isinstance(log_every, bool) or not isinstance(log_every, int) or log_every < 1:
+        raise ValueError(f"log_every must be an int >= 1, got {log_every!r}")
     rank, _ = rank_and_world()
     lock = _lock(checkpoints.dir, rank) if checkpoints is not None else None
     resumed_from = None
@@ -358,6 +404,9 @@ def run_until(
             progress,
             on_metrics,
             handle_signals,
+            _validations(validation),
+            trackers,
+            log_every,
         )
         return attrs.evolve(result, resumed_from=resumed_from)
     finally:
@@ -375,35 +424,50 @@ def _loop(
     progress: bool,
     on_metrics: Callable[[int, dict[str, Any]], None] | None,
     handle_signals: bool,
+    validations: tuple[Validation, ...],
+    trackers: Sequence[Tracker] | None,
+    log_every: int,
 ) -> RunResult:
     rank, world = rank_and_world()
     start = int(state.step)
     if metrics_path is None and checkpoints is not None:
         metrics_path = checkpoints.dir / "metrics.jsonl"
-    log = _MetricsLog(Path(metrics_path) if metrics_path else None, start, rank == 0)
     saver = ckpt.AsyncSaver() if checkpoints is not None and checkpoints.async_save else None
     bar = _progress(progress and rank == 0, start, num_steps)
+    sinks = _Sinks(
+        _open_trackers(Path(metrics_path) if metrics_path else None, trackers, start, rank), bar
+    )
     last_saved = start
     stop = 0
-    shown_losses: dict[str, str] = {}
+
+    def validate(at: int) -> None:
+        for v in validations:
+            if v.due(at, start=start, num_steps=num_steps):
+                sinks.put_validation(at, v.prefix, _observe(v, state, at))
+
     try:
+        validate(start)
         with _stop_signals(rank, enabled=handle_signals) as flag:
             for s in range(start, num_steps):
                 state, metrics = step(state, _batch(data, s, rank, world))
-                row = _scalars(metrics) if log.file is not None or bar is not None else {}
-                log.write(s, row)
+                sinks.put(s, metrics)
                 if on_metrics is not None:
                     on_metrics(s, metrics)
                 if bar is not None:
-                    _show_losses(bar, row, shown_losses)
                     bar.update(1)
+                if (s + 1) % log_every == 0:
+                    sinks.flush()
                 stop = _agree_to_stop(flag["stop"])
+                if not stop:
+                    validate(s + 1)
                 done = s + 1 == num_steps
                 if checkpoints is not None and ((s + 1) % checkpoints.every == 0 or done or stop):
+                    sinks.flush()  # the lines of the steps a checkpoint holds are written first
                     _save(state, checkpoints, saver)
                     last_saved = s + 1
                 if stop:
                     break
+        sinks.flush()
         if checkpoints is not None and last_saved != int(state.step):
             _save(state, checkpoints, saver)
         if saver is not None and checkpoints is not None:
@@ -417,7 +481,7 @@ def _loop(
             if saver is not None:
                 saver.close()
         finally:
-            log.close()
+            sinks.close()
             if bar is not None:
                 bar.close()
     stopped_by: StopReason = "completed" if int(state.step) >= num_steps else _REASONS[stop]
@@ -430,6 +494,116 @@ def _loop(
             flush=True,
         )
     return RunResult(state, stopped_by, saved if saved is not None and saved.exists() else None)
+
+
+def _validations(validation: Validation | Sequence[Validation] | None) -> tuple[Validation, ...]:
+    if validation is None:
+        return ()
+    found = (validation,) if isinstance(validation, Validation) else tuple(validation)
+    for v in found:
+        if not isinstance(v, Validation):
+            raise TypeError(
+                f"validation must be a fvstep.Validation or a sequence of them, got "
+                f"{type(v).__name__}: wrap a function as Validation(fn, every=...)"
+            )
+    return found
+
+
+def _open_trackers(
+    metrics_file: Path | None, trackers: Sequence[Tracker] | None, start: int, rank: int
+) -> list[Tracker]:
+    """Rank 0's trackers, started at ``start``: the JSONL file (when there is one), then
+    ``trackers``, or TensorBoard beside the file when tensorboard is installed and
+    ``trackers`` is ``None`` (what ``run`` did before trackers existed)."""
+    if rank != 0:
+        return []
+    opened: list[Tracker] = []
+    if metrics_file is not None:
+        opened.append(JsonlTracker(metrics_file))
+    if trackers is None:
+        if metrics_file is not None:
+            with contextlib.suppress(ImportError):
+                import torch.utils.tensorboard  # noqa: F401
+
+                opened.append(TensorBoardTracker(metrics_file.parent / "tensorboard"))
+    else:
+        opened.extend(trackers)
+    try:
+        for tracker in opened:
+            begin = getattr(tracker, "start", None)
+            if begin is not None:
+                begin(start)
+    except BaseException:
+        for tracker in opened:
+            with contextlib.suppress(Exception):
+                tracker.close()
+        raise
+    return opened
+
+
+class _Sinks:
+    """Rank 0's trackers and progress bar, fed through one :class:`MetricsQueue`."""
+
+    def __init__(self, trackers: list[Tracker], bar: Any) -> None:
+        self.trackers = trackers
+        self.bar = bar
+        self.queue = MetricsQueue()
+        self.shown_losses: dict[str, str] = {}
+        self.active = bool(trackers) or bar is not None
+
+    def put(self, step: int, metrics: Mapping[str, Any]) -> None:
+        if self.active:
+            self.queue.put(step, metrics)
+
+    def put_validation(self, step: int, prefix: str, results: Mapping[str, Any]) -> None:
+        if not self.trackers:
+            return
+        media = {f"{prefix}/{k}": v for k, v in results.items() if isinstance(v, Video)}
+        self.queue.put(step, {f"{prefix}/{k}": v for k, v in results.items()})
+        if media:
+            self.flush()
+            for tracker in self.trackers:
+                tracker.log_media(media, step)
+
+    def flush(self) -> None:
+        for step, row in self.queue.flush():
+            for tracker in self.trackers:
+                tracker.log(row, step)
+            if self.bar is not None:
+                _show_losses(self.bar, row, self.shown_losses)
+
+    def close(self) -> None:
+        try:
+            if len(self.queue):
+                self.flush()  # the steps that ran before an error are logged too
+        finally:
+            for tracker in self.trackers:
+                with contextlib.suppress(Exception):
+                    tracker.close()
+
+
+def _observe(validation: Validation, state: TrainState, step: int) -> Mapping[str, Any]:
+    """Run ``validation.fn`` on ``state`` leaving no trace: no autograd, modules in eval
+    mode, the global RNG seeded from the validation key; modes, RNG and FSDP2 groups
+    restored after (also when it raises)."""
+    key = fsrandom.fold_in(validation.key, step)
+    modules = [m for rs in state.roles.values() for m in rs.role.module.modules()]
+    modes = [m.training for m in modules]
+    try:
+        with torch.no_grad(), fsrandom.rng_scope(key):
+            for m in modules:
+                m.training = False
+            out = validation.fn(state, key)
+        if not isinstance(out, Mapping):
+            raise TypeError(
+                f"a validation function must return a mapping of names to values, got "
+                f"{type(out).__name__} (from {getattr(validation.fn, '__name__', validation.fn)!r})"
+            )
+        return out
+    finally:
+        for m, mode in zip(modules, modes):
+            m.training = mode
+        release_modules(state)
 
 
 def _show_losses(bar: Any, row: dict[str, Any], shown: dict[str, str]) -> None:

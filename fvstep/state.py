@@ -87,6 +87,14 @@ class Role:
             that needs fp32 master weights (updates smaller than an ulp are lost).
         allow_no_sync: Opt in to the ``no_sync`` accumulation policy for this role
             (it holds a full unsharded gradient between micro-batches).
+        save_frozen: Whether a checkpoint holds the values of this role's frozen
+            parameters (those the optimizer does not update: all of a frozen role's).
+            ``False``: it holds their checksums instead (a digest of the frozen weights,
+            :attr:`fvstep.checkpoint.Manifest.frozen_digests`), and
+            ``fvstep.checkpoint.load`` verifies that the state it loads into has those
+            same weights, keeping them as they are. For a large frozen base (a teacher,
+            or the base of LoRA roles, :mod:`fvstep.lora`) that every checkpoint would
+            otherwise duplicate.
 
     Raises:
         ValueError: For an inconsistent combination, as above.
@@ -101,6 +109,7 @@ class Role:
     ema: EMA | None = None
     allow_low_precision: bool = False
     allow_no_sync: bool = False
+    save_frozen: bool = True
 
     def __attrs_post_init__(self) -> None:
         if not isinstance(self.module, nn.Module):

@@ -119,8 +119,17 @@ LAYERS = {
     "core": (*CORE, *CORE_HELPERS),
     "parallel": ("fvstep.parallel", "fvstep.distributed"),
     "checkpoint": ("fvstep.checkpoint",),
-    "executor": ("fvstep.executor", "fvstep.data", "fvstep.testing"),
+    "executor": (
+        "fvstep.executor",
+        "fvstep.data",
+        "fvstep.testing",
+        "fvstep.latents",
+        "fvstep.trackers",
+        "fvstep.media",
+    ),
     "methods": ("fvstep.methods", "fvstep.models"),
+    "observe": ("fvstep.validation", "fvstep.sampling"),
+    "lora": ("fvstep.lora",),
     "face": ("fvstep",),
     "applications": APPLICATIONS,
 }
@@ -132,7 +141,9 @@ MAY_IMPORT = {
     "checkpoint": {"core", "parallel", "checkpoint"},
     "executor": {"core", "parallel", "checkpoint", "executor"},
     "methods": {"core", "methods"},
-    "face": {"core", "parallel", "checkpoint", "executor", "methods", "face"},
+    "observe": {"core", "parallel", "checkpoint", "executor", "methods", "observe"},
+    "lora": {"core", "parallel", "checkpoint", "lora"},
+    "face": {"core", "parallel", "checkpoint", "executor", "methods", "observe", "lora", "face"},
     "applications": set(LAYERS),
 }
 

@@ -118,3 +118,21 @@ def test_fsdp_root_and_dtensor_shard_geometry_on_two_ranks(ranks) -> None:
         assert result["before"][1] is False, result
         assert result["shape_matches"] and result["slice_matches"], result
     assert [r["offset"] for r in results] == [(0, 0), (3, 0)]  # 5 rows: 3 + 2
+
+
+def test_inductor_has_option_finds_the_option_prepare_turns_off():
+    from fvstep._compat import inductor_has_option
+
+    assert inductor_has_option("triton.mix_order_reduction")
+    assert not inductor_has_option("triton.no_such_option_at_all")
+
+
+def test_dynamo_counters_count_a_compiled_graph():
+    import torch
+
+    from fvstep._compat import dynamo_counters
+
+    torch._dynamo.reset()
+    before = dynamo_counters().get("stats", {}).get("unique_graphs", 0)
+    torch.compile(lambda x: x * 2 + 1, backend="eager")(torch.ones(3))
+    assert dynamo_counters()["stats"]["unique_graphs"] == before + 1

@@ -284,3 +284,151 @@ def test_sharded_export_is_bitwise_the_unsharded_model_and_loads_in_diffusers(ra
     loaded = load_diffusers(Path(paths["diffusers"]))
     tree.assert_trees_equal(dict(loaded.state_dict()), expected)
     assert tmp_leftovers(tmp_path) == []
+
+
+# --- export_pipeline: a whole diffusers pipeline folder ---------------------------------------
+
+
+def tiny_tokenizer():
+    """A word-level tokenizer built here (no download): ``tokenizers`` + transformers'
+    ``PreTrainedTokenizerFast``, which ``DiffusionPipeline.from_pretrained`` reloads."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["a", "cat", "dog", "runs", "on", "the", "grass"]
+    vocab = {"<pad>": 0, "</s>": 1, "<unk>": 2, **{w: i + 3 for i, w in enumerate(words)}}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", eos_token="</s>", unk_token="<unk>"
+    )
+
+
+def tiny_base_pipeline(path: Path) -> Path:
+    """A complete tiny ``WanPipeline`` folder (VAE, UMT5 text encoder, tokenizer, UniPC
+    scheduler, transformer), built from configs on the CPU: a stand-in for a base model."""
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    from tests.test_sampling import tiny_vae
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        text_encoder = UMT5EncoderModel(
+            UMT5Config(
+                vocab_size=16,
+                d_model=16,
+                d_kv=8,
+                d_ff=32,
+                num_layers=1,
+                num_heads=2,
+                relative_attention_num_buckets=8,
+            )
+        )
+    pipe = diffusers.WanPipeline(
+        tokenizer=tiny_tokenizer(),
+        text_encoder=text_encoder,
+        vae=tiny_vae(),
+        scheduler=diffusers.UniPCMultistepScheduler(prediction_type="flow_prediction"),
+        transformer=tiny_wan(seed=5),
+    )
+    pipe.save_pretrained(path)
+    return path
+
+
+def test_export_pipeline_loads_and_reproduces_the_in_training_sampler(tmp_path):
+    from fvstep.checkpoint.export import export_pipeline
+    from fvstep.sampling import EulerSampler, decode_latents, sample
+
+    base = tiny_base_pipeline(tmp_path / "base")
+    state = trained_state()
+    sampler = EulerSampler(3, shift=3.0)
+    out = export_pipeline(
+        state, "student", tmp_path / "pipe", base=base, weights="ema", scheduler=sampler.scheduler()
+    )
+    assert out == tmp_path / "pipe" and tmp_leftovers(tmp_path) == []
+    pipe = diffusers.DiffusionPipeline.from_pretrained(out)
+    assert type(pipe).__name__ == "WanPipeline"
+    assert type(pipe.scheduler).__name__ == "FlowMatchEulerDiscreteScheduler"
+    pipe.set_progress_bar_config(disable=True)
+    # the transformer is the role's EMA; the other parts are the base's, unchanged
+    ema = state.roles["student"].ema.params
+    loaded = dict(pipe.transformer.state_dict())
+    tree.assert_trees_equal({n: loaded[n] for n in ema}, ema)
+    base_vae = diffusers.AutoencoderKLWan.from_pretrained(base / "vae")
+    tree.assert_trees_equal(dict(pipe.vae.state_dict()), dict(base_vae.state_dict()))
+
+    text = synthetic_batch(fs.random.key(3), batch_size=1, text_len=8)["text"]
+    noise = torch.randn(1, 4, 2, 4, 4, generator=torch.Generator().manual_seed(0))
+    kwargs = {
+        "prompt_embeds": text,
+        "latents": noise,
+        "num_inference_steps": 3,
+        "guidance_scale": 1.0,
+        "height": 32,
+        "width": 32,
+        "num_frames": 5,
+    }
+    with torch.no_grad():
+        latents = pipe(**kwargs, output_type="latent").frames
+        frames = pipe(**kwargs, output_type="np").frames
+    from fvstep.validation import role_module
+
+    with role_module(state, "student", weights="ema") as module:
+        ours = sample(module, noise, text, sampler=sampler)
+    tree.assert_trees_equal(latents, ours)  # bitwise: the same steps in the same order
+    ours_pixels = decode_latents(pipe.vae, ours)
+    tree.assert_trees_equal(torch.from_numpy(frames), ours_pixels)
+    # the whole text path works too: tokenizer and text encoder came from the base
+    with torch.no_grad():
+        video = pipe(
+            prompt="a cat runs",
+            **{k: v for k, v in kwargs.items() if k != "prompt_embeds"},
+            max_sequence_length=8,
+            output_type="np",
+        ).frames
+    assert video.shape == (1, 5, 32, 32, 3)
+
+
+def test_export_pipeline_links_refuses_and_keeps_the_base_scheduler(tmp_path):
+    from fvstep.checkpoint.export import export_pipeline
+
+    base = tiny_base_pipeline(tmp_path / "base")
+    state = trained_state(1)
+    out = export_pipeline(state, "student", tmp_path / "linked", base=base, link=True)
+    assert (out / "vae").is_symlink() and not (out / "transformer").is_symlink()
+    index = json.loads((out / "model_index.json").read_text())
+    assert index["scheduler"] == ["diffusers", "UniPCMultistepScheduler"]
+    pipe = diffusers.DiffusionPipeline.from_pretrained(out)
+    tree.assert_trees_equal(dict(pipe.transformer.state_dict()), state_dict_of(state))
+    with pytest.raises(ValueError, match="overwrite=True"):
+        export_pipeline(state, "student", out, base=base)
+    export_pipeline(state, "student", out, base=base, overwrite=True)
+    with pytest.raises(ValueError, match="model_index.json"):
+        export_pipeline(state, "student", tmp_path / "x", base=tmp_path / "linked" / "vae")
+    with pytest.raises(ValueError, match="nest"):
+        export_pipeline(state, "student", base / "inside", base=base)
+    with pytest.raises(ValueError, match="no component"):
+        export_pipeline(state, "student", tmp_path / "y", base=base, component="unet")
+    assert tmp_leftovers(tmp_path) == []
+
+
+def check_sharded_pipeline_export(rank: int, world_size: int, directory: str, base: str):
+    from fvstep import parallel as fsp
+    from fvstep.checkpoint.export import export_pipeline
+
+    mesh = fsp.make_mesh(device_type="cpu")
+    state = make_state(fsp.shard_module(tiny_wan(seed=0), mesh=mesh))
+    out = export_pipeline(state, "student", Path(directory) / "pipe", base=base, weights="ema")
+    return None if out is None else str(out)
+
+
+@pytest.mark.heavy
+@pytest.mark.multirank
+def test_sharded_pipeline_export_writes_the_unsharded_weights_and_loads(ranks, tmp_path):
+    base = tiny_base_pipeline(tmp_path / "base")
+    out, other = ranks.run(check_sharded_pipeline_export, str(tmp_path), str(base))
+    assert other is None
+    pipe = diffusers.DiffusionPipeline.from_pretrained(out)
+    tree.assert_trees_equal(
+        dict(pipe.transformer.state_dict()), dict(tiny_wan(seed=0).state_dict())
+    )

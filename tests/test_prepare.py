@@ -17,11 +17,11 @@ import copy
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import fvstep as fs
 from fvstep import parallel as fsp
 from fvstep import tree
+from fvstep._compat import TorchDispatchMode
 from fvstep.methods import dmd2, finetune
 from fvstep.models import predict, synthetic_batch, tiny_wan
 from fvstep.parallel.prepare import (
@@ -300,3 +300,19 @@ def test_prepared_roles_on_two_ranks_match_the_hand_written_fsdp2_loop(ranks):
     for graphs in ranks.run(check_prepared_dmd2_is_bitwise_the_hand_written_loop, timeout=600):
         assert 1 <= graphs[-1] <= 3, graphs
         assert graphs[1:] == [graphs[-1]] * 3 or graphs[2:] == [graphs[-1]] * 2, graphs
+
+
+def test_inductor_compiles_without_the_pass_that_breaks_wan_gradients():
+    """pytorch/pytorch#193061: Inductor's mix-order reduction gave Wan's scale_shift_table
+    gradients ~9000x off on an H200 at 32,760 tokens (docs/gpu.md); prepare turns it off
+    for Inductor unless the caller's options say otherwise."""
+    from fvstep.parallel.prepare import SAFE_INDUCTOR_OPTIONS, _compile_kwargs
+
+    assert SAFE_INDUCTOR_OPTIONS == {"triton.mix_order_reduction": False}
+    assert _compile_kwargs(True)["options"] == SAFE_INDUCTOR_OPTIONS
+    mine = _compile_kwargs({"options": {"max_autotune": True}})["options"]
+    assert mine == {**SAFE_INDUCTOR_OPTIONS, "max_autotune": True}
+    assert _compile_kwargs({"options": {"triton.mix_order_reduction": True}})["options"] == {
+        "triton.mix_order_reduction": True
+    }
+    assert "options" not in _compile_kwargs(CPU_COMPILE)

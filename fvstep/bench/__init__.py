@@ -7,6 +7,11 @@
   imperative (FSDP2) loop, alternated A/B in one process group; fvstep's own CPU time.
 - :mod:`fvstep.bench.checkpoint` — sync/async save, load, and the disk's own sequential
   write bandwidth on the same bytes.
+- :mod:`fvstep.bench.realshape` — the real workload (fine-tune or DMD2 at 480x832x81):
+  roles prepared by :func:`fvstep.parallel.prepare` against the same model prepared by
+  hand, per-step time of student and critic-only steps, peak memory, MFU, graphs.
+- :mod:`fvstep.bench.data` — the precomputed-latent loader's samples/s and the share of
+  a step spent waiting for data.
 - :mod:`fvstep.bench.reference` — the hand-written imperative loops (fine-tune, DMD2)
   that fvstep is measured against here and tested against bitwise in ``tests/``: the one
   copy of them.
@@ -29,8 +34,10 @@ __all__ = [
     "analytic",
     "checkpoint",
     "common",
+    "data",
     "overhead",
     "presets",
     "profiling",
+    "realshape",
     "reference",
 ]

@@ -180,8 +180,10 @@ def prepare_module(
     block.
     """
     if compile_blocks:
+        from fvstep.parallel.prepare import SAFE_INDUCTOR_OPTIONS
+
         for block in module.blocks:  # type: ignore[union-attr]
-            block.compile()
+            block.compile(options=SAFE_INDUCTOR_OPTIONS)  # pytorch/pytorch#193061
     if rt.sharded:
         mp = None
         if dtype == "bf16":

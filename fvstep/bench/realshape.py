@@ -31,7 +31,9 @@ Examples:
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
+import json
 import sys
 from typing import Any
 
@@ -73,11 +75,13 @@ class _CallCounter:
 
 
 def _by_hand(module: nn.Module, rt: c.Runtime, *, compile_blocks: bool, trainable: bool) -> Any:
-    for i, block in enumerate(list(module.blocks)):  # type: ignore[union-attr]
+    blocks = module.get_submodule("blocks")
+    assert isinstance(blocks, nn.ModuleList)
+    for i, block in enumerate(list(blocks)):
         wrapped = checkpoint_wrapper(block)
         if compile_blocks:
-            wrapped.compile()
-        module.blocks[i] = wrapped  # type: ignore[index,union-attr]
+            wrapped.compile()  # as users wrote it: torch's defaults (pytorch/pytorch#193061)
+        blocks[i] = wrapped
     if not trainable:
         module.requires_grad_(False)
     if rt.sharded:
@@ -140,7 +144,7 @@ def run_side(side: str, preset: Preset, rt: c.Runtime, args: Any) -> dict[str, A
             kind = "+".join(
                 sorted({r for e in fs.plan(compiled, int(state.step)) for r in e.roles})
             )
-            seconds, (state, _) = c.time_call(lambda: step(state, batch), rt.device)
+            seconds, (state, _) = c.time_call(functools.partial(step, state, batch), rt.device)
             fwd = counter.take()
             if i >= args.warmup:
                 times.setdefault(kind, []).append(seconds)
@@ -226,7 +230,15 @@ def main(argv: list[str] | None = None) -> int:
             attention_backend=args.attention_backend or "default",
         )
         rt.print(f"# {c.header_line(info)}, {preset.name} ({preset.num_tokens} tokens)")
-        results = [run_side(side, preset, rt, args) for side in args.sides]
+        results = []
+        for side in args.sides:
+            try:
+                results.append(run_side(side, preset, rt, args))
+            except Exception as error:  # a side that fails (a NaN, OOM) is a result too
+                results.append({"side": side, "error": f"{type(error).__name__}: {error}"})
+                if rt.device.type == "cuda":
+                    torch.cuda.empty_cache()
+            rt.print(json.dumps(results[-1], default=str))
         if rt.is_main:
             report(results)
         c.write_json(args.json if rt.is_main else None, {"info": info, "results": results})
@@ -239,6 +251,9 @@ def report(results: list[dict[str, Any]]) -> None:
     """One row per side and kind of step."""
     rows = []
     for r in results:
+        if "error" in r:
+            rows.append([r["side"], r["error"][:60], "", "", "", "", ""])
+            continue
         for kind, row in r["steps"].items():
             rows.append(
                 [

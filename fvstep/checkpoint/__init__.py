@@ -10,10 +10,13 @@
   :class:`CheckpointLockedError`: another run holds the directory);
   :class:`CheckpointSkippedWarning` — ``fvstep.run`` resumed past a damaged checkpoint.
 - :func:`export_role`, :func:`export_diffusers` — one role's consolidated weights for
-  inference (``fvstep.checkpoint.export``).
+  inference; :func:`export_pipeline` — a complete diffusers pipeline folder (the trained
+  role or its EMA plus the base model's other parts) (``fvstep.checkpoint.export``).
+- :func:`frozen_digest` — the digest by which a checkpoint that leaves a frozen base out
+  (``Role(save_frozen=False)``) identifies it; ``load`` verifies it.
 """
 
-from fvstep.checkpoint.export import export_diffusers, export_role
+from fvstep.checkpoint.export import export_diffusers, export_pipeline, export_role
 from fvstep.checkpoint.layout import checkpoint_dir, latest, list_complete, lock_dir, prune
 from fvstep.checkpoint.manifest import (
     FORMAT_VERSION,
@@ -23,6 +26,7 @@ from fvstep.checkpoint.manifest import (
     DamagedCheckpointError,
     Manifest,
     NewerFormatError,
+    frozen_digest,
     read_manifest,
 )
 from fvstep.checkpoint.store import AsyncSaver, load, save
@@ -38,7 +42,9 @@ __all__ = [
     "NewerFormatError",
     "checkpoint_dir",
     "export_diffusers",
+    "export_pipeline",
     "export_role",
+    "frozen_digest",
     "latest",
     "list_complete",
     "load",

@@ -1,4 +1,5 @@
-"""Consolidated inference export of one role: a ``safetensors`` file, or a diffusers folder.
+"""Consolidated inference export of one role: a ``safetensors`` file, a diffusers model
+folder, or a whole diffusers pipeline folder (the role plus a base model's other parts).
 
 A role's parameters may be FSDP2 shards (DTensors). Export gathers each one with
 ``DTensor.full_tensor()``, a collective, so **every rank calls the export function**; one
@@ -16,11 +17,14 @@ Examples:
     >>> export_role(state, "student", "out/student.safetensors", weights="ema")
     >>> export_diffusers(state, "student", "out/student", dtype=torch.bfloat16)
     >>> WanTransformer3DModel.from_pretrained("out/student")
+    >>> export_pipeline(state, "student", "out/pipeline", base="Wan2.1-T2V-1.3B-Diffusers")
+    >>> DiffusionPipeline.from_pretrained("out/pipeline")
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import uuid
@@ -37,7 +41,13 @@ from fvstep.checkpoint.layout import fsync
 from fvstep.parallel.ranks import gather_objects, rank_and_world
 from fvstep.state import RoleState, TrainState
 
-__all__ = ["WEIGHTS_NAME", "export_diffusers", "export_role", "gather_weights"]
+__all__ = [
+    "WEIGHTS_NAME",
+    "export_diffusers",
+    "export_pipeline",
+    "export_role",
+    "gather_weights",
+]
 
 WEIGHTS_NAME = "model.safetensors"
 """The file name :func:`export_role` writes when given a directory."""
@@ -200,8 +210,6 @@ def export_diffusers(
         >>> export_diffusers(state, "student", "exports/student", dtype=torch.bfloat16)
         >>> net = WanTransformer3DModel.from_pretrained("exports/student")
     """
-    from diffusers.utils import SAFETENSORS_WEIGHTS_NAME
-
     role_state = _role_state(state, role)
     module = role_state.role.module
     cls = _diffusers_class(module, role)
@@ -219,6 +227,27 @@ def export_diffusers(
             )
 
     _agree("check the export target", check_target if writes else None)
+    tensors = _gather(role_state, weights=weights, dtype_for=_dtype_for(cls, dtype), keep=writes)
+
+    def write() -> None:
+        assert tensors is not None
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex}"
+        try:
+            tmp.mkdir()
+            _write_model_folder(tensors, module, cls, tmp)
+            fsync(tmp)
+            _replace_dir(tmp, path)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    _agree("write the export", write if writes else None)
+    return path if writes else None
+
+
+def _dtype_for(cls: type[Any], dtype: torch.dtype | None) -> Callable[[str], torch.dtype | None]:
+    """The export dtype of each tensor: ``dtype``, except fp32 for the tensors of the
+    class's ``_keep_in_fp32_modules`` (as ``from_pretrained(torch_dtype=dtype)`` holds them)."""
     fp32_names = tuple(getattr(cls, "_keep_in_fp32_modules", None) or ())
 
     def dtype_for(name: str) -> torch.dtype | None:
@@ -226,19 +255,139 @@ def export_diffusers(
             return torch.float32
         return dtype
 
-    tensors = _gather(role_state, weights=weights, dtype_for=dtype_for, keep=writes)
+    return dtype_for
+
+
+def _write_model_folder(
+    tensors: dict[str, torch.Tensor], module: nn.Module, cls: type[Any], folder: Path
+) -> None:
+    """``diffusion_pytorch_model.safetensors`` and ``config.json`` in ``folder``, fsynced."""
+    from diffusers.utils import SAFETENSORS_WEIGHTS_NAME
+
+    _save_safetensors(tensors, folder / SAFETENSORS_WEIGHTS_NAME)
+    fsync(folder / SAFETENSORS_WEIGHTS_NAME)
+    (folder / cls.config_name).write_text(_config_json(module, cls))
+    fsync(folder / cls.config_name)
+
+
+def export_pipeline(
+    state: TrainState,
+    role: str,
+    path: str | os.PathLike[str],
+    *,
+    base: str | os.PathLike[str],
+    component: str = "transformer",
+    weights: Weights = "params",
+    dtype: torch.dtype | None = None,
+    scheduler: Any = None,
+    link: bool = False,
+    overwrite: bool = False,
+) -> Path | None:
+    """Write a complete diffusers pipeline folder: the trained role plus a base model's rest.
+
+    ``path`` gets everything of the pipeline folder ``base`` (its ``model_index.json``,
+    VAE, text encoder, tokenizer, scheduler, ...), copied (or, with ``link=True``,
+    symlinked to ``base``'s absolute paths), except ``component``, which is the role's
+    module written as :func:`export_diffusers` writes it. So
+    ``DiffusionPipeline.from_pretrained(path)`` loads the base pipeline with the trained
+    transformer (or its EMA, chosen explicitly). With ``scheduler`` (a diffusers scheduler,
+    e.g. ``EulerSampler(...).scheduler()``), its config replaces the base's, so that the
+    pipeline samples as the in-training sampler did.
+
+    Call it on every rank. A sharded role is gathered one tensor at a time, each moved to
+    the CPU at once, so no rank's GPU ever holds the whole model; global rank 0 writes.
+    The folder is written under a temporary name and renamed into place.
+
+    Args:
+        state: The training state (a live one, or one loaded with
+            ``fvstep.checkpoint.load(checkpoint, like=state)``).
+        role: The role to export (a diffusers ``ModelMixin``).
+        path: The pipeline folder to write.
+        base: The base pipeline folder (with ``model_index.json``).
+        component: The pipeline component the role replaces.
+        weights: ``"params"`` or ``"ema"`` (see :func:`gather_weights`).
+        dtype: Cast the role's floating-point tensors (the base's parts are copied as
+            they are).
+        scheduler: A diffusers scheduler whose config replaces the base's ``scheduler``.
+        link: Symlink the base's other parts instead of copying them.
+        overwrite: Replace an existing non-empty folder at ``path``.
+
+    Returns:
+        ``path`` on rank 0, ``None`` on the others.
+
+    Raises:
+        ImportError: If diffusers is not installed.
+        ValueError: For an unknown role or ``weights``, a role that is not a diffusers
+            ``ModelMixin``, a ``base`` without ``model_index.json`` or whose
+            ``model_index.json`` has no ``component``, ``path`` inside ``base`` (or the
+            reverse), or a non-empty ``path`` without ``overwrite=True``. Raised on every
+            rank.
+        RuntimeError: On the other ranks, when writing failed on rank 0.
+
+    Examples:
+        >>> export_pipeline(state, "student", "exports/pipe", base="Wan2.1-T2V-1.3B-Diffusers",
+        ...                 weights="ema", scheduler=EulerSampler(50, shift=3.0).scheduler())
+        >>> pipe = DiffusionPipeline.from_pretrained("exports/pipe")
+    """
+    role_state = _role_state(state, role)
+    module = role_state.role.module
+    cls = _diffusers_class(module, role)
+    _check_options(role_state, role, weights, dtype)
+    path, base = Path(path), Path(base)
+    writes = rank_and_world()[0] == 0
+
+    def check() -> None:
+        index = base / "model_index.json"
+        if not index.is_file():
+            raise ValueError(
+                f"the base {str(base)!r} is not a diffusers pipeline folder: no model_index.json"
+            )
+        if component not in json.loads(index.read_text()):
+            raise ValueError(f"the base pipeline {str(base)!r} has no component {component!r}")
+        a, b = path.resolve(), base.resolve()
+        if a == b or a.is_relative_to(b) or b.is_relative_to(a):
+            raise ValueError(f"the export {str(path)!r} and its base {str(base)!r} must not nest")
+        if path.exists() and not path.is_dir():
+            raise ValueError(f"the export target {str(path)!r} exists and is not a directory")
+        if path.is_dir() and any(path.iterdir()) and not overwrite:
+            raise ValueError(
+                f"{str(path)!r} exists and is not empty; pass overwrite=True to replace it, "
+                "or choose another path"
+            )
+
+    _agree("check the export target", check if writes else None)
+    tensors = _gather(role_state, weights=weights, dtype_for=_dtype_for(cls, dtype), keep=writes)
 
     def write() -> None:
         assert tensors is not None
-        config = _config_json(module, cls)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex}"
         try:
             tmp.mkdir()
-            _save_safetensors(tensors, tmp / SAFETENSORS_WEIGHTS_NAME)
-            fsync(tmp / SAFETENSORS_WEIGHTS_NAME)
-            (tmp / cls.config_name).write_text(config)
-            fsync(tmp / cls.config_name)
+            for entry in sorted(base.iterdir()):
+                if entry.name in (component, ".cache") or (
+                    scheduler is not None and entry.name == "scheduler"
+                ):
+                    continue
+                if link:
+                    os.symlink(entry.resolve(), tmp / entry.name)
+                elif entry.is_dir():
+                    shutil.copytree(entry, tmp / entry.name)
+                else:
+                    shutil.copy2(entry, tmp / entry.name)
+            (tmp / component).mkdir()
+            _write_model_folder(tensors, module, cls, tmp / component)
+            fsync(tmp / component)
+            index = json.loads((base / "model_index.json").read_text())
+            index[component] = ["diffusers", cls.__name__]
+            if scheduler is not None:
+                scheduler.save_pretrained(tmp / "scheduler")
+                index["scheduler"] = ["diffusers", type(scheduler).__name__]
+            (tmp / "model_index.json").unlink(missing_ok=True)
+            (tmp / "model_index.json").write_text(
+                json.dumps(index, indent=2, sort_keys=True) + "\n"
+            )
+            fsync(tmp / "model_index.json")
             fsync(tmp)
             _replace_dir(tmp, path)
         finally:

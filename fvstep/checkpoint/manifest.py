@@ -21,6 +21,7 @@ __all__ = [
     "DamagedCheckpointError",
     "Manifest",
     "NewerFormatError",
+    "frozen_digest",
     "read_manifest",
 ]
 
@@ -68,6 +69,9 @@ class Manifest:
         fvstep_version: The fvstep that saved it.
         torch_version: The torch that saved it.
         format_version: The layout version (a newer one is refused).
+        frozen: ``path -> {"dtype", "shape", "checksum"}``: frozen parameters saved by
+            checksum only, not by value (roles with ``Role(save_frozen=False)``); not
+            in ``leaves``. ``load`` verifies them against the state it loads into.
     """
 
     step: int
@@ -78,12 +82,30 @@ class Manifest:
     fvstep_version: str
     torch_version: str = torch.__version__
     format_version: int = FORMAT_VERSION
+    frozen: dict[str, dict[str, Any]] = attrs.Factory(dict)
 
     @property
     def digest(self) -> str:
         """SHA-256 of the checksums: one string that names the checkpoint's content."""
-        blob = json.dumps([self.checksums, self.per_rank], sort_keys=True).encode()
+        parts: list[Any] = [self.checksums, self.per_rank]
+        if self.frozen:  # absent from older manifests, whose digests must still verify
+            parts.append(self.frozen)
+        blob = json.dumps(parts, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()
+
+    @property
+    def frozen_digests(self) -> dict[str, str]:
+        """Role name to the digest of its frozen parameters saved by checksum only.
+
+        The same string as :func:`frozen_digest` of those parameters' entries, keyed by
+        their names within the role (``fvstep.lora.base_digest`` computes it from a
+        module), so a digest names a set of weights whatever role holds them.
+        """
+        by_role: dict[str, dict[str, dict[str, Any]]] = {}
+        for path, entry in self.frozen.items():
+            _, role, _, name = path.split(".", 3)
+            by_role.setdefault(role, {})[name] = entry
+        return {role: frozen_digest(entries) for role, entries in by_role.items()}
 
     def to_json(self) -> str:
         """The manifest as JSON (with ``format`` and ``digest``).
@@ -108,6 +130,28 @@ class Manifest:
             f.write(self.to_json())
             f.flush()
             os.fsync(f.fileno())
+
+
+def frozen_digest(entries: dict[str, dict[str, Any]]) -> str:
+    """SHA-256 of frozen weights' ``name -> {"dtype", "shape", "checksum"}`` entries.
+
+    The checksums are those of :func:`fvstep.checkpoint.fingerprint.fingerprint` (of the
+    global tensor, whatever its sharding), so the digest does not depend on the world size.
+
+    Args:
+        entries: Parameter name to its dtype (as ``"float32"``), shape and checksum.
+
+    Returns:
+        A hexadecimal SHA-256.
+
+    Examples:
+        >>> len(frozen_digest({"w": {"dtype": "float32", "shape": [2], "checksum": 7}}))
+        64
+    """
+    rows = sorted(
+        (name, e["dtype"], list(e["shape"]), int(e["checksum"])) for name, e in entries.items()
+    )
+    return hashlib.sha256(json.dumps(rows).encode()).hexdigest()
 
 
 def _malformed(path: Path, what: str) -> DamagedCheckpointError:
@@ -179,6 +223,7 @@ def _check_body(path: Path, body: dict[str, Any]) -> None:
                 f"leaves[{name!r}]['per_rank'] is {entry['per_rank']}, but its checksum is "
                 f"{'per rank' if name in per_rank else 'shared'}",
             )
+    _check_frozen_entries(path, body.get("frozen", {}), leaves)
     if extra := sorted((set(checksums) | set(per_rank)) - set(leaves)):
         raise _malformed(path, f"checksums of leaves it does not list: {extra[:4]}")
     for name, sums in per_rank.items():
@@ -187,6 +232,26 @@ def _check_body(path: Path, body: dict[str, Any]) -> None:
                 path,
                 f"per_rank[{name!r}] has {len(sums)} checksums for {body['world_size']} ranks",
             )
+
+
+def _check_frozen_entries(path: Path, frozen: Any, leaves: dict[str, Any]) -> None:
+    """The optional ``frozen`` field: ``roles.<role>.params.<name>`` paths to entries."""
+    if not isinstance(frozen, dict):
+        raise _malformed(path, f"'frozen' is {_short(frozen)}, not an object")
+    for name, entry in frozen.items():
+        where = f"frozen[{name!r}]"
+        if not isinstance(name, str) or len(name.split(".", 3)) != 4:
+            raise _malformed(path, f"{where} is not a path roles.<role>.params.<name>")
+        if name in leaves:
+            raise _malformed(path, f"{where} is also a saved leaf")
+        if not (
+            isinstance(entry, dict)
+            and isinstance(entry.get("dtype"), str)
+            and isinstance(entry.get("shape"), list)
+            and all(_is_int(d) and d >= 0 for d in entry["shape"])
+            and _is_int(entry.get("checksum"))
+        ):
+            raise _malformed(path, f"{where} is {_short(entry)}, not a dtype, shape and checksum")
 
 
 def _short(value: Any) -> str:

@@ -213,6 +213,7 @@ def _write(
     group: Any,
     prints: tuple[dict[str, int], dict[str, list[int]]] | None = None,
     allow_nonfinite: bool = False,
+    frozen: dict[str, dict[str, Any]] | None = None,
 ) -> None:
     """Collective: write the shards, (rank 0) commit, and agree on the outcome.
 
@@ -231,6 +232,7 @@ def _write(
             checksums=checksums,
             per_rank=per_rank,
             fvstep_version=_FVSTEP_VERSION,
+            frozen=frozen or {},
         )
         error: CheckpointError | None = None
         if rank == 0:
@@ -302,8 +304,78 @@ def save(
     tmp = _make_temp_dir(final, overwrite, group)
     paths, leaves, _ = flatten_with_paths(state)
     step = int(getattr(state, "step", 0))
-    _write(paths, leaves, step, final, tmp, overwrite, group, allow_nonfinite=allow_nonfinite)
+    try:
+        paths, leaves, frozen = _split_frozen(state, paths, leaves, final, group)
+    except Exception:
+        if rank_and_world(group)[0] == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _write(
+        paths,
+        leaves,
+        step,
+        final,
+        tmp,
+        overwrite,
+        group,
+        allow_nonfinite=allow_nonfinite,
+        frozen=frozen,
+    )
     return final
+
+
+def _frozen_paths(state: Any) -> set[str]:
+    """The paths of the frozen parameters of roles with ``Role(save_frozen=False)``."""
+    roles = getattr(state, "roles", None)
+    if not isinstance(roles, dict):
+        return set()
+    out: set[str] = set()
+    for name, rs in roles.items():
+        role = getattr(rs, "role", None)
+        if role is None or getattr(role, "save_frozen", True):
+            continue
+        trainable = set(rs.trainable_names)
+        out.update(f"roles.{name}.params.{n}" for n in rs.params if n not in trainable)
+    return out
+
+
+def _frozen_entries(
+    paths: list[str], leaves: list[torch.Tensor], group: Any
+) -> tuple[dict[str, dict[str, Any]], list[str]]:
+    """Collective: ``path -> {dtype, shape, checksum}`` of frozen leaves, and the paths of
+    those whose (plain) values differ between ranks."""
+    checksums, per_rank = fingerprint(paths, leaves, group=group)
+    entries = {
+        p: {
+            "dtype": str(x.dtype).removeprefix("torch."),
+            "shape": list(x.shape),
+            "checksum": checksums[p],
+        }
+        for p, x in zip(paths, leaves)
+        if p in checksums
+    }
+    return entries, sorted(per_rank)
+
+
+def _split_frozen(
+    state: Any, paths: list[str], leaves: list[torch.Tensor], final: Path, group: Any
+) -> tuple[list[str], list[torch.Tensor], dict[str, dict[str, Any]]]:
+    """Collective: the leaves to save by value, and the entries of those saved by checksum."""
+    frozen = _frozen_paths(state)
+    if not frozen:
+        return paths, leaves, {}
+    pinned = [i for i, p in enumerate(paths) if p in frozen]
+    entries, differ = _frozen_entries(
+        [paths[i] for i in pinned], [leaves[i] for i in pinned], group
+    )
+    if differ:
+        raise CheckpointError(
+            f"refusing to save checkpoint {str(final)!r}: the frozen parameter '{differ[0]}' "
+            "differs between ranks, so no single digest describes it (a frozen role's "
+            "weights must be the same on every rank, or sharded)"
+        )
+    keep = [i for i, p in enumerate(paths) if p not in frozen]
+    return [paths[i] for i in keep], [leaves[i] for i in keep], entries
 
 
 def _roles(paths: set[str]) -> set[str]:
@@ -359,6 +431,10 @@ def load(path: str | os.PathLike[str], *, like: T, group: Any = None) -> T:
     files are untouched. The returned state computes with the loaded values from its
     first step on (``fvstep.state.adopt``). Loading on another world size reshards.
 
+    Frozen parameters that the checkpoint holds by checksum only (roles with
+    ``Role(save_frozen=False)``, :attr:`Manifest.frozen`) are not read: ``like``'s own
+    tensors are verified against those checksums and kept in the returned state.
+
     Args:
         path: A checkpoint directory (see :func:`fvstep.checkpoint.latest`).
         like: A state of the same structure (e.g. the freshly created initial state).
@@ -374,7 +450,9 @@ def load(path: str | os.PathLike[str], *, like: T, group: Any = None) -> T:
             manifest's checksums (on any rank: every rank raises).
         CheckpointError: If ``path`` was written by a newer format
             (``NewerFormatError``), or does not fit ``like`` (a role added or removed, a
-            shape or dtype changed, per-rank values on another world size).
+            shape or dtype changed, per-rank values on another world size), or if
+            ``like``'s frozen parameters saved by checksum differ from the checkpoint's
+            (another base model: naming the role and the first differing parameter).
 
     Examples:
         >>> state = load(latest(root), like=initial_state)
@@ -390,7 +468,10 @@ def load(path: str | os.PathLike[str], *, like: T, group: Any = None) -> T:
             ) from None
         raise
     rank, world = rank_and_world(group)
-    paths, leaves, spec = flatten_with_paths(like)
+    all_paths, all_leaves, spec = flatten_with_paths(like)
+    _check_frozen(manifest, path, all_paths, all_leaves, group)
+    keep = [i for i, p in enumerate(all_paths) if p not in manifest.frozen]
+    paths, leaves = [all_paths[i] for i in keep], [all_leaves[i] for i in keep]
     _check_fits(manifest, path, paths, leaves, world)
     fresh = [_empty_like(x) for x in leaves]
     flat = {(_rank_key(p, rank) if p in manifest.per_rank else p): x for p, x in zip(paths, fresh)}
@@ -419,7 +500,50 @@ def load(path: str | os.PathLike[str], *, like: T, group: Any = None) -> T:
             f"checkpoint {str(path)!r}: the content of '{paths[bad]}' does not match the "
             "manifest's checksum (the files were changed or damaged after the save)"
         )
-    return optree.tree_unflatten(spec, fresh)  # type: ignore[return-value]
+    out = list(all_leaves)  # frozen leaves saved by checksum: the state's own, verified
+    for i, x in zip(keep, fresh):
+        out[i] = x
+    return optree.tree_unflatten(spec, out)  # type: ignore[return-value]
+
+
+def _check_frozen(
+    manifest: Manifest, path: Path, paths: list[str], leaves: list[Any], group: Any
+) -> None:
+    """Collective when the checkpoint has frozen entries: ``like``'s frozen parameters
+    must be those the checkpoint was saved with (dtype, shape and checksum)."""
+    if not manifest.frozen:
+        return
+    index = {p: i for i, p in enumerate(paths)}
+    missing = sorted(set(manifest.frozen) - set(index))
+    if missing:
+        roles = sorted({p.split(".")[1] for p in missing})
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} does not fit the state: it was saved with the frozen "
+            f"parameters {missing[:4]}{'...' if len(missing) > 4 else ''} (of roles {roles}, "
+            "saved by checksum), which the state does not have"
+        )
+    pinned = sorted(manifest.frozen, key=index.__getitem__)
+    mine, _ = _frozen_entries(pinned, [leaves[index[p]] for p in pinned], group)
+    for p in pinned:
+        if mine.get(p) != manifest.frozen[p]:
+            role = p.split(".")[1]
+            name = p.split(".", 3)[3]
+            here = mine.get(p, {"checksum": "differs between ranks"})
+            digest = manifest.frozen_digests[role]
+            raise CheckpointError(
+                f"checkpoint {str(path)!r} was saved on other frozen weights of role "
+                f"{role!r} (base digest {digest[:16]}...): its parameter {name!r} was "
+                f"{_entry_text(manifest.frozen[p])}, the state has {_entry_text(here)}. "
+                "The checkpoint holds only the digest of these weights, not their values: "
+                "load it into a state built on the same base model (same weights, dtype and "
+                "revision) it was trained on"
+            )
+
+
+def _entry_text(entry: dict[str, Any]) -> str:
+    if "dtype" not in entry:
+        return str(entry["checksum"])
+    return f"{entry['dtype']}{tuple(entry['shape'])} with checksum {entry['checksum']}"
 
 
 class _Stager:
@@ -531,6 +655,7 @@ class AsyncSaver:
         final = Path(path)
         paths, leaves, _ = flatten_with_paths(state)
         step = int(getattr(state, "step", 0))
+        paths, leaves, frozen = _split_frozen(state, paths, leaves, final, self._group)
         prints = None
         if any(x.device.type == "cuda" for x in leaves):
             sums, finite = local_checks(leaves, check_finite=not allow_nonfinite)
@@ -555,6 +680,7 @@ class AsyncSaver:
             upload_group,
             prints,
             allow_nonfinite,
+            frozen,
         )
 
     def wait(self) -> None:

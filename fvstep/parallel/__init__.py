@@ -13,6 +13,9 @@ Split by concern (as torchtitan's ``distributed/`` folder):
   (:func:`prepare`: activation checkpointing, ``torch.compile`` per block, FSDP2/HSDP
   with mixed precision and offload, frozen roles in bf16, the attention backend), and
   :func:`compile_counts`;
+- :mod:`fvstep.parallel.context`: context (sequence) parallelism with diffusers' Ulysses
+  attention (:func:`make_context_mesh`, :func:`apply_context_parallel`,
+  :class:`ContextParallelism`, :class:`ContextParallelData`);
 - :mod:`fvstep.parallel.collectives`: :class:`CollectiveCounter`;
 - :mod:`fvstep.parallel.launcher`: :func:`launch`, :func:`init_from_env`, :func:`destroy`;
 - :mod:`fvstep.parallel.ranks`: the rank helpers every other module uses
@@ -36,6 +39,15 @@ Examples:
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from fvstep.parallel.collectives import CollectiveCounter
+from fvstep.parallel.context import (
+    ContextParallelData,
+    ContextParallelism,
+    ContextParallelMode,
+    apply_context_parallel,
+    context_parallel_degree,
+    data_parallel_rank_and_size,
+    make_context_mesh,
+)
 from fvstep.parallel.launcher import destroy, init_from_env, launch
 from fvstep.parallel.mesh import ShardPolicy, blocks_policy, is_sharded, make_mesh, shard_module
 from fvstep.parallel.prepare import (
@@ -67,24 +79,31 @@ from fvstep.parallel.sync import (
 __all__ = [
     "ActivationCheckpointing",
     "CollectiveCounter",
+    "ContextParallelData",
+    "ContextParallelMode",
+    "ContextParallelism",
     "FSDP2Parallelism",
     "FSDPGradSync",
     "MixedPrecisionPolicy",
     "Preparation",
     "ShardPolicy",
+    "apply_context_parallel",
     "barrier",
     "blocks_policy",
     "broadcast_object",
     "check_roles_are_data_parallel",
     "collective_device",
     "compile_counts",
+    "context_parallel_degree",
     "data_parallel_index",
+    "data_parallel_rank_and_size",
     "destroy",
     "gather_objects",
     "grad_sync_for",
     "init_from_env",
     "is_sharded",
     "launch",
+    "make_context_mesh",
     "make_mesh",
     "max_over_ranks",
     "min_over_ranks",

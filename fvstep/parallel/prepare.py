@@ -53,9 +53,11 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+from fvstep import _compat as torch_compat
 from fvstep.parallel.mesh import ShardPolicy, blocks_policy, is_sharded, shard_module
 
 __all__ = [
+    "SAFE_INDUCTOR_OPTIONS",
     "ActivationCheckpointing",
     "Preparation",
     "block_names",
@@ -225,12 +227,19 @@ def is_checkpointed(block: nn.Module) -> bool:
     return isinstance(forward, functools.partial) and forward.func is _checkpointed_forward
 
 
-def _apply_checkpointing(block: nn.Module, ac: ActivationCheckpointing) -> None:
+def _apply_checkpointing(
+    block: nn.Module,
+    ac: ActivationCheckpointing,
+    checkpoint_context: Callable[[Callable[[], Any] | None], Callable[[], Any]] | None = None,
+) -> None:
     # The class's forward, bound to this block, run under checkpoint: an instance
     # attribute, so nn.Module.__call__ (and compile, and FSDP2's hooks around it) sees it
     # while the module tree, and so every parameter name, stays as it was.
     original = type(block).forward.__get__(block)
-    block.forward = functools.partial(_checkpointed_forward, original, ac.context_fn())
+    context_fn = ac.context_fn()
+    if checkpoint_context is not None:
+        context_fn = checkpoint_context(context_fn)
+    block.forward = functools.partial(_checkpointed_forward, original, context_fn)
 
 
 def _cast_tree(value: Any, dtype: torch.dtype, *, min_ndim: int = 0) -> Any:
@@ -300,14 +309,30 @@ def _as_checkpointing(
     )
 
 
+#: Inductor options every prepared block is compiled with (unless the caller overrides them).
+#: ``triton.mix_order_reduction`` (on by default since torch 2.10) computes silently wrong
+#: gradients for chained modulated norms whose shift/scale are chunks of one shared
+#: parameter — Wan's ``scale_shift_table`` — once batch x sequence exceeds ~16k tokens
+#: (pytorch/pytorch#193061). Measured on an H200 with torch 2.11 at 32,760 tokens
+#: (tests/gpu/compile_nan.py, docs/gpu.md): the compiled gradient of ``scale_shift_table``
+#: and ``time_proj`` was ~9000x the eager one, in fp32 too; DMD2 on 2 GPUs got NaN.
+SAFE_INDUCTOR_OPTIONS: dict[str, Any] = {"triton.mix_order_reduction": False}
+
+
 def _compile_kwargs(compile: bool | Mapping[str, Any]) -> dict[str, Any] | None:
     if compile is False:
         return None
-    if compile is True:
-        return {"fullgraph": True, "dynamic": False}
+    if compile is not True and not isinstance(compile, Mapping):
+        raise TypeError(f"compile must be a bool or torch.compile options, not {compile!r}")
+    kwargs: dict[str, Any] = {"fullgraph": True, "dynamic": False}
     if isinstance(compile, Mapping):
-        return {"fullgraph": True, "dynamic": False, **compile}
-    raise TypeError(f"compile must be a bool or torch.compile options, not {compile!r}")
+        kwargs.update(compile)
+    if kwargs.get("backend", "inductor") == "inductor" and kwargs.get("mode") is None:
+        known = {
+            k: v for k, v in SAFE_INDUCTOR_OPTIONS.items() if torch_compat.inductor_has_option(k)
+        }
+        kwargs["options"] = {**known, **dict(kwargs.get("options") or {})}
+    return kwargs
 
 
 def prepare(
@@ -324,6 +349,9 @@ def prepare(
     frozen_dtype: torch.dtype | None = torch.bfloat16,
     attention_backend: str | None = None,
     policy: ShardPolicy = blocks_policy,
+    checkpoint_context: Callable[[Callable[[], Any] | None], Callable[[], Any]] | None = None,
+    context_mesh: DeviceMesh | None = None,
+    context_mode: Literal["ulysses", "ring"] = "ulysses",
 ) -> nn.Module:
     """Prepare a role's module: checkpointing, then compile, then FSDP2 (torchtitan's order).
 
@@ -346,8 +374,12 @@ def prepare(
             checkpointed block just runs its forward, so a role read without gradient
             (a DMD2 teacher) pays nothing for it.
         compile: ``True`` for ``block.compile(fullgraph=True, dynamic=False)`` on each
-            block, or a mapping of ``torch.compile`` options (e.g. ``{"backend":
-            "aot_eager"}``) merged over those.
+            block, or a mapping of ``torch.compile`` arguments (e.g. ``{"backend":
+            "aot_eager"}``) merged over those. With Inductor (and no ``mode``), the
+            Inductor ``options`` default to :data:`SAFE_INDUCTOR_OPTIONS`, which turn
+            off a pass that computes wrong gradients for Wan's blocks
+            (pytorch/pytorch#193061); an ``options`` mapping given here is merged over
+            them.
         param_dtype: FSDP2's compute dtype (``MixedPrecisionPolicy.param_dtype``), e.g.
             ``torch.bfloat16`` with fp32 master parameters. Needs ``mesh``. Activations
             (2-D and up) are cast to it at the root and outputs cast back; 1-D inputs,
@@ -363,6 +395,17 @@ def prepare(
             ``module.set_attention_backend``.
         policy: Which submodules are blocks (default: the items of the root's
             ``nn.ModuleList`` attributes, e.g. a Wan transformer's ``blocks.*``).
+        checkpoint_context: ``context_fn -> context_fn``: wraps the checkpointing
+            context of every checkpointed block (``None`` for full checkpointing,
+            selective's otherwise), for modules whose recomputation needs state set
+            back, e.g. ``functools.partial(fvstep.lora.recompute_context, base)`` for a
+            LoRA base, whose adapters are switched per call.
+        context_mesh: Shard each sample's token sequence over this mesh's ``"context"``
+            axis first (:func:`fvstep.parallel.apply_context_parallel`, before
+            checkpointing and FSDP2; :func:`fvstep.parallel.make_context_mesh`); steps
+            then run with :class:`fvstep.parallel.ContextParallelism`. Not with
+            ``compile`` (diffusers' native attention backward cannot be traced).
+        context_mode: ``"ulysses"`` (all-to-all) or ``"ring"`` (CUDA backends only).
 
     Returns:
         The same module, prepared; :func:`preparation` tells what was done.
@@ -391,6 +434,11 @@ def prepare(
         raise ValueError(
             "the module has no blocks to checkpoint or compile (the policy picked none)"
         )
+    if context_mesh is not None and compile_kwargs is not None:
+        raise ValueError(
+            "compile with context parallel is not supported: diffusers' attention "
+            "backward under context parallel cannot be traced (docs/concepts/context-parallel.md)"
+        )
     blocks = dict(module.named_modules())
     if attention_backend is not None:
         setter = getattr(module, "set_attention_backend", None)
@@ -405,9 +453,13 @@ def prepare(
             _store_in(module, frozen_dtype)
             _cast_at_the_boundary(module, frozen_dtype)
         module.requires_grad_(False)
+    if context_mesh is not None:
+        from fvstep.parallel.context import apply_context_parallel
+
+        apply_context_parallel(module, mesh=context_mesh, mode=context_mode)
     checkpointed = [n for i, n in enumerate(names) if ac.chooses(i)]
     for name in checkpointed:
-        _apply_checkpointing(blocks[name], ac)
+        _apply_checkpointing(blocks[name], ac, checkpoint_context)
     if compile_kwargs is not None:
         for name in names:
             blocks[name].compile(**compile_kwargs)
@@ -467,9 +519,8 @@ def compile_counts() -> dict[str, int]:
         >>> compile_counts()["graphs"] - before["graphs"]
         3
     """
-    from torch._dynamo.utils import counters
-
+    counters = torch_compat.dynamo_counters()
     return {
-        "graphs": int(counters["stats"].get("unique_graphs", 0)),
-        "graph_breaks": int(sum(counters["graph_break"].values())),
+        "graphs": int(counters.get("stats", {}).get("unique_graphs", 0)),
+        "graph_breaks": int(sum(counters.get("graph_break", {}).values())),
     }

@@ -1,0 +1,344 @@
+"""Worker loading in step order: :class:`WorkerSource`, a data source backed by a DataLoader.
+
+The executor asks its data for ``data.batch(step, rank=, world_size=)`` once a step, in
+step order, from the step it started or resumed at. :class:`WorkerSource` answers the
+same question as :class:`fvstep.data.ShuffledSource` (the *order* object decides which
+items make the batch of ``(step, rank, world_size)``), but reads and collates in worker
+processes of a ``torch.utils.data.DataLoader``, ``prefetch`` steps ahead, into pinned
+memory when a GPU is present:
+
+- Its batch sampler yields the index lists of steps ``s, s + 1, s + 2, ...`` (from
+  ``order.indices``). Asked for a step other than the next one (the first call, a resume,
+  another rank or world size), it shuts the workers down and starts a new DataLoader at
+  that step. So the batch of step ``s`` does not depend on where the run started, and
+  world size 2 -> 1 re-partitions exactly as the order does.
+- Errors are raised in the main process, by the call that asks for the failing step, and
+  name the rank, the step and (for a shard) the file and row: a worker catches what its
+  dataset raises and hands it back in place of the batch. A worker that *dies* (killed,
+  out of memory) is a ``RuntimeError`` in the main process too: torch's DataLoader raises
+  ``DataLoader worker (pid N) is killed by signal: ...`` as soon as it notices, which may
+  be outside :meth:`WorkerSource.batch`; inside it, the error reads ``rank r of w, step
+  s: the data loader failed: ...``. On several ranks, each rank reads only its own items, so an error
+  surfaces on one rank: that rank raises and exits; under ``torchrun`` the launcher then
+  stops the others; with a bare process group they wait in the next collective until its
+  timeout. To make that visible, a failing rank also prints one line with its rank to
+  stderr at once.
+- :meth:`WorkerSource.close` (or ``with WorkerSource(...) as data:``) shuts the workers
+  down; so does garbage collection.
+
+Examples:
+    >>> import tempfile, torch
+    >>> from fvstep import random as fr
+    >>> from fvstep.latents import BucketedOrder, LatentDataset, WorkerSource, write_dataset
+    >>> root = tempfile.mkdtemp()
+    >>> _ = write_dataset(root, [[{"x": torch.full((2,), float(i))} for i in range(8)]])
+    >>> ds = LatentDataset(root)
+    >>> order = BucketedOrder(ds.shapes, key=fr.key(0), batch_size=2)
+    >>> with WorkerSource(ds, order, num_workers=0) as data:
+    ...     data.batch(3)["x"].shape
+    torch.Size([2, 2])
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol, SupportsIndex
+
+import torch
+from torch.utils.data import DataLoader, default_collate
+
+from fvstep._checks import check_int
+from fvstep.data import MapDataset
+from fvstep.latents.format import ShardError
+
+__all__ = ["Order", "WorkerSource"]
+
+
+class Order(Protocol):
+    """What decides the items of a batch: :class:`fvstep.data.ShuffledSource`,
+    :class:`fvstep.latents.BucketedOrder`, or any object with this method."""
+
+    def indices(
+        self, step: SupportsIndex, *, rank: SupportsIndex = 0, world_size: SupportsIndex = 1
+    ) -> list[int]: ...
+
+
+class _StepIndices(list[int]):
+    """A batch's indices, tagged with its step (travels to the worker and back)."""
+
+    def __init__(self, step: int, indices: list[int]) -> None:
+        super().__init__(indices)
+        self.step = step
+
+    def __reduce__(self) -> Any:
+        return (_StepIndices, (self.step, list(self)))
+
+
+class _Failure:
+    """What a worker hands back instead of a batch when reading or collating raised."""
+
+    def __init__(self, error: BaseException, indices: list[int]) -> None:
+        self.kind = type(error).__name__
+        self.message = str(error)
+        self.is_shard = isinstance(error, ShardError)
+        self.indices = indices
+        self.trace = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+
+
+class _Steps:
+    """The batch sampler: the index lists of steps ``start, start + 1, ...``, forever."""
+
+    def __init__(self, order: Order, start: int, rank: int, world: int) -> None:
+        self.order, self.start, self.rank, self.world = order, start, rank, world
+
+    def __iter__(self) -> Iterator[_StepIndices]:
+        s = self.start
+        while True:
+            yield _StepIndices(s, self.order.indices(s, rank=self.rank, world_size=self.world))
+            s += 1
+
+
+class _Items:
+    """The dataset as the DataLoader sees it: a step's items, or the failure to read them."""
+
+    def __init__(self, dataset: MapDataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> Any:  # pragma: no cover - __getitems__ is used
+        return self.dataset[index]
+
+    def __getitems__(self, indices: _StepIndices) -> Any:
+        try:
+            return indices.step, [self.dataset[i] for i in indices], list(indices)
+        except Exception as e:
+            return indices.step, _Failure(e, list(indices)), list(indices)
+
+
+class _Collate:
+    def __init__(self, collate: Callable[[list[Any]], Any]) -> None:
+        self.collate = collate
+
+    def __call__(self, fetched: Any) -> tuple[int, Any]:
+        step, items, indices = fetched
+        if isinstance(items, _Failure):
+            return step, items
+        try:
+            return step, self.collate(items)
+        except Exception as e:
+            return step, _Failure(e, indices)
+
+
+def _to_device(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, dict):
+        return {k: _to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)) and not hasattr(batch, "_fields"):
+        return type(batch)(_to_device(v, device) for v in batch)
+    return batch
+
+
+class WorkerSource:
+    """A data source that reads ``order``'s batches of ``dataset`` in worker processes.
+
+    Args:
+        dataset: A map-style dataset (:class:`fvstep.latents.LatentDataset`, ...). With
+            workers it must pickle (it is sent to them or inherited by fork).
+        order: Decides the items of each ``(step, rank, world_size)``: a
+            :class:`fvstep.latents.BucketedOrder` (shape buckets), a
+            :class:`fvstep.data.ShuffledSource`, or any :class:`Order`.
+        num_workers: Worker processes (``0``: read in the calling process, no prefetch).
+        prefetch: Batches each worker prepares ahead (``prefetch_factor``), ``>= 1``.
+        pin_memory: Copy batches into pinned memory (default: when CUDA is available).
+        collate: Turns a step's items into a batch (default ``default_collate``: stacks
+            tensors, lists strings).
+        multiprocessing_context: The workers' start method (``"fork"``, ``"spawn"``,
+            ``"forkserver"``; default: the platform's).
+        timeout_s: Give up waiting for a batch after this many seconds (``0``: never).
+        device: Move each batch's tensors there (``non_blocking``: from pinned memory the
+            copy to a GPU overlaps the step); default: leave them in host memory.
+
+    Raises:
+        ValueError: If ``num_workers < 0`` or ``prefetch < 1``.
+
+    Examples:
+        >>> from fvstep import random as fr
+        >>> from fvstep.data import ShuffledSource
+        >>> items = [{"x": torch.tensor([i])} for i in range(6)]
+        >>> order = ShuffledSource(items, key=fr.key(0), batch_size=2)
+        >>> with WorkerSource(items, order, num_workers=0) as data:
+        ...     torch.equal(data.batch(4)["x"], order.batch(4)["x"])
+        True
+    """
+
+    def __init__(
+        self,
+        dataset: MapDataset,
+        order: Order,
+        *,
+        num_workers: int = 2,
+        prefetch: int = 2,
+        pin_memory: bool | None = None,
+        collate: Callable[[list[Any]], Any] | None = None,
+        multiprocessing_context: str | None = None,
+        timeout_s: float = 0.0,
+        device: torch.device | str | None = None,
+    ) -> None:
+        self._dataset = dataset
+        self._order = order
+        self._num_workers = check_int(num_workers, "num_workers", minimum=0)
+        self._prefetch = check_int(prefetch, "prefetch", minimum=1)
+        self._pin = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
+        self._collate = default_collate if collate is None else collate
+        self._context = multiprocessing_context
+        self._timeout = float(timeout_s)
+        self._device = None if device is None else torch.device(device)
+        self._iter: Iterator[Any] | None = None
+        self._next: tuple[int, int, int] | None = None
+        self.restarts = 0  # how many DataLoaders were started (tests and benchmarks read it)
+
+    @property
+    def order(self) -> Order:
+        """The object that decides each batch's items."""
+        return self._order
+
+    @property
+    def dataset(self) -> MapDataset:
+        """The dataset."""
+        return self._dataset
+
+    def indices(
+        self, step: SupportsIndex, *, rank: SupportsIndex = 0, world_size: SupportsIndex = 1
+    ) -> list[int]:
+        """The items of ``rank``'s batch at ``step``: ``order.indices(...)``.
+
+        Args:
+            step: The step, ``>= 0``.
+            rank: This rank.
+            world_size: The number of data-parallel ranks.
+
+        Returns:
+            The dataset indices of the batch.
+
+        Raises:
+            ValueError: As ``order.indices``.
+
+        Examples:
+            >>> from fvstep import random as fr
+            >>> from fvstep.data import ShuffledSource
+            >>> order = ShuffledSource(list(range(4)), key=fr.key(0), batch_size=2)
+            >>> WorkerSource(list(range(4)), order).indices(1) == order.indices(1)
+            True
+        """
+        return self._order.indices(step, rank=rank, world_size=world_size)
+
+    def _start(self, step: int, rank: int, world: int) -> None:
+        self._stop()
+        workers = self._num_workers
+        loader: DataLoader[Any] = DataLoader(
+            _Items(self._dataset),  # type: ignore[arg-type]
+            batch_sampler=_Steps(self._order, step, rank, world),
+            num_workers=workers,
+            collate_fn=_Collate(self._collate),
+            pin_memory=self._pin,
+            prefetch_factor=self._prefetch if workers else None,
+            multiprocessing_context=self._context if workers else None,
+            timeout=self._timeout if workers else 0,
+        )
+        self._iter = iter(loader)
+        self._next = (step, rank, world)
+        self.restarts += 1
+
+    def _stop(self) -> None:
+        # Dropping the DataLoader's iterator shuts its workers down (its __del__ joins them).
+        self._iter, self._next = None, None
+
+    def batch(
+        self, step: SupportsIndex, *, rank: SupportsIndex = 0, world_size: SupportsIndex = 1
+    ) -> Any:
+        """``rank``'s batch at ``step``, prefetched when the calls come in step order.
+
+        Args:
+            step: The step, ``>= 0``.
+            rank: This rank, ``0 <= rank < world_size``.
+            world_size: The number of data-parallel ranks, ``>= 1``.
+
+        Returns:
+            The collated batch (in pinned memory when pinning is on, on ``device`` if
+            one was given).
+
+        Raises:
+            ShardError: If a shard of the batch is missing or damaged; the message names
+                the rank, the step, the file and the row.
+            RuntimeError: If reading or collating raised anything else (the message names
+                the rank and the step and holds the worker's traceback), or a worker died
+                (torch's message; see the module docstring).
+            ValueError: As ``order.indices``.
+        """
+        s = check_int(step, "step", minimum=0)
+        r = check_int(rank, "rank", minimum=0)
+        w = check_int(world_size, "world_size", minimum=1)
+        self._order.indices(s, rank=r, world_size=w)  # argument errors, in the caller's words
+        if self._iter is None or self._next != (s, r, w):
+            self._start(s, r, w)
+        assert self._iter is not None
+        where = f"rank {r} of {w}, step {s}"
+        try:
+            got, payload = next(self._iter)
+        except Exception as e:  # a worker died, timed out, or the sampler raised
+            self._stop()
+            raise self._report(RuntimeError(f"{where}: the data loader failed: {e}"), w) from e
+        self._next = (s + 1, r, w)
+        if isinstance(payload, _Failure):
+            self._stop()
+            items = f"items {payload.indices}"
+            if payload.is_shard:
+                raise self._report(ShardError(f"{where} ({items}): {payload.message}"), w)
+            raise self._report(
+                RuntimeError(
+                    f"{where} ({items}): {payload.kind}: {payload.message}\n"
+                    f"in the data loader (traceback there):\n{payload.trace}"
+                ),
+                w,
+            )
+        assert got == s, f"the loader yielded step {got} for step {s}"
+        return payload if self._device is None else _to_device(payload, self._device)
+
+    @staticmethod
+    def _report(error: Exception, world: int) -> Exception:
+        if world > 1:  # the other ranks may only see a collective time out: say it here
+            print(f"fvstep: data error: {str(error).splitlines()[0]}", file=sys.stderr, flush=True)
+        return error
+
+    def __call__(self, step: SupportsIndex) -> Any:
+        """The single-process batch at ``step``: ``batch(step)`` with one rank."""
+        return self.batch(step)
+
+    def close(self) -> None:
+        """Shut the worker processes down; a later :meth:`batch` starts new ones.
+
+        Examples:
+            >>> from fvstep import random as fr
+            >>> from fvstep.data import ShuffledSource
+            >>> items = [torch.tensor(i) for i in range(4)]
+            >>> data = WorkerSource(items, ShuffledSource(items, key=fr.key(0), batch_size=2))
+            >>> data.close()
+        """
+        self._stop()
+
+    def __enter__(self) -> WorkerSource:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"WorkerSource({self._dataset!r}, order={self._order!r}, "
+            f"num_workers={self._num_workers}, prefetch={self._prefetch}, pin_memory={self._pin})"
+        )

@@ -1,0 +1,336 @@
+"""LoRA roles over one frozen base: peft's adapters, one module per adapter.
+
+:func:`add_adapters` injects peft LoRA adapters into a base model (in place, as
+``peft.inject_adapter_in_model`` and diffusers do) and returns one :class:`LoRAModule`
+per adapter. The weights are shared, not copied:
+
+- the **base** keeps only its own weights as parameters (the adapters are moved out of
+  its module tree), and with every adapter disabled it computes the base model: it is
+  the frozen role (the teacher of DMD2, or a role named ``"base"``);
+- each **LoRA module** registers only its adapter's parameters (named as in peft's
+  state dict: ``blocks.0.attn1.to_q.lora_A.weight``) and calls the base with its
+  adapter active. It is a trainable role: only adapter parameters are leaves, have
+  ``requires_grad``, optimizer state and EMA.
+
+So no two roles share a module or a tensor (``TrainState.create`` refuses that), one
+base is in memory however many adapters train over it, and the state holds the base
+once, in the base's frozen role. ``Role(base, save_frozen=False)`` keeps it out of
+checkpoints, which then hold its digest (:func:`base_digest`) and are verified against
+the base on load.
+
+Which adapter the base computes with is switched per call by :class:`LoRAModule`
+(peft's layer flags, set and restored around the call, never its ``set_adapter``, which
+would change ``requires_grad``): between calls every adapter is disabled.
+
+Examples:
+    >>> base = fvstep.models.tiny_wan(seed=0)
+    >>> config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["to_q", "to_v"])
+    >>> lora = add_adapters(base, {"student": config, "critic": config}, seed=0)
+    >>> state = fvstep.TrainState.create({
+    ...     "teacher": fvstep.Role(base, save_frozen=False),
+    ...     "student": fvstep.Role(lora["student"], optimizer=fvstep.optim.adamw(lr=1e-4)),
+    ...     "critic": fvstep.Role(lora["critic"], optimizer=fvstep.optim.adamw(lr=1e-4)),
+    ... }, key=fvstep.random.key(0))
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from peft import LoraConfig
+
+__all__ = ["LoRAModule", "add_adapters", "base_digest", "lora_layers", "recompute_context"]
+
+# peft's per-adapter containers of a LoRA layer (LoraLayer.adapter_layer_names) and its
+# dropout modules: moved out of the base's module tree, registered in the LoRA modules.
+_ADAPTER_ATTRS = (
+    "lora_A",
+    "lora_B",
+    "lora_embedding_A",
+    "lora_embedding_B",
+    "lora_magnitude_vector",
+    "lora_dropout",
+)
+
+
+def lora_layers(base: nn.Module) -> list[tuple[str, Any]]:
+    """The peft LoRA layers of ``base``, as ``(qualified name, layer)`` in module order.
+
+    Args:
+        base: A module into which :func:`add_adapters` injected adapters.
+
+    Returns:
+        ``[(name, peft.tuners.lora.LoraLayer), ...]``; ``[]`` for a module without adapters.
+
+    Examples:
+        >>> [name for name, _ in lora_layers(base)][:1]
+        ['blocks.0.attn1.to_q']
+    """
+    from peft.tuners.lora import LoraLayer
+
+    return [(n, m) for n, m in base.named_modules() if isinstance(m, LoraLayer)]
+
+
+def _container(root: nn.Module, path: str) -> nn.Module:
+    """The submodule of ``root`` at ``path``, made of empty modules where missing."""
+    node = root
+    for part in path.split("."):
+        child = node._modules.get(part)
+        if child is None:
+            child = nn.Module()
+            node.add_module(part, child)
+        node = child
+    return node
+
+
+class LoRAModule(nn.Module):
+    """One LoRA adapter over a shared base: a role's module (see :func:`add_adapters`).
+
+    Its parameters are the adapter's only, named as in peft's state dict
+    (``blocks.0.attn1.to_q.lora_A.weight``); the base is held but not registered, so its
+    weights are not this module's parameters (they belong to the base's own role). Its
+    ``forward(*args, **kwargs)`` is the base's, computed with this adapter active.
+
+    Attributes:
+        base: The shared base module (not a submodule).
+        adapter: The adapter's name.
+        config: The adapter's ``peft.LoraConfig``.
+
+    Examples:
+        >>> lora["student"](hidden_states=x, timestep=t, encoder_hidden_states=text)
+    """
+
+    base: nn.Module
+    adapter: str
+
+    def __init__(self, base: nn.Module, adapter: str, config: LoraConfig) -> None:
+        super().__init__()
+        self.__dict__["base"] = base  # not a submodule: the base is its own (frozen) role
+        self.adapter = adapter
+        self.config = config
+        layers = []
+        for path, layer in lora_layers(base):
+            held = [(a, layer.__dict__.get(a)) for a in _ADAPTER_ATTRS]
+            held = [(a, h) for a, h in held if h is not None and adapter in h]
+            if not held:
+                continue
+            layers.append(layer)
+            node = _container(self, path)
+            for attr, holder in held:
+                item = holder[adapter]
+                if isinstance(item, nn.Parameter):
+                    node.register_parameter(attr, item)
+                else:
+                    node.add_module(attr, item)
+        if not layers:
+            raise ValueError(
+                f"the base holds no adapter {adapter!r}: no module matched its target_modules "
+                f"{sorted(config.target_modules or [])}"
+            )
+        self.__dict__["_layers"] = tuple(layers)
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[nn.Module]:
+        """A context in which the base computes with this adapter; yields the base.
+
+        Examples:
+            >>> with lora["student"].active() as net:
+            ...     out = net(hidden_states=x, timestep=t, encoder_hidden_states=text)
+        """
+        layers = self.__dict__["_layers"]
+        saved = [(layer._active_adapter, layer._disable_adapters) for layer in layers]
+        for layer in layers:
+            # peft's set_adapter/enable_adapters would also set requires_grad on the
+            # adapters, which fvstep's units own: set the flags forward reads, nothing else.
+            layer._active_adapter = self.adapter
+            layer._disable_adapters = False
+        try:
+            yield self.base
+        finally:
+            for layer, (name, disabled) in zip(layers, saved):
+                layer._active_adapter = name
+                layer._disable_adapters = disabled
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The base's forward with this adapter active.
+
+        Raises:
+            ValueError: If this module is a role of a ``TrainState`` but its base is
+                not: the base's weights would be outside the state (unverified by
+                checkpoints, and a sharded base never returned to rest between units).
+        """
+        if "_fvstep_bound" in self.__dict__ and "_fvstep_bound" not in self.base.__dict__:
+            raise ValueError(
+                f"the LoRA adapter {self.adapter!r} is a role of a TrainState, but its base "
+                "is not: add the base as a frozen role, e.g. "
+                "fvstep.Role(base, save_frozen=False) (the teacher of DMD2, or 'base')"
+            )
+        with self.active() as base:
+            return base(*args, **kwargs)
+
+    def extra_repr(self) -> str:
+        return f"adapter={self.adapter!r}, base={type(self.base).__name__}"
+
+
+@contextlib.contextmanager
+def _flags_set(
+    layers: tuple[Any, ...], flags: list[tuple[Any, bool]], inner: Any
+) -> Iterator[None]:
+    saved = [(layer._active_adapter, layer._disable_adapters) for layer in layers]
+    for layer, (name, disabled) in zip(layers, flags):
+        layer._active_adapter = name
+        layer._disable_adapters = disabled
+    try:
+        with inner:
+            yield
+    finally:
+        for layer, (name, disabled) in zip(layers, saved):
+            layer._active_adapter = name
+            layer._disable_adapters = disabled
+
+
+def recompute_context(
+    base: nn.Module, context_fn: Callable[[], tuple[Any, Any]] | None = None
+) -> Callable[[], tuple[Any, Any]]:
+    """A ``context_fn`` for ``torch.utils.checkpoint`` that recomputes with the same adapter.
+
+    Activation checkpointing recomputes a block's forward during backward, when the
+    :class:`LoRAModule` that ran it has already switched its adapter off again: the
+    recomputation would run without the adapter (``torch.utils.checkpoint`` then raises
+    ``CheckpointError``: a different number of tensors was saved). This ``context_fn``
+    captures the adapter flags of ``base``'s LoRA layers when the block runs forward and
+    sets them again around its recomputation. Compose it with another ``context_fn``
+    (selective checkpointing's) by passing that one.
+
+    Args:
+        base: The base module that :func:`add_adapters` injected adapters into.
+        context_fn: Another ``context_fn`` whose two contexts are entered too.
+
+    Returns:
+        ``() -> (forward_context, recompute_context)``, for
+        ``checkpoint(fn, ..., use_reentrant=False, context_fn=...)``.
+
+    Examples:
+        >>> ctx = recompute_context(base)
+        >>> out = checkpoint(block, x, use_reentrant=False, context_fn=ctx)
+    """
+    layers = tuple(layer for _, layer in lora_layers(base))
+
+    def make() -> tuple[Any, Any]:
+        flags = [(layer._active_adapter, layer._disable_adapters) for layer in layers]
+        forward, recompute = (
+            context_fn() if context_fn else (contextlib.nullcontext(), contextlib.nullcontext())
+        )
+        return forward, _flags_set(layers, flags, recompute)
+
+    return make
+
+
+def add_adapters(
+    base: nn.Module, configs: Mapping[str, LoraConfig], *, seed: int = 0
+) -> dict[str, LoRAModule]:
+    """Inject peft LoRA adapters into ``base`` (in place); one :class:`LoRAModule` each.
+
+    For each ``name, config`` (in order), ``peft.inject_adapter_in_model(config, base,
+    adapter_name=name)`` (target modules, rank, alpha, dropout, initialisation as the
+    config says). Then the adapters' modules are moved out of the base's module tree into
+    their :class:`LoRAModule`, every adapter is disabled (the base computes the base
+    model), the base's parameters get ``requires_grad`` off and the adapters' on.
+
+    Call it before sharding: ``fully_shard`` the base and each LoRA module afterwards
+    (``fvstep.parallel.shard_module``; a LoRA module is one FSDP2 group, as its
+    submodules are never called on their own). Move them to a device together too:
+    ``base.to(device)`` does not move the adapters.
+
+    Args:
+        base: The base model (e.g. a ``diffusers.WanTransformer3DModel``), not sharded.
+        configs: Adapter name (an identifier) to its ``peft.LoraConfig``.
+        seed: Seeds the adapters' initialisation (peft draws from the global RNG; it is
+            seeded in a forked RNG, so the global RNG is left untouched).
+
+    Returns:
+        Adapter name to its :class:`LoRAModule`.
+
+    Raises:
+        ImportError: If peft is not installed (``pip install fvstep[lora]``).
+        ValueError: For a name that is not an identifier or already an adapter of
+            ``base``, a sharded ``base``, no configs, or a config that matches no module.
+
+    Examples:
+        >>> config = peft.LoraConfig(r=16, lora_alpha=16, target_modules=["to_q", "to_k"])
+        >>> lora = add_adapters(transformer, {"student": config}, seed=0)
+    """
+    from peft import inject_adapter_in_model
+
+    if not configs:
+        raise ValueError("add_adapters needs at least one adapter config")
+    if any(hasattr(m, "to_local") for m in base.parameters()):
+        raise ValueError("add adapters before sharding the base (fully_shard)")
+    existing = {a for _, layer in lora_layers(base) for a in layer.__dict__.get("lora_A", {})}
+    for name in configs:
+        if not isinstance(name, str) or not name.isidentifier():
+            raise ValueError(f"adapter names must be identifiers, got {name!r}")
+        if name in existing:
+            raise ValueError(f"the base already has an adapter {name!r}")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for name, config in configs.items():
+            with warnings.catch_warnings():
+                # several adapters in one model is the intent here
+                warnings.filterwarnings("ignore", message="Already found a `peft_config`")
+                inject_adapter_in_model(config, base, adapter_name=name)
+            for _, layer in lora_layers(base):
+                for attr in _ADAPTER_ATTRS:
+                    holder = layer._modules.pop(attr, None)
+                    if holder is not None:
+                        layer.__dict__[attr] = holder
+    for p in base.parameters():
+        p.requires_grad_(False)
+    for _, layer in lora_layers(base):
+        layer._disable_adapters = True
+    modules = {name: LoRAModule(base, name, config) for name, config in configs.items()}
+    for module in modules.values():
+        module.requires_grad_(True)
+    return modules
+
+
+def base_digest(base: nn.Module) -> str:
+    """The digest of ``base``'s weights that checkpoints record for a frozen role.
+
+    Equal to ``fvstep.checkpoint.read_manifest(path).frozen_digests[role]`` for a role
+    ``Role(base, save_frozen=False)`` saved at ``path`` (every parameter of a frozen
+    role), whatever the world size. Sharded parameters are checksummed collectively:
+    call it on every rank.
+
+    Args:
+        base: The base module (a role's module).
+
+    Returns:
+        A hexadecimal SHA-256.
+
+    Examples:
+        >>> base_digest(base) == read_manifest(path).frozen_digests["teacher"]
+        True
+    """
+    from fvstep.checkpoint.fingerprint import fingerprint
+    from fvstep.checkpoint.manifest import frozen_digest
+
+    named = dict(base.named_parameters())
+    checksums, _ = fingerprint(list(named), [p.detach() for p in named.values()])
+    return frozen_digest(
+        {
+            n: {
+                "dtype": str(p.dtype).removeprefix("torch."),
+                "shape": list(p.shape),
+                "checksum": checksums.get(n, 0),
+            }
+            for n, p in named.items()
+        }
+    )

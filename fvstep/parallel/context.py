@@ -1,0 +1,665 @@
+"""Context (sequence) parallelism: one sample's tokens sharded over a mesh axis.
+
+A Wan2.1-1.3B sample at 480x832x81 is 32,760 video tokens; context parallelism splits
+that sequence over the ranks of a *context group*, each rank running every layer on its
+own slice of the tokens. This module prepares a role's diffusers transformer for it with
+diffusers' own machinery (``ContextParallelConfig``, the model's ``_cp_plan``, its
+sharder, and the Ulysses and ring attention of ``diffusers.models.attention_dispatch``,
+whose autograd functions have backward passes), and adds what training with fvstep
+needs on top:
+
+- :func:`make_context_mesh`: a 2-D ``("data", "context")`` mesh, context innermost, so
+  that the ranks of one context group are consecutive (``rank // context`` is the
+  data-parallel index, as :func:`fvstep.parallel.data_parallel_index` assumes);
+- :func:`apply_context_parallel`: shards the sequence of a diffusers model with a
+  ``_cp_plan`` (``WanTransformer3DModel``) over a mesh axis, in Ulysses (all-to-all) or
+  ring mode. Parameter names and state-dict keys do not change;
+- :class:`ContextParallelism`: the :class:`~fvstep.sync.Parallelism` of a step on such
+  a mesh (the data-parallel index, which keys the noise, is shared by a context group);
+- :class:`ContextParallelData`: a data source adapter that hands the ranks of one
+  context group the same batch;
+- :func:`data_parallel_rank_and_size`: a rank's data-parallel coordinates on a mesh.
+
+Gradients. diffusers gathers the model's output over the context group (``proj_out``
+in Wan's plan), so every rank of a group holds the whole output and computes the whole,
+identical loss; the gather's backward hands each rank the gradient of its own tokens.
+Each rank's parameter gradient is then the part of the full gradient that its tokens
+contribute, and the full gradient is their **sum** over the context group. FSDP2
+averages over every rank of its mesh, so :func:`apply_context_parallel` makes FSDP2
+sum instead and divide by the number of data-parallel replicas only
+(``set_gradient_divide_factor``, ``set_force_sum_reduction_for_comms``): a 2-way
+context-parallel step equals the 1-rank step up to summation order.
+
+Examples:
+    >>> mesh = make_context_mesh(context=2)                  # ("data", "context")
+    >>> student = apply_context_parallel(tiny_wan(), mesh=mesh)
+    >>> student = shard_module(student, mesh=make_mesh())    # FSDP2 over every rank
+    >>> step = fvstep.compile(finetune(), parallelism=ContextParallelism(mesh))
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Literal
+
+import attrs
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule
+
+from fvstep.parallel.ranks import rank_and_world
+from fvstep.parallel.sync import FSDP2Parallelism
+from fvstep.state import TrainState
+
+__all__ = [
+    "ContextParallelData",
+    "ContextParallelMode",
+    "ContextParallelism",
+    "apply_context_parallel",
+    "context_parallel_degree",
+    "data_parallel_rank_and_size",
+    "make_context_mesh",
+]
+
+ContextParallelMode = Literal["ulysses", "ring"]
+"""``"ulysses"``: all-to-all of heads and tokens around attention (DeepSpeed-Ulysses);
+``"ring"``: key/value chunks passed around the group, softmax merged chunk by chunk."""
+
+_MODES: tuple[str, ...] = ("ulysses", "ring")
+_APPLIED = "_fvstep_context_parallel"  # attribute of a prepared module (not a parameter)
+
+
+@attrs.frozen
+class _Applied:
+    """What :func:`apply_context_parallel` did to a module (kept on the module)."""
+
+    mesh: DeviceMesh
+    axis: str
+    mode: str
+    degree: int
+    group_ranks: tuple[int, ...]
+    check_inputs: bool
+
+
+def make_context_mesh(*, context: int, device_type: str | None = None) -> DeviceMesh:
+    """A 2-D ``("data", "context")`` device mesh over every rank, context innermost.
+
+    The ranks of one context group are consecutive (``rank = data * context + c``), so
+    ``rank // context`` is the data-parallel index: the layout that
+    ``fvstep.compile(..., sequence_parallel_size=context)`` and
+    :func:`fvstep.parallel.data_parallel_index` assume. Shard the roles with FSDP2 over
+    every rank (``shard_module(module, mesh=make_mesh())``), which spans each context group.
+
+    Args:
+        context: Ranks per context group (the sequence is split ``context`` ways), ``>= 2``.
+        device_type: ``"cuda"`` or ``"cpu"``; default ``"cuda"`` if available.
+
+    Returns:
+        The mesh (``init_device_mesh``), dims named ``("data", "context")``.
+
+    Raises:
+        RuntimeError: If no process group is initialised.
+        ValueError: If ``context < 2`` or it does not divide the world size.
+
+    Examples:
+        >>> mesh = make_context_mesh(context=2)          # 8 ranks: 4 replicas x 2
+        >>> mesh["context"].size()
+        2
+    """
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "make_context_mesh needs an initialised process group (torchrun or init_process_group)"
+        )
+    world = dist.get_world_size()
+    if isinstance(context, bool) or not isinstance(context, int) or context < 2:
+        raise ValueError(f"context must be an int >= 2 (ranks per context group), got {context!r}")
+    if world % context:
+        raise ValueError(f"context ({context}) must divide the world size {world}")
+    device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+    return init_device_mesh(
+        device_type, (world // context, context), mesh_dim_names=("data", "context")
+    )
+
+
+def _check_axis(mesh: DeviceMesh, axis: str) -> int:
+    names = mesh.mesh_dim_names or ()
+    if axis not in names:
+        raise ValueError(
+            f"the mesh has no axis {axis!r} (its axes: {tuple(names)}); build one with "
+            "make_context_mesh(context=...) or name the context axis with axis="
+        )
+    return names.index(axis)
+
+
+def data_parallel_rank_and_size(mesh: DeviceMesh, *, axis: str = "context") -> tuple[int, int]:
+    """This rank's data-parallel index on ``mesh``, and the number of replicas.
+
+    The index is this rank's coordinate on every axis but ``axis``, flattened in row-major
+    order; the ranks of one context group share it. Use it for keys and data.
+
+    Args:
+        mesh: A mesh with a context axis (e.g. :func:`make_context_mesh`).
+        axis: The name of the context axis.
+
+    Returns:
+        ``(index, size)``: ``0 <= index < size``, ``size = mesh.size() // mesh[axis].size()``.
+
+    Raises:
+        ValueError: If ``mesh`` has no axis ``axis`` or this rank is not on it.
+
+    Examples:
+        >>> data_parallel_rank_and_size(make_context_mesh(context=2))   # rank 3 of 4
+        (1, 2)
+    """
+    dim = _check_axis(mesh, axis)
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        raise ValueError(f"rank {rank_and_world()[0]} is not on the mesh {mesh}")
+    shape = tuple(mesh.mesh.shape)
+    index, size = 0, 1
+    for d, (c, n) in enumerate(zip(coordinate, shape)):
+        if d != dim:
+            index, size = index * n + c, size * n
+    return index, size
+
+
+def context_parallel_degree(module: nn.Module) -> int:
+    """Ranks per context group of a module prepared by :func:`apply_context_parallel`.
+
+    Args:
+        module: Any module.
+
+    Returns:
+        The degree it was prepared with; 1 for a module that was not.
+
+    Examples:
+        >>> context_parallel_degree(apply_context_parallel(net, mesh=mesh))
+        2
+    """
+    applied = getattr(module, _APPLIED, None)
+    return applied.degree if isinstance(applied, _Applied) else 1
+
+
+def _attention_backends(module: nn.Module) -> set[str]:
+    """The attention backend names of ``module``'s attention processors (diffusers)."""
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+    names = set()
+    for sub in module.modules():
+        processor = getattr(sub, "processor", None)
+        if processor is None or not hasattr(processor, "_parallel_config"):
+            continue
+        backend = getattr(processor, "_attention_backend", None)
+        if backend is None:
+            backend, _ = _AttentionBackendRegistry.get_active_backend()
+        names.add(str(getattr(backend, "value", backend)))
+    return names
+
+
+def _check_backends(module: nn.Module, mode: str) -> None:
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+    backends = _attention_backends(module)
+    unsupported = sorted(
+        b for b in backends if b not in _AttentionBackendRegistry._supports_context_parallel
+    )
+    if unsupported:
+        raise ValueError(
+            f"the attention backend(s) {unsupported} of {type(module).__name__} do not support "
+            "context parallelism; call module.set_attention_backend(...) with one of "
+            f"{sorted(_AttentionBackendRegistry._supports_context_parallel)} first"
+        )
+    if mode == "ring" and "native" in backends:
+        # diffusers' ring attention merges per-chunk outputs with their log-sum-exp, which
+        # its native (SDPA) backend does not return: it would fail at the first forward.
+        raise ValueError(
+            "mode='ring' needs an attention backend that returns the log-sum-exp (diffusers' "
+            "'_native_cudnn', '_native_flash', 'flash', ...: CUDA only); the 'native' (SDPA) "
+            "backend does not. Use mode='ulysses', or module.set_attention_backend(...) first"
+        )
+
+
+def _forward_params(sub: nn.Module) -> list[str]:
+    """The parameter names of ``sub``'s class ``forward``, ``self`` left out."""
+    return list(inspect.signature(type(sub).forward).parameters)[1:]
+
+
+def _check_plan_signatures(module: nn.Module, plan: dict[str, Any]) -> None:
+    """Refuse a module whose planned submodules no longer take their inputs by name (a
+    wrapper module such as torch's ``checkpoint_wrapper``, or ``torch.compile(module)``)."""
+    from diffusers.models._modeling_parallel import ContextParallelInput
+
+    for name, entry in plan.items():
+        if not isinstance(entry, dict):
+            continue
+        sub = module.get_submodule(name) if name else module
+        params = _forward_params(sub)
+        for key, spec in entry.items():
+            splits_input = not (isinstance(spec, ContextParallelInput) and spec.split_output)
+            if isinstance(key, str) and splits_input and key not in params:
+                raise ValueError(
+                    f"submodule {name or '<root>'!r} ({type(sub).__name__}) takes no "
+                    f"argument {key!r} that the context-parallel plan splits: apply "
+                    "context parallel before wrapping blocks in modules (checkpoint_wrapper, "
+                    "torch.compile(module)); checkpointing that keeps the block (re-binding its "
+                    "forward) and block.compile() may come before or after it"
+                )
+
+
+def _shard(value: Any, spec: Any, mesh: DeviceMesh) -> Any:
+    """``value``'s slice along the spec's dim for this rank (diffusers' sharder)."""
+    from diffusers.hooks.context_parallel import EquipartitionSharder
+
+    if isinstance(value, (list, tuple)) and isinstance(spec, (list, tuple)):
+        return type(value)(_shard(v, s, mesh) for v, s in zip(value, spec, strict=True))
+    if not isinstance(value, torch.Tensor):
+        return value
+    if spec.expected_dims is not None and value.dim() != spec.expected_dims:
+        return value  # the plan's rule (Wan2.1's (B,) timestep: Wan2.2's (B, S) is split)
+    return EquipartitionSharder.shard(value, spec.split_dim, mesh)
+
+
+def _install_plan(module: nn.Module, plan: dict[str, Any], mesh: DeviceMesh) -> None:
+    """diffusers' context-parallel plan as ``nn.Module`` hooks.
+
+    diffusers installs the plan by replacing each planned submodule's ``forward``; a later
+    preparation that sets ``forward`` too (activation checkpointing that re-binds the
+    class's forward) would silently drop the split. ``nn.Module`` hooks run in
+    ``__call__``, whatever ``forward`` is, so the plan survives any order of preparation.
+    """
+    from diffusers.hooks.context_parallel import EquipartitionSharder
+    from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
+
+    for name, entry in plan.items():
+        sub = module.get_submodule(name) if name else module
+        if isinstance(entry, dict):
+            params = _forward_params(sub)
+            inputs = {
+                k: v
+                for k, v in entry.items()
+                if not (isinstance(v, ContextParallelInput) and v.split_output)
+            }
+            outputs = {k: v for k, v in entry.items() if k not in inputs}
+
+            def split_inputs(
+                m: nn.Module,
+                args: tuple[Any, ...],
+                kwargs: dict[str, Any],
+                inputs: dict[Any, Any] = inputs,
+                params: list[str] = params,
+            ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+                listed = list(args)
+                for key, spec in inputs.items():
+                    if key in kwargs:
+                        kwargs[key] = _shard(kwargs[key], spec, mesh)
+                    elif params.index(key) < len(listed):
+                        index = params.index(key)
+                        listed[index] = _shard(listed[index], spec, mesh)
+                return tuple(listed), kwargs
+
+            def split_outputs(
+                m: nn.Module, args: Any, output: Any, outputs: dict[Any, Any] = outputs
+            ) -> Any:
+                items = [output] if isinstance(output, torch.Tensor) else list(output)
+                for index, spec in outputs.items():
+                    items[index] = _shard(items[index], spec, mesh)
+                return items[0] if isinstance(output, torch.Tensor) else type(output)(items)
+
+            if inputs:
+                sub.register_forward_pre_hook(split_inputs, with_kwargs=True)
+            if outputs:
+                sub.register_forward_hook(split_outputs)
+        else:
+            specs = [entry] if isinstance(entry, ContextParallelOutput) else list(entry)
+
+            def gather_outputs(
+                m: nn.Module, args: Any, output: Any, specs: list[Any] = specs
+            ) -> Any:
+                items = [output] if isinstance(output, torch.Tensor) else list(output)
+                for index, spec in enumerate(specs):
+                    if spec is not None:
+                        items[index] = EquipartitionSharder.unshard(
+                            items[index].contiguous(), spec.gather_dim, mesh
+                        )
+                return items[0] if isinstance(output, torch.Tensor) else type(output)(items)
+
+            sub.register_forward_hook(gather_outputs)
+
+
+def _diffusers_mesh(mesh: DeviceMesh, dim: int, mode: str) -> DeviceMesh:
+    """``mesh`` reshaped to ``(replicas, ring, ulysses)``, the axes diffusers reads."""
+    degree = mesh.mesh.shape[dim]
+    ranks = mesh.mesh.movedim(dim, -1).reshape(-1, degree)
+    shape = (-1, degree, 1) if mode == "ring" else (-1, 1, degree)
+    return DeviceMesh(
+        mesh.device_type,
+        ranks.reshape(shape),
+        mesh_dim_names=("fvstep_replica", "ring", "ulysses"),
+    )
+
+
+def _fingerprint(values: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Seven float64 numbers (whatever the inputs) that differ, in practice, between
+    different inputs: their count, and per tensor its shape and a few weighted sums."""
+    out = torch.zeros(7, dtype=torch.float64, device=device)
+    out[0] = len(values)
+    for j, x in enumerate(values):  # no host sync: the numbers stay on ``device``
+        flat = x.detach().reshape(-1).to(device=device, dtype=torch.float64)
+        ramp = torch.linspace(1.0, 2.0, flat.numel(), dtype=torch.float64, device=device)
+        sums = torch.stack([flat.sum(), flat.square().sum(), (flat * ramp).sum()])
+        shape = torch.tensor(
+            [x.dim(), flat.numel(), sum(x.shape)], dtype=torch.float64, device=device
+        )
+        out[1:] += (j + 1) * torch.cat([shape, sums])
+    return out
+
+
+def _check_same_inputs(
+    applied: _Applied, tensors: list[torch.Tensor], device: torch.device
+) -> None:
+    group = applied.mesh[applied.axis].get_group()
+    mine = _fingerprint(tensors, device)
+    rows = [torch.empty_like(mine) for _ in range(applied.degree)]
+    dist.all_gather(rows, mine, group=group)
+    if not all(torch.equal(rows[0], r) for r in rows[1:]):  # every rank gets the same verdict
+        raise ValueError(
+            f"the ranks {list(applied.group_ranks)} of one context group were given different "
+            "inputs; they must share the whole batch: the data-parallel index (keys and data) "
+            "must be the same for them (fvstep.compile(..., parallelism=ContextParallelism("
+            "mesh)) or sequence_parallel_size=<context>, and data through ContextParallelData)"
+        )
+
+
+def _set_grad_reduction(module: nn.Module, applied: _Applied) -> None:
+    """Make FSDP2 sum the context group's partial gradients (it would average them).
+
+    A plain (unsharded) module is left alone: whoever reduces its gradients must sum them
+    over the context group (``fvstep`` refuses to train an unsharded role on several ranks).
+    """
+    fsdp = [m for m in module.modules() if isinstance(m, FSDPModule)]
+    if not fsdp:  # plain modules: the caller sums the gradients (fvstep refuses them)
+        return
+    meshes = (getattr(p, "device_mesh", None) for p in module.parameters())
+    fsdp_mesh = next((m for m in meshes if m is not None), None)
+    if fsdp_mesh is None:  # FSDP2 with no parameters to reduce
+        return
+    reduced = set(fsdp_mesh.mesh.reshape(-1).tolist())
+    if not set(applied.group_ranks) <= reduced or len(reduced) % applied.degree:
+        raise ValueError(
+            f"the FSDP2 mesh of {type(module).__name__} (ranks {sorted(reduced)}) does not span "
+            f"its context group (ranks {list(applied.group_ranks)}): the gradients of one "
+            "sample's tokens would never be summed. Shard over every rank (make_mesh())"
+        )
+    replicas = float(len(reduced) // applied.degree)
+    for m in fsdp:
+        m.set_force_sum_reduction_for_comms(True)
+        m.set_gradient_divide_factor(replicas)
+
+
+def _num_tokens(module: nn.Module, hidden_states: torch.Tensor) -> int | None:
+    """Tokens of ``(B, C, F, H, W)`` latents after patching; ``None`` for other shapes."""
+    patch = tuple(getattr(getattr(module, "config", None), "patch_size", None) or ())
+    if not patch or hidden_states.dim() != 2 + len(patch):
+        return None
+    tokens = 1
+    for size, p in zip(hidden_states.shape[2:], patch):
+        tokens *= size // p
+    return tokens
+
+
+def _pre_forward(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    applied: _Applied = getattr(module, _APPLIED)
+    x = kwargs.get("hidden_states", args[0] if args else None)
+    if not isinstance(x, torch.Tensor):
+        raise ValueError("a context-parallel module takes hidden_states as a tensor")
+    if applied.check_inputs:  # first: every rank of the group then sees the same shapes
+        tensors = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)]
+        _check_same_inputs(applied, tensors, x.device)
+    tokens = _num_tokens(module, x)
+    if tokens is not None and tokens % applied.degree:
+        raise ValueError(
+            f"the sequence of {tokens} tokens (latents {tuple(x.shape)}, patch "
+            f"{tuple(getattr(module.config, 'patch_size', ()))}) does not divide by the "
+            f"context-parallel degree {applied.degree}; choose frames/height/width whose "
+            "token count does"
+        )
+    if torch.is_grad_enabled() and any(p.requires_grad for p in module.parameters()):
+        _set_grad_reduction(module, applied)
+
+
+def apply_context_parallel(
+    module: nn.Module,
+    *,
+    mesh: DeviceMesh,
+    axis: str = "context",
+    mode: ContextParallelMode = "ulysses",
+    check_inputs: bool = True,
+) -> nn.Module:
+    """Shard ``module``'s token sequence over the ``axis`` of ``mesh``, for training.
+
+    ``module`` is a diffusers model with a context-parallel plan (``_cp_plan``, as
+    ``WanTransformer3DModel`` has), installed as ``nn.Module`` hooks that split the
+    sequence before the first block (and the rotary embeddings with it) and all-gather
+    the output of ``proj_out`` with diffusers' sharder, so the module's output is whole
+    and identical on every rank of a context group.
+    Attention runs through diffusers' dispatcher:
+
+    - ``"ulysses"``: all-to-all before and after attention (each rank attends over the
+      whole sequence for ``heads / degree`` heads); needs ``heads % degree == 0``; runs
+      on any backend that supports context parallelism, the CPU's ``native`` one included;
+    - ``"ring"``: key/value chunks go round the group and the softmax is merged chunk by
+      chunk with the log-sum-exp; needs a backend that returns it (CUDA only: diffusers'
+      ``native`` SDPA backend does not).
+
+    Cross-attention to the text is local (every rank holds the whole text). Parameter
+    names and state-dict keys do not change (the hooks are plain attributes). Call this
+    before ``fully_shard`` and before wrapping blocks in modules (``checkpoint_wrapper``,
+    ``torch.compile(module)``); checkpointing that re-binds a block's ``forward`` may
+    come before or after. Shard trained roles with FSDP2 over a mesh that spans every
+    context group (:func:`fvstep.parallel.make_mesh` over every rank). At each forward that
+    needs gradients, FSDP2's reduction of the module is set to sum over the context group
+    and divide by the number of data-parallel replicas (see the module docstring).
+
+    Args:
+        module: The role's model (``diffusers.ModelMixin`` with ``_cp_plan``).
+        mesh: A mesh with a context axis (:func:`make_context_mesh`), on every rank.
+        axis: The name of the context axis of ``mesh``.
+        mode: ``"ulysses"`` or ``"ring"``.
+        check_inputs: At each forward, check that the ranks of the group were given the
+            same inputs (one small all-gather and a host sync); a group fed different
+            samples would otherwise train on halves of different samples, silently.
+
+    Returns:
+        The same module, prepared.
+
+    Raises:
+        ValueError: If the module has no plan, is already parallel, or is wrapped; if the
+            mesh has no ``axis`` or it has fewer than 2 ranks; if ``mode`` is unknown; for
+            Ulysses, if the heads do not divide by the degree; for ring, with a backend that
+            cannot; at a forward, if the token count does not divide by the degree, or the
+            ranks of a group were given different inputs.
+
+    Examples:
+        >>> mesh = make_context_mesh(context=2)
+        >>> student = apply_context_parallel(tiny_wan(num_heads=2), mesh=mesh)
+        >>> student = shard_module(student, mesh=make_mesh())
+    """
+    from diffusers.models._modeling_parallel import ContextParallelConfig, ParallelConfig
+
+    if mode not in _MODES:
+        raise ValueError(f"mode must be one of {_MODES}, got {mode!r}")
+    plan = getattr(module, "_cp_plan", None)
+    if not isinstance(plan, dict):
+        raise ValueError(
+            f"{type(module).__name__} has no context-parallel plan (_cp_plan); diffusers "
+            "models such as WanTransformer3DModel have one"
+        )
+    if getattr(module, "_parallel_config", None) is not None or hasattr(module, _APPLIED):
+        raise ValueError(f"{type(module).__name__} is already prepared for parallelism")
+    dim = _check_axis(mesh, axis)
+    degree = mesh.mesh.shape[dim]
+    if degree < 2:
+        raise ValueError(f"the mesh axis {axis!r} has {degree} rank; context parallel needs >= 2")
+    heads = getattr(getattr(module, "config", None), "num_attention_heads", None)
+    if mode == "ulysses" and heads is not None and heads % degree:
+        raise ValueError(
+            f"Ulysses context parallel splits the {heads} attention heads over {degree} ranks: "
+            f"the heads must divide by the degree (use a degree dividing {heads}, or "
+            "mode='ring')"
+        )
+    _check_backends(module, mode)
+    _check_plan_signatures(module, plan)
+
+    if mode == "ring":
+        cp_config = ContextParallelConfig(ring_degree=degree)
+    else:
+        cp_config = ContextParallelConfig(ulysses_degree=degree)
+    config = ParallelConfig(context_parallel_config=cp_config)
+    rank, world = rank_and_world()
+    device = torch.device(mesh.device_type)
+    if mesh.device_type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    # What ModelMixin.enable_parallelism does, less its device lookup
+    # (``rank % torch.accelerator.device_count()``), which divides by zero on a CPU, and
+    # with the plan installed as nn.Module hooks (see _install_plan).
+    config.setup(rank, world, device, mesh=_diffusers_mesh(mesh, dim, mode))
+    setattr(module, "_parallel_config", config)  # noqa: B010 (what enable_parallelism sets)
+    for sub in module.modules():
+        processor = getattr(sub, "processor", None)
+        if processor is not None and hasattr(processor, "_parallel_config"):
+            processor._parallel_config = config
+    _install_plan(module, plan, mesh[axis])
+
+    group_ranks = tuple(dist.get_process_group_ranks(mesh[axis].get_group()))
+    applied = _Applied(mesh, axis, mode, degree, group_ranks, check_inputs)
+    object.__setattr__(module, _APPLIED, applied)  # a plain attribute: no state-dict key
+    module.register_forward_pre_hook(_pre_forward, with_kwargs=True, prepend=True)
+    return module
+
+
+@attrs.frozen
+class ContextParallelism(FSDP2Parallelism):
+    """The FSDP2 process layout with a context axis: keys shared by each context group.
+
+    :class:`~fvstep.parallel.FSDP2Parallelism` (FSDP2 gradient-sync policy, modules
+    returned to rest, collective counts) whose data-parallel index is this rank's
+    coordinate on every axis of ``mesh`` but ``axis``
+    (:func:`data_parallel_rank_and_size`): the ranks of one context group draw the same
+    noise, data-parallel ranks differ, whatever the mesh's layout. Its :meth:`check` also
+    refuses a role prepared for another context group.
+
+    Attributes:
+        mesh: The mesh the roles were prepared on (:func:`make_context_mesh`).
+        axis: Its context axis.
+
+    Examples:
+        >>> step = fvstep.compile(finetune(), parallelism=ContextParallelism(mesh))
+    """
+
+    mesh: DeviceMesh
+    axis: str = "context"
+
+    def __attrs_post_init__(self) -> None:
+        _check_axis(self.mesh, self.axis)
+
+    @property
+    def degree(self) -> int:
+        """Ranks per context group."""
+        return int(self.mesh.mesh.shape[_check_axis(self.mesh, self.axis)])
+
+    def check(self, state: TrainState) -> None:
+        """FSDP2's checks, and every context-parallel role on this mesh's context groups.
+
+        Args:
+            state: The state a step is about to run on.
+
+        Raises:
+            ValueError: Naming the role.
+        """
+        super().check(state)
+        mine = tuple(dist.get_process_group_ranks(self.mesh[self.axis].get_group()))
+        for name, rs in state.roles.items():
+            applied = getattr(rs.role.module, _APPLIED, None)
+            if isinstance(applied, _Applied) and applied.group_ranks != mine:
+                raise ValueError(
+                    f"role {name!r} runs context parallel over ranks {list(applied.group_ranks)},"
+                    f" but this step's context group is {list(mine)}: prepare it on the same mesh"
+                )
+
+    def data_parallel_index(self, sequence_parallel_size: int) -> int:
+        """This rank's data-parallel index on the mesh (shared by its context group).
+
+        Args:
+            sequence_parallel_size: The step's setting: 1 (unset) or the context degree.
+
+        Returns:
+            :func:`data_parallel_rank_and_size` ``(mesh, axis=axis)[0]``.
+
+        Raises:
+            ValueError: If ``sequence_parallel_size`` is neither 1 (unset) nor the degree.
+        """
+        if sequence_parallel_size not in (1, self.degree):
+            raise ValueError(
+                f"sequence_parallel_size={sequence_parallel_size} disagrees with the context "
+                f"axis {self.axis!r} of {self.degree} ranks; leave it unset"
+            )
+        return data_parallel_rank_and_size(self.mesh, axis=self.axis)[0]
+
+
+@attrs.frozen
+class ContextParallelData:
+    """A data source that gives the ranks of one context group the same batch.
+
+    The executor (``fvstep.run``) asks a source for ``batch(step, rank=, world_size=)``
+    with the *global* rank and world size; under context parallelism the batch must be
+    that of the rank's data-parallel index among the data-parallel replicas instead.
+    This adapter maps one to the other through the mesh and asks the wrapped source.
+
+    Attributes:
+        source: A source with ``.batch(step, rank=, world_size=)``
+            (:class:`fvstep.data.ShuffledSource`), or a function of the step.
+        mesh: The mesh with the context axis.
+        axis: Its name.
+
+    Examples:
+        >>> data = ContextParallelData(ShuffledSource(dataset, batch_size=1, key=k), mesh)
+        >>> fvstep.run(step, state, data, num_steps=1000)
+    """
+
+    source: Any
+    mesh: DeviceMesh
+    axis: str = "context"
+
+    def batch(self, step: int, *, rank: int = 0, world_size: int = 1) -> Any:
+        """The batch of this rank's data-parallel index at ``step``.
+
+        Args:
+            step: The step.
+            rank: This process's global rank (what the executor passes).
+            world_size: The world size (what the executor passes).
+
+        Returns:
+            ``source.batch(step, rank=index, world_size=replicas)`` with the data-parallel
+            ``(index, replicas)`` of :func:`data_parallel_rank_and_size`, or
+            ``source(step)`` for a function of the step.
+
+        Raises:
+            ValueError: If ``(rank, world_size)`` is not this process's, or the world is
+                not the mesh's size.
+        """
+        if (rank, world_size) != rank_and_world():
+            raise ValueError(
+                f"rank {rank} of {world_size} is not this process ({rank_and_world()}): "
+                "ContextParallelData maps this process's global rank to its data-parallel one"
+            )
+        if world_size != self.mesh.size():
+            raise ValueError(
+                f"world_size {world_size} is not the mesh's {self.mesh.size()} ranks: "
+                "ContextParallelData maps global ranks to data-parallel ones"
+            )
+        index, size = data_parallel_rank_and_size(self.mesh, axis=self.axis)
+        if hasattr(self.source, "batch"):
+            return self.source.batch(step, rank=index, world_size=size)
+        return self.source(step)
