@@ -22,26 +22,30 @@ import signal
 import sys
 import threading
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 import attrs
-import torch
 
 from fvstep import checkpoint as ckpt
-from fvstep import random as fsrandom
 from fvstep.checkpoint import layout
 from fvstep.checkpoint.manifest import (
     CheckpointError,
     CheckpointSkippedWarning,
     DamagedCheckpointError,
 )
-from fvstep.media import Video
 from fvstep.parallel.ranks import broadcast_object, max_over_ranks, rank_and_world
-from fvstep.parallel.sync import release_modules
+from fvstep.reporting import (
+    Sinks,
+    Validation,
+    observe,
+    open_trackers,
+    progress_bar,
+    validations,
+)
 from fvstep.state import TrainState
-from fvstep.trackers import JsonlTracker, MetricsQueue, TensorBoardTracker, Tracker
+from fvstep.trackers import Tracker
 
 __all__ = ["Checkpoints", "RunResult", "Validation", "run", "run_until"]
 
@@ -82,82 +86,6 @@ class Checkpoints:
             raise ValueError(
                 f"Checkpoints.on_damaged must be 'skip' or 'error', got {self.on_damaged!r}"
             )
-
-
-ValidationFn = Callable[[TrainState, torch.Tensor], Mapping[str, Any]]
-"""``(state, key) -> {name: value}``: scalars (numbers or one-element tensors) are logged
-as metrics, :class:`fvstep.media.Video` values as media; anything else is ignored."""
-
-
-def _default_validation_key() -> torch.Tensor:
-    return fsrandom.key(0x5A11DA7E)
-
-
-@attrs.frozen(eq=False)
-class Validation:
-    """A validation function and when :func:`run` calls it.
-
-    At step ``s`` (the state after ``s`` steps) the validation is *due* when ``every``
-    divides ``s``, when ``s == num_steps`` and ``at_end``, or when ``s`` is the step the
-    run starts (or resumes) at and ``at_start``. A run checks its start step too, so a
-    resumed run recomputes the validation of the checkpoint's step (which the metrics
-    file dropped) exactly as the uninterrupted run computed it.
-
-    ``fn(state, key)`` runs on every rank (sharded roles need all of them) under
-    ``torch.no_grad()``, with every role's modules in eval mode and the global RNG seeded
-    from ``key`` (all three restored after), and every FSDP2 group resharded after: it
-    never changes the state, the training key stream or a checkpoint. ``key`` is
-    ``fold_in(self.key, s)``, never drawn from the state's key. Rank 0's results are
-    logged, named ``<prefix>/<name>``.
-
-    Attributes:
-        fn: The validation function (:data:`ValidationFn`), e.g.
-            :func:`fvstep.validation.validation_loss` or
-            :func:`fvstep.sampling.sample_videos`.
-        every: Validate at every multiple of ``every`` steps (``None``: only at the
-            start/end).
-        at_start: Validate at the step a run starts or resumes at.
-        at_end: Validate at ``num_steps``.
-        key: The validation key (fixed; the step is folded in).
-        prefix: The prefix of the logged names.
-
-    Examples:
-        >>> Validation(validation_loss(held_out["latents"], held_out["text"]), every=100)
-    """
-
-    fn: ValidationFn
-    every: int | None = None
-    at_start: bool = False
-    at_end: bool = True
-    key: torch.Tensor = attrs.field(factory=_default_validation_key)
-    prefix: str = "val"
-
-    def __attrs_post_init__(self) -> None:
-        if self.every is not None and self.every < 1:
-            raise ValueError(f"Validation.every must be >= 1 or None, got {self.every}")
-        if not fsrandom.is_key(self.key):
-            raise TypeError("Validation.key must be an fvstep key (fvstep.random.key(seed))")
-
-    def due(self, step: int, *, start: int, num_steps: int) -> bool:
-        """Whether the validation runs on the state at ``step``.
-
-        Args:
-            step: The state's step (the number of steps taken).
-            start: The step the run started or resumed at.
-            num_steps: The step the run ends at.
-
-        Returns:
-            Whether it is due.
-
-        Examples:
-            >>> Validation(fn, every=10).due(20, start=0, num_steps=100)
-            True
-        """
-        return (
-            (self.every is not None and step % self.every == 0)
-            or (self.at_end and step == num_steps)
-            or (self.at_start and step == start)
-        )
 
 
 StopReason = Literal["completed", "SIGTERM", "SIGINT"]
@@ -404,7 +332,7 @@ def run_until(
             progress,
             on_metrics,
             handle_signals,
-            _validations(validation),
+            validations(validation),
             trackers,
             log_every,
         )
@@ -433,9 +361,9 @@ def _loop(
     if metrics_path is None and checkpoints is not None:
         metrics_path = checkpoints.dir / "metrics.jsonl"
     saver = ckpt.AsyncSaver() if checkpoints is not None and checkpoints.async_save else None
-    bar = _progress(progress and rank == 0, start, num_steps)
-    sinks = _Sinks(
-        _open_trackers(Path(metrics_path) if metrics_path else None, trackers, start, rank), bar
+    bar = progress_bar(progress and rank == 0, start, num_steps)
+    sinks = Sinks(
+        open_trackers(Path(metrics_path) if metrics_path else None, trackers, start, rank), bar
     )
     last_saved = start
     stop = 0
@@ -443,7 +371,7 @@ def _loop(
     def validate(at: int) -> None:
         for v in validations:
             if v.due(at, start=start, num_steps=num_steps):
-                sinks.put_validation(at, v.prefix, _observe(v, state, at))
+                sinks.put_validation(at, v.prefix, observe(v, state, at))
 
     try:
         validate(start)
@@ -494,125 +422,6 @@ def _loop(
             flush=True,
         )
     return RunResult(state, stopped_by, saved if saved is not None and saved.exists() else None)
-
-
-def _validations(validation: Validation | Sequence[Validation] | None) -> tuple[Validation, ...]:
-    if validation is None:
-        return ()
-    found = (validation,) if isinstance(validation, Validation) else tuple(validation)
-    for v in found:
-        if not isinstance(v, Validation):
-            raise TypeError(
-                f"validation must be a fvstep.Validation or a sequence of them, got "
-                f"{type(v).__name__}: wrap a function as Validation(fn, every=...)"
-            )
-    return found
-
-
-def _open_trackers(
-    metrics_file: Path | None, trackers: Sequence[Tracker] | None, start: int, rank: int
-) -> list[Tracker]:
-    """Rank 0's trackers, started at ``start``: the JSONL file (when there is one), then
-    ``trackers``, or TensorBoard beside the file when tensorboard is installed and
-    ``trackers`` is ``None`` (what ``run`` did before trackers existed)."""
-    if rank != 0:
-        return []
-    opened: list[Tracker] = []
-    if metrics_file is not None:
-        opened.append(JsonlTracker(metrics_file))
-    if trackers is None:
-        if metrics_file is not None:
-            with contextlib.suppress(ImportError):
-                import torch.utils.tensorboard  # noqa: F401
-
-                opened.append(TensorBoardTracker(metrics_file.parent / "tensorboard"))
-    else:
-        opened.extend(trackers)
-    try:
-        for tracker in opened:
-            begin = getattr(tracker, "start", None)
-            if begin is not None:
-                begin(start)
-    except BaseException:
-        for tracker in opened:
-            with contextlib.suppress(Exception):
-                tracker.close()
-        raise
-    return opened
-
-
-class _Sinks:
-    """Rank 0's trackers and progress bar, fed through one :class:`MetricsQueue`."""
-
-    def __init__(self, trackers: list[Tracker], bar: Any) -> None:
-        self.trackers = trackers
-        self.bar = bar
-        self.queue = MetricsQueue()
-        self.shown_losses: dict[str, str] = {}
-        self.active = bool(trackers) or bar is not None
-
-    def put(self, step: int, metrics: Mapping[str, Any]) -> None:
-        if self.active:
-            self.queue.put(step, metrics)
-
-    def put_validation(self, step: int, prefix: str, results: Mapping[str, Any]) -> None:
-        if not self.trackers:
-            return
-        media = {f"{prefix}/{k}": v for k, v in results.items() if isinstance(v, Video)}
-        self.queue.put(step, {f"{prefix}/{k}": v for k, v in results.items()})
-        if media:
-            self.flush()
-            for tracker in self.trackers:
-                tracker.log_media(media, step)
-
-    def flush(self) -> None:
-        for step, row in self.queue.flush():
-            for tracker in self.trackers:
-                tracker.log(row, step)
-            if self.bar is not None:
-                _show_losses(self.bar, row, self.shown_losses)
-
-    def close(self) -> None:
-        try:
-            if len(self.queue):
-                self.flush()  # the steps that ran before an error are logged too
-        finally:
-            for tracker in self.trackers:
-                with contextlib.suppress(Exception):
-                    tracker.close()
-
-
-def _observe(validation: Validation, state: TrainState, step: int) -> Mapping[str, Any]:
-    """Run ``validation.fn`` on ``state`` leaving no trace: no autograd, modules in eval
-    mode, the global RNG seeded from the validation key; modes, RNG and FSDP2 groups
-    restored after (also when it raises)."""
-    key = fsrandom.fold_in(validation.key, step)
-    modules = [m for rs in state.roles.values() for m in rs.role.module.modules()]
-    modes = [m.training for m in modules]
-    try:
-        with torch.no_grad(), fsrandom.rng_scope(key):
-            for m in modules:
-                m.training = False
-            out = validation.fn(state, key)
-        if not isinstance(out, Mapping):
-            raise TypeError(
-                f"a validation function must return a mapping of names to values, got "
-                f"{type(out).__name__} (from {getattr(validation.fn, '__name__', validation.fn)!r})"
-            )
-        return out
-    finally:
-        for m, mode in zip(modules, modes):
-            m.training = mode
-        release_modules(state)
-
-
-def _show_losses(bar: Any, row: dict[str, Any], shown: dict[str, str]) -> None:
-    """Show the latest value of each ``*loss`` metric on the progress bar: ``shown`` keeps
-    a role's last loss through the steps that do not train it."""
-    losses = {k: v for k, v in row.items() if k.endswith("loss") and isinstance(v, float)}
-    if losses:
-        shown.update({k.removesuffix("/loss"): f"{v:.4g}" for k, v in losses.items()})
-        bar.set_postfix(shown, refresh=False)
 
 
 def _lock(root: Path, rank: int) -> layout.DirectoryLock | None:
@@ -696,13 +505,3 @@ def _save(state: TrainState, checkpoints: Checkpoints, saver: ckpt.AsyncSaver | 
         ckpt.save(state, path, overwrite=True)
     if rank_and_world()[0] == 0:
         ckpt.prune(checkpoints.dir, checkpoints.keep, keep_temp=path.parent / f".tmp-{path.name}")
-
-
-def _progress(enabled: bool, start: int, total: int) -> Any:
-    if not enabled:
-        return None
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:
-        return None
-    return tqdm(total=total, initial=start, unit="step", dynamic_ncols=True)

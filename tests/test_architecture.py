@@ -126,6 +126,7 @@ LAYERS = {
         "fvstep.latents",
         "fvstep.trackers",
         "fvstep.media",
+        "fvstep.reporting",
     ),
     "methods": ("fvstep.methods", "fvstep.models"),
     "observe": ("fvstep.validation", "fvstep.sampling"),
