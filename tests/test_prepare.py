@@ -316,3 +316,36 @@ def test_inductor_compiles_without_the_pass_that_breaks_wan_gradients():
         "triton.mix_order_reduction": True
     }
     assert "options" not in _compile_kwargs(CPU_COMPILE)
+
+
+def check_bf16_compute_keeps_timesteps(rank: int, world_size: int):
+    mesh = fsp.make_mesh(device_type="cpu")
+    batch = synthetic_batch(fs.random.key(0), batch_size=2)
+
+    def outputs(module: torch.nn.Module) -> list[torch.Tensor]:
+        with torch.no_grad():
+            return [
+                predict(module, batch["latents"], torch.full((2,), t), batch["text"])
+                for t in (999.0, 1000.0)
+            ]
+
+    prepared = outputs(prepare(tiny_wan(seed=0), mesh=mesh, param_dtype=torch.bfloat16))
+    by_hand = outputs(
+        shard_by_hand(
+            tiny_wan(seed=0),
+            mesh,
+            mp_policy=fsp.MixedPrecisionPolicy(
+                param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+            ),
+        )
+    )
+    return (
+        prepared[0].dtype == torch.float32,
+        not torch.equal(*prepared),  # 999 and 1000 are different timesteps
+        torch.equal(*by_hand),  # FSDP2's cast_forward_inputs rounds both to 1000 in bf16
+    )
+
+
+@pytest.mark.multirank
+def test_bf16_compute_on_two_ranks_keeps_timesteps_in_full_precision(ranks):
+    assert ranks.run(check_bf16_compute_keeps_timesteps) == [(True, True, True)] * 2
