@@ -36,6 +36,7 @@ __all__ = [
     "checkpoint_wrapper",
     "default_foreach",
     "dynamo_counters",
+    "fsdp_lazy_init",
     "fused_kernel_devices",
     "inductor_has_option",
     "is_fsdp_root",
@@ -89,6 +90,17 @@ def is_fsdp_root(module: nn.Module) -> bool:
     """
     state: Any = module._get_fsdp_state()  # type: ignore[operator]
     return bool(state._is_root)
+
+
+def fsdp_lazy_init(module: nn.Module) -> None:
+    """Run FSDP2's lazy initialisation of the tree rooted at ``module`` now (idempotent).
+
+    ``module._get_fsdp_state()._lazy_init()``, what FSDP2's first forward does. It fixes
+    each group's gradient dtypes (``FSDPParamGroup._init_mp_dtypes``) from the parameters
+    that have ``requires_grad`` on at that moment.
+    """
+    state: Any = module._get_fsdp_state()  # type: ignore[operator]
+    state._lazy_init()
 
 
 def local_shape_and_global_offset(

@@ -94,6 +94,8 @@ def check_fsdp_shims(rank: int, world_size: int) -> dict:
     fully_shard(model[0], mesh=mesh)
     fully_shard(model, mesh=mesh)
     before = (_compat.is_fsdp_root(model), _compat.is_fsdp_root(model[0]))
+    _compat.fsdp_lazy_init(model)  # what the first forward would do, now
+    lazily = (_compat.is_fsdp_root(model), _compat.is_fsdp_root(model[0]))
     model(torch.ones(1, 4)).sum().backward()
     after = (_compat.is_fsdp_root(model), _compat.is_fsdp_root(model[0]))
 
@@ -103,6 +105,7 @@ def check_fsdp_shims(rank: int, world_size: int) -> dict:
     local = dt.to_local()
     return {
         "before": before,
+        "lazily": lazily,
         "after": after,
         "shape_matches": shape == tuple(local.shape),
         "slice_matches": torch.equal(full[offset[0] : offset[0] + shape[0]], local),
@@ -115,6 +118,7 @@ def test_fsdp_root_and_dtensor_shard_geometry_on_two_ranks(ranks) -> None:
     results = ranks.run(check_fsdp_shims)
     for result in results:
         assert result["after"] == (True, False), result  # the root, after lazy init
+        assert result["lazily"] == (True, False), result  # fsdp_lazy_init did it first
         assert result["before"][1] is False, result
         assert result["shape_matches"] and result["slice_matches"], result
     assert [r["offset"] for r in results] == [(0, 0), (3, 0)]  # 5 rows: 3 + 2

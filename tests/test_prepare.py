@@ -349,3 +349,51 @@ def check_bf16_compute_keeps_timesteps(rank: int, world_size: int):
 @pytest.mark.multirank
 def test_bf16_compute_on_two_ranks_keeps_timesteps_in_full_precision(ranks):
     assert ranks.run(check_bf16_compute_keeps_timesteps) == [(True, True, True)] * 2
+
+
+def check_bf16_roles_first_used_while_not_trained(rank: int, world_size: int, resume: bool):
+    """A trained role whose first use is a read under another unit (sequential DMD2: the
+    student's rollout in the critic's unit; or a resumed run starting at a critic-only
+    step) must still get bf16 gradients reduced into its fp32 parameters."""
+    import tempfile
+
+    mesh = fsp.make_mesh(device_type="cpu")
+
+    def build() -> fs.TrainState:
+        options = {"mesh": mesh, "param_dtype": torch.bfloat16}
+        adamw = fs.optim.adamw(lr=1e-3)
+        return fs.TrainState.create(
+            {
+                "student": fs.Role(prepare(tiny_wan(seed=0), **options), optimizer=adamw),
+                "teacher": fs.Role(prepare(tiny_wan(seed=1), trainable=False, **options)),
+                "critic": fs.Role(prepare(tiny_wan(seed=2), **options), optimizer=adamw),
+            },
+            key=fs.random.key(1),
+        )
+
+    def batch_at(i: int) -> dict:
+        return synthetic_batch(fold_in(fold_in(fs.random.key(7), i), rank), batch_size=2)
+
+    if not resume:
+        step = fs.compile(dmd2(generator_update_interval=1, ordering="sequential"))
+        state = build()
+        for i in range(2):
+            state, metrics = step(state, batch_at(i))
+        return bool(torch.isfinite(metrics["student/loss"]))
+    step = fs.compile(dmd2(generator_update_interval=2))
+    state = build()
+    state, _ = step(state, batch_at(0))
+    with tempfile.TemporaryDirectory() as tmp:
+        path = fsp.broadcast_object(tmp if rank == 0 else None)
+        fs.checkpoint.save(state, f"{path}/ckpt")
+        resumed = fs.checkpoint.load(f"{path}/ckpt", like=build())
+        fsp.barrier()
+    for i in (1, 2):  # a critic-only step first, then the student's
+        resumed, metrics = step(resumed, batch_at(i))
+    return bool(torch.isfinite(metrics["student/loss"]))
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("resume", [False, True], ids=["sequential", "resumed-at-odd-step"])
+def test_bf16_roles_first_read_by_another_unit_train_on_two_ranks(ranks, resume):
+    assert ranks.run(check_bf16_roles_first_used_while_not_trained, resume) == [True, True]

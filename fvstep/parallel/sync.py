@@ -23,7 +23,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
-from fvstep._compat import is_fsdp_root
+from fvstep._compat import fsdp_lazy_init, is_fsdp_root
 from fvstep.accumulation import Accumulation
 from fvstep.parallel.collectives import CollectiveCounter
 from fvstep.parallel.mesh import is_sharded
@@ -140,6 +140,13 @@ def release_modules(state: TrainState, *, after_error: bool = False) -> None:
         if not modules:
             continue
         root = modules[0]
+        if root is rs.role.module and not after_error:
+            # FSDP2 fixes a group's gradient dtypes at its lazy init, from the parameters
+            # that have requires_grad on then. A role whose first use came while a unit
+            # had turned its requires_grad off (a DMD2 student first read by a critic-only
+            # step) would get none, and a bf16 gradient later meets an fp32 parameter.
+            # At rest every trainable parameter requires grad: initialise here, first.
+            fsdp_lazy_init(rs.role.module)
         reset = getattr(root, "reset_iter_state", None)
         if after_error and reset is not None and is_fsdp_root(cast(nn.Module, root)):
             reset()

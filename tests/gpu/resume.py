@@ -92,6 +92,14 @@ def fresh(args, preset: Preset, device: torch.device, mesh, config: dict):
     critic = prepare(
         build_model(preset, device=device, seed=2), param_dtype=torch.bfloat16, **options
     )
+    if args.lazy_init_workaround:
+        # FSDP2 fixes a group's gradient dtypes at its lazy init, from the parameters
+        # that require grad *then*; a role first run while fvstep has turned its
+        # requires_grad off (the critic, read by the generator's unit) gets none, and its
+        # bf16 gradients are later refused ("attempting to assign a gradient with dtype
+        # BFloat16 to a tensor with grad_dtype Float"). Initialise while trainable.
+        for module in (student, critic):
+            module._get_fsdp_state()._lazy_init()  # type: ignore[operator]
     adamw = fs.optim.adamw(lr=args.lr, weight_decay=0.01)
     state = fs.TrainState.create(
         {
@@ -197,6 +205,12 @@ def main() -> None:
     parser.add_argument(
         "--timeout-s", type=int, default=300, help="collective timeout (a rank that failed)"
     )
+    parser.add_argument(
+        "--no-lazy-init-workaround",
+        dest="lazy_init_workaround",
+        action="store_false",
+        help="do not initialise FSDP2 on the trained roles before the first step",
+    )
     parser.add_argument("--workdir", default=None, help="shared checkpoint directory")
     args = parser.parse_args()
     if not 0 < args.stop < args.steps or args.stop % 2 == 0:
@@ -219,7 +233,7 @@ def main() -> None:
 
     made = [args.workdir or (tempfile.mkdtemp(prefix="fvstep-resume-") if rank == 0 else None)]
     dist.broadcast_object_list(made, src=0)
-    workdir = made[0]
+    workdir = str(made[0])
     os.makedirs(workdir, exist_ok=True)
 
     header = {
@@ -232,6 +246,7 @@ def main() -> None:
         "stop": args.stop,
         "microbatches": K,
         "compile_backend": args.compile_backend or "inductor",
+        "lazy_init_workaround": args.lazy_init_workaround,
     }
     if rank == 0:
         print(json.dumps(header), flush=True)
@@ -242,8 +257,8 @@ def main() -> None:
             mine = one_config(args, name, preset, rank, device, mesh, workdir)
         except Exception as e:  # report and go on to the next configuration
             mine = {
-                "error": f"{type(e).__name__}: {e}"[:1000],
-                "traceback": traceback.format_exc()[-3000:],
+                "error": f"{type(e).__name__}: {e}"[:300],
+                "traceback": traceback.format_exc()[-1500:],
                 "seconds": time.perf_counter() - t0,
             }
             if cuda:
@@ -251,18 +266,27 @@ def main() -> None:
         gathered: list = [None] * world
         dist.all_gather_object(gathered, mine)
         if rank == 0:
-            errors = [g.get("error") for g in gathered if g.get("error")]
+            errors = [f"rank {r}: {g['error']}" for r, g in enumerate(gathered) if "error" in g]
+            trace = next((g["traceback"] for g in gathered if "traceback" in g), None)
             line = {
                 "config": name,
                 **CONFIGS[name],
                 "bitwise": None if errors else all(g["bitwise"] for g in gathered),
                 "first_difference": next(
-                    (f"rank {r}: {g['first_difference']}" for r, g in enumerate(gathered)
-                     if g.get("first_difference")),
+                    (
+                        f"rank {r}: {g['first_difference']}"
+                        for r, g in enumerate(gathered)
+                        if g.get("first_difference")
+                    ),
                     None,
                 ),
                 "errors": errors or None,
-                "per_rank": gathered,
+                "traceback": trace,
+                "seconds": max(g["seconds"] for g in gathered),
+                "per_rank": [
+                    {k: v for k, v in g.items() if k not in ("error", "traceback")}
+                    for g in gathered
+                ],
             }
             results.append(line)
             print(json.dumps(line), flush=True)
