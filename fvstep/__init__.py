@@ -33,7 +33,7 @@ if TYPE_CHECKING:  # what type checkers see; at run time __getattr__ imports on 
     from fvstep.compose import compile, cond, every, managed, sequence
     from fvstep.executor import Checkpoints, RunResult, Validation, run, run_until
     from fvstep.grads import NonFiniteGradientError, clip_grad_norm
-    from fvstep.parallel import FSDP2Parallelism
+    from fvstep.parallel import FSDP2Parallelism as FSDP2Parallelism
     from fvstep.state import EMA, ConsumedStateError, Role, TrainState
     from fvstep.stepfn import Step, StepFailedError, plan
     from fvstep.update import update

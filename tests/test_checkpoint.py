@@ -265,16 +265,35 @@ def test_round_trip_on_two_ranks_is_bitwise_and_per_rank_values_return_to_their_
     assert sorted(os.listdir(tmp_path)) == ["step_000000005"]
 
 
-def async_round_trip_on_ranks(rank: int, world_size: int, root: str):
+def async_round_trip_on_ranks(rank: int, world_size: int, root: str, slow_commit_s: float = 0):
+    """Save in the background, update in place, close, load. With ``slow_commit_s``, rank
+    0's commit (the rename into ``step_<n>``) is held back that long: a rank whose
+    ``close()`` returned before the commit would then find no checkpoint to load."""
+    from fvstep.checkpoint import store
+
     extra = {"per_rank": torch.tensor([rank]), "shared": torch.tensor([7])}
     state = wan_state(rank, sharded=True, extra=extra)
     expected = tree.clone(state)
-    with ckpt.AsyncSaver() as saver:
-        saver.save(state, checkpoint_dir(root, 5))
-        with torch.no_grad():  # the next in-place update, while the write is in flight
-            for x in tree.leaves(state):
-                if x.is_floating_point():
-                    x.add_(1.0)
+    publish = store._publish
+
+    def slow_publish(*args, **kwargs):
+        time.sleep(slow_commit_s)  # widens the window of a race; synchronises nothing
+        return publish(*args, **kwargs)
+
+    if slow_commit_s and rank == 0:
+        store._publish = slow_publish
+    try:
+        with ckpt.AsyncSaver() as saver:
+            saver.save(state, checkpoint_dir(root, 5))
+            with torch.no_grad():  # the next in-place update, while the write is in flight
+                for x in tree.leaves(state):
+                    if x.is_floating_point():
+                        x.add_(1.0)
+    finally:
+        store._publish = publish  # the ranks outlive this test
+    # AsyncSaver's contract: once close() returns, on any rank, the checkpoint is committed.
+    committed = sorted(os.listdir(root))
+    assert committed == ["step_000000005"], f"rank {rank}: after close(), {root} holds {committed}"
     like = wan_state(rank, sharded=True, seed=1, fill=None, extra=zeros_like_state(extra))
     loaded = load(checkpoint_dir(root, 5), like=like)
     tree.assert_trees_equal(loaded, expected, check_static=False)
@@ -284,6 +303,13 @@ def async_round_trip_on_ranks(rank: int, world_size: int, root: str):
 @pytest.mark.multirank
 def test_async_save_on_two_ranks_captures_the_sharded_state_at_call_time(ranks, tmp_path):
     assert ranks.run(async_round_trip_on_ranks, str(tmp_path)) == [0, 1]
+
+
+@pytest.mark.multirank
+def test_async_save_on_two_ranks_returns_on_no_rank_before_rank_0_commits(ranks, tmp_path):
+    # Rank 1 finishes its shards long before rank 0 renames the directory into place; its
+    # close() must still wait for that rename (the broadcast that ends the background write).
+    assert ranks.run(async_round_trip_on_ranks, str(tmp_path), 2.0) == [0, 1]
 
 
 def save_sharded_on_ranks(rank: int, world_size: int, root: str, per_rank: bool):
