@@ -3,6 +3,7 @@
 # check that the installed package imports and reports its version and licence (also
 # through `fvstep --version`), and that the wheel passes a quick part of the test suite:
 #   scripts/check_dist.sh
+#   scripts/check_dist.sh --full    # the whole suite against the installed wheel (~10 min)
 #
 # Needs the `build` package (the dev extra). To keep CI short (.ci/run) it installs with
 # --no-deps into a folder put first on PYTHONPATH, reusing the current environment's
@@ -10,6 +11,8 @@
 # from a copy of tests/ in a folder outside the checkout, so that `import fvstep` can
 # only find the installed copy (asserted below).
 set -euo pipefail
+full=0
+[[ "${1:-}" == "--full" ]] && full=1
 cd "$(dirname "$0")/.."
 root="$PWD"
 work="$(mktemp -d)"
@@ -47,7 +50,11 @@ with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
     main(["--version"])
 assert out.getvalue() == f"fvstep {version}\n", out.getvalue()
 EOF
-        if [[ "$dist" == *.whl ]]; then
+        if [[ "$dist" == *.whl && $full == 1 ]]; then
+            # The examples and docs the suite reads live beside tests/ in the checkout.
+            cp -r "$root/examples" "$root/docs" "$root/README.md" "$work/"
+            python -m pytest -q -p no:cacheprovider -c "$root/pyproject.toml" --rootdir "$work" tests
+        elif [[ "$dist" == *.whl ]]; then
             python -m pytest -q -p no:cacheprovider -c "$root/pyproject.toml" --rootdir "$work" \
                 tests/test_tree.py tests/test_state.py tests/test_schedules.py
         fi

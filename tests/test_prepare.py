@@ -397,3 +397,26 @@ def check_bf16_roles_first_used_while_not_trained(rank: int, world_size: int, re
 @pytest.mark.parametrize("resume", [False, True], ids=["sequential", "resumed-at-odd-step"])
 def test_bf16_roles_first_read_by_another_unit_train_on_two_ranks(ranks, resume):
     assert ranks.run(check_bf16_roles_first_used_while_not_trained, resume) == [True, True]
+
+
+def check_hsdp_matches_fsdp(rank: int, world_size: int):
+    def run(mesh) -> dict:
+        module = prepare(tiny_wan(seed=0), mesh=mesh, checkpointing="full")
+        state = _finetune_state(module)
+        step = fs.compile(finetune(), clip=fs.clip_grad_norm(1.0))
+        for i in range(2):
+            batch = synthetic_batch(fold_in(fold_in(fs.random.key(4), i), rank), batch_size=2)
+            state, _ = step(state, batch)
+        described = preparation(module).describe()["mesh"]
+        return described, {n: p.full_tensor() for n, p in state.roles["student"].params.items()}
+
+    hsdp_mesh, hsdp = run(fsp.make_mesh(replicate=world_size, device_type="cpu"))
+    fsdp_mesh, fsdp = run(fsp.make_mesh(device_type="cpu"))
+    # Both average the same two ranks' gradients: all-reduce against reduce-scatter.
+    tree.assert_trees_close(hsdp, fsdp, rtol=0, atol=1e-6)
+    return hsdp_mesh, fsdp_mesh
+
+
+@pytest.mark.multirank
+def test_hsdp_preparation_trains_as_fsdp_on_two_ranks(ranks):
+    assert ranks.run(check_hsdp_matches_fsdp) == [({"replicate": 2, "shard": 1}, {"shard": 2})] * 2
