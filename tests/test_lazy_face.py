@@ -33,7 +33,15 @@ def _modules_after(code: str) -> set[str]:
 
 @pytest.mark.parametrize(
     "argv",
-    [["--help"], ["--version"], ["demo", "--help"], ["verify-resume", "--help"], ["bench", "-h"]],
+    [
+        ["--help"],
+        ["--version"],
+        ["demo", "--help"],
+        ["verify-resume", "--help"],
+        ["bench", "-h"],
+        ["data", "--help"],
+        ["data", "encode", "--help"],
+    ],
 )
 def test_help_and_version_import_no_torch_fsdp_or_diffusers(argv):
     code = (

@@ -26,91 +26,88 @@ Examples:
 
 from __future__ import annotations
 
-import os
-from collections.abc import Sequence
-from typing import Any
+import importlib
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # what type checkers see; at run time __getattr__ imports on first use
+    from fvstep.latents.dataset import LatentDataset as LatentDataset
+    from fvstep.latents.encode import (
+        EncodeResult as EncodeResult,
+    )
+    from fvstep.latents.encode import (
+        encode_clips as encode_clips,
+    )
+    from fvstep.latents.encode import (
+        find_clips as find_clips,
+    )
+    from fvstep.latents.format import (
+        ShardError as ShardError,
+    )
+    from fvstep.latents.format import (
+        ShardInfo as ShardInfo,
+    )
+    from fvstep.latents.format import (
+        describe_shard as describe_shard,
+    )
+    from fvstep.latents.format import (
+        read_index as read_index,
+    )
+    from fvstep.latents.format import (
+        shard_name as shard_name,
+    )
+    from fvstep.latents.format import (
+        write_dataset as write_dataset,
+    )
+    from fvstep.latents.format import (
+        write_index as write_index,
+    )
+    from fvstep.latents.format import (
+        write_shard as write_shard,
+    )
+    from fvstep.latents.loader import (
+        Order as Order,
+    )
+    from fvstep.latents.loader import (
+        WorkerSource as WorkerSource,
+    )
+    from fvstep.latents.loader import (
+        latent_source as latent_source,
+    )
+    from fvstep.latents.order import BucketedOrder as BucketedOrder
+    from fvstep.latents.order import bucket_key as bucket_key
 
-from fvstep.latents.dataset import LatentDataset
-from fvstep.latents.encode import EncodeResult, encode_clips, find_clips
-from fvstep.latents.format import (
-    ShardError,
-    ShardInfo,
-    describe_shard,
-    read_index,
-    shard_name,
-    write_dataset,
-    write_index,
-    write_shard,
-)
-from fvstep.latents.loader import Order, WorkerSource
-from fvstep.latents.order import BucketedOrder, bucket_key
+# Where each public name lives: importing this package (and so ``fvstep data --help``)
+# loads no torch; a name's module is imported the first time the name is read (PEP 562).
+_WHERE = {
+    "bucket_key": "fvstep.latents.order",
+    "BucketedOrder": "fvstep.latents.order",
+    "describe_shard": "fvstep.latents.format",
+    "encode_clips": "fvstep.latents.encode",
+    "EncodeResult": "fvstep.latents.encode",
+    "find_clips": "fvstep.latents.encode",
+    "latent_source": "fvstep.latents.loader",
+    "LatentDataset": "fvstep.latents.dataset",
+    "Order": "fvstep.latents.loader",
+    "read_index": "fvstep.latents.format",
+    "shard_name": "fvstep.latents.format",
+    "ShardError": "fvstep.latents.format",
+    "ShardInfo": "fvstep.latents.format",
+    "WorkerSource": "fvstep.latents.loader",
+    "write_dataset": "fvstep.latents.format",
+    "write_index": "fvstep.latents.format",
+    "write_shard": "fvstep.latents.format",
+}
 
-__all__ = [
-    "BucketedOrder",
-    "EncodeResult",
-    "LatentDataset",
-    "Order",
-    "ShardError",
-    "ShardInfo",
-    "WorkerSource",
-    "bucket_key",
-    "describe_shard",
-    "encode_clips",
-    "find_clips",
-    "latent_source",
-    "read_index",
-    "shard_name",
-    "write_dataset",
-    "write_index",
-    "write_shard",
-]
+__all__ = sorted(_WHERE)
 
 
-def latent_source(
-    root: str | os.PathLike[str],
-    *,
-    key: torch.Tensor,
-    batch_size: int,
-    num_workers: int = 2,
-    fields: Sequence[str] | None = None,
-    drop_last: bool = True,
-    verify: bool = True,
-    **loader_options: Any,
-) -> WorkerSource:
-    """The usual data of a run: a dataset directory, shape-bucketed, read by workers.
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module 'fvstep.latents' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_WHERE[name]), name)
+    globals()[name] = value
+    return value
 
-    ``WorkerSource(LatentDataset(root, fields=fields, verify=verify), BucketedOrder(dataset.shapes,
-    key=key, batch_size=batch_size, drop_last=drop_last), num_workers=num_workers,
-    **loader_options)``.
 
-    Args:
-        root: The dataset directory (``fvstep data encode``'s output).
-        key: An fvstep key; it alone decides the order.
-        batch_size: The per-rank batch size.
-        num_workers: Worker processes (``0``: read in the calling process).
-        fields: The fields to read (default all).
-        drop_last: As :class:`BucketedOrder`.
-        verify: Check the shards' page checksums on read (as :class:`LatentDataset`).
-        **loader_options: More options of :class:`WorkerSource` (``prefetch``,
-            ``pin_memory``, ``multiprocessing_context``, ``timeout_s``, ``collate``).
-
-    Returns:
-        A :class:`WorkerSource`; close it (or use it in a ``with``) when done.
-
-    Raises:
-        FileNotFoundError: If ``root`` has no index.
-        ShardError: If the index is malformed or lists a missing shard.
-
-    Examples:
-        >>> import tempfile
-        >>> from fvstep import random as fr
-        >>> root = tempfile.mkdtemp()
-        >>> _ = write_dataset(root, [[{"x": torch.ones(1)}] * 2])
-        >>> latent_source(root, key=fr.key(0), batch_size=1, num_workers=0).batch(1)["x"]
-        tensor([[1.]])
-    """
-    dataset = LatentDataset(root, fields=fields, verify=verify)
-    order = BucketedOrder(dataset.shapes, key=key, batch_size=batch_size, drop_last=drop_last)
-    return WorkerSource(dataset, order, num_workers=num_workers, **loader_options)
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_WHERE})

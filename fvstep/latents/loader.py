@@ -41,9 +41,10 @@ Examples:
 
 from __future__ import annotations
 
+import os
 import sys
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol, SupportsIndex
 
 import torch
@@ -53,7 +54,7 @@ from fvstep._checks import check_int
 from fvstep.data import MapDataset
 from fvstep.latents.format import ShardError
 
-__all__ = ["Order", "WorkerSource"]
+__all__ = ["Order", "WorkerSource", "latent_source"]
 
 
 class Order(Protocol):
@@ -342,3 +343,54 @@ class WorkerSource:
             f"WorkerSource({self._dataset!r}, order={self._order!r}, "
             f"num_workers={self._num_workers}, prefetch={self._prefetch}, pin_memory={self._pin})"
         )
+
+
+def latent_source(
+    root: str | os.PathLike[str],
+    *,
+    key: torch.Tensor,
+    batch_size: int,
+    num_workers: int = 2,
+    fields: Sequence[str] | None = None,
+    drop_last: bool = True,
+    verify: bool = True,
+    **loader_options: Any,
+) -> WorkerSource:
+    """The usual data of a run: a dataset directory, shape-bucketed, read by workers.
+
+    ``WorkerSource(LatentDataset(root, fields=fields, verify=verify), BucketedOrder(dataset.shapes,
+    key=key, batch_size=batch_size, drop_last=drop_last), num_workers=num_workers,
+    **loader_options)``.
+
+    Args:
+        root: The dataset directory (``fvstep data encode``'s output).
+        key: An fvstep key; it alone decides the order.
+        batch_size: The per-rank batch size.
+        num_workers: Worker processes (``0``: read in the calling process).
+        fields: The fields to read (default all).
+        drop_last: As :class:`BucketedOrder`.
+        verify: Check the shards' page checksums on read (as :class:`LatentDataset`).
+        **loader_options: More options of :class:`WorkerSource` (``prefetch``,
+            ``pin_memory``, ``multiprocessing_context``, ``timeout_s``, ``collate``).
+
+    Returns:
+        A :class:`WorkerSource`; close it (or use it in a ``with``) when done.
+
+    Raises:
+        FileNotFoundError: If ``root`` has no index.
+        ShardError: If the index is malformed or lists a missing shard.
+
+    Examples:
+        >>> import tempfile
+        >>> from fvstep import random as fr
+        >>> root = tempfile.mkdtemp()
+        >>> _ = write_dataset(root, [[{"x": torch.ones(1)}] * 2])
+        >>> latent_source(root, key=fr.key(0), batch_size=1, num_workers=0).batch(1)["x"]
+        tensor([[1.]])
+    """
+    from fvstep.latents.dataset import LatentDataset
+    from fvstep.latents.order import BucketedOrder
+
+    dataset = LatentDataset(root, fields=fields, verify=verify)
+    order = BucketedOrder(dataset.shapes, key=key, batch_size=batch_size, drop_last=drop_last)
+    return WorkerSource(dataset, order, num_workers=num_workers, **loader_options)
