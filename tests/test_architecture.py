@@ -14,11 +14,14 @@
 from __future__ import annotations
 
 import ast
+import importlib.util
 from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parents[1] / "fvstep"
+# The package that `import fvstep` finds: the checkout's, or an installed wheel's (the
+# layering holds for what is shipped; scripts/check_dist.sh --full runs these on it).
+PACKAGE = Path(importlib.util.find_spec("fvstep").submodule_search_locations[0]).resolve()  # type: ignore[union-attr,index]
 
 CORE = (
     "fvstep.accumulation",
