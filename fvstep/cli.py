@@ -459,6 +459,23 @@ def _data(args: argparse.Namespace) -> int:
         raise CLIError(str(e)) from None
 
 
+def _close_process_group() -> None:
+    """Under torchrun, wait for every rank and destroy the process group before exit.
+
+    A gloo group left to interpreter shutdown can abort a rank at exit ("terminate called
+    without an active exception", seen once in CI after a successful verify-resume).
+    Nothing is imported when no group was created (``--help`` stays fast).
+    """
+    if "torch.distributed" not in sys.modules:
+        return
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        from fvstep.parallel import destroy
+
+        destroy()
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``fvstep`` console script."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -467,7 +484,9 @@ def main(argv: list[str] | None = None) -> int:
         args = _build_parser(_command(argv)).parse_args(argv)
         handlers = {"demo": _demo, "verify-resume": _verify, "bench": _bench, "data": _data}
         command = handlers[args.command]
-        return command(args)
+        code = command(args)
+        _close_process_group()
+        return code
     except CLIError as e:
         if debug:
             raise
