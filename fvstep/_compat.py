@@ -39,6 +39,7 @@ __all__ = [
     "fsdp_lazy_init",
     "fused_kernel_devices",
     "inductor_has_option",
+    "inductor_mode_options",
     "is_fsdp_root",
     "local_shape_and_global_offset",
     "optimizer_step_dtype",
@@ -145,6 +146,16 @@ def inductor_has_option(option: str) -> bool:
             return False
         node = getattr(node, part)
     return True
+
+
+def inductor_mode_options(mode: str) -> dict[str, Any]:
+    """The Inductor options a ``torch.compile`` ``mode`` stands for.
+
+    ``torch._inductor.list_mode_options(mode)``.
+    """
+    from torch._inductor import list_mode_options
+
+    return dict(list_mode_options(mode))
 
 
 def dynamo_counters() -> dict[str, dict[str, int]]:

@@ -140,3 +140,10 @@ def test_dynamo_counters_count_a_compiled_graph():
     before = dynamo_counters().get("stats", {}).get("unique_graphs", 0)
     torch.compile(lambda x: x * 2 + 1, backend="eager")(torch.ones(3))
     assert dynamo_counters()["stats"]["unique_graphs"] == before + 1
+
+
+def test_inductor_mode_options_name_what_a_mode_turns_on():
+    from fvstep._compat import inductor_mode_options
+
+    assert inductor_mode_options("max-autotune")["max_autotune"] is True
+    assert inductor_mode_options("default") == {}

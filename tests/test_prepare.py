@@ -316,6 +316,11 @@ def test_inductor_compiles_without_the_pass_that_breaks_wan_gradients():
         "triton.mix_order_reduction": True
     }
     assert "options" not in _compile_kwargs(CPU_COMPILE)
+    # A mode becomes its options (torch.compile refuses both), still without the pass.
+    tuned = _compile_kwargs({"mode": "max-autotune"})
+    assert "mode" not in tuned
+    assert tuned["options"]["max_autotune"] is True
+    assert tuned["options"]["triton.mix_order_reduction"] is False
 
 
 def check_bf16_compute_keeps_timesteps(rank: int, world_size: int):

@@ -327,11 +327,15 @@ def _compile_kwargs(compile: bool | Mapping[str, Any]) -> dict[str, Any] | None:
     kwargs: dict[str, Any] = {"fullgraph": True, "dynamic": False}
     if isinstance(compile, Mapping):
         kwargs.update(compile)
-    if kwargs.get("backend", "inductor") == "inductor" and kwargs.get("mode") is None:
+    if kwargs.get("backend", "inductor") == "inductor":
         known = {
             k: v for k, v in SAFE_INDUCTOR_OPTIONS.items() if torch_compat.inductor_has_option(k)
         }
-        kwargs["options"] = {**known, **dict(kwargs.get("options") or {})}
+        # torch.compile takes a mode or options, not both: a mode becomes its options, so
+        # that no mode can bring back the pass SAFE_INDUCTOR_OPTIONS turns off.
+        mode = kwargs.pop("mode", None)
+        by_mode = torch_compat.inductor_mode_options(mode) if mode is not None else {}
+        kwargs["options"] = {**by_mode, **known, **dict(kwargs.get("options") or {})}
     return kwargs
 
 
@@ -375,8 +379,8 @@ def prepare(
             (a DMD2 teacher) pays nothing for it.
         compile: ``True`` for ``block.compile(fullgraph=True, dynamic=False)`` on each
             block, or a mapping of ``torch.compile`` arguments (e.g. ``{"backend":
-            "aot_eager"}``) merged over those. With Inductor (and no ``mode``), the
-            Inductor ``options`` default to :data:`SAFE_INDUCTOR_OPTIONS`, which turn
+            "aot_eager"}``) merged over those. With Inductor, the Inductor ``options``
+            (a ``mode`` is turned into its options) default to :data:`SAFE_INDUCTOR_OPTIONS`, which turn
             off a pass that computes wrong gradients for Wan's blocks
             (pytorch/pytorch#193061); an ``options`` mapping given here is merged over
             them.
