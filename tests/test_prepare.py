@@ -264,10 +264,10 @@ def check_prepared_dmd2_is_bitwise_the_hand_written_loop(rank: int, world_size: 
     def batch_at(i: int) -> dict:
         return synthetic_batch(fold_in(fold_in(fs.random.key(99), i), rank), batch_size=4)
 
-    graphs = []
+    graphs, before = [], compile_counts()["graphs"]  # dynamo's counters are per process
     for i in range(4):
         state, _ = step(state, batch_at(i))
-        graphs.append(compile_counts()["graphs"])
+        graphs.append(compile_counts()["graphs"] - before)
         assert fsp.unrested_modules(state) == []
     dmd2_loop(
         ref,
@@ -299,7 +299,8 @@ def test_prepared_roles_on_two_ranks_match_the_hand_written_fsdp2_loop(ranks):
     all compiled by the first step that reads each pattern, none afterwards."""
     for graphs in ranks.run(check_prepared_dmd2_is_bitwise_the_hand_written_loop, timeout=600):
         assert 1 <= graphs[-1] <= 3, graphs
-        assert graphs[1:] == [graphs[-1]] * 3 or graphs[2:] == [graphs[-1]] * 2, graphs
+        # Steps 0 (student + critic) and 1 (critic only) read every pattern: none after.
+        assert graphs[2:] == [graphs[1]] * 2, graphs
 
 
 def test_inductor_compiles_without_the_pass_that_breaks_wan_gradients():
