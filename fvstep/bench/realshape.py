@@ -8,6 +8,11 @@ Each *side* builds its roles, runs ``--warmup`` steps (compiles, allocator warm-
   sharded, the frozen teacher stored in bf16);
 - ``by-hand``: what users wrote before ``prepare`` existed: ``checkpoint_wrapper`` on each
   block (full AC), ``block.compile()``, ``fully_shard``; the teacher kept in fp32.
+- ``lora`` (DMD2 only; ask for it with ``--sides``): one frozen base, prepared as the
+  teacher (bf16, ``--checkpointing``, ``--compile``), and a LoRA student and a LoRA critic
+  over it (:mod:`fvstep.lora`: peft adapters of rank ``--lora-rank`` on
+  ``--lora-targets``, fp32), against the full-weight ``prepared`` side: one transformer
+  in memory, not three, and optimizer state for the adapters only.
 
 DMD2 runs with ``generator_update_interval=2``, so steps alternate between
 student+critic and critic-only, which are reported apart. Both sides run fvstep's
@@ -16,7 +21,9 @@ compiled step; the difference is only the role preparation.
 **MFU** counts model FLOPs only: forward hooks count each role's calls per step, a call
 under grad mode with trainable parameters costs 3 forwards (forward + backward for
 inputs and weights), one under grad mode whose parameters are frozen for the unit costs
-2 (the gradient flows to its input only), one without grad costs 1; a forward is
+2 (the gradient flows to its input only), one without grad costs 1 (a LoRA role's call
+under grad mode costs 2: its base's weights get no gradient; the adapters' own FLOPs are
+not counted); a forward is
 :func:`fvstep.bench.analytic.train_flops_per_sample` / 3 (linear layers at 2 FLOPs a
 multiply-add, plus self- and cross-attention ``QK^T`` and ``AV`` at ``4 T^2 d`` and
 ``4 T L d`` per layer). Recomputation by activation checkpointing is not counted, nor
@@ -52,17 +59,38 @@ __all__ = ["build_parser", "main", "run_side"]
 
 
 class _CallCounter:
-    """Model forwards of a role per step, weighted by what backward costs them."""
+    """Model forwards of a role per step, weighted by what backward costs them.
+
+    A LoRA role's call runs its base's forward inside it: that inner call is not counted
+    again, and the LoRA call counts as a frozen one (the base's weights get no gradient).
+    """
 
     def __init__(self, modules: dict[str, nn.Module]) -> None:
+        from fvstep.lora import LoRAModule
+
         self.forwards = 0.0
-        self.handles = [m.register_forward_hook(self._hook) for m in modules.values()]
+        self.inside_lora = 0
+        self.handles = []
+        for m in modules.values():
+            if isinstance(m, LoRAModule):
+                self.handles.append(m.register_forward_pre_hook(self._enter))
+            self.handles.append(m.register_forward_hook(self._hook))
+
+    def _enter(self, module: nn.Module, args: Any) -> None:
+        self.inside_lora += 1
 
     def _hook(self, module: nn.Module, args: Any, output: Any) -> None:
+        from fvstep.lora import LoRAModule
+
+        lora = isinstance(module, LoRAModule)
+        if lora:
+            self.inside_lora -= 1
+        elif self.inside_lora:
+            return  # the base, called by a LoRA role: counted there
         if not torch.is_grad_enabled():
             self.forwards += 1
             return
-        trainable = any(p.requires_grad for p in module.parameters())
+        trainable = not lora and any(p.requires_grad for p in module.parameters())
         self.forwards += 3 if trainable else 2
 
     def take(self) -> float:
@@ -107,7 +135,28 @@ def _prepared(module: nn.Module, rt: c.Runtime, args: Any, *, trainable: bool) -
     return fsp.prepare(module, **options)
 
 
+def _lora_roles(preset: Preset, rt: c.Runtime, args: Any) -> dict[str, Any]:
+    """One frozen base prepared as the teacher; LoRA student and critic over it."""
+    import peft
+
+    from fvstep.lora import add_adapters
+
+    base = build_model(preset, device=rt.device, seed=args.seed + 1)
+    config = peft.LoraConfig(
+        r=args.lora_rank, lora_alpha=args.lora_rank, target_modules=list(args.lora_targets)
+    )
+    lora = add_adapters(base, {"student": config, "critic": config}, seed=args.seed)
+    _prepared(base, rt, args, trainable=False)
+    if rt.sharded:
+        mp = fsp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for module in lora.values():
+            fsp.shard_module(module, mesh=rt.mesh, mp_policy=mp)
+    return {"student": lora["student"], "teacher": base, "critic": lora["critic"]}
+
+
 def _roles(side: str, preset: Preset, rt: c.Runtime, args: Any) -> dict[str, Any]:
+    if side == "lora":
+        return _lora_roles(preset, rt, args)
     names = ["student", "teacher", "critic"] if args.method == "dmd2" else ["student"]
     modules = {}
     for i, name in enumerate(names):
@@ -125,7 +174,7 @@ def run_side(side: str, preset: Preset, rt: c.Runtime, args: Any) -> dict[str, A
     modules = _roles(side, preset, rt, args)
     adamw = fs.optim.adamw(lr=1e-5)
     roles = {
-        name: fs.Role(m, optimizer=None if name == "teacher" else adamw)
+        name: fs.Role(m, optimizer=None if name == "teacher" else adamw, save_frozen=side != "lora")
         for name, m in modules.items()
     }
     state = fs.TrainState.create(roles, key=fs.random.key(args.seed))
@@ -153,7 +202,8 @@ def run_side(side: str, preset: Preset, rt: c.Runtime, args: Any) -> dict[str, A
         counter.close()
     peak = meter.peak()
     graphs = fsp.compile_counts()["graphs"] - compiled_before
-    description = fsp.preparation(modules["student"])
+    trained = sum(p.numel() for r in state.roles.values() for p in r.params.values() if r.opt_state)
+    description = fsp.preparation(modules["teacher" if side == "lora" else "student"])
     del state, modules, roles, step, compiled
     gc.collect()
     if rt.device.type == "cuda":
@@ -174,6 +224,7 @@ def run_side(side: str, preset: Preset, rt: c.Runtime, args: Any) -> dict[str, A
         "steps": rows,
         "peak_bytes": max(rt.max_over_ranks([float(peak or 0)])),
         "graphs_compiled": graphs,
+        "trained_params": trained,
         "preparation": description.describe() if description else "by hand",
     }
 
@@ -190,9 +241,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--sides",
         nargs="+",
-        choices=("prepared", "by-hand"),
+        choices=("prepared", "by-hand", "lora"),
         default=["prepared", "by-hand"],
-        help="what to compare, in this order (default both)",
+        help="what to compare, in this order (default prepared and by-hand; lora: DMD2 "
+        "with LoRA student and critic over one base)",
+    )
+    parser.add_argument("--lora-rank", type=int, default=64, help="LoRA rank (= alpha)")
+    parser.add_argument(
+        "--lora-targets",
+        nargs="+",
+        default=["to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2"],
+        help="module names the adapters target (peft's target_modules)",
     )
     parser.add_argument(
         "--checkpointing",
@@ -215,6 +274,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.steps < 1 or args.warmup < 0:
         print("--steps must be >= 1 and --warmup >= 0", file=sys.stderr)
+        return 2
+    if "lora" in args.sides and args.method != "dmd2":
+        print("--sides lora is DMD2 with LoRA roles: use --method dmd2", file=sys.stderr)
         return 2
     c.apply_threads(args)
     rt = c.setup_runtime(args.device)
@@ -252,7 +314,7 @@ def report(results: list[dict[str, Any]]) -> None:
     rows = []
     for r in results:
         if "error" in r:
-            rows.append([r["side"], r["error"][:60], "", "", "", "", ""])
+            rows.append([r["side"], r["error"][:60], "", "", "", "", "", ""])
             continue
         for kind, row in r["steps"].items():
             rows.append(
@@ -264,10 +326,20 @@ def report(results: list[dict[str, Any]]) -> None:
                     "n/a" if row["mfu"] is None else f"{100 * row['mfu']:.1f}",
                     f"{r['peak_bytes'] / 2**30:.1f}",
                     r["graphs_compiled"],
+                    f"{r['trained_params'] / 1e6:.1f}",
                 ]
             )
     c.print_table(
-        ["side", "step trains", "s median (min-max)", "fwd-equiv", "MFU %", "peak GiB", "graphs"],
+        [
+            "side",
+            "step trains",
+            "s median (min-max)",
+            "fwd-equiv",
+            "MFU %",
+            "peak GiB",
+            "graphs",
+            "trained M",
+        ],
         rows,
     )
 

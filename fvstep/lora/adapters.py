@@ -36,6 +36,7 @@ Examples:
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
@@ -243,6 +244,8 @@ def add_adapters(
     config says). Then the adapters' modules are moved out of the base's module tree into
     their :class:`LoRAModule`, every adapter is disabled (the base computes the base
     model), the base's parameters get ``requires_grad`` off and the adapters' on.
+    :func:`fvstep.parallel.prepare` then checkpoints the base's blocks with
+    :func:`recompute_context` unless it is given another ``checkpoint_context``.
 
     Call it before sharding: ``fully_shard`` the base and each LoRA module afterwards
     (``fvstep.parallel.shard_module``; a LoRA module is one FSDP2 group, as its
@@ -295,6 +298,9 @@ def add_adapters(
         p.requires_grad_(False)
     for _, layer in lora_layers(base):
         layer._disable_adapters = True
+    # fvstep.parallel.prepare checkpoints the base's blocks with this context when it is
+    # given none: a recomputed block runs with the adapter its forward ran with.
+    base.__dict__["_fvstep_checkpoint_context"] = functools.partial(recompute_context, base)
     modules = {name: LoRAModule(base, name, config) for name, config in configs.items()}
     for module in modules.values():
         module.requires_grad_(True)

@@ -213,9 +213,16 @@ def block_names(module: nn.Module, policy: ShardPolicy = blocks_policy) -> list[
 def _checkpointed_forward(
     forward: Callable[..., Any],
     context_fn: Callable[[], Any] | None,
+    compiled_context_fn: Callable[[], Any] | None,
     *args: Any,
     **kwargs: Any,
 ) -> Any:
+    # Under torch.compile the recomputation is part of the compiled backward graph: no
+    # Python runs again, so a context that sets Python state back for it (``checkpoint_
+    # context``: a LoRA base's adapter flags) has nothing to do, and torch.compile accepts
+    # only selective checkpointing's dispatch modes as a context_fn.
+    if torch.compiler.is_compiling():
+        context_fn = compiled_context_fn
     if context_fn is None:
         return checkpoint(forward, *args, use_reentrant=False, **kwargs)
     return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
@@ -236,10 +243,13 @@ def _apply_checkpointing(
     # attribute, so nn.Module.__call__ (and compile, and FSDP2's hooks around it) sees it
     # while the module tree, and so every parameter name, stays as it was.
     original = type(block).forward.__get__(block)
-    context_fn = ac.context_fn()
+    compiled_context_fn = ac.context_fn()
+    context_fn = compiled_context_fn
     if checkpoint_context is not None:
-        context_fn = checkpoint_context(context_fn)
-    block.forward = functools.partial(_checkpointed_forward, original, context_fn)
+        context_fn = checkpoint_context(compiled_context_fn)
+    block.forward = functools.partial(
+        _checkpointed_forward, original, context_fn, compiled_context_fn
+    )
 
 
 def _cast_tree(value: Any, dtype: torch.dtype, *, min_ndim: int = 0) -> Any:
@@ -403,7 +413,11 @@ def prepare(
             context of every checkpointed block (``None`` for full checkpointing,
             selective's otherwise), for modules whose recomputation needs state set
             back, e.g. ``functools.partial(fvstep.lora.recompute_context, base)`` for a
-            LoRA base, whose adapters are switched per call.
+            LoRA base, whose adapters are switched per call. ``None`` takes the one the
+            module carries, if any (:func:`fvstep.lora.add_adapters` gives a base that
+            one). Under ``torch.compile`` the recomputation is part of the compiled
+            backward graph and runs no Python, so only the inner context (selective
+            checkpointing's) is used there.
         context_mesh: Shard each sample's token sequence over this mesh's ``"context"``
             axis first (:func:`fvstep.parallel.apply_context_parallel`, before
             checkpointing and FSDP2; :func:`fvstep.parallel.make_context_mesh`); steps
@@ -461,6 +475,8 @@ def prepare(
         from fvstep.parallel.context import apply_context_parallel
 
         apply_context_parallel(module, mesh=context_mesh, mode=context_mode)
+    if checkpoint_context is None:
+        checkpoint_context = module.__dict__.get("_fvstep_checkpoint_context")
     checkpointed = [n for i, n in enumerate(names) if ac.chooses(i)]
     for name in checkpointed:
         _apply_checkpointing(blocks[name], ac, checkpoint_context)

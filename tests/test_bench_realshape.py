@@ -1,0 +1,53 @@
+"""fvstep bench realshape: the sides it compares, on the tiny preset (CPU, one process)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from fvstep.bench import realshape
+from fvstep.bench.presets import PRESETS, build_model
+
+pytest.importorskip("peft")
+
+TARGETS = ["to_q", "to_k"]
+
+
+def adapter_size(rank: int) -> int:
+    """LoRA parameters of one adapter on TARGETS, counted from the model's own layers."""
+    model = build_model(PRESETS["tiny-wan"], device=torch.device("cpu"), seed=0)
+    return sum(
+        rank * (m.in_features + m.out_features)
+        for name, m in model.named_modules()
+        if name.rsplit(".", 1)[-1] in TARGETS
+    )
+
+
+def test_the_lora_side_trains_only_two_adapters_and_counts_base_calls_once(tmp_path, capsys):
+    out = tmp_path / "realshape.json"
+    argv = ["--preset", "tiny-wan", "--device", "cpu", "--steps", "2", "--warmup", "0"]
+    argv += ["--sides", "prepared", "lora", "--lora-rank", "4", "--lora-targets", *TARGETS]
+    assert realshape.main([*argv, "--json", str(out)]) == 0
+    results = {r["side"]: r for r in json.loads(out.read_text())["results"]}
+    assert set(results) == {"prepared", "lora"}
+    assert all("error" not in r for r in results.values()), results
+    full = build_model(PRESETS["tiny-wan"], device=torch.device("cpu"), seed=0)
+    assert results["prepared"]["trained_params"] == 2 * sum(p.numel() for p in full.parameters())
+    assert results["lora"]["trained_params"] == 2 * adapter_size(4)
+    # DMD2 alternates critic-only and student+critic steps. Each role call is one model
+    # forward; a LoRA role's call is counted once (not again for the base it runs) and,
+    # under grad, as 2 forwards, not 3 (the base's weights get no gradient).
+    prepared, lora = results["prepared"]["steps"], results["lora"]["steps"]
+    assert set(prepared) == set(lora) == {"critic", "critic+student"}
+    for kind in prepared:
+        trained_calls = prepared[kind]["model_forwards"] - lora[kind]["model_forwards"]
+        assert trained_calls >= 1
+    assert "lora" in capsys.readouterr().out
+
+
+def test_the_lora_side_is_refused_for_fine_tuning(capsys):
+    argv = ["--preset", "tiny-wan", "--device", "cpu", "--method", "finetune", "--sides", "lora"]
+    assert realshape.main(argv) == 2
+    assert "--method dmd2" in capsys.readouterr().err
