@@ -43,6 +43,7 @@ __all__ = [
     "is_fsdp_root",
     "local_shape_and_global_offset",
     "optimizer_step_dtype",
+    "raise_recompile_limit",
     "tensor_version",
 ]
 
@@ -163,3 +164,18 @@ def dynamo_counters() -> dict[str, dict[str, int]]:
     from torch._dynamo.utils import counters
 
     return {k: dict(v) for k, v in counters.items()}
+
+
+def raise_recompile_limit(limit: int) -> int:
+    """Raise dynamo's per-code-object recompile limit to at least ``limit``; the new value.
+
+    ``torch._dynamo.config.recompile_limit`` (default 8) caps the graphs one code object
+    may have; past it a ``fullgraph=True`` compile fails (``FailOnRecompileLimitHit``).
+    It is a process-wide setting: it is only ever raised here, never lowered.
+    """
+    import torch._dynamo.config as config
+
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    value = max(int(getattr(config, name)), limit)
+    setattr(config, name, value)
+    return value

@@ -147,3 +147,13 @@ def test_inductor_mode_options_name_what_a_mode_turns_on():
 
     assert inductor_mode_options("max-autotune")["max_autotune"] is True
     assert inductor_mode_options("default") == {}
+
+
+def test_the_recompile_limit_is_only_ever_raised(monkeypatch):
+    import torch._dynamo.config as config
+
+    from fvstep._compat import raise_recompile_limit
+
+    monkeypatch.setattr(config, "recompile_limit", 8)
+    assert raise_recompile_limit(64) == 64 == config.recompile_limit
+    assert raise_recompile_limit(16) == 64 == config.recompile_limit

@@ -437,3 +437,33 @@ def test_a_killed_worker_is_an_error_in_the_main_process(bucketed):
                 data.batch(s)
     finally:
         data.close()
+
+
+@pytest.mark.skipif(
+    not os.environ.get("FVSTEP_PYARROW_FLOOR"), reason="set by .ci/run's oldest-pyarrow pass"
+)
+def test_the_oldest_supported_pyarrow_is_the_one_tested():
+    # .ci/run runs this file again with pyproject.toml's floor of pyarrow first on the
+    # path: this checks that it was that pyarrow the other tests read with.
+    import re
+    from pathlib import Path
+
+    import pyarrow
+
+    text = (Path(__file__).parents[1] / "pyproject.toml").read_text()
+    floor = re.search(r'"pyarrow>=(\d+)"', text)
+    assert floor is not None
+    assert pyarrow.__version__.split(".")[0] == floor.group(1), pyarrow.__version__
+
+
+def test_tensor_bytes_are_read_from_an_arrow_buffer_without_its_buffer_protocol_quirks():
+    # pyarrow < 26's Buffer refused torch.frombuffer ("could not retrieve buffer from
+    # object"); the reader goes through a memoryview. Run under the oldest pyarrow by .ci/run.
+    import pyarrow as pa
+
+    from fvstep.latents.dataset import _tensor
+
+    data = torch.arange(6, dtype=torch.float32)
+    buffer = pa.table({"x": [data.numpy().tobytes()]}).column("x")[0].as_buffer()
+    out = _tensor(buffer, torch.float32, 6)
+    assert torch.equal(out, data)

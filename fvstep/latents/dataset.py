@@ -242,5 +242,8 @@ def _tensor(buffer: Any, dtype: torch.dtype, numel: int) -> torch.Tensor:
     with warnings.catch_warnings():
         # The view is read-only; it is only read, by the clone.
         warnings.simplefilter("ignore", UserWarning)
-        view = torch.frombuffer(buffer, dtype=torch.uint8)
+        # Through a memoryview: torch.frombuffer fails on pyarrow's own Buffer before
+        # pyarrow 26 ("could not retrieve buffer from object"); a memoryview of it is
+        # the same bytes, with no copy.
+        view = torch.frombuffer(memoryview(buffer), dtype=torch.uint8)
     return view.clone().view(dtype)

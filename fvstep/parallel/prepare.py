@@ -57,6 +57,7 @@ from fvstep import _compat as torch_compat
 from fvstep.parallel.mesh import ShardPolicy, blocks_policy, is_sharded, shard_module
 
 __all__ = [
+    "RECOMPILE_LIMIT",
     "SAFE_INDUCTOR_OPTIONS",
     "ActivationCheckpointing",
     "Preparation",
@@ -329,6 +330,15 @@ def _as_checkpointing(
 SAFE_INDUCTOR_OPTIONS: dict[str, Any] = {"triton.mix_order_reduction": False}
 
 
+#: The least recompile limit (``torch._dynamo.config.recompile_limit``, default 8) that
+#: :func:`prepare` sets when it compiles. The blocks of every role it compiles share one
+#: code object (the block class's forward, or the checkpointed forward around it), and
+#: each (role, grad mode, input requires-grad) combination that reaches a block is a graph
+#: of it: full-weight DMD2 compiles 4, DMD2 over a LoRA base 7, and both in one process
+#: (a benchmark's two sides) 11, past the default.
+RECOMPILE_LIMIT = 64
+
+
 def _compile_kwargs(compile: bool | Mapping[str, Any]) -> dict[str, Any] | None:
     if compile is False:
         return None
@@ -393,7 +403,9 @@ def prepare(
             (a ``mode`` is turned into its options) default to :data:`SAFE_INDUCTOR_OPTIONS`, which turn
             off a pass that computes wrong gradients for Wan's blocks
             (pytorch/pytorch#193061); an ``options`` mapping given here is merged over
-            them.
+            them. Dynamo's recompile limit is raised to :data:`RECOMPILE_LIMIT` at
+            least (a process-wide setting): every block of every compiled role shares one
+            code object, so the default (8) is too few for DMD2 over a LoRA base.
         param_dtype: FSDP2's compute dtype (``MixedPrecisionPolicy.param_dtype``), e.g.
             ``torch.bfloat16`` with fp32 master parameters. Needs ``mesh``. Activations
             (2-D and up) are cast to it at the root and outputs cast back; 1-D inputs,
@@ -481,6 +493,7 @@ def prepare(
     for name in checkpointed:
         _apply_checkpointing(blocks[name], ac, checkpoint_context)
     if compile_kwargs is not None:
+        torch_compat.raise_recompile_limit(RECOMPILE_LIMIT)
         for name in names:
             blocks[name].compile(**compile_kwargs)
     if mesh is not None and param_dtype is not None and trainable:
