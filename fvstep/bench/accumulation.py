@@ -286,3 +286,7 @@ def plot(result: dict[str, Any], path: str) -> None:
     )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -294,3 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         c.teardown_runtime(rt)
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

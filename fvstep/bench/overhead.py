@@ -337,3 +337,7 @@ def report(result: dict[str, Any]) -> None:
             f"ms/step = {p['share']:.3%} of the real step (the hook's cost per Python call "
             "inflates call-heavy code such as DTensor dispatch; the skeleton A/B is the number)"
         )
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

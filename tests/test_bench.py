@@ -1,4 +1,4 @@
-"""fvstep bench realshape: the sides it compares, on the tiny preset (CPU, one process)."""
+"""fvstep bench: the realshape sides it compares (tiny preset, CPU), and every benchmark module runs."""
 
 from __future__ import annotations
 
@@ -51,3 +51,19 @@ def test_the_lora_side_is_refused_for_fine_tuning(capsys):
     argv = ["--preset", "tiny-wan", "--device", "cpu", "--method", "finetune", "--sides", "lora"]
     assert realshape.main(argv) == 2
     assert "--method dmd2" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["accumulation", "checkpoint", "data", "overhead", "realshape"])
+def test_every_benchmark_runs_as_a_module(name):
+    # `python -m fvstep.bench.<name>` once did nothing at all for three of them.
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", f"fvstep.bench.{name}", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "usage:" in done.stdout
