@@ -168,6 +168,9 @@ def test_a_frozen_role_is_held_in_bf16_without_gradients_and_serves_fp32_callers
     kept = {n for n in dtypes if any(k in n.split(".") for k in keep)}
     assert kept and all(dtypes[n] == torch.float32 for n in kept)
     assert {dtypes[n] for n in set(dtypes) - kept} == {torch.bfloat16}
+    # described by the dtype of most of its elements, not of its first parameter (fp32)
+    assert dtypes[next(iter(dtypes))] == torch.float32
+    assert preparation(teacher).describe()["storage_dtype"] == "bfloat16"
     assert not any(p.requires_grad for p in teacher.parameters())
     batch = synthetic_batch(fs.random.key(0), batch_size=2)
     t = torch.full((2,), 500.0)

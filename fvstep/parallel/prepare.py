@@ -158,7 +158,8 @@ class Preparation:
         mesh_shape: The mesh's shape and dim names, or ``None``.
         param_dtype: Compute dtype of the parameters under FSDP2 (``None``: as stored).
         reduce_dtype: Gradient reduction dtype (``None``: the parameter dtype).
-        storage_dtype: The dtype parameters are stored in.
+        storage_dtype: The dtype most parameter elements are stored in (a frozen role's
+            ``_keep_in_fp32_modules`` stay fp32 beside it).
         offload: Whether parameters are offloaded to the CPU between uses.
         attention_backend: The diffusers attention backend set, or ``None``.
     """
@@ -510,7 +511,10 @@ def prepare(
             reshard_after_forward=reshard_after_forward,
             offload_policy=offload_policy,
         )
-    storage = next((p.dtype for p in module.parameters()), torch.float32)
+    elements: dict[torch.dtype, int] = {}
+    for p in module.parameters():
+        elements[p.dtype] = elements.get(p.dtype, 0) + p.numel()
+    storage = max(elements, key=elements.__getitem__, default=torch.float32)
     record = Preparation(
         trainable=trainable,
         checkpointing=ac,
