@@ -149,11 +149,14 @@ def test_inductor_mode_options_name_what_a_mode_turns_on():
     assert inductor_mode_options("default") == {}
 
 
-def test_the_recompile_limit_is_only_ever_raised(monkeypatch):
+def test_the_recompile_limit_is_only_ever_raised():
     import torch._dynamo.config as config
 
     from fvstep._compat import raise_recompile_limit
 
-    monkeypatch.setattr(config, "recompile_limit", 8)
-    assert raise_recompile_limit(64) == 64 == config.recompile_limit
-    assert raise_recompile_limit(16) == 64 == config.recompile_limit
+    # config.patch, not monkeypatch: pytest's undo deletes an attribute that was not in
+    # the module's __dict__, and a deleted dynamo option is gone for the whole process.
+    with config.patch(recompile_limit=8):
+        assert raise_recompile_limit(64) == 64 == config.recompile_limit
+        assert raise_recompile_limit(16) == 64 == config.recompile_limit
+    assert hasattr(config, "recompile_limit")

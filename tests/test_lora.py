@@ -358,29 +358,30 @@ def test_recomputed_blocks_use_the_adapter_of_their_forward():
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
-def test_compiled_lora_blocks_give_the_eager_gradients(monkeypatch):
+def test_compiled_lora_blocks_give_the_eager_gradients():
     # torch.compile takes no Python context_fn: the recomputation is in the compiled
     # backward graph, traced with the adapter of the forward. aot_eager: the same ATen ops
     # as eager, so the gradients are bitwise those of eager without checkpointing.
     import torch._dynamo.config as dynamo_config
 
+    from fvstep.parallel.prepare import RECOMPILE_LIMIT
+
     torch._dynamo.reset()
     # From dynamo's default: the three cases in one process compile more graphs of one
     # code object than it allows (fullgraph=True then fails); prepare raises it.
-    monkeypatch.setattr(dynamo_config, "recompile_limit", 8)
-    reference = adapter_grads(None)
-    for checkpointing in (None, "full", "selective"):
-        before = fsp.compile_counts()["graphs"]
-        grads = adapter_grads(checkpointing, compile=True)
-        graphs = fsp.compile_counts()["graphs"] - before
-        for a, b in zip(grads, reference, strict=True):
-            torch.testing.assert_close(a, b, rtol=0, atol=0)
-        # one graph per (adapter, grad mode) and a few more, shared by both blocks: not
-        # one per block, which would grow with the model's depth
-        assert 3 <= graphs <= 6, (checkpointing, graphs)
-    from fvstep.parallel.prepare import RECOMPILE_LIMIT
-
-    assert dynamo_config.recompile_limit == RECOMPILE_LIMIT
+    # (config.patch, not monkeypatch, which would delete the option for the process.)
+    with dynamo_config.patch(recompile_limit=8):
+        reference = adapter_grads(None)
+        for checkpointing in (None, "full", "selective"):
+            before = fsp.compile_counts()["graphs"]
+            grads = adapter_grads(checkpointing, compile=True)
+            graphs = fsp.compile_counts()["graphs"] - before
+            for a, b in zip(grads, reference, strict=True):
+                torch.testing.assert_close(a, b, rtol=0, atol=0)
+            # one graph per (adapter, grad mode) and a few more, shared by both blocks:
+            # not one per block, which would grow with the model's depth
+            assert 3 <= graphs <= 6, (checkpointing, graphs)
+        assert dynamo_config.recompile_limit == RECOMPILE_LIMIT
 
 
 COMPILED = {"checkpointing": "full", "compile": {"backend": "aot_eager"}}
