@@ -67,3 +67,15 @@ def test_every_benchmark_runs_as_a_module(name):
     )
     assert done.returncode == 0, done.stderr
     assert "usage:" in done.stdout
+
+
+def test_checkpointing_every_second_block_is_what_the_prepared_side_gets(tmp_path):
+    out = tmp_path / "realshape.json"
+    argv = ["--preset", "tiny-wan", "--device", "cpu", "--steps", "1", "--warmup", "0"]
+    argv += ["--method", "finetune", "--sides", "prepared", "--checkpoint-every", "2"]
+    assert realshape.main([*argv, "--json", str(out)]) == 0
+    (result,) = json.loads(out.read_text())["results"]
+    blocks = PRESETS["tiny-wan"].config["num_layers"]
+    assert result["preparation"]["checkpoint_every"] == 2
+    assert result["preparation"]["checkpointed_blocks"] == (blocks + 1) // 2
+    assert realshape.main([*argv[:-2], "--checkpoint-every", "0"]) == 2

@@ -125,7 +125,11 @@ def _by_hand(module: nn.Module, rt: c.Runtime, *, compile_blocks: bool, trainabl
 
 def _prepared(module: nn.Module, rt: c.Runtime, args: Any, *, trainable: bool) -> Any:
     options: dict[str, Any] = {
-        "checkpointing": args.checkpointing,
+        "checkpointing": fsp.ActivationCheckpointing(
+            args.checkpointing, every=args.checkpoint_every
+        )
+        if args.checkpointing != "none"
+        else "none",
         "compile": args.compile,
         "attention_backend": args.attention_backend,
         "trainable": trainable,
@@ -260,6 +264,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="activation checkpointing of the prepared side (default full)",
     )
     parser.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=1,
+        help="checkpoint every n-th block only (default 1: all of them)",
+    )
+    parser.add_argument(
         "--attention-backend",
         default=None,
         help="diffusers attention backend of the prepared side, e.g. _native_cudnn",
@@ -275,6 +285,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps < 1 or args.warmup < 0:
         print("--steps must be >= 1 and --warmup >= 0", file=sys.stderr)
         return 2
+    if args.checkpoint_every < 1:
+        print("--checkpoint-every must be >= 1", file=sys.stderr)
+        return 2
     if "lora" in args.sides and args.method != "dmd2":
         print("--sides lora is DMD2 with LoRA roles: use --method dmd2", file=sys.stderr)
         return 2
@@ -289,6 +302,7 @@ def main(argv: list[str] | None = None) -> int:
             method=args.method,
             compile=args.compile,
             checkpointing=args.checkpointing,
+            checkpoint_every=args.checkpoint_every,
             attention_backend=args.attention_backend or "default",
         )
         rt.print(f"# {c.header_line(info)}, {preset.name} ({preset.num_tokens} tokens)")
