@@ -175,7 +175,5 @@ def raise_recompile_limit(limit: int) -> int:
     """
     import torch._dynamo.config as config
 
-    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
-    value = max(int(getattr(config, name)), limit)
-    setattr(config, name, value)
-    return value
+    config.recompile_limit = max(config.recompile_limit, limit)
+    return config.recompile_limit

@@ -53,6 +53,7 @@ from fvstep._compat import checkpoint_wrapper
 from fvstep.bench import common as c
 from fvstep.bench.analytic import mfu, train_flops_per_sample
 from fvstep.bench.presets import PRESETS, Preset, build_model, make_batch
+from fvstep.lora import LoRAModule, add_adapters
 from fvstep.methods import dmd2, finetune
 
 __all__ = ["build_parser", "main", "run_side"]
@@ -66,8 +67,6 @@ class _CallCounter:
     """
 
     def __init__(self, modules: dict[str, nn.Module]) -> None:
-        from fvstep.lora import LoRAModule
-
         self.forwards = 0.0
         self.inside_lora = 0
         self.handles = []
@@ -80,8 +79,6 @@ class _CallCounter:
         self.inside_lora += 1
 
     def _hook(self, module: nn.Module, args: Any, output: Any) -> None:
-        from fvstep.lora import LoRAModule
-
         lora = isinstance(module, LoRAModule)
         if lora:
             self.inside_lora -= 1
@@ -143,8 +140,6 @@ def _lora_roles(preset: Preset, rt: c.Runtime, args: Any) -> dict[str, Any]:
     """One frozen base prepared as the teacher; LoRA student and critic over it."""
     import peft
 
-    from fvstep.lora import add_adapters
-
     base = build_model(preset, device=rt.device, seed=args.seed + 1)
     config = peft.LoraConfig(
         r=args.lora_rank, lora_alpha=args.lora_rank, target_modules=list(args.lora_targets)
@@ -178,7 +173,7 @@ def run_side(side: str, preset: Preset, rt: c.Runtime, args: Any) -> dict[str, A
     modules = _roles(side, preset, rt, args)
     adamw = fs.optim.adamw(lr=1e-5)
     roles = {
-        name: fs.Role(m, optimizer=None if name == "teacher" else adamw, save_frozen=side != "lora")
+        name: fs.Role(m, optimizer=None if name == "teacher" else adamw)
         for name, m in modules.items()
     }
     state = fs.TrainState.create(roles, key=fs.random.key(args.seed))
@@ -206,7 +201,12 @@ def run_side(side: str, preset: Preset, rt: c.Runtime, args: Any) -> dict[str, A
         counter.close()
     peak = meter.peak()
     graphs = fsp.compile_counts()["graphs"] - compiled_before
-    trained = sum(p.numel() for r in state.roles.values() for p in r.params.values() if r.opt_state)
+    trained = sum(
+        p.numel()
+        for r in state.roles.values()
+        for p in r.params.values()
+        if r.opt_state is not None
+    )
     description = fsp.preparation(modules["teacher" if side == "lora" else "student"])
     del state, modules, roles, step, compiled
     gc.collect()
