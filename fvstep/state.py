@@ -20,7 +20,7 @@ state raises :class:`ConsumedStateError`.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, Literal
 
 import attrs
 import torch
@@ -37,11 +37,16 @@ __all__ = [
     "Role",
     "RoleState",
     "TrainState",
+    "Weights",
     "adopt",
     "bind_module",
     "is_consumed",
     "mark_consumed",
+    "select_weights",
 ]
+
+Weights = Literal["params", "ema"]
+"""Which weights of a role to compute with or export: the live ones or the EMA."""
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
@@ -174,6 +179,50 @@ class RoleState:
     def trainable_params(self) -> dict[str, torch.Tensor]:
         """The parameters the optimizer updates, by name."""
         return {n: self.params[n] for n in self.trainable_names}
+
+
+def select_weights(
+    role_state: RoleState, weights: Weights, *, role: str
+) -> dict[str, torch.Tensor]:
+    """The tensors that stand for a role's parameters under ``weights``: the one rule.
+
+    Every reader of "the EMA weights" (validation, sampling, every export, LoRA's
+    exports and merges) takes them from here, so that all of them compute with the same
+    weights at the same step. ``"params"``: the live parameters. ``"ema"``: for each
+    trainable parameter, its moving average once the EMA has started (its first active
+    update, at global step ``>= EMA.start_step``), else the live parameter, since the
+    first active update restarts the average from the live weights (before it the
+    stored average is the stale copy made at ``create``); the other parameters are
+    always live. Reads one flag from the device for ``"ema"``.
+
+    Args:
+        role_state: The role's state.
+        weights: ``"params"`` or ``"ema"``.
+        role: The role's name (for the error messages).
+
+    Returns:
+        Parameter name to tensor (the state's own tensors: do not write into them), for
+        every parameter of the role.
+
+    Raises:
+        ValueError: For an unknown ``weights``, or ``"ema"`` for a role without an EMA.
+
+    Examples:
+        >>> sources = select_weights(state.role("student"), "ema", role="student")
+    """
+    if weights not in ("params", "ema"):
+        raise ValueError(f"weights must be 'params' or 'ema', got {weights!r}")
+    if weights == "params":
+        return dict(role_state.params)
+    ema = role_state.ema
+    if ema is None:
+        raise ValueError(
+            f"weights='ema' but role {role!r} has no EMA; configure one with "
+            "Role(..., ema=fvstep.EMA(decay)) or use weights='params'"
+        )
+    if not bool(ema.initialized):
+        return dict(role_state.params)
+    return {name: ema.params.get(name, param) for name, param in role_state.params.items()}
 
 
 @attrs.define

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -27,11 +27,10 @@ from torch import nn
 from fvstep import random as fsrandom
 from fvstep.methods.finetune import add_noise
 from fvstep.models import predict
-from fvstep.state import TrainState, adopt
+from fvstep.parallel.sync import release_modules
+from fvstep.state import TrainState, Weights, adopt, select_weights
 
 __all__ = ["Weights", "module_device", "role_module", "validation_loss"]
-
-Weights = Literal["params", "ema"]
 
 _DEFAULT_TIMESTEPS = (0.1, 0.3, 0.5, 0.7, 0.9)
 
@@ -45,10 +44,14 @@ def role_module(
     With ``weights="ema"`` the role's trainable parameters hold the EMA values (cast to
     their dtype) inside the ``with`` block and their own values again after it (also
     when the block raises), bit for bit: the live values are kept aside in a copy of the
-    role's (local shards of its) trainable parameters. An EMA that has not started yet
-    (before its ``start_step``) stands for the live weights, as the EMA restarts from them.
-    For FSDP2-sharded roles every rank must enter it (the copies are local; the module's
-    forward gathers).
+    role's (local shards of its) trainable parameters. Which weights are the EMA weights
+    is :func:`fvstep.state.select_weights`'s rule, the one every export follows: an EMA
+    that has not started yet (before its ``start_step``) stands for the live weights, as
+    the EMA restarts from them. For FSDP2-sharded roles every rank must enter it (the
+    copies are local; the module's forward gathers): every FSDP2 group of the state is
+    resharded before the swap and after it (:func:`fvstep.parallel.release_modules`), so
+    no forward inside the block reads a copy gathered before it, nor one after it a copy
+    gathered inside.
 
     Args:
         state: The state (not changed).
@@ -66,28 +69,27 @@ def role_module(
         >>> with torch.no_grad(), role_module(state, "student", weights="ema") as net:
         ...     v = predict(net, x_t, t * 1000, text)
     """
-    if weights not in ("params", "ema"):
-        raise ValueError(f"weights must be 'params' or 'ema', got {weights!r}")
-    role_state = state.role(role)
-    if weights == "ema" and role_state.ema is None:
-        raise ValueError(
-            f"weights='ema' but role {role!r} has no EMA; configure one with "
-            "Role(..., ema=fvstep.EMA(decay)) or use weights='params'"
-        )
-    live = adopt(role_state)
+    live = adopt(state.role(role))
+    sources = select_weights(live, weights, role=role)  # the one rule, as every export
     module = live.role.module
-    ema = role_state.ema
-    if weights == "params" or ema is None or not bool(ema.initialized):
+    swapped = {n: t for n, t in sources.items() if t is not live.params[n]}
+    if not swapped:
         yield module
         return
+    # FSDP2 keeps a group unsharded after a forward under no_grad (always the root; every
+    # group with reshard_after_forward=False): such a group computes with its gathered
+    # copy, not with the shards written here. Every module is returned to rest before
+    # each swap and after it, so the next forward gathers what the shards hold.
+    release_modules(state)
     with torch.no_grad():
-        kept = {n: live.params[n].detach().clone() for n in ema.params}
+        kept = {n: live.params[n].detach().clone() for n in swapped}
     try:
         with torch.no_grad():
-            for n, average in ema.params.items():
+            for n, average in swapped.items():
                 live.params[n].copy_(average)
         yield module
     finally:
+        release_modules(state)
         with torch.no_grad():
             for n, value in kept.items():
                 live.params[n].copy_(value)

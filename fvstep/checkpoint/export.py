@@ -30,7 +30,7 @@ import shutil
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -39,7 +39,7 @@ from torch.distributed.tensor import DTensor
 
 from fvstep.checkpoint.layout import fsync
 from fvstep.parallel.ranks import gather_objects, rank_and_world
-from fvstep.state import RoleState, TrainState
+from fvstep.state import RoleState, TrainState, Weights, select_weights
 
 __all__ = [
     "WEIGHTS_NAME",
@@ -51,8 +51,6 @@ __all__ = [
 
 WEIGHTS_NAME = "model.safetensors"
 """The file name :func:`export_role` writes when given a directory."""
-
-Weights = Literal["params", "ema"]
 
 
 def gather_weights(
@@ -75,7 +73,9 @@ def gather_weights(
         role: The role's name.
         weights: ``"params"`` for the live parameters, ``"ema"`` for the fp32 moving
             average of the trainable parameters (the other parameters and the buffers
-            keep their live values).
+            keep their live values); before the EMA's first active update (its
+            ``start_step``) the live values, as validation computes with
+            (:func:`fvstep.state.select_weights`, the one rule).
         dtype: Cast the floating-point tensors to this dtype (integer and bool buffers
             are kept as they are); ``None`` keeps each tensor's dtype (fp32 for EMA).
         rank0_only: Return the weights on global rank 0 and ``None`` on the others (which
@@ -95,7 +95,7 @@ def gather_weights(
     role_state = _role_state(state, role)
     _check_options(role_state, role, weights, dtype)
     keep = rank0_only is False or rank_and_world()[0] == 0
-    return _gather(role_state, weights=weights, dtype_for=lambda _: dtype, keep=keep)
+    return _gather(role_state, role, weights=weights, dtype_for=lambda _: dtype, keep=keep)
 
 
 def export_role(
@@ -155,7 +155,7 @@ def export_role(
             )
 
     _agree("check the export target", check_target if writes else None)
-    tensors = _gather(role_state, weights=weights, dtype_for=lambda _: dtype, keep=writes)
+    tensors = _gather(role_state, role, weights=weights, dtype_for=lambda _: dtype, keep=writes)
 
     def write() -> None:
         assert tensors is not None
@@ -227,7 +227,9 @@ def export_diffusers(
             )
 
     _agree("check the export target", check_target if writes else None)
-    tensors = _gather(role_state, weights=weights, dtype_for=_dtype_for(cls, dtype), keep=writes)
+    tensors = _gather(
+        role_state, role, weights=weights, dtype_for=_dtype_for(cls, dtype), keep=writes
+    )
 
     def write() -> None:
         assert tensors is not None
@@ -356,7 +358,9 @@ def export_pipeline(
             )
 
     _agree("check the export target", check if writes else None)
-    tensors = _gather(role_state, weights=weights, dtype_for=_dtype_for(cls, dtype), keep=writes)
+    tensors = _gather(
+        role_state, role, weights=weights, dtype_for=_dtype_for(cls, dtype), keep=writes
+    )
 
     def write() -> None:
         assert tensors is not None
@@ -441,14 +445,15 @@ def _check_options(
         raise ValueError(f"dtype must be a floating-point torch.dtype or None, got {dtype!r}")
 
 
-def _named_sources(role_state: RoleState, weights: str) -> Iterator[tuple[str, torch.Tensor]]:
+def _named_sources(
+    role_state: RoleState, role: str, weights: Weights
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Every ``state_dict`` name of the role with the tensor to export under it.
 
     A tied tensor is one leaf of the state, but ``state_dict`` (and so a strict
     ``load_state_dict``) has it under each of its names: its aliases are yielded too.
     """
-    ema = role_state.ema.params if weights == "ema" and role_state.ema is not None else {}
-    sources = {name: ema.get(name, param) for name, param in role_state.params.items()}
+    sources = select_weights(role_state, weights, role=role)  # the one rule (EMA started?)
     sources.update(role_state.buffers)
     yield from sources.items()
     for alias, canonical in role_state.tied:
@@ -457,8 +462,9 @@ def _named_sources(role_state: RoleState, weights: str) -> Iterator[tuple[str, t
 
 def _gather(
     role_state: RoleState,
+    role: str,
     *,
-    weights: str,
+    weights: Weights,
     dtype_for: Callable[[str], torch.dtype | None],
     keep: bool,
 ) -> dict[str, torch.Tensor] | None:
@@ -467,7 +473,7 @@ def _gather(
     # rank must skip the same ones) per tensor and dtype.
     gathered: dict[tuple[int, torch.dtype], str] = {}
     with torch.no_grad():
-        for name, source in _named_sources(role_state, weights):
+        for name, source in _named_sources(role_state, role, weights):
             tensor = source.detach()
             dtype = dtype_for(name)
             if dtype is not None and tensor.is_floating_point():

@@ -27,9 +27,16 @@ from fvstep.lora.adapters import (
     lora_layers,
     recompute_context,
 )
-from fvstep.lora.export import export_lora, export_merged, lora_weights, merge_weights
+from fvstep.lora.export import (
+    MERGED_DTYPE,
+    export_lora,
+    export_merged,
+    lora_weights,
+    merge_weights,
+)
 
 __all__ = [
+    "MERGED_DTYPE",
     "LoRAModule",
     "add_adapters",
     "base_digest",

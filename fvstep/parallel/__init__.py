@@ -51,6 +51,7 @@ from fvstep.parallel.context import (
 from fvstep.parallel.launcher import destroy, init_from_env, launch
 from fvstep.parallel.mesh import ShardPolicy, blocks_policy, is_sharded, make_mesh, shard_module
 from fvstep.parallel.prepare import (
+    FULL_PRECISION_INPUTS,
     ActivationCheckpointing,
     Preparation,
     compile_counts,
@@ -77,6 +78,7 @@ from fvstep.parallel.sync import (
 )
 
 __all__ = [
+    "FULL_PRECISION_INPUTS",
     "ActivationCheckpointing",
     "CollectiveCounter",
     "ContextParallelData",

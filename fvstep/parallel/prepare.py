@@ -39,7 +39,8 @@ Examples:
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping
+import inspect
+from collections.abc import Callable, Collection, Mapping
 from typing import Any, Literal
 
 import attrs
@@ -54,9 +55,11 @@ from torch.utils.checkpoint import (
 )
 
 from fvstep import _compat as torch_compat
+from fvstep.parallel.compile_check import install_compile_check, resolve_rtol
 from fvstep.parallel.mesh import ShardPolicy, blocks_policy, is_sharded, shard_module
 
 __all__ = [
+    "FULL_PRECISION_INPUTS",
     "RECOMPILE_LIMIT",
     "SAFE_INDUCTOR_OPTIONS",
     "ActivationCheckpointing",
@@ -254,6 +257,14 @@ def _apply_checkpointing(
     )
 
 
+FULL_PRECISION_INPUTS: tuple[str, ...] = ("timestep", "timesteps", "t", "sigma", "sigmas")
+"""The forward arguments a boundary cast of :func:`prepare` leaves in full precision.
+
+Diffusion timesteps (and noise levels) by name, whatever their shape: a per-token
+timestep ``(B, S)`` (Wan2.2 TI2V) looks like an activation but rounds to a multiple of 4
+near 1000 in bf16. Pass ``prepare(..., full_precision_inputs=...)`` to extend it."""
+
+
 def _cast_tree(value: Any, dtype: torch.dtype, *, min_ndim: int = 0) -> Any:
     if isinstance(value, torch.Tensor):
         if value.is_floating_point() and value.ndim >= min_ndim and value.dtype != dtype:
@@ -266,25 +277,48 @@ def _cast_tree(value: Any, dtype: torch.dtype, *, min_ndim: int = 0) -> Any:
     return value
 
 
-def _floating_dtype(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.dtype | None:
-    for v in (*args, *kwargs.values()):
-        if isinstance(v, torch.Tensor) and v.is_floating_point() and v.ndim >= 2:
-            return v.dtype
-    return None
+def _positional_names(module: nn.Module) -> tuple[str, ...]:
+    """The names of ``module.forward``'s positional parameters, in order (``()`` if unknown)."""
+    try:
+        parameters = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):  # a builtin or an odd callable: fall back on ranks
+        return ()
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return tuple(p.name for p in parameters if p.kind in kinds)
 
 
-def _cast_at_the_boundary(module: nn.Module, dtype: torch.dtype) -> None:
+def _cast_at_the_boundary(module: nn.Module, dtype: torch.dtype, keep: frozenset[str]) -> None:
     # A role computing in bf16 stays a drop-in for callers in fp32 (with or without
-    # autocast, sharded or not): floating activations (tensors of 2 or more dims) are
-    # cast to its dtype on the way in, its floating outputs back to the callers' dtype on
-    # the way out. Per-sample scalars (1-D: a diffusion timestep) keep their precision:
-    # in bf16 a timestep near 1000 would be rounded to a multiple of 4 (FSDP2's own
-    # cast_forward_inputs casts them too, which is why prepare turns it off).
+    # autocast, sharded or not): floating activations are cast to its dtype on the way
+    # in, its floating outputs back to the callers' dtype on the way out. Arguments named
+    # in ``keep`` (the model's ``timestep``) keep their precision whatever their shape:
+    # in bf16 a timestep near 1000 is rounded to a multiple of 4, and Wan2.2's per-token
+    # timesteps are (B, S), shaped like an activation. An argument with no known name
+    # (beyond the signature's positional ones) is judged by rank: 0-D and 1-D
+    # (per-sample scalars) are kept. FSDP2's own cast_forward_inputs casts everything,
+    # which is why prepare turns it off.
+    positional = _positional_names(module)
     callers: list[torch.dtype | None] = []
 
+    def cast(name: str | None, value: Any) -> Any:
+        if name is not None and name in keep:
+            return value
+        return _cast_tree(value, dtype, min_ndim=2)
+
+    def caller_dtype(named: list[tuple[str | None, Any]]) -> torch.dtype | None:
+        for name, v in named:
+            kept = name is not None and name in keep
+            if isinstance(v, torch.Tensor) and v.is_floating_point() and v.ndim >= 2 and not kept:
+                return v.dtype
+        return None
+
     def cast_in(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        callers.append(_floating_dtype(args, kwargs))
-        return _cast_tree(args, dtype, min_ndim=2), _cast_tree(kwargs, dtype, min_ndim=2)
+        names = [positional[i] if i < len(positional) else None for i in range(len(args))]
+        callers.append(caller_dtype([*zip(names, args), *kwargs.items()]))
+        return (
+            tuple(cast(n, v) for n, v in zip(names, args)),
+            {k: cast(k, v) for k, v in kwargs.items()},
+        )
 
     def cast_out(mod: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
         caller = callers.pop()  # also after an error (always_call): the stack stays balanced
@@ -367,6 +401,7 @@ def prepare(
     trainable: bool = True,
     checkpointing: ActivationCheckpointing | CheckpointMode | None = None,
     compile: bool | Mapping[str, Any] = False,
+    verify_compile: bool | float = False,
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = torch.float32,
     reshard_after_forward: bool = True,
@@ -377,6 +412,7 @@ def prepare(
     checkpoint_context: Callable[[Callable[[], Any] | None], Callable[[], Any]] | None = None,
     context_mesh: DeviceMesh | None = None,
     context_mode: Literal["ulysses", "ring"] = "ulysses",
+    full_precision_inputs: Collection[str] = FULL_PRECISION_INPUTS,
 ) -> nn.Module:
     """Prepare a role's module: checkpointing, then compile, then FSDP2 (torchtitan's order).
 
@@ -391,9 +427,10 @@ def prepare(
         trainable: ``False`` for a frozen role: its parameters are cast to
             ``frozen_dtype`` and lose ``requires_grad``; it gets no optimizer. Floating
             activations are cast to that dtype on the way in and outputs back to the
-            caller's dtype on the way out, so fp32 callers need no change; 1-D inputs
-            (timesteps) keep their precision. The model's ``_keep_in_fp32_modules``
-            (diffusers) stay fp32.
+            caller's dtype on the way out, so fp32 callers need no change; the inputs
+            named in ``full_precision_inputs`` (timesteps, whatever their shape) and
+            unnamed 0-D/1-D inputs keep their precision. The model's
+            ``_keep_in_fp32_modules`` (diffusers) stay fp32.
         checkpointing: ``"none"`` (default), ``"full"``, ``"selective"`` or an
             :class:`ActivationCheckpointing` (e.g. every n-th block). Under ``no_grad`` a
             checkpointed block just runs its forward, so a role read without gradient
@@ -407,10 +444,19 @@ def prepare(
             them. Dynamo's recompile limit is raised to :data:`RECOMPILE_LIMIT` at
             least (a process-wide setting): every block of every compiled role shares one
             code object, so the default (8) is too few for DMD2 over a LoRA base.
+        verify_compile: Check every compiled block's gradients against its eager ones
+            before training on them (:mod:`fvstep.parallel.compile_check`): the first
+            grad-enabled call of each ``requires_grad`` pattern compares them on its real
+            inputs and raises :class:`~fvstep.parallel.compile_check.CompiledGradientError`
+            (block, parameter, error, tolerance) when they differ. ``True`` for the
+            default tolerance by precision (1e-3 fp32, 1e-2 TF32, 0.1 bf16/fp16), or a
+            relative tolerance. It costs one eager and one compiled forward and backward
+            of each block, once, and no compile; off by default.
         param_dtype: FSDP2's compute dtype (``MixedPrecisionPolicy.param_dtype``), e.g.
             ``torch.bfloat16`` with fp32 master parameters. Needs ``mesh``. Activations
-            (2-D and up) are cast to it at the root and outputs cast back; 1-D inputs,
-            timesteps, are not (FSDP2's ``cast_forward_inputs`` would round them).
+            are cast to it at the root and outputs cast back; the
+            ``full_precision_inputs`` are not (FSDP2's ``cast_forward_inputs`` would
+            round them).
         reduce_dtype: FSDP2's gradient-reduction dtype (default fp32).
         reshard_after_forward: FSDP2's option, for every group.
         offload: FSDP2's ``CPUOffloadPolicy`` (parameters, gradients and optimizer state
@@ -437,14 +483,21 @@ def prepare(
             then run with :class:`fvstep.parallel.ContextParallelism`. Not with
             ``compile`` (diffusers' native attention backward cannot be traced).
         context_mode: ``"ulysses"`` (all-to-all) or ``"ring"`` (CUDA backends only).
+        full_precision_inputs: The names of ``module.forward``'s arguments that a cast
+            at the boundary (``trainable=False`` with ``frozen_dtype``, or
+            ``param_dtype``) never touches, whatever their shape, positional or keyword
+            (default :data:`FULL_PRECISION_INPUTS`: ``timestep`` and its usual
+            spellings). Extend it for a model whose timestep or noise level has another
+            name: ``(*FULL_PRECISION_INPUTS, "noise_level")``.
 
     Returns:
         The same module, prepared; :func:`preparation` tells what was done.
 
     Raises:
         ValueError: If the module was prepared or sharded already, if FSDP2 options are
-            given without a mesh, or if it has no blocks to checkpoint or compile.
-        TypeError: On a bad ``checkpointing`` or ``compile`` value.
+            given without a mesh, if it has no blocks to checkpoint or compile, or if
+            ``verify_compile`` is asked without ``compile``.
+        TypeError: On a bad ``checkpointing``, ``compile`` or ``verify_compile`` value.
 
     Examples:
         >>> student = prepare(student, mesh=mesh, checkpointing="full", compile=True,
@@ -458,8 +511,17 @@ def prepare(
         raise ValueError("the module is sharded already: prepare it before fully_shard")
     if mesh is None and (param_dtype is not None or offload):
         raise ValueError("param_dtype and offload are FSDP2 options: they need a mesh")
+    if isinstance(full_precision_inputs, str):
+        raise TypeError(
+            "full_precision_inputs must be a collection of argument names, got the string "
+            f"{full_precision_inputs!r}; write ({full_precision_inputs!r},)"
+        )
+    keep = frozenset(full_precision_inputs)
     ac = _as_checkpointing(checkpointing)
     compile_kwargs = _compile_kwargs(compile)
+    verify_rtol = resolve_rtol(verify_compile)
+    if verify_compile is not False and compile_kwargs is None:
+        raise ValueError("verify_compile checks compiled blocks: it needs compile")
     names = block_names(module, policy)
     if (ac.mode != "none" or compile_kwargs is not None) and not names:
         raise ValueError(
@@ -482,7 +544,7 @@ def prepare(
     if not trainable:
         if frozen_dtype is not None:
             _store_in(module, frozen_dtype)
-            _cast_at_the_boundary(module, frozen_dtype)
+            _cast_at_the_boundary(module, frozen_dtype, keep)
         module.requires_grad_(False)
     if context_mesh is not None:
         from fvstep.parallel.context import apply_context_parallel
@@ -497,8 +559,10 @@ def prepare(
         torch_compat.raise_recompile_limit(RECOMPILE_LIMIT)
         for name in names:
             blocks[name].compile(**compile_kwargs)
+            if verify_compile is not False:  # a pre-hook: runs after FSDP2's (it prepends)
+                install_compile_check(blocks[name], name=name, rtol=verify_rtol, mesh=mesh)
     if mesh is not None and param_dtype is not None and trainable:
-        _cast_at_the_boundary(module, param_dtype)
+        _cast_at_the_boundary(module, param_dtype, keep)
     if mesh is not None:
         offload_policy: OffloadPolicy = CPUOffloadPolicy() if offload else OffloadPolicy()
         shard_module(
