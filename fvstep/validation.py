@@ -49,9 +49,9 @@ def role_module(
     that has not started yet (before its ``start_step``) stands for the live weights, as
     the EMA restarts from them. For FSDP2-sharded roles every rank must enter it (the
     copies are local; the module's forward gathers): every FSDP2 group of the state is
-    resharded before the swap and after it (:func:`fvstep.parallel.release_modules`), so
-    no forward inside the block reads a copy gathered before it, nor one after it a copy
-    gathered inside.
+    resharded before the swap and after the block (:func:`fvstep.parallel.release_modules`;
+    after the block also without a swap), so no forward inside the block reads a copy
+    gathered before it, nor one after it a copy gathered inside.
 
     Args:
         state: The state (not changed).
@@ -74,7 +74,10 @@ def role_module(
     module = live.role.module
     swapped = {n: t for n, t in sources.items() if t is not live.params[n]}
     if not swapped:
-        yield module
+        try:
+            yield module
+        finally:
+            release_modules(state)  # at rest after the block, as after a swap
         return
     # FSDP2 keeps a group unsharded after a forward under no_grad (always the root; every
     # group with reshard_after_forward=False): such a group computes with its gathered
