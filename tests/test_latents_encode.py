@@ -4,6 +4,8 @@ file) on a few generated clips; nothing is downloaded."""
 
 from __future__ import annotations
 
+import copy
+import json
 import shutil
 
 import numpy as np
@@ -185,12 +187,160 @@ def test_a_damaged_finished_shard_is_encoded_again(reference, clips, models, tmp
     assert_datasets_equal(LatentDataset(tmp_path), reference)
 
 
-def test_encode_refuses_to_mix_settings(reference, clips, models, tmp_path):
+@pytest.mark.parametrize(
+    ("change", "differ"),
+    [
+        ({"num_frames": 5}, "num_frames"),
+        ({"height": 16, "width": 16}, "height.*width"),
+        ({"multiple": 8}, "multiple"),
+        ({"max_tokens": MAX_TOKENS // 2}, "max_tokens"),
+        ({"dtype": torch.bfloat16}, "dtype"),
+        ({"shard_size": 3}, "shard_size"),
+    ],
+)
+def test_encode_refuses_to_mix_settings(reference, clips, models, tmp_path, change, differ):
     shutil.copytree(reference.root, tmp_path, dirs_exist_ok=True)
-    with pytest.raises(ValueError, match="other settings.*num_frames"):
-        encode(clips, tmp_path, models, num_frames=5)
+    with pytest.raises(ValueError, match=f"other settings.*{differ}"):
+        encode(clips, tmp_path, models, **change)
+
+
+def test_encode_checks_num_frames(clips, models, tmp_path):
     with pytest.raises(ValueError, match="num_frames must be k \\* 4 \\+ 1"):
         encode(clips, tmp_path / "new", models, num_frames=6)
+
+
+def rank_zero_of_two(reference, out) -> None:
+    """What rank 0 of 2 leaves (shards 0 and 2, ``encode.json``; bitwise, as tested above)."""
+    out.mkdir(exist_ok=True)
+    for name in (shard_name(0), shard_name(2), "encode.json"):
+        shutil.copy2(reference.root / name, out / name)
+
+
+def other_models(models, which):
+    """Fresh copies of the fixture's models, one of them changed as ``which`` says."""
+    from diffusers import AutoencoderKLWan
+    from transformers import ByT5Tokenizer
+
+    vae, te, tok = copy.deepcopy(models)
+    if which == "bfloat16":  # case A: the same weights, run in bf16
+        vae, te = vae.to(torch.bfloat16), te.to(torch.bfloat16)
+    elif which == "vae weights":  # case B: the same config, other weights
+        with torch.no_grad():
+            next(vae.parameters()).add_(0.01)
+    elif which == "text encoder weights":
+        with torch.no_grad():
+            te.shared.weight.mul_(1.01)
+    elif which == "vae normalisation":  # the same weights, other latents_std
+        config = {k: v for k, v in vae.config.items() if not k.startswith("_")}
+        vae = AutoencoderKLWan(**{**config, "latents_std": [1.0, 1.0, 1.0, 1.0]}).eval()
+        vae.load_state_dict(models[0].state_dict())
+    elif which == "tokenizer":  # another vocabulary (no sentinel tokens)
+        tok = ByT5Tokenizer(extra_ids=0)
+    return vae, te, tok
+
+
+@pytest.mark.parametrize(
+    ("which", "differ"),
+    [
+        ("bfloat16", "models.text_encoder.dtype.*models.vae.dtype"),
+        ("vae weights", "models.vae.weights_sha256"),
+        ("text encoder weights", "models.text_encoder.weights_sha256"),
+        ("vae normalisation", "models.vae.config_sha256"),
+        ("tokenizer", "models.tokenizer.config_sha256"),
+    ],
+)
+def test_a_rerun_with_other_models_is_refused_on_every_rank_before_any_shard(
+    reference, clips, models, tmp_path, which, differ
+):
+    rank_zero_of_two(reference, tmp_path)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    changed = other_models(models, which)
+    for rank in (1, 0):
+        with pytest.raises(ValueError, match=f"other settings: .*{differ}"):
+            encode(clips, tmp_path, changed, rank=rank, world_size=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # no shard, no index
+    assert encode(clips, tmp_path, models, rank=1, world_size=2).index is not None
+    assert_datasets_equal(LatentDataset(tmp_path), reference)
+
+
+def test_the_refusal_names_each_difference_with_both_values(reference, clips, models, tmp_path):
+    rank_zero_of_two(reference, tmp_path)
+    with pytest.raises(ValueError) as refused:
+        encode(clips, tmp_path, other_models(models, "bfloat16"), rank=1, world_size=2)
+    message = str(refused.value)
+    assert "models.vae.dtype: 'float32' in encode.json, 'bfloat16' now" in message
+    assert "models.vae.weights_sha256" in message and "models.vae.config_sha256" not in message
+    assert "use another output folder" in message
+
+
+def test_of_two_ranks_starting_at_once_with_other_settings_one_is_refused(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    from fvstep.latents import encode as encode_module
+
+    encode_module._agree_on_settings(tmp_path, {"dtype": "float32"})  # the first rank
+    # The second looked before the first had published, and found no encode.json.
+    exists = Path.exists
+    monkeypatch.setattr(Path, "exists", lambda p: p.name != "encode.json" and exists(p))
+    with pytest.raises(ValueError, match="dtype: 'float32' in encode.json, 'bfloat16' now"):
+        encode_module._agree_on_settings(tmp_path, {"dtype": "bfloat16"})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["encode.json"]
+
+
+def test_an_identical_rerun_with_reloaded_models_is_accepted_and_bitwise(
+    reference, clips, models, tmp_path
+):
+    rank_zero_of_two(reference, tmp_path)
+    vae, te, tok = models
+    pipeline = tmp_path.parent / f"{tmp_path.name}-pipeline"
+    vae.save_pretrained(pipeline / "vae")
+    te.save_pretrained(pipeline / "text_encoder")
+    reloaded = (
+        type(vae).from_pretrained(pipeline / "vae").eval(),
+        type(te).from_pretrained(pipeline / "text_encoder").eval(),
+        type(tok)(),
+    )
+    result = encode(clips, tmp_path, reloaded, rank=1, world_size=2)
+    assert result.written == [shard_name(1)] and result.index is not None
+    assert_datasets_equal(LatentDataset(tmp_path), reference)
+    settings = json.loads((tmp_path / "encode.json").read_text())
+    assert settings["models"]["vae"]["dtype"] == "float32"
+    assert settings["models"]["vae"]["device"] == "cpu"
+
+
+def test_the_weights_digest_covers_every_byte_once_in_name_order(monkeypatch):
+    from fvstep.latents import encode as encode_module
+
+    monkeypatch.setattr(encode_module, "_CHUNK_BYTES", 48)  # several pieces a tensor
+    digest = encode_module._weights_digest
+
+    def build(order):
+        torch.manual_seed(0)
+        layers = {name: torch.nn.Linear(4, 4) for name in ("x", "y")}
+        module = torch.nn.Module()
+        for name in order:  # registered in another order, same names and weights
+            module.add_module(name, layers[name])
+        return module
+
+    a, b = build("xy"), build("yx")
+    assert digest(a) == digest(b) == digest(copy.deepcopy(a))
+    with torch.no_grad():
+        b.y.weight[-1, -1] += 1  # the last byte of a tensor of several pieces
+    assert digest(b) != digest(a)
+    tied = build("xy")
+    tied.z = tied.x  # a tied module: recorded as such, its bytes hashed once
+    assert digest(tied) != digest(a) and digest(tied) == digest(copy.deepcopy(tied))
+    assert digest(a.half()) != digest(build("xy"))  # the weights as loaded, in their dtype
+
+
+def test_models_in_training_mode_encode_as_in_eval_mode_and_keep_their_mode(
+    reference, clips, models, tmp_path
+):
+    vae, te, tok = copy.deepcopy(models)
+    vae.train(), te.train()  # UMT5's dropout (0.1) is active in training mode
+    encode(clips, tmp_path, (vae, te, tok))
+    assert_datasets_equal(LatentDataset(tmp_path), reference)
+    assert all(m.training for m in [*vae.modules(), *te.modules()])
 
 
 def test_a_clip_without_caption_is_named(clips, models, tmp_path):
@@ -224,5 +374,10 @@ def test_cli_encodes_a_pipeline_folder_like_the_library(reference, clips, models
     assert main(args) == 0
     assert "5 clips in 3 shards" in capsys.readouterr().out
     assert_datasets_equal(LatentDataset(out), reference)
+    # The same command again (models loaded anew) is accepted; in bf16 it is refused.
+    assert main(args) == 0
+    assert "wrote 0 and found 3 of its 3 finished" in capsys.readouterr().out
+    assert main([*args, "--model-dtype", "bfloat16"]) == 1
+    assert "models.vae.dtype: 'float32' in encode.json, 'bfloat16' now" in capsys.readouterr().err
     assert main([*args[:4], "--model", str(pipeline), "--height", "8"]) == 2
     assert "give both --height and --width" in capsys.readouterr().err

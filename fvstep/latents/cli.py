@@ -48,7 +48,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     enc.add_argument(
         "source", help="folder of clips (videos or frame folders) with NAME.txt captions"
     )
-    enc.add_argument("out", help="dataset folder to write (a rerun continues it)")
+    enc.add_argument(
+        "out",
+        help="dataset folder to write (a rerun continues it; one with other settings, "
+        "models, model dtype or device is refused: see its encode.json)",
+    )
     enc.add_argument(
         "--model",
         help="diffusers pipeline folder or id with vae/, text_encoder/, tokenizer/ "
