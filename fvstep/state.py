@@ -19,6 +19,7 @@ state raises :class:`ConsumedStateError`.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator, Mapping
 from typing import Any, Literal
 
@@ -40,8 +41,10 @@ __all__ = [
     "Weights",
     "adopt",
     "bind_module",
+    "holding_other_weights",
     "is_consumed",
     "mark_consumed",
+    "roles_holding_other_weights",
     "select_weights",
 ]
 
@@ -179,6 +182,43 @@ class RoleState:
     def trainable_params(self) -> dict[str, torch.Tensor]:
         """The parameters the optimizer updates, by name."""
         return {n: self.params[n] for n in self.trainable_names}
+
+
+_OTHER_WEIGHTS = "_fvstep_other_weights"
+
+
+@contextlib.contextmanager
+def holding_other_weights(module: nn.Module) -> Iterator[None]:
+    """Mark ``module`` as holding other values than its role's live weights (nestable).
+
+    :func:`fvstep.validation.role_module` marks a role's module while its parameters hold
+    the EMA; readers of the live weights that would take the EMA for them (a checkpoint
+    save, an export) refuse while it is marked (:func:`roles_holding_other_weights`).
+
+    Examples:
+        >>> with holding_other_weights(module):
+        ...     ...  # module's parameters hold something else
+    """
+    module.__dict__[_OTHER_WEIGHTS] = module.__dict__.get(_OTHER_WEIGHTS, 0) + 1
+    try:
+        yield
+    finally:
+        module.__dict__[_OTHER_WEIGHTS] -= 1
+
+
+def roles_holding_other_weights(state: Any) -> list[str]:
+    """The roles of ``state`` whose modules hold other values than their live weights now.
+
+    Examples:
+        >>> roles_holding_other_weights(state)   # inside role_module(state, "student", weights="ema")
+        ['student']
+    """
+    roles = getattr(state, "roles", None)
+    if not isinstance(roles, Mapping):
+        return []
+    return [
+        name for name, rs in roles.items() if rs.role.module.__dict__.get(_OTHER_WEIGHTS, 0) > 0
+    ]
 
 
 def select_weights(

@@ -28,7 +28,14 @@ from fvstep import random as fsrandom
 from fvstep.methods.finetune import add_noise
 from fvstep.models import predict
 from fvstep.parallel.sync import release_modules
-from fvstep.state import TrainState, Weights, adopt, select_weights
+from fvstep.state import (
+    TrainState,
+    Weights,
+    adopt,
+    holding_other_weights,
+    roles_holding_other_weights,
+    select_weights,
+)
 
 __all__ = ["Weights", "module_device", "role_module", "validation_loss"]
 
@@ -51,7 +58,10 @@ def role_module(
     copies are local; the module's forward gathers): every FSDP2 group of the state is
     resharded before the swap and after the block (:func:`fvstep.parallel.release_modules`;
     after the block also without a swap), so no forward inside the block reads a copy
-    gathered before it, nor one after it a copy gathered inside.
+    gathered before it, nor one after it a copy gathered inside. Inside the block the
+    parameters *are* the EMA: ``fvstep.checkpoint.save``, the exports and a nested
+    ``role_module(weights="params")`` of the role refuse there (they would take the EMA
+    for the live weights); save and export after the block.
 
     Args:
         state: The state (not changed).
@@ -62,7 +72,8 @@ def role_module(
         The role's module.
 
     Raises:
-        ValueError: For an unknown ``weights`` or ``"ema"`` for a role without an EMA.
+        ValueError: For an unknown ``weights``, ``"ema"`` for a role without an EMA, or
+            ``"params"`` inside a block that holds the role's EMA.
         KeyError: For an unknown role.
 
     Examples:
@@ -72,6 +83,12 @@ def role_module(
     live = adopt(state.role(role))
     sources = select_weights(live, weights, role=role)  # the one rule, as every export
     module = live.role.module
+    if weights == "params" and role in roles_holding_other_weights(state):
+        raise ValueError(
+            f"role_module(state, {role!r}, weights='params') inside a role_module block that "
+            f"holds {role!r}'s EMA: its parameters hold the EMA there; read the live weights "
+            "outside that block"
+        )
     swapped = {n: t for n, t in sources.items() if t is not live.params[n]}
     if not swapped:
         try:
@@ -90,7 +107,8 @@ def role_module(
         with torch.no_grad():
             for n, average in swapped.items():
                 live.params[n].copy_(average)
-        yield module
+        with holding_other_weights(module):
+            yield module
     finally:
         release_modules(state)
         with torch.no_grad():

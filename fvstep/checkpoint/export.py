@@ -39,7 +39,13 @@ from torch.distributed.tensor import DTensor
 
 from fvstep.checkpoint.layout import fsync
 from fvstep.parallel.ranks import gather_objects, rank_and_world
-from fvstep.state import RoleState, TrainState, Weights, select_weights
+from fvstep.state import (
+    RoleState,
+    TrainState,
+    Weights,
+    roles_holding_other_weights,
+    select_weights,
+)
 
 __all__ = [
     "WEIGHTS_NAME",
@@ -428,6 +434,12 @@ def _agree(what: str, action: Callable[[], None] | None) -> None:
 def _role_state(state: TrainState, role: str) -> RoleState:
     if role not in state.roles:
         raise ValueError(f"no role {role!r}; the state has roles {sorted(state.roles)}")
+    if role in roles_holding_other_weights(state):
+        raise ValueError(
+            f"role {role!r} holds its EMA in its parameters here (inside "
+            "fvstep.validation.role_module(weights='ema')): an export would take them for "
+            "the live weights; export after the with block"
+        )
     return state.roles[role]
 
 

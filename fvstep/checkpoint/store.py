@@ -38,6 +38,7 @@ from fvstep.checkpoint.manifest import (
     read_manifest,
 )
 from fvstep.parallel.ranks import broadcast_object, min_over_ranks, rank_and_world
+from fvstep.state import roles_holding_other_weights
 from fvstep.tree import flatten_with_paths
 
 __all__ = ["AsyncSaver", "load", "save"]
@@ -300,6 +301,13 @@ def save(
     Examples:
         >>> save(state, "ckpt/step_000000100")
     """
+    swapped = roles_holding_other_weights(state)
+    if swapped:
+        raise CheckpointError(
+            f"roles {swapped} hold their EMA in their parameters here (inside "
+            "fvstep.validation.role_module(weights='ema')): a checkpoint would save it as "
+            "the live parameters; save after the with block"
+        )
     final = Path(path)
     tmp = _make_temp_dir(final, overwrite, group)
     paths, leaves, _ = flatten_with_paths(state)

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
@@ -158,6 +159,15 @@ class LoRAModule(nn.Module):
             for layer, (name, disabled) in zip(layers, saved):
                 layer._active_adapter = name
                 layer._disable_adapters = disabled
+
+    @property
+    def forward_signature(self) -> inspect.Signature:
+        """The base's ``forward`` signature, which this module's ``forward`` takes.
+
+        :func:`fvstep.parallel.prepare` names positional arguments by it (a timestep
+        passed by position keeps its precision at a boundary cast).
+        """
+        return inspect.signature(self.base.forward)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The base's forward with this adapter active.

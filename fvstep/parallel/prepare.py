@@ -38,6 +38,7 @@ Examples:
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 from collections.abc import Callable, Collection, Mapping
@@ -271,16 +272,31 @@ def _cast_tree(value: Any, dtype: torch.dtype, *, min_ndim: int = 0) -> Any:
             return value.to(dtype)
         return value
     if isinstance(value, (tuple, list)):
-        return type(value)(_cast_tree(v, dtype, min_ndim=min_ndim) for v in value)
+        items = [_cast_tree(v, dtype, min_ndim=min_ndim) for v in value]
+        if hasattr(value, "_fields"):  # a namedtuple takes its fields as arguments
+            return type(value)(*items)
+        return type(value)(items)
     if isinstance(value, dict):
-        return {k: _cast_tree(v, dtype, min_ndim=min_ndim) for k, v in value.items()}
+        # keep the mapping's type: a diffusers ModelOutput (return_dict=True) stays one
+        out = copy.copy(value)
+        for k, v in value.items():
+            out[k] = _cast_tree(v, dtype, min_ndim=min_ndim)
+        return out
     return value
 
 
 def _positional_names(module: nn.Module) -> tuple[str, ...]:
-    """The names of ``module.forward``'s positional parameters, in order (``()`` if unknown)."""
+    """The names of ``module.forward``'s positional parameters, in order (``()`` if unknown).
+
+    A module whose ``forward(*args, **kwargs)`` delegates to another (a
+    :class:`fvstep.lora.LoRAModule` calls its base) names them by its
+    ``forward_signature`` attribute, an ``inspect.Signature``.
+    """
+    signature = getattr(module, "forward_signature", None)
     try:
-        parameters = inspect.signature(module.forward).parameters.values()
+        if not isinstance(signature, inspect.Signature):
+            signature = inspect.signature(module.forward)
+        parameters = signature.parameters.values()
     except (TypeError, ValueError):  # a builtin or an odd callable: fall back on ranks
         return ()
     kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
@@ -328,16 +344,28 @@ def _cast_at_the_boundary(module: nn.Module, dtype: torch.dtype, keep: frozenset
     module.register_forward_hook(cast_out, with_kwargs=True, always_call=True)
 
 
+def _kept_in_fp32(module: nn.Module) -> set[str]:
+    """The qualified names of the tensors that diffusers keeps in fp32, for every model of
+    ``module``: the root's, or one inside a wrapper (``_keep_in_fp32_modules`` of each
+    submodule, matched against the names below it)."""
+    kept: set[str] = set()
+    for prefix, sub in module.named_modules():
+        keep = tuple(getattr(sub, "_keep_in_fp32_modules", None) or ())
+        if not keep:
+            continue
+        for name, tensor in [*sub.named_parameters(), *sub.named_buffers()]:
+            if tensor.is_floating_point() and any(k in name.split(".") for k in keep):
+                kept.add(f"{prefix}.{name}" if prefix else name)
+    return kept
+
+
 def _store_in(module: nn.Module, dtype: torch.dtype) -> None:
     # diffusers models name the submodules that must stay fp32 (Wan: rope, time_embedder,
     # scale_shift_table, norms); what from_pretrained(torch_dtype=...) keeps, keep here.
-    keep = tuple(getattr(module, "_keep_in_fp32_modules", None) or ())
+    kept = _kept_in_fp32(module)
     for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
-        if not tensor.is_floating_point():
-            continue
-        if any(k in name.split(".") for k in keep):
-            continue
-        tensor.data = tensor.data.to(dtype)
+        if tensor.is_floating_point() and name not in kept:
+            tensor.data = tensor.data.to(dtype)
 
 
 def _as_checkpointing(

@@ -107,7 +107,8 @@ def test_sharded_observers_read_the_weights_the_leaves_say(ranks):
 
 
 def check_compute_dtype_cast(rank: int, world_size: int) -> list[str]:
-    """``prepare(mesh, param_dtype=bf16)``: the timestep reaches the model in fp32."""
+    """``prepare(mesh, param_dtype=bf16)``: the timestep reaches the model in fp32, by
+    keyword (a Wan) and by position (a LoRA role over a frozen base)."""
     from fvstep import parallel as fsp
     from fvstep.models import tiny_wan
 
@@ -120,9 +121,26 @@ def check_compute_dtype_cast(rank: int, world_size: int) -> list[str]:
     x, text = PROBE["latents"], PROBE["text"]
     for t in (torch.tensor([999.0, 501.0]), torch.full((2, 8), 999.0)):
         module(hidden_states=x, timestep=t, encoder_hidden_states=text, return_dict=False)
+
+    # A LoRA role computing in bf16 over a frozen base, called by position: its forward
+    # is (*args, **kwargs), named by the base's signature (fvstep.lora.LoRAModule).
+    import peft
+
+    from fvstep.lora import add_adapters
+
+    base = tiny_wan(seed=0)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["to_q"])
+    lora = add_adapters(base, {"student": config})["student"]
+    fsp.prepare(base, mesh=mesh, trainable=False)
+    fsp.prepare(lora, mesh=mesh, param_dtype=torch.bfloat16)
+    base.condition_embedder.register_forward_pre_hook(
+        lambda m, args, kwargs: seen.append(str(args[0].dtype)), with_kwargs=True
+    )
+    for t in (torch.tensor([999.0, 501.0]), torch.full((2, 8), 999.0)):
+        lora(x, t, text, None, False)
     return seen
 
 
 @pytest.mark.multirank
 def test_a_sharded_bf16_compute_role_keeps_per_token_timesteps_in_fp32(ranks):
-    assert ranks.run(check_compute_dtype_cast) == [["torch.float32"] * 2] * 2
+    assert ranks.run(check_compute_dtype_cast) == [["torch.float32"] * 4] * 2

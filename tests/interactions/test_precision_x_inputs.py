@@ -87,3 +87,45 @@ def test_an_argument_named_by_the_caller_keeps_its_precision():
         assert torch.equal(named(torch.ones(2, 4), level), level)
     with pytest.raises(TypeError, match="collection of argument names"):
         fsp.prepare(Net(), trainable=False, full_precision_inputs="noise_level")
+
+
+class Wrapper(torch.nn.Module):
+    """A user's role: the forward contract around a diffusers model it holds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = tiny_wan(seed=0)
+        self.blocks = self.net.blocks  # the blocks prepare would checkpoint or compile
+
+    def forward(self, hidden_states, timestep, encoder_hidden_states, return_dict=False):
+        return self.net(
+            hidden_states=hidden_states,
+            timestep=timestep,
+            encoder_hidden_states=encoder_hidden_states,
+            return_dict=return_dict,
+        )
+
+
+def test_a_frozen_wrapper_keeps_the_fp32_modules_of_the_model_inside_it():
+    direct = fsp.prepare(tiny_wan(seed=0), trainable=False)
+    wrapped = fsp.prepare(Wrapper(), trainable=False)
+    dtypes = {n: p.dtype for n, p in direct.named_parameters()}
+    assert torch.float32 in dtypes.values() and torch.bfloat16 in dtypes.values()
+    assert {n.removeprefix("net."): p.dtype for n, p in wrapped.net.named_parameters()} == dtypes
+    with torch.no_grad():
+        args = (BATCH["latents"], PER_TOKEN, BATCH["text"])
+        assert torch.equal(wrapped(*args)[0], direct(*args)[0])
+
+
+def test_a_frozen_role_returns_the_output_type_of_its_model():
+    module = frozen({})
+    with torch.no_grad():
+        out = module(
+            hidden_states=BATCH["latents"],
+            timestep=PER_SAMPLE,
+            encoder_hidden_states=BATCH["text"],
+            return_dict=True,
+        )
+    assert type(out).__name__ == "Transformer2DModelOutput"
+    assert out.sample.dtype == torch.float32 and torch.equal(out[0], out.sample)
+    assert torch.equal(out.sample, unhooked(module, PER_SAMPLE))

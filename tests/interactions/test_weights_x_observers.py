@@ -205,3 +205,28 @@ def test_observers_agree_on_prepared_modules(
     for weights in weights_of(case):
         got = OBSERVERS[observer](state, case, weights, tmp_path / weights)
         assert_same_velocity(got, velocity(reference_module(state, case, weights)), case)
+
+
+def test_inside_an_ema_block_readers_of_the_live_weights_refuse(tmp_path):
+    """Inside ``role_module(weights="ema")`` the parameters are the EMA: a save, an export
+    or a nested read of the live weights would take it for them, so each refuses; after
+    the block they work and see the live weights."""
+    case = next(c for c in WEIGHTS if c.name == "ema_after_start")
+    state = trained(case.name, "none")
+    before = fs.tree.clone(state)
+    with role_module(state, "student", weights="ema"):
+        with pytest.raises(fs.checkpoint.CheckpointError, match="hold their EMA"):
+            fs.checkpoint.save(state, tmp_path / "inside")
+        with pytest.raises(ValueError, match="holds its EMA"):
+            export_role(state, "student", tmp_path / "inside.safetensors")
+        with pytest.raises(ValueError, match="holds its EMA"):
+            gather_weights(state, "student")
+        with (
+            pytest.raises(ValueError, match="inside a role_module block"),
+            role_module(state, "student", weights="params"),
+        ):
+            pass
+        assert not (tmp_path / "inside").exists()
+    fs.checkpoint.save(state, tmp_path / "after")
+    loaded = fs.checkpoint.load(tmp_path / "after", like=build_state(case))
+    fs.tree.assert_trees_equal(loaded, before, check_static=False)
