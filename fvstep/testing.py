@@ -7,6 +7,8 @@
   ``fvstep verify-resume --nproc 2``); every rank calls :func:`assert_resume_exact`.
 - :mod:`hypothesis` strategies: :func:`resume_scenarios` and :func:`train_states`.
 - :func:`assert_trees_equal` (from :mod:`fvstep.tree`).
+- :func:`check_compiled_gradients`: your module's compiled gradients against its eager
+  ones, block by block, on an input you give (``fvstep verify-compile`` runs it).
 
 Examples:
     >>> def factory():
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +29,14 @@ import attrs
 import torch
 
 from fvstep.executor import Checkpoints, run
+from fvstep.parallel.compile_check import (
+    CompiledGradientError,
+    CompiledGradientReport,
+    compare_compiled_gradients,
+    install_compile_check,
+    is_compiled_in_place,
+)
+from fvstep.parallel.mesh import is_sharded
 from fvstep.state import TrainState
 from fvstep.tree import assert_trees_equal
 
@@ -35,6 +45,7 @@ __all__ = [
     "SimulatedCrash",
     "assert_resume_exact",
     "assert_trees_equal",
+    "check_compiled_gradients",
     "resume_scenarios",
     "train_states",
 ]
@@ -212,6 +223,112 @@ def train_states(*, max_roles: int = 3) -> Any:
         return state
 
     return draw()
+
+
+def check_compiled_gradients(
+    module: torch.nn.Module,
+    *args: Any,
+    compiled: Callable[..., Any] | Mapping[str, Any] | None = None,
+    rtol: float | None = None,
+    seed: int = 0,
+    **kwargs: Any,
+) -> list[CompiledGradientReport]:
+    """Check that ``module``'s compiled gradients match its eager ones on one input.
+
+    What :func:`fvstep.parallel.prepare`'s ``verify_compile`` does on the first real
+    micro-batch, on a probe of yours: each compiled block's forward and backward, eager
+    and compiled, on the inputs it receives when ``module(*args, **kwargs)`` runs, pulled
+    back with one fixed cotangent (:mod:`fvstep.parallel.compile_check`). Nothing is
+    left behind: no ``.grad``, the RNG state and ``requires_grad`` as they were, the
+    module as compiled as before.
+
+    Args:
+        module: The module to run on the probe. Its blocks compiled in place (a prepared
+            role's, or your ``block.compile()``) are checked one by one; if none is, the
+            module itself is compiled for the check (as :func:`~fvstep.parallel.prepare`
+            would compile a block, or with ``compiled``'s arguments) and checked whole.
+        *args: The probe's positional inputs.
+        compiled: ``None`` (the above); a mapping of ``torch.compile`` arguments to
+            compile ``module`` with (``{"backend": "aot_eager"}``); or a callable, a
+            compiled version of ``module`` (``torch.compile(module)``) to compare with
+            ``module`` called eagerly.
+        rtol: The tolerance (default: by precision; 1e-3 fp32, 1e-2 TF32, 0.1 bf16/fp16,
+            :data:`fvstep.parallel.compile_check.DEFAULT_RTOLS`).
+        seed: The cotangent's seed.
+        **kwargs: The probe's keyword inputs.
+
+    Returns:
+        One :class:`~fvstep.parallel.compile_check.CompiledGradientReport` per block
+        checked, in the order the blocks ran.
+
+    Raises:
+        CompiledGradientError: Naming the block, the parameter (or input), the relative
+            error and the tolerance, for the first block whose gradients differ.
+        ValueError: If ``module`` is sharded (FSDP2: use ``prepare(...,
+            verify_compile=True)``, which checks on every rank inside FSDP2's call), or if
+            ``compiled`` asks to compile a module whose blocks are compiled already.
+
+    Examples:
+        >>> student = parallel.prepare(tiny_wan(), compile={"backend": "aot_eager"})
+        >>> reports = check_compiled_gradients(
+        ...     student, hidden_states=x, timestep=t, encoder_hidden_states=text, return_dict=False
+        ... )
+        >>> [r.block for r in reports]
+        ['blocks.0', 'blocks.1']
+    """
+    if is_sharded(module):
+        raise ValueError(
+            "check_compiled_gradients runs on one process: for a sharded module use "
+            "fvstep.parallel.prepare(..., verify_compile=True), which checks every block "
+            "on every rank inside FSDP2's call"
+        )
+    if compiled is not None and not isinstance(compiled, Mapping):
+        report = compare_compiled_gradients(
+            module,
+            compiled,
+            args,
+            kwargs,
+            params=dict(module.named_parameters()),
+            block=type(module).__name__,
+            rtol=rtol,
+            seed=seed,
+        )
+        if not report.passed:
+            raise CompiledGradientError.from_report(report)
+        return [report]
+    blocks = _outermost_compiled(module)
+    compiled_here = not blocks
+    if blocks and compiled is not None:
+        raise ValueError(
+            f"{', '.join(blocks)} of the module are compiled already: leave compiled=None "
+            "to check them as they are"
+        )
+    if compiled_here:
+        from fvstep.parallel.prepare import _compile_kwargs  # prepare's own defaults
+
+        module.compile(**(_compile_kwargs(True if compiled is None else compiled) or {}))
+        blocks = {type(module).__name__: module}
+    checks = [install_compile_check(m, name=n, rtol=rtol, seed=seed) for n, m in blocks.items()]
+    devices = sorted({p.device.index or 0 for p in module.parameters() if p.is_cuda})
+    try:
+        with torch.random.fork_rng(devices=devices), torch.enable_grad():
+            module(*args, **kwargs)  # each block checks itself; the output is discarded
+    finally:
+        for check in checks:
+            check.remove()
+        if compiled_here:  # back to the class's None: not compiled in place, as it came
+            module.__dict__.pop("_compiled_call_impl", None)
+    return [r for check in checks for r in check.reports]
+
+
+def _outermost_compiled(module: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """The submodules compiled in place that no other compiled one contains, by name."""
+    found: dict[str, torch.nn.Module] = {}
+    for name, m in module.named_modules():
+        inside = any(name == n or name.startswith(f"{n}.") or n == "" for n in found)
+        if is_compiled_in_place(m) and not inside:
+            found[name] = m
+    return {n or type(module).__name__: m for n, m in found.items()}
 
 
 def _float_leaves(state: TrainState) -> list[torch.Tensor]:

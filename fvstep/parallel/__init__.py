@@ -13,6 +13,10 @@ Split by concern (as torchtitan's ``distributed/`` folder):
   (:func:`prepare`: activation checkpointing, ``torch.compile`` per block, FSDP2/HSDP
   with mixed precision and offload, frozen roles in bf16, the attention backend), and
   :func:`compile_counts`;
+- :mod:`fvstep.parallel.compile_check`: compiled gradients checked against eager ones,
+  block by block, before training on them (``prepare(..., verify_compile=True)``,
+  :func:`compare_compiled_gradients`, :class:`CompiledGradientError`,
+  :func:`compile_check_reports`);
 - :mod:`fvstep.parallel.context`: context (sequence) parallelism with diffusers' Ulysses
   attention (:func:`make_context_mesh`, :func:`apply_context_parallel`,
   :class:`ContextParallelism`, :class:`ContextParallelData`);
@@ -39,6 +43,12 @@ Examples:
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from fvstep.parallel.collectives import CollectiveCounter
+from fvstep.parallel.compile_check import (
+    CompiledGradientError,
+    CompiledGradientReport,
+    compare_compiled_gradients,
+    compile_check_reports,
+)
 from fvstep.parallel.context import (
     ContextParallelData,
     ContextParallelism,
@@ -81,6 +91,8 @@ __all__ = [
     "FULL_PRECISION_INPUTS",
     "ActivationCheckpointing",
     "CollectiveCounter",
+    "CompiledGradientError",
+    "CompiledGradientReport",
     "ContextParallelData",
     "ContextParallelMode",
     "ContextParallelism",
@@ -95,6 +107,8 @@ __all__ = [
     "broadcast_object",
     "check_roles_are_data_parallel",
     "collective_device",
+    "compare_compiled_gradients",
+    "compile_check_reports",
     "compile_counts",
     "context_parallel_degree",
     "data_parallel_index",
