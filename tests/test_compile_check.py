@@ -32,7 +32,7 @@ import fvstep as fs
 from fvstep import parallel as fsp
 from fvstep import tree
 from fvstep.cli import main
-from fvstep.methods import finetune
+from fvstep.methods import dmd2, finetune
 from fvstep.models import synthetic_batch, tiny_wan
 from fvstep.parallel.compile_check import (
     DEFAULT_RTOLS,
@@ -311,6 +311,44 @@ def test_check_compiled_gradients_checks_a_prepared_role_block_by_block():
     wrong = prepare(tiny_wan(seed=0), compile={"backend": scaled_backward()})
     with pytest.raises(CompiledGradientError, match=r"blocks\.0.*scale_shift_table"):
         check_compiled_gradients(wrong, **_wan_inputs())
+
+
+@pytest.mark.heavy
+def test_dmd2_with_three_checked_roles_is_bitwise_the_unchecked_run():
+    """Features together: DMD2 (student, frozen bf16 teacher, critic), selective AC,
+    compile, verify_compile on every role: bitwise the unchecked run, the same graphs;
+    the trained roles are checked once each, the teacher (read without grad) never."""
+
+    def run(verify: bool) -> tuple[fs.TrainState, int]:
+        options = {"checkpointing": "selective", "compile": CPU_COMPILE, "verify_compile": verify}
+        adamw = fs.optim.adamw(lr=1e-3)
+        state = fs.TrainState.create(
+            {
+                "student": fs.Role(prepare(tiny_wan(seed=0), **options), optimizer=adamw),
+                "teacher": fs.Role(prepare(tiny_wan(seed=1), trainable=False, **options)),
+                "critic": fs.Role(prepare(tiny_wan(seed=2), **options), optimizer=adamw),
+            },
+            key=fs.random.key(5),
+        )
+        step = fs.compile(
+            dmd2(generator_update_interval=2, ordering="sequential"),
+            accumulation=fs.Accumulation(2),
+        )
+        graphs = compile_counts()["graphs"]
+        for i in range(3):
+            state, _ = step(state, _batch(i))
+        return state, compile_counts()["graphs"] - graphs
+
+    torch._dynamo.reset()
+    checked, checked_graphs = run(True)
+    torch._dynamo.reset()
+    plain, plain_graphs = run(False)
+    for role in ("student", "critic"):
+        tree.assert_trees_equal(checked.roles[role].params, plain.roles[role].params)
+        reports = compile_check_reports(checked.module(role))
+        assert [(r.block, r.passed) for r in reports] == [("blocks.0", True), ("blocks.1", True)]
+    assert compile_check_reports(checked.module("teacher")) == []
+    assert checked_graphs == plain_graphs
 
 
 @pytest.mark.heavy
