@@ -23,8 +23,18 @@ memory when a GPU is present:
   stops the others; with a bare process group they wait in the next collective until its
   timeout. To make that visible, a failing rank also prints one line with its rank to
   stderr at once.
+- Preemption: the workers ignore SIGINT and SIGTERM, so that a signal to the whole process
+  group (what torchrun, ``kill -- -PGID``, SLURM and Ctrl-C in a terminal deliver) is
+  handled by the trainer alone, which saves at the next step boundary (:func:`fvstep.run`)
+  with its loader intact; before, the workers died and torch raised ``DataLoader worker
+  ... killed by signal: Terminated`` in the trainer, in the middle of that save. They end
+  when their trainer does: a DataLoader's workers exit within seconds of their parent's
+  death (torch's workers watch it), and at interpreter exit the workers of every
+  :class:`WorkerSource` still open are shut down (the DataLoader's own shutdown, then
+  ``SIGKILL`` for any that does not end). With the ``spawn`` or ``forkserver`` start
+  methods a signal that reaches a worker while it is still starting can end it.
 - :meth:`WorkerSource.close` (or ``with WorkerSource(...) as data:``) shuts the workers
-  down; so does garbage collection.
+  down; so does garbage collection, and the end of the interpreter.
 
 Examples:
     >>> import tempfile, torch
@@ -41,9 +51,14 @@ Examples:
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import multiprocessing
 import os
+import signal
 import sys
 import traceback
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol, SupportsIndex
 
@@ -134,6 +149,77 @@ class _Collate:
             return step, _Failure(e, indices)
 
 
+_PREEMPTION_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+
+
+@contextlib.contextmanager
+def _preemption_signals_held() -> Iterator[None]:
+    """Hold SIGINT and SIGTERM in this thread while it forks workers.
+
+    A forked child starts with its parent's signal mask, so a signal to the process group
+    that arrives before :class:`_WorkerInit` runs stays pending in the worker (which then
+    discards it) instead of killing it; here it is delivered once the workers are up.
+    """
+    if not hasattr(signal, "pthread_sigmask"):  # Windows: no process groups to fear
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, _PREEMPTION_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+class _WorkerInit:
+    """The workers' ``worker_init_fn``: ignore SIGINT and SIGTERM (see the module
+    docstring), then run the user's ``worker_init_fn``, if any."""
+
+    def __init__(self, user: Callable[[int], None] | None) -> None:
+        self.user = user
+
+    def __call__(self, worker_id: int) -> None:
+        # A disposition holds for every thread of the process (a mask would not: importing
+        # torch starts a thread of its own), and setting it discards what is pending.
+        for signum in _PREEMPTION_SIGNALS:
+            signal.signal(signum, signal.SIG_IGN)
+        if hasattr(signal, "pthread_sigmask"):
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, _PREEMPTION_SIGNALS)
+        if self.user is not None:
+            self.user(worker_id)
+
+
+_open_sources: weakref.WeakSet[WorkerSource] = weakref.WeakSet()
+_started_workers: list[tuple[int, multiprocessing.process.BaseProcess]] = []
+"""``(pid of the trainer, worker)`` for every worker started and not yet seen ended: a
+DataLoader kept alive by a traceback never shuts its workers down, and they ignore SIGTERM,
+so the exit hook must know them."""
+
+
+def _stop_all_workers() -> None:
+    """At interpreter exit, end the workers of every :class:`WorkerSource` left open.
+
+    Registered after torch's and multiprocessing's exit hooks, so it runs first: after
+    torch's, a DataLoader no longer shuts its workers down, and multiprocessing's
+    terminates daemonic children with SIGTERM (which our workers ignore), then joins them
+    without a timeout: a worker still running would hang the exit.
+    """
+    me = os.getpid()  # a process forked from the trainer inherits this hook, not its workers
+    for source in list(_open_sources):
+        if source._trainer == me:
+            source.close()  # the DataLoader's own shutdown: the workers exit and are joined
+    # Any left is hung, or its DataLoader is still referenced and never told it to stop.
+    stuck = [w for trainer, w in _started_workers if trainer == me and w.is_alive()]
+    if stuck:
+        # torch's SIGCHLD handler would report the kill below as a worker failure.
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        for w in stuck:
+            w.kill()
+            w.join()
+
+
+atexit.register(_stop_all_workers)
+
+
 def _to_device(batch: Any, device: torch.device) -> Any:
     if isinstance(batch, torch.Tensor):
         return batch.to(device, non_blocking=True)
@@ -163,6 +249,9 @@ class WorkerSource:
         timeout_s: Give up waiting for a batch after this many seconds (``0``: never).
         device: Move each batch's tensors there (``non_blocking``: from pinned memory the
             copy to a GPU overlaps the step); default: leave them in host memory.
+        worker_init_fn: Called with the worker's id in each worker process as it starts,
+            after fvstep has made the worker ignore preemption signals (as
+            ``DataLoader``'s option; it must pickle for ``spawn``).
 
     Raises:
         ValueError: If ``num_workers < 0`` or ``prefetch < 1``.
@@ -189,6 +278,7 @@ class WorkerSource:
         multiprocessing_context: str | None = None,
         timeout_s: float = 0.0,
         device: torch.device | str | None = None,
+        worker_init_fn: Callable[[int], None] | None = None,
     ) -> None:
         self._dataset = dataset
         self._order = order
@@ -199,7 +289,9 @@ class WorkerSource:
         self._context = multiprocessing_context
         self._timeout = float(timeout_s)
         self._device = None if device is None else torch.device(device)
+        self._worker_init = worker_init_fn
         self._iter: Iterator[Any] | None = None
+        self._trainer = os.getpid()  # the process that started the workers
         self._next: tuple[int, int, int] | None = None
         self.restarts = 0  # how many DataLoaders were started (tests and benchmarks read it)
 
@@ -250,14 +342,27 @@ class WorkerSource:
             prefetch_factor=self._prefetch if workers else None,
             multiprocessing_context=self._context if workers else None,
             timeout=self._timeout if workers else 0,
+            worker_init_fn=_WorkerInit(self._worker_init) if workers else None,
         )
-        self._iter = iter(loader)
+        if workers:
+            before = {p.pid for p in multiprocessing.active_children()}
+            with _preemption_signals_held():
+                self._iter = iter(loader)  # starts the workers
+            started = [p for p in multiprocessing.active_children() if p.pid not in before]
+            self._trainer = os.getpid()
+            _started_workers[:] = [
+                (t, p) for t, p in _started_workers if t != self._trainer or p.is_alive()
+            ] + [(self._trainer, p) for p in started]
+            _open_sources.add(self)
+        else:
+            self._iter = iter(loader)
         self._next = (step, rank, world)
         self.restarts += 1
 
     def _stop(self) -> None:
         # Dropping the DataLoader's iterator shuts its workers down (its __del__ joins them).
         self._iter, self._next = None, None
+        _open_sources.discard(self)
 
     def batch(
         self, step: SupportsIndex, *, rank: SupportsIndex = 0, world_size: SupportsIndex = 1
@@ -371,7 +476,8 @@ def latent_source(
         drop_last: As :class:`BucketedOrder`.
         verify: Check the shards' page checksums on read (as :class:`LatentDataset`).
         **loader_options: More options of :class:`WorkerSource` (``prefetch``,
-            ``pin_memory``, ``multiprocessing_context``, ``timeout_s``, ``collate``).
+            ``pin_memory``, ``multiprocessing_context``, ``timeout_s``, ``collate``,
+            ``device``, ``worker_init_fn``).
 
     Returns:
         A :class:`WorkerSource`; close it (or use it in a ``with``) when done.
