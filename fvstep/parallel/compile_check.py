@@ -84,8 +84,12 @@ __all__ = [
 DEFAULT_RTOLS: dict[str, float] = {"fp32": 1e-3, "tf32": 1e-2, "bf16": 0.1, "fp16": 0.1}
 
 #: A parameter's gradient is measured against at least this fraction of the block's
-#: largest root-mean-square gradient (times the square root of its size).
-GRADIENT_FLOOR = 1e-3
+#: largest root-mean-square gradient (times the square root of its size). Wan's
+#: cross-attention ``attn2.to_k.bias`` has an exact-zero gradient (a bias on every key
+#: shifts all logits of a query alike): at 32,760 tokens in bf16 it is rounding noise of
+#: norm 17 whose eager and compiled draws differ by 15 %, and measured against itself it
+#: failed a correct compile; against 10 % of the block's scale it is 4e-2.
+GRADIENT_FLOOR = 0.1
 
 _TINY = torch.finfo(torch.float32).tiny
 
