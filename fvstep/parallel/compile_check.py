@@ -593,14 +593,14 @@ class CompileCheck:
         # by the compiled call the hook runs inside (see _pre_forward).
         hook = torch.compiler.disable(self._pre_forward, recursive=False)
         self._handle = block.register_forward_pre_hook(hook, with_kwargs=True)
-        _CHECKS.setdefault(block, []).append(self)
+        block.__dict__.setdefault(_CHECKS_ATTR, []).append(self)  # on the block, not global
 
     def remove(self) -> None:
         """Disarm the check (its reports stay readable here)."""
         self._handle.remove()
         block = self._block()
-        if block is not None and self in _CHECKS.get(block, []):
-            _CHECKS[block].remove(self)
+        if block is not None and self in block.__dict__.get(_CHECKS_ATTR, []):
+            block.__dict__[_CHECKS_ATTR].remove(self)
 
     def _begin(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -677,7 +677,8 @@ def _check_failed(name: str, error: Exception) -> RuntimeError:
 _begin = torch.compiler.disable(CompileCheck._begin)
 _conclude = torch.compiler.disable(CompileCheck._conclude)
 
-_CHECKS: weakref.WeakKeyDictionary[nn.Module, list[CompileCheck]] = weakref.WeakKeyDictionary()
+_CHECKS_ATTR = "_fvstep_compile_checks"
+"""Where a block keeps its installed checks (its ``__dict__``: no registry outside it)."""
 
 
 def install_compile_check(
@@ -741,4 +742,6 @@ def compile_check_reports(module: nn.Module) -> list[CompiledGradientReport]:
         >>> state, metrics = step(state, batch)
         >>> [r.describe()["worst_relative_error"] for r in compile_check_reports(student)]
     """
-    return [r for m in module.modules() for c in _CHECKS.get(m, []) for r in c.reports]
+    return [
+        r for m in module.modules() for c in m.__dict__.get(_CHECKS_ATTR, []) for r in c.reports
+    ]
