@@ -485,3 +485,46 @@ def test_on_two_ranks_a_wrong_gradient_on_one_rank_stops_both(ranks):
     mine, other = ranks.run(check_a_wrong_rank_stops_every_rank, [0])
     assert "blocks.0" in mine and "scale_shift_table has relative error 3e+04" in mine, mine
     assert "blocks.0" in other and "on another rank" in other, other
+
+
+class NormBlock(nn.Module):
+    """A block whose forward writes its own buffers (BatchNorm's running statistics)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.bn = nn.BatchNorm1d(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn(self.fc(x))
+
+
+class NormStack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            self.blocks = nn.ModuleList([NormBlock() for _ in range(2)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_the_check_puts_back_the_buffers_a_forward_writes():
+    """BatchNorm's running statistics and counter after a checked step are those of an
+    unchecked one (the check's two runs would otherwise update them twice more)."""
+
+    def run(verify: bool) -> dict[str, torch.Tensor]:
+        torch._dynamo.reset()
+        stack = prepare(NormStack(), compile=CPU_COMPILE, verify_compile=verify)
+        x = torch.randn(16, 8, generator=torch.Generator().manual_seed(5))
+        stack(x).square().sum().backward()
+        return {k: v.clone() for k, v in stack.state_dict().items()}
+
+    unchecked, checked = run(False), run(True)
+    assert checked["blocks.0.bn.num_batches_tracked"].item() == 1
+    assert all(torch.equal(unchecked[k], checked[k]) for k in unchecked), [
+        k for k in unchecked if not torch.equal(unchecked[k], checked[k])
+    ]

@@ -221,7 +221,7 @@ def test_a_users_worker_init_fn_runs_in_each_worker_after_fvsteps(dataset, tmp_p
     ) as data:
         data.batch(0)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["init-0", "init-1"]
-    assert {p.read_text() for p in tmp_path.iterdir()} == {json.dumps([True, True])}
+    assert {p.read_text() for p in tmp_path.iterdir()} == {json.dumps([True, True, True])}
 
 
 class _TouchFile:
@@ -231,5 +231,20 @@ class _TouchFile:
         self.folder = folder
 
     def __call__(self, worker_id: int) -> None:
-        ignored = [signal.getsignal(s) == signal.SIG_IGN for s in (signal.SIGINT, signal.SIGTERM)]
+        # fvstep's handler (it does nothing), not the defaults nor SIG_IGN
+        defaults = (signal.SIG_DFL, signal.SIG_IGN, signal.default_int_handler)
+        ignored = [signal.getsignal(s) not in defaults for s in (signal.SIGINT, signal.SIGTERM)]
+        # a process the dataset starts gets the default disposition back (exec resets a
+        # handler; SIG_IGN would be inherited, and its terminate() would do nothing)
+        child = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "import signal; print(signal.getsignal(signal.SIGTERM) == signal.SIG_DFL)",
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        ignored.append(child == "True")
         (self.folder / f"init-{worker_id}").write_text(json.dumps(ignored))

@@ -23,7 +23,8 @@ memory when a GPU is present:
   stops the others; with a bare process group they wait in the next collective until its
   timeout. To make that visible, a failing rank also prints one line with its rank to
   stderr at once.
-- Preemption: the workers ignore SIGINT and SIGTERM, so that a signal to the whole process
+- Preemption: the workers ignore SIGINT and SIGTERM (a handler that does nothing, so that
+  processes a dataset starts get the default disposition back at exec), so that a signal to the whole process
   group (what torchrun, ``kill -- -PGID``, SLURM and Ctrl-C in a terminal deliver) is
   handled by the trainer alone, which saves at the next step boundary (:func:`fvstep.run`)
   with its loader intact; before, the workers died and torch raised ``DataLoader worker
@@ -170,6 +171,10 @@ def _preemption_signals_held() -> Iterator[None]:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
+def _discard_preemption_signal(signum: int, frame: Any) -> None:
+    """A worker's SIGINT/SIGTERM handler: nothing; the trainer handles the preemption."""
+
+
 class _WorkerInit:
     """The workers' ``worker_init_fn``: ignore SIGINT and SIGTERM (see the module
     docstring), then run the user's ``worker_init_fn``, if any."""
@@ -179,9 +184,14 @@ class _WorkerInit:
 
     def __call__(self, worker_id: int) -> None:
         # A disposition holds for every thread of the process (a mask would not: importing
-        # torch starts a thread of its own), and setting it discards what is pending.
+        # torch starts a thread of its own). A handler that does nothing rather than
+        # SIG_IGN: an ignored signal stays ignored across exec, so a helper process the
+        # dataset starts (ffmpeg) would ignore terminate(); a handler is reset to the
+        # default at exec. siginterrupt(False): system calls it interrupts restart
+        # (SA_RESTART), so no read of a C extension sees EINTR.
         for signum in _PREEMPTION_SIGNALS:
-            signal.signal(signum, signal.SIG_IGN)
+            signal.signal(signum, _discard_preemption_signal)
+            signal.siginterrupt(signum, False)
         if hasattr(signal, "pthread_sigmask"):
             signal.pthread_sigmask(signal.SIG_UNBLOCK, _PREEMPTION_SIGNALS)
         if self.user is not None:

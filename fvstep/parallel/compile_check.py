@@ -330,6 +330,21 @@ def _cuda_devices(tensors: Sequence[torch.Tensor]) -> list[int]:
     )
 
 
+class _BufferState:
+    """Copies of a block's buffers (BatchNorm's running statistics, counters), put back
+    after each run: both runs start from the state the real call starts from, and the
+    real call finds it as it would have without the check."""
+
+    def __init__(self, buffers: Sequence[torch.Tensor]) -> None:
+        with torch.no_grad():
+            self.saved = [(b, b.detach().clone()) for b in buffers]
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for b, value in self.saved:
+                b.copy_(value)
+
+
 class _RngState:
     """The global CPU and CUDA RNG state, to give both runs the same draws (dropout) and
     to hand the real call the state it would have had without the check."""
@@ -379,8 +394,10 @@ class _Comparison:
         rtol: float | None,
         seed: int,
         arg_names: Sequence[str] | None,
+        buffers: Sequence[torch.Tensor] = (),
     ) -> None:
         self.block = block
+        self.buffers = _BufferState(buffers)
         self.start = time.perf_counter()
         self.params = [(n, p) for n, p in params.items() if p.requires_grad]
         named_inputs = _input_names(args, kwargs, arg_names)
@@ -395,6 +412,7 @@ class _Comparison:
                 outputs = _grad_outputs(eager(*eager_args, **eager_kwargs))
         except BaseException:
             self.rng.restore()
+            self.buffers.restore()
             raise
         key = fsrandom.key(seed)
         self.cotangents = [
@@ -411,6 +429,7 @@ class _Comparison:
         )
         del outputs  # the eager graph goes before the compiled one is built
         self.rng.restore()
+        self.buffers.restore()
         self.args, self.kwargs = _clone_inputs(args, kwargs)
 
     def _targets(self, args: Any, kwargs: Any) -> list[torch.Tensor]:
@@ -473,6 +492,7 @@ class _Comparison:
 
     def close(self) -> None:
         self.rng.restore()
+        self.buffers.restore()
         self.args = self.kwargs = None
         self.eager_grads = []
 
@@ -516,7 +536,10 @@ def compare_compiled_gradients(
     caller's draws are untouched), and are pulled back with the same cotangent, drawn
     from a generator seeded with ``seed``; ``torch.autograd.grad`` computes the gradients
     of ``params`` (those that require grad) and of the inputs that require grad, so no
-    ``.grad`` is written. A pure function of its arguments: nothing is left behind.
+    ``.grad`` is written; an ``eager`` module's buffers (BatchNorm's running statistics)
+    are put back after each run. A pure function of its arguments: nothing is left
+    behind, except what forward hooks of the block's submodules record (they fire once
+    per run).
 
     Args:
         eager: The block's eager forward (run with every ``torch.compile`` ignored:
@@ -547,7 +570,8 @@ def compare_compiled_gradients(
     """
     if arg_names is None and isinstance(eager, nn.Module):
         arg_names = _positional_names(type(eager).forward)
-    comparison = _start(eager, args, kwargs or {}, params, block, rtol, seed, arg_names)
+    buffers = list(eager.buffers()) if isinstance(eager, nn.Module) else []
+    comparison = _start(eager, args, kwargs or {}, params, block, rtol, seed, arg_names, buffers)
     try:
         return _finish(comparison, compiled(*comparison.args, **comparison.kwargs))
     finally:
@@ -614,7 +638,15 @@ class CompileCheck:
         if pattern in self._checked or not (any(pattern[0]) or any(pattern[1])):
             return None
         comparison = _Comparison(
-            module.forward, args, kwargs, params, self.name, self.rtol, self._seed, self._arg_names
+            module.forward,
+            args,
+            kwargs,
+            params,
+            self.name,
+            self.rtol,
+            self._seed,
+            self._arg_names,
+            list(module.buffers()),
         )
         return comparison, pattern
 
