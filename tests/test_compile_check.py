@@ -528,3 +528,45 @@ def test_the_check_puts_back_the_buffers_a_forward_writes():
     assert all(torch.equal(unchecked[k], checked[k]) for k in unchecked), [
         k for k in unchecked if not torch.equal(unchecked[k], checked[k])
     ]
+
+
+def test_a_lora_bases_check_compares_the_adapters_gradients_and_refuses_a_wrong_one():
+    """The adapters live in their LoRA role, outside the base's module tree, but compute
+    inside its blocks: their gradients are compared (block 0 of a frozen base has no
+    other gradient at all), and a wrong one is refused, naming the adapter."""
+    peft = pytest.importorskip("peft")
+    from fvstep.lora import add_adapters
+
+    def lora_state(backend: Any) -> fs.TrainState:
+        torch._dynamo.reset()
+        base = tiny_wan(seed=0)
+        config = peft.LoraConfig(
+            r=4, lora_alpha=8, target_modules=["to_q", "to_v"], init_lora_weights=False
+        )
+        student = add_adapters(base, {"student": config})["student"]
+        prepare(
+            base,
+            trainable=False,
+            frozen_dtype=None,
+            compile={"backend": backend},
+            verify_compile=True,
+        )
+        return fs.TrainState.create(
+            {
+                "student": fs.Role(student, optimizer=fs.optim.adamw(lr=1e-3)),
+                "base": fs.Role(base, save_frozen=False),
+            },
+            key=fs.random.key(0),
+        )
+
+    step = fs.compile(finetune())
+    batch = synthetic_batch(fs.random.key(1), batch_size=2)
+    state = lora_state("aot_eager")
+    state, _ = step(state, batch)
+    reports = compile_check_reports(state.roles["base"].role.module)
+    assert [r.block for r in reports] == ["blocks.0", "blocks.1"] and all(r.passed for r in reports)
+    assert "attn1.to_q.lora_A.student.weight" in [d.name for d in reports[0].differences]
+
+    state = lora_state(scaled_backward(shape=(4, 16)))  # lora_A: (r, in_features)
+    with pytest.raises(CompiledGradientError, match=r"blocks\.0 .*lora_A\.student\.weight"):
+        step(state, batch)

@@ -70,6 +70,7 @@ __all__ = [
     "CompiledGradientError",
     "CompiledGradientReport",
     "GradientDifference",
+    "block_parameters",
     "compare_compiled_gradients",
     "compile_check_reports",
     "default_rtol",
@@ -590,6 +591,29 @@ def _positional_names(forward: Callable[..., Any]) -> list[str]:
     return [p.name for p in parameters if p.kind in positional]
 
 
+def block_parameters(block: nn.Module) -> dict[str, torch.Tensor]:
+    """The parameters a block computes with: its own, and those of modules its submodules
+    hold outside the module tree (plain attributes, e.g. the adapters of
+    :func:`fvstep.lora.add_adapters`, which live in their LoRA role but compute inside the
+    base's layers), by name, so that a LoRA base's check compares the adapters' gradients.
+
+    Examples:
+        >>> [n for n in block_parameters(base.blocks[0]) if ".lora_A." in n][:1]
+        ['attn1.to_q.lora_A.student.weight']
+    """
+    params: dict[str, torch.Tensor] = dict(block.named_parameters())
+    seen = {id(p) for p in params.values()}
+    for prefix, sub in block.named_modules():
+        for attr, held in vars(sub).items():
+            if not isinstance(held, nn.Module):
+                continue
+            for name, p in held.named_parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    params[".".join(x for x in (prefix, attr, name) if x)] = p
+    return params
+
+
 _Pattern = tuple[tuple[bool, ...], tuple[bool, ...]]
 
 
@@ -629,7 +653,7 @@ class CompileCheck:
     def _begin(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[_Comparison, _Pattern] | None:
-        params = dict(module.named_parameters())  # under FSDP2: gathered, by their names
+        params = block_parameters(module)  # under FSDP2: gathered, by their names
         inputs = [t for _, t in _input_names(args, kwargs, None)]
         pattern = (
             tuple(p.requires_grad for p in params.values()),
