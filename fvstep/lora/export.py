@@ -146,8 +146,8 @@ def merge_weights(
     Each adapted weight becomes ``W + scaling * (B @ A)``, computed in fp32 and cast once
     to ``dtype`` (default :data:`MERGED_DTYPE`, fp32, whatever the base's dtype: a bf16
     merge rounds away the changes smaller than an ulp of ``W``, most of a LoRA's): the
-    merged model's outputs differ from the LoRA role's by rounding only. Names are the base model's own (peft's ``.base_layer``
-    removed), so ``type(base).from_config(base.config).load_state_dict(...)`` takes them.
+    merged model's outputs differ from the LoRA role's by rounding only. Names are the
+    base model's own (peft's ``.base_layer`` removed), so ``type(base).from_config(base.config).load_state_dict(...)`` takes them.
     Call it on every rank.
 
     Args:
