@@ -64,6 +64,9 @@ class WeightsCase:
 
     @property
     def started(self) -> bool:
+        """Whether the EMA has had an active update after :data:`NUM_STEPS` steps (the
+        cases trained by :func:`train`; a test training another number of steps must
+        not read it)."""
         return self.ema_start is not None and self.ema_start < NUM_STEPS
 
 
