@@ -32,6 +32,7 @@ from fvstep.executor import Checkpoints, run
 from fvstep.parallel.compile_check import (
     CompiledGradientError,
     CompiledGradientReport,
+    block_parameters,
     compare_compiled_gradients,
     install_compile_check,
     is_compiled_in_place,
@@ -288,7 +289,7 @@ def check_compiled_gradients(
             compiled,
             args,
             kwargs,
-            params=dict(module.named_parameters()),
+            params=block_parameters(module),
             block=type(module).__name__,
             rtol=rtol,
             seed=seed,
