@@ -60,17 +60,27 @@ def fill(state: fs.TrainState, step: int) -> None:
         state.extra["marker"].fill_(step)
 
 
+def report(line: str) -> None:
+    """Write ``line`` to stdout in one ``write`` of under ``PIPE_BUF`` bytes: atomic on a
+    pipe, so a SIGKILL cannot leave half a line for the server's next report to join
+    (``print`` writes the text and its newline apart when stdout is unbuffered, as under
+    ``PYTHONUNBUFFERED``: CI once read ``saved 3dead ...``)."""
+    data = f"{line}\n".encode()
+    assert len(data) < 512, line
+    os.write(sys.stdout.fileno(), data)
+
+
 def run_saver(root: str) -> None:
     """Save step 1, print ``ready``, then save steps 2, 3, ... forever."""
     state = make_state(1)
     start = time.perf_counter()
     ckpt.save(state, ckpt.checkpoint_dir(root, 1))
-    print(f"ready {os.getpid()} {time.perf_counter() - start:.4f}", flush=True)
+    report(f"ready {os.getpid()} {time.perf_counter() - start:.4f}")
     step = 2
     while True:
         fill(state, step)
         ckpt.save(state, ckpt.checkpoint_dir(root, step))
-        print(f"saved {step}", flush=True)
+        report(f"saved {step}")
         step += 1
 
 
@@ -93,9 +103,9 @@ def serve() -> None:
                 os._exit(code)
         _, status = os.waitpid(pid, 0)
         if os.WIFSIGNALED(status):
-            print(f"dead {pid} {os.WTERMSIG(status)}", flush=True)
+            report(f"dead {pid} {os.WTERMSIG(status)}")
         else:
-            print(f"exit {pid} {os.WEXITSTATUS(status)}", flush=True)
+            report(f"exit {pid} {os.WEXITSTATUS(status)}")
 
 
 if __name__ == "__main__":
