@@ -50,7 +50,7 @@ from fvstep.checkpoint import (
     list_complete,
     load,
     save,
-    store,
+    saving,
 )
 from fvstep.checkpoint.manifest import FORMAT_VERSION, MANIFEST_NAME, read_manifest
 from fvstep.testing import train_states
@@ -269,19 +269,19 @@ def async_round_trip_on_ranks(rank: int, world_size: int, root: str, slow_commit
     """Save in the background, update in place, close, load. With ``slow_commit_s``, rank
     0's commit (the rename into ``step_<n>``) is held back that long: a rank whose
     ``close()`` returned before the commit would then find no checkpoint to load."""
-    from fvstep.checkpoint import store
+    from fvstep.checkpoint import saving
 
     extra = {"per_rank": torch.tensor([rank]), "shared": torch.tensor([7])}
     state = wan_state(rank, sharded=True, extra=extra)
     expected = tree.clone(state)
-    publish = store._publish
+    publish = saving._publish
 
     def slow_publish(*args, **kwargs):
         time.sleep(slow_commit_s)  # widens the window of a race; synchronises nothing
         return publish(*args, **kwargs)
 
     if slow_commit_s and rank == 0:
-        store._publish = slow_publish
+        saving._publish = slow_publish
     try:
         with ckpt.AsyncSaver() as saver:
             saver.save(state, checkpoint_dir(root, 5))
@@ -290,7 +290,7 @@ def async_round_trip_on_ranks(rank: int, world_size: int, root: str, slow_commit
                     if x.is_floating_point():
                         x.add_(1.0)
     finally:
-        store._publish = publish  # the ranks outlive this test
+        saving._publish = publish  # the ranks outlive this test
     # AsyncSaver's contract: once close() returns, on any rank, the checkpoint is committed.
     committed = sorted(os.listdir(root))
     assert committed == ["step_000000005"], f"rank {rank}: after close(), {root} holds {committed}"
@@ -467,7 +467,7 @@ def test_a_crash_while_overwriting_leaves_a_loadable_latest(tmp_path, monkeypatc
     save(small_state(seed=1), checkpoint_dir(tmp_path, 1))
     path = save(small_state(seed=2), checkpoint_dir(tmp_path, 2))
     with monkeypatch.context() as m, contextlib.suppress(SimulatedKill):
-        m.setattr(store.shutil, "rmtree", rmtree_killed_midway)
+        m.setattr(saving.shutil, "rmtree", rmtree_killed_midway)
         save(small_state(seed=3), path, overwrite=True)
     found = latest(tmp_path)
     assert found is not None
@@ -752,7 +752,7 @@ def test_a_background_failure_surfaces_at_the_next_call(tmp_path, monkeypatch, s
     saver = ckpt.AsyncSaver()
     try:
         with monkeypatch.context() as m:
-            m.setattr(store, "_publish", fail_publish)
+            m.setattr(saving, "_publish", fail_publish)
             saver.save(state, checkpoint_dir(tmp_path, 1))
             with pytest.raises(CheckpointError, match="disk full while committing") as info:
                 if surfaces_at == "wait":

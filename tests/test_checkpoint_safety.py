@@ -37,7 +37,7 @@ from fvstep.checkpoint import (
     list_complete,
     load,
     save,
-    store,
+    saving,
 )
 from fvstep.checkpoint import fingerprint as fp
 from fvstep.checkpoint.manifest import MANIFEST_NAME, Manifest, NewerFormatError, read_manifest
@@ -400,7 +400,7 @@ def failing_manifest_write(self, directory):
 
 def install_failure(m: pytest.MonkeyPatch, where: str, code: int = errno.ENOSPC) -> None:
     if where == "dcp_save":
-        m.setattr(store.dcp, "save", failing_dcp_save)
+        m.setattr(saving.dcp, "save", failing_dcp_save)
     elif where == "shard_file":
         m.setattr(dcp_filesystem.FileSystem, "create_stream", failing_stream(code))
     else:

@@ -14,7 +14,8 @@ from torch import nn
 
 import fvstep as fs
 from fvstep import tree
-from fvstep.checkpoint.export import export_diffusers, export_role, gather_weights
+from fvstep.checkpoint.diffusers_export import export_diffusers
+from fvstep.checkpoint.export import export_role, gather_weights
 from fvstep.methods.finetune import flow_matching_loss
 from fvstep.models import predict, synthetic_batch, tiny_wan
 
@@ -336,7 +337,7 @@ def tiny_base_pipeline(path: Path) -> Path:
 
 
 def test_export_pipeline_loads_and_reproduces_the_in_training_sampler(tmp_path):
-    from fvstep.checkpoint.export import export_pipeline
+    from fvstep.checkpoint.diffusers_export import export_pipeline
     from fvstep.sampling import EulerSampler, decode_latents, sample
 
     base = tiny_base_pipeline(tmp_path / "base")
@@ -390,7 +391,7 @@ def test_export_pipeline_loads_and_reproduces_the_in_training_sampler(tmp_path):
 
 
 def test_export_pipeline_links_refuses_and_keeps_the_base_scheduler(tmp_path):
-    from fvstep.checkpoint.export import export_pipeline
+    from fvstep.checkpoint.diffusers_export import export_pipeline
 
     base = tiny_base_pipeline(tmp_path / "base")
     state = trained_state(1)
@@ -414,7 +415,7 @@ def test_export_pipeline_links_refuses_and_keeps_the_base_scheduler(tmp_path):
 
 def check_sharded_pipeline_export(rank: int, world_size: int, directory: str, base: str):
     from fvstep import parallel as fsp
-    from fvstep.checkpoint.export import export_pipeline
+    from fvstep.checkpoint.diffusers_export import export_pipeline
 
     mesh = fsp.make_mesh(device_type="cpu")
     state = make_state(fsp.shard_module(tiny_wan(seed=0), mesh=mesh))

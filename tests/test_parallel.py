@@ -19,7 +19,7 @@ import torch
 
 import fvstep
 from fvstep import parallel as fsp
-from fvstep.checkpoint import store
+from fvstep.checkpoint import saving
 from fvstep.checkpoint.layout import checkpoint_dir, fsync
 from fvstep.checkpoint.manifest import read_manifest
 
@@ -193,7 +193,7 @@ def test_the_executor_calls_no_torch_distributed():
 
 def test_a_checkpoint_records_the_installed_version(tmp_path):
     state = {"w": torch.arange(4.0)}
-    path = store.save(state, checkpoint_dir(tmp_path, 0))
+    path = saving.save(state, checkpoint_dir(tmp_path, 0))
     assert read_manifest(path).fvstep_version == importlib.metadata.version("fvstep")
 
 
@@ -202,7 +202,7 @@ def test_the_version_of_an_uninstalled_checkout_is_a_placeholder(monkeypatch):
         raise importlib.metadata.PackageNotFoundError(name)
 
     monkeypatch.setattr(importlib.metadata, "version", not_installed)
-    assert store._installed_version() == "0+unknown"
+    assert saving._installed_version() == "0+unknown"
 
 
 def test_fsync_flushes_files_and_directories():

@@ -315,7 +315,7 @@ def test_export_loads_back_with_a_strict_load_state_dict(tmp_path, weights):
 
 def test_export_diffusers_writes_every_name_of_a_tied_weight(tmp_path):
     diffusers = pytest.importorskip("diffusers")
-    from fvstep.checkpoint.export import export_diffusers
+    from fvstep.checkpoint.diffusers_export import export_diffusers
 
     class TiedModel(diffusers.ModelMixin, diffusers.ConfigMixin):
         @diffusers.configuration_utils.register_to_config

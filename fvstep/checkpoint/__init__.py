@@ -1,7 +1,8 @@
 """Checkpoints: DCP of the whole state pytree, atomic, optionally async, reshardable.
 
 - :func:`save` / :func:`load` — every rank calls them; ``load`` returns a new state.
-- :class:`AsyncSaver` — background saves with DCP's ``async_save``.
+- :class:`AsyncSaver` — background saves: a host copy of the state, written and committed
+  on a thread of its own.
 - :func:`latest`, :func:`list_complete`, :func:`checkpoint_dir`, :func:`prune` — the
   layout of a directory of checkpoints; "latest" never picks an incomplete one.
 - :func:`lock_dir` — the exclusive lock ``fvstep.run`` holds on a directory of checkpoints.
@@ -11,13 +12,17 @@
   :class:`CheckpointSkippedWarning` — ``fvstep.run`` resumed past a damaged checkpoint.
 - :func:`export_role`, :func:`export_diffusers` — one role's consolidated weights for
   inference; :func:`export_pipeline` — a complete diffusers pipeline folder (the trained
-  role or its EMA plus the base model's other parts) (``fvstep.checkpoint.export``).
+  role or its EMA plus the base model's other parts) (``fvstep.checkpoint.export``,
+  ``fvstep.checkpoint.diffusers_export``).
 - :func:`frozen_digest` — the digest by which a checkpoint that leaves a frozen base out
   (``Role(save_frozen=False)``) identifies it; ``load`` verifies it.
 """
 
-from fvstep.checkpoint.export import export_diffusers, export_pipeline, export_role
+from fvstep.checkpoint.async_saving import AsyncSaver
+from fvstep.checkpoint.diffusers_export import export_diffusers, export_pipeline
+from fvstep.checkpoint.export import export_role
 from fvstep.checkpoint.layout import checkpoint_dir, latest, list_complete, lock_dir, prune
+from fvstep.checkpoint.loading import load
 from fvstep.checkpoint.manifest import (
     FORMAT_VERSION,
     CheckpointError,
@@ -29,7 +34,7 @@ from fvstep.checkpoint.manifest import (
     frozen_digest,
     read_manifest,
 )
-from fvstep.checkpoint.store import AsyncSaver, load, save
+from fvstep.checkpoint.saving import save
 
 __all__ = [
     "FORMAT_VERSION",

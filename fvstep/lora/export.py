@@ -27,14 +27,8 @@ from typing import Any
 
 import torch
 
-from fvstep.checkpoint.export import (
-    _agree,
-    _config_json,
-    _diffusers_class,
-    _replace_dir,
-    _save_safetensors,
-    gather_weights,
-)
+from fvstep.checkpoint.diffusers_export import _config_json, _diffusers_class
+from fvstep.checkpoint.export import _agree, _replace_dir, _save_safetensors, gather_weights
 from fvstep.checkpoint.layout import fsync
 from fvstep.lora.adapters import LoRAModule, lora_layers
 from fvstep.parallel.ranks import rank_and_world

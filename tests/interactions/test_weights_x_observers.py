@@ -19,7 +19,8 @@ import torch
 from safetensors.torch import load_file
 
 import fvstep as fs
-from fvstep.checkpoint.export import export_diffusers, export_role, gather_weights
+from fvstep.checkpoint.diffusers_export import export_diffusers
+from fvstep.checkpoint.export import export_role, gather_weights
 from fvstep.models import tiny_wan
 from fvstep.validation import role_module, validation_loss
 from tests.interactions.cells import (

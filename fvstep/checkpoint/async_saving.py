@@ -1,0 +1,195 @@
+"""Background saves: :class:`AsyncSaver` stages a state, then writes and commits it on a thread.
+
+The write is :func:`fvstep.checkpoint.save`'s own (shards, then manifest, then the atomic
+rename, the outcome agreed between ranks), run on a background thread with a gloo group
+of its own; only the check of the target and the host copy of the state block the caller.
+
+Why not DCP's ``async_save``: its future never exposes the staged copy, so the manifest's
+checksums would have to be taken from the live state before it returns. 256 MiB on CPU,
+``python benchmarks/async_save_vs_dcp.py --mib 256 --rounds 7``: median blocking 0.099 s
+here vs 6.93 s with ``async_save`` (its ``DefaultStager`` alone: 0.11 s; checksums: 2.7-3.7 s).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fvstep.checkpoint.fingerprint import fingerprint, local_checks
+from fvstep.checkpoint.frozen import _split_frozen
+from fvstep.checkpoint.saving import _make_temp_dir, _refuse_nonfinite, _write
+from fvstep.parallel.ranks import rank_and_world
+from fvstep.tree import flatten_with_paths
+
+__all__ = ["AsyncSaver"]
+
+
+class _Stager:
+    """Copies a state's tensors to host memory, reusing its buffers from save to save.
+
+    DTensors are staged as DTensors with the same mesh and placements around a host copy
+    of their local shard (what DCP writes). From a GPU the copy goes to pinned memory,
+    asynchronously, and is synchronised once at the end.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def _host(self, path: str, local: torch.Tensor) -> torch.Tensor:
+        buf = self._buffers.get(path)
+        if buf is None or buf.shape != local.shape or buf.dtype != local.dtype:
+            pin = local.device.type == "cuda"
+            buf = torch.empty(local.shape, dtype=local.dtype, pin_memory=pin)
+            self._buffers[path] = buf
+        buf.copy_(local, non_blocking=local.device.type == "cuda")
+        return buf
+
+    def stage(self, paths: list[str], leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+        from torch.distributed.tensor import DTensor
+
+        staged: list[torch.Tensor] = []
+        for path, x in zip(paths, leaves):
+            if isinstance(x, DTensor):
+                host = self._host(path, x.to_local().detach())
+                staged.append(
+                    DTensor.from_local(
+                        host,
+                        x.device_mesh,
+                        x.placements,
+                        run_check=False,
+                        shape=x.shape,
+                        stride=x.stride(),
+                    )
+                )
+            else:
+                staged.append(self._host(path, x.detach()))
+        if any(x.device.type == "cuda" for x in leaves):
+            torch.cuda.synchronize()
+        return staged
+
+
+class AsyncSaver:
+    """Saves in the background; one save in flight at a time.
+
+    :meth:`save` blocks only to check the target and to *stage* the state — a host copy
+    of every tensor (pinned and asynchronous from a GPU; the buffers are reused from save
+    to save) — so the caller may update the state in place as soon as it returns. On a
+    GPU the content checksums are computed on the device before staging (milliseconds);
+    on a CPU they are computed in the background. DCP's write and the commit run on a
+    background thread, with a gloo process group of their own so that their collectives
+    never interleave with a training step's. A failure there (a full disk, a non-finite
+    leaf found by the background checksums) is raised, as a ``CheckpointError`` naming
+    the path, by the next :meth:`save`, :meth:`wait` or :meth:`close`.
+
+    Examples:
+        >>> with AsyncSaver() as saver:
+        ...     for step in ...:
+        ...         state, _ = step_fn(state, batch)
+        ...         saver.save(state, checkpoint_dir(root, int(state.step)))
+    """
+
+    def __init__(self, *, group: Any = None) -> None:
+        self._group = group
+        self._upload_group: Any = None
+        self._pending: concurrent.futures.Future[None] | None = None
+        self._stager = _Stager()
+        self._executor = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="fvstep-ckpt"
+        )
+
+    def _uploads(self) -> Any:
+        if self._upload_group is None and rank_and_world(self._group)[1] > 1:
+            self._upload_group = dist.new_group(backend="gloo")
+        return self._upload_group
+
+    def save(
+        self,
+        state: Any,
+        path: str | os.PathLike[str],
+        *,
+        overwrite: bool = False,
+        allow_nonfinite: bool = False,
+    ) -> None:
+        """Start saving ``state`` to ``path``; returns once the state has been staged.
+
+        Every rank calls it. A non-finite leaf is refused as by :func:`save`: on a GPU
+        the check runs with the checksums before staging, so this call raises; on a CPU
+        it runs with the checksums in the background, so the next :meth:`save`,
+        :meth:`wait` or :meth:`close` raises. Either way nothing non-finite is committed,
+        and a failed save leaves no ``.tmp-*`` directory.
+
+        Args:
+            state: The state to save; it may be updated in place once this returns.
+            path: The checkpoint directory to create.
+            overwrite: Replace an existing checkpoint at ``path``.
+            allow_nonfinite: Save a state with NaN or Inf values anyway.
+
+        Raises:
+            CheckpointError: If ``path`` exists and ``overwrite`` is false, or (on a GPU)
+                a leaf is not finite; or the failure of the previous background save.
+        """
+        self.wait()
+        upload_group = self._uploads()
+        final = Path(path)
+        paths, leaves, _ = flatten_with_paths(state)
+        step = int(getattr(state, "step", 0))
+        paths, leaves, frozen = _split_frozen(state, paths, leaves, final, self._group)
+        prints = None
+        if any(x.device.type == "cuda" for x in leaves):
+            sums, finite = local_checks(leaves, check_finite=not allow_nonfinite)
+            if not allow_nonfinite:
+                _refuse_nonfinite(paths, finite, step, final, self._group)
+            prints = fingerprint(paths, leaves, group=self._group, sums=sums)
+        tmp = _make_temp_dir(final, overwrite, self._group)
+        try:
+            staged = self._stager.stage(paths, leaves)
+        except Exception:
+            if rank_and_world(self._group)[0] == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        self._pending = self._executor.submit(
+            _write,
+            paths,
+            staged,
+            step,
+            final,
+            tmp,
+            overwrite,
+            upload_group,
+            prints,
+            allow_nonfinite,
+            frozen,
+        )
+
+    def wait(self) -> None:
+        """Wait for the save in flight; raise its error, if any.
+
+        Raises:
+            CheckpointError: The failure of the save in flight (naming its path).
+        """
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def close(self) -> None:
+        """Wait for the save in flight (raising its error) and stop the background thread.
+
+        Raises:
+            CheckpointError: The failure of the save in flight (naming its path).
+        """
+        try:
+            self.wait()
+        finally:
+            self._executor.shutdown(wait=True)
+
+    def __enter__(self) -> AsyncSaver:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,163 @@
+"""Load a whole state saved by :func:`fvstep.checkpoint.save`, verified, into a new state.
+
+The checkpoint's leaves are read by DCP into fresh tensors shaped like a given state
+(resharding DTensors to its layout; per-rank values back to their own rank), then their
+checksums are compared with the manifest's on every rank. Every outcome is agreed
+between ranks: a damaged shard of one rank makes every rank raise.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, TypeVar
+
+import optree
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from fvstep.checkpoint.fingerprint import fingerprint
+from fvstep.checkpoint.frozen import _check_frozen
+from fvstep.checkpoint.layout import list_complete
+from fvstep.checkpoint.manifest import (
+    CheckpointError,
+    DamagedCheckpointError,
+    Manifest,
+    read_manifest,
+)
+from fvstep.checkpoint.saving import _exc_text, _failure_text, _quiet_single_process, _rank_key
+from fvstep.parallel.ranks import min_over_ranks, rank_and_world
+from fvstep.tree import flatten_with_paths
+
+__all__ = ["load"]
+
+T = TypeVar("T")
+
+
+def _roles(paths: set[str]) -> set[str]:
+    return {p.split(".")[1] for p in paths if p.startswith("roles.")}
+
+
+def _check_fits(
+    manifest: Manifest, path: Path, paths: list[str], leaves: list[Any], world: int
+) -> None:
+    saved = set(manifest.leaves)
+    mine = set(paths)
+    if saved != mine:
+        missing, extra = sorted(mine - saved), sorted(saved - mine)
+        roles_saved, roles_mine = _roles(saved), _roles(mine)
+        hint = ""
+        if roles_mine - roles_saved:
+            hint += f" roles added since the save: {sorted(roles_mine - roles_saved)};"
+        if roles_saved - roles_mine:
+            hint += f" roles removed since the save: {sorted(roles_saved - roles_mine)};"
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} does not fit the state:{hint} leaves only in the state: "
+            f"{missing[:4]}{'...' if len(missing) > 4 else ''}; only in the checkpoint: "
+            f"{extra[:4]}{'...' if len(extra) > 4 else ''}"
+        )
+    for p, x in zip(paths, leaves):
+        entry = manifest.leaves[p]
+        dtype = str(x.dtype).removeprefix("torch.")
+        if entry["dtype"] != dtype or list(entry["shape"]) != list(x.shape):
+            raise CheckpointError(
+                f"checkpoint {str(path)!r}: leaf '{p}' was saved as {entry['dtype']}"
+                f"{tuple(entry['shape'])}, the state has {dtype}{tuple(x.shape)}"
+            )
+    if manifest.per_rank and manifest.world_size != world:
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} holds per-rank values ({sorted(manifest.per_rank)[:3]}) "
+            f"saved by {manifest.world_size} ranks; they cannot be loaded on {world}"
+        )
+
+
+def _empty_like(x: torch.Tensor) -> torch.Tensor:
+    new = torch.empty_like(x.detach())
+    if isinstance(x, torch.nn.Parameter):
+        return torch.nn.Parameter(new, requires_grad=x.requires_grad)
+    return new
+
+
+def load(path: str | os.PathLike[str], *, like: T, group: Any = None) -> T:
+    """Load the checkpoint at ``path`` into a *new* state shaped like ``like``.
+
+    ``like`` gives the structure, static metadata (modules, optimizers) and sharding; it
+    is not changed. The loaded leaves are fresh tensors: if anything fails — a missing
+    or truncated shard, a checksum mismatch — no state is returned and ``like`` and the
+    files are untouched. The returned state computes with the loaded values from its
+    first step on (``fvstep.state.adopt``). Loading on another world size reshards.
+
+    Frozen parameters that the checkpoint holds by checksum only (roles with
+    ``Role(save_frozen=False)``, :attr:`Manifest.frozen`) are not read: ``like``'s own
+    tensors are verified against those checksums and kept in the returned state.
+
+    Args:
+        path: A checkpoint directory (see :func:`fvstep.checkpoint.latest`).
+        like: A state of the same structure (e.g. the freshly created initial state).
+        group: The process group (default: the world).
+
+    Returns:
+        The loaded state.
+
+    Raises:
+        FileNotFoundError: If ``path`` does not exist.
+        DamagedCheckpointError: (a ``CheckpointError``) If ``path`` has no valid manifest,
+            a shard is missing or truncated, or the loaded content does not match the
+            manifest's checksums (on any rank: every rank raises).
+        CheckpointError: If ``path`` was written by a newer format
+            (``NewerFormatError``), or does not fit ``like`` (a role added or removed, a
+            shape or dtype changed, per-rank values on another world size), or if
+            ``like``'s frozen parameters saved by checksum differ from the checkpoint's
+            (another base model: naming the role and the first differing parameter).
+
+    Examples:
+        >>> state = load(latest(root), like=initial_state)
+    """
+    path = Path(path)
+    try:
+        manifest = read_manifest(path)
+    except CheckpointError:
+        if list_complete(path):
+            raise CheckpointError(
+                f"{str(path)!r} is a directory of checkpoints, not a checkpoint: "
+                "use fvstep.checkpoint.latest(root)"
+            ) from None
+        raise
+    rank, world = rank_and_world(group)
+    all_paths, all_leaves, spec = flatten_with_paths(like)
+    _check_frozen(manifest, path, all_paths, all_leaves, group)
+    keep = [i for i, p in enumerate(all_paths) if p not in manifest.frozen]
+    paths, leaves = [all_paths[i] for i in keep], [all_leaves[i] for i in keep]
+    _check_fits(manifest, path, paths, leaves, world)
+    fresh = [_empty_like(x) for x in leaves]
+    flat = {(_rank_key(p, rank) if p in manifest.per_rank else p): x for p, x in zip(paths, fresh)}
+    try:
+        with _quiet_single_process(world):
+            dcp.load(flat, checkpoint_id=path, process_group=group, no_dist=world == 1)
+    except (Exception, CheckpointException) as e:  # DCP's exception is a BaseException
+        detail = (
+            _failure_text(e) if getattr(e, "failures", None) else f"rank {rank}: {_exc_text(e)}"
+        )
+        raise DamagedCheckpointError(
+            f"could not read checkpoint {str(path)!r} (a shard missing or damaged?): {detail}"
+        ) from None
+    checksums, per_rank = fingerprint(paths, fresh, group=group)
+    bad = len(paths)
+    for i, p in enumerate(paths):
+        expected = manifest.per_rank[p][rank] if p in manifest.per_rank else manifest.checksums[p]
+        got = per_rank[p][rank] if p in per_rank else checksums.get(p)
+        if got != expected:
+            bad = i
+            break
+    # A per-rank value may be damaged on one rank only: all ranks must refuse it together.
+    bad = min_over_ranks([bad], group=group)[0]
+    if bad < len(paths):
+        raise DamagedCheckpointError(
+            f"checkpoint {str(path)!r}: the content of '{paths[bad]}' does not match the "
+            "manifest's checksum (the files were changed or damaged after the save)"
+        )
+    out = list(all_leaves)  # frozen leaves saved by checksum: the state's own, verified
+    for i, x in zip(keep, fresh):
+        out[i] = x
+    return optree.tree_unflatten(spec, out)  # type: ignore[return-value]
