@@ -31,7 +31,7 @@ import torch.distributed.checkpoint as dcp
 import fvstep.checkpoint as ckpt
 from fvstep.bench import common as c
 from fvstep.bench.checkpoint import build_state
-from fvstep.checkpoint import store
+from fvstep.checkpoint import saving
 from fvstep.checkpoint.fingerprint import fingerprint, local_checks
 from fvstep.tree import flatten_with_paths
 
@@ -74,8 +74,8 @@ def main() -> None:
         sums, finite = local_checks(leaves)
         assert all(finite)
         prints = fingerprint(paths, leaves, sums=sums)
-        tmp = store._make_temp_dir(d, False, None)
-        store._write(paths, leaves, int(state.step), d, tmp, False, None, prints=prints)
+        tmp = saving._make_temp_dir(d, False, None)
+        saving._write(paths, leaves, int(state.step), d, tmp, False, None, prints=prints)
 
     variants = {
         "dcp": dcp_alone,
