@@ -29,14 +29,13 @@ import attrs
 import torch
 
 from fvstep.executor import Checkpoints, run
-from fvstep.parallel.compile_check import (
-    CompiledGradientError,
-    CompiledGradientReport,
+from fvstep.parallel.compile_check import CompiledGradientError, CompiledGradientReport
+from fvstep.parallel.compile_check_hooks import (
     block_parameters,
-    compare_compiled_gradients,
     install_compile_check,
     is_compiled_in_place,
 )
+from fvstep.parallel.gradient_comparison import compare_compiled_gradients
 from fvstep.parallel.mesh import is_sharded
 from fvstep.state import TrainState
 from fvstep.tree import assert_trees_equal
@@ -305,9 +304,9 @@ def check_compiled_gradients(
             "to check them as they are"
         )
     if compiled_here:
-        from fvstep.parallel.prepare import _compile_kwargs  # prepare's own defaults
+        from fvstep.parallel.block_compile import resolve_compile_options  # prepare's defaults
 
-        module.compile(**(_compile_kwargs(True if compiled is None else compiled) or {}))
+        module.compile(**(resolve_compile_options(True if compiled is None else compiled) or {}))
         blocks = {type(module).__name__: module}
     checks = [install_compile_check(m, name=n, rtol=rtol, seed=seed) for n, m in blocks.items()]
     devices = sorted({p.device.index or 0 for p in module.parameters() if p.is_cuda})

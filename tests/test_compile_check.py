@@ -34,16 +34,15 @@ from fvstep import tree
 from fvstep.cli import main
 from fvstep.methods import dmd2, finetune
 from fvstep.models import synthetic_batch, tiny_wan
-from fvstep.parallel.compile_check import (
-    DEFAULT_RTOLS,
-    CompiledGradientError,
-    compare_compiled_gradients,
+from fvstep.parallel.block_compile import compile_counts
+from fvstep.parallel.compile_check import DEFAULT_RTOLS, CompiledGradientError, default_rtol
+from fvstep.parallel.compile_check_hooks import (
     compile_check_reports,
-    default_rtol,
     install_compile_check,
     is_compiled_in_place,
 )
-from fvstep.parallel.prepare import compile_counts, prepare
+from fvstep.parallel.gradient_comparison import compare_compiled_gradients
+from fvstep.parallel.prepare import prepare
 from fvstep.random import fold_in
 from fvstep.testing import check_compiled_gradients
 

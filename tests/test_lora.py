@@ -364,7 +364,7 @@ def test_compiled_lora_blocks_give_the_eager_gradients():
     # as eager, so the gradients are bitwise those of eager without checkpointing.
     import torch._dynamo.config as dynamo_config
 
-    from fvstep.parallel.prepare import RECOMPILE_LIMIT
+    from fvstep.parallel.block_compile import RECOMPILE_LIMIT
 
     torch._dynamo.reset()
     # From dynamo's default: the three cases in one process compile more graphs of one

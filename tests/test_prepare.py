@@ -24,14 +24,9 @@ from fvstep import tree
 from fvstep._compat import TorchDispatchMode
 from fvstep.methods import dmd2, finetune
 from fvstep.models import predict, synthetic_batch, tiny_wan
-from fvstep.parallel.prepare import (
-    ActivationCheckpointing,
-    block_names,
-    compile_counts,
-    is_checkpointed,
-    preparation,
-    prepare,
-)
+from fvstep.parallel.activation_checkpoint import ActivationCheckpointing, is_checkpointed
+from fvstep.parallel.block_compile import compile_counts
+from fvstep.parallel.prepare import block_names, preparation, prepare
 from fvstep.random import fold_in
 from tests.reference import dmd2_loop, shard_by_hand
 
@@ -310,18 +305,17 @@ def test_inductor_compiles_without_the_pass_that_breaks_wan_gradients():
     """pytorch/pytorch#193061: Inductor's mix-order reduction gave Wan's scale_shift_table
     gradients ~9000x off on an H200 at 32,760 tokens (docs/gpu.md); prepare turns it off
     for Inductor unless the caller's options say otherwise."""
-    from fvstep.parallel.prepare import SAFE_INDUCTOR_OPTIONS, _compile_kwargs
+    from fvstep.parallel.block_compile import SAFE_INDUCTOR_OPTIONS, resolve_compile_options
 
     assert SAFE_INDUCTOR_OPTIONS == {"triton.mix_order_reduction": False}
-    assert _compile_kwargs(True)["options"] == SAFE_INDUCTOR_OPTIONS
-    mine = _compile_kwargs({"options": {"max_autotune": True}})["options"]
+    assert resolve_compile_options(True)["options"] == SAFE_INDUCTOR_OPTIONS
+    mine = resolve_compile_options({"options": {"max_autotune": True}})["options"]
     assert mine == {**SAFE_INDUCTOR_OPTIONS, "max_autotune": True}
-    assert _compile_kwargs({"options": {"triton.mix_order_reduction": True}})["options"] == {
-        "triton.mix_order_reduction": True
-    }
-    assert "options" not in _compile_kwargs(CPU_COMPILE)
+    safe_off = {"options": {"triton.mix_order_reduction": True}}
+    assert resolve_compile_options(safe_off)["options"] == {"triton.mix_order_reduction": True}
+    assert "options" not in resolve_compile_options(CPU_COMPILE)
     # A mode becomes its options (torch.compile refuses both), still without the pass.
-    tuned = _compile_kwargs({"mode": "max-autotune"})
+    tuned = resolve_compile_options({"mode": "max-autotune"})
     assert "mode" not in tuned
     assert tuned["options"]["max_autotune"] is True
     assert tuned["options"]["triton.mix_order_reduction"] is False

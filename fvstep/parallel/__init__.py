@@ -11,11 +11,18 @@ Split by concern (as torchtitan's ``distributed/`` folder):
   :class:`~fvstep.sync.Parallelism` that ``fvstep.compile`` injects into the core;
 - :mod:`fvstep.parallel.prepare`: one call that prepares a role's module for real scale
   (:func:`prepare`: activation checkpointing, ``torch.compile`` per block, FSDP2/HSDP
-  with mixed precision and offload, frozen roles in bf16, the attention backend), and
-  :func:`compile_counts`;
+  with mixed precision and offload, frozen roles in bf16, the attention backend), built
+  from one module per step:
+  :mod:`fvstep.parallel.activation_checkpoint` (:class:`ActivationCheckpointing`),
+  :mod:`fvstep.parallel.block_compile` (compile options, the recompile limit,
+  :func:`compile_counts`) and :mod:`fvstep.parallel.precision` (casts at a role's
+  boundary, :data:`FULL_PRECISION_INPUTS`);
 - :mod:`fvstep.parallel.compile_check`: compiled gradients checked against eager ones,
-  block by block, before training on them (``prepare(..., verify_compile=True)``,
-  :func:`compare_compiled_gradients`, :class:`CompiledGradientError`,
+  block by block, before training on them (``prepare(..., verify_compile=True)``): the
+  verdict (:class:`CompiledGradientError`, :class:`CompiledGradientReport`, the
+  tolerances), the comparison of one block
+  (:mod:`fvstep.parallel.gradient_comparison`: :func:`compare_compiled_gradients`) and
+  the checks installed on compiled blocks (:mod:`fvstep.parallel.compile_check_hooks`:
   :func:`compile_check_reports`);
 - :mod:`fvstep.parallel.context`: context (sequence) parallelism with diffusers' Ulysses
   attention (:func:`make_context_mesh`, :func:`apply_context_parallel`,
@@ -42,13 +49,11 @@ Examples:
 
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
+from fvstep.parallel.activation_checkpoint import ActivationCheckpointing
+from fvstep.parallel.block_compile import compile_counts
 from fvstep.parallel.collectives import CollectiveCounter
-from fvstep.parallel.compile_check import (
-    CompiledGradientError,
-    CompiledGradientReport,
-    compare_compiled_gradients,
-    compile_check_reports,
-)
+from fvstep.parallel.compile_check import CompiledGradientError, CompiledGradientReport
+from fvstep.parallel.compile_check_hooks import compile_check_reports
 from fvstep.parallel.context import (
     ContextParallelData,
     ContextParallelism,
@@ -58,16 +63,11 @@ from fvstep.parallel.context import (
     data_parallel_rank_and_size,
     make_context_mesh,
 )
+from fvstep.parallel.gradient_comparison import compare_compiled_gradients
 from fvstep.parallel.launcher import destroy, init_from_env, launch
 from fvstep.parallel.mesh import ShardPolicy, blocks_policy, is_sharded, make_mesh, shard_module
-from fvstep.parallel.prepare import (
-    FULL_PRECISION_INPUTS,
-    ActivationCheckpointing,
-    Preparation,
-    compile_counts,
-    preparation,
-    prepare,
-)
+from fvstep.parallel.precision import FULL_PRECISION_INPUTS
+from fvstep.parallel.prepare import Preparation, preparation, prepare
 from fvstep.parallel.ranks import (
     barrier,
     broadcast_object,

@@ -1,18 +1,21 @@
 """Prepare a role's module for real scale: activation checkpointing, compile, FSDP2, precision.
 
-One call per role, composing PyTorch's own machinery in torchtitan's order:
+One call per role, composing PyTorch's own machinery in torchtitan's order, one concern a
+module:
 
-1. **activation checkpointing** per block (:class:`ActivationCheckpointing`: none, full,
-   every n-th block, or *selective*, op-level, saving the outputs of matmuls and
-   attention as torchtitan's selective AC does), through
-   ``torch.utils.checkpoint.checkpoint(use_reentrant=False, context_fn=...)``;
-2. ``torch.compile`` per block (``block.compile()``, in place);
+1. **activation checkpointing** per block (:mod:`fvstep.parallel.activation_checkpoint`:
+   none, full, every n-th block, or *selective*, op-level, saving the outputs of matmuls
+   and attention as torchtitan's selective AC does);
+2. ``torch.compile`` per block (:mod:`fvstep.parallel.block_compile`: ``block.compile()``,
+   in place, with bounded recompiles; :func:`~fvstep.parallel.block_compile.compile_counts`
+   reports what dynamo compiled);
 3. ``fully_shard`` per block and at the root (:func:`fvstep.parallel.shard_module`), with
    a ``MixedPrecisionPolicy`` and an optional ``CPUOffloadPolicy``; a 2-D mesh gives HSDP.
 
 Frozen roles (a DMD2 teacher) are cast to ``frozen_dtype`` (bf16 by default): no
-gradient, no optimizer state, half the memory. The diffusers attention backend is set
-when asked (``module.set_attention_backend``).
+gradient, no optimizer state, half the memory; activations are cast at the boundary
+(:mod:`fvstep.parallel.precision`). The diffusers attention backend is set when asked
+(``module.set_attention_backend``).
 
 **Names do not change.** Checkpointing is applied by giving each chosen block an
 instance ``forward`` that runs the class's forward under ``checkpoint`` (no
@@ -20,14 +23,6 @@ instance ``forward`` that runs the class's forward under ``checkpoint`` (no
 (no ``_orig_mod``): parameter names, and so fvstep's checkpoint keys, are those of the
 plain module whatever the options. A checkpoint saved with them loads without them and
 vice versa (tested).
-
-**Compiles are bounded.** fvstep turns other roles' ``requires_grad`` off while a unit
-runs, and a role is read with and without grad mode, so a block's graph is specialised
-on (grad mode, parameters' ``requires_grad``): at most three graphs for all blocks of all
-roles with the same code and shapes (``inline_inbuilt_nn_modules`` shares them across
-block instances), compiled with ``dynamic=False`` so that a second shape is a second
-graph rather than a slower, dynamic one. :func:`compile_counts` reports what dynamo
-compiled, so a benchmark can show it.
 
 Examples:
     >>> mesh = fvstep.parallel.make_mesh()
@@ -38,9 +33,6 @@ Examples:
 
 from __future__ import annotations
 
-import copy
-import functools
-import inspect
 from collections.abc import Callable, Collection, Mapping
 from typing import Any, Literal
 
@@ -49,104 +41,20 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from torch.utils.checkpoint import (
-    CheckpointPolicy,
-    checkpoint,
-    create_selective_checkpoint_contexts,
-)
 
-from fvstep import _compat as torch_compat
-from fvstep.parallel.compile_check import install_compile_check, resolve_rtol
+from fvstep.parallel.activation_checkpoint import (
+    ActivationCheckpointing,
+    CheckpointMode,
+    apply_activation_checkpointing,
+    resolve_checkpointing,
+)
+from fvstep.parallel.block_compile import apply_compile, resolve_compile_options
+from fvstep.parallel.compile_check import resolve_rtol
+from fvstep.parallel.compile_check_hooks import install_compile_check
 from fvstep.parallel.mesh import ShardPolicy, blocks_policy, is_sharded, shard_module
+from fvstep.parallel.precision import FULL_PRECISION_INPUTS, cast_at_boundary, store_in_dtype
 
-__all__ = [
-    "FULL_PRECISION_INPUTS",
-    "RECOMPILE_LIMIT",
-    "SAFE_INDUCTOR_OPTIONS",
-    "ActivationCheckpointing",
-    "Preparation",
-    "block_names",
-    "compile_counts",
-    "is_checkpointed",
-    "preparation",
-    "prepare",
-]
-
-CheckpointMode = Literal["none", "full", "selective"]
-
-_aten = torch.ops.aten
-#: Ops whose outputs selective checkpointing keeps (torchtitan's list, less collectives):
-#: matmuls and the attention kernels, whose recomputation costs the most FLOPs.
-DEFAULT_SAVE_OPS: frozenset[Any] = frozenset(
-    op
-    for op in (
-        getattr(_aten, "mm", None),
-        getattr(_aten, "addmm", None),
-        getattr(_aten, "bmm", None),
-        getattr(_aten, "baddbmm", None),
-        getattr(_aten, "_scaled_dot_product_efficient_attention", None),
-        getattr(_aten, "_scaled_dot_product_flash_attention", None),
-        getattr(_aten, "_scaled_dot_product_cudnn_attention", None),
-        getattr(_aten, "_scaled_dot_product_flash_attention_for_cpu", None),
-        getattr(_aten, "_flash_attention_forward", None),
-        getattr(_aten, "_efficient_attention_forward", None),
-    )
-    if op is not None
-)
-
-
-@attrs.frozen
-class ActivationCheckpointing:
-    """Which blocks recompute their activations in backward, and how much of them.
-
-    Attributes:
-        mode: ``"none"``; ``"full"`` (a block keeps only its inputs and recomputes its
-            whole forward in backward); ``"selective"`` (op-level: the outputs of
-            ``save_ops`` — matmuls and attention by default — are kept, everything else,
-            norms, activations, element-wise ops, is recomputed).
-        every: Checkpoint every ``every``-th block (blocks ``0, every, 2 * every, ...``);
-            ``1`` checkpoints all of them.
-        save_ops: For ``"selective"``: the ATen ops (``OpOverloadPacket`` or
-            ``OpOverload``) whose outputs are saved.
-
-    Raises:
-        ValueError: On an unknown mode or ``every < 1``.
-
-    Examples:
-        >>> ActivationCheckpointing("full", every=2)      # half the blocks, fully
-        >>> ActivationCheckpointing("selective")          # all blocks, matmuls kept
-    """
-
-    mode: CheckpointMode = "full"
-    every: int = 1
-    save_ops: frozenset[Any] = attrs.field(default=DEFAULT_SAVE_OPS, converter=frozenset)
-
-    def __attrs_post_init__(self) -> None:
-        if self.mode not in ("none", "full", "selective"):
-            raise ValueError(
-                f"activation checkpointing mode must be 'none', 'full' or 'selective', "
-                f"not {self.mode!r}"
-            )
-        if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
-            raise ValueError(f"every must be an int >= 1, not {self.every!r}")
-
-    def chooses(self, index: int) -> bool:
-        """Whether the ``index``-th block is checkpointed."""
-        return self.mode != "none" and index % self.every == 0
-
-    def context_fn(self) -> Callable[[], Any] | None:
-        """``checkpoint``'s ``context_fn`` for this mode (``None`` for full)."""
-        if self.mode != "selective":
-            return None
-        save = self.save_ops
-
-        def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-            packet = getattr(op, "overloadpacket", op)
-            if op in save or packet in save:
-                return CheckpointPolicy.MUST_SAVE
-            return CheckpointPolicy.PREFER_RECOMPUTE
-
-        return functools.partial(create_selective_checkpoint_contexts, policy)
+__all__ = ["Preparation", "block_names", "preparation", "prepare"]
 
 
 @attrs.frozen
@@ -216,212 +124,6 @@ def block_names(module: nn.Module, policy: ShardPolicy = blocks_policy) -> list[
     return [n for n, m in module.named_modules() if n and policy(n, m, parents.get(id(m)))]
 
 
-def _checkpointed_forward(
-    forward: Callable[..., Any],
-    context_fn: Callable[[], Any] | None,
-    compiled_context_fn: Callable[[], Any] | None,
-    *args: Any,
-    **kwargs: Any,
-) -> Any:
-    # Under torch.compile the recomputation is part of the compiled backward graph: no
-    # Python runs again, so a context that sets Python state back for it (``checkpoint_
-    # context``: a LoRA base's adapter flags) has nothing to do, and torch.compile accepts
-    # only selective checkpointing's dispatch modes as a context_fn.
-    if torch.compiler.is_compiling():
-        context_fn = compiled_context_fn
-    if context_fn is None:
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
-    return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
-
-
-def is_checkpointed(block: nn.Module) -> bool:
-    """Whether :func:`prepare` gave ``block`` a checkpointed forward."""
-    forward = block.__dict__.get("forward")
-    return isinstance(forward, functools.partial) and forward.func is _checkpointed_forward
-
-
-def _apply_checkpointing(
-    block: nn.Module,
-    ac: ActivationCheckpointing,
-    checkpoint_context: Callable[[Callable[[], Any] | None], Callable[[], Any]] | None = None,
-) -> None:
-    # The class's forward, bound to this block, run under checkpoint: an instance
-    # attribute, so nn.Module.__call__ (and compile, and FSDP2's hooks around it) sees it
-    # while the module tree, and so every parameter name, stays as it was.
-    original = type(block).forward.__get__(block)
-    compiled_context_fn = ac.context_fn()
-    context_fn = compiled_context_fn
-    if checkpoint_context is not None:
-        context_fn = checkpoint_context(compiled_context_fn)
-    block.forward = functools.partial(
-        _checkpointed_forward, original, context_fn, compiled_context_fn
-    )
-
-
-FULL_PRECISION_INPUTS: tuple[str, ...] = ("timestep", "timesteps", "t", "sigma", "sigmas")
-"""The forward arguments a boundary cast of :func:`prepare` leaves in full precision.
-
-Diffusion timesteps (and noise levels) by name, whatever their shape: a per-token
-timestep ``(B, S)`` (Wan2.2 TI2V) looks like an activation but rounds to a multiple of 4
-near 1000 in bf16. Pass ``prepare(..., full_precision_inputs=...)`` to extend it."""
-
-
-def _cast_tree(value: Any, dtype: torch.dtype, *, min_ndim: int = 0) -> Any:
-    if isinstance(value, torch.Tensor):
-        if value.is_floating_point() and value.ndim >= min_ndim and value.dtype != dtype:
-            return value.to(dtype)
-        return value
-    if isinstance(value, (tuple, list)):
-        items = [_cast_tree(v, dtype, min_ndim=min_ndim) for v in value]
-        if hasattr(value, "_fields"):  # a namedtuple takes its fields as arguments
-            return type(value)(*items)
-        return type(value)(items)
-    if isinstance(value, dict):
-        # keep the mapping's type: a diffusers ModelOutput (return_dict=True) stays one
-        out = copy.copy(value)
-        for k, v in value.items():
-            out[k] = _cast_tree(v, dtype, min_ndim=min_ndim)
-        return out
-    return value
-
-
-def _positional_names(module: nn.Module) -> tuple[str, ...]:
-    """The names of ``module.forward``'s positional parameters, in order (``()`` if unknown).
-
-    A module whose ``forward(*args, **kwargs)`` delegates to another (a
-    :class:`fvstep.lora.LoRAModule` calls its base) names them by its
-    ``forward_signature`` attribute, an ``inspect.Signature``.
-    """
-    signature = getattr(module, "forward_signature", None)
-    try:
-        if not isinstance(signature, inspect.Signature):
-            signature = inspect.signature(module.forward)
-        parameters = signature.parameters.values()
-    except (TypeError, ValueError):  # a builtin or an odd callable: fall back on ranks
-        return ()
-    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    return tuple(p.name for p in parameters if p.kind in kinds)
-
-
-def _cast_at_the_boundary(module: nn.Module, dtype: torch.dtype, keep: frozenset[str]) -> None:
-    # A role computing in bf16 stays a drop-in for callers in fp32 (with or without
-    # autocast, sharded or not): floating activations are cast to its dtype on the way
-    # in, its floating outputs back to the callers' dtype on the way out. Arguments named
-    # in ``keep`` (the model's ``timestep``) keep their precision whatever their shape:
-    # in bf16 a timestep near 1000 is rounded to a multiple of 4, and Wan2.2's per-token
-    # timesteps are (B, S), shaped like an activation. An argument with no known name
-    # (beyond the signature's positional ones) is judged by rank: 0-D and 1-D
-    # (per-sample scalars) are kept. FSDP2's own cast_forward_inputs casts everything,
-    # which is why prepare turns it off.
-    positional = _positional_names(module)
-    callers: list[torch.dtype | None] = []
-
-    def cast(name: str | None, value: Any) -> Any:
-        if name is not None and name in keep:
-            return value
-        return _cast_tree(value, dtype, min_ndim=2)
-
-    def caller_dtype(named: list[tuple[str | None, Any]]) -> torch.dtype | None:
-        for name, v in named:
-            kept = name is not None and name in keep
-            if isinstance(v, torch.Tensor) and v.is_floating_point() and v.ndim >= 2 and not kept:
-                return v.dtype
-        return None
-
-    def cast_in(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        names = [positional[i] if i < len(positional) else None for i in range(len(args))]
-        callers.append(caller_dtype([*zip(names, args), *kwargs.items()]))
-        return (
-            tuple(cast(n, v) for n, v in zip(names, args)),
-            {k: cast(k, v) for k, v in kwargs.items()},
-        )
-
-    def cast_out(mod: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
-        caller = callers.pop()  # also after an error (always_call): the stack stays balanced
-        return output if caller is None or output is None else _cast_tree(output, caller)
-
-    module.register_forward_pre_hook(cast_in, with_kwargs=True, prepend=True)
-    module.register_forward_hook(cast_out, with_kwargs=True, always_call=True)
-
-
-def _kept_in_fp32(module: nn.Module) -> set[str]:
-    """The qualified names of the tensors that diffusers keeps in fp32, for every model of
-    ``module``: the root's, or one inside a wrapper (``_keep_in_fp32_modules`` of each
-    submodule, matched against the names below it)."""
-    kept: set[str] = set()
-    for prefix, sub in module.named_modules():
-        keep = tuple(getattr(sub, "_keep_in_fp32_modules", None) or ())
-        if not keep:
-            continue
-        for name, tensor in [*sub.named_parameters(), *sub.named_buffers()]:
-            if tensor.is_floating_point() and any(k in name.split(".") for k in keep):
-                kept.add(f"{prefix}.{name}" if prefix else name)
-    return kept
-
-
-def _store_in(module: nn.Module, dtype: torch.dtype) -> None:
-    # diffusers models name the submodules that must stay fp32 (Wan: rope, time_embedder,
-    # scale_shift_table, norms); what from_pretrained(torch_dtype=...) keeps, keep here.
-    kept = _kept_in_fp32(module)
-    for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
-        if tensor.is_floating_point() and name not in kept:
-            tensor.data = tensor.data.to(dtype)
-
-
-def _as_checkpointing(
-    value: ActivationCheckpointing | CheckpointMode | None,
-) -> ActivationCheckpointing:
-    if value is None:
-        return ActivationCheckpointing("none")
-    if isinstance(value, ActivationCheckpointing):
-        return value
-    if isinstance(value, str):
-        return ActivationCheckpointing(value)
-    raise TypeError(
-        f"checkpointing must be 'none', 'full', 'selective' or an ActivationCheckpointing, "
-        f"not {type(value).__name__}"
-    )
-
-
-#: Inductor options every prepared block is compiled with (unless the caller overrides them).
-#: ``triton.mix_order_reduction`` (on by default since torch 2.10) computes silently wrong
-#: gradients for chained modulated norms whose shift/scale are chunks of one shared
-#: parameter — Wan's ``scale_shift_table`` — once batch x sequence exceeds ~16k tokens
-#: (pytorch/pytorch#193061). Measured on an H200 with torch 2.11 at 32,760 tokens
-#: (tests/gpu/compile_nan.py, docs/gpu.md): the compiled gradient of ``scale_shift_table``
-#: and ``time_proj`` was ~9000x the eager one, in fp32 too; DMD2 on 2 GPUs got NaN.
-SAFE_INDUCTOR_OPTIONS: dict[str, Any] = {"triton.mix_order_reduction": False}
-
-
-#: The least recompile limit (``torch._dynamo.config.recompile_limit``, default 8) that
-#: :func:`prepare` sets when it compiles. The blocks of every role it compiles share one
-#: code object (the block class's forward, or the checkpointed forward around it), and
-#: each (role, grad mode, input requires-grad) combination that reaches a block is a graph
-#: of it: full-weight DMD2 compiles 4, DMD2 over a LoRA base 7, and both in one process
-#: (a benchmark's two sides) 11, past the default.
-RECOMPILE_LIMIT = 64
-
-
-def _compile_kwargs(compile: bool | Mapping[str, Any]) -> dict[str, Any] | None:
-    if compile is False:
-        return None
-    if compile is not True and not isinstance(compile, Mapping):
-        raise TypeError(f"compile must be a bool or torch.compile options, not {compile!r}")
-    kwargs: dict[str, Any] = {"fullgraph": True, "dynamic": False}
-    if isinstance(compile, Mapping):
-        kwargs.update(compile)
-    if kwargs.get("backend", "inductor") == "inductor":
-        known = {
-            k: v for k, v in SAFE_INDUCTOR_OPTIONS.items() if torch_compat.inductor_has_option(k)
-        }
-        # torch.compile takes a mode or options, not both: a mode becomes its options, so
-        # that no mode can bring back the pass SAFE_INDUCTOR_OPTIONS turns off.
-        mode = kwargs.pop("mode", None)
-        by_mode = torch_compat.inductor_mode_options(mode) if mode is not None else {}
-        kwargs["options"] = {**by_mode, **known, **dict(kwargs.get("options") or {})}
-    return kwargs
-
-
 def prepare(
     module: nn.Module,
     *,
@@ -466,10 +168,11 @@ def prepare(
         compile: ``True`` for ``block.compile(fullgraph=True, dynamic=False)`` on each
             block, or a mapping of ``torch.compile`` arguments (e.g. ``{"backend":
             "aot_eager"}``) merged over those. With Inductor, the Inductor ``options``
-            (a ``mode`` is turned into its options) default to :data:`SAFE_INDUCTOR_OPTIONS`, which turn
-            off a pass that computes wrong gradients for Wan's blocks
-            (pytorch/pytorch#193061); an ``options`` mapping given here is merged over
-            them. Dynamo's recompile limit is raised to :data:`RECOMPILE_LIMIT` at
+            (a ``mode`` is turned into its options) default to
+            :data:`~fvstep.parallel.block_compile.SAFE_INDUCTOR_OPTIONS`, which turn off
+            a pass that computes wrong gradients for Wan's blocks (pytorch/pytorch#193061);
+            an ``options`` mapping given here is merged over them. Dynamo's recompile
+            limit is raised to :data:`~fvstep.parallel.block_compile.RECOMPILE_LIMIT` at
             least (a process-wide setting): every block of every compiled role shares one
             code object, so the default (8) is too few for DMD2 over a LoRA base.
         verify_compile: Check every compiled block's gradients against its eager ones
@@ -545,8 +248,8 @@ def prepare(
             f"{full_precision_inputs!r}; write ({full_precision_inputs!r},)"
         )
     keep = frozenset(full_precision_inputs)
-    ac = _as_checkpointing(checkpointing)
-    compile_kwargs = _compile_kwargs(compile)
+    ac = resolve_checkpointing(checkpointing)
+    compile_kwargs = resolve_compile_options(compile)
     verify_rtol = resolve_rtol(verify_compile)
     if verify_compile is not False and compile_kwargs is None:
         raise ValueError("verify_compile checks compiled blocks: it needs compile")
@@ -571,8 +274,8 @@ def prepare(
         setter(attention_backend)
     if not trainable:
         if frozen_dtype is not None:
-            _store_in(module, frozen_dtype)
-            _cast_at_the_boundary(module, frozen_dtype, keep)
+            store_in_dtype(module, frozen_dtype)
+            cast_at_boundary(module, frozen_dtype, full_precision_inputs=keep)
         module.requires_grad_(False)
     if context_mesh is not None:
         from fvstep.parallel.context import apply_context_parallel
@@ -580,17 +283,16 @@ def prepare(
         apply_context_parallel(module, mesh=context_mesh, mode=context_mode)
     if checkpoint_context is None:
         checkpoint_context = module.__dict__.get("_fvstep_checkpoint_context")
-    checkpointed = [n for i, n in enumerate(names) if ac.chooses(i)]
-    for name in checkpointed:
-        _apply_checkpointing(blocks[name], ac, checkpoint_context)
+    checkpointed = apply_activation_checkpointing(
+        {name: blocks[name] for name in names}, ac, checkpoint_context=checkpoint_context
+    )
     if compile_kwargs is not None:
-        torch_compat.raise_recompile_limit(RECOMPILE_LIMIT)
-        for name in names:
-            blocks[name].compile(**compile_kwargs)
-            if verify_compile is not False:  # a pre-hook: runs after FSDP2's (it prepends)
+        apply_compile([blocks[name] for name in names], compile_kwargs)
+        if verify_compile is not False:  # a pre-hook: runs after FSDP2's (it prepends)
+            for name in names:
                 install_compile_check(blocks[name], name=name, rtol=verify_rtol, mesh=mesh)
     if mesh is not None and param_dtype is not None and trainable:
-        _cast_at_the_boundary(module, param_dtype, keep)
+        cast_at_boundary(module, param_dtype, full_precision_inputs=keep)
     if mesh is not None:
         offload_policy: OffloadPolicy = CPUOffloadPolicy() if offload else OffloadPolicy()
         shard_module(
@@ -610,7 +312,7 @@ def prepare(
     record = Preparation(
         trainable=trainable,
         checkpointing=ac,
-        checkpointed_blocks=tuple(checkpointed),
+        checkpointed_blocks=checkpointed,
         compiled_blocks=tuple(names) if compile_kwargs is not None else (),
         sharded=mesh is not None,
         mesh_shape=tuple(zip(mesh.mesh_dim_names or (), mesh.shape, strict=False))
@@ -629,27 +331,3 @@ def prepare(
 def preparation(module: nn.Module) -> Preparation | None:
     """What :func:`prepare` did to ``module`` (``None`` if it was not prepared)."""
     return getattr(module, _PREPARATION_ATTR, None)
-
-
-def compile_counts() -> dict[str, int]:
-    """What dynamo compiled in this process so far: graphs and graph breaks.
-
-    Read from ``torch._dynamo.utils.counters`` (process-wide, as dynamo keeps them): take
-    the difference of two calls around the code of interest. Every graph past the first
-    of a block's code is a recompile; a prepared role's blocks share their graphs (at
-    most one per grad mode and ``requires_grad`` pattern and input shape).
-
-    Returns:
-        ``{"graphs": ..., "graph_breaks": ...}``.
-
-    Examples:
-        >>> before = compile_counts()
-        >>> state, metrics = step(state, batch)
-        >>> compile_counts()["graphs"] - before["graphs"]
-        3
-    """
-    counters = torch_compat.dynamo_counters()
-    return {
-        "graphs": int(counters.get("stats", {}).get("unique_graphs", 0)),
-        "graph_breaks": int(sum(counters.get("graph_break", {}).values())),
-    }

@@ -36,8 +36,10 @@ import torch
 
 from fvstep.bench.presets import PRESETS, build_model, make_batch
 from fvstep.models import predict
-from fvstep.parallel.compile_check import CompiledGradientError, compile_check_reports
-from fvstep.parallel.prepare import compile_counts, prepare
+from fvstep.parallel.block_compile import compile_counts
+from fvstep.parallel.compile_check import CompiledGradientError
+from fvstep.parallel.compile_check_hooks import compile_check_reports
+from fvstep.parallel.prepare import prepare
 
 
 def _sync(device: torch.device) -> None:

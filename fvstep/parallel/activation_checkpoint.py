@@ -1,0 +1,228 @@
+"""Activation checkpointing per block: which blocks recompute their activations, and how much.
+
+The first step of :func:`fvstep.parallel.prepare` (torchtitan's ``activation_checkpoint.py``):
+none, full, every n-th block, or *selective*, op-level, saving the outputs of matmuls and
+attention as torchtitan's selective AC does, through
+``torch.utils.checkpoint.checkpoint(use_reentrant=False, context_fn=...)``.
+
+**Names do not change.** A chosen block gets an instance ``forward`` that runs the
+class's forward under ``checkpoint`` (no ``checkpoint_wrapper`` module in the path), so
+parameter names, and so fvstep's checkpoint keys, are those of the plain module.
+
+Examples:
+    >>> ac = ActivationCheckpointing("selective")
+    >>> apply_activation_checkpointing({"blocks.0": block}, ac)
+    ('blocks.0',)
+    >>> is_checkpointed(block)
+    True
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
+
+import attrs
+import torch
+from torch import nn
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
+
+__all__ = [
+    "DEFAULT_SAVE_OPS",
+    "ActivationCheckpointing",
+    "CheckpointMode",
+    "apply_activation_checkpointing",
+    "is_checkpointed",
+    "resolve_checkpointing",
+]
+
+CheckpointMode = Literal["none", "full", "selective"]
+
+_aten = torch.ops.aten
+#: Ops whose outputs selective checkpointing keeps (torchtitan's list, less collectives):
+#: matmuls and the attention kernels, whose recomputation costs the most FLOPs.
+DEFAULT_SAVE_OPS: frozenset[Any] = frozenset(
+    op
+    for op in (
+        getattr(_aten, "mm", None),
+        getattr(_aten, "addmm", None),
+        getattr(_aten, "bmm", None),
+        getattr(_aten, "baddbmm", None),
+        getattr(_aten, "_scaled_dot_product_efficient_attention", None),
+        getattr(_aten, "_scaled_dot_product_flash_attention", None),
+        getattr(_aten, "_scaled_dot_product_cudnn_attention", None),
+        getattr(_aten, "_scaled_dot_product_flash_attention_for_cpu", None),
+        getattr(_aten, "_flash_attention_forward", None),
+        getattr(_aten, "_efficient_attention_forward", None),
+    )
+    if op is not None
+)
+
+
+@attrs.frozen
+class ActivationCheckpointing:
+    """Which blocks recompute their activations in backward, and how much of them.
+
+    Attributes:
+        mode: ``"none"``; ``"full"`` (a block keeps only its inputs and recomputes its
+            whole forward in backward); ``"selective"`` (op-level: the outputs of
+            ``save_ops`` — matmuls and attention by default — are kept, everything else,
+            norms, activations, element-wise ops, is recomputed).
+        every: Checkpoint every ``every``-th block (blocks ``0, every, 2 * every, ...``);
+            ``1`` checkpoints all of them.
+        save_ops: For ``"selective"``: the ATen ops (``OpOverloadPacket`` or
+            ``OpOverload``) whose outputs are saved.
+
+    Raises:
+        ValueError: On an unknown mode or ``every < 1``.
+
+    Examples:
+        >>> ActivationCheckpointing("full", every=2)      # half the blocks, fully
+        >>> ActivationCheckpointing("selective")          # all blocks, matmuls kept
+    """
+
+    mode: CheckpointMode = "full"
+    every: int = 1
+    save_ops: frozenset[Any] = attrs.field(default=DEFAULT_SAVE_OPS, converter=frozenset)
+
+    def __attrs_post_init__(self) -> None:
+        if self.mode not in ("none", "full", "selective"):
+            raise ValueError(
+                f"activation checkpointing mode must be 'none', 'full' or 'selective', "
+                f"not {self.mode!r}"
+            )
+        if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
+            raise ValueError(f"every must be an int >= 1, not {self.every!r}")
+
+    def chooses(self, index: int) -> bool:
+        """Whether the ``index``-th block is checkpointed."""
+        return self.mode != "none" and index % self.every == 0
+
+    def context_fn(self) -> Callable[[], Any] | None:
+        """``checkpoint``'s ``context_fn`` for this mode (``None`` for full)."""
+        if self.mode != "selective":
+            return None
+        save = self.save_ops
+
+        def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+            packet = getattr(op, "overloadpacket", op)
+            if op in save or packet in save:
+                return CheckpointPolicy.MUST_SAVE
+            return CheckpointPolicy.PREFER_RECOMPUTE
+
+        return functools.partial(create_selective_checkpoint_contexts, policy)
+
+
+def resolve_checkpointing(
+    value: ActivationCheckpointing | CheckpointMode | None,
+) -> ActivationCheckpointing:
+    """The :class:`ActivationCheckpointing` that ``prepare(..., checkpointing=value)`` means.
+
+    Args:
+        value: ``None`` (no checkpointing), a mode name, or an
+            :class:`ActivationCheckpointing` (returned as it is).
+
+    Returns:
+        The checkpointing choice.
+
+    Raises:
+        TypeError: If ``value`` is none of these.
+        ValueError: On an unknown mode name.
+
+    Examples:
+        >>> resolve_checkpointing("full").mode
+        'full'
+    """
+    if value is None:
+        return ActivationCheckpointing("none")
+    if isinstance(value, ActivationCheckpointing):
+        return value
+    if isinstance(value, str):
+        return ActivationCheckpointing(value)
+    raise TypeError(
+        f"checkpointing must be 'none', 'full', 'selective' or an ActivationCheckpointing, "
+        f"not {type(value).__name__}"
+    )
+
+
+def _checkpointed_forward(
+    forward: Callable[..., Any],
+    context_fn: Callable[[], Any] | None,
+    compiled_context_fn: Callable[[], Any] | None,
+    *args: Any,
+    **kwargs: Any,
+) -> Any:
+    # Under torch.compile the recomputation is part of the compiled backward graph: no
+    # Python runs again, so a context that sets Python state back for it (``checkpoint_
+    # context``: a LoRA base's adapter flags) has nothing to do, and torch.compile accepts
+    # only selective checkpointing's dispatch modes as a context_fn.
+    if torch.compiler.is_compiling():
+        context_fn = compiled_context_fn
+    if context_fn is None:
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+    return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+
+
+def is_checkpointed(block: nn.Module) -> bool:
+    """Whether :func:`fvstep.parallel.prepare` gave ``block`` a checkpointed forward."""
+    forward = block.__dict__.get("forward")
+    return isinstance(forward, functools.partial) and forward.func is _checkpointed_forward
+
+
+def _checkpoint_block(
+    block: nn.Module,
+    ac: ActivationCheckpointing,
+    checkpoint_context: Callable[[Callable[[], Any] | None], Callable[[], Any]] | None,
+) -> None:
+    # The class's forward, bound to this block, run under checkpoint: an instance
+    # attribute, so nn.Module.__call__ (and compile, and FSDP2's hooks around it) sees it
+    # while the module tree, and so every parameter name, stays as it was.
+    original = type(block).forward.__get__(block)
+    compiled_context_fn = ac.context_fn()
+    context_fn = compiled_context_fn
+    if checkpoint_context is not None:
+        context_fn = checkpoint_context(compiled_context_fn)
+    block.forward = functools.partial(
+        _checkpointed_forward, original, context_fn, compiled_context_fn
+    )
+
+
+def apply_activation_checkpointing(
+    blocks: Mapping[str, nn.Module],
+    ac: ActivationCheckpointing,
+    *,
+    checkpoint_context: Callable[[Callable[[], Any] | None], Callable[[], Any]] | None = None,
+) -> tuple[str, ...]:
+    """Give each block that ``ac`` chooses a forward that runs under ``checkpoint``.
+
+    In place: each chosen block gets an instance ``forward`` (the class's, run under
+    ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``); the module tree and the
+    parameter names stay as they were. Under ``no_grad`` a checkpointed block just runs
+    its forward.
+
+    Args:
+        blocks: The blocks by qualified name, in module order (``ac.every`` counts them).
+        ac: Which blocks, and full or selective.
+        checkpoint_context: ``context_fn -> context_fn``: wraps the checkpointing context
+            of every checkpointed block (``None`` for full, selective's otherwise), for
+            modules whose recomputation needs state set back (a LoRA base:
+            :func:`fvstep.lora.recompute_context`). Not used under ``torch.compile``,
+            whose recomputation runs no Python.
+
+    Returns:
+        The qualified names of the checkpointed blocks, in order.
+
+    Examples:
+        >>> apply_activation_checkpointing(dict(model.blocks.named_children()),
+        ...                                ActivationCheckpointing("full", every=2))
+        ('0', '2')
+    """
+    chosen = tuple(name for i, name in enumerate(blocks) if ac.chooses(i))
+    for name in chosen:
+        _checkpoint_block(blocks[name], ac, checkpoint_context)
+    return chosen

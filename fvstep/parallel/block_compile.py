@@ -1,0 +1,138 @@
+"""``torch.compile`` per block: the options, the recompile limit, and what dynamo compiled.
+
+The second step of :func:`fvstep.parallel.prepare` (torchtitan's ``compile.py``): each
+block is compiled in place (``block.compile()``, no ``_orig_mod``: parameter names do not
+change), with ``fullgraph=True, dynamic=False`` and, under Inductor,
+:data:`SAFE_INDUCTOR_OPTIONS`.
+
+**Compiles are bounded.** fvstep turns other roles' ``requires_grad`` off while a unit
+runs, and a role is read with and without grad mode, so a block's graph is specialised
+on (grad mode, parameters' ``requires_grad``): at most three graphs for all blocks of all
+roles with the same code and shapes (``inline_inbuilt_nn_modules`` shares them across
+block instances), compiled with ``dynamic=False`` so that a second shape is a second
+graph rather than a slower, dynamic one. :func:`compile_counts` reports what dynamo
+compiled, so a benchmark can show it.
+
+Examples:
+    >>> apply_compile(model.blocks, resolve_compile_options(True))
+    >>> before = compile_counts()
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from torch import nn
+
+from fvstep import _compat as torch_compat
+
+__all__ = [
+    "RECOMPILE_LIMIT",
+    "SAFE_INDUCTOR_OPTIONS",
+    "apply_compile",
+    "compile_counts",
+    "resolve_compile_options",
+]
+
+#: Inductor options every prepared block is compiled with (unless the caller overrides them).
+#: ``triton.mix_order_reduction`` (on by default since torch 2.10) computes silently wrong
+#: gradients for chained modulated norms whose shift/scale are chunks of one shared
+#: parameter — Wan's ``scale_shift_table`` — once batch x sequence exceeds ~16k tokens
+#: (pytorch/pytorch#193061). Measured on an H200 with torch 2.11 at 32,760 tokens
+#: (tests/gpu/compile_nan.py, docs/gpu.md): the compiled gradient of ``scale_shift_table``
+#: and ``time_proj`` was ~9000x the eager one, in fp32 too; DMD2 on 2 GPUs got NaN.
+SAFE_INDUCTOR_OPTIONS: dict[str, Any] = {"triton.mix_order_reduction": False}
+
+
+#: The least recompile limit (``torch._dynamo.config.recompile_limit``, default 8) that
+#: :func:`fvstep.parallel.prepare` sets when it compiles. The blocks of every role it
+#: compiles share one code object (the block class's forward, or the checkpointed forward
+#: around it), and each (role, grad mode, input requires-grad) combination that reaches a
+#: block is a graph of it: full-weight DMD2 compiles 4, DMD2 over a LoRA base 7, and both
+#: in one process (a benchmark's two sides) 11, past the default.
+RECOMPILE_LIMIT = 64
+
+
+def resolve_compile_options(compile: bool | Mapping[str, Any]) -> dict[str, Any] | None:
+    """The ``torch.compile`` arguments that ``prepare(..., compile=compile)`` compiles with.
+
+    ``fullgraph=True, dynamic=False``, with the caller's mapping merged over them. With
+    Inductor (the default backend) the Inductor ``options`` default to
+    :data:`SAFE_INDUCTOR_OPTIONS` (those this torch knows), with a ``mode`` turned into
+    its options and the caller's ``options`` merged over both.
+
+    Args:
+        compile: ``False`` (no compile), ``True`` (the defaults), or a mapping of
+            ``torch.compile`` arguments.
+
+    Returns:
+        The keyword arguments of ``block.compile``, or ``None`` for ``False``.
+
+    Raises:
+        TypeError: If ``compile`` is neither a bool nor a mapping.
+
+    Examples:
+        >>> resolve_compile_options({"backend": "aot_eager"})
+        {'fullgraph': True, 'dynamic': False, 'backend': 'aot_eager'}
+    """
+    if compile is False:
+        return None
+    if compile is not True and not isinstance(compile, Mapping):
+        raise TypeError(f"compile must be a bool or torch.compile options, not {compile!r}")
+    kwargs: dict[str, Any] = {"fullgraph": True, "dynamic": False}
+    if isinstance(compile, Mapping):
+        kwargs.update(compile)
+    if kwargs.get("backend", "inductor") == "inductor":
+        known = {
+            k: v for k, v in SAFE_INDUCTOR_OPTIONS.items() if torch_compat.inductor_has_option(k)
+        }
+        # torch.compile takes a mode or options, not both: a mode becomes its options, so
+        # that no mode can bring back the pass SAFE_INDUCTOR_OPTIONS turns off.
+        mode = kwargs.pop("mode", None)
+        by_mode = torch_compat.inductor_mode_options(mode) if mode is not None else {}
+        kwargs["options"] = {**by_mode, **known, **dict(kwargs.get("options") or {})}
+    return kwargs
+
+
+def apply_compile(blocks: Iterable[nn.Module], options: Mapping[str, Any]) -> None:
+    """Compile each block in place with ``options``, the recompile limit raised first.
+
+    Dynamo's recompile limit is raised to :data:`RECOMPILE_LIMIT` at least (a
+    process-wide setting): every block of every compiled role shares one code object.
+    ``block.compile()`` compiles in place, so parameter names do not change.
+
+    Args:
+        blocks: The blocks to compile.
+        options: ``block.compile``'s keyword arguments (:func:`resolve_compile_options`).
+
+    Examples:
+        >>> apply_compile(model.blocks, resolve_compile_options({"backend": "aot_eager"}))
+    """
+    torch_compat.raise_recompile_limit(RECOMPILE_LIMIT)
+    for block in blocks:
+        block.compile(**options)
+
+
+def compile_counts() -> dict[str, int]:
+    """What dynamo compiled in this process so far: graphs and graph breaks.
+
+    Read from ``torch._dynamo.utils.counters`` (process-wide, as dynamo keeps them): take
+    the difference of two calls around the code of interest. Every graph past the first
+    of a block's code is a recompile; a prepared role's blocks share their graphs (at
+    most one per grad mode and ``requires_grad`` pattern and input shape).
+
+    Returns:
+        ``{"graphs": ..., "graph_breaks": ...}``.
+
+    Examples:
+        >>> before = compile_counts()
+        >>> state, metrics = step(state, batch)
+        >>> compile_counts()["graphs"] - before["graphs"]
+        3
+    """
+    counters = torch_compat.dynamo_counters()
+    return {
+        "graphs": int(counters.get("stats", {}).get("unique_graphs", 0)),
+        "graph_breaks": int(sum(counters.get("graph_break", {}).values())),
+    }

@@ -1,0 +1,185 @@
+"""Precision at a role's boundary: frozen roles stored in bf16, activations cast in and out.
+
+What :func:`fvstep.parallel.prepare` does for a role that computes in another dtype than
+its callers (a frozen role in ``frozen_dtype``, or FSDP2's ``param_dtype``):
+
+- :func:`store_in_dtype`: the module's floating tensors are stored in the dtype, except
+  the ones diffusers keeps in fp32 (``_keep_in_fp32_modules``: Wan's rope,
+  time embedder, ``scale_shift_table``, norms), as ``from_pretrained(torch_dtype=...)``
+  keeps them;
+- :func:`cast_at_boundary`: floating activations are cast to the dtype on the way in and
+  the outputs back to the caller's dtype on the way out, so that fp32 callers need no
+  change; the inputs named in :data:`FULL_PRECISION_INPUTS` (timesteps) and unnamed
+  0-D/1-D inputs keep their precision.
+
+Examples:
+    >>> store_in_dtype(teacher, torch.bfloat16)
+    >>> cast_at_boundary(teacher, torch.bfloat16)
+    >>> teacher(x_fp32, t_fp32).dtype
+    torch.float32
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from collections.abc import Collection
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["FULL_PRECISION_INPUTS", "cast_at_boundary", "store_in_dtype"]
+
+FULL_PRECISION_INPUTS: tuple[str, ...] = ("timestep", "timesteps", "t", "sigma", "sigmas")
+"""The forward arguments a boundary cast of :func:`fvstep.parallel.prepare` leaves in full precision.
+
+Diffusion timesteps (and noise levels) by name, whatever their shape: a per-token
+timestep ``(B, S)`` (Wan2.2 TI2V) looks like an activation but rounds to a multiple of 4
+near 1000 in bf16. Pass ``prepare(..., full_precision_inputs=...)`` to extend it."""
+
+
+def _cast_tree(value: Any, dtype: torch.dtype, *, min_ndim: int = 0) -> Any:
+    if isinstance(value, torch.Tensor):
+        if value.is_floating_point() and value.ndim >= min_ndim and value.dtype != dtype:
+            return value.to(dtype)
+        return value
+    if isinstance(value, (tuple, list)):
+        items = [_cast_tree(v, dtype, min_ndim=min_ndim) for v in value]
+        if hasattr(value, "_fields"):  # a namedtuple takes its fields as arguments
+            return type(value)(*items)
+        return type(value)(items)
+    if isinstance(value, dict):
+        # keep the mapping's type: a diffusers ModelOutput (return_dict=True) stays one
+        out = copy.copy(value)
+        for k, v in value.items():
+            out[k] = _cast_tree(v, dtype, min_ndim=min_ndim)
+        return out
+    return value
+
+
+def _positional_names(module: nn.Module) -> tuple[str, ...]:
+    """The names of ``module.forward``'s positional parameters, in order (``()`` if unknown).
+
+    A module whose ``forward(*args, **kwargs)`` delegates to another (a
+    :class:`fvstep.lora.LoRAModule` calls its base) names them by its
+    ``forward_signature`` attribute, an ``inspect.Signature``.
+    """
+    signature = getattr(module, "forward_signature", None)
+    try:
+        if not isinstance(signature, inspect.Signature):
+            signature = inspect.signature(module.forward)
+        parameters = signature.parameters.values()
+    except (TypeError, ValueError):  # a builtin or an odd callable: fall back on ranks
+        return ()
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return tuple(p.name for p in parameters if p.kind in kinds)
+
+
+def cast_at_boundary(
+    module: nn.Module,
+    dtype: torch.dtype,
+    *,
+    full_precision_inputs: Collection[str] = FULL_PRECISION_INPUTS,
+) -> None:
+    """Cast ``module``'s floating activations to ``dtype`` on the way in, back on the way out.
+
+    Two hooks on ``module``: a forward pre-hook (prepended) casts floating inputs of 2-D
+    and more to ``dtype``; a forward hook (``always_call``) casts floating outputs back to
+    the dtype of the caller's first such input. A role computing in bf16 stays a drop-in
+    for callers in fp32, with or without autocast, sharded or not. FSDP2's own
+    ``cast_forward_inputs`` casts everything, which is why :func:`fvstep.parallel.prepare`
+    turns it off.
+
+    Args:
+        module: The role's module (hooked in place).
+        dtype: The dtype it computes in.
+        full_precision_inputs: Names of ``module.forward``'s arguments never cast,
+            whatever their shape, positional or keyword (default
+            :data:`FULL_PRECISION_INPUTS`). Positional arguments are named by the
+            signature (or the module's ``forward_signature``); an argument with no known
+            name is judged by rank: 0-D and 1-D (per-sample scalars) are kept.
+
+    Raises:
+        TypeError: If ``full_precision_inputs`` is a string, not a collection of names.
+
+    Examples:
+        >>> cast_at_boundary(teacher, torch.bfloat16)
+        >>> teacher(x_fp32, timestep=t_fp32).dtype   # t reached the model in fp32
+        torch.float32
+    """
+    # In bf16 a timestep near 1000 is rounded to a multiple of 4, and Wan2.2's per-token
+    # timesteps are (B, S), shaped like an activation: hence names, not shapes, decide.
+    if isinstance(full_precision_inputs, str):
+        raise TypeError(
+            "full_precision_inputs must be a collection of argument names, got the string "
+            f"{full_precision_inputs!r}; write ({full_precision_inputs!r},)"
+        )
+    keep = frozenset(full_precision_inputs)
+    positional = _positional_names(module)
+    callers: list[torch.dtype | None] = []
+
+    def cast(name: str | None, value: Any) -> Any:
+        if name is not None and name in keep:
+            return value
+        return _cast_tree(value, dtype, min_ndim=2)
+
+    def caller_dtype(named: list[tuple[str | None, Any]]) -> torch.dtype | None:
+        for name, v in named:
+            kept = name is not None and name in keep
+            if isinstance(v, torch.Tensor) and v.is_floating_point() and v.ndim >= 2 and not kept:
+                return v.dtype
+        return None
+
+    def cast_in(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        names = [positional[i] if i < len(positional) else None for i in range(len(args))]
+        callers.append(caller_dtype([*zip(names, args), *kwargs.items()]))
+        return (
+            tuple(cast(n, v) for n, v in zip(names, args)),
+            {k: cast(k, v) for k, v in kwargs.items()},
+        )
+
+    def cast_out(mod: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
+        caller = callers.pop()  # also after an error (always_call): the stack stays balanced
+        return output if caller is None or output is None else _cast_tree(output, caller)
+
+    module.register_forward_pre_hook(cast_in, with_kwargs=True, prepend=True)
+    module.register_forward_hook(cast_out, with_kwargs=True, always_call=True)
+
+
+def _kept_in_fp32(module: nn.Module) -> set[str]:
+    """The qualified names of the tensors that diffusers keeps in fp32, for every model of
+    ``module``: the root's, or one inside a wrapper (``_keep_in_fp32_modules`` of each
+    submodule, matched against the names below it)."""
+    kept: set[str] = set()
+    for prefix, sub in module.named_modules():
+        keep = tuple(getattr(sub, "_keep_in_fp32_modules", None) or ())
+        if not keep:
+            continue
+        for name, tensor in [*sub.named_parameters(), *sub.named_buffers()]:
+            if tensor.is_floating_point() and any(k in name.split(".") for k in keep):
+                kept.add(f"{prefix}.{name}" if prefix else name)
+    return kept
+
+
+def store_in_dtype(module: nn.Module, dtype: torch.dtype) -> None:
+    """Store ``module``'s floating parameters and buffers in ``dtype``, in place.
+
+    The tensors that diffusers keeps in fp32 (``_keep_in_fp32_modules`` of the root or of
+    any model inside it: Wan's rope, time embedder, ``scale_shift_table``, norms) stay as
+    they are, as ``from_pretrained(torch_dtype=...)`` keeps them. Tensors keep their
+    identity (their ``.data`` is replaced), so optimizers and hooks still hold them.
+
+    Args:
+        module: The module, typically a frozen role's.
+        dtype: The storage dtype (e.g. ``torch.bfloat16``).
+
+    Examples:
+        >>> store_in_dtype(teacher, torch.bfloat16)
+        >>> teacher.scale_shift_table.dtype   # a diffusers Wan model keeps it in fp32
+        torch.float32
+    """
+    kept = _kept_in_fp32(module)
+    for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+        if tensor.is_floating_point() and name not in kept:
+            tensor.data = tensor.data.to(dtype)
