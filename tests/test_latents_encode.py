@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from fvstep.latents import LatentDataset, encode_clips, find_clips, shard_name
-from fvstep.latents.encode import fit_frames, read_frames
+from fvstep.latents.clips import fit_frames, read_frames
 
 MAX_TOKENS = 32
 # name: (frames, height, width, kind)
@@ -276,14 +276,14 @@ def test_the_refusal_names_each_difference_with_both_values(reference, clips, mo
 def test_of_two_ranks_starting_at_once_with_other_settings_one_is_refused(tmp_path, monkeypatch):
     from pathlib import Path
 
-    from fvstep.latents import encode as encode_module
+    from fvstep.latents.encode_identity import agree_on_settings
 
-    encode_module._agree_on_settings(tmp_path, {"dtype": "float32"})  # the first rank
+    agree_on_settings(tmp_path, {"dtype": "float32"})  # the first rank
     # The second looked before the first had published, and found no encode.json.
     exists = Path.exists
     monkeypatch.setattr(Path, "exists", lambda p: p.name != "encode.json" and exists(p))
     with pytest.raises(ValueError, match="dtype: 'float32' in encode.json, 'bfloat16' now"):
-        encode_module._agree_on_settings(tmp_path, {"dtype": "bfloat16"})
+        agree_on_settings(tmp_path, {"dtype": "bfloat16"})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["encode.json"]
 
 
@@ -309,10 +309,10 @@ def test_an_identical_rerun_with_reloaded_models_is_accepted_and_bitwise(
 
 
 def test_the_weights_digest_covers_every_byte_once_in_name_order(monkeypatch):
-    from fvstep.latents import encode as encode_module
+    from fvstep.latents import encode_identity
 
-    monkeypatch.setattr(encode_module, "_CHUNK_BYTES", 48)  # several pieces a tensor
-    digest = encode_module._weights_digest
+    monkeypatch.setattr(encode_identity, "_CHUNK_BYTES", 48)  # several pieces a tensor
+    digest = encode_identity._weights_digest
 
     def build(order):
         torch.manual_seed(0)

@@ -1,14 +1,19 @@
 """Real training inputs: precomputed latents on disk, encoded once, read by workers.
 
-- :mod:`fvstep.latents.format` — the on-disk format (Parquet shards + ``index.json``)
-  and its writers; :mod:`fvstep.latents.dataset` — :class:`LatentDataset` (map-style).
+- :mod:`fvstep.latents.format` — the on-disk format (Parquet shards + ``index.json``):
+  its names and :class:`ShardInfo`; :mod:`fvstep.latents.shards` writes and opens shards,
+  :mod:`fvstep.latents.index` writes and reads the index;
+  :mod:`fvstep.latents.dataset` — :class:`LatentDataset` (map-style).
 - :mod:`fvstep.latents.order` — :class:`BucketedOrder`: shape buckets as a pure function
   of ``(step, rank, world_size)``, with :class:`fvstep.data.ShuffledSource`'s laws.
 - :mod:`fvstep.latents.loader` — :class:`WorkerSource`: a ``DataLoader`` with worker
   processes, prefetch and pinned memory, fed by that order; what ``fvstep.run`` takes.
+  :mod:`fvstep.latents.workers` — what runs in those processes, their signals and end.
 - :mod:`fvstep.latents.encode` — :func:`encode_clips`: videos (or frame folders) plus
   captions -> shards, with a diffusers ``AutoencoderKLWan`` and a text encoder; batched,
-  resumable, on any number of ranks (``fvstep data encode``).
+  resumable, on any number of ranks (``fvstep data encode``). Its inputs
+  (:func:`find_clips`) are :mod:`fvstep.latents.clips`; the identity it checks on reruns
+  (``encode.json``) is :mod:`fvstep.latents.encode_identity`.
 
 pyarrow is imported when a shard is read or written, diffusers, transformers and
 imageio when clips are encoded: importing this package needs only torch.
@@ -30,15 +35,15 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # what type checkers see; at run time __getattr__ imports on first use
+    from fvstep.latents.clips import (
+        find_clips as find_clips,
+    )
     from fvstep.latents.dataset import LatentDataset as LatentDataset
     from fvstep.latents.encode import (
         EncodeResult as EncodeResult,
     )
     from fvstep.latents.encode import (
         encode_clips as encode_clips,
-    )
-    from fvstep.latents.encode import (
-        find_clips as find_clips,
     )
     from fvstep.latents.format import (
         ShardError as ShardError,
@@ -47,22 +52,16 @@ if TYPE_CHECKING:  # what type checkers see; at run time __getattr__ imports on 
         ShardInfo as ShardInfo,
     )
     from fvstep.latents.format import (
-        describe_shard as describe_shard,
-    )
-    from fvstep.latents.format import (
-        read_index as read_index,
-    )
-    from fvstep.latents.format import (
         shard_name as shard_name,
     )
-    from fvstep.latents.format import (
+    from fvstep.latents.index import (
+        read_index as read_index,
+    )
+    from fvstep.latents.index import (
         write_dataset as write_dataset,
     )
-    from fvstep.latents.format import (
+    from fvstep.latents.index import (
         write_index as write_index,
-    )
-    from fvstep.latents.format import (
-        write_shard as write_shard,
     )
     from fvstep.latents.loader import (
         Order as Order,
@@ -75,27 +74,33 @@ if TYPE_CHECKING:  # what type checkers see; at run time __getattr__ imports on 
     )
     from fvstep.latents.order import BucketedOrder as BucketedOrder
     from fvstep.latents.order import bucket_key as bucket_key
+    from fvstep.latents.shards import (
+        describe_shard as describe_shard,
+    )
+    from fvstep.latents.shards import (
+        write_shard as write_shard,
+    )
 
 # Where each public name lives: importing this package (and so ``fvstep data --help``)
 # loads no torch; a name's module is imported the first time the name is read (PEP 562).
 _WHERE = {
     "bucket_key": "fvstep.latents.order",
     "BucketedOrder": "fvstep.latents.order",
-    "describe_shard": "fvstep.latents.format",
+    "describe_shard": "fvstep.latents.shards",
     "encode_clips": "fvstep.latents.encode",
     "EncodeResult": "fvstep.latents.encode",
-    "find_clips": "fvstep.latents.encode",
+    "find_clips": "fvstep.latents.clips",
     "latent_source": "fvstep.latents.loader",
     "LatentDataset": "fvstep.latents.dataset",
     "Order": "fvstep.latents.loader",
-    "read_index": "fvstep.latents.format",
+    "read_index": "fvstep.latents.index",
     "shard_name": "fvstep.latents.format",
     "ShardError": "fvstep.latents.format",
     "ShardInfo": "fvstep.latents.format",
     "WorkerSource": "fvstep.latents.loader",
-    "write_dataset": "fvstep.latents.format",
-    "write_index": "fvstep.latents.format",
-    "write_shard": "fvstep.latents.format",
+    "write_dataset": "fvstep.latents.index",
+    "write_index": "fvstep.latents.index",
+    "write_shard": "fvstep.latents.shards",
 }
 
 __all__ = sorted(_WHERE)

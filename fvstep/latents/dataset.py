@@ -26,14 +26,9 @@ from typing import Any
 
 import torch
 
-from fvstep.latents.format import (
-    Shapes,
-    ShardError,
-    ShardInfo,
-    _open,
-    _parse_dtype,
-    read_index,
-)
+from fvstep.latents.format import Shapes, ShardError, ShardInfo, parse_dtype
+from fvstep.latents.index import read_index
+from fvstep.latents.shards import open_shard
 
 __all__ = ["LatentDataset"]
 
@@ -149,7 +144,7 @@ class LatentDataset:
         cached = self._files.get(k)
         if cached is None:
             path = self._root / self._shards[k].file
-            pf, tensors = _open(path, verify=self._verify)
+            pf, tensors = open_shard(path, verify=self._verify)
             expected = self._shards[k].num_rows
             if pf.metadata.num_rows != expected:
                 raise ShardError(
@@ -208,7 +203,7 @@ def _decode(values: dict[str, Any], tensors: list[str], path: Path, row: int) ->
             continue
         shape, dtype_name = values[f"{name}_shape"], values[f"{name}_dtype"]
         try:
-            dtype = _parse_dtype(dtype_name)
+            dtype = parse_dtype(dtype_name)
         except ValueError as e:
             raise ShardError(f"damaged shard {str(path)!r}, row {row}: field {name!r}: {e}") from e
         numel = 1

@@ -1,5 +1,9 @@
 """The on-disk format of precomputed samples: Parquet shards and a JSON index.
 
+This module holds the format's names (constants, :func:`shard_name`, dtype names) and
+:class:`ShardInfo`, what the index records of a shard; :mod:`fvstep.latents.shards` writes
+and opens shards, :mod:`fvstep.latents.index` writes and reads the index.
+
 A dataset is a directory::
 
     index.json              the list of shards, their row counts and each row's shapes
@@ -50,7 +54,6 @@ Examples:
 
 from __future__ import annotations
 
-import json
 import operator
 import os
 from collections.abc import Mapping, Sequence
@@ -63,20 +66,18 @@ __all__ = [
     "FORMAT",
     "INDEX_FILE",
     "VERSION",
+    "Shapes",
     "ShardError",
     "ShardInfo",
-    "describe_shard",
-    "read_index",
+    "dtype_name",
+    "parse_dtype",
     "shard_name",
-    "write_dataset",
-    "write_index",
-    "write_shard",
+    "temporary_path",
 ]
 
 FORMAT = "fvstep-latents"
 VERSION = 1
 INDEX_FILE = "index.json"
-_META_KEY = b"fvstep"
 
 # A row's shapes: {tensor field: shape}; a shard's: runs of equal shapes [(shapes, count)].
 Shapes = dict[str, tuple[int, ...]]
@@ -85,17 +86,6 @@ Shapes = dict[str, tuple[int, ...]]
 class ShardError(Exception):
     """A shard is missing, damaged, or does not match the index; the message names the file
     and, where one is being read, the row (and, from a loader, the rank and step)."""
-
-
-def _arrow() -> Any:
-    try:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-    except ImportError as e:  # pragma: no cover - pyarrow is installed where tests run
-        raise ImportError(
-            "fvstep.latents needs pyarrow: pip install 'fvstep[data]' (or pyarrow)"
-        ) from e
-    return pa, pq
 
 
 def shard_name(index: int) -> str:
@@ -114,15 +104,61 @@ def shard_name(index: int) -> str:
     return f"shard-{operator.index(index):05d}.parquet"
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype) -> str:
+    """The name a shard (and ``encode.json``) records for ``dtype``: ``"bfloat16"``.
+
+    Args:
+        dtype: A torch dtype.
+
+    Returns:
+        Its name without the ``torch.`` prefix.
+
+    Examples:
+        >>> dtype_name(torch.bfloat16)
+        'bfloat16'
+    """
     return str(dtype).removeprefix("torch.")
 
 
-def _parse_dtype(name: str) -> torch.dtype:
+def parse_dtype(name: str) -> torch.dtype:
+    """The torch dtype that :func:`dtype_name` names.
+
+    Args:
+        name: A dtype name such as ``"bfloat16"``.
+
+    Returns:
+        The dtype.
+
+    Raises:
+        ValueError: If ``name`` is no torch dtype.
+
+    Examples:
+        >>> parse_dtype("float16")
+        torch.float16
+    """
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"unknown tensor dtype {name!r}")
     return dtype
+
+
+def temporary_path(path: Path) -> Path:
+    """Where a file is written before it is renamed to ``path``: ``NAME.tmp-PID`` beside it.
+
+    So a file that exists under its own name is whole, and processes writing the same file
+    at once never write into each other's temporary file.
+
+    Args:
+        path: The file's final path.
+
+    Returns:
+        The temporary path of this process.
+
+    Examples:
+        >>> temporary_path(Path("out") / "index.json").name.startswith("index.json.tmp-")
+        True
+    """
+    return path.with_name(f"{path.name}.tmp-{os.getpid()}")
 
 
 class ShardInfo:
@@ -203,250 +239,3 @@ class ShardInfo:
         return (
             f"ShardInfo({self.file!r}, num_rows={self.num_rows}, {len(self.shapes)} shape run(s))"
         )
-
-
-def _runs(rows: Sequence[Shapes]) -> list[tuple[Shapes, int]]:
-    runs: list[tuple[Shapes, int]] = []
-    for s in rows:
-        if runs and runs[-1][0] == s:
-            runs[-1] = (s, runs[-1][1] + 1)
-        else:
-            runs.append((s, 1))
-    return runs
-
-
-def _columns(rows: Sequence[Mapping[str, Any]]) -> tuple[dict[str, list[Any]], list[str]]:
-    names = list(rows[0])
-    for i, row in enumerate(rows):
-        if set(row) != set(names):
-            raise ValueError(f"row {i} has fields {sorted(row)}, row 0 has {sorted(names)}")
-    tensors = [n for n in names if isinstance(rows[0][n], torch.Tensor)]
-    cols: dict[str, list[Any]] = {}
-    for name in names:
-        if name in tensors:
-            values = [row[name] for row in rows]
-            if not all(isinstance(v, torch.Tensor) for v in values):
-                raise ValueError(f"field {name!r} is a tensor in row 0 but not in every row")
-            dense = [v.detach().to("cpu").contiguous() for v in values]
-            cols[name] = [v.reshape(-1).view(torch.uint8).numpy().tobytes() for v in dense]
-            cols[f"{name}_shape"] = [list(v.shape) for v in dense]
-            cols[f"{name}_dtype"] = [_dtype_name(v.dtype) for v in dense]
-        else:
-            if name.endswith(("_shape", "_dtype")) and name.rsplit("_", 1)[0] in tensors:
-                raise ValueError(
-                    f"field {name!r} clashes with tensor field {name.rsplit('_', 1)[0]!r}"
-                )
-            cols[name] = [row[name] for row in rows]
-    return cols, tensors
-
-
-def write_shard(
-    path: str | os.PathLike[str],
-    rows: Sequence[Mapping[str, Any]],
-    *,
-    compression: str = "none",
-) -> ShardInfo:
-    """Write ``rows`` (dicts of tensors, strings and numbers) as one Parquet shard, atomically.
-
-    Every row must have the same fields; tensor fields may differ in shape and dtype from
-    row to row. The file is written under a temporary name, flushed to disk and renamed, so
-    ``path`` either does not exist or holds the whole shard.
-
-    Args:
-        path: The shard's path (conventionally ``DIR / shard_name(k)``).
-        rows: The samples, at least one.
-        compression: Parquet compression codec of every column (``"none"``, ``"zstd"``...).
-
-    Returns:
-        The shard's :class:`ShardInfo` (for :func:`write_index`).
-
-    Raises:
-        ValueError: If ``rows`` is empty or its rows have different fields.
-
-    Examples:
-        >>> import tempfile, torch
-        >>> from pathlib import Path
-        >>> path = Path(tempfile.mkdtemp()) / shard_name(0)
-        >>> write_shard(path, [{"latents": torch.ones(2, 3), "caption": "a"}]).num_rows
-        1
-    """
-    if not rows:
-        raise ValueError("a shard needs at least one row")
-    pa, pq = _arrow()
-    cols, tensors = _columns(rows)
-    meta = {"format": FORMAT, "version": VERSION, "tensors": tensors}
-    table = pa.table(cols).replace_schema_metadata({_META_KEY: json.dumps(meta).encode()})
-    path = Path(path)
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    try:
-        pq.write_table(
-            table,
-            tmp,
-            row_group_size=1,
-            compression=compression,
-            use_dictionary=False,
-            write_statistics=False,
-            write_page_checksum=True,
-        )
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    shapes = [
-        {t: tuple(s) for t in tensors for s in [cols[f"{t}_shape"][i]]} for i in range(len(rows))
-    ]
-    return ShardInfo(path.name, len(rows), _runs(shapes))
-
-
-def _open(path: Path, *, verify: bool = True) -> tuple[Any, list[str]]:
-    """An open ``ParquetFile`` of an fvstep shard, and its tensor fields."""
-    _, pq = _arrow()
-    if not path.exists():
-        raise ShardError(f"missing shard {str(path)!r}")
-    try:
-        pf = pq.ParquetFile(path, page_checksum_verification=verify)
-        meta = json.loads((pf.schema_arrow.metadata or {}).get(_META_KEY, b"null"))
-    except (OSError, ValueError) as e:  # ArrowInvalid is a ValueError
-        raise ShardError(f"damaged shard {str(path)!r}: {e}") from e
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise ShardError(f"{str(path)!r} is not an fvstep latents shard (no {FORMAT} metadata)")
-    if meta.get("version", 0) > VERSION:
-        raise ShardError(
-            f"{str(path)!r} is format version {meta['version']}; this fvstep reads <= {VERSION}"
-        )
-    return pf, list(meta["tensors"])
-
-
-def describe_shard(path: str | os.PathLike[str]) -> ShardInfo:
-    """Read a shard's row count and shapes (only its small ``*_shape`` columns).
-
-    Args:
-        path: The shard file.
-
-    Returns:
-        Its :class:`ShardInfo`.
-
-    Raises:
-        ShardError: If the file is missing, is not an fvstep shard, or is damaged.
-
-    Examples:
-        >>> import tempfile, torch
-        >>> from pathlib import Path
-        >>> path = Path(tempfile.mkdtemp()) / shard_name(0)
-        >>> _ = write_shard(path, [{"x": torch.ones(2)}, {"x": torch.ones(3)}])
-        >>> describe_shard(path).shapes
-        [({'x': (2,)}, 1), ({'x': (3,)}, 1)]
-    """
-    path = Path(path)
-    pf, tensors = _open(path)
-    try:
-        table = pf.read(columns=[f"{t}_shape" for t in tensors])
-    except (OSError, ValueError) as e:
-        raise ShardError(f"damaged shard {str(path)!r}: {e}") from e
-    cols = {t: table.column(f"{t}_shape").to_pylist() for t in tensors}
-    n = pf.metadata.num_rows
-    return ShardInfo(
-        path.name, n, _runs([{t: tuple(cols[t][i]) for t in tensors} for i in range(n)])
-    )
-
-
-def write_index(
-    root: str | os.PathLike[str],
-    shards: Sequence[ShardInfo],
-    *,
-    extra: Mapping[str, Any] | None = None,
-) -> Path:
-    """Write ``root/index.json`` for ``shards`` (in dataset order), atomically.
-
-    Args:
-        root: The dataset directory.
-        shards: The shards' :class:`ShardInfo`, in the order their rows are numbered.
-        extra: JSON-able facts to keep beside the index (``fvstep data encode`` puts its
-            settings here).
-
-    Returns:
-        The index's path.
-
-    Examples:
-        >>> import tempfile
-        >>> write_index(tempfile.mkdtemp(), []).name
-        'index.json'
-    """
-    root = Path(root)
-    index = {
-        "format": FORMAT,
-        "version": VERSION,
-        "num_rows": sum(s.num_rows for s in shards),
-        "shards": [s.to_json() for s in shards],
-        **({"extra": dict(extra)} if extra else {}),
-    }
-    path = root / INDEX_FILE
-    tmp = root / f"{INDEX_FILE}.tmp-{os.getpid()}"
-    tmp.write_text(json.dumps(index, indent=1) + "\n")
-    os.replace(tmp, path)
-    return path
-
-
-def read_index(root: str | os.PathLike[str]) -> list[ShardInfo]:
-    """The shards listed by ``root/index.json``, in dataset order.
-
-    Args:
-        root: The dataset directory.
-
-    Returns:
-        One :class:`ShardInfo` per shard.
-
-    Raises:
-        FileNotFoundError: If there is no index (an encode that has not finished).
-        ShardError: If the index is malformed or of a newer format version.
-
-    Examples:
-        >>> import tempfile
-        >>> root = tempfile.mkdtemp(); _ = write_index(root, [])
-        >>> read_index(root)
-        []
-    """
-    path = Path(root) / INDEX_FILE
-    if not path.exists():
-        raise FileNotFoundError(
-            f"no {INDEX_FILE} in {str(root)!r}: not an fvstep latents dataset, or its "
-            "encode has not finished (run `fvstep data encode` again to complete it)"
-        )
-    try:
-        index = json.loads(path.read_text())
-        if index.get("format") != FORMAT:
-            raise ValueError(f"format is {index.get('format')!r}, not {FORMAT!r}")
-        if index.get("version", 0) > VERSION:
-            raise ValueError(f"version {index['version']} is newer than this fvstep's {VERSION}")
-        return [ShardInfo.from_json(e) for e in index["shards"]]
-    except (ValueError, KeyError, TypeError) as e:
-        raise ShardError(f"malformed index {str(path)!r}: {e}") from e
-
-
-def write_dataset(
-    root: str | os.PathLike[str], shards: Sequence[Sequence[Mapping[str, Any]]]
-) -> list[ShardInfo]:
-    """Write each list of rows as a shard of ``root`` and then the index: a whole dataset.
-
-    Args:
-        root: The dataset directory (created if needed).
-        shards: The rows of each shard, in dataset order.
-
-    Returns:
-        The shards' :class:`ShardInfo`.
-
-    Raises:
-        ValueError: As :func:`write_shard`.
-
-    Examples:
-        >>> import tempfile, torch
-        >>> infos = write_dataset(tempfile.mkdtemp(), [[{"x": torch.ones(1)}]] * 2)
-        >>> [i.file for i in infos]
-        ['shard-00000.parquet', 'shard-00001.parquet']
-    """
-    root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
-    infos = [write_shard(root / shard_name(k), rows) for k, rows in enumerate(shards)]
-    write_index(root, infos)
-    return infos

@@ -23,17 +23,11 @@ memory when a GPU is present:
   stops the others; with a bare process group they wait in the next collective until its
   timeout. To make that visible, a failing rank also prints one line with its rank to
   stderr at once.
-- Preemption: the workers ignore SIGINT and SIGTERM (a handler that does nothing, so that
-  processes a dataset starts get the default disposition back at exec), so that a signal to the whole process
+- Preemption: the workers ignore SIGINT and SIGTERM, so that a signal to the whole process
   group (what torchrun, ``kill -- -PGID``, SLURM and Ctrl-C in a terminal deliver) is
   handled by the trainer alone, which saves at the next step boundary (:func:`fvstep.run`)
-  with its loader intact; before, the workers died and torch raised ``DataLoader worker
-  ... killed by signal: Terminated`` in the trainer, in the middle of that save. They end
-  when their trainer does: a DataLoader's workers exit within seconds of their parent's
-  death (torch's workers watch it), and at interpreter exit the workers of every
-  :class:`WorkerSource` still open are shut down (the DataLoader's own shutdown, then
-  ``SIGKILL`` for any that does not end). With the ``spawn`` or ``forkserver`` start
-  methods a signal that reaches a worker while it is still starting can end it.
+  with its loader intact. They end when their trainer does, at the latest at interpreter
+  exit (:mod:`fvstep.latents.workers` says how).
 - :meth:`WorkerSource.close` (or ``with WorkerSource(...) as data:``) shuts the workers
   down; so does garbage collection, and the end of the interpreter.
 
@@ -52,14 +46,8 @@ Examples:
 
 from __future__ import annotations
 
-import atexit
-import contextlib
-import multiprocessing
 import os
-import signal
 import sys
-import traceback
-import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol, SupportsIndex
 
@@ -69,6 +57,15 @@ from torch.utils.data import DataLoader, default_collate
 from fvstep._checks import check_int
 from fvstep.data import MapDataset
 from fvstep.latents.format import ShardError
+from fvstep.latents.workers import (
+    StepCollate,
+    StepIndices,
+    StepItems,
+    WorkerFailure,
+    WorkerInit,
+    forget_workers,
+    start_workers,
+)
 
 __all__ = ["Order", "WorkerSource", "latent_source"]
 
@@ -82,152 +79,17 @@ class Order(Protocol):
     ) -> list[int]: ...
 
 
-class _StepIndices(list[int]):
-    """A batch's indices, tagged with its step (travels to the worker and back)."""
-
-    def __init__(self, step: int, indices: list[int]) -> None:
-        super().__init__(indices)
-        self.step = step
-
-    def __reduce__(self) -> Any:
-        return (_StepIndices, (self.step, list(self)))
-
-
-class _Failure:
-    """What a worker hands back instead of a batch when reading or collating raised."""
-
-    def __init__(self, error: BaseException, indices: list[int]) -> None:
-        self.kind = type(error).__name__
-        self.message = str(error)
-        self.is_shard = isinstance(error, ShardError)
-        self.indices = indices
-        self.trace = "".join(traceback.format_exception(type(error), error, error.__traceback__))
-
-
 class _Steps:
     """The batch sampler: the index lists of steps ``start, start + 1, ...``, forever."""
 
     def __init__(self, order: Order, start: int, rank: int, world: int) -> None:
         self.order, self.start, self.rank, self.world = order, start, rank, world
 
-    def __iter__(self) -> Iterator[_StepIndices]:
+    def __iter__(self) -> Iterator[StepIndices]:
         s = self.start
         while True:
-            yield _StepIndices(s, self.order.indices(s, rank=self.rank, world_size=self.world))
+            yield StepIndices(s, self.order.indices(s, rank=self.rank, world_size=self.world))
             s += 1
-
-
-class _Items:
-    """The dataset as the DataLoader sees it: a step's items, or the failure to read them."""
-
-    def __init__(self, dataset: MapDataset) -> None:
-        self.dataset = dataset
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getitem__(self, index: int) -> Any:  # pragma: no cover - __getitems__ is used
-        return self.dataset[index]
-
-    def __getitems__(self, indices: _StepIndices) -> Any:
-        try:
-            return indices.step, [self.dataset[i] for i in indices], list(indices)
-        except Exception as e:
-            return indices.step, _Failure(e, list(indices)), list(indices)
-
-
-class _Collate:
-    def __init__(self, collate: Callable[[list[Any]], Any]) -> None:
-        self.collate = collate
-
-    def __call__(self, fetched: Any) -> tuple[int, Any]:
-        step, items, indices = fetched
-        if isinstance(items, _Failure):
-            return step, items
-        try:
-            return step, self.collate(items)
-        except Exception as e:
-            return step, _Failure(e, indices)
-
-
-_PREEMPTION_SIGNALS = {signal.SIGINT, signal.SIGTERM}
-
-
-@contextlib.contextmanager
-def _preemption_signals_held() -> Iterator[None]:
-    """Hold SIGINT and SIGTERM in this thread while it forks workers.
-
-    A forked child starts with its parent's signal mask, so a signal to the process group
-    that arrives before :class:`_WorkerInit` runs stays pending in the worker (which then
-    discards it) instead of killing it; here it is delivered once the workers are up.
-    """
-    if not hasattr(signal, "pthread_sigmask"):  # Windows: no process groups to fear
-        yield
-        return
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, _PREEMPTION_SIGNALS)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
-
-
-def _discard_preemption_signal(signum: int, frame: Any) -> None:
-    """A worker's SIGINT/SIGTERM handler: nothing; the trainer handles the preemption."""
-
-
-class _WorkerInit:
-    """The workers' ``worker_init_fn``: ignore SIGINT and SIGTERM (see the module
-    docstring), then run the user's ``worker_init_fn``, if any."""
-
-    def __init__(self, user: Callable[[int], None] | None) -> None:
-        self.user = user
-
-    def __call__(self, worker_id: int) -> None:
-        # A disposition holds for every thread of the process (a mask would not: importing
-        # torch starts a thread of its own). A handler that does nothing rather than
-        # SIG_IGN: an ignored signal stays ignored across exec, so a helper process the
-        # dataset starts (ffmpeg) would ignore terminate(); a handler is reset to the
-        # default at exec. siginterrupt(False): system calls it interrupts restart
-        # (SA_RESTART), so no read of a C extension sees EINTR.
-        for signum in _PREEMPTION_SIGNALS:
-            signal.signal(signum, _discard_preemption_signal)
-            signal.siginterrupt(signum, False)
-        if hasattr(signal, "pthread_sigmask"):
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, _PREEMPTION_SIGNALS)
-        if self.user is not None:
-            self.user(worker_id)
-
-
-_open_sources: weakref.WeakSet[WorkerSource] = weakref.WeakSet()
-_started_workers: list[tuple[int, multiprocessing.process.BaseProcess]] = []
-"""``(pid of the trainer, worker)`` for every worker started and not yet seen ended: a
-DataLoader kept alive by a traceback never shuts its workers down, and they ignore SIGTERM,
-so the exit hook must know them."""
-
-
-def _stop_all_workers() -> None:
-    """At interpreter exit, end the workers of every :class:`WorkerSource` left open.
-
-    Registered after torch's and multiprocessing's exit hooks, so it runs first: after
-    torch's, a DataLoader no longer shuts its workers down, and multiprocessing's
-    terminates daemonic children with SIGTERM (which our workers ignore), then joins them
-    without a timeout: a worker still running would hang the exit.
-    """
-    me = os.getpid()  # a process forked from the trainer inherits this hook, not its workers
-    for source in list(_open_sources):
-        if source._trainer == me:
-            source.close()  # the DataLoader's own shutdown: the workers exit and are joined
-    # Any left is hung, or its DataLoader is still referenced and never told it to stop.
-    stuck = [w for trainer, w in _started_workers if trainer == me and w.is_alive()]
-    if stuck:
-        # torch's SIGCHLD handler would report the kill below as a worker failure.
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        for w in stuck:
-            w.kill()
-            w.join()
-
-
-atexit.register(_stop_all_workers)
 
 
 def _to_device(batch: Any, device: torch.device) -> Any:
@@ -301,7 +163,6 @@ class WorkerSource:
         self._device = None if device is None else torch.device(device)
         self._worker_init = worker_init_fn
         self._iter: Iterator[Any] | None = None
-        self._trainer = os.getpid()  # the process that started the workers
         self._next: tuple[int, int, int] | None = None
         self.restarts = 0  # how many DataLoaders were started (tests and benchmarks read it)
 
@@ -344,35 +205,24 @@ class WorkerSource:
         self._stop()
         workers = self._num_workers
         loader: DataLoader[Any] = DataLoader(
-            _Items(self._dataset),  # type: ignore[arg-type]
+            StepItems(self._dataset),  # type: ignore[arg-type]
             batch_sampler=_Steps(self._order, step, rank, world),
             num_workers=workers,
-            collate_fn=_Collate(self._collate),
+            collate_fn=StepCollate(self._collate),
             pin_memory=self._pin,
             prefetch_factor=self._prefetch if workers else None,
             multiprocessing_context=self._context if workers else None,
             timeout=self._timeout if workers else 0,
-            worker_init_fn=_WorkerInit(self._worker_init) if workers else None,
+            worker_init_fn=WorkerInit(self._worker_init) if workers else None,
         )
-        if workers:
-            before = {p.pid for p in multiprocessing.active_children()}
-            with _preemption_signals_held():
-                self._iter = iter(loader)  # starts the workers
-            started = [p for p in multiprocessing.active_children() if p.pid not in before]
-            self._trainer = os.getpid()
-            _started_workers[:] = [
-                (t, p) for t, p in _started_workers if t != self._trainer or p.is_alive()
-            ] + [(self._trainer, p) for p in started]
-            _open_sources.add(self)
-        else:
-            self._iter = iter(loader)
+        self._iter = start_workers(loader, self) if workers else iter(loader)
         self._next = (step, rank, world)
         self.restarts += 1
 
     def _stop(self) -> None:
         # Dropping the DataLoader's iterator shuts its workers down (its __del__ joins them).
         self._iter, self._next = None, None
-        _open_sources.discard(self)
+        forget_workers(self)
 
     def batch(
         self, step: SupportsIndex, *, rank: SupportsIndex = 0, world_size: SupportsIndex = 1
@@ -410,7 +260,7 @@ class WorkerSource:
             self._stop()
             raise self._report(RuntimeError(f"{where}: the data loader failed: {e}"), w) from e
         self._next = (s + 1, r, w)
-        if isinstance(payload, _Failure):
+        if isinstance(payload, WorkerFailure):
             self._stop()
             items = f"items {payload.indices}"
             if payload.is_shard:
@@ -499,6 +349,7 @@ def latent_source(
     Examples:
         >>> import tempfile
         >>> from fvstep import random as fr
+        >>> from fvstep.latents import write_dataset
         >>> root = tempfile.mkdtemp()
         >>> _ = write_dataset(root, [[{"x": torch.ones(1)}] * 2])
         >>> latent_source(root, key=fr.key(0), batch_size=1, num_workers=0).batch(1)["x"]
