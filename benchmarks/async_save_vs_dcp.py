@@ -15,7 +15,7 @@ check of what is saved, the manifest written after the shards, the atomic rename
 The two alternate which goes first each round, so drift cancels; reported: the median,
 min and max of each side's blocking time, and of its time until committed.
 
-Usage: python benchmarks/async_save_vs_dcp.py [--mib 256] [--rounds 7]
+Usage: python -m benchmarks.async_save_vs_dcp [--mib 256] [--rounds 7]
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Each round saves the same state synchronously and asynchronously (alternating, s
 cancels); reported: median (min/max) of the sync save time, the async call's blocking
 time (preparation + DCP staging), and the async save's total time until committed.
 
-Usage: python benchmarks/checkpoint_async.py [--mib 256] [--rounds 5]
+Usage: python -m benchmarks.checkpoint_async [--mib 256] [--rounds 5]
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """What the save's finiteness check costs: folded into the checksum pass, or a pass of its own.
 
-    python benchmarks/checksum_finite.py --mib 256 --rounds 7 [--device cuda]
+    python -m benchmarks.checksum_finite --mib 256 --rounds 7 [--device cuda]
 
 A save checksums every leaf; ``checkpoint.save`` also refuses non-finite leaves, and
 takes the finiteness of each chunk while the checksum reads it

@@ -1,8 +1,8 @@
 """Sampling time: a 4-step DMD2 student (FewStepSampler) and a 50-step flow-matching sampler
 (EulerSampler), model only and with VAE decode, at 480x832x81 (latents 16x21x60x104) on one GPU.
 
-    python benchmarks/sampling.py            # Wan2.1-1.3B shape, random init, bf16, one GPU
-    python benchmarks/sampling.py --tiny     # a CPU smoke run of the same code
+    python -m benchmarks.sampling            # Wan2.1-1.3B shape, random init, bf16, one GPU
+    python -m benchmarks.sampling --tiny     # a CPU smoke run of the same code
 
 Prints one table row per (sampler, decode) with the median of --repeats timed runs after a
 warm-up run.
@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from typing import Any
 
 import torch
 
@@ -30,6 +31,8 @@ def main() -> None:
 
     device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    net: Any  # diffusers' models: their stubs lack nn.Module's methods (`.to`)
+    vae: Any
     if args.tiny:
         net = tiny_wan(seed=0)
         vae = AutoencoderKLWan(
@@ -70,7 +73,7 @@ def main() -> None:
         if device == "cuda":
             torch.cuda.synchronize()
 
-    samplers = {
+    samplers: dict[str, EulerSampler | FewStepSampler] = {
         "DMD2 student, 4 steps": FewStepSampler((1.0, 0.75, 0.5, 0.25)),
         "flow matching, 50 steps": EulerSampler(50, shift=3.0),
     }

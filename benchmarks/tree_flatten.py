@@ -1,6 +1,6 @@
 """Time flatten + unflatten of a TrainState with 1,000 parameters (median over runs).
 
-Usage: python benchmarks/tree_flatten.py [--params 1000] [--repeats 200]
+Usage: python -m benchmarks.tree_flatten [--params 1000] [--repeats 200]
 """
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from typing import Any
 
 import optree
 import torch
@@ -30,7 +31,7 @@ def main() -> None:
     parser.add_argument("--params", type=int, default=1000)
     parser.add_argument("--repeats", type=int, default=200)
     args = parser.parse_args()
-    state = build_state(args.params)
+    state: Any = build_state(args.params)  # optree's PyTree type does not know attrs classes
     num_leaves = len(optree.tree_leaves(state, namespace=NAMESPACE))
     timings: dict[str, list[float]] = {"flatten": [], "unflatten": [], "flatten_with_path": []}
     for _ in range(args.repeats):

@@ -22,6 +22,15 @@ python -m build --outdir "$work/dist" . >"$work/build.log" 2>&1 || {
     cat "$work/build.log"
     exit 1
 }
+# The wheel holds the library only: no benchmarks (applications, run from a checkout), no tests.
+python - "$work"/dist/fvstep-*.whl <<'EOF'
+import sys
+import zipfile
+
+tops = {name.split("/")[0] for name in zipfile.ZipFile(sys.argv[1]).namelist()}
+stray = sorted(t for t in tops if t != "fvstep" and not t.endswith(".dist-info"))
+assert not stray, f"the wheel holds more than the library: {stray}"
+EOF
 version="$(python -c 'import tomllib; print(tomllib.load(open("pyproject.toml", "rb"))["project"]["version"])' 2>/dev/null ||
     grep -m1 '^version' pyproject.toml | cut -d'"' -f2)"
 
@@ -52,7 +61,8 @@ assert out.getvalue() == f"fvstep {version}\n", out.getvalue()
 EOF
         if [[ "$dist" == *.whl && $full == 1 ]]; then
             # The examples and docs the suite reads live beside tests/ in the checkout.
-            cp -r "$root/examples" "$root/docs" "$root/README.md" "$work/"
+            # So do the benchmarks, which the tests import (benchmarks.reference) and run.
+            cp -r "$root/examples" "$root/docs" "$root/README.md" "$root/benchmarks" "$work/"
             python -m pytest -q -p no:cacheprovider -c "$root/pyproject.toml" --rootdir "$work" tests
         elif [[ "$dist" == *.whl ]]; then
             python -m pytest -q -p no:cacheprovider -c "$root/pyproject.toml" --rootdir "$work" \

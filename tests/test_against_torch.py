@@ -1,6 +1,6 @@
 """A compiled fine-tune step against a hand-written PyTorch loop: bitwise equal.
 
-The hand-written loop (:func:`fvstep.bench.reference.finetune_loop`) uses only torch:
+The hand-written loop (:func:`benchmarks.reference.finetune_loop`) uses only torch:
 ``torch.optim.AdamW`` under ``LambdaLR``, ``torch.nn.utils.clip_grad_norm_``, K
 micro-batches with ``loss / K`` and the flow-matching loss written out. It draws its noise
 with the key derivation fvstep documents
@@ -16,8 +16,8 @@ import copy
 import pytest
 
 import fvstep as fs
+from benchmarks.reference import finetune_loop
 from fvstep import tree
-from fvstep.bench.reference import finetune_loop
 from fvstep.methods.finetune import flow_matching_loss
 from fvstep.models import synthetic_batch, tiny_wan
 from fvstep.random import fold_in
@@ -82,7 +82,7 @@ def test_compiled_finetune_is_bitwise_a_hand_written_loop_after_10_steps(k, fore
 def test_the_overhead_benchmarks_two_sides_train_bitwise_the_same_model():
     # The benchmark times fvstep against the same reference loop as above: with the same
     # keys both sides do the same arithmetic, so they end bitwise equal (one process, fp32).
-    from fvstep.bench import common, overhead, presets
+    from benchmarks import common, overhead, presets
 
     args = overhead.build_parser().parse_args(["--preset", "tiny-wan", "--k", "2"])
     rt = common.setup_runtime("cpu")

@@ -5,7 +5,7 @@
   layer: the gradient-sync policy is injected (DESIGN point 11).
 - The reference methods never touch processes (they are loss math over the state).
 - No library module imports the package face (``fvstep/__init__.py``); only the
-  applications at the top (the command line, the demo, the benchmarks) may, and no library
+  applications at the top (the command line, the demo) may, and no library
   module imports them.
 - Private torch APIs are reached through ``fvstep/_compat.py`` alone, where the
   ``torch.distributed`` ones are imported lazily (inside the function that needs them).
@@ -41,7 +41,14 @@ CORE = (
 CORE_HELPERS = ("fvstep._checks", "fvstep._compat")
 """Private modules the core may use besides itself."""
 
-APPLICATIONS = ("fvstep.__main__", "fvstep.bench", "fvstep.cli", "fvstep.demo")
+APPLICATIONS = (
+    "fvstep.__main__",
+    "fvstep.cli",
+    "fvstep.cli_common",
+    "fvstep.cli_demo",
+    "fvstep.cli_verify",
+    "fvstep.demo",
+)
 """The package's own users, at the top: they may import the face, nothing imports them."""
 
 FORBIDDEN_IN_CORE = ("torch.distributed", "fvstep.distributed", "fvstep.parallel")

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import fvstep as fs
+from benchmarks.reference import finetune_loop, shard_by_hand
 from fvstep import parallel as fsd
 from fvstep import tree
-from fvstep.bench.reference import finetune_loop, shard_by_hand
 from fvstep.methods.finetune import flow_matching_loss
 from fvstep.models import synthetic_batch, tiny_wan
 from fvstep.random import fold_in, generator
@@ -65,7 +65,7 @@ def fvstep_finetune(rank: int, sync: str, steps: int = NUM_STEPS, *, allow_no_sy
 
 
 def hand_written_fsdp_loop(rank: int, sync: str):
-    """The imperative FSDP2 loop fvstep replaces (fvstep.bench.reference), on tiny_wan."""
+    """The imperative FSDP2 loop fvstep replaces (benchmarks.reference), on tiny_wan."""
     from torch.distributed.device_mesh import init_device_mesh
 
     module = shard_by_hand(tiny_wan(seed=0), init_device_mesh("cpu", (2,)))

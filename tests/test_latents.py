@@ -392,7 +392,7 @@ def test_resume_is_exact_over_the_worker_loader(bucketed, tmp_path):
 
 
 def test_loader_benchmark_reports_rows_for_each_worker_count(capsys, tmp_path):
-    from fvstep.bench import data as bench
+    from benchmarks import data as bench
 
     rows = bench.run_benchmark(
         workers=[0], shape=(2, 1, 2, 2), text_shape=(3, 4), num_samples=4, steps=3, step_time_s=0.01

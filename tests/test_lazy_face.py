@@ -38,7 +38,6 @@ def _modules_after(code: str) -> set[str]:
         ["--version"],
         ["demo", "--help"],
         ["verify-resume", "--help"],
-        ["bench", "-h"],
         ["data", "--help"],
         ["data", "encode", "--help"],
     ],

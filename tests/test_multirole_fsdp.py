@@ -15,11 +15,7 @@ import pytest
 import torch
 
 import fvstep as fs
-from fvstep import parallel as fsp
-from fvstep import tree
-from fvstep.models import predict, synthetic_batch, tiny_wan
-from fvstep.random import fold_in
-from tests.reference import (
+from benchmarks.reference import (
     dmd2_loop,
     microbatches,
     modules_view,
@@ -27,6 +23,10 @@ from tests.reference import (
     shard_by_hand,
     unit_key,
 )
+from fvstep import parallel as fsp
+from fvstep import tree
+from fvstep.models import predict, synthetic_batch, tiny_wan
+from fvstep.random import fold_in
 
 pytestmark = pytest.mark.multirank
 

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import fvstep as fs
+from benchmarks.reference import dmd2_loop, shard_by_hand
 from fvstep import parallel as fsp
 from fvstep import tree
 from fvstep._compat import TorchDispatchMode
@@ -28,7 +29,6 @@ from fvstep.parallel.activation_checkpoint import ActivationCheckpointing, is_ch
 from fvstep.parallel.block_compile import compile_counts
 from fvstep.parallel.prepare import block_names, preparation, prepare
 from fvstep.random import fold_in
-from tests.reference import dmd2_loop, shard_by_hand
 
 CPU_COMPILE = {"backend": "aot_eager"}  # dynamo + AOTAutograd, no C++ toolchain needed
 

@@ -1,8 +1,8 @@
 """Where a synchronous save's time goes on a GPU, beside DCP's own save of the same tensors.
 
-    python tests/gpu/checkpoint_profile.py --preset wan-1.3b --rounds 2 --json profile.json
+    python -m tests.gpu.checkpoint_profile --preset wan-1.3b --rounds 2 --json profile.json
 
-One process, the state of ``fvstep bench checkpoint`` (a preset's model + AdamW, on the
+One process, the state of ``python -m benchmarks.checkpoint`` (a preset's model + AdamW, on the
 GPU). Each round times, in a rotating order (each into a fresh directory, removed after):
 
 - ``dcp``: ``dcp.save`` of the flat tensors, nothing of fvstep's;
@@ -29,8 +29,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import fvstep.checkpoint as ckpt
-from fvstep.bench import common as c
-from fvstep.bench.checkpoint import build_state
+from benchmarks import common as c
+from benchmarks.checkpoint import build_state
 from fvstep.checkpoint import saving
 from fvstep.checkpoint.fingerprint import fingerprint, local_checks
 from fvstep.tree import flatten_with_paths

@@ -1,6 +1,6 @@
 """The compile check at the real shape on one GPU: what it costs, and what it catches.
 
-    python tests/gpu/compile_check.py --json compile_check.json [--layers 30] [--variants safe,mix,fp32]
+    python -m tests.gpu.compile_check --json compile_check.json [--layers 30] [--variants safe,mix,fp32]
 
 One Wan2.1-1.3B-shaped transformer (``--layers`` blocks, random init, seed 0) at
 480x832x81 (32,760 video tokens and 512 text tokens), prepared with full activation
@@ -34,7 +34,7 @@ from typing import Any
 import attrs
 import torch
 
-from fvstep.bench.presets import PRESETS, build_model, make_batch
+from benchmarks.presets import PRESETS, build_model, make_batch
 from fvstep.models import predict
 from fvstep.parallel.block_compile import compile_counts
 from fvstep.parallel.compile_check import CompiledGradientError

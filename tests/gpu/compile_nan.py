@@ -1,6 +1,6 @@
 """Where does the compiled backward of a Wan block at 32,760 tokens go non-finite? (one GPU)
 
-    python tests/gpu/compile_nan.py --json compile_nan.json [--layers 2]
+    python -m tests.gpu.compile_nan --json compile_nan.json [--layers 2]
 
 Issue 10 item 7: DMD2 at 480x832x81 with AC + ``block.compile()`` + FSDP2 bf16 gave a NaN
 gradient of ``condition_embedder.time_embedder.linear_1.weight`` at step 0; eager was
@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from fvstep.bench.presets import PRESETS, build_model, make_batch
+from benchmarks.presets import PRESETS, build_model, make_batch
 from fvstep.models import predict
 from fvstep.parallel.prepare import prepare
 

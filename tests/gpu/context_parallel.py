@@ -4,10 +4,10 @@ Run twice, the 1-GPU reference first (it writes the state after its first step t
 ``--reference``), then the context-parallel run (it reads it and compares):
 
     python -m torch.distributed.run --standalone --nproc_per_node 1 \
-        tests/gpu/context_parallel.py --mode single --reference /tmp/cp_ref.pt \
+        -m tests.gpu.context_parallel --mode single --reference /tmp/cp_ref.pt \
         --json cp_single.json
     python -m torch.distributed.run --standalone --nproc_per_node 2 \
-        tests/gpu/context_parallel.py --mode cp --reference /tmp/cp_ref.pt --json cp.json
+        -m tests.gpu.context_parallel --mode cp --reference /tmp/cp_ref.pt --json cp.json
 
 CPU smoke run (gloo): the same with ``--device cpu --preset tiny-wan``.
 
@@ -49,8 +49,8 @@ import torch
 import torch.distributed as dist
 
 import fvstep as fs
+from benchmarks.presets import PRESETS, build_model, make_batch
 from fvstep import parallel as fsp
-from fvstep.bench.presets import PRESETS, build_model, make_batch
 from fvstep.methods.finetune import finetune
 from fvstep.parallel.context import ContextParallelism, make_context_mesh
 from fvstep.parallel.prepare import prepare

@@ -1,7 +1,7 @@
 """DMD2 at the real workload on GPUs, run several times: finite and bitwise repeatable?
 
     python -m torch.distributed.run --standalone --nproc_per_node 2 \
-        tests/gpu/dmd2_realshape.py --runs 3 --steps 20 --json dmd2_runs.json
+        -m tests.gpu.dmd2_realshape --runs 3 --steps 20 --json dmd2_runs.json
 
 The setup of issue 10 item 7 (an intermittent NaN): ``fvstep.methods.dmd2`` with its
 default options (fused ordering, generator every 5 steps), three roles of the Wan2.1-1.3B
@@ -37,9 +37,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import fvstep as fs
+from benchmarks.presets import PRESETS, build_model
 from fvstep import parallel as fsd
 from fvstep import tree
-from fvstep.bench.presets import PRESETS, build_model
 from fvstep.methods import dmd2
 from fvstep.models import synthetic_batch
 

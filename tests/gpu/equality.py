@@ -1,11 +1,11 @@
 """The distributed equality checks on GPUs (NCCL), run by torchrun — not collected by pytest.
 
-    python -m torch.distributed.run --standalone --nproc_per_node 2 tests/gpu/equality.py \
+    python -m torch.distributed.run --standalone --nproc_per_node 2 -m tests.gpu.equality \
         --json equality.json
 
 What it checks on each rank (the CPU versions are tests/test_distributed.py):
 - fvstep's compiled fine-tune step vs the hand-written imperative FSDP2 loop of
-  fvstep.bench.reference, the one the CPU tests and the benchmark use (tiny Wan,
+  benchmarks.reference, the one the CPU tests and the benchmark use (tiny Wan,
   fully_shard per block and at the root, MixedPrecisionPolicy(bf16 params, fp32 reduce),
   fp32 master weights, torch.optim.AdamW, clip_grad_norm_, K micro-batches, loss / K),
   after 5 steps, for every, deferred and no_sync: bitwise?
@@ -32,9 +32,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import fvstep as fs
+from benchmarks.reference import finetune_loop, shard_by_hand
 from fvstep import parallel as fsd
 from fvstep import tree
-from fvstep.bench.reference import finetune_loop, shard_by_hand
 from fvstep.methods.finetune import flow_matching_loss
 from fvstep.models import synthetic_batch, tiny_wan
 from fvstep.random import fold_in
@@ -77,7 +77,7 @@ def fvstep_run(rank: int, device: torch.device, sync: str):
 
 
 def hand_written(rank: int, device: torch.device, sync: str):
-    """The imperative FSDP2 loop fvstep replaces (fvstep.bench.reference), on the GPU."""
+    """The imperative FSDP2 loop fvstep replaces (benchmarks.reference), on the GPU."""
     mesh = init_device_mesh("cuda", (dist.get_world_size(),))
     module = shard_by_hand(tiny_wan(seed=0).to(device), mesh, mp_policy=MP)
     opt = finetune_loop(
@@ -107,7 +107,7 @@ def dmd2_equality(rank: int, device: torch.device, ordering: str) -> dict:
     and both AdamW moments of every role, root-level parameters included."""
     import copy
 
-    from fvstep.bench.reference import dmd2_loop
+    from benchmarks.reference import dmd2_loop
     from fvstep.methods import dmd2
 
     mesh = init_device_mesh("cuda", (dist.get_world_size(),))

@@ -1,11 +1,11 @@
 """The resume law on GPUs: DMD2 with prepared, sharded roles, interrupted at an odd step.
 
-    python -m torch.distributed.run --standalone --nproc_per_node 2 tests/gpu/resume.py \
+    python -m torch.distributed.run --standalone --nproc_per_node 2 -m tests.gpu.resume \
         --json resume.json
 
 CPU smoke run (gloo; compile with the ``aot_eager`` backend, no C++ toolchain):
 
-    python -m torch.distributed.run --standalone --nproc_per_node 2 tests/gpu/resume.py \
+    python -m torch.distributed.run --standalone --nproc_per_node 2 -m tests.gpu.resume \
         --device cpu --preset tiny-wan --compile-backend aot_eager
 
 Per configuration (``none``: no activation checkpointing, no compile; ``full+compile``:
@@ -48,9 +48,9 @@ import torch
 import torch.distributed as dist
 
 import fvstep as fs
+from benchmarks.presets import PRESETS, Preset, build_model
 from fvstep import parallel as fsp
 from fvstep import tree
-from fvstep.bench.presets import PRESETS, Preset, build_model
 from fvstep.methods import dmd2
 from fvstep.models import synthetic_batch
 from fvstep.parallel.prepare import prepare

@@ -10,8 +10,8 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import nn
 
+from benchmarks.presets import Preset
 from fvstep import parallel as fsd
-from fvstep.bench.presets import Preset
 
 __all__ = [
     "expected_collectives",

@@ -4,7 +4,7 @@ A benchmark process is either a single process (modules unsharded) or one rank o
 ``torchrun`` launch (``WORLD_SIZE > 1``): :func:`setup_runtime` then initialises the
 process group (NCCL on CUDA, gloo on CPU) and :func:`prepare_module` shards every role
 with :func:`fvstep.parallel.shard_module`. Model presets live in
-:mod:`fvstep.bench.presets`, analytic FLOPs and collectives in :mod:`fvstep.bench.analytic`.
+:mod:`benchmarks.presets`, analytic FLOPs and collectives in :mod:`benchmarks.analytic`.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ import torch
 from torch import nn
 
 import fvstep as fs
+from benchmarks.presets import PRESETS
 from fvstep import parallel as fsd
-from fvstep.bench.presets import PRESETS
 
 __all__ = [
     "MemoryMeter",
@@ -180,7 +180,7 @@ def prepare_module(
     block.
     """
     if compile_blocks:
-        from fvstep.parallel.prepare import SAFE_INDUCTOR_OPTIONS
+        from fvstep.parallel.block_compile import SAFE_INDUCTOR_OPTIONS
 
         for block in module.blocks:  # type: ignore[union-attr]
             block.compile(options=SAFE_INDUCTOR_OPTIONS)  # pytorch/pytorch#193061

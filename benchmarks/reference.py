@@ -13,9 +13,9 @@ optimizer, state left in a module) or of the noise a method draws.
 This is the one copy. Its users: ``tests/test_against_torch.py`` (one process),
 ``tests/test_distributed.py`` and ``tests/test_multirole_fsdp.py`` (2 CPU ranks, gloo),
 ``tests/gpu/equality.py`` (NCCL), all for bitwise equality, and
-:mod:`fvstep.bench.overhead` for time and memory. It lives in the package, not under
-``tests/``, because the benchmark ships in the wheel (``fvstep bench overhead``) and a
-package never imports its test tree (``docs/architecture.md``).
+:mod:`benchmarks.overhead` for time and memory. It lives with the benchmarks, outside the
+wheel, because a benchmark never imports the test tree; tests import it from here (run
+from the repository root).
 
 Examples:
     >>> module = shard_by_hand(tiny_wan(seed=0), mesh)

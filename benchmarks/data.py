@@ -18,8 +18,8 @@ Files are read through the page cache after the first pass (the dataset is small
 cold read is the disk's speed, not the loader's. Only performance is measured here.
 
 Examples:
-    $ python -m fvstep bench data --workers 0 1 2 --step-time 0.5
-    $ python -m fvstep.bench.data --shape 4 2 8 8 --text-shape 8 16 --samples 32
+    $ python -m benchmarks.data --workers 0 1 2 --step-time 0.5
+    $ python -m benchmarks.data --shape 4 2 8 8 --text-shape 8 16 --samples 32
 """
 
 from __future__ import annotations
@@ -261,13 +261,15 @@ def build_parser() -> argparse.ArgumentParser:
     """The benchmark's options.
 
     Returns:
-        The parser of ``fvstep bench data``.
+        The parser of ``python -m benchmarks.data``.
 
     Examples:
         >>> build_parser().parse_args(["--workers", "2"]).workers
         [2]
     """
-    p = argparse.ArgumentParser(prog="fvstep bench data", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.data", description=__doc__.splitlines()[0]
+    )
     p.add_argument(
         "--workers", type=int, nargs="+", default=[0, 1, 2], help="worker counts (default 0 1 2)"
     )
@@ -337,7 +339,9 @@ def main(argv: list[str] | None = None) -> int:
         torch, args.dtype
     ).itemsize
     setup = {
-        "command": " ".join(["fvstep bench data", *(argv if argv is not None else sys.argv[1:])]),
+        "command": " ".join(
+            ["python -m benchmarks.data", *(argv if argv is not None else sys.argv[1:])]
+        ),
         "torch": torch.__version__,
         "machine": platform.processor() or platform.machine(),
         "cpus": torch.multiprocessing.cpu_count(),

@@ -19,9 +19,9 @@ The disk write and the sync save alternate which goes first, so drift cancels.
 Throughput is the state's bytes (all ranks) over the median time.
 
 Usage:
-    python benchmarks/checkpoint_throughput.py --mib 64 --rounds 3
-    torchrun --standalone --nproc_per_node 2 benchmarks/checkpoint_throughput.py --mib 64
-    python benchmarks/checkpoint_throughput.py --preset wan-1.3b --device cuda --dir /scratch
+    python -m benchmarks.checkpoint --mib 64 --rounds 3
+    torchrun --standalone --nproc_per_node 2 -m benchmarks.checkpoint --mib 64
+    python -m benchmarks.checkpoint --preset wan-1.3b --device cuda --dir /scratch
 """
 
 from __future__ import annotations
@@ -39,10 +39,10 @@ import torch
 from torch import nn
 
 import fvstep as fs
+from benchmarks import common as c
+from benchmarks import presets
 from fvstep import checkpoint as ckpt
 from fvstep import parallel as fsd
-from fvstep.bench import common as c
-from fvstep.bench import presets
 from fvstep.checkpoint.fingerprint import fingerprint
 from fvstep.tree import flatten_with_paths
 
@@ -262,7 +262,7 @@ def report(result: dict[str, Any]) -> None:
 def build_parser() -> argparse.ArgumentParser:
     """The command-line options."""
     parser = argparse.ArgumentParser(
-        prog="fvstep bench checkpoint",
+        prog="python -m benchmarks.checkpoint",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

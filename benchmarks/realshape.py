@@ -24,14 +24,14 @@ inputs and weights), one under grad mode whose parameters are frozen for the uni
 2 (the gradient flows to its input only), one without grad costs 1 (a LoRA role's call
 under grad mode costs 2: its base's weights get no gradient; the adapters' own FLOPs are
 not counted); a forward is
-:func:`fvstep.bench.analytic.train_flops_per_sample` / 3 (linear layers at 2 FLOPs a
+:func:`benchmarks.analytic.train_flops_per_sample` / 3 (linear layers at 2 FLOPs a
 multiply-add, plus self- and cross-attention ``QK^T`` and ``AV`` at ``4 T^2 d`` and
 ``4 T L d`` per layer). Recomputation by activation checkpointing is not counted, nor
 are norms and element-wise ops.
 
 Examples:
-    $ python -m fvstep.bench.realshape --preset tiny-wan --device cpu --steps 2 --warmup 1
-    $ torchrun --standalone --nproc_per_node 2 -m fvstep.bench.realshape \\
+    $ python -m benchmarks.realshape --preset tiny-wan --device cpu --steps 2 --warmup 1
+    $ torchrun --standalone --nproc_per_node 2 -m benchmarks.realshape \\
         --preset wan-1.3b-480p --method dmd2 --checkpointing full --compile --json dmd2.json
 """
 
@@ -48,11 +48,11 @@ import torch
 from torch import nn
 
 import fvstep as fs
+from benchmarks import common as c
+from benchmarks.analytic import mfu, train_flops_per_sample
+from benchmarks.presets import PRESETS, Preset, build_model, make_batch
 from fvstep import parallel as fsp
 from fvstep._compat import checkpoint_wrapper
-from fvstep.bench import common as c
-from fvstep.bench.analytic import mfu, train_flops_per_sample
-from fvstep.bench.presets import PRESETS, Preset, build_model, make_batch
 from fvstep.lora import LoRAModule, add_adapters
 from fvstep.methods import dmd2, finetune
 
@@ -236,7 +236,7 @@ def run_side(side: str, preset: Preset, rt: c.Runtime, args: Any) -> dict[str, A
 def build_parser() -> argparse.ArgumentParser:
     """The benchmark's options."""
     parser = argparse.ArgumentParser(
-        prog="fvstep bench realshape",
+        prog="python -m benchmarks.realshape",
         description="Fine-tune or DMD2 at the real shape: fvstep.parallel.prepare vs by hand.",
     )
     c.add_runtime_args(parser)

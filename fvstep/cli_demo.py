@@ -1,0 +1,251 @@
+"""``fvstep demo``: a tiny DMD2 distillation that interrupts itself, resumes and proves it.
+
+The demo runs twice (uninterrupted, then crashed and resumed from its newest checkpoint)
+on every rank, compares the two runs leaf by leaf, plots the losses and prints a summary
+in which every number was observed on the runs. Its work is :mod:`fvstep.demo`; this
+module is its command: options, output directory, ranks, summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from fvstep.cli_common import CLIError, check_positive, from_rank0, run_on_ranks
+
+__all__ = ["add_demo_parser", "run_demo_command"]
+
+
+def add_demo_parser(sub: Any) -> None:
+    """Add the ``demo`` subcommand and its options.
+
+    Args:
+        sub: the subparsers of the ``fvstep`` parser (``add_subparsers()``).
+
+    Example:
+        >>> parser = argparse.ArgumentParser(prog="fvstep")
+        >>> add_demo_parser(parser.add_subparsers(dest="command"))
+        >>> parser.parse_args(["demo", "--nproc", "1"]).nproc
+        1
+    """
+    demo = sub.add_parser(
+        "demo", help="tiny DMD2 distillation that interrupts itself, resumes and proves it"
+    )
+    demo.add_argument(
+        "--steps",
+        type=int,
+        default=24,
+        help="steps per run (default 24; the minimum depends on --every: the crash falls "
+        "after the first checkpoint and before the last step)",
+    )
+    demo.add_argument("--nproc", type=int, default=2, help="ranks (gloo on CPU; default 2)")
+    demo.add_argument(
+        "--policy",
+        choices=["every", "no_sync", "deferred"],
+        default="deferred",
+        help="FSDP2 gradient sync under accumulation: when gradients are reduced between "
+        "micro-batches; changes communication, not results (default deferred; no effect "
+        "with --nproc 1)",
+    )
+    demo.add_argument(
+        "--microbatches", type=int, default=2, help="K, micro-batches per step (default 2)"
+    )
+    demo.add_argument("--every", type=int, default=4, help="checkpoint interval (default 4)")
+    demo.add_argument(
+        "--out", default="fvstep-demo", help="output directory (default ./fvstep-demo)"
+    )
+    demo.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the output of an earlier demo in --out (else the demo refuses)",
+    )
+    demo.add_argument("--debug", action="store_true", help="show tracebacks")
+
+
+def _check_out_dir(path: str) -> Path:
+    out = Path(path)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".fvstep-write-test"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise CLIError(
+            f"fvstep: cannot write to the output directory {path!r}: {e.strerror or e}"
+        ) from None
+    return out.resolve()
+
+
+def _demo_rank(config: Any) -> dict[str, Any]:
+    from fvstep.demo import run_demo
+
+    return run_demo(config)
+
+
+_DEMO_OUTPUTS = ("uninterrupted", "interrupted", "losses.png")
+
+
+def _check_demo_options(args: argparse.Namespace) -> None:
+    from fvstep.demo import min_steps
+
+    check_positive(nproc=args.nproc, microbatches=args.microbatches, every=args.every)
+    if args.steps < min_steps(args.every):
+        raise CLIError(
+            f"fvstep: --steps must be >= {min_steps(args.every)} with --every {args.every} "
+            f"(the demo crashes after its first checkpoint and before its last step), got "
+            f"{args.steps}: use more steps or a smaller --every"
+        )
+
+
+def _demo_out_dir(args: argparse.Namespace) -> Path:
+    """``--out``, checked writable; an earlier demo's output in it is refused, or removed
+    with ``--overwrite`` (by rank 0, the other ranks waiting)."""
+    out = _check_out_dir(args.out)
+    earlier = [name for name in _DEMO_OUTPUTS if (out / name).exists()]
+    if earlier and not args.overwrite:
+        raise CLIError(
+            f"fvstep: {args.out!r} holds an earlier demo's output ({', '.join(earlier)}): "
+            "pass --overwrite to replace it, or another --out"
+        )
+    if earlier and int(os.environ.get("RANK", "0")) == 0:
+        import shutil
+
+        for name in earlier:
+            if (out / name).is_dir():
+                shutil.rmtree(out / name)
+            else:
+                (out / name).unlink()
+    from_rank0(None)  # under torchrun: the other ranks wait for the clean-up
+    return out
+
+
+def run_demo_command(args: argparse.Namespace) -> int:
+    """Run ``fvstep demo``: both runs on every rank, then (rank 0) the plot and the summary.
+
+    Args:
+        args: the parsed options of :func:`add_demo_parser`.
+
+    Returns:
+        The exit code: 0 when the resumed run equals the uninterrupted one bitwise, else 1.
+
+    Raises:
+        CLIError: an option is out of range, or ``--out`` is not writable or holds an
+            earlier demo's output without ``--overwrite``.
+
+    Example:
+        $ fvstep demo --nproc 2 --steps 24 --every 4 --out fvstep-demo
+    """
+    _check_demo_options(args)
+    from fvstep.demo import DemoConfig, plot_losses
+
+    out = _demo_out_dir(args)
+    config = DemoConfig(
+        out=str(out),
+        num_steps=args.steps,
+        microbatches=args.microbatches,
+        sync=args.policy,
+        every=args.every,
+    )
+    start = time.perf_counter()
+    summary = run_on_ranks(_demo_rank, config, args.nproc)[0]
+    elapsed = time.perf_counter() - start
+    if int(os.environ.get("RANK", "0")) != 0:
+        return 0 if summary["equal"] else 1
+    png = plot_losses(
+        out, resumed_from=summary["resumed_from"], crashed_before=summary["crashed_before"]
+    )
+    for line in _demo_summary(args, out, summary, png, elapsed):
+        print(line)
+    return 0 if summary["equal"] else 1
+
+
+def _demo_summary(
+    args: argparse.Namespace, out: Path, summary: dict[str, Any], png: Path | None, elapsed: float
+) -> list[str]:
+    """The summary's lines: every number in it was observed on the runs, not planned."""
+    world = summary["world_size"]
+    rows = [
+        ("ranks", f"{world} (gloo, FSDP2)" if world > 1 else "1 (no sharding)"),
+        ("steps", f"{args.steps} per run, K={args.microbatches} micro-batches"),
+        ("sync policy", _policy_line(args.policy, world)),
+        ("collectives", _collectives_line(summary["collectives"])),
+        (
+            "interruption",
+            f"crashed before step {summary['crashed_before']} (checkpoints then: "
+            f"{_steps_text(summary['checkpoints_at_crash'])}); restarted from the newest, "
+            f"step {summary['resumed_from']}, {_recomputed(summary)}",
+        ),
+        ("resumed from", summary["resumed_from_path"]),
+        (
+            "checkpoints",
+            f"every {args.every} steps, all kept: uninterrupted/ "
+            f"{_steps_text(summary['checkpoints_uninterrupted'])}; interrupted/ "
+            f"{_steps_text(summary['checkpoints_final'])}",
+        ),
+        ("final losses", _last_losses(out)),
+        (
+            "checkpoint size",
+            f"{summary['checkpoint_bytes'] / 2**20:.2f} MiB ({summary['num_leaves']} leaves "
+            f"per rank)",
+        ),
+        (
+            "metrics",
+            f"{out / 'uninterrupted' / 'metrics.jsonl'}, {out / 'interrupted' / 'metrics.jsonl'}",
+        ),
+        ("plot", str(png) if png else "matplotlib not installed: no plot"),
+        ("time", f"{elapsed:.1f} s"),
+    ]
+    if summary["equal"]:
+        rows.append(
+            ("verdict", "RESUMED RUN == UNINTERRUPTED RUN, bitwise (every leaf, every rank)")
+        )
+    else:
+        rows.append(("verdict", f"DIFFERENT: {summary['first_difference']}"))
+    title = "fvstep demo — DMD2 (student, frozen teacher, critic) on a tiny Wan transformer"
+    return ["", title, *(f"  {name:<19}  {text}" for name, text in rows)]
+
+
+def _policy_line(policy: str, world: int) -> str:
+    if world == 1:
+        return f"none: one rank communicates no gradients (--policy {policy} has no effect)"
+    return (
+        f"{policy}. A policy changes when gradients are communicated, not what is computed: "
+        "every and deferred give bitwise the same losses, no_sync the same up to summation "
+        "order (docs: Sync policies)"
+    )
+
+
+def _collectives_line(collectives: dict[str, int]) -> str:
+    if not collectives:
+        return "none (one rank)"
+    counts = ", ".join(f"{n} {kind}" for kind, n in sorted(collectives.items()))
+    return f"at most {counts} per step (counted on rank 0)"
+
+
+def _recomputed(summary: dict[str, Any]) -> str:
+    first, last = summary["resumed_from"], summary["crashed_before"] - 1
+    if last < first:
+        return "with no step to recompute"
+    return (
+        f"and recomputed step {first}" if first == last else f"and recomputed steps {first}-{last}"
+    )
+
+
+def _steps_text(steps: list[int]) -> str:
+    if not steps:
+        return "none"
+    return ("step " if len(steps) == 1 else "steps ") + ", ".join(str(s) for s in steps)
+
+
+def _last_losses(out: Path) -> str:
+    import json
+
+    lines = (out / "interrupted" / "metrics.jsonl").read_text().splitlines()
+    last: dict[str, float] = {}
+    for line in lines:
+        row = json.loads(line)
+        last.update({k: v for k, v in row.items() if k.endswith("/loss")})
+    return ", ".join(f"{k} {v:.4f}" for k, v in sorted(last.items()))

@@ -1,0 +1,229 @@
+"""``fvstep verify-resume`` and ``fvstep verify-compile``: checks of a user's own code.
+
+Each command loads ``MODULE:FACTORY`` (``MODULE`` importable from the working directory)
+and runs one law on what the factory returns: the resume law of
+:func:`fvstep.testing.assert_resume_exact` on ``(state, step_fn, data)``, on one rank or
+several; compiled gradients against eager ones (:func:`fvstep.testing.check_compiled_gradients`)
+on ``(module, args)`` or ``(module, args, kwargs)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+import tempfile
+from typing import Any
+
+from fvstep.cli_common import CLIError, check_positive, from_rank0, run_on_ranks
+
+__all__ = ["add_verify_parsers", "run_verify_compile", "run_verify_resume"]
+
+
+def add_verify_parsers(sub: Any) -> None:
+    """Add the ``verify-resume`` and ``verify-compile`` subcommands and their options.
+
+    Args:
+        sub: the subparsers of the ``fvstep`` parser (``add_subparsers()``).
+
+    Example:
+        >>> parser = argparse.ArgumentParser(prog="fvstep")
+        >>> add_verify_parsers(parser.add_subparsers(dest="command"))
+        >>> parser.parse_args(["verify-resume", "my_method:factory"]).steps
+        6
+    """
+    verify = sub.add_parser("verify-resume", help="prove the resume law for MODULE:FACTORY")
+    verify.add_argument("factory", help="MODULE:FACTORY; FACTORY() returns (state, step_fn, data)")
+    verify.add_argument("--steps", type=int, default=6, help="steps of each run (default 6)")
+    verify.add_argument(
+        "--interrupt", type=int, nargs="+", default=None, help="steps to crash before"
+    )
+    verify.add_argument("--every", type=int, default=2, help="checkpoint interval (default 2)")
+    verify.add_argument(
+        "--nproc",
+        type=int,
+        default=1,
+        help="ranks to launch, gloo on CPU (default 1; under torchrun: its ranks)",
+    )
+    verify.add_argument(
+        "--workdir", default=None, help="checkpoint directory (default: a temp dir)"
+    )
+    verify.add_argument("--debug", action="store_true", help="show tracebacks")
+
+    compiled = sub.add_parser(
+        "verify-compile", help="check compiled gradients against eager ones for MODULE:FACTORY"
+    )
+    compiled.add_argument(
+        "factory", help="MODULE:FACTORY; FACTORY() returns (module, args) or (module, args, kwargs)"
+    )
+    compiled.add_argument(
+        "--rtol",
+        type=float,
+        default=None,
+        help="relative tolerance (default by precision: 1e-3 fp32, 1e-2 TF32, 0.1 bf16/fp16)",
+    )
+    compiled.add_argument(
+        "--backend",
+        default=None,
+        help="torch.compile backend for a module not compiled in place (default: inductor, "
+        "with prepare's options)",
+    )
+    compiled.add_argument("--seed", type=int, default=0, help="the cotangent's seed (default 0)")
+    compiled.add_argument("--debug", action="store_true", help="show tracebacks")
+
+
+def _load_factory(spec: str) -> Any:
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise CLIError(f"fvstep: factory must be MODULE:FACTORY, got {spec!r}")
+    sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:
+        raise CLIError(f"fvstep: cannot import {module_name!r}: {type(e).__name__}: {e}") from None
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise CLIError(f"fvstep: {module_name!r} has no callable {attr!r}")
+    return factory
+
+
+def _checked_factory(spec: str) -> Any:
+    from fvstep.state import TrainState
+
+    factory = _load_factory(spec)
+
+    def checked() -> Any:
+        made = factory()
+        if not (isinstance(made, tuple) and len(made) == 3):
+            raise CLIError(
+                f"fvstep: {spec} must return (state, step_fn, data), got {type(made).__name__}"
+                + (f" of length {len(made)}" if isinstance(made, tuple) else "")
+            )
+        state, step_fn, _data = made
+        if not isinstance(state, TrainState):
+            raise CLIError(
+                f"fvstep: {spec} returned {type(state).__name__} where a TrainState must be"
+            )
+        if not callable(step_fn):
+            raise CLIError(f"fvstep: {spec} returned a step_fn that is not callable")
+        return made
+
+    return checked
+
+
+def _verify_rank(job: dict[str, Any]) -> str | None:
+    from fvstep.testing import assert_resume_exact
+
+    try:
+        assert_resume_exact(
+            _checked_factory(job["factory"]),
+            num_steps=job["steps"],
+            interruptions=job["interrupt"],
+            workdir=job["workdir"],
+            checkpoint_every=job["every"],
+        )
+    except AssertionError as e:
+        return str(e)
+    return None
+
+
+def run_verify_resume(args: argparse.Namespace) -> int:
+    """Run ``fvstep verify-resume``: the resume law for ``args.factory``, on every rank.
+
+    Args:
+        args: the parsed options of ``verify-resume`` (:func:`add_verify_parsers`).
+
+    Returns:
+        The exit code: 0 when every interrupted run resumes to the uninterrupted one
+        bitwise, else 1 (rank 0 prints the first difference and where to look).
+
+    Raises:
+        CLIError: an option is out of range, or the factory cannot be imported or returns
+            something other than ``(state, step_fn, data)``.
+
+    Example:
+        $ fvstep verify-resume my_method:factory --steps 6 --interrupt 2 4 --nproc 2
+    """
+    check_positive(steps=args.steps, nproc=args.nproc, every=args.every)
+    _checked_factory(args.factory)  # fail fast on an import error, before launching ranks
+    interrupt = args.interrupt or [args.steps // 2]
+    if any(not 0 <= s < args.steps for s in interrupt):
+        raise CLIError(f"fvstep: --interrupt steps must lie in [0, {args.steps}), got {interrupt}")
+    with tempfile.TemporaryDirectory(prefix="fvstep-verify-") as tmp:
+        job = {
+            "factory": args.factory,
+            "steps": args.steps,
+            "interrupt": interrupt,
+            "every": args.every,
+            "workdir": from_rank0(args.workdir or tmp),  # one directory for all ranks
+        }
+        failures = run_on_ranks(_verify_rank, job, args.nproc)
+    failure = next((f for f in failures if f is not None), None)
+    if int(os.environ.get("RANK", "0")) != 0:
+        return 0 if failure is None else 1
+    num_ranks = int(os.environ.get("WORLD_SIZE", "0")) or args.nproc
+    where = f"{args.steps} steps, crashes before {interrupt}, checkpoints every {args.every}, {num_ranks} rank(s)"
+    if failure is None:
+        print(f"resume is exact: {args.factory} ({where})")
+        return 0
+    print(f"resume is NOT exact: {args.factory} ({where})")
+    print(f"  {failure}")
+    print(
+        "  Look for state the step reads that is not in the TrainState: a global RNG draw outside"
+    )
+    print("  the step, a counter kept on an object, data that is not a function of the step.")
+    return 1
+
+
+def run_verify_compile(args: argparse.Namespace) -> int:
+    """Run ``fvstep verify-compile``: compiled gradients against eager ones for ``args.factory``.
+
+    Args:
+        args: the parsed options of ``verify-compile`` (:func:`add_verify_parsers`).
+
+    Returns:
+        The exit code: 0 when every block's compiled gradients match the eager ones within
+        the tolerance, else 1 (the mismatches are printed).
+
+    Raises:
+        CLIError: ``--rtol`` is not positive, or the factory cannot be imported or returns
+            something other than ``(module, args)`` or ``(module, args, kwargs)``.
+
+    Example:
+        $ fvstep verify-compile my_model:factory --rtol 1e-3
+    """
+    if args.rtol is not None and not args.rtol > 0:
+        raise CLIError(f"fvstep: --rtol must be positive, got {args.rtol}")
+    made = _load_factory(args.factory)()
+    if not (isinstance(made, tuple) and len(made) in (2, 3)):
+        raise CLIError(
+            f"fvstep: {args.factory} must return (module, args) or (module, args, kwargs), "
+            f"got {type(made).__name__}"
+        )
+    import torch
+
+    from fvstep.parallel.compile_check import CompiledGradientError
+    from fvstep.testing import check_compiled_gradients
+
+    module, inputs, kwargs = (*made, {}) if len(made) == 2 else made
+    if not isinstance(module, torch.nn.Module):
+        raise CLIError(f"fvstep: {args.factory} returned {type(module).__name__}, not a module")
+    if not isinstance(inputs, (tuple, list)) or not isinstance(kwargs, dict):
+        raise CLIError(f"fvstep: {args.factory}'s args must be a tuple and kwargs a dict")
+    compiled = None if args.backend is None else {"backend": args.backend}
+    try:
+        reports = check_compiled_gradients(
+            module, *inputs, compiled=compiled, rtol=args.rtol, seed=args.seed, **kwargs
+        )
+    except CompiledGradientError as e:
+        print(f"compiled gradients are WRONG: {args.factory}")
+        for line in str(e).splitlines():
+            print(f"  {line}")
+        return 1
+    for r in reports:
+        worst = r.worst
+        what = f"{worst.name} {worst.relative_error:.2g}" if worst else "nothing requires grad"
+        print(f"  {r.block}: worst {what} (tolerance {r.rtol:g}, {r.precision}, {r.seconds:.2f} s)")
+    print(f"compiled gradients match eager ones: {args.factory} ({len(reports)} block(s))")
+    return 0
