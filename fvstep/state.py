@@ -19,15 +19,23 @@ state raises :class:`ConsumedStateError`.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Mapping
-from typing import Any, Literal
+from collections.abc import Mapping
+from typing import Any
 
 import attrs
 import torch
 from torch import nn
 
 from fvstep import random as fsrandom
+from fvstep._role_tensors import (
+    _bind_tensors,
+    _check_no_aliasing,
+    _check_no_partial_aliasing,
+    _check_tensor_leaves,
+    _distinct_tensors,
+    _live_tensors,
+    _trainable_names,
+)
 from fvstep.optim import Optimizer
 from fvstep.tree import field, frozen, replace
 
@@ -38,20 +46,11 @@ __all__ = [
     "Role",
     "RoleState",
     "TrainState",
-    "Weights",
     "adopt",
     "bind_module",
-    "holding_other_weights",
     "is_consumed",
     "mark_consumed",
-    "roles_holding_other_weights",
-    "select_weights",
 ]
-
-Weights = Literal["params", "ema"]
-"""Which weights of a role to compute with or export: the live ones or the EMA."""
-
-_LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
 class ConsumedStateError(RuntimeError):
@@ -182,87 +181,6 @@ class RoleState:
     def trainable_params(self) -> dict[str, torch.Tensor]:
         """The parameters the optimizer updates, by name."""
         return {n: self.params[n] for n in self.trainable_names}
-
-
-_OTHER_WEIGHTS = "_fvstep_other_weights"
-
-
-@contextlib.contextmanager
-def holding_other_weights(module: nn.Module) -> Iterator[None]:
-    """Mark ``module`` as holding other values than its role's live weights (nestable).
-
-    :func:`fvstep.validation.role_module` marks a role's module while its parameters hold
-    the EMA; readers of the live weights that would take the EMA for them (a checkpoint
-    save, an export) refuse while it is marked (:func:`roles_holding_other_weights`).
-
-    Examples:
-        >>> with holding_other_weights(module):
-        ...     ...  # module's parameters hold something else
-    """
-    module.__dict__[_OTHER_WEIGHTS] = module.__dict__.get(_OTHER_WEIGHTS, 0) + 1
-    try:
-        yield
-    finally:
-        module.__dict__[_OTHER_WEIGHTS] -= 1
-
-
-def roles_holding_other_weights(state: Any) -> list[str]:
-    """The roles of ``state`` whose modules hold other values than their live weights now.
-
-    Examples:
-        >>> roles_holding_other_weights(state)   # inside role_module(state, "student", weights="ema")
-        ['student']
-    """
-    roles = getattr(state, "roles", None)
-    if not isinstance(roles, Mapping):
-        return []
-    return [
-        name for name, rs in roles.items() if rs.role.module.__dict__.get(_OTHER_WEIGHTS, 0) > 0
-    ]
-
-
-def select_weights(
-    role_state: RoleState, weights: Weights, *, role: str
-) -> dict[str, torch.Tensor]:
-    """The tensors that stand for a role's parameters under ``weights``: the one rule.
-
-    Every reader of "the EMA weights" (validation, sampling, every export, LoRA's
-    exports and merges) takes them from here, so that all of them compute with the same
-    weights at the same step. ``"params"``: the live parameters. ``"ema"``: for each
-    trainable parameter, its moving average once the EMA has started (its first active
-    update, at global step ``>= EMA.start_step``), else the live parameter, since the
-    first active update restarts the average from the live weights (before it the
-    stored average is the stale copy made at ``create``); the other parameters are
-    always live. Reads one flag from the device for ``"ema"``.
-
-    Args:
-        role_state: The role's state.
-        weights: ``"params"`` or ``"ema"``.
-        role: The role's name (for the error messages).
-
-    Returns:
-        Parameter name to tensor (the state's own tensors: do not write into them), for
-        every parameter of the role.
-
-    Raises:
-        ValueError: For an unknown ``weights``, or ``"ema"`` for a role without an EMA.
-
-    Examples:
-        >>> sources = select_weights(state.role("student"), "ema", role="student")
-    """
-    if weights not in ("params", "ema"):
-        raise ValueError(f"weights must be 'params' or 'ema', got {weights!r}")
-    if weights == "params":
-        return dict(role_state.params)
-    ema = role_state.ema
-    if ema is None:
-        raise ValueError(
-            f"weights='ema' but role {role!r} has no EMA; configure one with "
-            "Role(..., ema=fvstep.EMA(decay)) or use weights='params'"
-        )
-    if not bool(ema.initialized):
-        return dict(role_state.params)
-    return {name: ema.params.get(name, param) for name, param in role_state.params.items()}
 
 
 @attrs.define
@@ -425,99 +343,17 @@ def is_consumed(state: TrainState) -> bool:
     return object.__getattribute__(state, "_lease").consumed_by is not None
 
 
-def _named_buffers(
-    module: nn.Module, *, persistent: bool = True
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every name of the module's persistent (or non-persistent) buffers, in
-    ``state_dict`` order: a buffer held under several names appears under each."""
-    for mod_name, mod in module.named_modules(remove_duplicate=False):
-        for buf_name, buf in mod._buffers.items():
-            if buf is not None and (buf_name not in mod._non_persistent_buffers_set) == persistent:
-                yield (f"{mod_name}.{buf_name}" if mod_name else buf_name), buf
-
-
-def _named_persistent_buffers(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    return _named_buffers(module, persistent=True)
-
-
-def _distinct_tensors(
-    module: nn.Module,
-) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], tuple[tuple[str, str], ...]]:
-    """The module's distinct parameters and persistent buffers, each under its first name,
-    and the ``(alias, canonical)`` pairs of the other names of the same tensors."""
-    first_name: dict[int, str] = {}  # id() is safe: the module keeps every tensor alive
-    tied: list[tuple[str, str]] = []
-    slots: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]] = ({}, {})
-    named = (module.named_parameters(remove_duplicate=False), _named_persistent_buffers(module))
-    for distinct, tensors in zip(slots, named, strict=True):
-        for name, tensor in tensors:
-            canonical = first_name.setdefault(id(tensor), name)
-            if canonical == name:
-                distinct[name] = tensor
-            else:
-                tied.append((name, canonical))
-    return slots[0], slots[1], tuple(tied)
-
-
-def _storage_key(tensor: torch.Tensor) -> tuple[str, int] | None:
-    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-    if local.numel() == 0 or local.device.type == "meta":
-        return None
-    return str(local.device), local.untyped_storage().data_ptr()
-
-
-def _check_no_partial_aliasing(
-    role_name: str, module: nn.Module, tensors: Mapping[str, torch.Tensor]
-) -> None:
-    """Refuse different tensors of one role that share storage: a checkpoint restores
-    them as independent tensors, so a resumed run would silently differ."""
-    seen: dict[tuple[str, int], str] = {}
-    for name, tensor in tensors.items():
-        where = _storage_key(tensor)
-        if where is None:
-            continue
-        other = seen.setdefault(where, name)
-        if other != name:
-            raise ValueError(
-                f"role {role_name!r}: {other!r} and {name!r} are different tensors that share "
-                "storage (one is a view of the other), which a checkpoint would restore as "
-                "independent tensors. Tie them by holding one tensor under both names "
-                f"(e.g. decoder.weight = encoder.weight), or give {name!r} its own storage "
-                "(.clone())"
-            )
-    held = {id(t) for t in tensors.values()}
-    for name, buf in _named_buffers(module, persistent=False):
-        where = _storage_key(buf)
-        if where is not None and where in seen:
-            raise ValueError(
-                f"role {role_name!r}: the non-persistent buffer {name!r} "
-                f"{'is' if id(buf) in held else 'shares storage with'} {seen[where]!r}, which "
-                "the state holds: after a checkpoint load or a clone the buffer would keep "
-                "the old values. Register it as a persistent buffer, or recompute it from "
-                f"{seen[where]!r} in forward"
-            )
-
-
 def _create_role_state(name: str, role: Role) -> RoleState:
     module = role.module
     params, buffers, tied = _distinct_tensors(module)
     _check_no_partial_aliasing(name, module, {**params, **buffers})
     if role.trainable:
         assert role.optimizer is not None
-        trainable = tuple(n for n, p in params.items() if p.requires_grad)
-        if not trainable:
-            raise ValueError(f"trainable role {name!r} has no parameter with requires_grad=True")
-        low = [n for n in trainable if params[n].dtype in _LOW_PRECISION]
-        if low and role.optimizer.needs_fp32_master and not role.allow_low_precision:
-            raise ValueError(
-                f"role {name!r} is trainable with {params[low[0]].dtype} parameters "
-                f"({len(low)} of them, e.g. {low[0]!r}), and its optimizer needs fp32 master "
-                "weights: small updates would round away. Keep the parameters in fp32 (use "
-                "MixedPrecisionPolicy for bf16 compute) or pass Role(..., "
-                "allow_low_precision=True)"
-            )
+        trainable = _trainable_names(name, role, params)
         trainable_params = {n: params[n] for n in trainable}
         opt_state = role.optimizer.init(trainable_params)
+        # the one structure check (update relies on it); a loaded state needs it too
+        role.optimizer.check_state(trainable_params, opt_state)
         ema = None
         if role.ema is not None:
             ema = EMAState(
@@ -541,54 +377,6 @@ def _create_role_state(name: str, role: Role) -> RoleState:
     )
     module.__dict__["_fvstep_bound"] = (params, buffers)
     return state
-
-
-def _check_no_aliasing(roles: Mapping[str, Role]) -> None:
-    seen_modules: dict[int, tuple[str, str]] = {}
-    seen_storage: dict[tuple[str, int], tuple[str, str]] = {}
-    for role_name, role in roles.items():
-        for mod_name, mod in role.module.named_modules():
-            other = seen_modules.get(id(mod))
-            if other is not None and other[0] != role_name:
-                raise ValueError(
-                    f"roles {other[0]!r} and {role_name!r} share a module "
-                    f"({other[1] or '<root>'!r} / {mod_name or '<root>'!r}); give each role its "
-                    "own copy (e.g. copy.deepcopy(module)), even when both start from one checkpoint"
-                )
-            seen_modules.setdefault(id(mod), (role_name, mod_name))
-        tensors: list[tuple[str, torch.Tensor]] = [
-            *role.module.named_parameters(remove_duplicate=False),
-            *role.module.named_buffers(remove_duplicate=False),
-        ]
-        for t_name, t in tensors:
-            where = _storage_key(t)
-            if where is None:
-                continue
-            other = seen_storage.get(where)
-            if other is not None and other[0] != role_name:
-                raise ValueError(
-                    f"roles {other[0]!r} and {role_name!r} share the tensor storage of "
-                    f"{other[1]!r} / {t_name!r}; give each role its own copy "
-                    "(e.g. copy.deepcopy(module))"
-                )
-            seen_storage.setdefault(where, (role_name, t_name))
-
-
-def _check_tensor_leaves(tree: Any, what: str) -> None:
-    from fvstep.tree import flatten_with_paths
-
-    paths, flat, _ = flatten_with_paths(tree)
-    for path, leaf in zip(paths, flat, strict=False):
-        if not isinstance(leaf, torch.Tensor):
-            raise TypeError(
-                f"{what}.{path} must be a tensor, got {type(leaf).__name__} ({leaf!r}); "
-                "state leaves are tensors only (wrap counters as torch.tensor(...))"
-            )
-
-
-def _locate(module: nn.Module, name: str) -> tuple[nn.Module, str]:
-    prefix, _, leaf = name.rpartition(".")
-    return (module.get_submodule(prefix) if prefix else module), leaf
 
 
 def adopt(role_state: RoleState) -> RoleState:
@@ -626,20 +414,10 @@ def adopt(role_state: RoleState) -> RoleState:
     bound = module.__dict__.get("_fvstep_bound")
     if bound is not None and bound[0] is role_state.params and bound[1] is role_state.buffers:
         return role_state
-    live_params = dict(module.named_parameters(remove_duplicate=False))
-    live_buffers = dict(_named_persistent_buffers(module))
-    aliases = dict(role_state.tied)
+    live_params, live_buffers = _live_tensors(
+        module, role_state.params, role_state.buffers, role_state.tied
+    )
     mine = {**role_state.params, **role_state.buffers}
-    if (
-        set(live_params) | set(live_buffers) != set(mine) | set(aliases)
-        or not set(role_state.params) <= set(live_params)
-        or not set(role_state.buffers) <= set(live_buffers)
-    ):
-        raise ValueError(
-            f"the module of this role has parameters/buffers {sorted(live_params)[:3]}..., "
-            f"which do not match the state's {sorted(role_state.params)[:3]}...: was the module "
-            "re-wrapped or changed after TrainState.create?"
-        )
     live = {**live_params, **live_buffers}
     if any(hasattr(p, "to_local") for p in live_params.values()):
         for alias, canonical in role_state.tied:
@@ -659,11 +437,7 @@ def adopt(role_state: RoleState) -> RoleState:
             buffers={n: live_buffers[n] for n in role_state.buffers},
         )
     else:
-        for name in live:
-            owner, leaf = _locate(module, name)
-            # the state's own tensor, bound as is (a leaf may be a plain tensor or DTensor)
-            slot: dict[str, Any] = owner._parameters if name in live_params else owner._buffers
-            slot[leaf] = mine[aliases.get(name, name)]
+        _bind_tensors(module, live_params, live, mine, dict(role_state.tied))
     module.__dict__["_fvstep_bound"] = (role_state.params, role_state.buffers)
     return role_state
 

@@ -28,10 +28,9 @@ from fvstep import random as fsrandom
 from fvstep.methods.finetune import add_noise
 from fvstep.models import predict
 from fvstep.parallel.sync import release_modules
-from fvstep.state import (
-    TrainState,
+from fvstep.state import TrainState, adopt
+from fvstep.weights import (
     Weights,
-    adopt,
     holding_other_weights,
     roles_holding_other_weights,
     select_weights,
@@ -52,7 +51,7 @@ def role_module(
     their dtype) inside the ``with`` block and their own values again after it (also
     when the block raises), bit for bit: the live values are kept aside in a copy of the
     role's (local shards of its) trainable parameters. Which weights are the EMA weights
-    is :func:`fvstep.state.select_weights`'s rule, the one every export follows: an EMA
+    is :func:`fvstep.weights.select_weights`'s rule, the one every export follows: an EMA
     that has not started yet (before its ``start_step``) stands for the live weights, as
     the EMA restarts from them. For FSDP2-sharded roles every rank must enter it (the
     copies are local; the module's forward gathers): every FSDP2 group of the state is

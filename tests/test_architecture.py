@@ -35,10 +35,11 @@ CORE = (
     "fvstep.sync",
     "fvstep.tree",
     "fvstep.update",
+    "fvstep.weights",
 )
 """The core: what a step is made of. ``fvstep.sync`` is the protocol the core is given."""
 
-CORE_HELPERS = ("fvstep._checks", "fvstep._compat")
+CORE_HELPERS = ("fvstep._checks", "fvstep._compat", "fvstep._role_tensors")
 """Private modules the core may use besides itself."""
 
 APPLICATIONS = (

@@ -560,7 +560,27 @@ def test_update_rejects_grads_with_mismatched_shape_dtype_device(opt: optim.Opti
 
 
 @pytest.mark.parametrize("opt", OPTS)
-def test_update_rejects_a_state_whose_keys_do_not_match_params(opt: optim.Optimizer[Any]) -> None:
+def test_check_state_rejects_a_state_whose_keys_or_shapes_do_not_match_params(
+    opt: optim.Optimizer[Any],
+) -> None:
+    params = _some_params()
+    opt.check_state(params, opt.init(params))
+    state = opt.init({n: p for n, p in params.items() if n != "scale"})
+    has_dicts = any(getattr(state, f.name) for f in attrs.fields(type(state))[1:])
+    if has_dicts:
+        with pytest.raises(ValueError, match=r"keys do not match the params: missing \['scale'\]"):
+            opt.check_state(params, state)
+        bigger = opt.init({**params, "extra": torch.zeros(1)})
+        with pytest.raises(ValueError, match=r"unexpected \['extra'\]"):
+            opt.check_state(params, bigger)
+        reshaped = opt.init({**params, "scale": torch.zeros(2)})
+        with pytest.raises(ValueError, match="shape"):
+            opt.check_state(params, reshaped)
+
+
+@pytest.mark.parametrize("opt", OPTS)
+def test_update_rejects_params_with_other_names_than_the_state(opt: optim.Optimizer[Any]) -> None:
+    # the one structure check update keeps: a comparison of the names, not of the shapes
     params = _some_params()
     state = opt.init({n: p for n, p in params.items() if n != "scale"})
     has_dicts = any(getattr(state, f.name) for f in attrs.fields(type(state))[1:])
@@ -570,23 +590,45 @@ def test_update_rejects_a_state_whose_keys_do_not_match_params(opt: optim.Optimi
         bigger = opt.init({**params, "extra": torch.zeros(1)})
         with pytest.raises(ValueError, match=r"unexpected \['extra'\]"):
             opt.update(params, {}, bigger)
-        reshaped = opt.init({**params, "scale": torch.zeros(2)})
-        with pytest.raises(ValueError, match="shape"):
-            opt.update(params, {}, reshaped)
+        assert int(state.count) == 0 and int(bigger.count) == 0
 
 
-def test_update_rejects_a_state_from_another_configuration() -> None:
+def test_check_state_rejects_a_state_from_another_configuration() -> None:
     params = _some_params()
     with pytest.raises(ValueError, match="max_exp_avg_sq must be empty"):
-        optim.adamw().update(params, {}, optim.adamw(amsgrad=True).init(params))
+        optim.adamw().check_state(params, optim.adamw(amsgrad=True).init(params))
     with pytest.raises(ValueError, match="max_exp_avg_sq keys do not match"):
-        optim.adamw(amsgrad=True).update(params, {}, optim.adamw().init(params))
+        optim.adamw(amsgrad=True).check_state(params, optim.adamw().init(params))
     with pytest.raises(ValueError, match="momentum_buffer must be empty"):
-        optim.sgd().update(params, {}, optim.sgd(momentum=0.9).init(params))
+        optim.sgd().check_state(params, optim.sgd(momentum=0.9).init(params))
+    with pytest.raises(TypeError, match="AdamWState"):
+        optim.adamw().check_state(params, optim.sgd().init(params))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="SGDState"):
+        optim.sgd().check_state(params, optim.adamw().init(params))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="mapping of names"):
+        optim.adamw().check_state([torch.zeros(1)], optim.adamw().init({}))  # type: ignore[arg-type]
+
+
+def test_update_rejects_a_state_of_another_optimizer() -> None:
+    params = _some_params()
     with pytest.raises(TypeError, match="AdamWState"):
         optim.adamw().update(params, {}, optim.sgd().init(params))  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="SGDState"):
         optim.sgd().update(params, {}, optim.adamw().init(params))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("opt", OPTS)
+def test_update_rejects_a_bad_grad_before_any_tensor_changes(opt: optim.Optimizer[Any]) -> None:
+    # torch's single-tensor loop would have updated the params before the bad one
+    params = _some_params()
+    state = opt.init(params)
+    before_params, before_state = clone(params), clone(state)
+    grads: dict[str, Any] = {n: torch.ones(p.shape) for n, p in params.items()}
+    grads["scale"] = torch.ones(params["scale"].shape, dtype=torch.float64)
+    with pytest.raises(ValueError, match="grad of 'scale' has dtype"):
+        opt.update(params, grads, state)
+    assert_trees_equal(params, before_params)
+    assert_trees_equal(state, before_state)
 
 
 def test_fused_init_rejects_non_floating_params() -> None:

@@ -428,29 +428,6 @@ def test_join_of_one_schedule_is_that_schedule() -> None:
 
 
 # --------------------------------------------------------------------------------------
-# Deprecated aliases: they warn and give the canonical schedule, bit for bit
-# --------------------------------------------------------------------------------------
-
-
-def test_deprecated_piecewise_warns_and_is_join() -> None:
-    pieces = [schedules.constant_with_warmup(1e-3, warmup_steps=4), schedules.constant(1e-4)]
-    with pytest.warns(DeprecationWarning, match=r"piecewise is deprecated.*schedules\.join"):
-        old = schedules.piecewise(pieces, [10])
-    new = schedules.join(pieces, [10])
-    assert [old(i) for i in range(20)] == [new(i) for i in range(20)]
-
-
-@pytest.mark.parametrize("init_ratio", [0.0, 0.3])
-def test_deprecated_linear_warmup_warns_and_is_constant_with_warmup(init_ratio: float) -> None:
-    with pytest.warns(
-        DeprecationWarning, match="linear_warmup is deprecated.*constant_with_warmup"
-    ):
-        old = schedules.linear_warmup(1e-3, warmup_steps=7, init_ratio=init_ratio)
-    new = schedules.constant_with_warmup(1e-3, warmup_steps=7, init_ratio=init_ratio)
-    assert [old(i) for i in range(20)] == [new(i) for i in range(20)]
-
-
-# --------------------------------------------------------------------------------------
 # Purity and step types
 # --------------------------------------------------------------------------------------
 

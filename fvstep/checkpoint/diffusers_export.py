@@ -36,7 +36,8 @@ from fvstep.checkpoint.export import (
 )
 from fvstep.checkpoint.layout import fsync
 from fvstep.parallel.ranks import rank_and_world
-from fvstep.state import TrainState, Weights
+from fvstep.state import TrainState
+from fvstep.weights import Weights
 
 __all__ = ["export_diffusers", "export_pipeline"]
 

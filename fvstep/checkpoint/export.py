@@ -33,13 +33,8 @@ from torch.distributed.tensor import DTensor
 
 from fvstep.checkpoint.layout import fsync
 from fvstep.parallel.ranks import gather_objects, rank_and_world
-from fvstep.state import (
-    RoleState,
-    TrainState,
-    Weights,
-    roles_holding_other_weights,
-    select_weights,
-)
+from fvstep.state import RoleState, TrainState
+from fvstep.weights import Weights, roles_holding_other_weights, select_weights
 
 __all__ = ["WEIGHTS_NAME", "export_role", "gather_weights"]
 

@@ -35,8 +35,8 @@ from fvstep.checkpoint.frozen import _split_frozen
 from fvstep.checkpoint.layout import commit, discard
 from fvstep.checkpoint.manifest import CheckpointError, Manifest
 from fvstep.parallel.ranks import broadcast_object, min_over_ranks, rank_and_world
-from fvstep.state import roles_holding_other_weights
 from fvstep.tree import flatten_with_paths
+from fvstep.weights import roles_holding_other_weights
 
 __all__ = ["save"]
 

@@ -32,7 +32,8 @@ from fvstep.checkpoint.export import _agree, _replace_dir, _save_safetensors, ga
 from fvstep.checkpoint.layout import fsync
 from fvstep.lora.adapters import LoRAModule, lora_layers
 from fvstep.parallel.ranks import rank_and_world
-from fvstep.state import TrainState, Weights
+from fvstep.state import TrainState
+from fvstep.weights import Weights
 
 __all__ = ["MERGED_DTYPE", "export_lora", "export_merged", "lora_weights", "merge_weights"]
 
@@ -148,7 +149,7 @@ def merge_weights(
         state: The training state (with the LoRA role and its base's role).
         role: The LoRA role.
         weights: ``"params"`` or ``"ema"`` (of the adapter; the base is frozen), as
-            :func:`fvstep.state.select_weights` decides (live before the EMA starts).
+            :func:`fvstep.weights.select_weights` decides (live before the EMA starts).
         dtype: The dtype of every floating-point tensor written (default
             :data:`MERGED_DTYPE`, fp32); the merge itself is always computed in fp32.
 

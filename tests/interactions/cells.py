@@ -6,7 +6,7 @@ weights are held), a :class:`Preparation` (how its module is prepared), or an ob
 
 Every reference value here is computed *independently* of the code under test: the
 expected EMA weights are read from the state's leaves by the rule written out in
-:func:`expected_weights`, never through ``fvstep.state.select_weights``.
+:func:`expected_weights`, never through ``fvstep.weights.select_weights``.
 """
 
 from __future__ import annotations
@@ -152,8 +152,9 @@ def build_state(
 
 def train(state: fs.TrainState, num_steps: int = NUM_STEPS) -> fs.TrainState:
     step = fs.compile(fs.update("student", flow_matching_loss()))
+    layout = fsp.default_layout(state)  # Layout() on several ranks or for sharded roles
     for i in range(num_steps):
-        state, _ = step(state, data(i))
+        state, _ = step(state, data(i), parallelism=layout)
     return state
 
 
