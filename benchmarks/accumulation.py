@@ -4,7 +4,7 @@ For each K (``--k``) and policy (``--policies``; ``every``, ``no_sync``, ``defer
 each optionally ``+keep`` for ``keep_params_gathered=True``) one fine-tune step
 (flow matching, AdamW, clip 1.0) runs ``--warmup`` times, then ``--steps`` timed times
 (device synchronised around each; median, min and max; under torchrun the slowest
-rank's time per step), then ONE extra step with ``count_collectives=True`` — apart from
+rank's time per step), then ONE extra step with ``Layout(count_collectives=True)`` — apart from
 the timed ones, since the counter slows every op. Reported beside the analytic
 expectation (:func:`benchmarks.analytic.expected_collectives`):
 
@@ -36,6 +36,7 @@ from typing import Any
 import fvstep as fs
 from benchmarks import analytic, presets
 from benchmarks import common as c
+from fvstep import parallel as fsp
 from fvstep.methods.finetune import flow_matching_loss
 
 __all__ = ["main", "parse_policy"]
@@ -128,15 +129,17 @@ def run(args: Any, rt: c.Runtime, policies: list[tuple[str, bool]]) -> dict[str,
             acc = fs.Accumulation(microbatches=k, sync=sync, keep_params_gathered=keep)  # type: ignore[arg-type]
             step = fs.compile(method, accumulation=acc, clip=clip)
             for _ in range(args.warmup):
-                state, _ = step(state, batch)
+                state, _ = step(state, batch, parallelism=fsp.Layout())
             meter.reset()
             times = []
             for _ in range(args.steps):
-                seconds, (state, _) = c.time_call(lambda: step(state, batch), rt.device)  # noqa: B023
+                seconds, (state, _) = c.time_call(
+                    lambda: step(state, batch, parallelism=fsp.Layout()),  # noqa: B023
+                    rt.device,
+                )
                 times.append(seconds)
             peak_bytes, delta_bytes = meter.peak(), meter.peak_delta()
-            counting = fs.compile(method, accumulation=acc, clip=clip, count_collectives=True)
-            state, metrics = counting(state, batch)
+            state, metrics = step(state, batch, parallelism=fsp.Layout(count_collectives=True))
             times = rt.max_over_ranks(times)
             mem = rt.max_over_ranks([float(x) for x in (peak_bytes, delta_bytes) if x is not None])
             stat = c.summarize(times)

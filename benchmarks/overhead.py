@@ -53,6 +53,7 @@ import fvstep as fs
 from benchmarks import analytic, presets, reference
 from benchmarks import common as c
 from benchmarks.profiling import BookkeepingClock
+from fvstep import parallel as fsp
 from fvstep.methods.finetune import flow_matching_loss
 
 __all__ = ["main"]
@@ -91,7 +92,7 @@ class _Fvstep(_Side):
         )
 
     def step(self, batch: dict[str, torch.Tensor]) -> None:
-        self.state, _ = self.step_fn(self.state, batch)
+        self.state, _ = self.step_fn(self.state, batch, parallelism=fsp.Layout())
 
     def resident_bytes(self, device: torch.device) -> int:
         return analytic.local_tensor_bytes(fs.tree.leaves(self.state), device)

@@ -192,7 +192,9 @@ def run_side(side: str, preset: Preset, rt: c.Runtime, args: Any) -> dict[str, A
             kind = "+".join(
                 sorted({r for e in fs.plan(compiled, int(state.step)) for r in e.roles})
             )
-            seconds, (state, _) = c.time_call(functools.partial(step, state, batch), rt.device)
+            seconds, (state, _) = c.time_call(
+                functools.partial(step, state, batch, parallelism=fsp.Layout()), rt.device
+            )
             fwd = counter.take()
             if i >= args.warmup:
                 times.setdefault(kind, []).append(seconds)

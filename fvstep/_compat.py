@@ -45,6 +45,7 @@ __all__ = [
     "optimizer_step_dtype",
     "raise_recompile_limit",
     "tensor_version",
+    "world_size_of_default_group",
 ]
 
 
@@ -83,6 +84,20 @@ def tensor_version(tensor: torch.Tensor) -> int:
     ``Tensor._version``, the counter autograd uses to detect in-place changes.
     """
     return int(tensor._version)
+
+
+def world_size_of_default_group() -> int:
+    """The world size of ``torch.distributed``'s default process group (1 without one).
+
+    Public torch, here because it is ``torch.distributed``: the core asks it (to refuse
+    the one-process layout on several ranks) and may import ``torch.distributed`` only
+    through this module, lazily.
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return int(dist.get_world_size())
 
 
 def is_fsdp_root(module: nn.Module) -> bool:

@@ -10,7 +10,7 @@ runs twice from the same start:
    fresh process state — new modules, new optimizer objects — resumes from the newest
    checkpoint and finishes.
 
-Both runs validate as they go (:class:`fvstep.executor.Validation`): the student's
+Both runs validate as they go (:class:`fvstep.Validation`): the student's
 flow-matching loss on fixed held-out latents every ``every`` steps, and, at the end, a
 one-step sample of the student decoded by a tiny diffusers ``AutoencoderKLWan`` and
 written as an MP4 and a PNG strip under ``<run>/media/``. Validation changes nothing, so
@@ -38,9 +38,9 @@ import fvstep as fs
 from fvstep import parallel
 from fvstep.checkpoint import list_complete
 from fvstep.data import ShuffledSource, SyntheticLatents
-from fvstep.executor import Validation
 from fvstep.methods import dmd2
 from fvstep.models import synthetic_batch, tiny_wan
+from fvstep.reporting import Validation
 from fvstep.sampling import FewStepSampler, sample_videos
 from fvstep.testing import SimulatedCrash, _CrashAt
 from fvstep.validation import validation_loss
@@ -117,7 +117,6 @@ def _setup(config: DemoConfig, sharded: bool) -> tuple[fs.TrainState, fs.Step, S
         dmd2(generator_update_interval=config.generator_update_interval, ordering="sequential"),
         accumulation=fs.Accumulation(microbatches=config.microbatches, sync=config.sync),  # type: ignore[arg-type]
         clip=fs.clip_grad_norm(1.0),
-        count_collectives=sharded,  # collectives/* metrics: what the sync policy changes
     )
     data = ShuffledSource(
         SyntheticLatents(
@@ -224,6 +223,8 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
         "num_steps": config.num_steps,
         "handle_signals": False,
         "validation": _validations(config),
+        # collectives/* metrics: what the sync policy changes
+        "parallelism": parallel.Layout(count_collectives=True) if sharded else None,
     }
 
     if rank == 0:

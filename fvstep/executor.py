@@ -21,21 +21,18 @@ import os
 import signal
 import sys
 import threading
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 import attrs
+import torch
 
 from fvstep import checkpoint as ckpt
-from fvstep.checkpoint import layout
-from fvstep.checkpoint.manifest import (
-    CheckpointError,
-    CheckpointSkippedWarning,
-    DamagedCheckpointError,
-)
-from fvstep.parallel.ranks import broadcast_object, max_over_ranks, rank_and_world
+from fvstep.core.engine import Step
+from fvstep.core.layout import Parallelism
+from fvstep.parallel.layout import default_layout
+from fvstep.parallel.ranks import host_group, max_over_ranks, rank_and_world
 from fvstep.reporting import (
     Sinks,
     Validation,
@@ -44,48 +41,11 @@ from fvstep.reporting import (
     progress_bar,
     validations,
 )
+from fvstep.run_checkpoints import Checkpoints, lock_run_dir, resume, save_run_state
 from fvstep.state import TrainState
 from fvstep.trackers import Tracker
 
-__all__ = ["Checkpoints", "RunResult", "Validation", "run", "run_until"]
-
-
-@attrs.frozen
-class Checkpoints:
-    """Where and how often :func:`run` saves.
-
-    Attributes:
-        dir: The directory of checkpoints (one ``step_<n>`` directory each).
-        every: Save after every ``every`` steps (and always at the end).
-        keep: Keep the newest ``keep`` complete checkpoints (``None``: all). When
-            :func:`run` returns, exactly ``keep`` remain (also with ``async_save``).
-        async_save: Write in the background (:class:`fvstep.checkpoint.AsyncSaver`).
-        on_damaged: What :func:`run` does when a checkpoint newer than the one it
-            resumes from cannot be loaded (damaged shard, checksum mismatch, damaged
-            manifest): ``"skip"`` (default) warns with
-            :class:`~fvstep.checkpoint.CheckpointSkippedWarning`, renames it
-            ``step_<n>.damaged`` (kept, never listed, pruned or counted in ``keep``) and
-            tries the next older one; ``"error"`` raises.
-
-    Examples:
-        >>> Checkpoints("runs/a/ckpt", every=100, keep=3, async_save=True)
-    """
-
-    dir: Path = attrs.field(converter=Path)
-    every: int = 100
-    keep: int | None = 3
-    async_save: bool = False
-    on_damaged: str = "skip"
-
-    def __attrs_post_init__(self) -> None:
-        if self.every < 1:
-            raise ValueError(f"Checkpoints.every must be >= 1, got {self.every}")
-        if self.keep is not None and self.keep < 1:
-            raise ValueError(f"Checkpoints.keep must be >= 1 or None, got {self.keep}")
-        if self.on_damaged not in ("skip", "error"):
-            raise ValueError(
-                f"Checkpoints.on_damaged must be 'skip' or 'error', got {self.on_damaged!r}"
-            )
+__all__ = ["Checkpoints", "RunResult", "run", "run_until"]
 
 
 StopReason = Literal["completed", "SIGTERM", "SIGINT"]
@@ -167,56 +127,34 @@ def _stop_signals(rank: int, *, enabled: bool) -> Iterator[dict[str, int]]:
             signal.signal(signum, handler)
 
 
-def _agree_to_stop(local: int) -> int:
+def _agree_to_stop(local: int, group: Any) -> int:
     """A signal may reach only some ranks: stop when any rank was told to (the reason of
     the highest index in ``_REASONS``, so that all ranks agree on it too)."""
-    return int(max_over_ranks([local])[0])
+    return int(max_over_ranks([local], device=torch.device("cpu"), group=group)[0])
 
 
 def run(
-    step: Callable[[TrainState, Any], tuple[TrainState, dict[str, Any]]],
+    step: Callable[..., tuple[TrainState, dict[str, Any]]],
     state: TrainState,
     data: Any,
-    *,
-    num_steps: int,
-    checkpoints: Checkpoints | None = None,
-    metrics_path: str | os.PathLike[str] | None = None,
-    progress: bool = True,
-    on_metrics: Callable[[int, dict[str, Any]], None] | None = None,
-    handle_signals: bool = True,
-    validation: Validation | Sequence[Validation] | None = None,
-    trackers: Sequence[Tracker] | None = None,
-    log_every: int = 10,
+    **options: Any,
 ) -> TrainState:
     """Run ``step`` until the state's step counter reaches ``num_steps``; return the state.
 
-    ``run_until(...).state``: see :func:`run_until` for the arguments, what happens on
-    SIGTERM and Ctrl-C, and the errors. A caller that must tell a run stopped by a
-    signal from a completed one (to exit non-zero on preemption, say) calls
-    :func:`run_until`, or compares the returned ``state.step`` with ``num_steps``.
+    ``run_until(step, state, data, **options).state``: see :func:`run_until` for the
+    options, what happens on SIGTERM and Ctrl-C, and the errors. A caller that must tell
+    a run stopped by a signal from a completed one (to exit non-zero on preemption, say)
+    calls :func:`run_until`, or compares the returned ``state.step`` with ``num_steps``.
 
     Examples:
         >>> state = run(step_fn, state, source, num_steps=1000,
         ...             checkpoints=Checkpoints("ckpt", every=100, keep=3))
     """
-    return run_until(
-        step,
-        state,
-        data,
-        num_steps=num_steps,
-        checkpoints=checkpoints,
-        metrics_path=metrics_path,
-        progress=progress,
-        on_metrics=on_metrics,
-        handle_signals=handle_signals,
-        validation=validation,
-        trackers=trackers,
-        log_every=log_every,
-    ).state
+    return run_until(step, state, data, **options).state
 
 
 def run_until(
-    step: Callable[[TrainState, Any], tuple[TrainState, dict[str, Any]]],
+    step: Callable[..., tuple[TrainState, dict[str, Any]]],
     state: TrainState,
     data: Any,
     *,
@@ -229,6 +167,7 @@ def run_until(
     validation: Validation | Sequence[Validation] | None = None,
     trackers: Sequence[Tracker] | None = None,
     log_every: int = 10,
+    parallelism: Parallelism | None = None,
 ) -> RunResult:
     """Run ``step`` until the state's step counter reaches ``num_steps``, or a signal.
 
@@ -282,12 +221,16 @@ def run_until(
         trackers: Where metrics and media go besides the JSONL file (rank 0):
             :class:`fvstep.trackers.Tracker` objects such as
             :class:`~fvstep.trackers.TensorBoardTracker` or
-            :class:`~fvstep.trackers.WandbTracker`. ``None`` (the default) also writes
-            TensorBoard events to ``<metrics file's folder>/tensorboard`` when tensorboard
-            is installed (the behaviour before trackers existed); ``[]`` writes only the
-            JSONL file. Validation media go to ``<metrics file's folder>/media`` (MP4 and
-            PNG strip) and to every tracker.
+            :class:`~fvstep.trackers.WandbTracker`; ``None``: only the JSONL file.
+            Validation media go to ``<metrics file's folder>/media`` (MP4 and PNG strip)
+            and to every tracker.
         log_every: Hand metrics to the file and the trackers every ``log_every`` steps.
+        parallelism: The process layout every step is called with
+            (:class:`fvstep.parallel.Layout`); it also maps this rank to the data it reads
+            (``data.batch(step, rank=replica, world_size=replicas)``: the ranks of one
+            context-parallel group read the same batch). Default
+            :func:`fvstep.parallel.default_layout`: ``Layout()`` on several ranks or for
+            a state with sharded roles, else one process.
 
     Returns:
         A :class:`RunResult`: the final state, why the loop ended, and the checkpoint
@@ -311,17 +254,19 @@ def run_until(
     if isinstance(log_every, bool) or not isinstance(log_every, int) or log_every < 1:
         raise ValueError(f"log_every must be an int >= 1, got {log_every!r}")
     rank, _ = rank_and_world()
-    lock = _lock(checkpoints.dir, rank) if checkpoints is not None else None
+    lock = lock_run_dir(checkpoints.dir, rank) if checkpoints is not None else None
     resumed_from = None
     try:
         if checkpoints is not None:
-            state, resumed_from = _resume(state, checkpoints, num_steps, rank)
+            state, resumed_from = resume(state, checkpoints, num_steps, rank)
         if int(state.step) > num_steps:
             raise ValueError(
                 f"the state is at step {int(state.step)}, past num_steps={num_steps}: "
                 "run counts steps from 0, so num_steps is the step to reach, not a number "
                 "of steps to add"
             )
+        if parallelism is None:
+            parallelism = default_layout(state)
         result = _loop(
             step,
             state,
@@ -335,6 +280,7 @@ def run_until(
             validations(validation),
             trackers,
             log_every,
+            parallelism,
         )
         return attrs.evolve(result, resumed_from=resumed_from)
     finally:
@@ -355,8 +301,11 @@ def _loop(
     validations: tuple[Validation, ...],
     trackers: Sequence[Tracker] | None,
     log_every: int,
+    parallelism: Parallelism | None,
 ) -> RunResult:
-    rank, world = rank_and_world()
+    rank, _ = rank_and_world()
+    replica, replicas = parallelism.data_parallel_rank_and_size() if parallelism else (0, 1)
+    layout = {"parallelism": parallelism} if isinstance(step, Step) and parallelism else {}
     start = int(state.step)
     if metrics_path is None and checkpoints is not None:
         metrics_path = checkpoints.dir / "metrics.jsonl"
@@ -375,9 +324,9 @@ def _loop(
 
     try:
         validate(start)
-        with _stop_signals(rank, enabled=handle_signals) as flag:
+        with _stop_signals(rank, enabled=handle_signals) as flag, host_group() as control:
             for s in range(start, num_steps):
-                state, metrics = step(state, _batch(data, s, rank, world))
+                state, metrics = step(state, _batch(data, s, replica, replicas), **layout)
                 sinks.put(s, metrics)
                 if on_metrics is not None:
                     on_metrics(s, metrics)
@@ -385,19 +334,19 @@ def _loop(
                     bar.update(1)
                 if (s + 1) % log_every == 0:
                     sinks.flush()
-                stop = _agree_to_stop(flag["stop"])
+                stop = _agree_to_stop(flag["stop"], control)  # on the CPU: no GPU sync
                 if not stop:
                     validate(s + 1)
                 done = s + 1 == num_steps
                 if checkpoints is not None and ((s + 1) % checkpoints.every == 0 or done or stop):
                     sinks.flush()  # the lines of the steps a checkpoint holds are written first
-                    _save(state, checkpoints, saver)
+                    save_run_state(state, checkpoints, saver)
                     last_saved = s + 1
                 if stop:
                     break
         sinks.flush()
         if checkpoints is not None and last_saved != int(state.step):
-            _save(state, checkpoints, saver)
+            save_run_state(state, checkpoints, saver)
         if saver is not None and checkpoints is not None:
             saver.wait()
             # The last save was in flight when _save pruned: prune again now that it is
@@ -422,86 +371,3 @@ def _loop(
             flush=True,
         )
     return RunResult(state, stopped_by, saved if saved is not None and saved.exists() else None)
-
-
-def _lock(root: Path, rank: int) -> layout.DirectoryLock | None:
-    """Collective: rank 0 locks ``root``; every rank raises rank 0's error, if any."""
-    lock, error = None, None
-    if rank == 0:
-        try:
-            lock = layout.lock_dir(root)
-        except CheckpointError as e:
-            error = e
-    error = broadcast_object(error)
-    if error is not None:
-        raise error
-    return lock
-
-
-def _resume(
-    state: TrainState, checkpoints: Checkpoints, num_steps: int, rank: int
-) -> tuple[TrainState, Path | None]:
-    """Collective: load the newest checkpoint that verifies, skipping (or refusing) damaged
-    ones; return the state and the checkpoint it came from (``None``: none to resume from).
-
-    Every rank tries the same candidates in the same order (rank 0's listing), and ``load``
-    agrees on every failure, so all ranks resume from the same checkpoint.
-    """
-    root = checkpoints.dir
-    candidates = broadcast_object(layout.list_step_dirs(root) if rank == 0 else None)
-    assert candidates is not None
-    if candidates and candidates[-1][0] > num_steps:
-        newest = candidates[-1][0]
-        raise ValueError(
-            f"the newest checkpoint under {str(root)!r} is at step {newest}, past "
-            f"num_steps={num_steps}: resuming would return it without running a step. "
-            f"num_steps is the step to reach (not a number of steps to add): pass "
-            f"num_steps >= {newest}, or use another checkpoint directory for a new run"
-        )
-    skipped: list[tuple[Path, DamagedCheckpointError]] = []
-    for _, path in reversed(candidates):
-        try:
-            loaded = ckpt.load(path, like=state)
-        except DamagedCheckpointError as e:
-            if checkpoints.on_damaged == "error":
-                raise
-            skipped.append((path, e))
-            continue
-        _set_aside(skipped, path, rank)
-        return loaded, path
-    if skipped:
-        raise CheckpointError(
-            f"no checkpoint under {str(root)!r} can be loaded; every one is damaged: "
-            + "; ".join(f"{p.name}: {e}" for p, e in skipped)
-            + ". Move them away to start the run afresh"
-        )
-    return state, None
-
-
-def _set_aside(skipped: list[tuple[Path, DamagedCheckpointError]], used: Path, rank: int) -> None:
-    """Warn about each damaged checkpoint newer than ``used``; rank 0 renames it aside, so
-    that it is neither "latest" nor counted in ``keep`` (it is kept, for inspection)."""
-    for path, error in skipped:
-        where = ""
-        if rank == 0:
-            try:
-                where = f"; it was renamed {layout.set_aside(path).name!r}"
-            except OSError as e:
-                where = f"; it could not be renamed aside ({e})"
-        warnings.warn(
-            CheckpointSkippedWarning(
-                f"skipped the damaged checkpoint {str(path)!r} and resumed from the older "
-                f"{used.name!r}: {error}{where}"
-            ),
-            stacklevel=4,
-        )
-
-
-def _save(state: TrainState, checkpoints: Checkpoints, saver: ckpt.AsyncSaver | None) -> None:
-    path = ckpt.checkpoint_dir(checkpoints.dir, int(state.step))
-    if saver is not None:
-        saver.save(state, path, overwrite=True)
-    else:
-        ckpt.save(state, path, overwrite=True)
-    if rank_and_world()[0] == 0:
-        ckpt.prune(checkpoints.dir, checkpoints.keep, keep_temp=path.parent / f".tmp-{path.name}")

@@ -24,6 +24,8 @@ from typing import Literal
 import attrs
 import torch
 
+from fvstep.tree import full_tensor, local_tensor
+
 __all__ = [
     "SANITIZE_POLICIES",
     "ClipGradNorm",
@@ -151,8 +153,7 @@ def total_norm(
 
 def as_full(norm: torch.Tensor) -> torch.Tensor:
     """A plain tensor of a norm that may be a (partial or replicated) DTensor."""
-    full = getattr(norm, "full_tensor", None)
-    return full() if full is not None else norm
+    return full_tensor(norm)
 
 
 def _non_finite_kind(x: torch.Tensor) -> str | None:
@@ -169,7 +170,7 @@ def first_non_finite(named: Sequence[tuple[str, torch.Tensor]]) -> tuple[str, st
     tensor: for error messages, not for the hot path.
     """
     for name, x in named:
-        local = x.to_local() if hasattr(x, "to_local") else x
+        local = local_tensor(x)
         kind = _non_finite_kind(local.detach())
         if kind is not None:
             return name, kind

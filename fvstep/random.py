@@ -36,10 +36,6 @@ def _mix(z: int) -> int:
     return z ^ (z >> 31)
 
 
-def _to_signed(u: int) -> int:
-    return u - (1 << 64) if u >= (1 << 63) else u
-
-
 def _words(k: torch.Tensor) -> tuple[int, int]:
     if not is_key(k):
         raise TypeError(
@@ -56,7 +52,11 @@ def _words(k: torch.Tensor) -> tuple[int, int]:
 
 
 def _make(a: int, b: int) -> torch.Tensor:
-    return torch.tensor([_to_signed(a), _to_signed(b)], dtype=torch.int64)
+    # the two words as signed int64 (inline: every fold_in comes through here)
+    top = 1 << 63
+    return torch.tensor(
+        [a - 2 * top if a >= top else a, b - 2 * top if b >= top else b], dtype=torch.int64
+    )
 
 
 def is_key(x: object) -> bool:

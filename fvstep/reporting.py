@@ -3,8 +3,7 @@
 - :class:`Validation` — a validation function and when :func:`fvstep.run` calls it;
   :func:`observe` runs one leaving no trace (no autograd, eval mode, the global RNG seeded
   from the validation key, modes, RNG and FSDP2 groups restored after);
-- :func:`open_trackers` — rank 0's trackers for a run (the JSONL file, then the user's,
-  or TensorBoard beside the file);
+- :func:`open_trackers` — rank 0's trackers for a run (the JSONL file, then the user's);
 - :class:`Sinks` — those trackers and the progress bar, fed in batches through one
   :class:`fvstep.trackers.MetricsQueue` (no GPU sync per step).
 
@@ -24,9 +23,9 @@ import torch
 
 from fvstep import random as fsrandom
 from fvstep.media import Video
-from fvstep.parallel.sync import release_modules
+from fvstep.parallel.grad_sync import release_modules
 from fvstep.state import TrainState
-from fvstep.trackers import JsonlTracker, MetricsQueue, TensorBoardTracker, Tracker
+from fvstep.trackers import JsonlTracker, MetricsQueue, Tracker
 
 __all__ = [
     "Sinks",
@@ -133,21 +132,13 @@ def open_trackers(
     metrics_file: Path | None, trackers: Sequence[Tracker] | None, start: int, rank: int
 ) -> list[Tracker]:
     """Rank 0's trackers, started at ``start``: the JSONL file (when there is one), then
-    ``trackers``, or TensorBoard beside the file when tensorboard is installed and
-    ``trackers`` is ``None`` (what ``run`` did before trackers existed)."""
+    ``trackers`` (none when ``None``)."""
     if rank != 0:
         return []
     opened: list[Tracker] = []
     if metrics_file is not None:
         opened.append(JsonlTracker(metrics_file))
-    if trackers is None:
-        if metrics_file is not None:
-            with contextlib.suppress(ImportError):
-                import torch.utils.tensorboard  # noqa: F401
-
-                opened.append(TensorBoardTracker(metrics_file.parent / "tensorboard"))
-    else:
-        opened.extend(trackers)
+    opened.extend(trackers or ())
     try:
         for tracker in opened:
             begin = getattr(tracker, "start", None)

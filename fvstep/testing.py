@@ -28,7 +28,8 @@ from typing import Any
 import attrs
 import torch
 
-from fvstep.executor import Checkpoints, run
+from fvstep.core.layout import Parallelism
+from fvstep.executor import run
 from fvstep.parallel.compile_check import CompiledGradientError, CompiledGradientReport
 from fvstep.parallel.compile_check_hooks import (
     block_parameters,
@@ -37,6 +38,7 @@ from fvstep.parallel.compile_check_hooks import (
 )
 from fvstep.parallel.gradient_comparison import compare_compiled_gradients
 from fvstep.parallel.mesh import is_sharded
+from fvstep.run_checkpoints import Checkpoints
 from fvstep.state import TrainState
 from fvstep.tree import assert_trees_equal
 
@@ -78,6 +80,7 @@ def assert_resume_exact(
     workdir: str | os.PathLike[str],
     checkpoint_every: int = 1,
     async_save: bool = False,
+    parallelism: Parallelism | None = None,
 ) -> TrainState:
     """Assert that interrupting and resuming a run does not change its final state, bit for bit.
 
@@ -95,6 +98,9 @@ def assert_resume_exact(
         workdir: An empty directory for the checkpoints (shared by all ranks).
         checkpoint_every: The checkpoint interval of the interrupted run.
         async_save: Use background saves in the interrupted run.
+        parallelism: The layout every run is called with (``fvstep.run``'s; default
+            :func:`fvstep.parallel.default_layout`), e.g. ``Layout(mesh)`` for context
+            parallel roles.
 
     Returns:
         The final state of the uninterrupted run.
@@ -108,7 +114,9 @@ def assert_resume_exact(
     # A check, not a training run: a signal ends it (Ctrl-C raises KeyboardInterrupt) rather
     # than stopping one of its runs early, which would compare a partial state.
     state, step_fn, data = factory()
-    expected = run(step_fn, state, data, num_steps=num_steps, progress=False, handle_signals=False)
+    options: dict[str, Any] = {"progress": False, "handle_signals": False}
+    options["parallelism"] = parallelism
+    expected = run(step_fn, state, data, num_steps=num_steps, **options)
     checkpoints = Checkpoints(
         Path(workdir) / "checkpoints", every=checkpoint_every, keep=2, async_save=async_save
     )
@@ -121,19 +129,10 @@ def assert_resume_exact(
                 _CrashAt(data, stop),
                 num_steps=num_steps,
                 checkpoints=checkpoints,
-                progress=False,
-                handle_signals=False,
+                **options,
             )
     state, step_fn, data = factory()
-    resumed = run(
-        step_fn,
-        state,
-        data,
-        num_steps=num_steps,
-        checkpoints=checkpoints,
-        progress=False,
-        handle_signals=False,
-    )
+    resumed = run(step_fn, state, data, num_steps=num_steps, checkpoints=checkpoints, **options)
     try:
         assert_trees_equal(resumed, expected, check_static=False)
     except AssertionError as e:

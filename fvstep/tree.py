@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 import attrs
@@ -21,13 +21,18 @@ from typing_extensions import dataclass_transform
 
 __all__ = [
     "NAMESPACE",
+    "any_dtensor",
     "assert_trees_close",
     "assert_trees_equal",
     "clone",
     "field",
     "flatten_with_paths",
     "frozen",
+    "full_tensor",
+    "is_dtensor",
     "leaves",
+    "local_tensor",
+    "local_tensors",
     "path_str",
     "replace",
     "tree_digest",
@@ -105,15 +110,67 @@ def clone(tree: T) -> T:
     return tree_map(_clone_leaf, tree)
 
 
-def _local(x: torch.Tensor) -> torch.Tensor:
-    """The local shard of a DTensor, the tensor itself otherwise."""
-    to_local = getattr(x, "to_local", None)
-    return to_local() if to_local is not None else x
+def is_dtensor(x: object) -> bool:
+    """Whether ``x`` is a DTensor (a sharded or replicated tensor on a device mesh).
+
+    The one test of "is this sharded?" in fvstep. It reads the attribute every DTensor
+    has, so that the core can ask without importing ``torch.distributed``.
+
+    Examples:
+        >>> is_dtensor(torch.zeros(2))
+        False
+    """
+    return getattr(x, "device_mesh", None) is not None
+
+
+def local_tensor(x: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (``to_local()``), the tensor itself otherwise.
+
+    Examples:
+        >>> local_tensor(torch.ones(1))
+        tensor([1.])
+    """
+    return x.to_local() if is_dtensor(x) else x  # type: ignore[attr-defined]
+
+
+def any_dtensor(xs: Iterable[object]) -> bool:
+    """Whether any of ``xs`` is a DTensor (:func:`is_dtensor`; one call for a collection).
+
+    Examples:
+        >>> any_dtensor([torch.zeros(1), torch.ones(1)])
+        False
+    """
+    return any(getattr(x, "device_mesh", None) is not None for x in xs)
+
+
+def local_tensors(xs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """:func:`local_tensor` of each of ``xs`` (one call for a list: the hot path's form).
+
+    Examples:
+        >>> local_tensors([torch.ones(1)])
+        [tensor([1.])]
+    """
+    # is_dtensor's test, inline: this runs once per parameter on the hot path
+    return [
+        x.to_local() if getattr(x, "device_mesh", None) is not None else x  # type: ignore[attr-defined]
+        for x in xs
+    ]
+
+
+def full_tensor(x: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a DTensor (``full_tensor()``: a collective over its mesh, so
+    every rank of it must call it), the tensor itself otherwise.
+
+    Examples:
+        >>> full_tensor(torch.ones(1))
+        tensor([1.])
+    """
+    return x.full_tensor() if is_dtensor(x) else x  # type: ignore[attr-defined]
 
 
 def _bits(x: torch.Tensor) -> torch.Tensor:
     """A view of ``x``'s bytes as unsigned integers of the same width (bitwise identity)."""
-    x = _local(x).detach()
+    x = local_tensor(x).detach()
     if x.dtype == torch.bool:
         return x.to(torch.uint8)
     if x.is_complex():
@@ -131,7 +188,7 @@ def _describe(x: Any) -> str:
 
 
 def _max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> str:
-    a, b = _local(a).detach(), _local(b).detach()
+    a, b = local_tensor(a).detach(), local_tensor(b).detach()
     if a.dtype == torch.bool or not (a.is_floating_point() or a.is_complex()):
         return f"{(a.to(torch.float64) - b.to(torch.float64)).abs().max().item():g}"
     diff = (a.to(torch.float64) - b.to(torch.float64)).abs()
@@ -156,12 +213,12 @@ def _leaf_mismatch(a: Any, b: Any) -> str | None:
     placements = getattr(a, "placements", None), getattr(b, "placements", None)
     if placements[0] != placements[1]:
         return f"DTensor placements differ: {placements[0]} vs {placements[1]}"
-    if _local(a).shape != _local(b).shape:
-        return f"local shard shapes differ: {tuple(_local(a).shape)} vs {tuple(_local(b).shape)}"
+    if local_tensor(a).shape != local_tensor(b).shape:
+        return f"local shard shapes differ: {tuple(local_tensor(a).shape)} vs {tuple(local_tensor(b).shape)}"
     if not torch.equal(_bits(a), _bits(b)):
         num_diff = int((_bits(a) != _bits(b)).sum().item())
         return (
-            f"{num_diff} of {_local(a).numel()} elements differ bitwise "
+            f"{num_diff} of {local_tensor(a).numel()} elements differ bitwise "
             f"(max abs difference {_max_abs_diff(a, b)}): {_describe(a)}"
         )
     return None
@@ -239,7 +296,7 @@ def assert_trees_close(
         if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
             try:
                 torch.testing.assert_close(
-                    _local(x), _local(y), rtol=rtol, atol=atol, equal_nan=True
+                    local_tensor(x), local_tensor(y), rtol=rtol, atol=atol, equal_nan=True
                 )
             except AssertionError as error:
                 raise AssertionError(f"trees differ at '{path or '<root>'}': {error}") from None
@@ -265,7 +322,7 @@ def tree_digest(tree: Any) -> str:
         h.update(path.encode())
         h.update(b"\0")
         if isinstance(x, torch.Tensor):
-            local = _local(x).detach()
+            local = local_tensor(x).detach()
             h.update(f"{x.dtype}|{tuple(x.shape)}|{tuple(local.shape)}".encode())
             data = _bits(local).cpu().contiguous().reshape(-1)
             h.update(struct.pack("<Q", data.numel()))

@@ -27,7 +27,7 @@ from torch import nn
 from fvstep import random as fsrandom
 from fvstep.methods.finetune import add_noise
 from fvstep.models import predict
-from fvstep.parallel.sync import release_modules
+from fvstep.parallel.grad_sync import release_modules
 from fvstep.state import TrainState, adopt
 from fvstep.weights import (
     Weights,

@@ -27,6 +27,9 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
+from fvstep.core.layout import SingleProcess
+from fvstep.tree import is_dtensor
+
 DEFAULT_TIMEOUT_S = 420.0
 
 
@@ -129,3 +132,18 @@ class RankPool:
                 f"{fn.__name__} failed on {len(errors)} rank(s):\n" + "\n".join(errors)
             )
         return results
+
+
+class OneRankReference(SingleProcess):
+    """The layout of one process, for a 1-rank reference computed on each rank of a pool.
+
+    :class:`~fvstep.core.layout.SingleProcess` (a step's default layout) refuses a process
+    that is one of several ranks, since each would train its own copy of the roles; a
+    reference run wants exactly that: every rank computes the whole 1-rank step on plain
+    modules. Sharded roles are still refused.
+    """
+
+    def check(self, state: Any) -> None:
+        for name, rs in state.roles.items():
+            if any(is_dtensor(p) for p in rs.params.values()):
+                raise ValueError(f"role {name!r} is sharded: not a 1-rank reference")

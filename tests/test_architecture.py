@@ -2,13 +2,15 @@
 
 - Each layer imports only itself and the layers it builds on (``LAYERS``, ``MAY_IMPORT``).
 - The core imports nothing from ``torch.distributed``, FSDP2, DTensor or fvstep's parallel
-  layer: the gradient-sync policy is injected (DESIGN point 11).
+  layer: a call is given its process layout (DESIGN points 11 and 16).
 - The reference methods never touch processes (they are loss math over the state).
 - No library module imports the package face (``fvstep/__init__.py``); only the
   applications at the top (the command line, the demo) may, and no library
   module imports them.
 - Private torch APIs are reached through ``fvstep/_compat.py`` alone, where the
   ``torch.distributed`` ones are imported lazily (inside the function that needs them).
+- No import cycle between fvstep's modules (imports inside functions count; those under
+  ``if TYPE_CHECKING:`` do not), and no module of more than 450 lines.
 """
 
 from __future__ import annotations
@@ -25,19 +27,18 @@ PACKAGE = Path(importlib.util.find_spec("fvstep").submodule_search_locations[0])
 
 CORE = (
     "fvstep.accumulation",
-    "fvstep.compose",
+    "fvstep.core",
     "fvstep.grads",
     "fvstep.optim",
     "fvstep.random",
     "fvstep.schedules",
     "fvstep.state",
-    "fvstep.stepfn",
-    "fvstep.sync",
     "fvstep.tree",
-    "fvstep.update",
     "fvstep.weights",
 )
-"""The core: what a step is made of. ``fvstep.sync`` is the protocol the core is given."""
+"""The core: what a state and a step are made of (``fvstep.core``: the steps and the
+engine; the modules of the state, its optimizers and schedules beside it). ``fvstep.core.layout``
+is the protocol a call is given."""
 
 CORE_HELPERS = ("fvstep._checks", "fvstep._compat", "fvstep._role_tensors")
 """Private modules the core may use besides itself."""
@@ -52,7 +53,7 @@ APPLICATIONS = (
 )
 """The package's own users, at the top: they may import the face, nothing imports them."""
 
-FORBIDDEN_IN_CORE = ("torch.distributed", "fvstep.distributed", "fvstep.parallel")
+FORBIDDEN_IN_CORE = ("torch.distributed", "fvstep.parallel")
 
 
 def _module_name(path: Path) -> str:
@@ -112,7 +113,7 @@ def _assert_none(violations: list[str]) -> None:
 
 def test_the_layer_lists_name_existing_modules() -> None:
     for module in (*CORE, *CORE_HELPERS, *APPLICATIONS):
-        assert module in MODULES or module == "fvstep.sync", f"{module} is not a module"
+        assert module in MODULES, f"{module} is not a module"
 
 
 def test_the_core_imports_nothing_from_torch_distributed_fsdp2_or_the_parallel_layer() -> None:
@@ -122,13 +123,13 @@ def test_the_core_imports_nothing_from_torch_distributed_fsdp2_or_the_parallel_l
             return f"imports {imported} (the core is given a sync policy, DESIGN point 11)"
         return None
 
-    core = [m for m in CORE if m in MODULES]
+    core = [m for m in MODULES if _is_within(m, CORE)]
     _assert_none(_violations(core, bad))
 
 
 LAYERS = {
     "core": (*CORE, *CORE_HELPERS),
-    "parallel": ("fvstep.parallel", "fvstep.distributed"),
+    "parallel": ("fvstep.parallel",),
     "checkpoint": ("fvstep.checkpoint",),
     "executor": (
         "fvstep.executor",
@@ -138,6 +139,7 @@ LAYERS = {
         "fvstep.trackers",
         "fvstep.media",
         "fvstep.reporting",
+        "fvstep.run_checkpoints",
     ),
     "methods": ("fvstep.methods", "fvstep.models"),
     "observe": ("fvstep.validation", "fvstep.sampling"),
@@ -298,3 +300,83 @@ def test_the_scan_sees_module_level_and_nested_imports(tmp_path, monkeypatch, so
     path.write_text(source)
     monkeypatch.setitem(MODULES, "fvstep.probe", path)
     assert [name for name, _, _ in _imports("fvstep.probe")] == expected
+
+
+MAX_LINES = 450
+"""The longest a module may be: split a file when it holds two ideas."""
+
+
+def test_no_module_is_longer_than_450_lines() -> None:
+    long = {
+        str(path.relative_to(PACKAGE.parent)): n
+        for path in MODULES.values()
+        if (n := len(path.read_text().splitlines())) > MAX_LINES
+    }
+    assert not long, f"split these by concern (at most {MAX_LINES} lines each): {long}"
+
+
+def _runtime_imports(module: str) -> set[str]:
+    """The fvstep modules ``module`` imports, at any depth but ``if TYPE_CHECKING:``."""
+    tree = ast.parse(MODULES[module].read_text())
+    typing_only = {
+        id(node)
+        for block in ast.walk(tree)
+        if isinstance(block, ast.If) and "TYPE_CHECKING" in ast.unparse(block.test)
+        for stmt in block.body
+        for node in ast.walk(stmt)
+    }
+    out = set()
+    for imported, line, _ in _imports(module):
+        nodes = [n for n in ast.walk(tree) if getattr(n, "lineno", None) == line]
+        if any(id(n) in typing_only for n in nodes if isinstance(n, (ast.Import, ast.ImportFrom))):
+            continue
+        target = _fvstep_target(imported)
+        if target is not None and target != module and target != "fvstep":
+            out.add(target)
+    return out
+
+
+def test_there_is_no_import_cycle() -> None:
+    graph = {m: _runtime_imports(m) for m in MODULES}
+    # a package's __init__ that re-exports its submodules is reached through them; a
+    # cycle through one is a real cycle, so keep it in the graph
+    done: set[str] = set()
+    path: list[str] = []
+
+    def visit(m: str) -> None:
+        if m in path:
+            cycle = [*path[path.index(m) :], m]
+            raise AssertionError("import cycle: " + " -> ".join(cycle))
+        if m in done:
+            return
+        path.append(m)
+        for n in sorted(graph.get(m, ())):
+            if not (_is_within(m, n) and MODULES[n].name == "__init__.py"):  # its own package
+                visit(n)
+        path.pop()
+        done.add(m)
+
+    for m in sorted(graph):
+        visit(m)
+
+
+REMOVED_NAMES = (
+    "FSDP2Parallelism",
+    "ContextParallelism",
+    "ContextParallelData",
+    "sequence_parallel_size",
+    "DeprecationWarning",
+    "is deprecated",
+)
+"""Names and words of the aliases that were removed (the package was never released)."""
+
+
+def test_no_deprecated_or_alias_name_is_left_in_the_package() -> None:
+    found = [
+        f"{path.relative_to(PACKAGE.parent)}:{i}: {word}"
+        for path in MODULES.values()
+        for i, line in enumerate(path.read_text().splitlines(), 1)
+        for word in REMOVED_NAMES
+        if word in line
+    ]
+    _assert_none(found)

@@ -682,6 +682,20 @@ def test_an_edited_manifest_fails_its_own_digest(saved):
     assert_refused(saved, small_state(), CheckpointError, "digest")
 
 
+def test_a_like_whose_optimizer_state_does_not_fit_its_parameters_is_refused(tmp_path):
+    # update() no longer re-checks the moments' shapes on every call (a (1,) moment would
+    # broadcast silently in torch's kernels): load checks them once. Checkpoint and
+    # `like` agree with each other here; only the moments and parameters disagree.
+    def misfit(seed: int) -> fs.TrainState:
+        state = small_state(seed=seed)
+        state.roles["student"].opt_state.exp_avg["0.weight"] = torch.zeros(1)
+        return state
+
+    path = save(misfit(0), checkpoint_dir(tmp_path, 3))
+    message = assert_refused(path, misfit(9), CheckpointError, "'student'", "does not fit")
+    assert "0.weight" in message
+
+
 def test_a_role_added_since_the_save_is_named(saved):
     message = assert_refused(saved, small_state(critic=True), CheckpointError, "'critic'")
     assert "roles added" in message

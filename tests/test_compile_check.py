@@ -438,7 +438,7 @@ def check_verified_training_is_bitwise_on_two_ranks(rank: int, world_size: int) 
         state = _state(module)
         step = fs.compile(finetune(), accumulation=fs.Accumulation(2))
         with count_collectives() as counts:  # one step of 2 micro-batches: checked once
-            state, _ = step(state, _batch(0, rank))
+            state, _ = step(state, _batch(0, rank), parallelism=fsp.Layout())
         assert fsp.unrested_modules(state) == []
         return state, dict(counts), compile_check_reports(module)
 
@@ -473,7 +473,7 @@ def check_a_wrong_rank_stops_every_rank(rank: int, world_size: int, wrong_ranks:
     module = prepare(tiny_wan(seed=0), mesh=mesh, compile={"backend": backend}, verify_compile=True)
     step = fs.compile(finetune())
     try:
-        step(_state(module), _batch(0, rank))
+        step(_state(module), _batch(0, rank), parallelism=fsp.Layout())
     except CompiledGradientError as e:
         return str(e)
     return "trained"

@@ -13,12 +13,11 @@ from hypothesis import strategies as st
 from torch import nn
 
 import fvstep as fs
-from fvstep import compose, stepfn, tree
-from fvstep.parallel import FSDP2Parallelism
+from fvstep import tree
+from fvstep.core.layout import SingleProcess
+from fvstep.core.steps import Chain
 from fvstep.random import fold_in, fold_in_name, generator
 from fvstep.state import is_consumed
-from fvstep.sync import SingleProcess
-from fvstep.update import update as core_update
 
 ROLES = ("a", "b", "c", "d")
 
@@ -145,7 +144,7 @@ def test_two_leaves_of_one_name_are_refused_at_composition():
     with pytest.raises(ValueError, match="cond: unit 'a' and unit 'a' share the name"):
         fs.cond(lambda i: i > 0, a1, a2)
     with pytest.raises(ValueError, match="compile: the same unit 'a' appears twice"):
-        fs.compile(compose.Sequence((a1, a1)))  # built around the combinator's check
+        fs.compile(Chain((a1, a1)))  # built around the combinator's check
     m = fs.managed(lambda s, b, k, ctx: (s, {}), trains="b", name="a")
     with pytest.raises(ValueError, match="unit 'a' and managed step 'a' share the name"):
         fs.sequence(a1, m)
@@ -226,7 +225,8 @@ def test_the_policy_is_the_units_own_then_the_innermost_compiles_then_the_defaul
     assert got == [("a", 4, None, "nan_to_num"), ("b", 4, c1, "skip"), ("c", 2, c2, "nan_to_num")]
     # An inner compile that sets nothing shadows nothing.
     assert fs.compile(fs.compile(c), sanitize="skip").plan(0)[0].sanitize == "skip"
-    assert fs.compile(c).sanitize == "error" and fs.compile(c).clip is None
+    (entry,) = fs.compile(c).plan(0)
+    assert entry.sanitize == "error" and entry.clip is None
 
 
 def test_a_managed_steps_inner_units_take_its_policy_over_the_compiles():
@@ -308,40 +308,24 @@ def test_a_nested_first_unit_failing_leaves_the_input_usable():
 
 
 # ---------------------------------------------------------------------------------------
-# injected parallelism
+# the layout of a call
 # ---------------------------------------------------------------------------------------
-
-
-def test_steps_built_through_the_face_run_with_fsdp2_and_core_ones_single_process():
-    face, core = fs.update("a", recording("a")), core_update("a", recording("a"))
-    assert face.resolved_settings().parallelism == FSDP2Parallelism()
-    assert core.resolved_settings().parallelism == SingleProcess()
-    assert fs.sequence(core).resolved_settings().parallelism == FSDP2Parallelism()
-    assert stepfn.compile(face).resolved_settings().parallelism == FSDP2Parallelism()
-    chosen = fs.compile(face, parallelism=SingleProcess())
-    assert chosen.resolved_settings().parallelism == SingleProcess()  # the outermost wins
-
-
-def test_call_settings_are_the_outermost_ones_set():
-    unit = core_update("a", recording("a"))
-    inner = stepfn.compile(unit, sequence_parallel_size=2, count_collectives=True)
-    assert stepfn.compile(inner).sequence_parallel_size == 2
-    assert stepfn.compile(inner, sequence_parallel_size=4).sequence_parallel_size == 4
-    assert stepfn.compile(inner).count_collectives is True
-    assert compose.sequence(unit).resolved_settings() == stepfn.CallSettings(
-        SingleProcess(), 1, False
-    )
-    with pytest.raises(ValueError, match="sequence_parallel_size must be >= 1"):
-        stepfn.compile(unit, sequence_parallel_size=0)
 
 
 def test_single_process_refuses_sharded_roles_before_consumption():
     state = state_of()
     state.roles["a"].params["0.weight"].device_mesh = object()  # looks like a DTensor
-    step = stepfn.compile(core_update("b", recording("b")), parallelism=SingleProcess())
-    with pytest.raises(ValueError, match="role 'a' has sharded.*SingleProcess.*fvstep.compile"):
-        step(state, make_batch(0))
+    step = fs.compile(fs.update("b", recording("b")))
+    with pytest.raises(ValueError, match="role 'a' has sharded.*one process.*parallel.Layout"):
+        step(state, make_batch(0))  # the default layout: one process
     assert not is_consumed(state)
+
+
+def test_a_step_holds_no_layout_so_one_step_runs_under_several():
+    step = fs.compile(fs.update("a", recording("a")))
+    one, _ = step(state_of(), make_batch(0))
+    other, _ = step(state_of(), make_batch(0), parallelism=SingleProcess())
+    tree.assert_trees_equal(one.roles["a"].params, other.roles["a"].params)
 
 
 class RecordingParallelism:
@@ -357,9 +341,9 @@ class RecordingParallelism:
         self.calls.append(("grad_sync", accumulation.microbatches))
         return SingleProcess().grad_sync(state, accumulation)
 
-    def data_parallel_index(self, sequence_parallel_size):
-        self.calls.append(("dp", sequence_parallel_size))
-        return 5
+    def data_parallel_rank_and_size(self):
+        self.calls.append("dp")
+        return 5, 6
 
     def collective_counter(self):
         return SingleProcess().collective_counter()
@@ -369,21 +353,19 @@ class RecordingParallelism:
         return value
 
 
-def test_the_step_uses_the_injected_parallelism():
+def test_the_step_uses_the_layout_it_is_called_with():
     seen: list = []
     parallelism = RecordingParallelism()
-    step = stepfn.compile(
-        compose.sequence(
-            stepfn.compile(core_update("a", recording("a", seen)), accumulation=fs.Accumulation(2)),
-            core_update("b", recording("b", seen)),
+    step = fs.compile(
+        fs.sequence(
+            fs.compile(fs.update("a", recording("a", seen)), accumulation=fs.Accumulation(2)),
+            fs.update("b", recording("b", seen)),
         ),
-        parallelism=parallelism,
-        sequence_parallel_size=3,
     )
-    step(state_of(), make_batch(0))
+    step(state_of(), make_batch(0), parallelism=parallelism)
     assert parallelism.calls == [
-        "check",
-        ("dp", 3),
+        "check",  # once per call, before anything runs
+        "dp",
         ("grad_sync", 2),
         "sum_over_ranks",  # the sanitize="error" verdict, made global
         ("grad_sync", 1),
@@ -395,21 +377,27 @@ def test_the_step_uses_the_injected_parallelism():
 
 CORE = (
     "state",
-    "update",
-    "compose",
-    "stepfn",
+    "core/engine",
+    "core/steps",
+    "core/unit",
+    "core/policy",
+    "core/layout",
+    "core/finite",
     "optim",
     "random",
     "tree",
     "grads",
     "accumulation",
-    "sync",
 )
 
 
 @pytest.mark.parametrize("module", CORE)
 def test_the_core_imports_nothing_of_torch_distributed_or_the_parallel_layer(module):
-    source = (Path(fs.__file__).parent / f"{module}.py").read_text()
+    root = Path(fs.__file__).parent
+    path = root / f"{module}.py"
+    files = [path] if path.exists() else sorted((root / module).glob("*.py"))  # a package
+    assert files, module
+    source = "\n".join(f.read_text() for f in files)
     banned = ("torch.distributed", "fvstep.distributed", "fvstep.parallel")
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):

@@ -27,17 +27,16 @@ from fvstep._compat import checkpoint_wrapper
 from fvstep.data import ShuffledSource, SyntheticLatents
 from fvstep.methods.finetune import finetune
 from fvstep.models import predict, synthetic_batch, tiny_wan
-from fvstep.parallel.context import (
-    ContextParallelData,
-    ContextParallelism,
+from fvstep.parallel import (
+    Layout,
     apply_context_parallel,
     context_parallel_degree,
     data_parallel_rank_and_size,
     make_context_mesh,
 )
 from fvstep.random import generator
-from fvstep.sync import SingleProcess
 from fvstep.testing import assert_resume_exact
+from tests.multirank import OneRankReference
 
 pytestmark = pytest.mark.multirank
 
@@ -139,15 +138,14 @@ def check_step(rank: int, world_size: int, microbatches: int, prepared: bool = F
             finetune(),
             accumulation=fs.Accumulation(microbatches=microbatches),
             clip=fs.clip_grad_norm(1.0),
-            parallelism=ContextParallelism(mesh) if cp else SingleProcess(),
         )
         return state, step
 
-    (ref, ref_step), (cp, cp_step) = make(False), make(True)
+    (ref, step), (cp, _) = make(False), make(True)
     for i in range(2):
         batch = synthetic_batch(fs.random.key(10 + i), batch_size=2)
-        ref, ref_metrics = ref_step(ref, batch)
-        cp, cp_metrics = cp_step(cp, batch)
+        ref, ref_metrics = step(ref, batch, parallelism=OneRankReference())
+        cp, cp_metrics = step(cp, batch, parallelism=Layout(mesh))
         for key in ("student/loss", "student/grad_norm"):
             torch.testing.assert_close(cp_metrics[key], ref_metrics[key], **LOSS_TOL)
     assert fsp.unrested_modules(cp) == []
@@ -186,13 +184,14 @@ def check_resume(rank: int, world_size: int, workdir: str):
         state = fs.TrainState.create(
             {"student": fs.Role(net, optimizer=fs.optim.adamw(lr=1e-3))}, key=fs.random.key(5)
         )
-        step = fs.compile(finetune(), parallelism=ContextParallelism(mesh))
         source = ShuffledSource(
             SyntheticLatents(8, key=fs.random.key(6)), key=fs.random.key(7), batch_size=2
         )
-        return state, step, ContextParallelData(source, mesh)
+        return state, fs.compile(finetune()), source
 
-    final = assert_resume_exact(factory, num_steps=3, interruptions=[2], workdir=workdir)
+    final = assert_resume_exact(
+        factory, num_steps=3, interruptions=[2], workdir=workdir, parallelism=Layout(mesh)
+    )
     # A checkpoint saved with context parallel loads, leaf-exact, into a role without it.
     fs.checkpoint.save(final, f"{workdir}/export")
     plain = fsp.shard_module(tiny_wan(seed=1), mesh=fsdp_mesh)
@@ -233,14 +232,14 @@ def check_dmd2(rank: int, world_size: int):
             },
             key=fs.random.key(4),
         )
-        parallelism = ContextParallelism(mesh) if cp else SingleProcess()
-        return state, fs.compile(dmd2(generator_update_interval=2), parallelism=parallelism)
+        return state
 
-    (ref, ref_step), (cp, cp_step) = make(False), make(True)
+    step = fs.compile(dmd2(generator_update_interval=2))
+    ref, cp = make(False), make(True)
     for i in range(2):  # a critic-only step, then student and critic
         batch = synthetic_batch(fs.random.key(20 + i), batch_size=2)
-        ref, _ = ref_step(ref, batch)
-        cp, _ = cp_step(cp, batch)
+        ref, _ = step(ref, batch, parallelism=OneRankReference())
+        cp, _ = step(cp, batch, parallelism=Layout(mesh))
     for role in ("student", "critic"):
         ours, theirs = cp.roles[role], ref.roles[role]
         for name in theirs.params:
@@ -260,27 +259,50 @@ def test_dmd2_with_three_context_parallel_roles_equals_the_one_rank_steps(ranks)
 
 
 def check_keys_and_data(rank: int, world_size: int, context: int):
+    """Through ``fvstep.run(..., parallelism=Layout(mesh))``: the keys a unit gets and the
+    batches it reads, per step."""
     from torch.distributed.device_mesh import init_device_mesh
 
     # context 2: one group of 2; context 1: 2 data-parallel replicas (a size-1 axis).
     mesh = init_device_mesh("cpu", (2 // context, context), mesh_dim_names=("data", "context"))
-    index, size = data_parallel_rank_and_size(mesh)
-    key = fs.random.fold_in(fs.random.key(0), ContextParallelism(mesh).data_parallel_index(1))
-    noise = torch.randn(4, generator=generator(key))
+    layout = Layout(mesh)
+    seen = []
+
+    def record(state, batch, key):
+        seen.append((torch.randn(4, generator=generator(key)), batch["latents"].clone()))
+        return state.module("m").weight.sum() * 0.0
+
+    module = fsp.shard_module(torch.nn.Linear(2, 2), mesh=fsp.make_mesh(device_type="cpu"))
+    state = fs.TrainState.create(
+        {"m": fs.Role(module, optimizer=fs.optim.sgd(lr=0.1))}, key=fs.random.key(0)
+    )
     source = ShuffledSource(
         SyntheticLatents(8, key=fs.random.key(1)), key=fs.random.key(2), batch_size=1
     )
-    batch = ContextParallelData(source, mesh).batch(0, rank=rank, world_size=world_size)
-    return index, size, noise, batch["latents"]
+    fs.run(
+        fs.compile(fs.update("m", record)),
+        state,
+        source,
+        num_steps=2,
+        parallelism=layout,
+        progress=False,
+        handle_signals=False,
+    )
+    assert layout.data_parallel_rank_and_size() == data_parallel_rank_and_size(mesh)
+    noise = torch.stack([n for n, _ in seen])
+    batches = torch.stack([b for _, b in seen])
+    return (*layout.data_parallel_rank_and_size(), noise, batches)
 
 
 def test_a_context_group_shares_keys_and_data_and_replicas_differ(ranks):
     (i0, s0, n0, b0), (i1, s1, n1, b1) = ranks.run(check_keys_and_data, 2)
     assert (i0, s0, i1, s1) == (0, 1, 0, 1)
     assert torch.equal(n0, n1) and torch.equal(b0, b1)
+    assert not torch.equal(n0[0], n0[1]) and not torch.equal(b0[0], b0[1])  # steps differ
     (i0, s0, n0, b0), (i1, s1, n1, b1) = ranks.run(check_keys_and_data, 1)
     assert (i0, s0, i1, s1) == (0, 2, 1, 2)
-    assert not torch.equal(n0, n1) and not torch.equal(b0, b1)
+    for step in range(2):
+        assert not torch.equal(n0[step], n1[step]) and not torch.equal(b0[step], b1[step])
 
 
 def _error(fn) -> str:
@@ -320,11 +342,21 @@ def check_refusals(rank: int, world_size: int):
     state = fs.TrainState.create(
         {"student": fs.Role(net, optimizer=fs.optim.sgd(lr=0.1))}, key=fs.random.key(0)
     )
-    step = fs.compile(finetune(), parallelism=ContextParallelism(mesh))
-    errors["unsharded"] = _error(lambda: step(state, _batch()))
-    errors["sp_size"] = _error(lambda: ContextParallelism(mesh).data_parallel_index(3))
-    source = ContextParallelData(lambda step: step, mesh)
-    errors["world"] = _error(lambda: source.batch(0, rank=rank, world_size=4))
+    step = fs.compile(finetune())
+    errors["unsharded"] = _error(lambda: step(state, _batch(), parallelism=Layout(mesh)))
+    errors["layout_axis"] = _error(lambda: Layout(mesh, context_axis="seq"))
+    # A role prepared on one mesh's context groups, called with another layout.
+    sharded = fsp.shard_module(
+        apply_context_parallel(tiny_wan(), mesh=mesh), mesh=fsp.make_mesh(device_type="cpu")
+    )
+    state = fs.TrainState.create(
+        {"student": fs.Role(sharded, optimizer=fs.optim.sgd(lr=0.1))}, key=fs.random.key(0)
+    )
+    before = fs.tree.clone(state)
+    errors["other_mesh"] = _error(lambda: step(state, _batch(), parallelism=Layout(one)))
+    errors["no_mesh"] = _error(lambda: step(state, _batch(), parallelism=Layout()))
+    fs.tree.assert_trees_equal(state, before)  # refused before anything is consumed
+    step(state, _batch(), parallelism=Layout(mesh))  # the mesh it was prepared on
     return errors
 
 
@@ -342,8 +374,10 @@ def test_bad_layouts_and_inputs_are_refused_with_a_value_error(ranks):
         "tokens": "does not divide by the context-parallel degree 2",
         "inputs": "were given different inputs",
         "unsharded": "not sharded",
-        "sp_size": "disagrees with the context axis",
-        "world": "is not this process",
+        "layout_axis": "no axis 'seq'",
+        "other_mesh": "role 'student' runs context parallel over ranks [0, 1], but this call's "
+        "groups are [",
+        "no_mesh": "role 'student' runs context parallel over ranks [0, 1], but this call has none",
     }
     for errors in ranks.run(check_refusals):
         for case, words in expected.items():
@@ -358,7 +392,8 @@ def check_replicas_of_context_groups(rank: int, world_size: int):
     source = ShuffledSource(
         SyntheticLatents(8, key=fs.random.key(1)), key=fs.random.key(2), batch_size=2
     )
-    data = ContextParallelData(source, mesh)
+    layout = Layout(mesh)
+    replica, replicas = layout.data_parallel_rank_and_size()
 
     def make(cp: bool):
         net = tiny_wan(seed=0)
@@ -368,15 +403,15 @@ def check_replicas_of_context_groups(rank: int, world_size: int):
         state = fs.TrainState.create(
             {"student": fs.Role(net, optimizer=fs.optim.adamw(lr=LR))}, key=fs.random.key(3)
         )
-        if cp:
-            return state, fs.compile(finetune(), parallelism=ContextParallelism(mesh))
-        return state, fs.compile(finetune(), sequence_parallel_size=2)  # keys by rank // 2
+        return state
 
-    (ref, ref_step), (cp, cp_step) = make(False), make(True)
+    # The same layout keys both by replica (rank // 2); only cp's role shards the tokens.
+    step = fs.compile(finetune())
+    ref, cp = make(False), make(True)
     for i in range(2):
-        batch = data.batch(i, rank=rank, world_size=world_size)
-        ref, ref_metrics = ref_step(ref, batch)
-        cp, cp_metrics = cp_step(cp, batch)
+        batch = source.batch(i, rank=replica, world_size=replicas)
+        ref, ref_metrics = step(ref, batch, parallelism=layout)
+        cp, cp_metrics = step(cp, batch, parallelism=layout)
         torch.testing.assert_close(
             cp_metrics["student/loss"], ref_metrics["student/loss"], **LOSS_TOL
         )

@@ -26,6 +26,8 @@ NUM_STEPS = 5
 K = 2
 MAX_NORM = 0.5
 NUM_GROUPS = 3  # tiny_wan: 2 blocks + the root's own parameters
+LAYOUT = fsd.Layout()  # the process layout of a step on several ranks
+COUNTING = fsd.Layout(count_collectives=True)  # the same, reporting collectives/* counts
 
 
 def batch_at(step: int, rank: int) -> dict:
@@ -55,11 +57,10 @@ def fvstep_finetune(rank: int, sync: str, steps: int = NUM_STEPS, *, allow_no_sy
         fs.update("student", flow_matching_loss()),
         accumulation=fs.Accumulation(microbatches=K, sync=sync),
         clip=fs.clip_grad_norm(MAX_NORM),
-        count_collectives=True,
     )
     counts = []
     for i in range(steps):
-        state, metrics = step(state, batch_at(i, rank))
+        state, metrics = step(state, batch_at(i, rank), parallelism=COUNTING)
         counts.append({k: v for k, v in metrics.items() if k.startswith("collectives/")})
     return state, counts
 
@@ -191,15 +192,14 @@ def check_flags_are_restored_after_an_error(rank: int, world_size: int):
     )
     snapshot = tree.clone(state)
     with contextlib.suppress(RuntimeError):
-        broken(state, batch_at(0, rank))
+        broken(state, batch_at(0, rank), parallelism=LAYOUT)
     module.zero_grad(set_to_none=True)
     # If no_sync's flag had stuck, this 'every' step would issue fewer reduce-scatters.
     step = fs.compile(
         fs.update("student", inner),
         accumulation=fs.Accumulation(microbatches=K, sync="every"),
-        count_collectives=True,
     )
-    _, metrics = step(snapshot, batch_at(0, rank))
+    _, metrics = step(snapshot, batch_at(0, rank), parallelism=COUNTING)
     return metrics["collectives/reduce_scatter"]
 
 
@@ -207,7 +207,7 @@ def test_fsdp_flags_are_restored_after_a_failing_step(ranks):
     assert ranks.run(check_flags_are_restored_after_an_error) == [K * NUM_GROUPS] * 2
 
 
-def check_keys_across_ranks(rank: int, world_size: int, sp_size: int):
+def check_keys_across_ranks(rank: int, world_size: int, context: int):
     seen = {}
 
     def record(state, batch, key):
@@ -218,8 +218,14 @@ def check_keys_across_ranks(rank: int, world_size: int, sp_size: int):
     state = fs.TrainState.create(
         {"m": fs.Role(module, optimizer=fs.optim.sgd(lr=0.1))}, key=fs.random.key(0)
     )
-    step = fs.compile(fs.update("m", record), sequence_parallel_size=sp_size)
-    step(state, {"x": torch.zeros(1)})
+    # context 2: both ranks form one context group (one data-parallel replica).
+    layout = (
+        fsd.Layout(fsd.make_context_mesh(context=context, device_type="cpu"))
+        if context > 1
+        else LAYOUT
+    )
+    step = fs.compile(fs.update("m", record))
+    step(state, {"x": torch.zeros(1)}, parallelism=layout)
     return seen["noise"]
 
 
@@ -228,7 +234,7 @@ def test_data_parallel_ranks_draw_different_noise(ranks):
     assert not torch.equal(a, b)
 
 
-def test_ranks_of_one_sequence_parallel_group_draw_the_same_noise(ranks):
+def test_ranks_of_one_context_parallel_group_draw_the_same_noise(ranks):
     a, b = ranks.run(check_keys_across_ranks, 2)
     assert torch.equal(a, b)
 
@@ -242,10 +248,9 @@ def check_hsdp_defers_the_all_reduce(rank: int, world_size: int, defer: bool):
     step = fs.compile(
         fs.update("student", flow_matching_loss()),
         accumulation=fs.Accumulation(microbatches=K, sync="every", defer_all_reduce=defer),
-        count_collectives=True,
         sanitize=None,  # count the gradients' all-reduces only, not those of the finite check
     )
-    state, metrics = step(state, batch_at(0, rank))
+    state, metrics = step(state, batch_at(0, rank), parallelism=COUNTING)
     return metrics.get("collectives/all_reduce", 0), tree.tree_digest(state.roles["student"].params)
 
 
@@ -266,9 +271,9 @@ def check_clone_of_a_sharded_state_replays_exactly(rank: int, world_size: int):
     step = fs.compile(fs.update("student", flow_matching_loss()), accumulation=fs.Accumulation(K))
     snapshot = tree.clone(state)
     placements = [p.placements for p in snapshot.roles["student"].params.values()]
-    first, _ = step(state, batch_at(0, rank))
+    first, _ = step(state, batch_at(0, rank), parallelism=LAYOUT)
     first = tree.clone(first)
-    again, _ = step(snapshot, batch_at(0, rank))
+    again, _ = step(snapshot, batch_at(0, rank), parallelism=LAYOUT)
     tree.assert_trees_equal(first, again)
     return placements == [p.placements for p in again.roles["student"].params.values()]
 
@@ -308,7 +313,7 @@ def check_dmd2_on_sharded_roles(
     try:
         for i in range(4):
             before = tree.clone(state.roles)
-            state, metrics = step(state, batch_at(i, rank))
+            state, metrics = step(state, batch_at(i, rank), parallelism=LAYOUT)
             changed = {
                 r
                 for r in before
@@ -361,7 +366,7 @@ def check_joint_clip_on_shards(rank: int, world_size: int):
         return {"a": (va**2).mean(), "b": (vb**2).mean() * 10}, {}
 
     step = fs.compile(fs.update(("a", "b"), fused), clip=fs.clip_grad_norm(0.05, joint=True))
-    new, metrics = step(state, batch)
+    new, metrics = step(state, batch, parallelism=LAYOUT)
     for m in (a_ref, b_ref):
         shard_by_hand(m, mesh)
     (predict(a_ref, batch["latents"], t, batch["text"]) ** 2).mean().backward()

@@ -13,8 +13,6 @@
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 import torch
 from torch import nn
@@ -122,7 +120,6 @@ def assert_a_later_step_equals_a_fresh_one(state: fs.TrainState, before: fs.Trai
 
 def test_error_is_the_default_sanitize_policy():
     step = fs.compile(fs.update("student", mse("student")))
-    assert step.sanitize == "error"
     assert [e.sanitize for e in fs.plan(step, 0)] == ["error"]
 
 
@@ -206,15 +203,14 @@ def test_a_nan_in_a_tiny_wan_batch_raises_and_leaves_the_state_unchanged():
 
 
 def test_with_clipping_the_check_reuses_the_clip_norm(monkeypatch):
-    update_module = importlib.import_module("fvstep.update")  # fvstep.update is the function
     calls = []
-    real = update_module.total_norm
+    real = torch.nn.utils.get_total_norm  # what fvstep.core.unit measures the norm with
 
-    def counting(grads, **kwargs):
-        calls.append(kwargs)
-        return real(grads, **kwargs)
+    def counting(grads, *args, **kwargs):
+        calls.append((args, kwargs))
+        return real(grads, *args, **kwargs)
 
-    monkeypatch.setattr(update_module, "total_norm", counting)
+    monkeypatch.setattr(torch.nn.utils, "get_total_norm", counting)
     step = fs.compile(fs.update("student", mse("student")), clip=fs.clip_grad_norm(1.0))
     reference = linear(0)
     state = linear_state()
@@ -407,6 +403,7 @@ def test_a_successful_step_still_consumes_its_input_even_when_nothing_ran():
 # ---------------------------------------------------------------------------------------
 
 K = 2
+LAYOUT = fsp.Layout()  # the process layout of a step on several ranks
 
 
 def wan_batch(step: int, rank: int) -> dict:
@@ -438,7 +435,7 @@ def check_nan_in_one_ranks_data(rank: int, world_size: int, replicate: int):
     if rank == 1:
         batch["latents"][3, 0, 0, 0, 0] = float("nan")  # rank 1, micro-batch 1
     try:
-        step(state, batch)
+        step(state, batch, parallelism=LAYOUT)
     except fs.NonFiniteGradientError as e:
         message = str(e)
     else:
@@ -446,9 +443,9 @@ def check_nan_in_one_ranks_data(rank: int, world_size: int, replicate: int):
     consumed = is_consumed(state)
     tree.assert_trees_equal(state, snapshot)
     assert fsp.unrested_modules(state) == []
-    good, _ = step(state, wan_batch(1, rank))
+    good, _ = step(state, wan_batch(1, rank), parallelism=LAYOUT)
     good = tree.clone(good)
-    fresh, _ = step(snapshot, wan_batch(1, rank))
+    fresh, _ = step(snapshot, wan_batch(1, rank), parallelism=LAYOUT)
     tree.assert_trees_equal(good, fresh)
     return message, consumed
 
@@ -485,7 +482,7 @@ def check_inf_in_one_ranks_shard(rank: int, world_size: int):
 
     step = fs.compile(fs.update("m", loss_fn))
     try:
-        step(state, make_batch(rank))
+        step(state, make_batch(rank), parallelism=LAYOUT)
     except fs.NonFiniteGradientError as e:
         error = (str(e), e.parameter, e.kind)
     else:
@@ -528,7 +525,7 @@ def check_first_unit_failure_on_sharded_roles(rank: int, world_size: int):
         fs.update("student", _reads_teacher_then_fails_in_backward), accumulation=acc
     )
     try:
-        failing(state, wan_batch(0, rank))
+        failing(state, wan_batch(0, rank), parallelism=LAYOUT)
     except RuntimeError as e:
         assert "boom in backward" in str(e) and not isinstance(e, fs.StepFailedError)
     else:
@@ -539,9 +536,9 @@ def check_first_unit_failure_on_sharded_roles(rank: int, world_size: int):
     step = fs.compile(
         fs.update("student", _student_reads_teacher), accumulation=acc, clip=fs.clip_grad_norm(1.0)
     )
-    ours, _ = step(state, wan_batch(1, rank))
+    ours, _ = step(state, wan_batch(1, rank), parallelism=LAYOUT)
     ours = tree.clone(ours)  # the snapshot's step below writes into the live shards
-    fresh, _ = step(snapshot, wan_batch(1, rank))
+    fresh, _ = step(snapshot, wan_batch(1, rank), parallelism=LAYOUT)
     tree.assert_trees_equal(ours, fresh)
     return tree.tree_digest(ours.roles["student"].params)
 
@@ -556,7 +553,7 @@ def check_typo_on_two_ranks(rank: int, world_size: int):
     state = sharded_wan_state(fsp.make_mesh(device_type="cpu"))
     step = fs.compile(fs.update("studnet", flow_matching_loss()))
     try:
-        step(state, wan_batch(0, rank))
+        step(state, wan_batch(0, rank), parallelism=LAYOUT)
     except ValueError as e:
         return str(e), is_consumed(state)
     return None, is_consumed(state)
@@ -572,13 +569,20 @@ def check_unsharded_role_is_refused_before_consumption(rank: int, world_size: in
     state = fs.TrainState.create(
         {"m": fs.Role(linear(0), optimizer=fs.optim.sgd(lr=0.1))}, key=fs.random.key(0)
     )
+    step = fs.compile(fs.update("m", lambda s, b, k: s.module("m")(b["x"]).sum()))
     try:
-        fs.compile(fs.update("m", lambda s, b, k: s.module("m")(b["x"]).sum()))(
-            state, make_batch(0)
-        )
+        step(state, make_batch(0), parallelism=LAYOUT)
     except ValueError as e:
-        return "not sharded" in str(e), is_consumed(state)
-    return False, is_consumed(state)
+        refused = "not sharded" in str(e)
+    else:
+        refused = False
+    try:  # the default layout (one process) refuses a process that is one of several ranks
+        step(state, make_batch(0))
+    except ValueError as e:
+        refused = refused and "one of 2 ranks" in str(e) and "parallelism=" in str(e)
+    else:
+        refused = False
+    return refused, is_consumed(state)
 
 
 @pytest.mark.multirank

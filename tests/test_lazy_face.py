@@ -59,24 +59,19 @@ def test_import_fvstep_imports_no_torch():
     assert "fvstep" in loaded and "torch" not in loaded
 
 
-def test_every_public_name_is_importable_and_listed_and_update_stays_the_fsdp2_constructor():
-    # Importing the submodule fvstep.update binds it on the package; the face keeps its
-    # constructor (with FSDP2 injected), as the eager face did. One interpreter for both
-    # checks: each imports torch.
+def test_every_public_name_is_importable_listed_and_the_one_its_module_defines():
     code = (
-        "import fvstep\nimport fvstep.update as core\nimport fvstep.executor\n"
+        "import fvstep\nimport fvstep.executor\n"
         "from fvstep import *\n"
         "missing = [n for n in fvstep.__all__ if n not in globals()]\n"
         "assert not missing, missing\n"
         "assert set(fvstep.__all__) <= set(dir(fvstep)), set(fvstep.__all__) - set(dir(fvstep))\n"
-        "from fvstep import Validation, checkpoint, update, FSDP2Parallelism\n"
+        "from fvstep import Validation, checkpoint, update\n"
         "assert checkpoint is fvstep.checkpoint and fvstep.Validation is Validation\n"
         "assert fvstep.state.TrainState is fvstep.TrainState  # a submodule, read as an attribute\n"
-        "import sys\nassert update is fvstep.update and fvstep.update.__module__ == 'fvstep'\n"
-        "step = fvstep.update('student', lambda state, batch, key: None)\n"
-        "assert isinstance(step.settings.parallelism, FSDP2Parallelism), step.settings\n"
-        "plain = sys.modules['fvstep.update'].update('student', lambda s, b, k: None)\n"
-        "assert plain.settings.parallelism is None\n"
+        "import fvstep.core.steps as steps\n"
+        "assert update is fvstep.update is steps.update  # one object, no wrapper\n"
+        "assert fvstep.compile is steps.compile and fvstep.sequence is steps.sequence\n"
     )
     assert "torch" in _modules_after(code)
 

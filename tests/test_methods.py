@@ -562,12 +562,8 @@ def test_methods_draw_the_same_noise_as_before_the_shared_helper(name: str) -> N
     assert _draw_digest(loss_fn, torch.float32) == _DRAW_DIGESTS[name]
 
 
-def test_finetune_loss_fn_is_role_loss_fn_and_the_old_name_warns() -> None:
+def test_the_removed_alias_finetune_loss_fn_is_gone() -> None:
     # (fvstep.methods.finetune is the function there; the module, by its full name)
     finetune_module = importlib.import_module("fvstep.methods.finetune")
-
-    with pytest.warns(DeprecationWarning, match="LossFn is deprecated.*RoleLossFn"):
-        old = finetune_module.LossFn
-    assert old is finetune_module.RoleLossFn
-    with pytest.raises(AttributeError):
-        _ = finetune_module.NoSuchName
+    assert not hasattr(finetune_module, "LossFn")  # the one name is RoleLossFn
+    assert callable(finetune_module.flow_matching_loss())

@@ -58,7 +58,7 @@ def check_two_roles_reading_each_other(rank: int, world_size: int, k: int, how: 
     """``how``: ``"compiled"`` (one ``fs.compile`` of K micro-batches), ``"per_unit"`` (a
     sequence of two compiled units: a's over K micro-batches, b's over one), or
     ``"direct"`` (the ``fs.sequence`` itself called, no compile: one micro-batch each).
-    Built through ``fvstep.*`` in every case, so FSDP2's handling applies."""
+    Called with ``parallelism=Layout()`` in every case, so FSDP2's handling applies."""
     k_a, k_b = {"compiled": (k, k), "per_unit": (k, 1), "direct": (1, 1)}[how]
     mesh = fsp.make_mesh(device_type="cpu")
     a0, b0 = tiny_wan(seed=0), tiny_wan(seed=1)
@@ -78,7 +78,7 @@ def check_two_roles_reading_each_other(rank: int, world_size: int, k: int, how: 
     else:
         step = fs.sequence(unit_a, unit_b)
     before = {n: p.full_tensor().clone() for n, p in state.roles["b"].params.items()}
-    state, _ = step(state, batch_at(0, rank))
+    state, _ = step(state, batch_at(0, rank), parallelism=fsp.Layout())
     assert fsp.unrested_modules(state) == [], fsp.unrested_modules(state)[:3]
     # By hand: a's unit, then b's unit, each over K micro-batches.
     opts = {r: torch.optim.AdamW(ref[r].parameters(), lr=LR, weight_decay=WD) for r in ref}
@@ -112,8 +112,8 @@ def test_compiled_units_sequenced_keep_their_own_accumulation_on_two_ranks(ranks
 
 
 def test_a_step_built_through_the_face_and_called_uncompiled_reshards_between_units(ranks):
-    # fs.sequence(fs.update(...), fs.update(...)) called directly runs with FSDP2's
-    # handling (the face injects FSDP2Parallelism): b's root group, left unsharded by a's
+    # fs.sequence(fs.update(...), fs.update(...)) called directly (not compiled) with
+    # parallelism=Layout() runs with FSDP2's handling: b's root group, left unsharded by a's
     # no-grad read, is resharded before b trains, so b's root-level parameters move.
     for moved in ranks.run(check_two_roles_reading_each_other, 1, "direct"):
         assert all(moved.values()), moved
@@ -155,7 +155,7 @@ def check_dmd2_against_hand_written_loop(rank: int, world_size: int, ordering: s
         clip=fs.clip_grad_norm(MAX_NORM),
     )
     for i in range(num_steps):
-        state, _ = step(state, batch_at(i, rank))
+        state, _ = step(state, batch_at(i, rank), parallelism=fsp.Layout())
         assert fsp.unrested_modules(state) == [], (i, fsp.unrested_modules(state)[:3])
     opts = dmd2_loop(
         ref,
@@ -220,7 +220,7 @@ def check_rest_after_every_unit(rank: int, world_size: int):
     ]
     report = []
     for i, unit in enumerate(units * 2):
-        state, _ = unit(state, batch_at(i, rank))
+        state, _ = unit(state, batch_at(i, rank), parallelism=fsp.Layout())
         report.append(fsp.unrested_modules(state))
     # The invariant's check can fail: a no-grad read by hand leaves the root unsharded.
     with torch.no_grad():
@@ -256,7 +256,7 @@ def check_unsharded_trained_role(rank: int, world_size: int, replicate: bool):
     step = fs.compile(fs.update("m", flow_matching_loss(role="m")))
     try:
         for i in range(2):
-            state, _ = step(state, batch_at(i, rank))
+            state, _ = step(state, batch_at(i, rank), parallelism=fsp.Layout())
     except ValueError as e:
         return str(e)
     return tree.tree_digest(state.roles["m"].params)

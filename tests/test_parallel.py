@@ -1,5 +1,5 @@
 """The parallel package: rank helpers on one process and on 2 CPU ranks (gloo), the
-deprecated ``fvstep.distributed`` alias, the executor calling no ``torch.distributed``,
+executor calling no ``torch.distributed``,
 and the checkpoint's version read without the package face (the layering itself is
 ``tests/test_architecture.py``).
 
@@ -25,30 +25,6 @@ from fvstep.checkpoint.manifest import read_manifest
 
 PACKAGE = Path(fvstep.__file__).parent
 
-# What ``fvstep.distributed`` exported before the split (issue 11); it must keep them.
-OLD_NAMES = [
-    "CollectiveCounter",
-    "FSDP2Parallelism",
-    "FSDPGradSync",
-    "barrier",
-    "blocks_policy",
-    "check_roles_are_data_parallel",
-    "data_parallel_index",
-    "destroy",
-    "gather_objects",
-    "grad_sync_for",
-    "init_from_env",
-    "is_sharded",
-    "launch",
-    "make_mesh",
-    "max_over_ranks",
-    "rank_and_world",
-    "release_modules",
-    "shard_module",
-    "unrested_modules",
-]
-
-
 # --------------------------------------------------------------- rank helpers, 1 process
 
 
@@ -63,14 +39,7 @@ def test_rank_helpers_without_a_process_group_are_the_single_process_answers():
     assert fsp.max_over_ranks([3, 1.5]) == [3, 1.5]
     assert fsp.min_over_ranks([]) == []
     assert fsp.collective_device() == torch.device("cpu")
-    assert fsp.data_parallel_index() == 0
-    assert fsp.data_parallel_index(4) == 0
-
-
-@pytest.mark.parametrize("size", [0, -1])
-def test_data_parallel_index_refuses_a_sequence_parallel_size_below_one(size):
-    with pytest.raises(ValueError, match="sequence_parallel_size must be >= 1"):
-        fsp.data_parallel_index(size)
+    assert fsp.Layout().data_parallel_rank_and_size() == (0, 1)
 
 
 # --------------------------------------------------------------- rank helpers, 2 ranks
@@ -92,7 +61,7 @@ def check_rank_helpers(rank: int, world_size: int) -> dict:
         "max_float": fsp.max_over_ranks([float(rank) + 0.5, 2]),
         "min": fsp.min_over_ranks([big, -rank], group=group),
         "device": str(fsp.collective_device()),
-        "dp": [fsp.data_parallel_index(1), fsp.data_parallel_index(2)],
+        "dp": fsp.Layout().data_parallel_rank_and_size(),
     }
 
 
@@ -110,57 +79,7 @@ def test_rank_helpers_on_two_ranks(ranks):
         assert all(type(v) is float for v in r["max_float"])
         assert r["min"] == [2**60, -1]
         assert r["device"] == "cpu"
-        assert r["dp"] == [rank, 0]
-
-
-def check_uneven_sequence_parallel_size(rank: int, world_size: int) -> str:
-    with pytest.raises(ValueError) as info:
-        fsp.data_parallel_index(3)
-    return str(info.value)
-
-
-def test_data_parallel_index_refuses_a_size_that_does_not_divide_the_world(ranks):
-    for message in ranks.run(check_uneven_sequence_parallel_size):
-        assert "world size 2 is not divisible by sequence_parallel_size 3" in message
-
-
-# --------------------------------------------------------------- the deprecated alias
-
-
-def test_the_old_module_still_exports_every_old_name_as_the_same_object():
-    old = importlib.import_module("fvstep.distributed")
-    for name in OLD_NAMES:
-        assert getattr(old, name) is getattr(fsp, name), name
-    assert set(OLD_NAMES) <= set(old.__all__) <= set(dir(old))
-    assert "Deprecated" in (old.__doc__ or "")
-
-
-def test_the_old_import_paths_still_work():
-    from fvstep import distributed as fsd
-    from fvstep.distributed import MixedPrecisionPolicy, make_mesh, shard_module
-
-    assert make_mesh is fsp.make_mesh and shard_module is fsp.shard_module
-    assert fsd.MixedPrecisionPolicy is MixedPrecisionPolicy is fsp.MixedPrecisionPolicy
-
-
-def test_reading_a_name_of_the_old_module_warns_and_names_the_new_home():
-    from fvstep import distributed as fsd
-
-    with pytest.warns(DeprecationWarning, match=r"use fvstep\.parallel\.shard_module"):
-        fsd.shard_module  # noqa: B018
-    with pytest.raises(AttributeError, match="has no attribute 'dist'"):
-        fsd.dist  # noqa: B018
-
-
-def test_no_module_of_the_package_uses_the_deprecated_alias():
-    users = [
-        path.relative_to(PACKAGE).as_posix()
-        for path in sorted(PACKAGE.rglob("*.py"))
-        if path.name != "distributed.py" or path.parent != PACKAGE
-        for module, names in _imports(path)
-        if module == "fvstep.distributed" or (module == "fvstep" and "distributed" in names)
-    ]
-    assert users == []
+        assert r["dp"] == (rank, 2)
 
 
 def test_every_public_name_of_the_package_is_exported_by_its_module():

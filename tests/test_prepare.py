@@ -264,7 +264,7 @@ def check_prepared_dmd2_is_bitwise_the_hand_written_loop(rank: int, world_size: 
 
     graphs, before = [], compile_counts()["graphs"]  # dynamo's counters are per process
     for i in range(4):
-        state, _ = step(state, batch_at(i))
+        state, _ = step(state, batch_at(i), parallelism=fsp.Layout())
         graphs.append(compile_counts()["graphs"] - before)
         assert fsp.unrested_modules(state) == []
     dmd2_loop(
@@ -381,18 +381,18 @@ def check_bf16_roles_first_used_while_not_trained(rank: int, world_size: int, re
         step = fs.compile(dmd2(generator_update_interval=1, ordering="sequential"))
         state = build()
         for i in range(2):
-            state, metrics = step(state, batch_at(i))
+            state, metrics = step(state, batch_at(i), parallelism=fsp.Layout())
         return bool(torch.isfinite(metrics["student/loss"]))
     step = fs.compile(dmd2(generator_update_interval=2))
     state = build()
-    state, _ = step(state, batch_at(0))
+    state, _ = step(state, batch_at(0), parallelism=fsp.Layout())
     with tempfile.TemporaryDirectory() as tmp:
         path = fsp.broadcast_object(tmp if rank == 0 else None)
         fs.checkpoint.save(state, f"{path}/ckpt")
         resumed = fs.checkpoint.load(f"{path}/ckpt", like=build())
         fsp.barrier()
     for i in (1, 2):  # a critic-only step first, then the student's
-        resumed, metrics = step(resumed, batch_at(i))
+        resumed, metrics = step(resumed, batch_at(i), parallelism=fsp.Layout())
     return bool(torch.isfinite(metrics["student/loss"]))
 
 
@@ -409,7 +409,7 @@ def check_hsdp_matches_fsdp(rank: int, world_size: int):
         step = fs.compile(finetune(), clip=fs.clip_grad_norm(1.0))
         for i in range(2):
             batch = synthetic_batch(fold_in(fold_in(fs.random.key(4), i), rank), batch_size=2)
-            state, _ = step(state, batch)
+            state, _ = step(state, batch, parallelism=fsp.Layout())
         described = preparation(module).describe()["mesh"]
         return described, {n: p.full_tensor() for n, p in state.roles["student"].params.items()}
 

@@ -9,9 +9,9 @@ from torch import nn
 
 import fvstep as fs
 from fvstep import tree
-from fvstep.executor import Validation
 from fvstep.methods.finetune import finetune
 from fvstep.models import synthetic_batch, tiny_wan
+from fvstep.reporting import Validation
 from fvstep.sampling import EulerSampler, FewStepSampler, decode_latents, sample, sample_videos
 
 diffusers = pytest.importorskip("diffusers")

@@ -462,7 +462,7 @@ def check_fsdp2_tied_against_torch(rank: int, world_size: int, workdir: str) -> 
     assert state.role("ae").tied == (("dec.weight", "enc.weight"), ("dec.calls", "enc.calls"))
     step = make_step()
     for i in range(NUM_STEPS):
-        state, _ = step(state, batch_at(i, rank))
+        state, _ = step(state, batch_at(i, rank), parallelism=fsp.Layout())
 
     reference = TiedAutoencoder(7)
     mesh = fsp.make_mesh(device_type="cpu")
@@ -513,7 +513,7 @@ def check_tie_across_fsdp2_groups_is_refused(rank: int, world_size: int) -> str:
     state = make_state(module)
     assert "dec.weight" in state.role("ae").params
     try:
-        make_step()(state, batch_at(0, rank))
+        make_step()(state, batch_at(0, rank), parallelism=fsp.Layout())
     except ValueError as e:
         return str(e)
     return "not refused"

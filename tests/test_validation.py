@@ -17,9 +17,9 @@ import torch
 
 import fvstep as fs
 from fvstep import tree
-from fvstep.executor import Validation
 from fvstep.methods.finetune import add_noise, finetune
 from fvstep.models import predict, synthetic_batch, tiny_wan
+from fvstep.reporting import Validation
 from fvstep.testing import SimulatedCrash, _CrashAt
 from fvstep.validation import role_module, validation_loss
 
@@ -218,7 +218,7 @@ def check_sharded_validation(rank: int, world_size: int, directory: str):
     import warnings
 
     from fvstep import parallel as fsp
-    from fvstep.parallel.sync import unrested_modules
+    from fvstep.parallel.grad_sync import unrested_modules
 
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
 

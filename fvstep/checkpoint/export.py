@@ -64,7 +64,7 @@ def gather_weights(
             average of the trainable parameters (the other parameters and the buffers
             keep their live values); before the EMA's first active update (its
             ``start_step``) the live values, as validation computes with
-            (:func:`fvstep.state.select_weights`, the one rule).
+            (:func:`fvstep.weights.select_weights`, the one rule).
         dtype: Cast the floating-point tensors to this dtype (integer and bool buffers
             are kept as they are); ``None`` keeps each tensor's dtype (fp32 for EMA).
         rank0_only: Return the weights on global rank 0 and ``None`` on the others (which

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from fvstep._compat import local_shape_and_global_offset
 from fvstep.parallel.ranks import collective_device, rank_and_world
+from fvstep.tree import is_dtensor, local_tensor
 
 __all__ = ["fingerprint", "leaf_checksum", "local_checks", "local_sums"]
 
@@ -106,8 +107,8 @@ def _finite(part: torch.Tensor) -> torch.Tensor:
 
 def _leaf_checks(x: Any, check_finite: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's checksum contribution for ``x`` and whether its local values are finite."""
-    if hasattr(x, "to_local"):
-        local = x.to_local().detach()
+    if is_dtensor(x):
+        local = local_tensor(x).detach()
         finite = torch.ones((), dtype=torch.bool, device=local.device)
         if not _contributes(x):  # a replica: the rank that counts it also checks it
             return torch.zeros((), dtype=torch.int64, device=local.device), finite
@@ -229,8 +230,8 @@ def fingerprint(
         ``per_rank[path][rank]`` for leaves that differ between ranks.
     """
     sums = list(sums) if sums is not None else local_sums(leaves)
-    sharded = [i for i, x in enumerate(leaves) if hasattr(x, "to_local")]
-    plain = [i for i, x in enumerate(leaves) if not hasattr(x, "to_local")]
+    sharded = [i for i, x in enumerate(leaves) if is_dtensor(x)]
+    plain = [i for i, x in enumerate(leaves) if not is_dtensor(x)]
     world = rank_and_world(group)[1]
     per_rank: dict[str, list[int]] = {}
     if world > 1:

@@ -28,6 +28,7 @@ from fvstep.checkpoint.manifest import (
 )
 from fvstep.checkpoint.saving import _exc_text, _failure_text, _quiet_single_process, _rank_key
 from fvstep.parallel.ranks import min_over_ranks, rank_and_world
+from fvstep.state import TrainState
 from fvstep.tree import flatten_with_paths
 
 __all__ = ["load"]
@@ -37,6 +38,25 @@ T = TypeVar("T")
 
 def _roles(paths: set[str]) -> set[str]:
     return {p.split(".")[1] for p in paths if p.startswith("roles.")}
+
+
+def _check_optimizer_states(like: Any, path: Path) -> None:
+    """Each trained role's optimizer state in ``like`` fits its parameters (the structure
+    an optimizer's ``update`` no longer re-checks on every call)."""
+    if not isinstance(like, TrainState):
+        return
+    for name, rs in like.roles.items():
+        optimizer = rs.role.optimizer
+        if optimizer is None:
+            continue
+        try:
+            optimizer.check_state(rs.trainable_params(), rs.opt_state)
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(
+                f"cannot load {str(path)!r} into this state: the optimizer state of role "
+                f"{name!r} of `like` does not fit its parameters ({e}); build `like` with "
+                "TrainState.create"
+            ) from None
 
 
 def _check_fits(
@@ -125,6 +145,7 @@ def load(path: str | os.PathLike[str], *, like: T, group: Any = None) -> T:
             ) from None
         raise
     rank, world = rank_and_world(group)
+    _check_optimizer_states(like, path)
     all_paths, all_leaves, spec = flatten_with_paths(like)
     _check_frozen(manifest, path, all_paths, all_leaves, group)
     keep = [i for i, p in enumerate(all_paths) if p not in manifest.frozen]

@@ -35,7 +35,7 @@ from fvstep.checkpoint.frozen import _split_frozen
 from fvstep.checkpoint.layout import commit, discard
 from fvstep.checkpoint.manifest import CheckpointError, Manifest
 from fvstep.parallel.ranks import broadcast_object, min_over_ranks, rank_and_world
-from fvstep.tree import flatten_with_paths
+from fvstep.tree import flatten_with_paths, is_dtensor
 from fvstep.weights import roles_holding_other_weights
 
 __all__ = ["save"]
@@ -106,7 +106,7 @@ def _describe_leaf(x: torch.Tensor, per_rank: bool) -> dict[str, Any]:
     return {
         "dtype": str(x.dtype).removeprefix("torch."),
         "shape": list(x.shape),
-        "sharded": hasattr(x, "to_local"),
+        "sharded": is_dtensor(x),
         "per_rank": per_rank,
     }
 
@@ -172,7 +172,7 @@ def _write_shards(
         _dcp_save(flat, final, tmp, group)
         return checksums, per_rank
     check = not allow_nonfinite
-    early = [i for i, x in enumerate(leaves) if world > 1 and not hasattr(x, "to_local")]
+    early = [i for i, x in enumerate(leaves) if world > 1 and not is_dtensor(x)]
     early_set = set(early)
     late = [i for i in range(len(leaves)) if i not in early_set]
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:

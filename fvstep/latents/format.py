@@ -20,7 +20,7 @@ silently different sample; and each sample is a *row group*, so reading sample `
 reads its own bytes and nothing else. Safetensors shards would give zero-copy tensors and
 native ``bfloat16``, but strings only in the JSON header, no checksums, and a second
 index format for the rest; at the sizes of a video sample (megabytes) the one extra copy
-Parquet costs is small next to the step (``fvstep bench data`` measures it).
+Parquet costs is small next to the step (``python -m benchmarks.data`` measures it).
 
 **A shard** has one row per sample and, for each tensor field ``F``, three columns:
 ``F`` (binary: the tensor's bytes, C order, little endian), ``F_shape`` (list of int32)

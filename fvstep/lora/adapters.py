@@ -45,6 +45,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from fvstep.tree import any_dtensor
+
 if TYPE_CHECKING:
     from peft import LoraConfig
 
@@ -284,7 +286,7 @@ def add_adapters(
 
     if not configs:
         raise ValueError("add_adapters needs at least one adapter config")
-    if any(hasattr(m, "to_local") for m in base.parameters()):
+    if any_dtensor(base.parameters()):
         raise ValueError("add adapters before sharding the base (fully_shard)")
     existing = {a for _, layer in lora_layers(base) for a in layer.__dict__.get("lora_A", {})}
     for name in configs:

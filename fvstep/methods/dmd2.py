@@ -48,13 +48,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from fvstep import random as fsrandom
-from fvstep.compose import Cond, cond, every, sequence
-from fvstep.compose import Sequence as SequenceMethod
+from fvstep.core.steps import Chain, Cond, cond, every, sequence, update
 from fvstep.methods import _noise
 from fvstep.methods.finetune import RoleLossFn, add_noise, x0_from_velocity
 from fvstep.models import predict
 from fvstep.state import TrainState
-from fvstep.update import update
 
 __all__ = ["DMD2Losses", "FusedLossFn", "Ordering", "dmd2", "dmd2_losses", "rollout", "score_time"]
 
@@ -308,7 +306,7 @@ def dmd2(
     min_ratio: float = 0.02,
     max_ratio: float = 0.98,
     denoising_steps: Sequence[float] = (1.0,),
-) -> Cond | SequenceMethod:
+) -> Cond | Chain:
     """DMD2 as a composed method: the critic every step, the student every ``n`` steps.
 
     Roles: ``student`` and ``critic`` trained, ``teacher`` frozen.

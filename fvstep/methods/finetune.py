@@ -12,7 +12,6 @@ Examples:
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -20,10 +19,10 @@ import torch
 import torch.nn.functional as F
 
 from fvstep import random as fsrandom
+from fvstep.core.steps import Unit, update
 from fvstep.methods import _noise
 from fvstep.models import predict
 from fvstep.state import TrainState
-from fvstep.update import Update, update
 
 __all__ = [
     "RoleLossFn",
@@ -42,22 +41,8 @@ _T_SAMPLINGS: tuple[str, ...] = ("uniform", "logit_normal")
 RoleLossFn = Callable[[TrainState, Any, torch.Tensor], tuple[torch.Tensor, dict[str, Any]]]
 """A loss function for a unit that trains one role: ``(state, batch, key) -> (loss, metrics)``.
 
-One of the shapes that :data:`fvstep.update.LossFn` (anything ``fvstep.update`` accepts)
+One of the shapes that :data:`fvstep.core.unit.LossFn` (anything ``fvstep.update`` accepts)
 takes; :data:`fvstep.methods.dmd2.FusedLossFn` is the one for several roles."""
-
-
-def __getattr__(name: str) -> Any:
-    # `LossFn` was this module's name for RoleLossFn, and fvstep.update.LossFn means the
-    # wider type: one name, two meanings. Deprecated for one release.
-    if name == "LossFn":
-        warnings.warn(
-            "fvstep.methods.finetune.LossFn is deprecated and goes in the next release; use "
-            "fvstep.methods.finetune.RoleLossFn (fvstep.update.LossFn is the wider type)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return RoleLossFn
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def broadcast_time(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -190,7 +175,7 @@ def finetune(
     t_sampling: TSampling = "uniform",
     logit_mean: float = 0.0,
     logit_std: float = 1.0,
-) -> Update:
+) -> Unit:
     """Flow-matching fine-tuning: ``fvstep.update(role, flow_matching_loss(...))``.
 
     Args:

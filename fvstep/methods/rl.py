@@ -40,13 +40,14 @@ from torch import nn
 
 from fvstep import random as fsrandom
 from fvstep.accumulation import Accumulation
-from fvstep.compose import Managed, ManagedContext, managed
+from fvstep.core.engine import ManagedContext
+from fvstep.core.policy import UNSET, Unset
+from fvstep.core.steps import Managed, managed, update
 from fvstep.grads import ClipGradNorm, Sanitize
 from fvstep.methods import _noise
 from fvstep.methods.finetune import RoleLossFn, add_noise, sample_time
 from fvstep.models import predict
 from fvstep.state import TrainState
-from fvstep.update import DEFAULT, update
 
 __all__ = [
     "RewardFn",
@@ -200,8 +201,8 @@ def rl(
     sample_steps: int = 2,
     reward_fn: RewardFn | None = None,
     accumulation: Accumulation | None = None,
-    clip: ClipGradNorm | None = DEFAULT,
-    sanitize: Sanitize = DEFAULT,
+    clip: ClipGradNorm | Unset | None = UNSET,
+    sanitize: Sanitize | Unset = UNSET,
     name: str = "rl",
 ) -> Managed:
     """The RL outer step as a managed method (see the module docstring).

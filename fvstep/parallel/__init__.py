@@ -4,11 +4,15 @@ Split by concern (as torchtitan's ``distributed/`` folder):
 
 - :mod:`fvstep.parallel.mesh`: device meshes and FSDP2 sharding of a role's module
   (:func:`make_mesh`, :func:`shard_module`, :func:`blocks_policy`, :func:`is_sharded`);
-- :mod:`fvstep.parallel.sync`: the FSDP2 gradient-sync policy of accumulation and
+- :mod:`fvstep.parallel.layout`: :class:`Layout`, the process layout a step is called
+  with on several ranks (``step(state, batch, parallelism=Layout())``): data-parallel
+  replicas, context-parallel groups and FSDP2's handling, behind the core's
+  :class:`~fvstep.core.layout.Parallelism`; :func:`default_layout`, what ``fvstep.run``
+  picks;
+- :mod:`fvstep.parallel.grad_sync`: the FSDP2 gradient-sync policy of accumulation and
   modules returned to rest (:class:`FSDPGradSync`, :func:`release_modules`,
   :func:`unrested_modules`, :func:`check_roles_are_data_parallel`,
-  :func:`grad_sync_for`), and :class:`FSDP2Parallelism`, the
-  :class:`~fvstep.sync.Parallelism` that ``fvstep.compile`` injects into the core;
+  :func:`grad_sync_for`);
 - :mod:`fvstep.parallel.prepare`: one call that prepares a role's module for real scale
   (:func:`prepare`: activation checkpointing, ``torch.compile`` per block, FSDP2/HSDP
   with mixed precision and offload, frozen roles in bf16, the attention backend), built
@@ -26,19 +30,18 @@ Split by concern (as torchtitan's ``distributed/`` folder):
   :func:`compile_check_reports`);
 - :mod:`fvstep.parallel.context`: context (sequence) parallelism with diffusers' Ulysses
   attention (:func:`make_context_mesh`, :func:`apply_context_parallel`,
-  :class:`ContextParallelism`, :class:`ContextParallelData`);
+  :func:`data_parallel_rank_and_size`, :func:`applied_context_group`);
 - :mod:`fvstep.parallel.collectives`: :class:`CollectiveCounter`;
 - :mod:`fvstep.parallel.launcher`: :func:`launch`, :func:`init_from_env`, :func:`destroy`;
 - :mod:`fvstep.parallel.ranks`: the rank helpers every other module uses
   (:func:`rank_and_world`, :func:`barrier`, :func:`gather_objects`,
   :func:`broadcast_object`, :func:`max_over_ranks`, :func:`min_over_ranks`,
-  :func:`collective_device`, :func:`data_parallel_index`).
+  :func:`collective_device`).
 
-The core (``tree``, ``random``, ``state``, ``optim``, ``update``, ``compose``,
-``stepfn``) imports nothing from here: it is given a :class:`FSDP2Parallelism` by the
-package face. The executor and ``fvstep.checkpoint`` use the rank helpers instead of
-calling ``torch.distributed`` themselves. ``fvstep.distributed``, where these names
-lived before, is a deprecated alias of this package.
+The core (``fvstep/core``, ``tree``, ``random``, ``state``, ``optim``, ...) imports
+nothing from here: a call is given its :class:`Layout`. The executor and
+``fvstep.checkpoint`` use the rank helpers instead of calling ``torch.distributed``
+themselves.
 
 Examples:
     >>> from fvstep import parallel
@@ -55,36 +58,40 @@ from fvstep.parallel.collectives import CollectiveCounter
 from fvstep.parallel.compile_check import CompiledGradientError, CompiledGradientReport
 from fvstep.parallel.compile_check_hooks import compile_check_reports
 from fvstep.parallel.context import (
-    ContextParallelData,
-    ContextParallelism,
     ContextParallelMode,
+    applied_context_group,
     apply_context_parallel,
     context_parallel_degree,
-    data_parallel_rank_and_size,
-    make_context_mesh,
+)
+from fvstep.parallel.grad_sync import (
+    FSDPGradSync,
+    check_roles_are_data_parallel,
+    grad_sync_for,
+    release_modules,
+    unrested_modules,
 )
 from fvstep.parallel.gradient_comparison import compare_compiled_gradients
 from fvstep.parallel.launcher import destroy, init_from_env, launch
-from fvstep.parallel.mesh import ShardPolicy, blocks_policy, is_sharded, make_mesh, shard_module
+from fvstep.parallel.layout import Layout, default_layout
+from fvstep.parallel.mesh import (
+    ShardPolicy,
+    blocks_policy,
+    data_parallel_rank_and_size,
+    is_sharded,
+    make_context_mesh,
+    make_mesh,
+    shard_module,
+)
 from fvstep.parallel.precision import FULL_PRECISION_INPUTS
 from fvstep.parallel.prepare import Preparation, preparation, prepare
 from fvstep.parallel.ranks import (
     barrier,
     broadcast_object,
     collective_device,
-    data_parallel_index,
     gather_objects,
     max_over_ranks,
     min_over_ranks,
     rank_and_world,
-)
-from fvstep.parallel.sync import (
-    FSDP2Parallelism,
-    FSDPGradSync,
-    check_roles_are_data_parallel,
-    grad_sync_for,
-    release_modules,
-    unrested_modules,
 )
 
 __all__ = [
@@ -93,14 +100,13 @@ __all__ = [
     "CollectiveCounter",
     "CompiledGradientError",
     "CompiledGradientReport",
-    "ContextParallelData",
     "ContextParallelMode",
-    "ContextParallelism",
-    "FSDP2Parallelism",
     "FSDPGradSync",
+    "Layout",
     "MixedPrecisionPolicy",
     "Preparation",
     "ShardPolicy",
+    "applied_context_group",
     "apply_context_parallel",
     "barrier",
     "blocks_policy",
@@ -111,8 +117,8 @@ __all__ = [
     "compile_check_reports",
     "compile_counts",
     "context_parallel_degree",
-    "data_parallel_index",
     "data_parallel_rank_and_size",
+    "default_layout",
     "destroy",
     "gather_objects",
     "grad_sync_for",

@@ -1,6 +1,6 @@
 """Counting the collectives a piece of code issues: the proof that a policy did what it says.
 
-:class:`CollectiveCounter` is what ``fvstep.compile(..., count_collectives=True)`` uses
+:class:`CollectiveCounter` is what ``fvstep.parallel.Layout(count_collectives=True)`` uses
 for its ``collectives/*`` metrics.
 """
 

@@ -10,15 +10,14 @@ needs on top:
 
 - :func:`make_context_mesh`: a 2-D ``("data", "context")`` mesh, context innermost, so
   that the ranks of one context group are consecutive (``rank // context`` is the
-  data-parallel index, as :func:`fvstep.parallel.data_parallel_index` assumes);
+  data-parallel replica);
 - :func:`apply_context_parallel`: shards the sequence of a diffusers model with a
   ``_cp_plan`` (``WanTransformer3DModel``) over a mesh axis, in Ulysses (all-to-all) or
   ring mode. Parameter names and state-dict keys do not change;
-- :class:`ContextParallelism`: the :class:`~fvstep.sync.Parallelism` of a step on such
-  a mesh (the data-parallel index, which keys the noise, is shared by a context group);
-- :class:`ContextParallelData`: a data source adapter that hands the ranks of one
-  context group the same batch;
-- :func:`data_parallel_rank_and_size`: a rank's data-parallel coordinates on a mesh.
+- :func:`data_parallel_rank_and_size`: a rank's data-parallel coordinates on a mesh;
+  :func:`applied_context_group`: the group a module was prepared for. A step on such a
+  mesh is called with ``parallelism=fvstep.parallel.Layout(mesh)``, which gives the ranks
+  of one context group the same noise and (through ``fvstep.run``) the same batch.
 
 Gradients. diffusers gathers the model's output over the context group (``proj_out``
 in Wan's plan), so every rank of a group holds the whole output and computes the whole,
@@ -34,33 +33,30 @@ Examples:
     >>> mesh = make_context_mesh(context=2)                  # ("data", "context")
     >>> student = apply_context_parallel(tiny_wan(), mesh=mesh)
     >>> student = shard_module(student, mesh=make_mesh())    # FSDP2 over every rank
-    >>> step = fvstep.compile(finetune(), parallelism=ContextParallelism(mesh))
+    >>> state, metrics = fvstep.compile(finetune())(state, batch, parallelism=Layout(mesh))
 """
 
 from __future__ import annotations
 
-import inspect
 from typing import Any, Literal
 
 import attrs
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
+from fvstep.parallel.context_checks import _check_backends, _check_plan_signatures, _forward_params
+from fvstep.parallel.mesh import _check_axis
 from fvstep.parallel.ranks import rank_and_world
-from fvstep.parallel.sync import FSDP2Parallelism
-from fvstep.state import TrainState
+from fvstep.tree import is_dtensor
 
 __all__ = [
-    "ContextParallelData",
     "ContextParallelMode",
-    "ContextParallelism",
+    "applied_context_group",
     "apply_context_parallel",
     "context_parallel_degree",
-    "data_parallel_rank_and_size",
-    "make_context_mesh",
 ]
 
 ContextParallelMode = Literal["ulysses", "ring"]
@@ -83,88 +79,6 @@ class _Applied:
     check_inputs: bool
 
 
-def make_context_mesh(*, context: int, device_type: str | None = None) -> DeviceMesh:
-    """A 2-D ``("data", "context")`` device mesh over every rank, context innermost.
-
-    The ranks of one context group are consecutive (``rank = data * context + c``), so
-    ``rank // context`` is the data-parallel index: the layout that
-    ``fvstep.compile(..., sequence_parallel_size=context)`` and
-    :func:`fvstep.parallel.data_parallel_index` assume. Shard the roles with FSDP2 over
-    every rank (``shard_module(module, mesh=make_mesh())``), which spans each context group.
-
-    Args:
-        context: Ranks per context group (the sequence is split ``context`` ways), ``>= 2``.
-        device_type: ``"cuda"`` or ``"cpu"``; default ``"cuda"`` if available.
-
-    Returns:
-        The mesh (``init_device_mesh``), dims named ``("data", "context")``.
-
-    Raises:
-        RuntimeError: If no process group is initialised.
-        ValueError: If ``context < 2`` or it does not divide the world size.
-
-    Examples:
-        >>> mesh = make_context_mesh(context=2)          # 8 ranks: 4 replicas x 2
-        >>> mesh["context"].size()
-        2
-    """
-    if not dist.is_initialized():
-        raise RuntimeError(
-            "make_context_mesh needs an initialised process group (torchrun or init_process_group)"
-        )
-    world = dist.get_world_size()
-    if isinstance(context, bool) or not isinstance(context, int) or context < 2:
-        raise ValueError(f"context must be an int >= 2 (ranks per context group), got {context!r}")
-    if world % context:
-        raise ValueError(f"context ({context}) must divide the world size {world}")
-    device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
-    return init_device_mesh(
-        device_type, (world // context, context), mesh_dim_names=("data", "context")
-    )
-
-
-def _check_axis(mesh: DeviceMesh, axis: str) -> int:
-    names = mesh.mesh_dim_names or ()
-    if axis not in names:
-        raise ValueError(
-            f"the mesh has no axis {axis!r} (its axes: {tuple(names)}); build one with "
-            "make_context_mesh(context=...) or name the context axis with axis="
-        )
-    return names.index(axis)
-
-
-def data_parallel_rank_and_size(mesh: DeviceMesh, *, axis: str = "context") -> tuple[int, int]:
-    """This rank's data-parallel index on ``mesh``, and the number of replicas.
-
-    The index is this rank's coordinate on every axis but ``axis``, flattened in row-major
-    order; the ranks of one context group share it. Use it for keys and data.
-
-    Args:
-        mesh: A mesh with a context axis (e.g. :func:`make_context_mesh`).
-        axis: The name of the context axis.
-
-    Returns:
-        ``(index, size)``: ``0 <= index < size``, ``size = mesh.size() // mesh[axis].size()``.
-
-    Raises:
-        ValueError: If ``mesh`` has no axis ``axis`` or this rank is not on it.
-
-    Examples:
-        >>> data_parallel_rank_and_size(make_context_mesh(context=2))   # rank 3 of 4
-        (1, 2)
-    """
-    dim = _check_axis(mesh, axis)
-    coordinate = mesh.get_coordinate()
-    if coordinate is None:
-        raise ValueError(f"rank {rank_and_world()[0]} is not on the mesh {mesh}")
-    shape = tuple(mesh.mesh.shape)
-    index, size = 0, 1
-    for d, (c, n) in enumerate(zip(coordinate, shape)):
-        if d != dim:
-            index, size = index * n + c, size * n
-    return index, size
-
-
 def context_parallel_degree(module: nn.Module) -> int:
     """Ranks per context group of a module prepared by :func:`apply_context_parallel`.
 
@@ -180,72 +94,6 @@ def context_parallel_degree(module: nn.Module) -> int:
     """
     applied = getattr(module, _APPLIED, None)
     return applied.degree if isinstance(applied, _Applied) else 1
-
-
-def _attention_backends(module: nn.Module) -> set[str]:
-    """The attention backend names of ``module``'s attention processors (diffusers)."""
-    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
-
-    names = set()
-    for sub in module.modules():
-        processor = getattr(sub, "processor", None)
-        if processor is None or not hasattr(processor, "_parallel_config"):
-            continue
-        backend = getattr(processor, "_attention_backend", None)
-        if backend is None:
-            backend, _ = _AttentionBackendRegistry.get_active_backend()
-        names.add(str(getattr(backend, "value", backend)))
-    return names
-
-
-def _check_backends(module: nn.Module, mode: str) -> None:
-    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
-
-    backends = _attention_backends(module)
-    unsupported = sorted(
-        b for b in backends if b not in _AttentionBackendRegistry._supports_context_parallel
-    )
-    if unsupported:
-        raise ValueError(
-            f"the attention backend(s) {unsupported} of {type(module).__name__} do not support "
-            "context parallelism; call module.set_attention_backend(...) with one of "
-            f"{sorted(_AttentionBackendRegistry._supports_context_parallel)} first"
-        )
-    if mode == "ring" and "native" in backends:
-        # diffusers' ring attention merges per-chunk outputs with their log-sum-exp, which
-        # its native (SDPA) backend does not return: it would fail at the first forward.
-        raise ValueError(
-            "mode='ring' needs an attention backend that returns the log-sum-exp (diffusers' "
-            "'_native_cudnn', '_native_flash', 'flash', ...: CUDA only); the 'native' (SDPA) "
-            "backend does not. Use mode='ulysses', or module.set_attention_backend(...) first"
-        )
-
-
-def _forward_params(sub: nn.Module) -> list[str]:
-    """The parameter names of ``sub``'s class ``forward``, ``self`` left out."""
-    return list(inspect.signature(type(sub).forward).parameters)[1:]
-
-
-def _check_plan_signatures(module: nn.Module, plan: dict[str, Any]) -> None:
-    """Refuse a module whose planned submodules no longer take their inputs by name (a
-    wrapper module such as torch's ``checkpoint_wrapper``, or ``torch.compile(module)``)."""
-    from diffusers.models._modeling_parallel import ContextParallelInput
-
-    for name, entry in plan.items():
-        if not isinstance(entry, dict):
-            continue
-        sub = module.get_submodule(name) if name else module
-        params = _forward_params(sub)
-        for key, spec in entry.items():
-            splits_input = not (isinstance(spec, ContextParallelInput) and spec.split_output)
-            if isinstance(key, str) and splits_input and key not in params:
-                raise ValueError(
-                    f"submodule {name or '<root>'!r} ({type(sub).__name__}) takes no "
-                    f"argument {key!r} that the context-parallel plan splits: apply "
-                    "context parallel before wrapping blocks in modules (checkpoint_wrapper, "
-                    "torch.compile(module)); checkpointing that keeps the block (re-binding its "
-                    "forward) and block.compile() may come before or after it"
-                )
 
 
 def _shard(value: Any, spec: Any, mesh: DeviceMesh) -> Any:
@@ -367,8 +215,8 @@ def _check_same_inputs(
         raise ValueError(
             f"the ranks {list(applied.group_ranks)} of one context group were given different "
             "inputs; they must share the whole batch: the data-parallel index (keys and data) "
-            "must be the same for them (fvstep.compile(..., parallelism=ContextParallelism("
-            "mesh)) or sequence_parallel_size=<context>, and data through ContextParallelData)"
+            "must be the same for them: call the step with parallelism="
+            "fvstep.parallel.Layout(mesh) (fvstep.run passes it on to the data too)"
         )
 
 
@@ -381,8 +229,7 @@ def _set_grad_reduction(module: nn.Module, applied: _Applied) -> None:
     fsdp = [m for m in module.modules() if isinstance(m, FSDPModule)]
     if not fsdp:  # plain modules: the caller sums the gradients (fvstep refuses them)
         return
-    meshes = (getattr(p, "device_mesh", None) for p in module.parameters())
-    fsdp_mesh = next((m for m in meshes if m is not None), None)
+    fsdp_mesh = next((p.device_mesh for p in module.parameters() if is_dtensor(p)), None)  # type: ignore[attr-defined]
     if fsdp_mesh is None:  # FSDP2 with no parameters to reduce
         return
     reduced = set(fsdp_mesh.mesh.reshape(-1).tolist())
@@ -539,127 +386,13 @@ def apply_context_parallel(
     return module
 
 
-@attrs.frozen
-class ContextParallelism(FSDP2Parallelism):
-    """The FSDP2 process layout with a context axis: keys shared by each context group.
-
-    :class:`~fvstep.parallel.FSDP2Parallelism` (FSDP2 gradient-sync policy, modules
-    returned to rest, collective counts) whose data-parallel index is this rank's
-    coordinate on every axis of ``mesh`` but ``axis``
-    (:func:`data_parallel_rank_and_size`): the ranks of one context group draw the same
-    noise, data-parallel ranks differ, whatever the mesh's layout. Its :meth:`check` also
-    refuses a role prepared for another context group.
-
-    Attributes:
-        mesh: The mesh the roles were prepared on (:func:`make_context_mesh`).
-        axis: Its context axis.
+def applied_context_group(module: nn.Module) -> tuple[int, ...] | None:
+    """The global ranks of the context group ``module`` was prepared for by
+    :func:`apply_context_parallel`, or ``None`` for a module that was not.
 
     Examples:
-        >>> step = fvstep.compile(finetune(), parallelism=ContextParallelism(mesh))
+        >>> applied_context_group(apply_context_parallel(model, mesh))   # rank 0 of 4
+        (0, 1)
     """
-
-    mesh: DeviceMesh
-    axis: str = "context"
-
-    def __attrs_post_init__(self) -> None:
-        _check_axis(self.mesh, self.axis)
-
-    @property
-    def degree(self) -> int:
-        """Ranks per context group."""
-        return int(self.mesh.mesh.shape[_check_axis(self.mesh, self.axis)])
-
-    def check(self, state: TrainState) -> None:
-        """FSDP2's checks, and every context-parallel role on this mesh's context groups.
-
-        Args:
-            state: The state a step is about to run on.
-
-        Raises:
-            ValueError: Naming the role.
-        """
-        super().check(state)
-        mine = tuple(dist.get_process_group_ranks(self.mesh[self.axis].get_group()))
-        for name, rs in state.roles.items():
-            applied = getattr(rs.role.module, _APPLIED, None)
-            if isinstance(applied, _Applied) and applied.group_ranks != mine:
-                raise ValueError(
-                    f"role {name!r} runs context parallel over ranks {list(applied.group_ranks)},"
-                    f" but this step's context group is {list(mine)}: prepare it on the same mesh"
-                )
-
-    def data_parallel_index(self, sequence_parallel_size: int) -> int:
-        """This rank's data-parallel index on the mesh (shared by its context group).
-
-        Args:
-            sequence_parallel_size: The step's setting: 1 (unset) or the context degree.
-
-        Returns:
-            :func:`data_parallel_rank_and_size` ``(mesh, axis=axis)[0]``.
-
-        Raises:
-            ValueError: If ``sequence_parallel_size`` is neither 1 (unset) nor the degree.
-        """
-        if sequence_parallel_size not in (1, self.degree):
-            raise ValueError(
-                f"sequence_parallel_size={sequence_parallel_size} disagrees with the context "
-                f"axis {self.axis!r} of {self.degree} ranks; leave it unset"
-            )
-        return data_parallel_rank_and_size(self.mesh, axis=self.axis)[0]
-
-
-@attrs.frozen
-class ContextParallelData:
-    """A data source that gives the ranks of one context group the same batch.
-
-    The executor (``fvstep.run``) asks a source for ``batch(step, rank=, world_size=)``
-    with the *global* rank and world size; under context parallelism the batch must be
-    that of the rank's data-parallel index among the data-parallel replicas instead.
-    This adapter maps one to the other through the mesh and asks the wrapped source.
-
-    Attributes:
-        source: A source with ``.batch(step, rank=, world_size=)``
-            (:class:`fvstep.data.ShuffledSource`), or a function of the step.
-        mesh: The mesh with the context axis.
-        axis: Its name.
-
-    Examples:
-        >>> data = ContextParallelData(ShuffledSource(dataset, batch_size=1, key=k), mesh)
-        >>> fvstep.run(step, state, data, num_steps=1000)
-    """
-
-    source: Any
-    mesh: DeviceMesh
-    axis: str = "context"
-
-    def batch(self, step: int, *, rank: int = 0, world_size: int = 1) -> Any:
-        """The batch of this rank's data-parallel index at ``step``.
-
-        Args:
-            step: The step.
-            rank: This process's global rank (what the executor passes).
-            world_size: The world size (what the executor passes).
-
-        Returns:
-            ``source.batch(step, rank=index, world_size=replicas)`` with the data-parallel
-            ``(index, replicas)`` of :func:`data_parallel_rank_and_size`, or
-            ``source(step)`` for a function of the step.
-
-        Raises:
-            ValueError: If ``(rank, world_size)`` is not this process's, or the world is
-                not the mesh's size.
-        """
-        if (rank, world_size) != rank_and_world():
-            raise ValueError(
-                f"rank {rank} of {world_size} is not this process ({rank_and_world()}): "
-                "ContextParallelData maps this process's global rank to its data-parallel one"
-            )
-        if world_size != self.mesh.size():
-            raise ValueError(
-                f"world_size {world_size} is not the mesh's {self.mesh.size()} ranks: "
-                "ContextParallelData maps global ranks to data-parallel ones"
-            )
-        index, size = data_parallel_rank_and_size(self.mesh, axis=self.axis)
-        if hasattr(self.source, "batch"):
-            return self.source.batch(step, rank=index, world_size=size)
-        return self.source(step)
+    applied = getattr(module, _APPLIED, None)
+    return applied.group_ranks if isinstance(applied, _Applied) else None

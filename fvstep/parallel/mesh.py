@@ -23,7 +23,17 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-__all__ = ["ShardPolicy", "blocks_policy", "is_sharded", "make_mesh", "shard_module"]
+from fvstep.parallel.ranks import rank_and_world
+
+__all__ = [
+    "ShardPolicy",
+    "blocks_policy",
+    "data_parallel_rank_and_size",
+    "is_sharded",
+    "make_context_mesh",
+    "make_mesh",
+    "shard_module",
+]
 
 ShardPolicy = Callable[[str, nn.Module, nn.Module | None], bool]
 """``(qualified_name, submodule, parent) -> bool``: whether a submodule is its own FSDP2 group."""
@@ -125,3 +135,83 @@ def shard_module(
         fully_shard(block, **options)
     fully_shard(module, **options)
     return module
+
+
+def make_context_mesh(*, context: int, device_type: str | None = None) -> DeviceMesh:
+    """A 2-D ``("data", "context")`` device mesh over every rank, context innermost.
+
+    The ranks of one context group are consecutive (``rank = data * context + c``), so
+    ``rank // context`` is the data-parallel replica (``fvstep.parallel.Layout(mesh)``). Shard the roles with FSDP2 over
+    every rank (``shard_module(module, mesh=make_mesh())``), which spans each context group.
+
+    Args:
+        context: Ranks per context group (the sequence is split ``context`` ways), ``>= 2``.
+        device_type: ``"cuda"`` or ``"cpu"``; default ``"cuda"`` if available.
+
+    Returns:
+        The mesh (``init_device_mesh``), dims named ``("data", "context")``.
+
+    Raises:
+        RuntimeError: If no process group is initialised.
+        ValueError: If ``context < 2`` or it does not divide the world size.
+
+    Examples:
+        >>> mesh = make_context_mesh(context=2)          # 8 ranks: 4 replicas x 2
+        >>> mesh["context"].size()
+        2
+    """
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "make_context_mesh needs an initialised process group (torchrun or init_process_group)"
+        )
+    world = dist.get_world_size()
+    if isinstance(context, bool) or not isinstance(context, int) or context < 2:
+        raise ValueError(f"context must be an int >= 2 (ranks per context group), got {context!r}")
+    if world % context:
+        raise ValueError(f"context ({context}) must divide the world size {world}")
+    device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+    return init_device_mesh(
+        device_type, (world // context, context), mesh_dim_names=("data", "context")
+    )
+
+
+def _check_axis(mesh: DeviceMesh, axis: str) -> int:
+    names = mesh.mesh_dim_names or ()
+    if axis not in names:
+        raise ValueError(
+            f"the mesh has no axis {axis!r} (its axes: {tuple(names)}); build one with "
+            "make_context_mesh(context=...) or name the context axis with axis="
+        )
+    return names.index(axis)
+
+
+def data_parallel_rank_and_size(mesh: DeviceMesh, *, axis: str = "context") -> tuple[int, int]:
+    """This rank's data-parallel index on ``mesh``, and the number of replicas.
+
+    The index is this rank's coordinate on every axis but ``axis``, flattened in row-major
+    order; the ranks of one context group share it. Use it for keys and data.
+
+    Args:
+        mesh: A mesh with a context axis (e.g. :func:`make_context_mesh`).
+        axis: The name of the context axis.
+
+    Returns:
+        ``(index, size)``: ``0 <= index < size``, ``size = mesh.size() // mesh[axis].size()``.
+
+    Raises:
+        ValueError: If ``mesh`` has no axis ``axis`` or this rank is not on it.
+
+    Examples:
+        >>> data_parallel_rank_and_size(make_context_mesh(context=2))   # rank 3 of 4
+        (1, 2)
+    """
+    dim = _check_axis(mesh, axis)
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        raise ValueError(f"rank {rank_and_world()[0]} is not on the mesh {mesh}")
+    shape = tuple(mesh.mesh.shape)
+    index, size = 0, 1
+    for d, (c, n) in enumerate(zip(coordinate, shape)):
+        if d != dim:
+            index, size = index * n + c, size * n
+    return index, size

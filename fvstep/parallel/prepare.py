@@ -211,7 +211,7 @@ def prepare(
         context_mesh: Shard each sample's token sequence over this mesh's ``"context"``
             axis first (:func:`fvstep.parallel.apply_context_parallel`, before
             checkpointing and FSDP2; :func:`fvstep.parallel.make_context_mesh`); steps
-            then run with :class:`fvstep.parallel.ContextParallelism`. Not with
+            then called with ``parallelism=fvstep.parallel.Layout(mesh)``. Not with
             ``compile`` (diffusers' native attention backward cannot be traced).
         context_mode: ``"ulysses"`` (all-to-all) or ``"ring"`` (CUDA backends only).
         full_precision_inputs: The names of ``module.forward``'s arguments that a cast

@@ -14,7 +14,8 @@ Examples:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -24,8 +25,8 @@ __all__ = [
     "barrier",
     "broadcast_object",
     "collective_device",
-    "data_parallel_index",
     "gather_objects",
+    "host_group",
     "max_over_ranks",
     "min_over_ranks",
     "rank_and_world",
@@ -134,25 +135,31 @@ def min_over_ranks(
     return _reduce_over_ranks(values, dist.ReduceOp.MIN, device, group)
 
 
-def data_parallel_index(sequence_parallel_size: int = 1) -> int:
-    """This rank's data-parallel index: ranks of one sequence-parallel group share it.
+@contextlib.contextmanager
+def host_group() -> Iterator[Any]:
+    """A process group whose collectives run on the CPU, for the duration of the block.
 
-    ``0`` without an initialised process group.
+    For control messages between ranks (a stop flag after each step) that must not wait
+    for the GPU: under NCCL a collective of a CUDA tensor, read back on the host, waits
+    for every kernel queued before it; over gloo it waits for the other ranks' hosts only.
+    Collective: every rank enters and leaves it together.
 
-    Raises:
-        ValueError: If ``sequence_parallel_size`` is below 1 or does not divide the world
-            size.
+    Yields:
+        ``None`` on one process or when the world's backend is gloo already (the world
+        group is used); else a new gloo group over every rank, destroyed on exit.
 
     Examples:
-        >>> key = fold_in(key, data_parallel_index())
+        >>> with host_group() as group:
+        ...     stop = max_over_ranks([flag], device=torch.device("cpu"), group=group)[0]
     """
-    if sequence_parallel_size < 1:
-        raise ValueError(f"sequence_parallel_size must be >= 1, got {sequence_parallel_size}")
-    rank, world = rank_and_world()
-    if world == 1:
-        return 0
-    if world % sequence_parallel_size:
-        raise ValueError(
-            f"world size {world} is not divisible by sequence_parallel_size {sequence_parallel_size}"
-        )
-    return rank // sequence_parallel_size
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        yield None
+        return
+    if str(dist.get_backend()) == "gloo":
+        yield None
+        return
+    group = dist.new_group(backend="gloo")
+    try:
+        yield group
+    finally:
+        dist.destroy_process_group(group)

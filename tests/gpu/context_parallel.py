@@ -19,7 +19,7 @@ every rank and bf16 compute over fp32 masters (no compile: compile with context 
 fails, docs/concepts/context-parallel.md). ``--mode cp``: ``prepare(...,
 context_mesh=make_context_mesh(context=world))`` (Ulysses by default: diffusers'
 ``apply_context_parallel`` first), every rank the same sample,
-``ContextParallelism(mesh)``; ``--mode single``: the same on one rank without it.
+``parallelism=Layout(mesh)``; ``--mode single``: the same on one rank with ``Layout()``.
 
 Reported (one JSON line each, rank 0, as soon as known): the first step (its time, loss,
 grad norm, peak memory); in ``cp`` mode, the comparison with the reference's first step
@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import platform
@@ -52,7 +53,7 @@ import fvstep as fs
 from benchmarks.presets import PRESETS, build_model, make_batch
 from fvstep import parallel as fsp
 from fvstep.methods.finetune import finetune
-from fvstep.parallel.context import ContextParallelism, make_context_mesh
+from fvstep.parallel import Layout, make_context_mesh
 from fvstep.parallel.prepare import prepare
 
 # The tolerances of tests/test_context_parallel.py (fp32, tiny Wan, 2 steps).
@@ -89,10 +90,9 @@ def build(args, device: torch.device):
     """The prepared role, the initial state and the step function of ``args.mode``."""
     preset = PRESETS[args.preset]
     model = build_model(preset, device=device, seed=0)
-    cp_mesh, parallelism = None, None
+    cp_mesh = None
     if args.mode == "cp":
         cp_mesh = make_context_mesh(context=dist.get_world_size(), device_type=device.type)
-        parallelism = ContextParallelism(cp_mesh)
     model = prepare(
         model,
         mesh=fsp.make_mesh(device_type=device.type),
@@ -106,10 +106,9 @@ def build(args, device: torch.device):
         {"student": fs.Role(model, optimizer=fs.optim.adamw(lr=args.lr, weight_decay=0.01))},
         key=fs.random.key(0),
     )
-    kwargs: dict[str, Any] = {"clip": fs.clip_grad_norm(1.0)}
-    if parallelism is not None:
-        kwargs["parallelism"] = parallelism
-    return state, fs.compile(finetune(), **kwargs)
+    # The role is FSDP2-sharded in both modes: the step is called with the layout.
+    step = fs.compile(finetune(), clip=fs.clip_grad_norm(1.0))
+    return state, functools.partial(step, parallelism=Layout(cp_mesh))
 
 
 def full(x: torch.Tensor) -> torch.Tensor:

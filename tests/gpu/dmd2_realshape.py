@@ -95,7 +95,7 @@ def one_run(args, rank: int, device: torch.device, mesh) -> dict:
         )
         sync(device)
         t0 = time.perf_counter()
-        state, metrics = step(state, batch)
+        state, metrics = step(state, batch, parallelism=fsd.Layout())
         losses = {k: float(v) for k, v in metrics.items() if k.endswith(("/loss", "/grad_norm"))}
         if i == 0:
             losses["nonfinite_params"] = {

@@ -67,11 +67,11 @@ def fvstep_run(rank: int, device: torch.device, sync: str):
         fs.update("student", flow_matching_loss()),
         accumulation=fs.Accumulation(microbatches=K, sync=sync),
         clip=fs.clip_grad_norm(MAX_NORM),
-        count_collectives=True,
     )
     counts = []
     for i in range(NUM_STEPS):
-        state, metrics = step(state, batch_at(i, rank, device))
+        layout = fsd.Layout(count_collectives=True)
+        state, metrics = step(state, batch_at(i, rank, device), parallelism=layout)
         counts.append(metrics.get("collectives/reduce_scatter"))
     return state.roles["student"], counts
 
@@ -137,7 +137,7 @@ def dmd2_equality(rank: int, device: torch.device, ordering: str) -> dict:
         clip=fs.clip_grad_norm(MAX_NORM),
     )
     for i in range(4):
-        state, _ = step(state, batch_at(i, rank, device))
+        state, _ = step(state, batch_at(i, rank, device), parallelism=fsd.Layout())
     opts = dmd2_loop(
         ref,
         lambda i: batch_at(i, rank, device),

@@ -121,7 +121,7 @@ def run_to(state, step, stop: int, preset, rank, device, losses: dict):
     """Step ``state`` until ``state.step == stop``; record each step's losses."""
     while int(state.step) < stop:
         i = int(state.step)
-        state, metrics = step(state, batch_at(preset, i, rank, device))
+        state, metrics = step(state, batch_at(preset, i, rank, device), parallelism=fsp.Layout())
         losses[i] = {k: float(v) for k, v in metrics.items() if k.endswith("/loss")}
     return state
 

@@ -152,8 +152,9 @@ def build_state(
 
 def train(state: fs.TrainState, num_steps: int = NUM_STEPS) -> fs.TrainState:
     step = fs.compile(fs.update("student", flow_matching_loss()))
+    layout = fsp.default_layout(state)  # Layout() on several ranks or for sharded roles
     for i in range(num_steps):
-        state, _ = step(state, data(i))
+        state, _ = step(state, data(i), parallelism=layout)
     return state
 
 

@@ -23,8 +23,8 @@ import fvstep as fs
 from fvstep import tree
 from fvstep.checkpoint.export import export_role
 from fvstep.data import ShuffledSource, SyntheticLatents
-from fvstep.executor import Validation
 from fvstep.methods.finetune import flow_matching_loss
+from fvstep.reporting import Validation
 from fvstep.testing import SimulatedCrash, _CrashAt
 from fvstep.validation import validation_loss
 from tests.interactions.cells import PROBE, WeightsCase, build_state, data

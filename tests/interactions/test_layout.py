@@ -58,7 +58,7 @@ def check_cells(rank: int, world_size: int) -> list[tuple[str, str, float]]:
 
     from fvstep import parallel as fsp
     from fvstep.checkpoint.export import gather_weights
-    from fvstep.parallel.sync import unrested_modules
+    from fvstep.parallel.grad_sync import unrested_modules
     from tests.interactions.cells import expected_weights
 
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")

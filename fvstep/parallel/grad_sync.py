@@ -8,8 +8,9 @@
   point 9: no state outside the state).
 - :func:`check_roles_are_data_parallel` refuses, on several ranks, a trained role that
   is not sharded or replicated; :func:`grad_sync_for` picks the controller for a state.
-- :class:`FSDP2Parallelism` is the :class:`~fvstep.sync.Parallelism` that steps run with
-  by default (``fvstep.compile``): the functions above, behind the core's protocol.
+
+:class:`fvstep.parallel.Layout` puts these behind the core's
+:class:`~fvstep.core.layout.Parallelism` protocol.
 """
 
 from __future__ import annotations
@@ -17,22 +18,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, cast
 
-import attrs
-import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from fvstep._compat import fsdp_lazy_init, is_fsdp_root
 from fvstep.accumulation import Accumulation
-from fvstep.parallel.collectives import CollectiveCounter
 from fvstep.parallel.mesh import is_sharded
-from fvstep.parallel.ranks import data_parallel_index, rank_and_world
+from fvstep.parallel.ranks import rank_and_world
 from fvstep.state import RoleState, TrainState
-from fvstep.sync import GradSync, NoSync
 
 __all__ = [
-    "FSDP2Parallelism",
     "FSDPGradSync",
     "check_roles_are_data_parallel",
     "grad_sync_for",
@@ -208,63 +203,9 @@ def check_roles_are_data_parallel(state: TrainState) -> None:
 def grad_sync_for(state: TrainState, accumulation: Accumulation) -> FSDPGradSync | None:
     """The gradient-sync controller for ``state``'s roles, or ``None`` if none is sharded.
 
-    Raises:
-        ValueError: On several ranks, for a trained role that is not sharded
-            (:func:`check_roles_are_data_parallel`).
+    It checks nothing: :meth:`fvstep.parallel.Layout.check` refused a bad state once,
+    before the call began (:func:`check_roles_are_data_parallel`).
     """
-    check_roles_are_data_parallel(state)
     if not any(is_sharded(rs.role.module) for rs in state.roles.values()):
         return None
     return FSDPGradSync(accumulation)
-
-
-@attrs.frozen
-class FSDP2Parallelism:
-    """The FSDP2 process layout: what a step needs from torch.distributed, in one object.
-
-    The :class:`~fvstep.sync.Parallelism` that ``fvstep.compile`` (and every step built
-    through ``fvstep.*``) runs with unless given another; on one process with plain
-    modules it does what :class:`~fvstep.sync.SingleProcess` does.
-
-    - :meth:`check`: :func:`check_roles_are_data_parallel`;
-    - :meth:`grad_sync`: :func:`grad_sync_for` (an :class:`FSDPGradSync` that also
-      returns every FSDP2 module to rest around each unit), or ``NoSync`` when no role
-      is sharded;
-    - :meth:`data_parallel_index`: :func:`~fvstep.parallel.ranks.data_parallel_index`;
-    - :meth:`collective_counter`: a :class:`~fvstep.parallel.collectives.CollectiveCounter`;
-    - :meth:`sum_over_ranks`: a count summed over the mesh of the sharded tensors it is
-      about, through DTensor (like the global gradient norm).
-
-    Examples:
-        >>> step = fvstep.compile(method, parallelism=FSDP2Parallelism())   # the default
-    """
-
-    def check(self, state: TrainState) -> None:
-        """Refuse, on several ranks, a trained role that is not sharded or replicated."""
-        check_roles_are_data_parallel(state)
-
-    def grad_sync(self, state: TrainState, accumulation: Accumulation) -> GradSync:
-        """The FSDP2 gradient-sync controller of one unit, or ``NoSync`` without FSDP2."""
-        return grad_sync_for(state, accumulation) or NoSync()
-
-    def data_parallel_index(self, sequence_parallel_size: int) -> int:
-        """``rank // sequence_parallel_size`` (0 without a process group)."""
-        return data_parallel_index(sequence_parallel_size)
-
-    def collective_counter(self) -> CollectiveCounter:
-        """A fresh :class:`~fvstep.parallel.collectives.CollectiveCounter`."""
-        return CollectiveCounter()
-
-    def sum_over_ranks(self, value: torch.Tensor, like: Sequence[torch.Tensor]) -> torch.Tensor:
-        """``value`` summed over the ranks of the mesh of the first DTensor of ``like``
-        (``value`` itself when none is a DTensor), one mesh dim at a time."""
-        meshes = (getattr(x, "device_mesh", None) for x in like)
-        mesh = next((m for m in meshes if m is not None), None)
-        if mesh is None:
-            return value
-        out = value.reshape(1).to(mesh.device_type)
-        for dim in range(mesh.ndim):  # one mesh dim at a time: DTensor warns about several
-            placements: list[Any] = [Replicate()] * mesh.ndim
-            placements[dim] = Partial()
-            out = DTensor.from_local(out, mesh, placements).full_tensor()
-        return out[0]

@@ -1,0 +1,436 @@
+"""The step type, and the engine that runs a call of a step.
+
+Every step is a :class:`Step`: ``step(state, batch, key=None, *, parallelism=None) ->
+(state, metrics)`` and ``step.plan(i) -> [PlanEntry]``. Units and managed steps are its
+leaves (:class:`Leaf`, plain data); ``sequence``, ``every``, ``cond`` and ``compile``
+(:mod:`fvstep.core.steps`) take steps and return steps. What runs at step ``i`` is
+:meth:`Step.schedule`: the leaves, in order, each with its :class:`~fvstep.core.policy.Policy`,
+a pure function of ``i``.
+
+A call (:func:`run_step`) reads nothing but its arguments, and:
+
+1. checks once, before anything is consumed: every role that any leaf can ever run
+   exists in the state (a typo names the close match), trained roles are trainable,
+   and the layout (``parallelism``, default :class:`~fvstep.core.layout.SingleProcess`)
+   accepts the state;
+2. derives the step's key, ``fold_in(fold_in(key if given else state.key, step), dp)``
+   with ``dp`` this rank's data-parallel replica (the ranks of one context-parallel group
+   share it); a leaf gets ``fold_in_name(step_key, leaf.name)`` (its stable name: adding
+   a unit leaves the noise of the others unchanged), micro-batch ``m`` of a unit
+   ``fold_in(unit_key, m)``; modules run inside ``rng_scope`` of their key;
+3. runs ``plan(step)`` entry by entry: a unit's :func:`~fvstep.core.unit.backward`, then,
+   right before its first leaf changes, the input is consumed (like a donated buffer),
+   then :func:`~fvstep.core.unit.apply`; a managed step counts as changing from its start;
+4. returns the state with ``step + 1``.
+
+A step fails loudly and never half-silently: a step that raises before its first change
+(a bad batch, an error in a loss's forward or backward, a
+:class:`~fvstep.grads.NonFiniteGradientError` of its first unit) re-raises the error as
+is and leaves its input usable and bit-unchanged; one that raises later raises
+:class:`~fvstep.core.policy.StepFailedError` (the original error is its ``__cause__``),
+saying what had run and how to recover.
+
+Metrics are means over micro-batches (losses and the loss function's own metrics) and
+per update (``<role>/grad_norm``, ``<role>/lr``, ``<role>/skipped``), as detached tensors
+or Python scalars: converting them to floats is the caller's choice (it syncs a GPU).
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import difflib
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar
+
+import attrs
+import torch
+
+from fvstep import random as fsrandom
+from fvstep._compat import tensor_version
+from fvstep.accumulation import Accumulation, split_microbatches
+from fvstep.core import unit
+from fvstep.core.layout import Parallelism, SingleProcess
+from fvstep.core.policy import UNSET, PlanEntry, Policy, StepFailedError
+from fvstep.state import TrainState, adopt, is_consumed, mark_consumed
+from fvstep.tree import flatten_with_paths
+
+__all__ = ["Leaf", "ManagedContext", "ManagedFn", "Step", "run_step"]
+
+
+class Step(abc.ABC):
+    """A step function: ``step(state, batch, key=None, *, parallelism=None)``.
+
+    Subclasses say which sub-steps they hold (:meth:`children`) and which leaves run at a
+    step with which policy (:meth:`schedule`).
+    """
+
+    @abc.abstractmethod
+    def children(self) -> tuple[Step, ...]:
+        """The sub-steps, in order (all of them, whether or not they run at a step)."""
+
+    @abc.abstractmethod
+    def schedule(self, step: int, policy: Policy) -> list[tuple[Leaf, Policy]]:
+        """The leaves that run at ``step``, in order, each with its policy merged over
+        ``policy`` (the enclosing steps'). A pure function of ``step``."""
+
+    def leaves(self) -> tuple[Leaf, ...]:
+        """Every leaf this step can ever run, depth first (both branches of ``cond``)."""
+        return self._leaves
+
+    @property
+    def _leaves(self) -> tuple[Leaf, ...]:
+        # a composite keeps its leaves in a field (``steps.leaves_of``): steps are frozen
+        return tuple(leaf for child in self.children() for leaf in child.leaves())
+
+    def plan(self, step: int) -> list[PlanEntry]:
+        """What runs at ``step``: one :class:`PlanEntry` per leaf, in order, resolved."""
+        positions = {id(leaf): i for i, leaf in enumerate(self.leaves())}
+        entries = []
+        for leaf, policy in self.schedule(step, Policy()):
+            p = policy.resolve()
+            assert p.accumulation is not None and p.clip is not UNSET and p.sanitize is not UNSET
+            entries.append(
+                PlanEntry(
+                    position=positions[id(leaf)],
+                    name=leaf.name,
+                    roles=leaf.trains,
+                    managed=leaf.managed,
+                    clip=p.clip,
+                    sanitize=p.sanitize,
+                    mutates=leaf.mutates,
+                    accumulation=p.accumulation,
+                )
+            )
+        return entries
+
+    def __call__(
+        self,
+        state: TrainState,
+        batch: Any,
+        key: torch.Tensor | None = None,
+        *,
+        parallelism: Parallelism | None = None,
+    ) -> tuple[TrainState, dict[str, Any]]:
+        """Run one step (see :mod:`fvstep.core.engine`).
+
+        Args:
+            state: The current state; consumed by the call (from its first change on).
+            batch: A pytree of tensors split along dim 0 into the micro-batches, or a
+                list of exactly ``microbatches`` micro-batches.
+            key: A key to derive this step's randomness from; default ``state.key``.
+            parallelism: The process layout of the call (``fvstep.parallel.Layout(...)``
+                on several ranks); default one process.
+
+        Returns:
+            ``(new_state, metrics)``.
+
+        Raises:
+            ConsumedStateError: If ``state`` was already consumed.
+            ValueError: Before anything runs: a leaf (at any step) trains or mutates a
+                role the state does not have, or trains a frozen role; or the layout
+                refuses the state.
+            StepFailedError: If the step raised after it had changed a leaf of ``state``
+                (the original error is ``__cause__``); ``state`` is then consumed.
+                Any other error leaves ``state`` usable and bit-unchanged.
+        """
+        return run_step(self, state, batch, key, parallelism or SingleProcess())
+
+
+class Leaf(Step):
+    """One leaf of a composition: a unit (``managed = False``: ``roles``, ``loss_fn``) or a
+    managed step (``managed = True``: ``fn``). Plain data: the engine runs it.
+
+    Its ``name`` keys its randomness and labels its metrics, so the names of the leaves
+    of a composed step are unique.
+    """
+
+    kind: ClassVar[str] = "leaf"
+    managed: ClassVar[bool] = False
+    name: str
+    policy: Policy  # its own clip and sanitize; unset fields are the enclosing ones
+
+    trains: tuple[str, ...]  # the roles whose optimizers it steps
+
+    mutates: tuple[str, ...] = ()  # frozen roles it changes in place (managed steps only)
+
+    def children(self) -> tuple[Step, ...]:
+        """None: a leaf."""
+        return ()
+
+    def leaves(self) -> tuple[Leaf, ...]:
+        """Itself."""
+        return (self,)
+
+    def schedule(self, step: int, policy: Policy) -> list[tuple[Leaf, Policy]]:
+        """It runs at every step it is reached, with its own policy over ``policy``."""
+        return [(self, self.policy.over(policy))]
+
+    def describe(self) -> str:
+        """``unit 'name'`` or ``managed step 'name'``, for messages."""
+        return f"{self.kind} {self.name!r}"
+
+
+@attrs.define
+class ManagedContext:
+    """What a managed step gets to run its inner updates with the step's machinery.
+
+    Attributes:
+        step: The global step being run.
+        position: The managed step's index among the leaves of the called step.
+        accumulation: The default accumulation of inner updates (the enclosing
+            ``compile``'s).
+    """
+
+    step: int
+    position: int
+    accumulation: Accumulation
+    _policy: Policy
+    _parallelism: Parallelism
+
+    def update(
+        self,
+        state: TrainState,
+        unit_: Leaf,
+        batch: Any,
+        key: torch.Tensor,
+        *,
+        accumulation: Accumulation | None = None,
+    ) -> tuple[TrainState, dict[str, Any]]:
+        """Run the unit ``unit_`` once on ``batch`` (split into micro-batches), keyed by ``key``.
+
+        ``accumulation`` defaults to the enclosing ``compile``'s; the unit's own
+        ``clip``/``sanitize`` apply, else the managed step's, else the enclosing
+        ``compile``'s; the micro-batch keys are ``fold_in(key, m)``.
+
+        Returns:
+            The new state and the unit's metrics.
+
+        Raises:
+            TypeError: If ``unit_`` is not a unit (``fvstep.update(...)``).
+        """
+        if not isinstance(unit_, Leaf) or unit_.managed:
+            raise TypeError(
+                f"ctx.update runs a unit (fvstep.update(...)), got {type(unit_).__name__}"
+            )
+        policy = attrs.evolve(
+            unit_.policy.over(self._policy), accumulation=accumulation or self.accumulation
+        ).resolve()
+        return _run_unit(state, unit_, batch, key, policy, self._parallelism, None, "")
+
+
+def _unknown_role(role: str, state_roles: list[str]) -> str:
+    close = difflib.get_close_matches(role, state_roles, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return f"the state has no role {role!r} (it has roles {state_roles}){hint}"
+
+
+def _check_roles(leaves: Sequence[Leaf], state: TrainState) -> None:
+    """Every role any leaf can run exists in ``state``; the trained ones are trainable."""
+    for leaf in leaves:
+        for role in (*leaf.trains, *leaf.mutates):
+            if role not in state.roles:
+                verb = "trains" if role in leaf.trains else "mutates"
+                raise ValueError(
+                    f"{leaf.describe()} {verb} role {role!r}, but "
+                    f"{_unknown_role(role, sorted(state.roles))}"
+                )
+        for role in leaf.trains:
+            if not state.roles[role].role.trainable:
+                raise ValueError(
+                    f"{leaf.describe()} trains role {role!r}, which is frozen (give it an "
+                    "optimizer: Role(module, optimizer=...))"
+                )
+
+
+class _Progress:
+    """What a running step has changed: it consumes the input at the first change.
+
+    Loss functions may change buffers or ``extra`` tensors in place too (a BatchNorm
+    forward in training mode), so the version counters of those leaves are watched, that
+    a failed step never leaves as "unchanged" an input that is not (best effort: a kernel
+    that writes behind autograd's back moves no counter). Parameters are not watched
+    (only optimizers and managed steps change them).
+    """
+
+    def __init__(self, state: TrainState, step: int) -> None:
+        self.state = state
+        self.step = step
+        self.changed: list[str] = []
+        self.current = "the step"
+        watched = {
+            f"roles.{r}.buffers.{n}": b
+            for r, rs in state.roles.items()
+            for n, b in rs.buffers.items()
+        }
+        if state.extra:
+            paths, leaves, _ = flatten_with_paths(state.extra)
+            watched.update({f"extra.{p}": x for p, x in zip(paths, leaves)})
+        self.versions = {p: (x, tensor_version(x)) for p, x in watched.items()}
+
+    def consume(self) -> None:
+        """Mark the input consumed (once)."""
+        if not is_consumed(self.state):
+            mark_consumed(self.state, f"the step function at step {self.step}")
+
+    def change(self, what: str) -> None:
+        """``what`` is about to change the state: consume it first."""
+        self.consume()
+        if what not in self.changed:
+            self.changed.append(what)
+
+    def failure(self, error: Exception) -> StepFailedError | None:
+        """The error to raise for ``error``; ``None`` when nothing changed (the input is
+        then left as it was, not consumed)."""
+        in_place = [p for p, (x, v) in self.versions.items() if tensor_version(x) != v]
+        if not self.changed and not in_place:
+            return None
+        self.consume()
+        parts = []
+        if self.changed:
+            parts.append("already changed by " + ", ".join(self.changed))
+        if in_place:
+            shown = ", ".join(in_place[:3]) + (", ..." if len(in_place) > 3 else "")
+            parts.append(f"changed in place by a loss or managed function ({shown})")
+        return StepFailedError(
+            f"step {self.step} failed in {self.current} after the step had changed its input "
+            f"state: the state was {'; '.join(parts)}. The input state is consumed and partly "
+            "updated: do not continue from it. To recover, reload the last checkpoint into a "
+            "state of the same structure: state = fvstep.checkpoint.load("
+            "fvstep.checkpoint.latest(ckpt_dir), like=fresh_state), with fresh_state built as "
+            "for the first step (fvstep.run does this when restarted with its Checkpoints). "
+            f"The error that stopped the step: {type(error).__name__}: {error}"
+        )
+
+
+def _run_unit(
+    state: TrainState,
+    leaf: Any,
+    microbatches: Any,
+    key: torch.Tensor,
+    policy: Policy,
+    parallelism: Parallelism,
+    progress: _Progress | None,
+    what: str,
+) -> tuple[TrainState, dict[str, Any]]:
+    """One unit: backward, consume the input (``progress``), apply. ``microbatches`` is a
+    batch to split unless ``progress`` is given (the step's split, shared by its units)."""
+    accumulation, clip, sanitize = policy.accumulation, policy.clip, policy.sanitize
+    assert accumulation is not None and clip is not UNSET and sanitize is not UNSET
+    if progress is None:
+        microbatches = split_microbatches(microbatches, accumulation.microbatches)
+    sync = parallelism.grad_sync(state, accumulation)
+    gradients = unit.backward(
+        state,
+        leaf.roles,
+        leaf.loss_fn,
+        leaf.name,
+        microbatches,
+        key,
+        clip=clip,
+        sanitize=sanitize,
+        sync=sync,
+        parallelism=parallelism,
+    )
+    if progress is not None:
+        progress.change(what)
+    return unit.apply(state, gradients, clip=clip, sanitize=sanitize)
+
+
+def _run_managed(
+    state: TrainState,
+    leaf: Any,
+    batch: Any,
+    key: torch.Tensor,
+    policy: Policy,
+    parallelism: Parallelism,
+    step: int,
+    position: int,
+) -> tuple[TrainState, dict[str, Any]]:
+    """A managed step: ``fn(state, batch, key, ctx)`` inside ``rng_scope(key)``."""
+    assert policy.accumulation is not None
+    ctx = ManagedContext(step, position, policy.accumulation, policy, parallelism)
+    try:
+        with fsrandom.rng_scope(key):
+            new_state, metrics = leaf.fn(state, batch, key, ctx)
+    except Exception:
+        # Its own module reads (outside ctx.update) may leave FSDP2 groups busy.
+        sync = parallelism.grad_sync(state, policy.accumulation)
+        if sync is not None:
+            sync.release(state, after_error=True)
+        raise
+    if not isinstance(new_state, TrainState):
+        raise TypeError(f"managed step {leaf.name!r} must return (TrainState, metrics)")
+    return new_state, metrics
+
+
+def run_step(
+    root: Step,
+    state: TrainState,
+    batch: Any,
+    key: torch.Tensor | None,
+    parallelism: Parallelism,
+) -> tuple[TrainState, dict[str, Any]]:
+    """The outermost call of ``root``: checks, keys, consumption, the plan, the counter.
+
+    See :meth:`Step.__call__` for the arguments and errors.
+    """
+    if not isinstance(state, TrainState):
+        raise TypeError(f"a step takes a TrainState, got {type(state).__name__}")
+    if is_consumed(state):
+        mark_consumed(state, "")  # raises ConsumedStateError, naming who consumed it
+    step = int(state.step)
+    leaves = root.leaves()
+    _check_roles(leaves, state)
+    parallelism.check(state)
+    replica, _ = parallelism.data_parallel_rank_and_size()
+    step_key = fsrandom.fold_in(fsrandom.fold_in(state.key if key is None else key, step), replica)
+    work = state.replace(roles={name: adopt(rs) for name, rs in state.roles.items()})
+    progress = _Progress(state, step)
+    counter = parallelism.collective_counter()
+    splits: dict[int, list[Any]] = {}
+    metrics: dict[str, Any] = {}
+    try:
+        with counter if counter is not None else contextlib.nullcontext():
+            for leaf, policy in root.schedule(step, Policy()):
+                policy = policy.resolve()
+                leaf_key = fsrandom.fold_in_name(step_key, leaf.name)
+                position = next(i for i, x in enumerate(leaves) if x is leaf)
+                if leaf.managed:
+                    progress.current = f"managed step {leaf.name!r} (position {position}, trains {list(leaf.trains)})"
+                    progress.change(progress.current)  # it may change anything from its start
+                    work, leaf_metrics = _run_managed(
+                        work, leaf, batch, leaf_key, policy, parallelism, step, position
+                    )
+                else:
+                    progress.current = (
+                        f"unit {leaf.name!r} (position {position}, roles {list(leaf.trains)})"
+                    )
+                    assert policy.accumulation is not None
+                    num = policy.accumulation.microbatches
+                    if num not in splits:
+                        splits[num] = split_microbatches(batch, num)
+                    work, leaf_metrics = _run_unit(
+                        work,
+                        leaf,
+                        splits[num],
+                        leaf_key,
+                        policy,
+                        parallelism,
+                        progress,
+                        progress.current,
+                    )
+                metrics.update(leaf_metrics)
+    except Exception as error:
+        failure = progress.failure(error)
+        if failure is None:
+            raise
+        raise failure from error
+    progress.consume()
+    if counter is not None:
+        metrics.update(counter.metrics())
+    return work.replace(step=torch.tensor(step + 1, dtype=torch.int64)), metrics
+
+
+ManagedFn = Callable[[TrainState, Any, torch.Tensor, ManagedContext], tuple[TrainState, dict]]
+"""``fn(state, batch, key, ctx) -> (state, metrics)`` of a managed step."""

@@ -1,0 +1,128 @@
+"""The errors of ``sanitize="error"``: which loss or gradient was not finite, and where.
+
+Reached only when a unit's non-finite verdict failed: it finds the first non-finite loss
+(role and micro-batch) or gradient (role and parameter) and raises
+:class:`~fvstep.grads.NonFiniteGradientError` saying what to look for.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, NoReturn
+
+import torch
+
+from fvstep.grads import NonFiniteGradientError, first_non_finite
+from fvstep.tree import any_dtensor, local_tensor
+
+if TYPE_CHECKING:
+    from fvstep.core.unit import Group
+
+__all__ = ["raise_non_finite"]
+
+_AFTER = (
+    "No leaf was changed (no optimizer step, clipping or EMA update), and no .grad is "
+    "left. Pass sanitize='skip' (drop such updates) or 'nan_to_num' (zero the entries) "
+    "to fvstep.compile or fvstep.update to train through them instead."
+)
+
+
+def raise_non_finite(
+    step: int,
+    unit: str,
+    roles: tuple[str, ...],
+    loss_log: Mapping[str, list[torch.Tensor]],
+    groups: list[Group],
+    verdict: list[float],
+) -> NoReturn:
+    """Raise the :class:`~fvstep.grads.NonFiniteGradientError` of a failed verdict.
+
+    Args:
+        step: The step counter.
+        unit: The unit's name.
+        roles: The roles it trains.
+        loss_log: Each role's losses, by micro-batch.
+        groups: The unit's groups (``full_norm`` set where measured).
+        verdict: ``[non-finite losses over ranks, each measured group's norm]``.
+
+    Raises:
+        NonFiniteGradientError: Always, naming the first non-finite loss or gradient.
+    """
+    where = f"step {step}, unit {unit!r}"
+    if verdict[0] != 0:
+        _raise_for_loss(step, unit, roles, loss_log, where)
+    sharded = any_dtensor(p for g in groups for p in g.params())
+    measured = [g for g in groups if g.full_norm is not None]
+    for group, norm in zip(measured, verdict[1:]):
+        if math.isfinite(norm):
+            continue
+        label = "+".join(group.names)
+        for role, params in zip(group.names, group.params_by_role):
+            found = first_non_finite([(n, p.grad) for n, p in params.items() if p.grad is not None])
+            if found is None:
+                continue
+            name, kind = found
+            shard = " (in this rank's shard)" if sharded else ""
+            raise NonFiniteGradientError(
+                f"{where}, role {role!r}: the gradient of parameter {name!r} has {kind} "
+                f"entries{shard} (the first non-finite gradient of the role; gradient norm "
+                f"{norm}), with a finite loss. Look for an operation whose backward is not "
+                "finite at its input (sqrt or pow at 0, log of 0, a division by a tiny "
+                f"value, a custom autograd Function), or an overflow in low precision. {_AFTER}",
+                step=step,
+                unit=unit,
+                role=role,
+                parameter=name,
+                kind=kind,
+            )
+        if sharded:
+            raise NonFiniteGradientError(
+                f"{where}, role {label!r}: the global gradient norm is {norm}, but every "
+                "gradient entry of this rank's shards is finite: the non-finite entries are on "
+                f"another rank (its error names the parameter), or the norm overflowed. {_AFTER}",
+                step=step,
+                unit=unit,
+                role=label,
+            )
+        raise NonFiniteGradientError(
+            f"{where}, role {label!r}: every gradient entry is finite but their norm "
+            f"overflowed to {norm}: the gradients are too large for their dtype (scale the "
+            f"loss down). {_AFTER}",
+            step=step,
+            unit=unit,
+            role=label,
+            kind="Inf",
+        )
+    raise AssertionError(f"{where}: a failed verdict {verdict} with nothing non-finite")
+
+
+def _raise_for_loss(
+    step: int,
+    unit: str,
+    roles: tuple[str, ...],
+    loss_log: Mapping[str, list[torch.Tensor]],
+    where: str,
+) -> NoReturn:
+    num = len(next(iter(loss_log.values())))
+    for m in range(num):
+        for role in roles:
+            value = float(local_tensor(loss_log[role][m]))
+            if not math.isfinite(value):
+                kind = "NaN" if math.isnan(value) else "Inf"
+                raise NonFiniteGradientError(
+                    f"{where}: the loss of role {role!r} is {value} ({kind}) at micro-batch "
+                    f"{m} of {num}, so its gradients cannot be trusted. Look for a NaN or "
+                    f"Inf in that micro-batch's data, or an overflow in the loss. {_AFTER}",
+                    step=step,
+                    unit=unit,
+                    role=role,
+                    microbatch=m,
+                    kind=kind,
+                )
+    raise NonFiniteGradientError(
+        f"{where}: a loss was not finite on another rank (that rank's error names the "
+        f"role and micro-batch); this rank's losses are finite. {_AFTER}",
+        step=step,
+        unit=unit,
+    )

@@ -1,0 +1,135 @@
+"""How a unit runs, as data: the execution policy, what a step's plan lists, the errors.
+
+A unit's own ``clip``/``sanitize`` win; an enclosing ``compile`` (the innermost first)
+fills what a unit leaves unset, accumulation included; then the defaults (one
+micro-batch, no clipping, ``sanitize="error"``). :class:`Policy` is that merge, and
+:class:`PlanEntry` what ``plan(i)`` lists: one leaf of the step with its policy resolved.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Final
+
+import attrs
+
+from fvstep.accumulation import Accumulation
+from fvstep.grads import SANITIZE_POLICIES, ClipGradNorm, Sanitize
+
+__all__ = [
+    "UNSET",
+    "PlanEntry",
+    "Policy",
+    "StepFailedError",
+    "Unset",
+    "check_clip",
+    "check_sanitize",
+]
+
+
+class Unset(enum.Enum):
+    """The type of :data:`UNSET`: an option left to the enclosing step or the default."""
+
+    UNSET = "UNSET"
+
+    def __repr__(self) -> str:
+        return "UNSET"
+
+
+UNSET: Final = Unset.UNSET
+"""An option that was not given: the enclosing ``compile``'s setting applies, else the default.
+(``None`` is a value of its own: ``clip=None`` turns clipping off.)"""
+
+
+def check_clip(clip: object) -> None:
+    """Refuse a ``clip`` that is not ``clip_grad_norm(...)``, ``None`` or :data:`UNSET`.
+
+    Raises:
+        TypeError: Saying what ``clip`` must be.
+    """
+    if clip is not UNSET and clip is not None and not isinstance(clip, ClipGradNorm):
+        raise TypeError("clip must be fvstep.clip_grad_norm(...) or None")
+
+
+def check_sanitize(sanitize: object) -> None:
+    """Refuse an unknown non-finite policy.
+
+    Raises:
+        ValueError: Naming the policies there are.
+    """
+    if sanitize is not UNSET and sanitize not in SANITIZE_POLICIES:
+        raise ValueError(f"unknown sanitize policy {sanitize!r}; choose one of {SANITIZE_POLICIES}")
+
+
+@attrs.frozen
+class Policy:
+    """How a unit runs: micro-batching and sync, clipping, the non-finite policy.
+
+    A field left unset (``None`` for ``accumulation``, :data:`UNSET` for the others)
+    takes the enclosing setting: :meth:`over` merges a policy over an outer one, and
+    :meth:`resolve` fills what is still unset with the defaults. The builders that take
+    these options (``update``, ``managed``, ``compile``) check them: a policy is merged
+    on every call, and checked once.
+
+    Examples:
+        >>> Policy(clip=None).over(Policy(Accumulation(4), sanitize="skip")).resolve()
+        Policy(accumulation=Accumulation(microbatches=4, ...), clip=None, sanitize='skip')
+    """
+
+    accumulation: Accumulation | None = None
+    clip: ClipGradNorm | Unset | None = UNSET
+    sanitize: Sanitize | Unset = UNSET
+
+    def over(self, outer: Policy) -> Policy:
+        """This policy, with its unset fields taken from ``outer``."""
+        return Policy(
+            accumulation=outer.accumulation if self.accumulation is None else self.accumulation,
+            clip=outer.clip if self.clip is UNSET else self.clip,
+            sanitize=outer.sanitize if self.sanitize is UNSET else self.sanitize,
+        )
+
+    def resolve(self) -> Policy:
+        """This policy over the defaults: every field set."""
+        return self.over(DEFAULT_POLICY)
+
+
+DEFAULT_POLICY: Final = Policy(Accumulation(), None, "error")
+"""One micro-batch (``sync="every"``), no clipping, ``sanitize="error"``."""
+
+
+@attrs.frozen
+class PlanEntry:
+    """One leaf that runs at a step: what it trains and how.
+
+    Attributes:
+        position: The leaf's index among all the leaves of the step (depth first, every
+            branch); for messages only: keys come from the name.
+        name: The unit's or managed step's name (keys its randomness).
+        roles: The roles whose optimizers step.
+        managed: Whether it runs its own inner loop.
+        clip: The resolved clipping (``None``: none).
+        sanitize: The resolved non-finite policy.
+        mutates: Frozen roles it changes in place (managed steps only).
+        accumulation: The resolved micro-batching (for a managed step, that of its inner
+            updates unless they pass their own).
+    """
+
+    position: int
+    name: str
+    roles: tuple[str, ...]
+    managed: bool
+    clip: ClipGradNorm | None
+    sanitize: Sanitize
+    mutates: tuple[str, ...] = ()
+    accumulation: Accumulation = attrs.Factory(Accumulation)
+
+
+class StepFailedError(RuntimeError):
+    """A step raised after it had changed some leaves of its input state in place.
+
+    The input state is consumed and partly updated (the units named in the message had
+    already changed it), so training cannot continue from it: reload the last checkpoint
+    (``fvstep.checkpoint.load(fvstep.checkpoint.latest(dir), like=...)``). The error
+    that stopped the step is ``__cause__``. A step that fails *before* changing a leaf
+    raises that error itself and leaves its input usable.
+    """

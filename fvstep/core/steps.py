@@ -1,0 +1,441 @@
+"""The steps: units, managed steps, and the combinators that make steps of steps.
+
+A unit (:func:`update`) and a managed step (:func:`managed`) are leaves; :func:`sequence`,
+:func:`every`, :func:`cond` and :func:`compile` take steps and return a
+:class:`~fvstep.core.engine.Step` with the same call signature, so combinations nest:
+``sequence(compile(critic, accumulation=...), every(5, student))`` is a step like any
+other. :func:`compile` gives the units inside a step an execution policy (the innermost
+``compile`` that sets a field wins). Every leaf is keyed by its name, so the names of a
+composition's leaves must be unique (checked here). What runs at a step is a pure
+function of the step, so :func:`plan` lists it without running anything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from collections.abc import Sequence as SequenceOf
+from typing import ClassVar
+
+import attrs
+
+from fvstep.accumulation import Accumulation
+from fvstep.core.engine import Leaf, ManagedFn, Step
+from fvstep.core.policy import UNSET, PlanEntry, Policy, Unset, check_clip, check_sanitize
+from fvstep.core.unit import LossFn
+from fvstep.grads import ClipGradNorm, Sanitize
+
+__all__ = [
+    "Chain",
+    "Compiled",
+    "Cond",
+    "Every",
+    "Managed",
+    "Unit",
+    "compile",
+    "cond",
+    "every",
+    "managed",
+    "plan",
+    "sequence",
+    "update",
+]
+
+
+def check_step(step: object, where: str) -> None:
+    """Refuse what is not a step.
+
+    Raises:
+        TypeError: Naming ``where``.
+    """
+    if not isinstance(step, Step):
+        raise TypeError(
+            f"{where} must be a step (a method: fvstep.update(...), sequence, every, cond, "
+            f"managed, compile), got {type(step).__name__}"
+        )
+
+
+def check_unique_names(leaves: tuple[Leaf, ...], where: str) -> None:
+    """Refuse two leaves of one name: their keys would be the same.
+
+    Raises:
+        ValueError: Naming the name and how to rename.
+    """
+    seen: dict[str, Leaf] = {}
+    for leaf in leaves:
+        other = seen.setdefault(leaf.name, leaf)
+        if other is leaf and leaves.count(leaf) == 1:
+            continue
+        what = (
+            f"the same {leaf.describe()} appears twice"
+            if other is leaf
+            else f"{other.describe()} and {leaf.describe()} share the name"
+        )
+        raise ValueError(
+            f"{where}: {what}. Sub-steps are keyed by name (their noise is drawn from "
+            f"fold_in_name(step_key, name)), so every unit and managed step of a composed step "
+            f"needs its own name: pass update(..., name={leaf.name + '_2'!r}) (or managed(..., "
+            "name=...)) to one of them"
+        )
+
+
+def _leaves_of(step: Step) -> tuple[Leaf, ...]:
+    return tuple(leaf for child in step.children() for leaf in child.leaves())
+
+
+LEAVES = attrs.Factory(_leaves_of, takes_self=True)
+"""A composite's leaves, depth first, computed once when it is built (steps are frozen)."""
+
+
+@attrs.frozen(eq=False)
+class Unit(Leaf):
+    """One update unit (see :func:`update`): a step, and a leaf of composed steps.
+
+    Attributes:
+        roles: The roles it trains.
+        loss_fn: ``(state, batch, key) -> loss | (loss, metrics) | ({role: loss}, metrics)``.
+        policy: Its own clip and sanitize (unset: the enclosing ones).
+        name: Keys its randomness and labels its metrics.
+    """
+
+    kind: ClassVar[str] = "unit"
+
+    roles: tuple[str, ...]
+    loss_fn: LossFn
+    policy: Policy = attrs.Factory(Policy)
+    name: str = ""
+    trains: tuple[str, ...] = attrs.field(init=False, repr=False)  # its roles, as a leaf
+
+    @trains.default
+    def _trains(self) -> tuple[str, ...]:
+        return self.roles
+
+
+def update(
+    roles: str | SequenceOf[str],
+    loss_fn: LossFn,
+    *,
+    clip: ClipGradNorm | Unset | None = UNSET,
+    sanitize: Sanitize | Unset = UNSET,
+    name: str | None = None,
+) -> Unit:
+    """Train ``roles`` on ``loss_fn``: the unit that methods are built from.
+
+    At each step it runs, for each micro-batch ``m`` of ``K``: ``loss_fn(state, batch_m,
+    key_m)`` inside ``fvstep.random.rng_scope(key_m)``, then backward of ``loss / K``
+    (with a dict of losses, of their sum: each role's gradient is the gradient of the
+    sum, so a loss that reads another trained role's output must detach it or compute
+    it under ``torch.no_grad()``, as DMD2's losses do). After the last micro-batch, per
+    role: sanitize non-finite gradients, clip by global norm, apply the role's optimizer
+    at its schedule position, update its EMA. ``loss_fn`` may call any role's module
+    through ``state.module(name)``; gradients reach only the trained roles' parameters.
+
+    The unit is a step: ``update(...)(state, batch)`` runs it with the default policy
+    (one micro-batch, no clipping, ``sanitize="error"``). Its key is
+    ``fold_in_name(step_key, name)``.
+
+    Args:
+        roles: The role (or roles) trained; each must have an optimizer.
+        loss_fn: ``(state, batch, key) -> loss | (loss, metrics) | ({role: loss}, metrics)``.
+        clip: A :func:`fvstep.clip_grad_norm`, ``None`` for no clipping, or left out for
+            the enclosing setting (a managed step's, then ``compile``'s; default off).
+        sanitize: What to do with a NaN or infinite gradient, or left out for the
+            enclosing setting (whose default is ``"error"``):
+
+            - ``"error"``: raise :class:`~fvstep.grads.NonFiniteGradientError` (naming the
+              step, unit, role and the first non-finite parameter, or the role and
+              micro-batch of a non-finite loss) before any leaf of the unit changes;
+              costs one device sync per unit, and reuses the clipping norm;
+            - ``"skip"``: leave the roles' parameters, optimizer state and EMA
+              bit-unchanged when their gradient norm is not finite (metric
+              ``<role>/skipped``);
+            - ``"nan_to_num"``: zero non-finite gradient entries, then step;
+            - ``None``: no check. Unsafe: a single NaN gradient silently turns every
+              parameter and optimizer moment of the role into NaN.
+        name: Keys the unit's randomness and labels its metrics (default: the roles
+            joined by ``+``); unique among the units of a composed step.
+
+    Returns:
+        A :class:`Unit`, a step composable with ``sequence``, ``every``, ``cond``, ``compile``.
+
+    Examples:
+        >>> unit = update("student", flow_matching_loss, clip=clip_grad_norm(1.0))
+    """
+    roles_t = (roles,) if isinstance(roles, str) else tuple(roles)
+    if not roles_t or not all(isinstance(r, str) for r in roles_t):
+        raise ValueError(f"update needs one or more role names, got {roles!r}")
+    if len(set(roles_t)) != len(roles_t):
+        raise ValueError(f"update got a role twice: {roles_t}")
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+    if name is not None and (not isinstance(name, str) or not name):
+        raise ValueError(f"a unit's name must be a non-empty str, got {name!r}")
+    check_clip(clip)
+    check_sanitize(sanitize)
+    return Unit(roles_t, loss_fn, Policy(clip=clip, sanitize=sanitize), name or "+".join(roles_t))
+
+
+@attrs.frozen(eq=False)
+class Managed(Leaf):
+    """A step that runs its own inner loop (see :func:`managed`)."""
+
+    kind: ClassVar[str] = "managed step"
+    managed: ClassVar[bool] = True
+
+    fn: ManagedFn
+    trains: tuple[str, ...]  # a field where Leaf has a property
+    name: str = "managed"
+    policy: Policy = attrs.Factory(Policy)
+    mutates: tuple[str, ...] = ()
+
+
+def managed(
+    fn: ManagedFn,
+    *,
+    trains: str | tuple[str, ...],
+    mutates: str | tuple[str, ...] = (),
+    clip: ClipGradNorm | Unset | None = UNSET,
+    sanitize: Sanitize | Unset = UNSET,
+    name: str = "managed",
+) -> Managed:
+    """Wrap a method that runs its own inner loop (RL: sample, reward, several updates).
+
+    ``fn(state, batch, key, ctx) -> (state, metrics)`` gets the whole batch (no
+    accumulation is applied for it) and runs inner updates with ``ctx.update(state, unit,
+    batch, key)``. It may change frozen-but-mutated roles (an RL ``old`` policy) through
+    their tensors in place. ``trains`` declares the roles its optimizers step and
+    ``mutates`` the frozen roles it changes otherwise, for :func:`plan`. ``fn`` runs inside
+    ``rng_scope`` of its key, ``fold_in_name(step_key, name)``.
+
+    Args:
+        fn: The outer step.
+        trains: Roles whose optimizers it steps.
+        mutates: Frozen roles it changes in place (e.g. ``"old"``).
+        clip: Default clipping of its inner updates (else the enclosing ``compile``'s).
+        sanitize: Default non-finite policy of its inner updates.
+        name: Keys its randomness; a label for metrics and plans.
+
+    Returns:
+        A :class:`Managed` step.
+
+    Examples:
+        >>> managed(rl_outer_step, trains="student")
+    """
+    trains_t = (trains,) if isinstance(trains, str) else tuple(trains)
+    mutates_t = (mutates,) if isinstance(mutates, str) else tuple(mutates)
+    if not callable(fn):
+        raise TypeError("managed needs a function (state, batch, key, ctx) -> (state, metrics)")
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"a managed step's name must be a non-empty str, got {name!r}")
+    check_clip(clip)
+    check_sanitize(sanitize)
+    return Managed(fn, trains_t, name, Policy(clip=clip, sanitize=sanitize), mutates_t)
+
+
+@attrs.frozen(eq=False)
+class Chain(Step):
+    """Several steps run one after the other (see :func:`sequence`)."""
+
+    steps: tuple[Step, ...]
+    _leaves: tuple[Leaf, ...] = attrs.field(init=False, repr=False, eq=False, default=LEAVES)
+
+    def children(self) -> tuple[Step, ...]:
+        """The steps, in order."""
+        return self.steps
+
+    def schedule(self, step: int, policy: Policy) -> list[tuple[Leaf, Policy]]:
+        """Each step's leaves, in order."""
+        return [entry for child in self.steps for entry in child.schedule(step, policy)]
+
+
+def sequence(*steps: Step) -> Chain:
+    """Run ``steps`` in order within one step; each sees the state the previous returned.
+
+    Raises:
+        TypeError: If an argument is not a step.
+        ValueError: If two leaves share a name (they would share their keys).
+
+    Examples:
+        >>> sequence(update("student", gen_loss), update("critic", critic_loss))
+    """
+    if not steps:
+        raise ValueError("sequence needs at least one step")
+    for i, s in enumerate(steps):
+        check_step(s, f"sequence argument {i}")
+    composed = Chain(tuple(steps))
+    check_unique_names(composed.leaves(), "sequence")
+    return composed
+
+
+@attrs.frozen(eq=False)
+class Every(Step):
+    """A step run every ``n`` steps (see :func:`every`)."""
+
+    n: int
+    inner: Step
+    offset: int = 0
+    _leaves: tuple[Leaf, ...] = attrs.field(init=False, repr=False, eq=False, default=LEAVES)
+
+    def runs_at(self, step: int) -> bool:
+        """Whether the wrapped step runs at ``step``."""
+        return step >= self.offset and (step - self.offset) % self.n == 0
+
+    def children(self) -> tuple[Step, ...]:
+        """The wrapped step."""
+        return (self.inner,)
+
+    def schedule(self, step: int, policy: Policy) -> list[tuple[Leaf, Policy]]:
+        """The wrapped step's leaves on its steps, nothing otherwise."""
+        return self.inner.schedule(step, policy) if self.runs_at(step) else []
+
+
+def every(n: int, inner: Step, *, offset: int = 0) -> Every:
+    """Run ``inner`` at steps ``offset, offset + n, offset + 2n, ...``.
+
+    On other steps its roles' parameters, optimizer state and schedule position are not
+    touched (the schedule advances with the role's own update count).
+
+    Args:
+        n: The interval (>= 1); DMD2's ``generator_update_interval``.
+        inner: A unit or any composed step.
+        offset: The first step it runs at (>= 0).
+
+    Returns:
+        An :class:`Every` step.
+
+    Examples:
+        >>> every(5, update("student", gen_loss))   # steps 0, 5, 10, ...
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"every needs an integer n >= 1, got {n!r}")
+    if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+        raise ValueError(f"every needs an integer offset >= 0, got {offset!r}")
+    check_step(inner, "every's step")
+    return Every(n, inner, offset)
+
+
+@attrs.frozen(eq=False)
+class Cond(Step):
+    """A choice between two steps by a predicate of the step (see :func:`cond`)."""
+
+    pred: Callable[[int], bool]
+    if_true: Step
+    if_false: Step | None
+    _leaves: tuple[Leaf, ...] = attrs.field(init=False, repr=False, eq=False, default=LEAVES)
+
+    def children(self) -> tuple[Step, ...]:
+        """Both branches (``if_true`` first)."""
+        return (self.if_true,) if self.if_false is None else (self.if_true, self.if_false)
+
+    def schedule(self, step: int, policy: Policy) -> list[tuple[Leaf, Policy]]:
+        """The leaves of the branch the predicate picks."""
+        if bool(self.pred(step)):
+            return self.if_true.schedule(step, policy)
+        return [] if self.if_false is None else self.if_false.schedule(step, policy)
+
+
+def cond(pred: Callable[[int], bool], if_true: Step, if_false: Step | None = None) -> Cond:
+    """Run ``if_true`` at steps where ``pred(step)`` holds, else ``if_false`` (or nothing).
+
+    ``pred`` must be a pure function of the step (an int). The leaves of both branches
+    need distinct names (each leaf is keyed by its name).
+
+    Returns:
+        A :class:`Cond` step.
+
+    Examples:
+        >>> cond(lambda i: i % 5 == 0, update(("student", "critic"), fused_loss),
+        ...      update("critic", critic_loss))
+    """
+    if not callable(pred):
+        raise TypeError("cond's predicate must be a function of the step")
+    check_step(if_true, "cond's if_true")
+    if if_false is not None:
+        check_step(if_false, "cond's if_false")
+    composed = Cond(pred, if_true, if_false)
+    check_unique_names(composed.leaves(), "cond")
+    return composed
+
+
+@attrs.frozen(eq=False)
+class Compiled(Step):
+    """A step with an execution policy for its units (see :func:`compile`).
+
+    Attributes:
+        inner: The step it runs.
+        policy: Defaults for the units of ``inner`` that do not set their own (the
+            innermost ``compile`` wins).
+    """
+
+    inner: Step
+    policy: Policy = attrs.Factory(Policy)
+    _leaves: tuple[Leaf, ...] = attrs.field(init=False, repr=False, eq=False, default=LEAVES)
+
+    def children(self) -> tuple[Step, ...]:
+        """The wrapped step."""
+        return (self.inner,)
+
+    def schedule(self, step: int, policy: Policy) -> list[tuple[Leaf, Policy]]:
+        """The wrapped step's leaves, with this policy under theirs and over ``policy``."""
+        return self.inner.schedule(step, self.policy.over(policy))
+
+
+def compile(
+    inner: Step,
+    *,
+    accumulation: Accumulation | None = None,
+    clip: ClipGradNorm | Unset | None = UNSET,
+    sanitize: Sanitize | Unset = UNSET,
+) -> Compiled:
+    """Give a step an execution policy; returns a step.
+
+    Compiled steps compose: ``sequence(compile(critic, accumulation=Accumulation(4)),
+    compile(student))`` runs the critic's unit over 4 micro-batches and the student's over
+    one. The process layout is not part of a step: it is passed to each call
+    (``step(state, batch, parallelism=...)``, ``fvstep.run(..., parallelism=...)``).
+
+    Args:
+        inner: A unit (``fvstep.update``) or any composed step.
+        accumulation: ``Accumulation(microbatches=K, sync=...)`` for the units inside
+            (the innermost ``compile`` that sets it wins); default one micro-batch.
+        clip: Clipping of units that do not set their own (``None``: off); default the
+            enclosing ``compile``'s, else off.
+        sanitize: Non-finite policy of units that do not set their own: ``"error"`` (the
+            final default), ``"skip"``, ``"nan_to_num"`` or ``None`` (see :func:`update`).
+
+    Returns:
+        A :class:`Compiled` step.
+
+    Raises:
+        ValueError: For a bad setting, or two leaves of one name.
+
+    Examples:
+        >>> step = compile(update("student", loss), accumulation=Accumulation(4),
+        ...                clip=clip_grad_norm(1.0))
+        >>> state, metrics = step(state, batch)
+    """
+    check_step(inner, "compile's step")
+    check_unique_names(inner.leaves(), "compile")
+    if accumulation is not None and not isinstance(accumulation, Accumulation):
+        raise TypeError(
+            f"accumulation must be fvstep.Accumulation(...), got {type(accumulation).__name__}"
+        )
+    check_clip(clip)
+    check_sanitize(sanitize)
+    return Compiled(inner, Policy(accumulation, clip, sanitize))
+
+
+def plan(step_fn: Step, step: int) -> list[PlanEntry]:
+    """What ``step_fn`` runs at ``step`` (a pure function of ``step``).
+
+    Returns:
+        One :class:`~fvstep.core.policy.PlanEntry` per leaf that runs, in order.
+
+    Raises:
+        TypeError: If ``step_fn`` is not a step.
+
+    Examples:
+        >>> [e.roles for e in plan(step_fn, 5)]
+        [('critic',), ('student',)]
+    """
+    check_step(step_fn, "plan's step function")
+    return step_fn.plan(step)

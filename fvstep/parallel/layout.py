@@ -1,0 +1,122 @@
+"""The process layout of a call: data-parallel replicas, context-parallel groups, FSDP2.
+
+:class:`Layout` is the :class:`~fvstep.core.layout.Parallelism` a step is called with on
+several ranks (``step(state, batch, parallelism=Layout())``; ``fvstep.run`` passes
+``Layout()`` by itself under ``torchrun``). Like torchtitan's ``ParallelDims``, one object
+owns the rank mapping: which data-parallel replica this rank is (that keys its noise and
+picks its batch), which ranks form a context-parallel group (they share both), and how
+a unit's gradients are synchronised (FSDP2, :mod:`fvstep.parallel.grad_sync`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, cast
+
+import attrs
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate
+
+from fvstep.accumulation import Accumulation
+from fvstep.core.layout import GradSync
+from fvstep.parallel.collectives import CollectiveCounter
+from fvstep.parallel.context import applied_context_group
+from fvstep.parallel.grad_sync import check_roles_are_data_parallel, grad_sync_for
+from fvstep.parallel.mesh import data_parallel_rank_and_size
+from fvstep.parallel.ranks import rank_and_world
+from fvstep.state import TrainState
+from fvstep.tree import any_dtensor, is_dtensor
+
+__all__ = ["Layout", "default_layout"]
+
+
+@attrs.frozen
+class Layout:
+    """Data parallel over every rank, or over the replicas of a context-parallel mesh.
+
+    - ``Layout()``: every rank is a data-parallel replica (``rank`` of ``world``); the
+      roles are sharded or replicated with FSDP2 (:func:`~fvstep.parallel.shard_module`,
+      :func:`~fvstep.parallel.prepare`).
+    - ``Layout(mesh)``: ``mesh`` has a context axis (:func:`~fvstep.parallel.make_context_mesh`);
+      the ranks of one context group are one replica (the same noise and the same batch),
+      and every context-parallel role must have been prepared on this mesh's groups.
+
+    Attributes:
+        mesh: The mesh with the context axis, or ``None`` (data parallel only).
+        context_axis: The name of that axis.
+        count_collectives: Report ``collectives/*`` counts and bytes in a step's metrics.
+
+    Examples:
+        >>> state, metrics = step(state, batch, parallelism=Layout())
+        >>> fvstep.run(step, state, data, num_steps=100,
+        ...            parallelism=Layout(make_context_mesh(context=2)))
+    """
+
+    mesh: DeviceMesh | None = None
+    context_axis: str = "context"
+    count_collectives: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        if self.mesh is not None:
+            data_parallel_rank_and_size(self.mesh, axis=self.context_axis)  # checks the axis
+
+    def check(self, state: TrainState) -> None:
+        """Refuse, on several ranks, a trained role that is neither sharded nor replicated,
+        and a context-parallel role prepared for other groups than this mesh's.
+
+        Raises:
+            ValueError: Naming the role and what to do.
+        """
+        check_roles_are_data_parallel(state)
+        mine = None
+        if self.mesh is not None:
+            mine = tuple(dist.get_process_group_ranks(self.mesh[self.context_axis].get_group()))
+        for name, rs in state.roles.items():
+            theirs = applied_context_group(rs.role.module)
+            if theirs is not None and theirs != mine:
+                where = f"this call's groups are {list(mine)}" if mine else "this call has none"
+                raise ValueError(
+                    f"role {name!r} runs context parallel over ranks {list(theirs)}, but "
+                    f"{where}: pass parallelism=Layout(mesh) with the mesh it was prepared on"
+                )
+
+    def grad_sync(self, state: TrainState, accumulation: Accumulation) -> GradSync | None:
+        """The FSDP2 gradient-sync controller of one unit (``None`` without FSDP2)."""
+        return grad_sync_for(state, accumulation)
+
+    def data_parallel_rank_and_size(self) -> tuple[int, int]:
+        """This rank's replica and the number of replicas (``(rank, world)`` without a mesh)."""
+        if self.mesh is None:
+            return rank_and_world()
+        return data_parallel_rank_and_size(self.mesh, axis=self.context_axis)
+
+    def collective_counter(self) -> CollectiveCounter | None:
+        """A fresh counter when ``count_collectives``, else ``None``."""
+        return CollectiveCounter() if self.count_collectives else None
+
+    def sum_over_ranks(self, value: torch.Tensor, like: Sequence[torch.Tensor]) -> torch.Tensor:
+        """``value`` summed over the ranks of the mesh of the first DTensor of ``like``
+        (``value`` itself when none is one), one mesh dim at a time, through DTensor."""
+        mesh = next((cast(DTensor, x).device_mesh for x in like if is_dtensor(x)), None)
+        if mesh is None:
+            return value
+        out = value.reshape(1).to(mesh.device_type)
+        for dim in range(mesh.ndim):  # one mesh dim at a time: DTensor warns about several
+            placements: list[Any] = [Replicate()] * mesh.ndim
+            placements[dim] = Partial()
+            out = DTensor.from_local(out, mesh, placements).full_tensor()
+        return out[0]
+
+
+def default_layout(state: TrainState) -> Layout | None:
+    """``Layout()`` on several ranks or for a state with sharded roles, else ``None``
+    (the layout of one process). What ``fvstep.run`` uses when given no ``parallelism``.
+
+    Examples:
+        >>> default_layout(state) is None   # one process, plain modules
+        True
+    """
+    sharded = any_dtensor(p for rs in state.roles.values() for p in rs.params.values())
+    return Layout() if sharded or rank_and_world()[1] > 1 else None
