@@ -1,6 +1,6 @@
 """Gradient accumulation: how a batch becomes micro-batches, and the FSDP2 sync policy.
 
-The policy names follow DESIGN.md point 6:
+The policies:
 
 - ``"every"``: reduce-scatter gradients after every micro-batch (lowest memory).
 - ``"no_sync"``: reduce only after the last micro-batch; holds unsharded gradients in

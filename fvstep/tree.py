@@ -165,7 +165,8 @@ def full_tensor(x: torch.Tensor) -> torch.Tensor:
         >>> full_tensor(torch.ones(1))
         tensor([1.])
     """
-    return x.full_tensor() if is_dtensor(x) else x  # type: ignore[attr-defined]
+    is_d = getattr(x, "device_mesh", None) is not None  # is_dtensor, inline: the hot path
+    return x.full_tensor() if is_d else x  # type: ignore[attr-defined]
 
 
 def _bits(x: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 - Each layer imports only itself and the layers it builds on (``LAYERS``, ``MAY_IMPORT``).
 - The core imports nothing from ``torch.distributed``, FSDP2, DTensor or fvstep's parallel
-  layer: a call is given its process layout (DESIGN points 11 and 16).
+  layer: a call is given its process layout.
 - The reference methods never touch processes (they are loss math over the state).
 - No library module imports the package face (``fvstep/__init__.py``); only the
   applications at the top (the command line, the demo) may, and no library
@@ -120,7 +120,7 @@ def test_the_core_imports_nothing_from_torch_distributed_fsdp2_or_the_parallel_l
     def bad(module: str, imported: str, at_top: bool) -> str | None:
         # `from torch import distributed` reaches it too
         if _is_within(imported, FORBIDDEN_IN_CORE) or imported == "torch.distributed":
-            return f"imports {imported} (the core is given a sync policy, DESIGN point 11)"
+            return f"imports {imported} (the core is given a sync policy)"
         return None
 
     core = [m for m in MODULES if _is_within(m, CORE)]
@@ -377,6 +377,21 @@ def test_no_deprecated_or_alias_name_is_left_in_the_package() -> None:
         for path in MODULES.values()
         for i, line in enumerate(path.read_text().splitlines(), 1)
         for word in REMOVED_NAMES
+        if word in line
+    ]
+    _assert_none(found)
+
+
+OUTSIDE_DOCUMENTS = ("DESIGN.md", "DESIGN point", "REFERENCE.md", "STYLE.md")
+"""Documents that are not in the repository: the code explains itself instead."""
+
+
+def test_the_code_cites_no_document_outside_the_repository() -> None:
+    found = [
+        f"{path.relative_to(PACKAGE.parent)}:{i}: {word}"
+        for path in MODULES.values()
+        for i, line in enumerate(path.read_text().splitlines(), 1)
+        for word in OUTSIDE_DOCUMENTS
         if word in line
     ]
     _assert_none(found)

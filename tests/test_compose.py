@@ -411,3 +411,28 @@ def test_the_core_imports_nothing_of_torch_distributed_or_the_parallel_layer(mod
             continue
         bad = [n for n in names if n.startswith(banned)]
         assert not bad, f"fvstep/{module}.py line {node.lineno} uses {bad}"
+
+
+def test_two_units_of_one_role_keep_both_metrics_the_later_under_its_name():
+    nan = lambda state, batch, key: state.module("a")(batch["x"]).sum() * float("nan")  # noqa: E731
+    step = fs.compile(
+        fs.sequence(fs.update("a", nan, name="u1"), fs.update("a", recording("a"), name="u2")),
+        sanitize="skip",
+    )
+    state, metrics = step(state_of(), make_batch(0))
+    assert metrics["a/skipped"] is True  # u1's update was skipped: it must show
+    assert metrics["u2/a/skipped"] is False
+    assert not torch.isfinite(metrics["a/loss"]) and torch.isfinite(metrics["u2/a/loss"])
+    assert int(state.roles["a"].opt_state.count) == 1
+
+
+def test_a_managed_step_cannot_train_a_role_it_does_not_declare():
+    inner = fs.update("b", recording("b"), name="inner")
+
+    def outer(state, batch, key, ctx):
+        return ctx.update(state, inner, batch, key)
+
+    with pytest.raises(fs.StepFailedError) as info:  # a managed step changes from its start
+        fs.managed(outer, trains="a", name="m")(state_of(), make_batch(0))
+    assert isinstance(info.value.__cause__, ValueError)
+    assert "trains ['b'], which this managed step does not declare" in str(info.value.__cause__)

@@ -1,4 +1,4 @@
-"""Steps fail loudly and never write a wrong value (DESIGN point 10).
+"""Steps fail loudly and never write a wrong value.
 
 - A NaN or infinite gradient (or loss) raises ``NonFiniteGradientError`` under the default
   ``sanitize="error"`` before any leaf changes, naming the step, unit, role and parameter;

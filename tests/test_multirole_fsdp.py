@@ -1,6 +1,6 @@
 """Several FSDP2 roles on 2 CPU ranks: fvstep's step equals a hand-written FSDP2 loop on
 every parameter of every role (root-level ones included), and no module state survives
-a unit (DESIGN point 9).
+a unit.
 
 A role read under ``torch.no_grad()`` by one unit and trained by a later one used to keep
 its FSDP2 root group unsharded, with ``requires_grad`` off on the unsharded parameters:

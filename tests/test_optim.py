@@ -544,6 +544,40 @@ def test_update_rejects_grads_with_names_not_in_params(opt: optim.Optimizer[Any]
         opt.update(params, {"typo": torch.zeros(3)}, opt.init(params))
 
 
+MOMENT_FIELDS = {"AdamW": ("exp_avg", "exp_avg_sq"), "SGD": ("momentum_buffer",)}
+
+
+@pytest.mark.parametrize("fused", [None, True])
+@pytest.mark.parametrize(
+    "make", [lambda f: optim.adamw(1e-3, fused=f), lambda f: optim.sgd(0.1, momentum=0.9, fused=f)]
+)
+@pytest.mark.parametrize("bad", ["smaller", "larger", "flat", "dtype"])
+def test_update_refuses_a_moment_replaced_by_one_that_does_not_fit_before_any_change(
+    make: Any, fused: bool | None, bad: str
+) -> None:
+    # update() no longer re-checks the whole state (check_state did, at create), but a
+    # moment put into the state afterwards must not reach a kernel: the fused one reads and
+    # writes it by the param's element count (a smaller one corrupted memory)
+    opt = make(fused)
+    params = _some_params()
+    state = opt.init(params)
+    field = MOMENT_FIELDS[type(opt).__name__][-1]
+    p = params["a.weight"]
+    replacement = {
+        "smaller": torch.zeros(p.numel() // 2),
+        "larger": torch.zeros(p.numel() * 2),
+        "flat": torch.zeros(p.numel()),
+        "dtype": torch.zeros(p.shape, dtype=torch.float64),
+    }[bad]
+    getattr(state, field)["a.weight"] = replacement
+    before = [x.clone() for x in params.values()]
+    grads = {n: torch.ones_like(x) for n, x in params.items()}
+    with pytest.raises(ValueError, match=rf"state.{field}\['a.weight'\]"):
+        opt.update(params, grads, state)
+    assert int(state.count) == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, params.values()))
+
+
 @pytest.mark.parametrize("opt", OPTS)
 def test_update_rejects_grads_with_mismatched_shape_dtype_device(opt: optim.Optimizer[Any]) -> None:
     params = _some_params()

@@ -33,6 +33,8 @@ saying what had run and how to recover.
 Metrics are means over micro-batches (losses and the loss function's own metrics) and
 per update (``<role>/grad_norm``, ``<role>/lr``, ``<role>/skipped``), as detached tensors
 or Python scalars: converting them to floats is the caller's choice (it syncs a GPU).
+When two units of one step train the same role, the later one's ``<role>/...`` metrics
+are reported as ``<unit name>/<role>/...``: no unit's loss or skip is lost.
 """
 
 from __future__ import annotations
@@ -187,6 +189,7 @@ class ManagedContext:
     accumulation: Accumulation
     _policy: Policy
     _parallelism: Parallelism
+    _trains: tuple[str, ...] = ()
 
     def update(
         self,
@@ -208,10 +211,20 @@ class ManagedContext:
 
         Raises:
             TypeError: If ``unit_`` is not a unit (``fvstep.update(...)``).
+            ValueError: If it trains a role the managed step does not declare in
+                ``trains`` (``plan`` would not show it).
         """
         if not isinstance(unit_, Leaf) or unit_.managed:
             raise TypeError(
                 f"ctx.update runs a unit (fvstep.update(...)), got {type(unit_).__name__}"
+            )
+        undeclared = [r for r in unit_.trains if r not in self._trains]
+        if undeclared:
+            raise ValueError(
+                f"ctx.update: {unit_.describe()} trains {undeclared}, which this managed step "
+                f"does not declare (trains={list(self._trains)}): pass managed(..., "
+                f"trains={tuple(sorted({*self._trains, *undeclared}))!r}) so that plan() "
+                "and the checks before the step see them"
             )
         policy = attrs.evolve(
             unit_.policy.over(self._policy), accumulation=accumulation or self.accumulation
@@ -349,7 +362,7 @@ def _run_managed(
 ) -> tuple[TrainState, dict[str, Any]]:
     """A managed step: ``fn(state, batch, key, ctx)`` inside ``rng_scope(key)``."""
     assert policy.accumulation is not None
-    ctx = ManagedContext(step, position, policy.accumulation, policy, parallelism)
+    ctx = ManagedContext(step, position, policy.accumulation, policy, parallelism, leaf.trains)
     try:
         with fsrandom.rng_scope(key):
             new_state, metrics = leaf.fn(state, batch, key, ctx)
@@ -362,6 +375,14 @@ def _run_managed(
     if not isinstance(new_state, TrainState):
         raise TypeError(f"managed step {leaf.name!r} must return (TrainState, metrics)")
     return new_state, metrics
+
+
+def _merge_metrics(metrics: dict[str, Any], new: dict[str, Any], name: str) -> None:
+    """Add a leaf's metrics; a key an earlier leaf of the step reported (two units that
+    train one role: ``<role>/loss``, ``<role>/skipped``, ...) goes under ``<name>/<key>``,
+    so that neither is lost."""
+    for key, value in new.items():
+        metrics[f"{name}/{key}" if key in metrics else key] = value
 
 
 def run_step(
@@ -420,7 +441,7 @@ def run_step(
                         progress,
                         progress.current,
                     )
-                metrics.update(leaf_metrics)
+                _merge_metrics(metrics, leaf_metrics, leaf.name)
     except Exception as error:
         failure = progress.failure(error)
         if failure is None:

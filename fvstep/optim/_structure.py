@@ -11,7 +11,7 @@ param (:func:`_grad_names`), with a message naming the param on failure.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -97,9 +97,12 @@ def _check_same_names(
 
 
 def _grad_names(
-    params: Mapping[str, torch.Tensor], grads: Mapping[str, torch.Tensor | None]
+    params: Mapping[str, torch.Tensor],
+    grads: Mapping[str, torch.Tensor | None],
+    moments: Sequence[tuple[str, Mapping[str, torch.Tensor]]] = (),
 ) -> list[str]:
-    """The names (in params order) that have a grad, each grad checked against its param.
+    """The names (in params order) that have a grad, each grad and each of the state's
+    ``moments`` (``(field name, dict)``) checked against its param.
 
     Checked on every update, before any kernel runs, because each case fails badly
     without it: a grad of another shape broadcasts silently in the single-tensor and
@@ -108,6 +111,10 @@ def _grad_names(
     sparse grad or a non-tensor fail inside torch's single-tensor loop after the params
     before it, and the failing param's weight decay and step, were already updated, with
     a message that names no param. A name not in params would be skipped silently.
+    The moments are checked for the same reasons (the fused kernel reads and writes a
+    moment by its param's element count: a smaller one corrupts memory): the state is
+    public data, and ``TrainState.replace`` or ``attrs.evolve`` can put any tensor there
+    after :meth:`check_state` passed.
     """
     if not isinstance(grads, Mapping):
         raise TypeError(f"grads must be a mapping of names to tensors, got {type(grads).__name__}")
@@ -131,8 +138,23 @@ def _grad_names(
             or g.is_sparse
         ):
             _raise_bad_grad(name, g, p)
+        for field_name, tensors in moments:
+            t = tensors.get(name)
+            if not isinstance(t, torch.Tensor) or t.shape != p.shape or t.dtype != p.dtype:
+                _raise_bad_moment(field_name, name, t, p)
         names.append(name)
     return names
+
+
+def _raise_bad_moment(field_name: str, name: str, t: object, p: torch.Tensor) -> None:
+    where = f"state.{field_name}['{name}']"
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{where} must be a tensor, got {type(t).__name__}")
+    raise ValueError(
+        f"{where} is {t.dtype}{tuple(t.shape)} but the param is {p.dtype}{tuple(p.shape)}: "
+        "was the optimizer state replaced after TrainState.create? (check it with "
+        "optimizer.check_state(params, state))"
+    )
 
 
 def _raise_bad_grad(name: str, g: object, p: torch.Tensor) -> None:

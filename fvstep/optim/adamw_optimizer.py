@@ -202,7 +202,10 @@ class AdamW:
             raise TypeError(f"state must be an AdamWState, got {type(state).__name__}")
         # The state's structure was checked once (init, check_state); see _structure.py.
         _check_same_names("step", state.step, params)
-        names = _grad_names(params, grads)
+        moments = [("exp_avg", state.exp_avg), ("exp_avg_sq", state.exp_avg_sq)]
+        if self.amsgrad:
+            moments.append(("max_exp_avg_sq", state.max_exp_avg_sq))
+        names = _grad_names(params, grads, moments)
         lr = self.learning_rate(int(state.count))
         foreach, fused = _resolve_impl((params[n] for n in names), self.foreach, self.fused)
         with torch.no_grad():

@@ -199,7 +199,9 @@ class SGD:
         has_momentum = self.momentum != 0
         if has_momentum:
             _check_same_names("momentum_buffer", state.momentum_buffer, params)
-        names = _grad_names(params, grads)
+        names = _grad_names(
+            params, grads, [("momentum_buffer", state.momentum_buffer)] if has_momentum else []
+        )
         lr = self.learning_rate(int(state.count))
         foreach, fused = _resolve_impl((params[n] for n in names), self.foreach, self.fused)
         # torch.optim.SGD passes [] without momentum, else state.get("momentum_buffer").

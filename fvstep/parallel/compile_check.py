@@ -1,4 +1,4 @@
-"""Compiled gradients checked against eager ones, block by block (DESIGN point 18).
+"""Compiled gradients checked against eager ones, block by block.
 
 Inductor once computed Wan's gradients ~10^4 times wrong without a word
 (pytorch/pytorch#193061: ``triton.mix_order_reduction``): the loss looked healthy and

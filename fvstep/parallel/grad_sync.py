@@ -4,8 +4,8 @@
   micro-batch to the FSDP2 roots of the roles a unit trains, and restores FSDP2's
   defaults afterwards, whatever happens.
 - :func:`release_modules` reshards every FSDP2 group of a state's roles;
-  :func:`unrested_modules` says what a module holds that the state does not (DESIGN
-  point 9: no state outside the state).
+  :func:`unrested_modules` says what a module holds that the state does not (no state
+  outside the state).
 - :func:`check_roles_are_data_parallel` refuses, on several ranks, a trained role that
   is not sharded or replicated; :func:`grad_sync_for` picks the controller for a state.
 
@@ -122,7 +122,7 @@ def release_modules(state: TrainState, *, after_error: bool = False) -> None:
     again at once), so a role read under ``torch.no_grad()`` keeps its root group
     unsharded, and that group's unsharded parameters keep the ``requires_grad`` they had
     when they were gathered. fvstep calls this before and after every unit, so that no
-    such state survives a unit (DESIGN point 9); :func:`unrested_modules` checks it.
+    such state survives a unit; :func:`unrested_modules` checks it.
 
     Args:
         state: The state whose roles' modules to release.

@@ -1,4 +1,4 @@
-"""The axes of the interaction matrix (DESIGN point 15), as small named builders.
+"""The axes of the interaction matrix, as small named builders.
 
 A new feature joins the matrix by adding a row here: a :class:`WeightsCase` (how a role's
 weights are held), a :class:`Preparation` (how its module is prepared), or an observer
