@@ -205,15 +205,13 @@ def test_run_with_tensorboard_purges_recomputed_steps_on_resume(tmp_path):
     assert steps == [0, 1, 2, 3, 4]
 
 
-def test_run_without_trackers_argument_keeps_writing_tensorboard_beside_the_jsonl(tmp_path):
+def test_run_without_trackers_writes_only_the_jsonl_and_tensorboard_only_when_asked(tmp_path):
     pytest.importorskip("tensorboard")
     state, step, data = tiny_run()
     fs.run(step, state, data, num_steps=2, metrics_path=tmp_path / "m.jsonl", progress=False)
-    assert [e.step for e in event_accumulator(tmp_path / "tensorboard").Scalars("net/loss")] == [
-        0,
-        1,
-    ]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.jsonl"]  # no hidden default
     state, step, data = tiny_run()
+    board = tmp_path / "n" / "tensorboard"
     fs.run(
         step,
         state,
@@ -221,9 +219,9 @@ def test_run_without_trackers_argument_keeps_writing_tensorboard_beside_the_json
         num_steps=2,
         metrics_path=tmp_path / "n" / "m.jsonl",
         progress=False,
-        trackers=[],
+        trackers=[TensorBoardTracker(board)],
     )
-    assert not (tmp_path / "n" / "tensorboard").exists()
+    assert [e.step for e in event_accumulator(board).Scalars("net/loss")] == [0, 1]
 
 
 # --- Weights & Biases (offline) -----------------------------------------------------------------
