@@ -1,11 +1,13 @@
 """fvstep's host time per step, this checkout against another (side by side, one run).
 
-Both sides run the same host-bound fine-tune step (a tiny Wan whose step time is
-Python and dispatch work: 2 micro-batches, clipping, EMA, AdamW) through the public API
-only, so any commit of fvstep can be measured. Each round starts one fresh interpreter
-per side, in alternating order (drift cancels), that times ``--steps`` steps after
-``--warmup`` untimed ones; the table gives each side's median over rounds of its median
-step time, and the ratio of the two.
+Both sides run the same fine-tune step (a tiny Wan: 2 micro-batches, clipping, EMA,
+AdamW) through the public API only, so any commit of fvstep can be measured. fvstep's
+own part of a step is the step's time less the calls into the loss function, backward,
+torch's AdamW kernel, the gradient norm and the clip (each wrapped with a timer before
+fvstep is imported, so both sides bind the same wrappers). Each round starts one fresh
+interpreter per side, in alternating order (drift cancels), that times ``--steps`` steps
+after ``--warmup`` untimed ones; the table gives medians, and the ratios are the median
+of the per-round ratios.
 
 Usage (from the repository root):
     git worktree add /tmp/before <commit>
@@ -28,29 +30,58 @@ WORKER = r"""
 import json, statistics, sys, time
 import torch
 torch.set_num_threads(1)
+
+# Time what is not fvstep's own work: patched before fvstep binds them at import.
+spent = [0.0]
+def timed(fn):
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            spent[0] += time.perf_counter() - start
+    return wrapper
+torch.Tensor.backward = timed(torch.Tensor.backward)
+import importlib
+adamw_module = importlib.import_module("torch.optim.adamw")
+adamw_module.adamw = timed(adamw_module.adamw)
+torch.nn.utils.get_total_norm = timed(torch.nn.utils.get_total_norm)
+torch.nn.utils.clip_grads_with_norm_ = timed(torch.nn.utils.clip_grads_with_norm_)
+
 import fvstep as fs
-from fvstep.methods.finetune import finetune
+from fvstep.methods.finetune import flow_matching_loss
 from fvstep.models import synthetic_batch, tiny_wan
 
 steps, warmup = int(sys.argv[1]), int(sys.argv[2])
 state = fs.TrainState.create(
-    {"student": fs.Role(tiny_wan(num_layers=4), optimizer=fs.optim.adamw(lr=1e-3), ema=fs.EMA(0.9))},
+    {"student": fs.Role(tiny_wan(num_layers=2), optimizer=fs.optim.adamw(lr=1e-3), ema=fs.EMA(0.9))},
     key=fs.random.key(0),
 )
-step = fs.compile(finetune(), accumulation=fs.Accumulation(2), clip=fs.clip_grad_norm(1.0))
-batch = synthetic_batch(fs.random.key(1), batch_size=2, height=2, width=2, frames=1)
-times = []
+step = fs.compile(
+    fs.update("student", timed(flow_matching_loss()), name="finetune"),
+    accumulation=fs.Accumulation(2),
+    clip=fs.clip_grad_norm(1.0),
+)
+batch = synthetic_batch(fs.random.key(1), batch_size=2)
+times, own = [], []
 for i in range(warmup + steps):
+    spent[0] = 0.0
     start = time.perf_counter()
     state, metrics = step(state, batch)
+    total = time.perf_counter() - start
     if i >= warmup:
-        times.append(time.perf_counter() - start)
-print(json.dumps({"median_s": statistics.median(times), "fvstep": fs.__file__}))
+        times.append(total)
+        own.append(total - spent[0])
+print(json.dumps({
+    "median_s": statistics.median(times), "own_s": statistics.median(own), "fvstep": fs.__file__
+}))
 """
 
 
-def measure(path: Path, steps: int, warmup: int) -> float:
-    """One fresh interpreter importing fvstep from ``path``: its median step time."""
+def measure(path: Path, steps: int, warmup: int) -> tuple[float, float]:
+    """One fresh interpreter importing fvstep from ``path``: its median step time, and
+    the median of fvstep's own part of it (the step less the loss function, backward,
+    the AdamW kernel, the norm and the clip)."""
     env = {**os.environ, "PYTHONPATH": str(path), "OMP_NUM_THREADS": "1"}
     out = subprocess.run(
         [sys.executable, "-c", WORKER, str(steps), str(warmup)],
@@ -62,7 +93,7 @@ def measure(path: Path, steps: int, warmup: int) -> float:
     )
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert Path(result["fvstep"]).resolve().is_relative_to(path.resolve()), result
-    return float(result["median_s"])
+    return float(result["median_s"]), float(result["own_s"])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -74,25 +105,29 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=10)
     args = parser.parse_args(argv)
     sides = {"before": args.before, "after": ROOT}
-    results: dict[str, list[float]] = {name: [] for name in sides}
+    step_s: dict[str, list[float]] = {name: [] for name in sides}
+    own_s: dict[str, list[float]] = {name: [] for name in sides}
     for r in range(args.rounds):
         order = list(sides) if r % 2 == 0 else list(reversed(sides))
         for name in order:
-            results[name].append(measure(sides[name], args.steps, args.warmup))
-    before, after = (statistics.median(results[n]) for n in ("before", "after"))
-    ratios = [a / b for a, b in zip(results["after"], results["before"])]
-    print("| side | median step (ms) | min | max |")
+            total, own = measure(sides[name], args.steps, args.warmup)
+            step_s[name].append(total)
+            own_s[name].append(own)
+    print("| side | median step (ms) | fvstep's own part (ms) | own: min - max |")
     print("|---|---|---|---|")
     for name in sides:
-        v = results[name]
+        v, o = step_s[name], own_s[name]
         print(
-            f"| {name} | {statistics.median(v) * 1e3:.2f} | {min(v) * 1e3:.2f} | {max(v) * 1e3:.2f} |"
+            f"| {name} | {statistics.median(v) * 1e3:.2f} | {statistics.median(o) * 1e3:.3f} "
+            f"| {min(o) * 1e3:.3f} - {max(o) * 1e3:.3f} |"
         )
-    print(
-        f"\nafter / before: {after / before:.3f} (per-round ratios: median "
-        f"{statistics.median(ratios):.3f}, min {min(ratios):.3f}, max {max(ratios):.3f}; "
-        f"{args.rounds} rounds of {args.steps} steps)"
-    )
+    for label, results in (("step", step_s), ("fvstep's own part", own_s)):
+        ratios = [a / b for a, b in zip(results["after"], results["before"])]
+        print(
+            f"after / before, {label}: {statistics.median(ratios):.3f} (median of per-round "
+            f"ratios; min {min(ratios):.3f}, max {max(ratios):.3f})"
+        )
+    print(f"({args.rounds} rounds of {args.steps} steps after {args.warmup}, alternating)")
 
 
 if __name__ == "__main__":
