@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from fvstep.tree import local_tensor
+
 if TYPE_CHECKING:
     from fvstep.state import Role
 
@@ -58,7 +60,7 @@ def _distinct_tensors(
 
 
 def _storage_key(tensor: torch.Tensor) -> tuple[str, int] | None:
-    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    local = local_tensor(tensor)
     if local.numel() == 0 or local.device.type == "meta":
         return None
     return str(local.device), local.untyped_storage().data_ptr()

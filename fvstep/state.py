@@ -37,7 +37,7 @@ from fvstep._role_tensors import (
     _trainable_names,
 )
 from fvstep.optim import Optimizer
-from fvstep.tree import field, frozen, replace
+from fvstep.tree import any_dtensor, field, frozen, replace
 
 __all__ = [
     "EMA",
@@ -419,7 +419,7 @@ def adopt(role_state: RoleState) -> RoleState:
     )
     mine = {**role_state.params, **role_state.buffers}
     live = {**live_params, **live_buffers}
-    if any(hasattr(p, "to_local") for p in live_params.values()):
+    if any_dtensor(live_params.values()):
         for alias, canonical in role_state.tied:
             if live[alias] is not live[canonical]:
                 raise ValueError(

@@ -395,3 +395,19 @@ def test_the_code_cites_no_document_outside_the_repository() -> None:
         if word in line
     ]
     _assert_none(found)
+
+
+DTENSOR_PROBES = ('"to_local")', '"device_mesh", None)', '"full_tensor", None)')
+"""The duck-typed "is this a DTensor?" tests: written once, in ``fvstep.tree``."""
+
+
+def test_the_dtensor_vocabulary_is_the_only_dtensor_probe() -> None:
+    found = [
+        f"{path.relative_to(PACKAGE.parent)}:{i}: {line.strip()} (use fvstep.tree.is_dtensor, "
+        "any_dtensor, local_tensor, local_tensors or full_tensor)"
+        for module, path in MODULES.items()
+        if module != "fvstep.tree"
+        for i, line in enumerate(path.read_text().splitlines(), 1)
+        if any(probe in line for probe in DTENSOR_PROBES)
+    ]
+    _assert_none(found)

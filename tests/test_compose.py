@@ -383,6 +383,7 @@ CORE = (
     "core/policy",
     "core/layout",
     "core/finite",
+    "core/progress",
     "optim",
     "random",
     "tree",
