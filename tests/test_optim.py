@@ -578,6 +578,33 @@ def test_update_refuses_a_moment_replaced_by_one_that_does_not_fit_before_any_ch
     assert all(torch.equal(a, b) for a, b in zip(before, params.values()))
 
 
+@pytest.mark.parametrize(
+    ("make", "field", "bad"),
+    [
+        (lambda: optim.adamw(1e-3), "step", "shared"),
+        (lambda: optim.adamw(1e-3), "exp_avg", "shared"),
+        (lambda: optim.adamw(1e-3), "exp_avg_sq", "dtype"),
+        (lambda: optim.sgd(0.1, momentum=0.9), "momentum_buffer", "dtype"),
+        (lambda: optim.sgd(0.1, momentum=0.9), "initialized", "shared"),
+    ],
+)
+def test_check_state_refuses_shared_tensors_and_moments_of_another_dtype(make, field, bad):
+    # a step tensor shared by two params advances twice per update (bias correction off);
+    # a bf16 moment of an fp32 param loses precision: both ran silently before
+    opt = make()
+    params = _some_params()
+    state = opt.init(params)
+    tensors = getattr(state, field)
+    if bad == "shared":
+        tensors["a.bias"] = tensors["a.weight"]
+        match = "are one tensor"
+    else:
+        tensors["a.weight"] = tensors["a.weight"].to(torch.bfloat16)
+        match = "is torch.bfloat16 but the param is torch.float32"
+    with pytest.raises(ValueError, match=match):
+        opt.check_state(params, state)
+
+
 @pytest.mark.parametrize("opt", OPTS)
 def test_update_rejects_grads_with_mismatched_shape_dtype_device(opt: optim.Optimizer[Any]) -> None:
     params = _some_params()

@@ -66,6 +66,14 @@ def _check_state_dict(
             f"state.{field_name} keys do not match the params: missing {missing[:10]}, "
             f"unexpected {extra[:10]} (was the state made by init() for these params?)"
         )
+    owners: dict[int, str] = {}
+    for name, t in tensors.items():  # one tensor per name: a shared one is updated twice
+        other = owners.setdefault(id(t), name)
+        if other != name:
+            raise ValueError(
+                f"state.{field_name}['{other}'] and state.{field_name}['{name}'] are one "
+                "tensor: each param needs its own (an update would advance it twice)"
+            )
     if like_param:
         for name, p in params.items():
             t = tensors[name]
@@ -77,6 +85,11 @@ def _check_state_dict(
                 raise ValueError(
                     f"state.{field_name}['{name}'] has shape {tuple(t.shape)} but the param "
                     f"has shape {tuple(p.shape)}"
+                )
+            if t.dtype != p.dtype:
+                raise ValueError(
+                    f"state.{field_name}['{name}'] is {t.dtype} but the param is {p.dtype} "
+                    "(init makes every moment in its param's dtype)"
                 )
 
 

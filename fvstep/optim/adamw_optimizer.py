@@ -145,7 +145,7 @@ class AdamW:
 
         Checks the structure that :meth:`update` relies on without checking it again:
         every dict has exactly the params' names (``max_exp_avg_sq`` none unless
-        amsgrad), every moment the param's shape. ``TrainState.create`` runs it once,
+        amsgrad) and its own tensor for each, every moment the param's shape and dtype. ``TrainState.create`` runs it once,
         and a state loaded from elsewhere needs it once before its first update.
 
         Args:

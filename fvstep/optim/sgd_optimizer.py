@@ -124,7 +124,8 @@ class SGD:
 
         Checks the structure that :meth:`update` relies on without checking it again:
         with momentum, ``momentum_buffer`` and ``initialized`` have exactly the params'
-        names and every buffer the param's shape; without, both are empty.
+        names, each its own tensor, and every buffer the param's shape and dtype; without,
+        both are empty.
         ``TrainState.create`` runs it once, and a state loaded from elsewhere needs it
         once before its first update.
 
