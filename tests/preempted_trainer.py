@@ -35,6 +35,7 @@ from torch import nn
 import fvstep as fs
 from fvstep import parallel as fsp
 from fvstep.latents import latent_source
+from tests.crash_saver import report  # one atomic write a line: two ranks share stdout
 
 HOLD_AT = 2
 """The step after which the trainer waits for SIGTERM (it saves ``step_{HOLD_AT + 1}``)."""
@@ -104,7 +105,7 @@ def train(root: str, ckpt: str, marker: str) -> None:
         on_metrics=hold,
         progress=False,
     )
-    print("returned", int(result.state.step), result.stopped_by, result.checkpoint, flush=True)
+    report(f"returned {int(result.state.step)} {result.stopped_by} {result.checkpoint}")
 
 
 def resume(root: str, ckpt: str, reference: str) -> None:
@@ -113,7 +114,7 @@ def resume(root: str, ckpt: str, reference: str) -> None:
         resumed = fs.run_until(
             step, state, data, num_steps=NUM_STEPS, checkpoints=fs.Checkpoints(ckpt, every=1000)
         )
-    print("resumed from", resumed.resumed_from, flush=True)
+    report(f"resumed from {resumed.resumed_from}")
     state, step, data = make_run(root)
     with data:
         uninterrupted = fs.run_until(
@@ -122,7 +123,7 @@ def resume(root: str, ckpt: str, reference: str) -> None:
     assert uninterrupted.resumed_from is None
     # Built anew, the two states hold different module objects: compare the leaves.
     fs.tree.assert_trees_equal(resumed.state, uninterrupted.state, check_static=False)
-    print("resume is bitwise", flush=True)
+    report("resume is bitwise")
 
 
 def main(argv: list[str]) -> None:
