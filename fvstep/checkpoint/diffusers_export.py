@@ -14,6 +14,7 @@ Examples:
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -29,6 +30,7 @@ from torch.distributed.fsdp import FSDPModule
 from fvstep.checkpoint.export import (
     _agree,
     _check_options,
+    _check_target,
     _gather,
     _replace_dir,
     _role_state,
@@ -93,16 +95,10 @@ def export_diffusers(
     path = Path(path)
     writes = rank_and_world()[0] == 0
 
-    def check_target() -> None:
-        if path.exists() and not path.is_dir():
-            raise ValueError(f"the export target {str(path)!r} exists and is not a directory")
-        if path.is_dir() and any(path.iterdir()) and not overwrite:
-            raise ValueError(
-                f"{str(path)!r} exists and is not empty; pass overwrite=True to replace it, "
-                "or choose another path"
-            )
-
-    _agree("check the export target", check_target if writes else None)
+    _agree(
+        "check the export target",
+        functools.partial(_check_target, path, overwrite) if writes else None,
+    )
     tensors = _gather(
         role_state, role, weights=weights, dtype_for=_dtype_for(cls, dtype), keep=writes
     )
@@ -225,13 +221,7 @@ def export_pipeline(
         a, b = path.resolve(), base.resolve()
         if a == b or a.is_relative_to(b) or b.is_relative_to(a):
             raise ValueError(f"the export {str(path)!r} and its base {str(base)!r} must not nest")
-        if path.exists() and not path.is_dir():
-            raise ValueError(f"the export target {str(path)!r} exists and is not a directory")
-        if path.is_dir() and any(path.iterdir()) and not overwrite:
-            raise ValueError(
-                f"{str(path)!r} exists and is not empty; pass overwrite=True to replace it, "
-                "or choose another path"
-            )
+        _check_target(path, overwrite)
 
     _agree("check the export target", check if writes else None)
     tensors = _gather(

@@ -276,6 +276,17 @@ def _write_file_atomically(target: Path, write: Callable[[Path], None]) -> None:
             tmp.unlink()
 
 
+def _check_target(path: Path, overwrite: bool) -> None:
+    """Refuse an export target that is a file, or a non-empty folder without ``overwrite``."""
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"the export target {str(path)!r} exists and is not a directory")
+    if path.is_dir() and any(path.iterdir()) and not overwrite:
+        raise ValueError(
+            f"{str(path)!r} exists and is not empty; pass overwrite=True to replace it, "
+            "or choose another path"
+        )
+
+
 def _replace_dir(new: Path, target: Path) -> None:
     """Rename the folder ``new`` to ``target``, replacing an existing ``target``."""
     if target.is_dir() and any(target.iterdir()):

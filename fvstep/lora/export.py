@@ -28,7 +28,13 @@ from typing import Any
 import torch
 
 from fvstep.checkpoint.diffusers_export import _config_json, _diffusers_class
-from fvstep.checkpoint.export import _agree, _replace_dir, _save_safetensors, gather_weights
+from fvstep.checkpoint.export import (
+    _agree,
+    _check_target,
+    _replace_dir,
+    _save_safetensors,
+    gather_weights,
+)
 from fvstep.checkpoint.layout import fsync
 from fvstep.lora.adapters import LoRAModule, lora_layers
 from fvstep.parallel.ranks import rank_and_world
@@ -182,16 +188,6 @@ def merge_weights(
             tensor = tensor.to(target)
         out[name.replace(".base_layer.", ".")] = tensor
     return out
-
-
-def _check_target(path: Path, overwrite: bool) -> None:
-    if path.exists() and not path.is_dir():
-        raise ValueError(f"the export target {str(path)!r} exists and is not a directory")
-    if path.is_dir() and any(path.iterdir()) and not overwrite:
-        raise ValueError(
-            f"{str(path)!r} exists and is not empty; pass overwrite=True to replace it, "
-            "or choose another path"
-        )
 
 
 def _write_dir(path: Path, fill: Any) -> None:
