@@ -217,6 +217,9 @@ def test_existing_exports_are_kept_unless_overwrite(tmp_path):
     tree.assert_trees_equal(load_file(folder / WEIGHTS), state_dict_of(old))
     export_diffusers(new, "student", folder, overwrite=True)
     tree.assert_trees_equal(load_file(folder / WEIGHTS), state_dict_of(new))
+    with pytest.raises(ValueError, match="exists and is not a directory"):
+        export_diffusers(new, "student", file, overwrite=True)  # a file is never replaced
+    tree.assert_trees_equal(load_file(file), state_dict_of(new))
     assert tmp_leftovers(tmp_path) == []
 
 
