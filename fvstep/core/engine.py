@@ -150,9 +150,7 @@ class Leaf(Step):
     managed: ClassVar[bool] = False
     name: str
     policy: Policy  # its own clip and sanitize; unset fields are the enclosing ones
-
     trains: tuple[str, ...]  # the roles whose optimizers it steps
-
     mutates: tuple[str, ...] = ()  # frozen roles it changes in place (managed steps only)
 
     def children(self) -> tuple[Step, ...]:
@@ -188,7 +186,7 @@ class ManagedContext:
     accumulation: Accumulation
     _policy: Policy
     _parallelism: Parallelism
-    _trains: tuple[str, ...] = ()
+    _trains: tuple[str, ...]
 
     def update(
         self,
@@ -228,7 +226,9 @@ class ManagedContext:
         policy = attrs.evolve(
             unit_.policy.over(self._policy), accumulation=accumulation or self.accumulation
         ).resolve()
-        return _run_unit(state, unit_, batch, key, policy, self._parallelism, None, "")
+        assert policy.accumulation is not None
+        microbatches = split_microbatches(batch, policy.accumulation.microbatches)
+        return _run_unit(state, unit_, microbatches, key, policy, self._parallelism, None)
 
 
 def _unknown_role(role: str, state_roles: list[str]) -> str:
@@ -263,14 +263,11 @@ def _run_unit(
     policy: Policy,
     parallelism: Parallelism,
     progress: Progress | None,
-    what: str,
 ) -> tuple[TrainState, dict[str, Any]]:
-    """One unit: backward, consume the input (``progress``), apply. ``microbatches`` is a
-    batch to split unless ``progress`` is given (the step's split, shared by its units)."""
+    """One unit: backward, consume the input (``progress``: ``None`` inside a managed step,
+    which consumed it at its start), apply."""
     accumulation, clip, sanitize = policy.accumulation, policy.clip, policy.sanitize
     assert accumulation is not None and clip is not UNSET and sanitize is not UNSET
-    if progress is None:
-        microbatches = split_microbatches(microbatches, accumulation.microbatches)
     sync = parallelism.grad_sync(state, accumulation)
     gradients = unit.backward(
         state,
@@ -285,7 +282,7 @@ def _run_unit(
         parallelism=parallelism,
     )
     if progress is not None:
-        progress.change(what)
+        progress.change(progress.current)
     return unit.apply(state, gradients, clip=clip, sanitize=sanitize)
 
 
@@ -357,7 +354,10 @@ def run_step(
                 leaf_key = fsrandom.fold_in_name(step_key, leaf.name)
                 position = next(i for i, x in enumerate(leaves) if x is leaf)
                 if leaf.managed:
-                    progress.current = f"managed step {leaf.name!r} (position {position}, trains {list(leaf.trains)})"
+                    progress.current = (
+                        f"managed step {leaf.name!r} (position {position}, "
+                        f"trains {list(leaf.trains)})"
+                    )
                     progress.change(progress.current)  # it may change anything from its start
                     work, leaf_metrics = _run_managed(
                         work, leaf, batch, leaf_key, policy, parallelism, step, position
@@ -371,14 +371,7 @@ def run_step(
                     if num not in splits:
                         splits[num] = split_microbatches(batch, num)
                     work, leaf_metrics = _run_unit(
-                        work,
-                        leaf,
-                        splits[num],
-                        leaf_key,
-                        policy,
-                        parallelism,
-                        progress,
-                        progress.current,
+                        work, leaf, splits[num], leaf_key, policy, parallelism, progress
                     )
                 _merge_metrics(metrics, leaf_metrics, leaf.name)
     except Exception as error:
