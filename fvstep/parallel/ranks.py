@@ -142,20 +142,17 @@ def host_group() -> Iterator[Any]:
     For control messages between ranks (a stop flag after each step) that must not wait
     for the GPU: under NCCL a collective of a CUDA tensor, read back on the host, waits
     for every kernel queued before it; over gloo it waits for the other ranks' hosts only.
-    Collective: every rank enters and leaves it together.
+    A new gloo group over every rank whatever the world's backend (one code path, the one
+    the CPU tests run). Collective: every rank enters and leaves it together.
 
     Yields:
-        ``None`` on one process or when the world's backend is gloo already (the world
-        group is used); else a new gloo group over every rank, destroyed on exit.
+        ``None`` on one process; else the gloo group, destroyed on exit.
 
     Examples:
         >>> with host_group() as group:
         ...     stop = max_over_ranks([flag], device=torch.device("cpu"), group=group)[0]
     """
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        yield None
-        return
-    if str(dist.get_backend()) == "gloo":
         yield None
         return
     group = dist.new_group(backend="gloo")
