@@ -321,13 +321,6 @@ def test_single_process_refuses_sharded_roles_before_consumption():
     assert not is_consumed(state)
 
 
-def test_a_step_holds_no_layout_so_one_step_runs_under_several():
-    step = fs.compile(fs.update("a", recording("a")))
-    one, _ = step(state_of(), make_batch(0))
-    other, _ = step(state_of(), make_batch(0), parallelism=SingleProcess())
-    tree.assert_trees_equal(one.roles["a"].params, other.roles["a"].params)
-
-
 class RecordingParallelism:
     """A Parallelism of one process that records what the step asks of it."""
 
