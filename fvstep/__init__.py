@@ -4,6 +4,7 @@ The public API: ``TrainState``, ``Role``, ``EMA``, ``update``, ``sequence``, ``e
 ``cond``, ``managed``, ``compile``, ``plan``, ``Step``, ``Accumulation``,
 ``clip_grad_norm``, ``run``, ``run_until``, ``Checkpoints``, ``Validation``, the errors a
 step raises (``ConsumedStateError``, ``NonFiniteGradientError``, ``StepFailedError``),
+``Interrupted`` (what ``run`` raises when a signal stopped it, after saving),
 and the modules ``tree``, ``random``, ``optim``, ``schedules``, ``checkpoint``, ``data``.
 
 A step is called with its process layout: ``step(state, batch)`` on one process,
@@ -26,7 +27,7 @@ if TYPE_CHECKING:  # what type checkers see; at run time __getattr__ imports on 
     from fvstep.core.engine import Step
     from fvstep.core.policy import StepFailedError
     from fvstep.core.steps import compile, cond, every, managed, plan, sequence, update
-    from fvstep.executor import RunResult, run, run_until
+    from fvstep.executor import Interrupted, RunResult, run, run_until
     from fvstep.grads import NonFiniteGradientError, clip_grad_norm
     from fvstep.reporting import Validation
     from fvstep.run_checkpoints import Checkpoints
@@ -39,6 +40,7 @@ _NAMES = {
     "Checkpoints": "fvstep.run_checkpoints",
     "ConsumedStateError": "fvstep.state",
     "EMA": "fvstep.state",
+    "Interrupted": "fvstep.executor",
     "NonFiniteGradientError": "fvstep.grads",
     "Role": "fvstep.state",
     "RunResult": "fvstep.executor",
@@ -64,6 +66,7 @@ __all__ = [
     "Accumulation",
     "Checkpoints",
     "ConsumedStateError",
+    "Interrupted",
     "NonFiniteGradientError",
     "Role",
     "RunResult",

@@ -4,8 +4,9 @@
 locks ``dir`` for the run, resumes from the newest checkpoint under ``dir`` that loads
 (skipping damaged ones, with a warning), runs steps ``state.step .. num_steps - 1``,
 saves every ``every`` steps and at the end, and on SIGTERM or a first Ctrl-C saves at the
-next step boundary and returns early, saying so on stderr. :func:`run_until` returns a
-:class:`RunResult` that also says why the loop ended and where the state was saved.
+next step boundary and raises :class:`Interrupted` (so that a script cannot go on as if
+the run had completed). :func:`run_until` returns a :class:`RunResult` instead, which says
+why the loop ended and where the state was saved.
 Data is a function of the step, so resuming at step ``s`` needs nothing but ``s``.
 
 ``validation=Validation(fn, every=n)`` runs ``fn(state, key)`` between steps without
@@ -45,7 +46,7 @@ from fvstep.run_checkpoints import Checkpoints, lock_run_dir, resume, save_run_s
 from fvstep.state import TrainState
 from fvstep.trackers import Tracker
 
-__all__ = ["Checkpoints", "RunResult", "run", "run_until"]
+__all__ = ["Checkpoints", "Interrupted", "RunResult", "run", "run_until"]
 
 
 StopReason = Literal["completed", "SIGTERM", "SIGINT"]
@@ -79,6 +80,50 @@ class RunResult:
     def completed(self) -> bool:
         """Whether the run reached ``num_steps``."""
         return self.stopped_by == "completed"
+
+
+class Interrupted(Exception):
+    """:func:`run` was stopped by a signal before ``num_steps``, after saving its state.
+
+    Raised after the state was saved and the lock of the run's folder released, so that
+    the same command run again resumes from :attr:`checkpoint`.
+
+    Attributes:
+        signal: ``"SIGTERM"`` or ``"SIGINT"`` (a first Ctrl-C).
+        step: The step the state reached (and was saved at).
+        num_steps: The step the run was asked to reach.
+        checkpoint: The checkpoint that holds the state (``None`` without checkpoints).
+        state: The state at ``step``.
+
+    Examples:
+        >>> try:
+        ...     state = fs.run(step_fn, state, source, num_steps=1000,
+        ...                    checkpoints=fs.Checkpoints("ckpt", every=100))
+        ... except fs.Interrupted as e:  # preempted: the job scheduler will restart us
+        ...     sys.exit(143)
+    """
+
+    def __init__(
+        self,
+        signal: str,
+        step: int,
+        num_steps: int,
+        checkpoint: Path | None,
+        state: TrainState | None = None,
+    ) -> None:
+        where = f"saved {str(checkpoint)!r}" if checkpoint is not None else "nothing saved"
+        super().__init__(
+            f"stopped by {signal} at step {step} of {num_steps}; {where}: run the same "
+            "command again to resume"
+        )
+        self.signal = signal
+        self.step = step
+        self.num_steps = num_steps
+        self.checkpoint = checkpoint
+        self.state = state
+
+    def __reduce__(self) -> Any:  # picklable (a launched rank hands it to its launcher)
+        return (type(self), (self.signal, self.step, self.num_steps, self.checkpoint))
 
 
 def _batch(data: Any, step: int, rank: int, world: int) -> Any:
@@ -141,16 +186,35 @@ def run(
 ) -> TrainState:
     """Run ``step`` until the state's step counter reaches ``num_steps``; return the state.
 
-    ``run_until(step, state, data, **options).state``: see :func:`run_until` for the
-    options, what happens on SIGTERM and Ctrl-C, and the errors. A caller that must tell
-    a run stopped by a signal from a completed one (to exit non-zero on preemption, say)
-    calls :func:`run_until`, or compares the returned ``state.step`` with ``num_steps``.
+    As :func:`run_until` (see it for the options and the errors), but a run that a signal
+    stops early raises: on SIGTERM or a first Ctrl-C it finishes the step in progress,
+    saves, releases the lock of ``checkpoints.dir`` and raises :class:`Interrupted`
+    (naming the signal, the step and the checkpoint). So a script never goes on to
+    export or evaluate a half-trained state as if the run had completed; running it
+    again resumes from that checkpoint. A caller that would rather look at why the loop
+    ended calls :func:`run_until`, which returns a :class:`RunResult`.
+
+    Returns:
+        The state at ``num_steps``.
+
+    Raises:
+        Interrupted: If SIGTERM or a first Ctrl-C stopped the run before ``num_steps``
+            (after the state was saved).
 
     Examples:
         >>> state = run(step_fn, state, source, num_steps=1000,
         ...             checkpoints=Checkpoints("ckpt", every=100, keep=3))
     """
-    return run_until(step, state, data, **options).state
+    result = run_until(step, state, data, **options)
+    if not result.completed:
+        raise Interrupted(
+            result.stopped_by,
+            int(result.state.step),
+            options["num_steps"],
+            result.checkpoint,
+            result.state,
+        )
+    return result.state
 
 
 def run_until(
@@ -184,7 +248,8 @@ def run_until(
 
     On SIGTERM (a job scheduler's preemption) or a first Ctrl-C (SIGINT) it finishes the
     step in progress, saves, prints one line on rank 0's stderr naming the checkpoint,
-    and returns early with ``stopped_by`` saying which signal; a second Ctrl-C raises
+    and returns early with ``stopped_by`` saying which signal (:func:`run` raises
+    :class:`Interrupted` instead); a second Ctrl-C raises
     ``KeyboardInterrupt`` at once, without saving. A signal that reaches only some ranks
     stops all of them at the same step. The handlers are installed in the main thread
     only, and the SIGINT one only when Python's default handler is in place (a caller

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -148,17 +149,27 @@ SIGNAL_SCRIPT = textwrap.dedent(
         while s == 3 and not os.path.exists({go!r}):
             time.sleep(0.01)
         return data(s)
-    result = fs.run_until(step, state, held, num_steps=100000,
-                          checkpoints=fs.Checkpoints({dir!r}, every=1000), progress=False)
-    print("returned", int(result.state.step), result.stopped_by, result.checkpoint, flush=True)
+    options = dict(num_steps=100000, checkpoints=fs.Checkpoints({dir!r}, every=1000),
+                   progress=False)
+    if {raises!r}:
+        try:
+            fs.run(step, state, held, **options)
+        except fs.Interrupted as e:
+            lock = fs.checkpoint.lock_dir({dir!r})  # released before raising: free to take
+            lock.release()
+            print("raised", e.signal, e.step, e.checkpoint, int(e.state.step), flush=True)
+    else:
+        result = fs.run_until(step, state, held, **options)
+        print("returned", int(result.state.step), result.stopped_by, result.checkpoint,
+              flush=True)
     """
 )
 
 
-def start_signal_script(tmp_path):
+def start_signal_script(tmp_path, *, raises=False):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     go = tmp_path / "go"
-    script = SIGNAL_SCRIPT.format(root=root, dir=str(tmp_path / "ckpt"), go=str(go))
+    script = SIGNAL_SCRIPT.format(root=root, dir=str(tmp_path / "ckpt"), go=str(go), raises=raises)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
         [sys.executable, "-c", script],
@@ -202,6 +213,30 @@ def test_sigterm_saves_at_the_step_boundary_returns_and_says_so(tmp_path):
     assert f"fvstep: stopped by SIGTERM at step 4 of 100000; saved {str(saved)!r}\n" in out
     assert f"returned 4 SIGTERM {saved}\n" in out
     assert ckpt.latest(tmp_path / "ckpt") == saved
+
+
+def test_run_stopped_by_sigterm_raises_interrupted_after_saving_a_loadable_checkpoint(tmp_path):
+    proc, go = start_signal_script(tmp_path, raises=True)
+    read_until(proc, "step 3")
+    proc.send_signal(signal.SIGTERM)
+    go.touch()
+    out = finish(proc)
+    assert proc.returncode == 0, out
+    saved = tmp_path / "ckpt" / "step_000000004"
+    assert f"raised SIGTERM 4 {saved} 4\n" in out, out
+    state, _, _ = tiny_setup()
+    loaded = ckpt.load(saved, like=state)
+    assert int(loaded.step) == 4
+
+
+def test_interrupted_names_the_signal_step_and_checkpoint_and_pickles():
+    import pickle
+
+    e = fs.Interrupted("SIGTERM", 4, 10, Path("ckpt/step_000000004"))
+    assert "stopped by SIGTERM at step 4 of 10; saved 'ckpt/step_000000004'" in str(e)
+    again = pickle.loads(pickle.dumps(e))
+    assert (again.signal, again.step, again.num_steps) == ("SIGTERM", 4, 10)
+    assert again.checkpoint == Path("ckpt/step_000000004") and again.state is None
 
 
 def test_a_first_ctrl_c_saves_at_the_next_step_boundary_and_says_where(tmp_path):
