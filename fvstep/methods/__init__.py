@@ -8,6 +8,8 @@ any ``nn.Module`` with that signature works, not only ``diffusers`` models.
 - :func:`finetune` / :func:`flow_matching_loss`: flow-matching fine-tuning (one role).
 - :func:`dmd2` / :func:`dmd2_losses`: DMD2 distillation (student, teacher, critic).
 - :func:`rl` / :func:`rl_inner_loss`: an RL-style managed step (student, old, reference).
+- :func:`diffusion_nft`: DiffusionNFT (policy, old, optional reference); rewards in
+  :mod:`fvstep.methods.rewards`.
 
 Examples:
     >>> from fvstep.methods import dmd2
@@ -15,12 +17,15 @@ Examples:
     ...                       accumulation=fvstep.Accumulation(microbatches=2))
 """
 
+from fvstep.methods.diffusion_nft import SoftUpdate, diffusion_nft
 from fvstep.methods.dmd2 import DMD2Losses, dmd2, dmd2_losses
 from fvstep.methods.finetune import finetune, flow_matching_loss
 from fvstep.methods.rl import rl, rl_inner_loss
 
 __all__ = [
     "DMD2Losses",
+    "SoftUpdate",
+    "diffusion_nft",
     "dmd2",
     "dmd2_losses",
     "finetune",

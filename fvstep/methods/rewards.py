@@ -1,0 +1,232 @@
+"""Rewards for RL methods: the protocol, a check, and rewards that run anywhere.
+
+A reward function scores generated samples, one number a sample::
+
+    rewards = reward_fn(samples, batch)   # samples (N, C, F, H, W) latents -> (N,) rewards
+
+``batch`` is the method's batch with every tensor repeated per sample (each prompt's
+``group_size`` samples see their prompt's rows), so a reward can read the prompt's text
+embedding or a target. A reward over pixels is a latent reward through a decoder:
+:func:`decoded` turns ``pixel_reward(pixels, batch)`` into a latent one, with any
+``decode(latents) -> pixels`` (``functools.partial(fvstep.sampling.decode_latents, vae)``
+decodes as ``WanPipeline`` does).
+
+- :class:`RewardFn`: the protocol.
+- :func:`check_rewards`: what a method checks of a reward function's answer.
+- :func:`decoded`: a pixel reward as a latent reward.
+- :func:`optimality_probabilities`: rewards to DiffusionNFT's optimality probabilities,
+  normalised per prompt group.
+- :func:`colorfulness`: the colourfulness of Hasler and Süsstrunk (2003), a published
+  no-reference image measure with no weights to download: a real reward that runs on a
+  CPU without a network (learned rewards, CLIP or aesthetic scorers, need their weights).
+
+Examples:
+    >>> reward = decoded(colorfulness, functools.partial(decode_latents, vae))
+    >>> reward(latents, batch).shape
+    torch.Size([8])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, Literal, Protocol
+
+import torch
+
+__all__ = [
+    "GroupStd",
+    "PixelRewardFn",
+    "RewardFn",
+    "check_group_size",
+    "check_rewards",
+    "colorfulness",
+    "decoded",
+    "optimality_probabilities",
+]
+
+GroupStd = Literal["group", "batch"]
+"""The spread that normalises rewards: of each prompt group, or of the whole batch."""
+
+
+class RewardFn(Protocol):
+    """``reward_fn(samples, batch) -> (N,)``: one reward per sample (higher is better).
+
+    ``samples`` are the generated latents ``(N, C, F, H, W)`` (no gradient); ``batch``
+    holds the method's batch repeated per sample. It runs under ``torch.no_grad()``,
+    inside the step's RNG scope: a reward that draws noise must draw it from the global
+    RNG only (which the step seeds from its key) or be deterministic.
+    """
+
+    def __call__(self, samples: torch.Tensor, batch: Mapping[str, Any]) -> torch.Tensor:
+        """The rewards, ``(N,)``."""
+        ...
+
+
+PixelRewardFn = Callable[[torch.Tensor, Mapping[str, Any]], torch.Tensor]
+"""``pixel_reward(pixels, batch) -> (N,)`` with pixels ``(N, F, H, W, 3)`` in ``[0, 1]``."""
+
+
+def check_rewards(rewards: object, num_samples: int, *, what: str = "reward_fn") -> torch.Tensor:
+    """Refuse what is not one floating reward a sample; return the rewards.
+
+    Only shapes and dtypes are checked (no device sync): a NaN reward turns the loss NaN,
+    which the step's ``sanitize`` catches.
+
+    Args:
+        rewards: What the reward function returned.
+        num_samples: ``N``, the samples it was given.
+        what: Names the reward function in the error.
+
+    Returns:
+        ``rewards``, detached.
+
+    Raises:
+        TypeError: If it is not a floating tensor.
+        ValueError: If its shape is not ``(N,)``.
+
+    Examples:
+        >>> check_rewards(torch.zeros(4), 4)
+        tensor([0., 0., 0., 0.])
+    """
+    if not isinstance(rewards, torch.Tensor) or not rewards.is_floating_point():
+        got = rewards.dtype if isinstance(rewards, torch.Tensor) else type(rewards).__name__
+        raise TypeError(f"{what} must return a floating tensor of rewards, got {got}")
+    if tuple(rewards.shape) != (num_samples,):
+        raise ValueError(
+            f"{what} must return one reward per sample, shape ({num_samples},), got "
+            f"{tuple(rewards.shape)} (reduce any per-frame or per-pixel scores to one a sample)"
+        )
+    return rewards.detach()
+
+
+def decoded(
+    pixel_reward: PixelRewardFn, decode: Callable[[torch.Tensor], torch.Tensor]
+) -> RewardFn:
+    """A latent reward that decodes the samples and scores their pixels.
+
+    Args:
+        pixel_reward: ``(pixels, batch) -> (N,)``, pixels ``(N, F, H, W, 3)`` in ``[0, 1]``.
+        decode: ``latents -> pixels``, e.g. ``functools.partial(decode_latents, vae)``.
+
+    Returns:
+        ``reward_fn(samples, batch) = pixel_reward(decode(samples), batch)``.
+
+    Raises:
+        TypeError: If either is not callable.
+
+    Examples:
+        >>> reward = decoded(colorfulness, functools.partial(decode_latents, vae))
+    """
+    if not callable(pixel_reward) or not callable(decode):
+        raise TypeError("decoded needs a pixel reward and a decode function (both callables)")
+
+    def reward_fn(samples: torch.Tensor, batch: Mapping[str, Any]) -> torch.Tensor:
+        with torch.no_grad():
+            return pixel_reward(decode(samples), batch)
+
+    return reward_fn
+
+
+def colorfulness(pixels: torch.Tensor, batch: Mapping[str, Any] | None = None) -> torch.Tensor:
+    """The colourfulness of each video (Hasler and Süsstrunk 2003), on the 0..255 scale.
+
+    With ``rg = R - G`` and ``yb = (R + G) / 2 - B`` over all pixels of all frames of a
+    video: ``C = sqrt(std(rg)^2 + std(yb)^2) + 0.3 sqrt(mean(rg)^2 + mean(yb)^2)``
+    (population standard deviations, fp32). A grey video scores 0; saturated, varied
+    colour scores high (about 110 for the most colourful natural images).
+
+    Args:
+        pixels: ``(N, F, H, W, 3)`` (or ``(N, H, W, 3)``) RGB in ``[0, 1]``.
+        batch: Not read (the pixel reward protocol passes it).
+
+    Returns:
+        ``(N,)`` fp32.
+
+    Raises:
+        ValueError: If the last dimension is not 3 channels.
+
+    Examples:
+        >>> colorfulness(torch.full((2, 1, 4, 4, 3), 0.5))
+        tensor([0., 0.])
+    """
+    if pixels.dim() < 3 or pixels.shape[-1] != 3:
+        raise ValueError(
+            f"colorfulness needs RGB pixels (N, ..., 3) channels last, got {tuple(pixels.shape)}"
+        )
+    rgb = pixels.float().reshape(pixels.shape[0], -1, 3) * 255.0
+    r, g, b = rgb.unbind(-1)
+    rg = r - g
+    yb = 0.5 * (r + g) - b
+    spread = (rg.var(dim=1, unbiased=False) + yb.var(dim=1, unbiased=False)).sqrt()
+    level = (rg.mean(dim=1) ** 2 + yb.mean(dim=1) ** 2).sqrt()
+    return spread + 0.3 * level
+
+
+def check_group_size(group_size: int) -> None:
+    """Refuse a group size that is not an int >= 2.
+
+    Raises:
+        ValueError: Naming the value.
+
+    Examples:
+        >>> check_group_size(4)
+    """
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 2:
+        raise ValueError(f"group_size must be an int >= 2, got {group_size!r}")
+
+
+def optimality_probabilities(
+    rewards: torch.Tensor,
+    group_size: int,
+    *,
+    std: GroupStd = "group",
+    clip_max: float = 5.0,
+    eps: float = 1e-4,
+) -> torch.Tensor:
+    """Rewards to optimality probabilities in ``[0, 1]``, normalised per prompt group.
+
+    ``A = (R - mean_g R) / (s + eps)`` with ``mean_g`` the mean of the sample's group
+    (rows ``g G .. g G + G - 1``) and ``s`` the population standard deviation of the group
+    (``std="group"``) or of all the rewards given (``"batch"``, the authors' default; on
+    several ranks, of this rank's rewards); then ``r = 1/2 + 1/2 clip(A / c, -1, 1)``
+    with ``c = clip_max``. Up to ``eps``, ``r`` is invariant to ``R -> a R + b`` (``a >
+    0``) within each group (``"group"``) or over the batch with any shift per group
+    (``"batch"``).
+
+    Args:
+        rewards: ``(N,)``, ``N`` divisible by ``group_size``; computed in fp32.
+        group_size: ``G`` (>= 2).
+        std: Which spread normalises.
+        clip_max: ``c``: advantages beyond ``+-c`` standard deviations saturate (> 0).
+        eps: Added to the standard deviation (>= 0).
+
+    Returns:
+        ``(N,)`` fp32 probabilities (``1/2`` for a group of equal rewards).
+
+    Raises:
+        ValueError: For a bad shape or setting.
+
+    Examples:
+        >>> optimality_probabilities(torch.tensor([0.0, 2.0, 5.0, 5.0]), 2, clip_max=1.0, eps=0.0)
+        tensor([0.0000, 1.0000, 0.5000, 0.5000])
+    """
+    check_group_size(group_size)
+    if rewards.dim() != 1 or rewards.shape[0] % group_size:
+        raise ValueError(
+            f"rewards must be (N,) with N divisible by group_size={group_size}, "
+            f"got shape {tuple(rewards.shape)}"
+        )
+    if std not in ("group", "batch"):
+        raise ValueError(f"std must be 'group' or 'batch', got {std!r}")
+    if not clip_max > 0:
+        raise ValueError(f"clip_max must be > 0, got {clip_max}")
+    if not eps >= 0:
+        raise ValueError(f"eps must be >= 0, got {eps}")
+    grouped = rewards.float().reshape(-1, group_size)
+    mean = grouped.mean(dim=1, keepdim=True)
+    if std == "group":
+        spread = grouped.std(dim=1, keepdim=True, unbiased=False)
+    else:
+        spread = grouped.std(unbiased=False)
+    advantages = (grouped - mean) / (spread + eps)
+    return (0.5 + 0.5 * (advantages / clip_max).clamp(-1.0, 1.0)).reshape(-1)
