@@ -50,6 +50,7 @@ from torch import nn
 from fvstep import random as fsrandom
 from fvstep.core.steps import Chain, Cond, cond, every, sequence, update
 from fvstep.methods import _noise
+from fvstep.methods._checks import check_batch
 from fvstep.methods.finetune import RoleLossFn, add_noise, x0_from_velocity
 from fvstep.models import predict
 from fvstep.state import TrainState
@@ -260,6 +261,7 @@ def dmd2_losses(
     def generator_loss(
         state: TrainState, batch: Any, key: torch.Tensor
     ) -> tuple[torch.Tensor, dict[str, Any]]:
+        batch = check_batch(state, batch, student)
         keys = fsrandom.split(key, _NUM_KEYS)
         text = batch["text"]
         x0_hat = rollout(state.module(student), batch["latents"], text, keys[_ROLLOUT], steps)
@@ -268,6 +270,7 @@ def dmd2_losses(
     def critic_loss(
         state: TrainState, batch: Any, key: torch.Tensor
     ) -> tuple[torch.Tensor, dict[str, Any]]:
+        batch = check_batch(state, batch, student)
         keys = fsrandom.split(key, _NUM_KEYS)
         text = batch["text"]
         with torch.no_grad():
@@ -277,6 +280,7 @@ def dmd2_losses(
     def fused_loss(
         state: TrainState, batch: Any, key: torch.Tensor
     ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        batch = check_batch(state, batch, student)
         keys = fsrandom.split(key, _NUM_KEYS)
         text = batch["text"]
         x0_hat = rollout(state.module(student), batch["latents"], text, keys[_ROLLOUT], steps)

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from fvstep import random as fsrandom
 from fvstep.core.steps import Unit, update
 from fvstep.methods import _noise
+from fvstep.methods._checks import check_batch
 from fvstep.models import predict
 from fvstep.state import TrainState
 
@@ -150,6 +151,7 @@ def flow_matching_loss(
     def loss_fn(
         state: TrainState, batch: Any, key: torch.Tensor
     ) -> tuple[torch.Tensor, dict[str, Any]]:
+        batch = check_batch(state, batch, role)
         x0 = batch["latents"]
         k_t, k_eps = fsrandom.split(key, 2)
         t = sample_time(

