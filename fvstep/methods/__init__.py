@@ -10,6 +10,8 @@ any ``nn.Module`` with that signature works, not only ``diffusers`` models.
 - :func:`rl` / :func:`rl_inner_loss`: an RL-style managed step (student, old, reference).
 - :func:`diffusion_nft`: DiffusionNFT (policy, old, optional reference); rewards in
   :mod:`fvstep.methods.rewards`.
+- :func:`make_causal` / :func:`causal_forward`: a block-causal Wan with a KV cache
+  (:class:`KVCache`, :func:`init_cache`).
 
 Examples:
     >>> from fvstep.methods import dmd2
@@ -17,6 +19,7 @@ Examples:
     ...                       accumulation=fvstep.Accumulation(microbatches=2))
 """
 
+from fvstep.methods.causal_wan import KVCache, causal_forward, init_cache, make_causal
 from fvstep.methods.diffusion_nft import SoftUpdate, diffusion_nft
 from fvstep.methods.dmd2 import DMD2Losses, dmd2, dmd2_losses
 from fvstep.methods.finetune import finetune, flow_matching_loss
@@ -24,12 +27,16 @@ from fvstep.methods.rl import rl, rl_inner_loss
 
 __all__ = [
     "DMD2Losses",
+    "KVCache",
     "SoftUpdate",
+    "causal_forward",
     "diffusion_nft",
     "dmd2",
     "dmd2_losses",
     "finetune",
     "flow_matching_loss",
+    "init_cache",
+    "make_causal",
     "rl",
     "rl_inner_loss",
 ]
