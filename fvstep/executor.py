@@ -43,6 +43,7 @@ from fvstep.reporting import (
     validations,
 )
 from fvstep.run_checkpoints import Checkpoints, lock_run_dir, resume, save_run_state
+from fvstep.schedule_check import check_schedule_lengths
 from fvstep.state import TrainState
 from fvstep.trackers import Tracker
 
@@ -330,6 +331,7 @@ def run_until(
                 "run counts steps from 0, so num_steps is the step to reach, not a number "
                 "of steps to add"
             )
+        check_schedule_lengths(step, state, num_steps=num_steps)
         if parallelism is None:
             parallelism = default_layout(state)
         result = _loop(

@@ -140,6 +140,7 @@ LAYERS = {
         "fvstep.media",
         "fvstep.reporting",
         "fvstep.run_checkpoints",
+        "fvstep.schedule_check",
     ),
     "methods": ("fvstep.methods", "fvstep.models"),
     "observe": ("fvstep.validation", "fvstep.sampling"),

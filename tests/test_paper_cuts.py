@@ -101,3 +101,51 @@ def test_dmd2_checks_its_batch_at_each_loss() -> None:
     for loss in losses:
         with pytest.raises(ValueError, match="in_channels=4"):
             loss(state, _batch(channels=3), fs.random.key(0))
+
+
+# --------------------------------------------------------------------------------------
+# Schedules count updates: a run that disagrees with its schedule's length is told so
+# --------------------------------------------------------------------------------------
+
+
+def _linear_loss(state: fs.TrainState, batch: torch.Tensor, key: torch.Tensor) -> tuple:
+    return state.module("student")(batch).pow(2).mean(), {}
+
+
+def _every_second_step(total_steps: int) -> tuple[fs.TrainState, fs.Step]:
+    lr = fs.schedules.warmup_cosine(1e-2, warmup_steps=1, total_steps=total_steps)
+    module = torch.nn.Linear(3, 2)
+    state = fs.TrainState.create(
+        {"student": fs.Role(module, optimizer=fs.optim.adamw(lr=lr))}, key=fs.random.key(0)
+    )
+    return state, fs.compile(fs.every(2, fs.update("student", _linear_loss)))
+
+
+def test_run_warns_when_a_schedule_counts_steps_where_the_role_makes_fewer_updates() -> None:
+    from fvstep.schedule_check import ScheduleLengthWarning
+
+    state, step = _every_second_step(total_steps=8)
+    with pytest.warns(ScheduleLengthWarning, match=r"total_steps=8 .* made 4 .*total_steps=4"):
+        fs.run(step, state, lambda i: torch.ones(2, 3), num_steps=8, progress=False)
+
+
+def test_run_is_silent_when_the_schedule_counts_the_role_updates() -> None:
+    state, step = _every_second_step(total_steps=4)
+    done = fs.run(step, state, lambda i: torch.ones(2, 3), num_steps=8, progress=False)
+    assert int(done.roles["student"].opt_state.count) == 4
+
+
+def test_the_decaying_schedules_carry_their_length() -> None:
+    from fvstep.schedule_check import schedule_length
+
+    s = fs.schedules
+    for schedule in (
+        s.warmup_cosine(1.0, warmup_steps=1, total_steps=7),
+        s.cosine(1.0, total_steps=7),
+        s.warmup_cosine_restarts(1.0, warmup_steps=1, total_steps=7),
+        s.warmup_linear(1.0, warmup_steps=1, total_steps=7),
+        s.linear_decay(1.0, total_steps=7),
+        s.polynomial(1.0, warmup_steps=1, total_steps=7),
+    ):
+        assert schedule_length(schedule) == 7, schedule.__name__
+    assert schedule_length(s.constant(1.0)) is None and schedule_length(1e-3) is None

@@ -68,8 +68,13 @@ def _check_boundaries(
     return bounds
 
 
-def _lambda_lr(lr: float, factor: Callable[[int], float], name: str) -> Schedule:
-    """Wrap a multiplier ``factor(step)`` as ``torch.optim.lr_scheduler.LambdaLR`` applies it."""
+def _lambda_lr(
+    lr: float, factor: Callable[[int], float], name: str, total_steps: int | None = None
+) -> Schedule:
+    """Wrap a multiplier ``factor(step)`` as ``torch.optim.lr_scheduler.LambdaLR`` applies it.
+
+    A schedule laid out over ``total_steps`` updates carries them as ``schedule.total_steps``
+    (what :func:`fvstep.run` compares with the updates a run makes)."""
 
     def schedule(step: SupportsIndex) -> float:
         # LambdaLR.get_lr computes `base_lr * lmbda(last_epoch)`; same operands, same order.
@@ -77,4 +82,6 @@ def _lambda_lr(lr: float, factor: Callable[[int], float], name: str) -> Schedule
 
     schedule.__name__ = name
     schedule.__qualname__ = name
+    if total_steps is not None:
+        schedule.__dict__["total_steps"] = total_steps
     return schedule

@@ -94,7 +94,7 @@ def _warmup_cosine(
         # ... rescaled to [min_ratio, 1]; for min_ratio == 0 this is `0.0 + 1.0 * c == c`.
         return floor + (1.0 - floor) * c
 
-    return _lambda_lr(lr, factor, name)
+    return _lambda_lr(lr, factor, name, total)
 
 
 def cosine(
@@ -168,7 +168,7 @@ def warmup_cosine_restarts(
             return 0.0
         return max(0.0, 0.5 * (1.0 + math.cos(math.pi * ((float(cycles) * progress) % 1.0))))
 
-    return _lambda_lr(lr, factor, "warmup_cosine_restarts")
+    return _lambda_lr(lr, factor, "warmup_cosine_restarts", total)
 
 
 def warmup_linear(
@@ -217,7 +217,7 @@ def _warmup_linear(
         progress = float(total - step) / float(max(1, total - warmup))
         return f_min + (f_max - f_min) * max(0.0, progress)
 
-    return _lambda_lr(lr, factor, name)
+    return _lambda_lr(lr, factor, name, total)
 
 
 def linear_decay(
@@ -310,4 +310,4 @@ def polynomial(
             decay = lr_range * pct_remaining**exponent + lr_end
             return decay / lr_init
 
-    return _lambda_lr(lr_init, factor, "polynomial")
+    return _lambda_lr(lr_init, factor, "polynomial", total)
