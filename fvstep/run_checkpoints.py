@@ -85,10 +85,16 @@ def resume(
     agrees on every failure, so all ranks resume from the same checkpoint.
     """
     root = checkpoints.dir
-    candidates = broadcast_object(layout.list_step_dirs(root) if rank == 0 else None)
-    assert candidates is not None
-    if candidates and candidates[-1][0] > num_steps:
-        newest = candidates[-1][0]
+    listed = broadcast_object(
+        (layout.list_step_dirs(root), layout.list_complete(root)) if rank == 0 else None
+    )
+    assert listed is not None
+    candidates, complete = listed
+    # Only a committed checkpoint (with its manifest) can be past num_steps: a folder
+    # without one is an unfinished save, skipped and set aside below like a damaged one
+    # (as latest() ignores it), never a reason to refuse the run.
+    if complete and complete[-1][0] > num_steps:
+        newest = complete[-1][0]
         raise ValueError(
             f"the newest checkpoint under {str(root)!r} is at step {newest}, past "
             f"num_steps={num_steps}: resuming would return it without running a step. "

@@ -149,3 +149,26 @@ def test_the_decaying_schedules_carry_their_length() -> None:
     ):
         assert schedule_length(schedule) == 7, schedule.__name__
     assert schedule_length(s.constant(1.0)) is None and schedule_length(1e-3) is None
+
+
+# --------------------------------------------------------------------------------------
+# A step folder without a manifest: an unfinished save, to latest() and to fs.run alike
+# --------------------------------------------------------------------------------------
+
+
+def test_a_step_folder_without_manifest_past_num_steps_is_set_aside_not_blocking(
+    tmp_path,
+) -> None:
+    from fvstep.checkpoint import CheckpointSkippedWarning
+
+    state, step = _every_second_step(total_steps=2)
+    ckpt = fs.Checkpoints(tmp_path, every=2, keep=None)
+    data = lambda i: torch.ones(2, 3)  # noqa: E731
+    fs.run(step, state, data, num_steps=4, checkpoints=ckpt, progress=False)
+    (tmp_path / "step_000000010").mkdir()  # a save that died before its manifest
+    assert fs.checkpoint.latest(tmp_path) == tmp_path / "step_000000004"
+    again, _ = _every_second_step(total_steps=3)
+    with pytest.warns(CheckpointSkippedWarning, match="step_000000010.*no manifest"):
+        done = fs.run(step, again, data, num_steps=6, checkpoints=ckpt, progress=False)
+    assert int(done.step) == 6
+    assert (tmp_path / "step_000000010.damaged").is_dir()  # kept, never deleted
