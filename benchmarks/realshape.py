@@ -1,4 +1,4 @@
-"""The real workload: fine-tune or DMD2 (3 roles) at 480x832x81, prepared roles vs by hand.
+"""The real workload: fine-tune, DMD2 (3 roles) or DiffusionNFT at 480x832x81, prepared vs by hand.
 
 Each *side* builds its roles, runs ``--warmup`` steps (compiles, allocator warm-up), then
 ``--steps`` timed steps, and frees everything before the next side, in one process group:
@@ -15,7 +15,13 @@ Each *side* builds its roles, runs ``--warmup`` steps (compiles, allocator warm-
   in memory, not three, and optimizer state for the adapters only.
 
 DMD2 runs with ``generator_update_interval=2``, so steps alternate between
-student+critic and critic-only, which are reported apart. Both sides run fvstep's
+student+critic and critic-only, which are reported apart. DiffusionNFT
+(``--method diffusion-nft``) runs a policy and its old copy (frozen, bf16 on the prepared
+side), one prompt a step rolled out ``--group-size`` times by ``--rollout-steps`` Euler
+steps of the old policy, scored by the stated latent reward
+(:func:`fvstep.methods.rl.latent_mse_reward`), one optimizer step over ``--group-size``
+micro-batches of one sample, then the soft update; its rollout forwards count as
+no-grad forwards. Both sides run fvstep's
 compiled step; the difference is only the role preparation.
 
 **MFU** counts model FLOPs only: forward hooks count each role's calls per step, a call
@@ -54,13 +60,20 @@ from benchmarks.presets import PRESETS, Preset, build_model, make_batch
 from fvstep import parallel as fsp
 from fvstep._compat import checkpoint_wrapper
 from fvstep.lora import LoRAModule, add_adapters
-from fvstep.methods import dmd2, finetune
+from fvstep.methods import SoftUpdate, diffusion_nft, dmd2, finetune
+from fvstep.methods.diffusion_nft import euler_rollout
+from fvstep.methods.rl import latent_mse_reward
 
 __all__ = ["build_parser", "main", "run_side"]
 
 
+def _samples_of(output: Any) -> int:
+    first = output[0] if isinstance(output, (tuple, list)) else output
+    return int(first.shape[0]) if isinstance(first, torch.Tensor) and first.dim() > 0 else 1
+
+
 class _CallCounter:
-    """Model forwards of a role per step, weighted by what backward costs them.
+    """Model forwards of one sample per step, weighted by what backward costs them.
 
     A LoRA role's call runs its base's forward inside it: that inner call is not counted
     again, and the LoRA call counts as a frozen one (the base's weights get no gradient).
@@ -84,11 +97,12 @@ class _CallCounter:
             self.inside_lora -= 1
         elif self.inside_lora:
             return  # the base, called by a LoRA role: counted there
+        samples = _samples_of(output)  # a forward of B samples costs B forwards of one
         if not torch.is_grad_enabled():
-            self.forwards += 1
+            self.forwards += samples
             return
         trainable = not lora and any(p.requires_grad for p in module.parameters())
-        self.forwards += 3 if trainable else 2
+        self.forwards += (3 if trainable else 2) * samples
 
     def take(self) -> float:
         value, self.forwards = self.forwards, 0.0
@@ -153,14 +167,42 @@ def _lora_roles(preset: Preset, rt: c.Runtime, args: Any) -> dict[str, Any]:
     return {"student": lora["student"], "teacher": base, "critic": lora["critic"]}
 
 
+ROLES = {
+    "finetune": ["student"],
+    "dmd2": ["student", "teacher", "critic"],
+    "diffusion-nft": ["policy", "old"],
+}
+"""The roles each ``--method`` trains or reads."""
+FROZEN = ("teacher", "old")
+"""Roles without an optimizer (prepared as frozen: stored in bf16 on the prepared side)."""
+
+
+def _method(args: Any) -> fs.Step:
+    if args.method == "dmd2":
+        return dmd2(generator_update_interval=2)
+    if args.method == "diffusion-nft":
+        # The stated latent reward (no reward model at this shape); one sample per
+        # micro-batch, so a step holds a group of --group-size rollouts of one prompt.
+        return diffusion_nft(
+            reward_fn=latent_mse_reward,
+            group_size=args.group_size,
+            rollout=euler_rollout(args.rollout_steps),
+            soft_update=SoftUpdate(),
+            accumulation=fs.Accumulation(args.group_size),
+        )
+    return finetune()
+
+
 def _roles(side: str, preset: Preset, rt: c.Runtime, args: Any) -> dict[str, Any]:
     if side == "lora":
         return _lora_roles(preset, rt, args)
-    names = ["student", "teacher", "critic"] if args.method == "dmd2" else ["student"]
+    names = ROLES[args.method]
     modules = {}
     for i, name in enumerate(names):
-        module = build_model(preset, device=rt.device, seed=args.seed + i)
-        trainable = name != "teacher"
+        # DiffusionNFT's old policy starts as a copy of the policy (the same seed)
+        seed = args.seed + (0 if name == "old" else i)
+        module = build_model(preset, device=rt.device, seed=seed)
+        trainable = name not in FROZEN
         if side == "prepared":
             modules[name] = _prepared(module, rt, args, trainable=trainable)
         else:
@@ -173,12 +215,10 @@ def run_side(side: str, preset: Preset, rt: c.Runtime, args: Any) -> dict[str, A
     modules = _roles(side, preset, rt, args)
     adamw = fs.optim.adamw(lr=1e-5)
     roles = {
-        name: fs.Role(m, optimizer=None if name == "teacher" else adamw)
-        for name, m in modules.items()
+        name: fs.Role(m, optimizer=None if name in FROZEN else adamw) for name, m in modules.items()
     }
     state = fs.TrainState.create(roles, key=fs.random.key(args.seed))
-    method = dmd2(generator_update_interval=2) if args.method == "dmd2" else finetune()
-    compiled = fs.compile(method, clip=fs.clip_grad_norm(1.0))
+    compiled = fs.compile(_method(args), clip=fs.clip_grad_norm(1.0))
     step = c.with_autocast(compiled, rt, c.resolve_dtype(args, rt))
     batch = make_batch(preset, 1, device=rt.device, seed=args.seed + rt.rank)
     counter = _CallCounter(modules)
@@ -209,7 +249,8 @@ def run_side(side: str, preset: Preset, rt: c.Runtime, args: Any) -> dict[str, A
         for p in r.params.values()
         if r.opt_state is not None
     )
-    description = fsp.preparation(modules["teacher" if side == "lora" else "student"])
+    shown = "teacher" if side == "lora" else ROLES[args.method][0]
+    description = fsp.preparation(modules[shown])
     del state, modules, roles, step, compiled
     gc.collect()
     if rt.device.type == "cuda":
@@ -239,11 +280,23 @@ def build_parser() -> argparse.ArgumentParser:
     """The benchmark's options."""
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.realshape",
-        description="Fine-tune or DMD2 at the real shape: fvstep.parallel.prepare vs by hand.",
+        description="Fine-tune, DMD2 or DiffusionNFT at the real shape: prepare vs by hand.",
     )
     c.add_runtime_args(parser)
     parser.set_defaults(preset="wan-1.3b-480p")
-    parser.add_argument("--method", choices=("finetune", "dmd2"), default="dmd2")
+    parser.add_argument("--method", choices=tuple(ROLES), default="dmd2")
+    parser.add_argument(
+        "--group-size",
+        type=int,
+        default=2,
+        help="diffusion-nft: rollouts per prompt (one micro-batch each; default 2)",
+    )
+    parser.add_argument(
+        "--rollout-steps",
+        type=int,
+        default=10,
+        help="diffusion-nft: Euler steps of the old policy's rollout (default 10)",
+    )
     parser.add_argument(
         "--sides",
         nargs="+",
@@ -289,6 +342,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.checkpoint_every < 1:
         print("--checkpoint-every must be >= 1", file=sys.stderr)
+        return 2
+    if args.method == "diffusion-nft" and (args.group_size < 2 or args.rollout_steps < 1):
+        print("--group-size must be >= 2 and --rollout-steps >= 1", file=sys.stderr)
         return 2
     if "lora" in args.sides and args.method != "dmd2":
         print("--sides lora is DMD2 with LoRA roles: use --method dmd2", file=sys.stderr)
