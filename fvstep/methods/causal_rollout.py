@@ -1,0 +1,206 @@
+"""A causal student's chunk-by-chunk rollout with its KV cache, and its exit steps.
+
+The generation of :mod:`fvstep.methods.self_forcing` and :mod:`fvstep.methods.streaming`
+(the formulas and draw rules are in :mod:`fvstep.methods.self_forcing`'s docstring):
+:func:`rollout` generates a video chunk by chunk, with gradient only through each chunk's
+exit step (drawn by :func:`exit_steps` from a key shared by every rank), the cache
+computed from each generated clean chunk without gradient; :func:`regenerate` recomputes
+a rollout's frames from its exit steps, for a caller that rolled out without gradient.
+
+Examples:
+    >>> ro = rollout(student, batch["latents"], batch["text"], k, exits=(0, 1),
+    ...              denoising_steps=(1.0, 0.5))
+    >>> torch.equal(regenerate(student, ro.exit_inputs, ro.exit_times, ro.contexts,
+    ...                        batch["text"]), ro.video)
+    True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from fvstep import random as fsrandom
+from fvstep.methods import _noise
+from fvstep.methods.causal_wan import KVCache, causal_forward, chunk_frames_of, init_cache
+from fvstep.methods.finetune import add_noise, x0_from_velocity
+
+__all__ = ["Rollout", "exit_steps", "regenerate", "rollout", "shifted_steps"]
+
+
+def shifted_steps(steps: Sequence[float], shift: float) -> tuple[float, ...]:
+    """The few-step schedule warped by a timestep shift: ``shift t / (1 + (shift - 1) t)``.
+
+    Self-Forcing's Wan2.1 schedule is ``(1, 0.75, 0.5, 0.25)`` shifted by 5.
+
+    Examples:
+        >>> shifted_steps((1.0, 0.75, 0.5, 0.25), 5.0)
+        (1.0, 0.9375, 0.8333333333333334, 0.625)
+    """
+    if not shift > 0:
+        raise ValueError(f"shift must be > 0, got {shift}")
+    return tuple(shift * t / (1 + (shift - 1) * t) for t in steps)
+
+
+def exit_steps(
+    key: torch.Tensor,
+    step: int,
+    num_chunks: int,
+    num_steps: int,
+    *,
+    same_step_across_chunks: bool = False,
+    last_step_only: bool = False,
+) -> tuple[int, ...]:
+    """Each chunk's exit step, drawn from the shared key of ``step`` (same on every rank).
+
+    ``fold_in(fold_in_name(key, "self_forcing_exit"), step)``: uniform over
+    ``range(num_steps)``, drawn on the CPU.
+
+    Args:
+        key: The state's base key (``state.key``), not a per-rank key.
+        step: The global step.
+        num_chunks: Chunks of the rollout.
+        num_steps: Steps of the few-step schedule.
+        same_step_across_chunks: One draw for every chunk.
+        last_step_only: Always the last step (no draw).
+
+    Returns:
+        ``num_chunks`` step indices.
+
+    Examples:
+        >>> exit_steps(fvstep.random.key(0), 3, num_chunks=2, num_steps=4)
+        (2, 1)
+    """
+    if last_step_only:
+        return (num_steps - 1,) * num_chunks
+    shared = fsrandom.fold_in(fsrandom.fold_in_name(key, "self_forcing_exit"), step)
+    draws = torch.randint(num_steps, (num_chunks,), generator=fsrandom.generator(shared))
+    if same_step_across_chunks:
+        draws = draws[:1].expand(num_chunks)
+    return tuple(int(j) for j in draws.tolist())
+
+
+class Rollout(NamedTuple):
+    """A chunk-by-chunk rollout and what it takes to recompute its chunks with gradient.
+
+    Attributes:
+        video: ``(B, C, F, H, W)``: each chunk's exit-step output, concatenated.
+        cache: The cache after the last chunk (its context pass appended).
+        exit_inputs: Per chunk, the noisy input of its exit step (no gradient).
+        exit_times: Per chunk, its exit step's time.
+        contexts: Per chunk, the cache its exit step read.
+    """
+
+    video: torch.Tensor
+    cache: KVCache
+    exit_inputs: tuple[torch.Tensor, ...]
+    exit_times: tuple[float, ...]
+    contexts: tuple[KVCache, ...]
+
+
+def _time(value: float, like: torch.Tensor) -> torch.Tensor:
+    return torch.full((like.shape[0],), value, device=like.device)
+
+
+def rollout(
+    student: nn.Module,
+    like: torch.Tensor,
+    text: torch.Tensor,
+    key: torch.Tensor,
+    *,
+    exits: Sequence[int],
+    denoising_steps: Sequence[float],
+    cache: KVCache | None = None,
+    context_time: float = 0.0,
+) -> Rollout:
+    """The causal student's video, chunk by chunk with its KV cache (see the module docstring).
+
+    Args:
+        student: A causal Wan.
+        like: Latents giving the video's shape ``(B, C, F, H, W)`` (``F`` a multiple of the
+            chunk), dtype and device.
+        text: Text embeddings ``(B, L, D)``.
+        key: The rollout key (per rank).
+        exits: Each chunk's exit step (:func:`exit_steps`).
+        denoising_steps: Decreasing times in ``(0, 1]``.
+        cache: The cache to continue from (a stream); default an empty one of ``F`` frames.
+        context_time: The time at which the clean chunks are fed to the cache (0: clean).
+
+    Returns:
+        A :class:`Rollout`; ``video`` has gradient through the exit steps when grad is on.
+
+    Raises:
+        ValueError: If ``F`` is not a multiple of the chunk or ``exits`` has the wrong length.
+
+    Examples:
+        >>> ro = rollout(student, batch["latents"], batch["text"], k, exits=(1, 3),
+        ...              denoising_steps=(1.0, 0.75, 0.5, 0.25))
+    """
+    chunk = chunk_frames_of(student)
+    batch, channels, frames, height, width = like.shape
+    if frames % chunk:
+        raise ValueError(f"the video's {frames} frames are not a multiple of the chunk ({chunk})")
+    num_chunks = frames // chunk
+    if len(exits) != num_chunks:
+        raise ValueError(f"need one exit step for each of {num_chunks} chunks, got {len(exits)}")
+    steps = tuple(float(s) for s in denoising_steps)
+    current = cache if cache is not None else init_cache(student, like, capacity_frames=frames)
+    shape = (batch, channels, chunk, height, width)
+    chunks: list[torch.Tensor] = []
+    inputs: list[torch.Tensor] = []
+    times: list[float] = []
+    contexts: list[KVCache] = []
+    for c in range(num_chunks):
+        k_noise, k_renoise, k_context = fsrandom.split(fsrandom.fold_in(key, c), 3)
+        x = _noise.randn(k_noise, shape, device=like.device, dtype=like.dtype)
+        j = exits[c]
+        with torch.no_grad():
+            for i in range(j):
+                t_i = _time(steps[i], x)
+                v, _ = causal_forward(student, x, t_i * 1000, text, cache=current)
+                eps = _noise.randn_like(fsrandom.fold_in(k_renoise, i), x)
+                x = add_noise(x0_from_velocity(x, t_i, v), eps, _time(steps[i + 1], x))
+        t_j = _time(steps[j], x)
+        v, _ = causal_forward(student, x, t_j * 1000, text, cache=current)
+        x0 = x0_from_velocity(x, t_j, v)
+        chunks.append(x0)
+        inputs.append(x)
+        times.append(steps[j])
+        contexts.append(current)
+        with torch.no_grad():
+            clean = x0.detach()
+            t_c = _time(context_time, clean)
+            if context_time > 0:
+                clean = add_noise(clean, _noise.randn_like(k_context, clean), t_c)
+            _, updated = causal_forward(
+                student, clean, t_c * 1000, text, cache=current, update_cache=True
+            )
+            assert updated is not None
+            current = updated
+    return Rollout(torch.cat(chunks, 2), current, tuple(inputs), tuple(times), tuple(contexts))
+
+
+def regenerate(
+    student: nn.Module,
+    exit_inputs: Sequence[torch.Tensor],
+    exit_times: Sequence[float],
+    contexts: Sequence[KVCache],
+    text: torch.Tensor,
+) -> torch.Tensor:
+    """A rollout's video recomputed from its exit steps (with gradient when grad is on).
+
+    The same frames as the rollout's ``video`` (the same inputs through the same student)
+    for a caller that rolled out without gradient (a streaming step, before its updates).
+
+    Examples:
+        >>> video = regenerate(student, ro.exit_inputs, ro.exit_times, ro.contexts, text)
+    """
+    out = []
+    for x, t, cache in zip(exit_inputs, exit_times, contexts, strict=True):
+        t_j = _time(t, x)
+        v, _ = causal_forward(student, x, t_j * 1000, text, cache=cache)
+        out.append(x0_from_velocity(x, t_j, v))
+    return torch.cat(out, 2)

@@ -1,0 +1,293 @@
+"""Self-forcing: a causal student rolls out its own video chunk by chunk, trained by DMD.
+
+Huang et al. 2025, "Self Forcing: Bridging the Train-Test Gap in Autoregressive Video
+Diffusion" (arXiv 2506.08009). Roles: ``student`` (a causal Wan,
+:func:`fvstep.methods.causal_wan.make_causal`; trained), ``teacher`` (bidirectional,
+frozen), ``critic`` (bidirectional, trained: the "fake score").
+
+**Rollout** (:func:`fvstep.methods.causal_rollout.rollout`). The video of ``F`` latent frames (``batch["latents"]``'s
+shape) is generated in chunks of the student's ``chunk_frames``. For chunk ``c``, from
+noise ``x = eps_c`` at ``t_0 = 1``, the few-step schedule ``t_0 > t_1 > ... > t_{S-1}``
+runs up to the chunk's exit step ``j_c``::
+
+    x0 = x - t_i v_student(x, t_i | cache)         i = 0 .. j_c   (no gradient for i < j_c)
+    x  = (1 - t_{i+1}) x0 + t_{i+1} eps_{c,i}       i < j_c         (re-noised)
+
+The exit-step output ``x0_hat_c`` is the chunk (its gradient follows the caller's grad
+mode: the only gradient path of the chunk). The cache for the next chunk is computed from
+the generated clean chunk: one forward of ``sg(x0_hat_c)`` (re-noised to
+``context_time``, 0 by default) at timestep ``context_time`` that appends its keys and
+values, without gradient. The cache never carries gradient.
+
+**DMD loss** on the generated video ``x0_hat = [x0_hat_0, ..., x0_hat_{C-1}]`` (the
+formulas of :mod:`fvstep.methods.dmd2`, against the bidirectional teacher and critic):
+score time ``t' = clamp(shift t / (1 + (shift - 1) t), min_ratio, max_ratio)``,
+``x_t = (1 - t') x0_hat + t' eps``,
+``g = nan_to_num((x0_critic - x0_teacher_cfg) / mean|x0_hat - x0_teacher_cfg|)``, generator
+loss ``0.5 MSE(x0_hat, sg(x0_hat - g))``; critic loss
+``mean((v_critic(x_t, t') - (eps - sg(x0_hat)))^2)``.
+
+**Draw rules.** The exit steps ``j_c`` are drawn from the *shared* key
+``fold_in(fold_in_name(state.key, "self_forcing_exit"), step)``: the same on every rank
+and micro-batch of a step (the authors draw them on rank 0 and broadcast them; a key
+needs no collective). Everything else is per rank and micro-batch, from the unit's key
+(the engine's ``fold_in(fold_in_name(fold_in(fold_in(key, step), rank), name), m)``):
+``split(key, 3) = (rollout, generator, critic)``, the last two each split into
+``(score time, noise)``; chunk ``c`` of the rollout draws from ``split(fold_in(rollout, c), 3) = (noise, re-noise,
+context noise)``, step ``i``'s re-noising from ``fold_in(re-noise, i)``. So a resumed run
+draws what the uninterrupted one drew: the state's key and step are all it needs.
+
+Schedule: the critic trains every step; student and critic train together (one rollout)
+every ``generator_update_interval`` steps (:func:`self_forcing`).
+
+Examples:
+    >>> student = make_causal(tiny_wan(seed=0), chunk_frames=1)
+    >>> step = fvstep.compile(self_forcing(generator_update_interval=2))
+    >>> [e.roles for e in fvstep.plan(step, 0)], [e.roles for e in fvstep.plan(step, 1)]
+    ([('student', 'critic')], [('critic',)])
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import attrs
+import torch
+import torch.nn.functional as F
+
+from fvstep import random as fsrandom
+from fvstep.core.steps import Cond, cond, update
+from fvstep.methods import _noise
+from fvstep.methods.causal_rollout import exit_steps, rollout, shifted_steps
+from fvstep.methods.causal_wan import chunk_frames_of
+from fvstep.methods.dmd2 import FusedLossFn, score_time
+from fvstep.methods.finetune import RoleLossFn, add_noise, x0_from_velocity
+from fvstep.models import predict
+from fvstep.state import TrainState
+
+__all__ = [
+    "SelfForcingLosses",
+    "critic_loss_on",
+    "dmd_loss_on",
+    "self_forcing",
+    "self_forcing_losses",
+]
+
+_NUM_KEYS = 3
+_ROLLOUT, _GENERATOR, _CRITIC = range(_NUM_KEYS)
+
+
+def dmd_loss_on(
+    state: Any,
+    video: torch.Tensor,
+    text: torch.Tensor,
+    key: torch.Tensor,
+    *,
+    teacher: str = "teacher",
+    critic: str = "critic",
+    guidance_scale: float = 3.0,
+    shift: float = 3.0,
+    min_ratio: float = 0.02,
+    max_ratio: float = 0.98,
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    """DMD's generator loss on a generated ``video`` (with gradient), keyed by ``key``.
+
+    ``split(key, 2)`` gives the score time and the noise; see the module docstring.
+
+    Examples:
+        >>> loss, metrics = dmd_loss_on(state, video, text, k)
+    """
+    k_t, k_noise = fsrandom.split(key, 2)
+    with torch.no_grad():
+        x0 = video.detach()
+        t = score_time(
+            k_t, x0.shape[0], shift=shift, min_ratio=min_ratio, max_ratio=max_ratio,
+            device=x0.device,
+        )  # fmt: skip
+        x_t = add_noise(x0, _noise.randn_like(k_noise, x0), t)
+        v_critic = predict(state.module(critic), x_t, t * 1000, text)
+        v_teacher = predict(state.module(teacher), x_t, t * 1000, text)
+        if guidance_scale != 1.0:
+            v_uncond = predict(state.module(teacher), x_t, t * 1000, torch.zeros_like(text))
+            v_teacher = v_uncond + guidance_scale * (v_teacher - v_uncond)
+        x0_critic = x0_from_velocity(x_t, t, v_critic).float()
+        x0_teacher = x0_from_velocity(x_t, t, v_teacher).float()
+        denom = (x0.float() - x0_teacher).abs().mean()
+        target = x0.float() - torch.nan_to_num((x0_critic - x0_teacher) / denom)
+    loss = 0.5 * F.mse_loss(video.float(), target)
+    return loss, {"score_t_mean": t.mean(), "dmd_denominator": denom}
+
+
+def critic_loss_on(
+    state: Any,
+    video: torch.Tensor,
+    text: torch.Tensor,
+    key: torch.Tensor,
+    *,
+    critic: str = "critic",
+    shift: float = 3.0,
+    min_ratio: float = 0.02,
+    max_ratio: float = 0.98,
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    """The critic's denoising loss on a generated ``video`` (detached), keyed by ``key``.
+
+    Examples:
+        >>> loss, metrics = critic_loss_on(state, video, text, k)
+    """
+    k_t, k_noise = fsrandom.split(key, 2)
+    x0 = video.detach()
+    t = score_time(k_t, x0.shape[0], shift=shift, min_ratio=min_ratio, max_ratio=max_ratio,
+                   device=x0.device)  # fmt: skip
+    eps = _noise.randn_like(k_noise, x0)
+    v = predict(state.module(critic), add_noise(x0, eps, t), t * 1000, text)
+    return F.mse_loss(v.float(), (eps - x0).float()), {"critic_t_mean": t.mean().detach()}
+
+
+class SelfForcingLosses(NamedTuple):
+    """The loss functions of self-forcing (each ``(state, batch, key) -> ...``).
+
+    Attributes:
+        critic_loss: ``(loss, metrics)`` on a no-grad rollout.
+        fused_loss: ``({"student": dmd_loss, "critic": critic_loss}, metrics)`` from one
+            rollout (the critic's on the detached video).
+    """
+
+    critic_loss: RoleLossFn
+    fused_loss: FusedLossFn
+
+
+def self_forcing_losses(
+    *,
+    denoising_steps: Sequence[float] = shifted_steps((1.0, 0.75, 0.5, 0.25), 5.0),
+    guidance_scale: float = 3.0,
+    shift: float = 3.0,
+    min_ratio: float = 0.02,
+    max_ratio: float = 0.98,
+    context_time: float = 0.0,
+    same_step_across_chunks: bool = False,
+    last_step_only: bool = False,
+    student: str = "student",
+    teacher: str = "teacher",
+    critic: str = "critic",
+) -> SelfForcingLosses:
+    """Self-forcing's loss functions (formulas and keys: the module docstring).
+
+    Batches need ``"text"`` ``(B, L, D)`` and ``"latents"`` (only its shape, dtype and
+    device: the video to generate).
+
+    Args:
+        denoising_steps: The student's few-step schedule, decreasing in ``(0, 1]``
+            (default: Self-Forcing's ``(1, .75, .5, .25)`` shifted by 5).
+        guidance_scale: The teacher's classifier-free guidance scale.
+        shift: The score timestep shift.
+        min_ratio: Lower clamp of the score time.
+        max_ratio: Upper clamp of the score time.
+        context_time: Time of the cache's context pass (0: clean chunks).
+        same_step_across_chunks: One exit step for every chunk of a rollout.
+        last_step_only: Always exit at the last step.
+        student: The causal student role's name.
+        teacher: The teacher role's name.
+        critic: The critic role's name.
+
+    Returns:
+        A :class:`SelfForcingLosses`.
+
+    Raises:
+        ValueError: For a schedule that is not decreasing in ``(0, 1]``, or a
+            ``context_time`` outside ``[0, 1)``.
+
+    Examples:
+        >>> losses = self_forcing_losses(denoising_steps=(1.0, 0.5))
+    """
+    steps = tuple(float(s) for s in denoising_steps)
+    if not steps or any(not 0.0 < s <= 1.0 for s in steps):
+        raise ValueError(f"denoising_steps must be non-empty times in (0, 1], got {steps}")
+    if any(a <= b for a, b in itertools.pairwise(steps)):
+        raise ValueError(f"denoising_steps must be strictly decreasing, got {steps}")
+    if not 0.0 <= context_time < 1.0:
+        raise ValueError(f"context_time must be in [0, 1), got {context_time}")
+    score: dict[str, Any] = {"shift": shift, "min_ratio": min_ratio, "max_ratio": max_ratio}
+
+    def generate(state: TrainState, batch: Any, key: torch.Tensor) -> torch.Tensor:
+        module = state.module(student)
+        like = batch["latents"]
+        exits = exit_steps(
+            state.key,
+            int(state.step),
+            like.shape[2] // chunk_frames_of(module),
+            len(steps),
+            same_step_across_chunks=same_step_across_chunks,
+            last_step_only=last_step_only,
+        )
+        return rollout(
+            module, like, batch["text"], key, exits=exits, denoising_steps=steps,
+            context_time=context_time,
+        ).video  # fmt: skip
+
+    def critic_of(
+        state: TrainState, video: torch.Tensor, text: torch.Tensor, keys: Sequence[torch.Tensor]
+    ) -> tuple[torch.Tensor, dict[str, Any]]:
+        return critic_loss_on(state, video, text, keys[_CRITIC], critic=critic, **score)
+
+    def critic_loss(
+        state: TrainState, batch: Any, key: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, Any]]:
+        keys = fsrandom.split(key, _NUM_KEYS)
+        with torch.no_grad():
+            video = generate(state, batch, keys[_ROLLOUT])
+        return critic_of(state, video, batch["text"], keys)
+
+    def fused_loss(
+        state: TrainState, batch: Any, key: torch.Tensor
+    ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        keys = fsrandom.split(key, _NUM_KEYS)
+        video = generate(state, batch, keys[_ROLLOUT])
+        g_loss, g_metrics = dmd_loss_on(
+            state, video, batch["text"], keys[_GENERATOR], teacher=teacher, critic=critic,
+            guidance_scale=guidance_scale, **score,
+        )  # fmt: skip
+        c_loss, c_metrics = critic_of(state, video, batch["text"], keys)
+        return {student: g_loss, critic: c_loss}, {**g_metrics, **c_metrics}
+
+    return SelfForcingLosses(critic_loss, fused_loss)
+
+
+@attrs.frozen
+class _EveryNth:
+    """The predicate ``step % n == 0`` (a named, comparable callable for ``cond``)."""
+
+    n: int
+
+    def __call__(self, step: int) -> bool:
+        return step % self.n == 0
+
+
+def self_forcing(*, generator_update_interval: int = 5, **loss_options: Any) -> Cond:
+    """Self-forcing as a composed method: the critic every step, with the student every ``n``.
+
+    ``cond(i % n == 0, update(("student", "critic"), fused_loss, name="self_forcing_fused"),
+    update("critic", critic_loss, name="self_forcing_critic"))``.
+
+    Args:
+        generator_update_interval: ``n``.
+        **loss_options: :func:`self_forcing_losses`'s options.
+
+    Returns:
+        The method, for :func:`fvstep.compile`.
+
+    Raises:
+        ValueError: If ``n < 1``, or for the loss options' errors.
+
+    Examples:
+        >>> step = fvstep.compile(self_forcing(generator_update_interval=2),
+        ...                       accumulation=fvstep.Accumulation(2))
+    """
+    n = generator_update_interval
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"generator_update_interval must be an int >= 1, got {n!r}")
+    losses = self_forcing_losses(**loss_options)
+    fused = update(("student", "critic"), losses.fused_loss, name="self_forcing_fused")
+    critic = update("critic", losses.critic_loss, name="self_forcing_critic")
+    return cond(_EveryNth(n), fused, critic)
