@@ -172,3 +172,31 @@ def test_a_step_folder_without_manifest_past_num_steps_is_set_aside_not_blocking
         done = fs.run(step, again, data, num_steps=6, checkpoints=ckpt, progress=False)
     assert int(done.step) == 6
     assert (tmp_path / "step_000000010.damaged").is_dir()  # kept, never deleted
+
+
+# --------------------------------------------------------------------------------------
+# fvstep data encode: a size whose latents no Wan patch fits is refused at the CLI
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("size", "message"),
+    [
+        (["--height", "30", "--width", "32"], "--height 30 is not a multiple of 16.*16 or 32"),
+        (["--height", "32", "--width", "8"], "--width 8 is not a multiple of 16.*e.g. 16$"),
+        (["--height", "40", "--width", "32", "--multiple", "8"], None),
+    ],
+)
+def test_encode_refuses_a_size_no_patch_fits_in_one_line(tmp_path, capsys, size, message):
+    import re
+
+    from fvstep.cli import main
+
+    missing = tmp_path / "no-clips"  # a valid size gets past the check, to this error
+    code = main(["data", "encode", str(missing), str(tmp_path / "out"), "--model", "m", *size])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1
+    if message is None:
+        assert "does not exist" in err
+    else:
+        assert re.search(message, err), err

@@ -63,12 +63,22 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     enc.add_argument("--tokenizer", help="tokenizer folder (default MODEL/tokenizer)")
     enc.add_argument("--captions", help='JSONL of {"file": KEY, "caption": TEXT} (over NAME.txt)')
     enc.add_argument(
-        "--num-frames", type=int, default=None, help="frames a clip, k*4+1 (default all)"
+        "--num-frames",
+        type=int,
+        default=None,
+        help="at most this many frames a clip, cut to the largest 4k+1 (default all)",
     )
-    enc.add_argument("--height", type=int, default=None, help="output height (with --width)")
-    enc.add_argument("--width", type=int, default=None, help="output width (with --height)")
     enc.add_argument(
-        "--multiple", type=int, default=16, help="crop to this multiple without a size"
+        "--height", type=int, default=None, help="output height, a multiple of --multiple"
+    )
+    enc.add_argument(
+        "--width", type=int, default=None, help="output width, a multiple of --multiple"
+    )
+    enc.add_argument(
+        "--multiple",
+        type=int,
+        default=16,
+        help="height and width are multiples of it; without a size, crop to it (default 16)",
     )
     enc.add_argument("--max-tokens", type=int, default=512, help="text tokens (default 512)")
     enc.add_argument("--shard-size", type=int, default=64, help="clips a shard (default 64)")
@@ -106,6 +116,21 @@ class UsageError(ValueError):
 
 def _user_error(message: str) -> Exception:
     return UsageError(f"fvstep data encode: {message}")
+
+
+def _check_size(height: int | None, width: int | None, multiple: int) -> None:
+    """Refuse a size whose latents no patch fits: height and width must be multiples of
+    ``multiple`` (16: the Wan VAE's 8 times Wan's 2 x 2 patch)."""
+    for name, size in (("height", height), ("width", width)):
+        if size is None or (size >= multiple and size % multiple == 0):
+            continue
+        low = max(multiple, size // multiple * multiple)
+        near = sorted({low, low + multiple} if size > multiple else {multiple})
+        raise _user_error(
+            f"--{name} {size} is not a multiple of {multiple} (--multiple): its latents fit "
+            f"no Wan patch (the VAE's 8 x the 2 x 2 patch). Valid sizes are multiples of "
+            f"{multiple}, e.g. {' or '.join(map(str, near))}"
+        )
 
 
 def _load_models(args: argparse.Namespace) -> tuple[Any, Any, Any]:
@@ -180,6 +205,7 @@ def run_data(args: argparse.Namespace) -> int:
             raise _user_error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if (args.height is None) != (args.width is None):
         raise _user_error("give both --height and --width, or neither")
+    _check_size(args.height, args.width, args.multiple)
     if not Path(args.source).is_dir():
         raise _user_error(f"the clips folder {args.source!r} does not exist")
     device = torch.device(args.device)
