@@ -1,11 +1,14 @@
-"""The ``fvstep`` command line: ``demo``, ``verify-resume``, ``verify-compile``, ``data``.
+"""The ``fvstep`` command line: ``train``, ``export``, ``demo``, ``verify-resume``,
+``verify-compile``, ``data``.
 
 This module is the parser and the dispatch; each command lives in its own module
-(:mod:`fvstep.cli_demo`, :mod:`fvstep.cli_verify`, :mod:`fvstep.latents.cli`), and what
+(:mod:`fvstep.cli_train`, :mod:`fvstep.cli_export`, :mod:`fvstep.cli_demo`,
+:mod:`fvstep.cli_verify`, :mod:`fvstep.latents.cli`), and what
 they share in :mod:`fvstep.cli_common`. ``fvstep demo`` and ``fvstep verify-resume``
 launch their ranks themselves through torch.distributed's elastic launcher when
 ``--nproc`` > 1, and run in place when started under ``torchrun`` (which sets
-``WORLD_SIZE``). Errors are one line on stderr and a non-zero exit; ``--debug`` shows the
+``WORLD_SIZE``); so does ``fvstep train`` (which parses its own arguments: a recipe's
+``--dotted.key value`` options). Errors are one line on stderr and a non-zero exit; ``--debug`` shows the
 traceback. Ctrl-C exits 130 with one line.
 
 Only the standard library is imported up front; each command imports what it needs.
@@ -21,6 +24,8 @@ from typing import Any, NoReturn
 
 from fvstep.cli_common import CLIError
 from fvstep.cli_demo import add_demo_parser, run_demo_command
+from fvstep.cli_export import add_export_parser, run_export_command
+from fvstep.cli_train import add_train_parser, run_train_command
 from fvstep.cli_verify import add_verify_parsers, run_verify_compile, run_verify_resume
 
 __all__ = ["main"]
@@ -41,6 +46,8 @@ def _build_parser(command: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--version", action=_Version, help="show the version and exit")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
+    add_train_parser(sub)
+    add_export_parser(sub)
     add_demo_parser(sub)
     add_verify_parsers(sub)
     if command == "data":
@@ -107,8 +114,9 @@ def main(argv: list[str] | None = None) -> int:
         argv: the arguments after the program name (default: ``sys.argv[1:]``).
 
     Returns:
-        The exit code: the command's (0 on success), 2 for a user error (one line on
-        stderr), 1 for any other error, 130 on Ctrl-C.
+        The exit code: the command's (0 on success; ``fvstep train``: 75 when a signal
+        stopped the run after it saved), 2 for a user error (one line on stderr), 1 for
+        any other error, 130 on Ctrl-C.
 
     Example:
         >>> main(["verify-resume", "my_method:factory", "--steps", "6"])  # doctest: +SKIP
@@ -117,8 +125,14 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
     try:
-        args = _build_parser(_command(argv)).parse_args(argv)
+        command_name = _command(argv)
+        if command_name == "train":  # a recipe's options are the recipe's to parse
+            code = run_train_command(argv[argv.index("train") + 1 :])
+            _close_process_group()
+            return code
+        args = _build_parser(command_name).parse_args(argv)
         handlers = {
+            "export": run_export_command,
             "demo": run_demo_command,
             "verify-resume": run_verify_resume,
             "verify-compile": run_verify_compile,

@@ -48,8 +48,11 @@ APPLICATIONS = (
     "fvstep.cli",
     "fvstep.cli_common",
     "fvstep.cli_demo",
+    "fvstep.cli_export",
+    "fvstep.cli_train",
     "fvstep.cli_verify",
     "fvstep.demo",
+    "fvstep.recipes",
 )
 """The package's own users, at the top: they may import the face, nothing imports them."""
 

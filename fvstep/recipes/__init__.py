@@ -1,0 +1,102 @@
+"""Recipes: a run as a Python function of typed options (``fvstep train RECIPE``).
+
+A :class:`Recipe` is a name, an options dataclass (:mod:`fvstep.recipes.options`) and a
+``build`` function that turns an options object into a :class:`RunSpec`: the state, the
+step, the data and the options of :func:`fvstep.run`. The options come from a YAML or
+TOML file and ``--dotted.key value`` flags (:mod:`fvstep.recipes.config`);
+:func:`fvstep.recipes.running.train` writes the resolved config into the run's folder,
+checks it on resume, starts from ``init_from`` (:mod:`fvstep.recipes.init`) and runs.
+
+Shipped recipes, one module each: ``finetune`` (:mod:`fvstep.recipes.finetune`),
+``dmd2`` (:mod:`fvstep.recipes.dmd2`), ``lora_dmd2`` (:mod:`fvstep.recipes.lora_dmd2`).
+A recipe of your own is any module-level :class:`Recipe`: ``fvstep train
+my_package.my_module:RECIPE``.
+
+Examples:
+    >>> recipe = get_recipe("finetune")
+    >>> spec = recipe.build(recipe.options(), fresh=True)
+    >>> state = fvstep.run(spec.step, spec.state, spec.data, **spec.run_options)
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+
+__all__ = ["RECIPES", "Recipe", "RunSpec", "get_recipe"]
+
+RECIPES = {
+    "finetune": "fvstep.recipes.finetune:RECIPE",
+    "dmd2": "fvstep.recipes.dmd2:RECIPE",
+    "lora_dmd2": "fvstep.recipes.lora_dmd2:RECIPE",
+}
+"""The shipped recipes, by name: where each one lives."""
+
+
+@attrs.frozen
+class RunSpec:
+    """What a run needs: the arguments of :func:`fvstep.run`, and how to end it.
+
+    Attributes:
+        state: The initial state (the run resumes from its folder's checkpoint if any).
+        step: The compiled step.
+        data: The data (``data.batch(step, rank=, world_size=)``).
+        run_options: The keyword arguments of :func:`fvstep.run` (``num_steps``,
+            ``checkpoints``, ``validation``, ``trackers``, ...).
+        trained: The roles whose weights the run trains (what ``init_from`` fills).
+        close: Releases what the run holds (the loader's workers).
+    """
+
+    state: Any
+    step: Any
+    data: Any
+    run_options: dict[str, Any]
+    trained: tuple[str, ...] = ()
+    close: Callable[[], None] = attrs.field(default=lambda: None)
+
+
+@attrs.frozen
+class Recipe:
+    """A named run: its options type and the function that builds the run from them.
+
+    Attributes:
+        name: The name ``fvstep train`` knows it by (also written in ``config.yaml``).
+        options: A dataclass of options (nested dataclasses are groups of dotted keys).
+        build: ``build(options, *, fresh) -> RunSpec``; ``fresh`` is whether the run's
+            folder holds no checkpoint yet (then ``options.init_from`` applies).
+        summary: One line for ``--help``.
+    """
+
+    name: str
+    options: type
+    build: Callable[..., RunSpec]
+    summary: str = ""
+
+
+def get_recipe(name: str) -> Recipe:
+    """A shipped recipe by name, or a :class:`Recipe` at ``"package.module:ATTRIBUTE"``.
+
+    Raises:
+        ValueError: For an unknown name, or an attribute that is not a :class:`Recipe`.
+
+    Examples:
+        >>> get_recipe("finetune").name
+        'finetune'
+    """
+    where = RECIPES.get(name, name)
+    if ":" not in where:
+        raise ValueError(
+            f"unknown recipe {name!r}: choose one of {', '.join(RECIPES)}, or give "
+            "'package.module:ATTRIBUTE' naming a fvstep.recipes.Recipe"
+        )
+    module, _, attribute = where.partition(":")
+    try:
+        recipe = getattr(importlib.import_module(module), attribute)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"cannot import the recipe {name!r}: {e}") from None
+    if not isinstance(recipe, Recipe):
+        raise ValueError(f"{name!r} is a {type(recipe).__name__}, not a fvstep.recipes.Recipe")
+    return recipe

@@ -1,0 +1,261 @@
+"""A recipe's options from a file and flags, and the resolved config kept with the run.
+
+Parsing is jsonargparse's: ``--config F`` (YAML, or TOML by its ``.toml`` suffix) and
+``--dotted.key value`` flags (``--optim.lr 3e-4``, ``--run.num_steps 100``), later ones
+over earlier ones, every value checked against the options' types (a wrong type, an
+unknown key or a value outside a ``Literal`` is an error naming the key). jsonargparse
+was chosen because it does exactly this on plain dataclasses (nested groups as dotted
+keys, config files and flags in one parser, the resolved tree dumped back), with one
+small dependency (PyYAML); tyro needs a loader of its own for config files, and draccus
+is less used.
+
+The resolved config (every option, defaults included) is written as ``config.yaml`` in
+the run's folder. On resume it is compared with the new one: a change to a key of
+:data:`MAY_CHANGE` (or to any learning rate, a key ending in ``lr``) applies; any other
+change alters the math of the run and is refused with :class:`ConfigChangeError`, naming
+the key and both values.
+
+Examples:
+    >>> from fvstep.recipes import get_recipe
+    >>> options = parse_options(get_recipe("finetune"), ["--optim.lr", "3e-4"])
+    >>> options.optim.lr
+    0.0003
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from fvstep.recipes import Recipe
+
+__all__ = [
+    "CONFIG_NAME",
+    "MAY_CHANGE",
+    "ConfigChangeError",
+    "check_config_change",
+    "flatten_config",
+    "options_to_dict",
+    "parse_options",
+    "read_config",
+    "write_config",
+]
+
+CONFIG_NAME = "config.yaml"
+"""The file of the resolved config in a run's folder."""
+
+MAY_CHANGE = (
+    "run.out",
+    "run.num_steps",
+    "run.every",
+    "run.keep",
+    "run.log_every",
+    "run.progress",
+    "run.async_save",
+    "data.num_workers",
+    "validation",
+    "trackers",
+    "init_from",
+)
+"""Keys (and groups) that a resumed run may change: none of them alters the math of a
+step. Any key whose last part is ``lr`` may change too (a learning rate applies from the
+first step of the resumed run, as it would in a script)."""
+
+
+class ConfigChangeError(ValueError):
+    """A resumed run was given options that alter the math of the run it continues."""
+
+
+def _parser(recipe: Recipe) -> Any:
+    from jsonargparse import ActionConfigFile, ArgumentParser
+
+    parser = ArgumentParser(
+        prog=f"fvstep train {recipe.name}",
+        description=recipe.summary,
+        exit_on_error=False,
+        default_meta=False,
+    )
+    parser.add_argument("--config", action=ActionConfigFile, help="a YAML or TOML file")
+    parser.add_class_arguments(recipe.options, as_group=True)
+    return parser
+
+
+def _toml_to_json(argv: Sequence[str]) -> list[str]:
+    """``--config F.toml``: the file's content as JSON text (YAML reads it), which
+    jsonargparse takes in place of a path."""
+    out = list(argv)
+    for i, word in enumerate(out):
+        value = None
+        if word == "--config" and i + 1 < len(out):
+            value, at = out[i + 1], i + 1
+        elif word.startswith("--config="):
+            value, at = word.removeprefix("--config="), i
+        if value is not None and value.endswith(".toml"):
+            if sys.version_info >= (3, 11):
+                import tomllib
+            else:  # pragma: no cover - Python 3.10
+                import tomli as tomllib
+            try:
+                content = tomllib.loads(Path(value).read_text())
+            except (OSError, ValueError) as e:
+                raise ValueError(f"cannot read the config file {value!r}: {e}") from None
+            text = json.dumps(content)
+            out[at] = text if at == i + 1 else f"--config={text}"
+    return out
+
+
+def parse_options(recipe: Recipe, argv: Sequence[str]) -> Any:
+    """The options of ``recipe`` from ``--config`` files and ``--dotted.key value`` flags.
+
+    Args:
+        recipe: The recipe (its ``options`` dataclass gives the keys and their types).
+        argv: The arguments, e.g. ``["--config", "examples/finetune.yaml",
+            "--run.num_steps", "8"]``; later ones win.
+
+    Returns:
+        An instance of ``recipe.options``.
+
+    Raises:
+        ValueError: For an unknown key, a value of the wrong type, or an unreadable file
+            (the message names the key or the file).
+
+    Examples:
+        >>> parse_options(get_recipe("finetune"), ["--run.num_steps", "8"]).run.num_steps
+        8
+    """
+    import argparse
+
+    parser = _parser(recipe)
+    try:
+        namespace = parser.parse_args(_toml_to_json(argv))
+        init = parser.instantiate(namespace)
+        values = {f.name: init[f.name] for f in dataclasses.fields(recipe.options)}
+        return recipe.options(**values)
+    except (argparse.ArgumentError, TypeError, ValueError) as e:
+        raise ValueError(" ".join(str(e).split())) from None
+
+
+def help_text(recipe: Recipe) -> str:
+    """The help of ``fvstep train RECIPE``: every key, its type and its default."""
+    return str(_parser(recipe).format_help())
+
+
+def options_to_dict(options: Any) -> dict[str, Any]:
+    """The options as plain data (tuples as lists), as ``config.yaml`` holds them.
+
+    Examples:
+        >>> options_to_dict(ModelOptions())["seed"]
+        0
+    """
+    tree: dict[str, Any] = json.loads(json.dumps(dataclasses.asdict(options)))
+    return tree
+
+
+def flatten_config(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"optim": {"lr": 1e-4}}`` -> ``{"optim.lr": 1e-4}`` (a dict-valued option such as
+    ``init_from.roles`` is one key).
+
+    Examples:
+        >>> flatten_config({"optim": {"lr": 1.0}, "run": {"out": "r"}})
+        {'optim.lr': 1.0, 'run.out': 'r'}
+    """
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v and not key.endswith(".roles"):
+            out.update(flatten_config(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def _may_change(key: str) -> bool:
+    return key.rsplit(".", 1)[-1] == "lr" or any(
+        key == k or key.startswith(k + ".") for k in MAY_CHANGE
+    )
+
+
+def check_config_change(saved: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """Compare a run's saved config with the config it is resumed with.
+
+    Args:
+        saved: ``{"recipe": name, "options": {...}}`` as :func:`read_config` reads it.
+        new: The same for the resumed run.
+
+    Returns:
+        The changed keys that apply (``"optim.lr: 0.0001 -> 0.0003"``), for the log.
+
+    Raises:
+        ConfigChangeError: If the recipe differs, or a key outside :data:`MAY_CHANGE`
+            changed (naming the first such key and both values).
+
+    Examples:
+        >>> check_config_change({"recipe": "finetune", "options": {"optim": {"lr": 1.0}}},
+        ...                     {"recipe": "finetune", "options": {"optim": {"lr": 2.0}}})
+        ['optim.lr: 1.0 -> 2.0']
+    """
+    if saved.get("recipe") != new.get("recipe"):
+        raise ConfigChangeError(
+            f"the run was made by recipe {saved.get('recipe')!r}, not {new.get('recipe')!r}: "
+            "use another run.out for another recipe"
+        )
+    old, now = flatten_config(saved.get("options", {})), flatten_config(new["options"])
+    applied = []
+    for key in sorted(set(old) | set(now)):
+        a, b = old.get(key, "<absent>"), now.get(key, "<absent>")
+        if a == b:
+            continue
+        if not _may_change(key):
+            raise ConfigChangeError(
+                f"{key} was {a!r} in the run being resumed and is {b!r} now: a change of "
+                f"{key} alters the math of the run, so it cannot continue with it. Put it "
+                f"back, or start a new run (another run.out; init_from can start it from "
+                f"this one). Keys that may change: {', '.join(MAY_CHANGE)}, and learning "
+                "rates"
+            )
+        applied.append(f"{key}: {a!r} -> {b!r}")
+    return applied
+
+
+def read_config(run_dir: str | Path) -> dict[str, Any] | None:
+    """The resolved config saved in a run's folder (``None`` if there is none).
+
+    Examples:
+        >>> read_config("runs/a")["recipe"]
+        'finetune'
+    """
+    import yaml
+
+    path = Path(run_dir) / CONFIG_NAME
+    if not path.is_file():
+        return None
+    data = yaml.safe_load(path.read_text())
+    if not isinstance(data, dict) or "options" not in data:
+        raise ValueError(f"{str(path)!r} is not a config written by fvstep train")
+    return data
+
+
+def write_config(run_dir: str | Path, recipe: str, options: Any) -> Path:
+    """Write the resolved config of a run as ``<run_dir>/config.yaml`` (atomically).
+
+    Returns:
+        The file written.
+
+    Examples:
+        >>> write_config("runs/a", "finetune", options)
+        PosixPath('runs/a/config.yaml')
+    """
+    import yaml
+
+    path = Path(run_dir) / CONFIG_NAME
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = yaml.safe_dump({"recipe": recipe, "options": options_to_dict(options)}, sort_keys=False)
+    tmp = path.with_name(f".{CONFIG_NAME}.tmp")
+    tmp.write_text("# The resolved config of this run (fvstep train). Resuming checks it.\n" + text)
+    tmp.replace(path)
+    return path

@@ -1,0 +1,223 @@
+"""Start a run from somewhere else: a diffusers model folder, another run's weights, or
+another run's whole state (``init_from``).
+
+- :func:`source_weights`: one role's weights (live or EMA) from another run's checkpoint,
+  or a diffusers model folder's weights, as a ``name -> tensor`` dict read on the CPU and
+  verified against the checkpoint's checksums.
+- :func:`load_weights_into`: copy such a dict into a module before it is sharded (the
+  names must match exactly; the message lists the first that do not).
+- :func:`init_from`: the state a new run starts from, given :class:`InitFrom` options:
+  ``kind="weights"`` fills the named roles' modules (then a fresh state is made around
+  them: fresh optimizer state, step 0); ``kind="state"`` loads the whole state of the
+  checkpoint (step, optimizer state, EMA, key), to be continued in a new folder.
+
+The frozen-base rule of LoRA holds: a checkpoint that recorded a frozen base by its digest
+(``Role(save_frozen=False)``) gives its adapters only to a run whose base has that digest
+(:func:`check_base_digest`); ``fvstep.checkpoint.load`` checks it for a whole state.
+
+Examples:
+    >>> weights = source_weights("runs/a", role="student", weights="ema")
+    >>> load_weights_into(student, weights)
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from fvstep import checkpoint as ckpt
+from fvstep.recipes.options import InitFrom
+
+__all__ = [
+    "check_base_digest",
+    "init_from",
+    "load_weights_into",
+    "resolve_checkpoint",
+    "source_weights",
+]
+
+
+def _is_diffusers_folder(path: Path) -> bool:
+    return (path / "model_index.json").is_file() or (path / "config.json").is_file()
+
+
+def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
+    """A checkpoint folder: ``path`` itself, or the newest complete one in a run's folder.
+
+    Raises:
+        ValueError: If ``path`` is neither a checkpoint nor a folder holding one.
+
+    Examples:
+        >>> resolve_checkpoint("runs/a")
+        PosixPath('runs/a/step_000000020')
+    """
+    path = Path(path)
+    if (path / "manifest.json").is_file():
+        return path
+    newest = ckpt.latest(path) if path.is_dir() else None
+    if newest is None:
+        raise ValueError(
+            f"{str(path)!r} is neither a checkpoint (a step_<n> folder with a manifest) nor "
+            "a run folder holding one"
+        )
+    return newest
+
+
+def _diffusers_weights(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    folder = path / "transformer" if (path / "model_index.json").is_file() else path
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no safetensors weights in the diffusers folder {str(folder)!r}")
+    out: dict[str, torch.Tensor] = {}
+    for f in files:
+        out.update(load_file(str(f)))
+    return out
+
+
+def source_weights(
+    path: str | os.PathLike[str], *, role: str = "student", weights: str = "params"
+) -> dict[str, torch.Tensor]:
+    """One role's full weights from a checkpoint (or a run's newest), or a diffusers
+    folder's weights (``role`` and ``weights`` then do not apply), on the CPU.
+
+    Every rank reads the whole tensors itself (no collective); the values are checked
+    against the checkpoint's checksums.
+
+    Raises:
+        ValueError: If the checkpoint has no such role, or no EMA for ``weights="ema"``.
+        fvstep.checkpoint.DamagedCheckpointError: If the values read do not match.
+
+    Examples:
+        >>> source_weights("runs/a/step_000000020", role="student", weights="ema").keys()
+    """
+    import torch.distributed.checkpoint as dcp
+
+    from fvstep.checkpoint.fingerprint import fingerprint
+
+    path = Path(path)
+    if _is_diffusers_folder(path) and not (path / "manifest.json").is_file():
+        return _diffusers_weights(path)
+    folder = resolve_checkpoint(path)
+    manifest = ckpt.read_manifest(folder)
+    prefix = f"roles.{role}.params." if weights == "params" else f"roles.{role}.ema.params."
+    wanted = {p: meta for p, meta in manifest.leaves.items() if p.startswith(prefix)}
+    if not wanted:
+        roles = sorted({p.split(".")[1] for p in manifest.leaves if p.startswith("roles.")})
+        what = "an EMA" if weights == "ema" else "saved weights"
+        raise ValueError(
+            f"checkpoint {str(folder)!r} has no {what} of role {role!r} (its roles: {roles})"
+        )
+    tensors = {
+        p: torch.empty(meta["shape"], dtype=getattr(torch, meta["dtype"]))
+        for p, meta in wanted.items()
+    }
+    dcp.load(dict(tensors), checkpoint_id=folder, no_dist=True)
+    paths = sorted(tensors)
+    checksums, _ = fingerprint(paths, [tensors[p] for p in paths])  # every rank: the same
+    for p in paths:
+        if checksums.get(p) != manifest.checksums.get(p):
+            raise ckpt.DamagedCheckpointError(
+                f"checkpoint {str(folder)!r}: '{p}' does not match the manifest's checksum"
+            )
+    return {p.removeprefix(prefix): t for p, t in tensors.items()}
+
+
+def load_weights_into(module: nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    """Copy ``weights`` into ``module``'s parameters, by name (before sharding).
+
+    Raises:
+        ValueError: If the names differ (naming the first missing and unexpected ones)
+            or a shape differs.
+
+    Examples:
+        >>> load_weights_into(student, source_weights("runs/a", role="student"))
+    """
+    params = dict(module.named_parameters())
+    missing, unexpected = sorted(set(params) - set(weights)), sorted(set(weights) - set(params))
+    if missing or unexpected:
+        raise ValueError(
+            f"the weights do not fit the module: missing {missing[:3]}, unexpected "
+            f"{unexpected[:3]} ({len(missing)} and {len(unexpected)} in all)"
+        )
+    with torch.no_grad():
+        for name, p in params.items():
+            w = weights[name]
+            if tuple(w.shape) != tuple(p.shape):
+                raise ValueError(
+                    f"{name!r} is {tuple(w.shape)} in the source, {tuple(p.shape)} here"
+                )
+            p.copy_(w.to(p.dtype))
+
+
+def check_base_digest(
+    path: str | os.PathLike[str], base: nn.Module, *, base_role: str = "teacher"
+) -> None:
+    """Refuse adapters trained on another base: the checkpoint's digest of its frozen
+    ``base_role`` must be ``base``'s (when the checkpoint recorded one).
+
+    Raises:
+        fvstep.checkpoint.CheckpointError: If the digests differ.
+    """
+    from fvstep.lora import base_digest
+
+    folder = resolve_checkpoint(path)
+    digests = ckpt.read_manifest(folder).frozen_digests
+    if base_role not in digests:
+        return
+    mine = base_digest(base)
+    if mine != digests[base_role]:
+        raise ckpt.CheckpointError(
+            f"checkpoint {str(folder)!r} was trained on another base model (digest "
+            f"{digests[base_role][:16]}..., this run's is {mine[:16]}...): its adapters "
+            "only fit the base they were trained on (same weights, dtype and revision)"
+        )
+
+
+def init_from(
+    options: InitFrom, modules: dict[str, nn.Module] | None = None, *, state: Any = None
+) -> Any:
+    """Apply ``init_from`` options: fill ``modules`` (``kind="weights"``, before the state
+    is made) or load a whole ``state`` (``kind="state"``).
+
+    Args:
+        options: The :class:`InitFrom` options (``options.path`` must be set).
+        modules: For ``kind="weights"``: the trained roles' modules, by role; each gets
+            the weights of the source role ``options.roles.get(role, role)``.
+        state: For ``kind="state"``: a state of the run's structure (``like``).
+
+    Returns:
+        ``None`` for ``kind="weights"`` (the modules were filled); the loaded state for
+        ``kind="state"``.
+
+    Raises:
+        ValueError: For a missing path, a source without the role, or weights that do not
+            fit; ``fvstep.checkpoint.CheckpointError`` for a state that does not fit.
+
+    Examples:
+        >>> init_from(InitFrom(path="runs/a", weights="ema"), {"student": student})
+        >>> state = init_from(InitFrom(path="runs/a", kind="state"), state=state)
+    """
+    if options.path is None:
+        raise ValueError("init_from.path is not set")
+    unknown = sorted(set(options.roles) - set(modules or {})) if options.kind == "weights" else []
+    if unknown:
+        raise ValueError(
+            f"init_from.roles names {unknown}, which this run does not train "
+            f"(it trains {sorted(modules or {})})"
+        )
+    if options.kind == "state":
+        if state is None:
+            raise ValueError("init_from kind='state' needs the state to load into")
+        return ckpt.load(resolve_checkpoint(options.path), like=state)
+    for role, module in (modules or {}).items():
+        source = options.roles.get(role, role)
+        load_weights_into(
+            module, source_weights(options.path, role=source, weights=options.weights)
+        )
+    return None

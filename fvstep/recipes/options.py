@@ -1,0 +1,234 @@
+"""The typed options of the shipped recipes: one dataclass per concern, shared by all.
+
+A recipe's options are a tree of these (``FinetuneOptions.model.path``, ``.optim.lr``,
+...). :mod:`fvstep.recipes.config` sets them from a YAML or TOML file and from
+``--dotted.key value`` flags, checks their types, and writes the resolved tree next to
+the checkpoints. Each field's comment is its help text.
+
+Which keys a resumed run may change is :data:`fvstep.recipes.config.MAY_CHANGE`: the
+learning rates, ``run.num_steps`` and the cadences of saving, logging and validation;
+any other change alters the math and is refused.
+
+Examples:
+    >>> ModelOptions().path is None  # the embedded tiny Wan, randomly initialised
+    True
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+__all__ = [
+    "DataOptions",
+    "InitFrom",
+    "ModelOptions",
+    "OptimOptions",
+    "ParallelOptions",
+    "PrepareOptions",
+    "RunOptions",
+    "TinyWan",
+    "TrackerOptions",
+    "ValidationOptions",
+]
+
+Dtype = Literal["float32", "bfloat16", "float16"]
+
+
+@dataclass(frozen=True)
+class TinyWan:
+    """The bare config of the embedded default: a tiny ``WanTransformer3DModel``
+    (:func:`fvstep.models.tiny_wan`), randomly initialised from ``ModelOptions.seed``.
+
+    Attributes:
+        num_layers: Transformer blocks.
+        in_channels: Latent channels (the VAE's ``z_dim``).
+        text_dim: Text-embedding features (the text encoder's ``d_model``).
+        num_heads: Attention heads.
+        dim_per_head: Head dimension.
+        ffn_dim: Feed-forward hidden size.
+    """
+
+    num_layers: int = 2
+    in_channels: int = 4
+    text_dim: int = 16
+    num_heads: int = 2
+    dim_per_head: int = 8
+    ffn_dim: int = 32
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    """Where the trained transformer comes from.
+
+    Attributes:
+        path: A diffusers model folder: a transformer folder (``config.json`` +
+            safetensors) or a pipeline folder (with ``model_index.json``, whose
+            ``transformer/`` is used). ``None``: a random init of ``config`` or of
+            ``tiny``.
+        config: A transformer ``config.json`` for a random init (no weights read).
+        tiny: The embedded tiny Wan, used when neither ``path`` nor ``config`` is given.
+        seed: Seeds a random init.
+        dtype: The dtype the weights are loaded (and trained) in.
+    """
+
+    path: str | None = None
+    config: str | None = None
+    tiny: TinyWan = field(default_factory=TinyWan)
+    seed: int = 0
+    dtype: Dtype = "float32"
+
+
+@dataclass(frozen=True)
+class DataOptions:
+    """What each step reads.
+
+    Attributes:
+        path: A latent dataset made by ``fvstep data encode`` (read by
+            :func:`fvstep.latents.latent_source`); ``None``: synthetic latents
+            (:class:`fvstep.data.SyntheticLatents`).
+        batch_size: The per-rank batch size.
+        num_workers: Loader worker processes (a dataset only; does not change the batches).
+        seed: Seeds the order (and the synthetic latents).
+        synthetic_size: How many synthetic items.
+        latent_shape: A synthetic item's latents ``(C, F, H, W)``.
+        text_shape: A synthetic item's text embeddings ``(L, D)``.
+    """
+
+    path: str | None = None
+    batch_size: int = 2
+    num_workers: int = 0
+    seed: int = 0
+    synthetic_size: int = 64
+    latent_shape: tuple[int, int, int, int] = (4, 2, 4, 4)
+    text_shape: tuple[int, int] = (3, 16)
+
+
+@dataclass(frozen=True)
+class OptimOptions:
+    """AdamW with a constant learning rate after a linear warm-up.
+
+    Attributes:
+        lr: The learning rate (a resumed run may change it: it applies from its first step).
+        warmup_steps: Linear warm-up, in updates of the role.
+        weight_decay: AdamW's decoupled weight decay.
+        betas: AdamW's betas.
+        clip: Clip the global gradient norm to this (``None``: no clipping).
+        ema: The decay of an EMA of the trained weights (``None``: no EMA).
+    """
+
+    lr: float = 1e-4
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    clip: float | None = 1.0
+    ema: float | None = 0.99
+
+
+@dataclass(frozen=True)
+class PrepareOptions:
+    """The options of :func:`fvstep.parallel.prepare` for the trained roles.
+
+    Attributes:
+        checkpointing: Activation checkpointing: ``"none"``, ``"full"`` or ``"selective"``.
+        compile: ``torch.compile`` each block.
+        param_dtype: FSDP2's compute dtype on several ranks (``None``: the weights').
+        frozen_dtype: The dtype frozen roles are stored in (``None``: as loaded).
+    """
+
+    checkpointing: Literal["none", "full", "selective"] = "none"
+    compile: bool = False
+    param_dtype: Dtype | None = None
+    frozen_dtype: Dtype | None = None
+
+
+@dataclass(frozen=True)
+class ParallelOptions:
+    """The process layout (:class:`fvstep.parallel.Layout`) on several ranks.
+
+    Attributes:
+        count_collectives: Report ``collectives/*`` counts in the metrics.
+    """
+
+    count_collectives: bool = False
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """The run's folder and cadences (:func:`fvstep.run`).
+
+    Attributes:
+        out: The run folder: checkpoints, ``metrics.jsonl`` and the resolved
+            ``config.yaml``. Running the same command again resumes from it.
+        num_steps: The step to reach (a resumed run may raise it).
+        every: Save a checkpoint every ``every`` steps (and at the end).
+        keep: Keep the newest ``keep`` checkpoints (``None``: all).
+        log_every: Write metrics every ``log_every`` steps.
+        microbatches: Gradient accumulation: micro-batches a step.
+        seed: Seeds the training key (noise, timesteps).
+        device: ``"auto"`` (CUDA when available, else the CPU), ``"cpu"`` or ``"cuda"``.
+        progress: Show a progress bar.
+        async_save: Write checkpoints in the background.
+    """
+
+    out: str = "runs/fvstep-train"
+    num_steps: int = 20
+    every: int = 10
+    keep: int | None = 3
+    log_every: int = 5
+    microbatches: int = 1
+    seed: int = 0
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    progress: bool = True
+    async_save: bool = False
+
+
+@dataclass(frozen=True)
+class ValidationOptions:
+    """The flow-matching loss of the trained role on held-out latents
+    (:func:`fvstep.validation.validation_loss`).
+
+    Attributes:
+        every: Validate every ``every`` steps (``0``: never).
+        num_samples: How many held-out latents.
+    """
+
+    every: int = 0
+    num_samples: int = 2
+
+
+@dataclass(frozen=True)
+class TrackerOptions:
+    """Where metrics go besides ``metrics.jsonl``.
+
+    Attributes:
+        tensorboard: Write TensorBoard events under ``<run.out>/tensorboard``.
+        wandb_project: Log to this Weights & Biases project (offline mode).
+    """
+
+    tensorboard: bool = False
+    wandb_project: str | None = None
+
+
+@dataclass(frozen=True)
+class InitFrom:
+    """Where a new run starts from (:func:`fvstep.recipes.init.init_from`); ignored
+    once the run's folder holds a checkpoint (the run resumes from it).
+
+    Attributes:
+        path: A diffusers model folder, another run's checkpoint (a ``step_<n>`` folder),
+            or another run's folder (its newest checkpoint). ``None``: start from
+            ``model``.
+        kind: ``"weights"``: the weights of each role named in ``roles`` (from a
+            diffusers folder, or from a checkpoint's role), with fresh optimizer state
+            and step 0; ``"state"``: the whole state of the checkpoint (its step,
+            optimizer state, EMA and key), continued in this run's folder.
+        weights: ``"params"`` (live) or ``"ema"``: which weights of the source role.
+        roles: This run's role to the source's role (``"student=student"``); default
+            each trained role from the role of the same name.
+    """
+
+    path: str | None = None
+    kind: Literal["weights", "state"] = "weights"
+    weights: Literal["params", "ema"] = "params"
+    roles: dict[str, str] = field(default_factory=dict)

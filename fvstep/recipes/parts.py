@@ -1,0 +1,235 @@
+"""What the shipped recipes share: the model, its preparation, the data, the optimizer,
+validation, trackers and the options of :func:`fvstep.run`, each from its options group.
+
+Examples:
+    >>> module = load_transformer(ModelOptions())          # the tiny Wan
+    >>> data = make_data(DataOptions(batch_size=2))         # synthetic latents
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+import fvstep as fs
+from fvstep import parallel as fsp
+from fvstep.recipes.options import (
+    DataOptions,
+    ModelOptions,
+    OptimOptions,
+    ParallelOptions,
+    PrepareOptions,
+    RunOptions,
+    TrackerOptions,
+    ValidationOptions,
+)
+
+__all__ = [
+    "device_for",
+    "dtype_of",
+    "load_transformer",
+    "make_data",
+    "make_mesh",
+    "make_optimizer",
+    "make_run_options",
+    "prepare_role",
+]
+
+
+def dtype_of(name: str | None) -> torch.dtype | None:
+    """``"bfloat16"`` -> ``torch.bfloat16`` (``None`` stays ``None``)."""
+    return None if name is None else getattr(torch, name)
+
+
+def device_for(run: RunOptions) -> torch.device:
+    """The device of this rank: ``cuda:LOCAL_RANK`` with CUDA (``"auto"``), else the CPU."""
+    import os
+
+    use_cuda = run.device == "cuda" or (run.device == "auto" and torch.cuda.is_available())
+    if not use_cuda:
+        return torch.device("cpu")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def _model_folder(path: Path) -> tuple[Path, str | None]:
+    """A transformer folder, or a pipeline folder and its ``transformer`` subfolder."""
+    if (path / "model_index.json").is_file():
+        return path, "transformer"
+    if (path / "config.json").is_file():
+        return path, None
+    raise ValueError(
+        f"model.path {str(path)!r} is neither a diffusers model folder (config.json) nor a "
+        "pipeline folder (model_index.json)"
+    )
+
+
+def load_transformer(model: ModelOptions) -> nn.Module:
+    """The transformer of ``model``: a diffusers folder's weights, or a random init of a
+    config (``model.config``, else the tiny Wan of ``model.tiny``) seeded by ``model.seed``.
+
+    Raises:
+        ValueError: If ``model.path`` is not a diffusers folder.
+    """
+    import diffusers
+
+    dtype = dtype_of(model.dtype)
+    if model.path is not None:
+        folder, subfolder = _model_folder(Path(model.path))
+        module = diffusers.AutoModel.from_pretrained(
+            str(folder), subfolder=subfolder, torch_dtype=dtype
+        )
+        return module.train()
+    if model.config is not None:
+        config = json.loads(Path(model.config).read_text())
+        cls = getattr(diffusers, config.get("_class_name", "WanTransformer3DModel"))
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(model.seed)
+            module = cls.from_config(config)
+        return _to_dtype(module, dtype).train()
+    from fvstep.models import tiny_wan
+
+    tiny = model.tiny
+    built: Any = tiny_wan(
+        seed=model.seed,
+        num_layers=tiny.num_layers,
+        in_channels=tiny.in_channels,
+        text_dim=tiny.text_dim,
+        num_heads=tiny.num_heads,
+        dim_per_head=tiny.dim_per_head,
+        ffn_dim=tiny.ffn_dim,
+    )
+    return _to_dtype(built, dtype)
+
+
+def _to_dtype(module: nn.Module, dtype: torch.dtype | None) -> nn.Module:
+    """Cast a freshly built fp32 module only when another dtype is asked for."""
+    return module if dtype in (None, torch.float32) else module.to(dtype)
+
+
+def make_mesh(device: torch.device) -> Any:
+    """An FSDP2 mesh over every rank when there are several, else ``None``."""
+    if fsp.rank_and_world()[1] == 1:
+        return None
+    return fsp.make_mesh(device_type=device.type)
+
+
+def prepare_role(
+    module: nn.Module, options: PrepareOptions, mesh: Any, *, trainable: bool
+) -> nn.Module:
+    """:func:`fvstep.parallel.prepare` with the recipe's options (FSDP2 over ``mesh``)."""
+    return fsp.prepare(
+        module,
+        mesh=mesh,
+        trainable=trainable,
+        checkpointing=options.checkpointing,
+        compile=options.compile,
+        param_dtype=dtype_of(options.param_dtype) if mesh is not None else None,
+        frozen_dtype=dtype_of(options.frozen_dtype),
+    )
+
+
+def make_optimizer(optim: OptimOptions) -> Any:
+    """AdamW at ``optim.lr`` after ``optim.warmup_steps`` of linear warm-up."""
+    lr: Any = optim.lr
+    if optim.warmup_steps:
+        lr = fs.schedules.constant_with_warmup(optim.lr, warmup_steps=optim.warmup_steps)
+    return fs.optim.adamw(lr=lr, betas=optim.betas, weight_decay=optim.weight_decay)
+
+
+def make_data(data: DataOptions) -> Any:
+    """A latent dataset's loader (``data.path``), or a shuffle of synthetic latents."""
+    key = fs.random.key(data.seed)
+    if data.path is not None:
+        from fvstep.latents import latent_source
+
+        return latent_source(
+            data.path,
+            key=key,
+            batch_size=data.batch_size,
+            num_workers=data.num_workers,
+            fields=("latents", "text"),
+        )
+    from fvstep.data import ShuffledSource, SyntheticLatents
+
+    items = SyntheticLatents(
+        data.synthetic_size,
+        key=fs.random.fold_in(key, 1),
+        shape=data.latent_shape,
+        text_shape=data.text_shape,
+    )
+    return ShuffledSource(items, key=key, batch_size=data.batch_size)
+
+
+def _held_out(data: DataOptions, num: int) -> dict[str, torch.Tensor]:
+    """``num`` held-out items: the dataset's first ones, or synthetic ones of another key."""
+    if data.path is not None:
+        from fvstep.latents import LatentDataset
+
+        ds = LatentDataset(data.path, fields=("latents", "text"))
+        first = ds.shapes[0]
+        picked = [i for i, s in enumerate(ds.shapes) if s == first][:num]
+        items = [ds[i] for i in picked]
+        return {k: torch.stack([item[k] for item in items]).float() for k in ("latents", "text")}
+    from fvstep.data import SyntheticLatents
+
+    synthetic = SyntheticLatents(
+        num,
+        key=fs.random.key(data.seed + 1000),
+        shape=data.latent_shape,
+        text_shape=data.text_shape,
+    )
+    items = [synthetic[i] for i in range(num)]
+    return {k: torch.stack([item[k] for item in items]) for k in ("latents", "text")}
+
+
+def make_run_options(
+    run: RunOptions,
+    *,
+    data: DataOptions,
+    validation: ValidationOptions,
+    trackers: TrackerOptions,
+    parallel: ParallelOptions,
+    role: str = "student",
+    device: torch.device | None = None,
+) -> dict[str, Any]:
+    """The keyword arguments of :func:`fvstep.run`: checkpoints in ``run.out``, cadences,
+    validation of ``role``, trackers and the layout on several ranks."""
+    from fvstep.reporting import Validation
+    from fvstep.validation import validation_loss
+
+    out = Path(run.out)
+    options: dict[str, Any] = {
+        "num_steps": run.num_steps,
+        "checkpoints": fs.Checkpoints(
+            out, every=run.every, keep=run.keep, async_save=run.async_save
+        ),
+        "log_every": run.log_every,
+        "progress": run.progress,
+    }
+    if validation.every:
+        held = _held_out(data, validation.num_samples)
+        if device is not None:
+            held = {k: v.to(device) for k, v in held.items()}
+        loss = validation_loss(held["latents"], held["text"], role=role)
+        options["validation"] = Validation(loss, every=validation.every)
+    chosen: list[Any] = []
+    if trackers.tensorboard:
+        chosen.append(fs.trackers.TensorBoardTracker(out / "tensorboard"))
+    if trackers.wandb_project:
+        chosen.append(fs.trackers.WandbTracker(project=trackers.wandb_project, dir=out))
+    if chosen:
+        options["trackers"] = chosen
+    if fsp.rank_and_world()[1] > 1:
+        options["parallelism"] = fsp.Layout(count_collectives=parallel.count_collectives)
+    return options
+
+
+def close_data(data: Any) -> None:
+    """Stop a loader's workers (a synthetic source has none)."""
+    close = getattr(data, "close", None)
+    if close is not None:
+        close()
