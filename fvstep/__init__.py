@@ -25,8 +25,9 @@ if TYPE_CHECKING:  # what type checkers see; at run time __getattr__ imports on 
     from fvstep import checkpoint, data, optim, random, schedules, tree
     from fvstep.accumulation import Accumulation
     from fvstep.core.engine import Step
+    from fvstep.core.managed import managed
     from fvstep.core.policy import StepFailedError
-    from fvstep.core.steps import compile, cond, every, managed, plan, sequence, update
+    from fvstep.core.steps import compile, cond, every, plan, sequence, update
     from fvstep.executor import Interrupted, RunResult, run, run_until
     from fvstep.grads import NonFiniteGradientError, clip_grad_norm
     from fvstep.reporting import Validation
@@ -52,7 +53,7 @@ _NAMES = {
     "compile": "fvstep.core.steps",
     "cond": "fvstep.core.steps",
     "every": "fvstep.core.steps",
-    "managed": "fvstep.core.steps",
+    "managed": "fvstep.core.managed",
     "plan": "fvstep.core.steps",
     "run": "fvstep.executor",
     "run_until": "fvstep.executor",

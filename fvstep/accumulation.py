@@ -1,4 +1,4 @@
-"""Gradient accumulation: how a batch becomes micro-batches, and the FSDP2 sync policy.
+"""Gradient accumulation: the number of micro-batches and the FSDP2 sync policy.
 
 The policies:
 
@@ -14,14 +14,11 @@ only changes which collectives FSDP2 issues.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Literal
 
 import attrs
-import optree
-import torch
 
-__all__ = ["SYNC_POLICIES", "Accumulation", "SyncPolicy", "split_microbatches"]
+__all__ = ["SYNC_POLICIES", "Accumulation", "SyncPolicy"]
 
 SyncPolicy = Literal["every", "no_sync", "deferred"]
 SYNC_POLICIES: tuple[str, ...] = ("every", "no_sync", "deferred")
@@ -61,47 +58,3 @@ class Accumulation:
             raise ValueError(f"microbatches must be >= 1, got {self.microbatches}")
         if self.sync not in SYNC_POLICIES:
             raise ValueError(f"unknown sync policy {self.sync!r}; choose one of {SYNC_POLICIES}")
-
-
-def split_microbatches(batch: Any, num: int) -> list[Any]:
-    """Split ``batch`` into ``num`` micro-batches along dim 0 of every tensor leaf.
-
-    A ``list`` (or tuple) of exactly ``num`` items is taken as already split. Non-tensor
-    leaves (ints, strings) are shared by every micro-batch.
-
-    Args:
-        batch: A pytree (dicts, tuples, lists) of tensors, or a list of ``num`` micro-batches.
-        num: The number of micro-batches.
-
-    Returns:
-        A list of ``num`` pytrees of the same structure.
-
-    Raises:
-        ValueError: If a tensor's dim 0 is not divisible by ``num``, tensors disagree on
-            dim 0, or a given list has the wrong length.
-    """
-    if isinstance(batch, (list, tuple)) and not _is_tensor_tree(batch):
-        if len(batch) != num:
-            raise ValueError(f"got a list of {len(batch)} micro-batches, expected {num}")
-        return list(batch)
-    if num == 1:
-        return [batch]
-    _paths, flat, spec = optree.tree_flatten_with_path(batch)
-    sizes = {int(x.shape[0]) for x in flat if isinstance(x, torch.Tensor) and x.dim() > 0}
-    if len(sizes) > 1:
-        raise ValueError(f"batch tensors disagree on dim 0: sizes {sorted(sizes)}")
-    if sizes and next(iter(sizes)) % num:
-        raise ValueError(
-            f"batch size {next(iter(sizes))} is not divisible by microbatches={num}; "
-            "pass a list of micro-batches for uneven splits"
-        )
-    columns = [
-        x.chunk(num, dim=0) if isinstance(x, torch.Tensor) and x.dim() > 0 else [x] * num
-        for x in flat
-    ]
-    return [optree.tree_unflatten(spec, [col[m] for col in columns]) for m in range(num)]
-
-
-def _is_tensor_tree(batch: Sequence[Any]) -> bool:
-    """A tuple/list whose items are tensors is one batch (e.g. ``(x, y)``), not micro-batches."""
-    return len(batch) > 0 and all(isinstance(x, torch.Tensor) for x in batch)

@@ -27,7 +27,6 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-from fvstep.core.layout import SingleProcess
 from fvstep.tree import is_dtensor
 
 DEFAULT_TIMEOUT_S = 420.0
@@ -134,16 +133,28 @@ class RankPool:
         return results
 
 
-class OneRankReference(SingleProcess):
+class OneRankReference:
     """The layout of one process, for a 1-rank reference computed on each rank of a pool.
 
-    :class:`~fvstep.core.layout.SingleProcess` (a step's default layout) refuses a process
-    that is one of several ranks, since each would train its own copy of the roles; a
-    reference run wants exactly that: every rank computes the whole 1-rank step on plain
-    modules. Sharded roles are still refused.
+    A step's default layout (``parallelism=None``, one process) refuses a process that is
+    one of several ranks, since each would train its own copy of the roles; a reference
+    run wants exactly that: every rank computes the whole 1-rank step on plain modules.
+    Sharded roles are still refused. A hand-written ``fvstep.core.layout.Parallelism``.
     """
 
     def check(self, state: Any) -> None:
         for name, rs in state.roles.items():
             if any(is_dtensor(p) for p in rs.params.values()):
                 raise ValueError(f"role {name!r} is sharded: not a 1-rank reference")
+
+    def grad_sync(self, state: Any, accumulation: Any) -> None:
+        return None  # plain modules hold nothing between units
+
+    def data_parallel_rank_and_size(self) -> tuple[int, int]:
+        return 0, 1
+
+    def collective_counter(self) -> None:
+        return None
+
+    def sum_over_ranks(self, value: Any, like: Any) -> Any:
+        return value

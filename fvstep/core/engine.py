@@ -3,22 +3,24 @@
 Every step is a :class:`Step`: ``step(state, batch, key=None, *, parallelism=None) ->
 (state, metrics)`` and ``step.plan(i) -> [PlanEntry]``. Units and managed steps are its
 leaves (:class:`Leaf`, plain data); ``sequence``, ``every``, ``cond`` and ``compile``
-(:mod:`fvstep.core.steps`) take steps and return steps. What runs at step ``i`` is
-:meth:`Step.schedule`: the leaves, in order, each with its :class:`~fvstep.core.policy.Policy`,
-a pure function of ``i``.
+(:mod:`fvstep.core.steps`) take steps and return steps. A step is resolved when it is
+built: it holds its :class:`Route` s, one per leaf, each with the leaf's policy already
+merged over the enclosing ``compile``s' and the defaults, and the :class:`Gate` s
+(``every``, ``cond``) on the way to it. What runs at step ``i`` is the routes whose
+gates open at ``i`` (:func:`scheduled`), a pure function of ``i``.
 
 A call (:func:`run_step`) reads nothing but its arguments, and:
 
 1. checks once, before anything is consumed: every role that any leaf can ever run
    exists in the state (a typo names the close match), trained roles are trainable,
-   and the layout (``parallelism``, default :class:`~fvstep.core.layout.SingleProcess`)
-   accepts the state;
+   and the layout accepts the state (``parallelism``; ``None``, the default, is one
+   process: it refuses sharded roles and a process that is one of several ranks);
 2. derives the step's key, ``fold_in(fold_in(key if given else state.key, step), dp)``
    with ``dp`` this rank's data-parallel replica (the ranks of one context-parallel group
    share it); a leaf gets ``fold_in_name(step_key, leaf.name)`` (its stable name: adding
    a unit leaves the noise of the others unchanged), micro-batch ``m`` of a unit
    ``fold_in(unit_key, m)``; modules run inside ``rng_scope`` of their key;
-3. runs ``plan(step)`` entry by entry: a unit's :func:`~fvstep.core.unit.backward`, then,
+3. runs the scheduled routes in order: a unit's :func:`~fvstep.core.unit.backward`, then,
    right before its first leaf changes, the input is consumed (like a donated buffer),
    then :func:`~fvstep.core.unit.apply`; a managed step counts as changing from its start;
 4. returns the state with ``step + 1``.
@@ -49,51 +51,101 @@ import attrs
 import torch
 
 from fvstep import random as fsrandom
-from fvstep.accumulation import Accumulation, split_microbatches
+from fvstep._compat import tensor_version, world_size_of_default_group
 from fvstep.core import unit
-from fvstep.core.layout import Parallelism, SingleProcess
-from fvstep.core.policy import UNSET, PlanEntry, Policy
-from fvstep.core.progress import Progress
+from fvstep.core.layout import Parallelism
+from fvstep.core.policy import UNSET, PlanEntry, Policy, StepFailedError
 from fvstep.state import TrainState, adopt, is_consumed, mark_consumed
+from fvstep.tree import any_dtensor, flatten_with_paths
 
-__all__ = ["Leaf", "ManagedContext", "ManagedFn", "Step", "run_step"]
+__all__ = ["Gate", "Leaf", "Route", "Step", "run_step", "run_unit", "scheduled"]
+
+
+@attrs.frozen(eq=False)
+class Gate:
+    """A condition on the way from a step to one of its leaves: ``every(n, offset=...)``
+    (``pred`` is ``None``: open at ``offset, offset + n, ...``) or one branch of ``cond``
+    (open where ``bool(pred(step)) == branch``)."""
+
+    n: int = 1
+    offset: int = 0
+    pred: Callable[[int], bool] | None = None
+    branch: bool = True
+
+
+@attrs.frozen(eq=False)
+class Route:
+    """One leaf of a step as the step runs it, resolved when the step is built.
+
+    Attributes:
+        leaf: The unit or managed step.
+        policy: Its own policy merged over the enclosing ``compile``s' (fields still
+            unset are left to a ``compile`` built around this step).
+        resolved: ``policy`` over the defaults: what runs.
+        gates: The ``every`` and ``cond`` conditions between the step and the leaf,
+            outermost first; the leaf runs at a step where all of them open.
+    """
+
+    leaf: Leaf
+    policy: Policy
+    resolved: Policy
+    gates: tuple[Gate, ...] = ()
+
+    def under(self, outer: Policy) -> Route:
+        """This route inside a ``compile`` of policy ``outer``."""
+        policy = self.policy.over(outer)
+        return Route(self.leaf, policy, policy.resolve(), self.gates)
+
+    def behind(self, gate: Gate) -> Route:
+        """This route behind ``gate`` (an enclosing ``every`` or ``cond`` branch)."""
+        return Route(self.leaf, self.policy, self.resolved, (gate, *self.gates))
+
+
+def scheduled(routes: Sequence[Route], step: int) -> list[tuple[int, Route]]:
+    """The routes that run at ``step``, in order, with their positions.
+
+    A ``cond``'s predicate is called at most once per step, and only where the gates
+    before it opened (as a step that checked its branches one by one would).
+    """
+    decided: dict[int, bool] = {}
+    out = []
+    for position, route in enumerate(routes):
+        for gate in route.gates:
+            if gate.pred is None:
+                opens = step >= gate.offset and (step - gate.offset) % gate.n == 0
+            else:
+                if id(gate) not in decided:
+                    decided[id(gate)] = bool(gate.pred(step))
+                opens = decided[id(gate)] == gate.branch
+            if not opens:
+                break
+        else:
+            out.append((position, route))
+    return out
 
 
 class Step(abc.ABC):
     """A step function: ``step(state, batch, key=None, *, parallelism=None)``.
 
-    Subclasses say which sub-steps they hold (:meth:`children`) and which leaves run at a
-    step with which policy (:meth:`schedule`).
+    Subclasses hold :attr:`routes`, one per leaf they can ever run (depth first, both
+    branches of ``cond``), computed when they are built.
     """
 
-    @abc.abstractmethod
-    def children(self) -> tuple[Step, ...]:
-        """The sub-steps, in order (all of them, whether or not they run at a step)."""
-
-    @abc.abstractmethod
-    def schedule(self, step: int, policy: Policy) -> list[tuple[Leaf, Policy]]:
-        """The leaves that run at ``step``, in order, each with its policy merged over
-        ``policy`` (the enclosing steps'). A pure function of ``step``."""
+    routes: tuple[Route, ...]
 
     def leaves(self) -> tuple[Leaf, ...]:
         """Every leaf this step can ever run, depth first (both branches of ``cond``)."""
-        return self._leaves
-
-    @property
-    def _leaves(self) -> tuple[Leaf, ...]:
-        # a composite keeps its leaves in a field (``steps.leaves_of``): steps are frozen
-        return tuple(leaf for child in self.children() for leaf in child.leaves())
+        return tuple(route.leaf for route in self.routes)
 
     def plan(self, step: int) -> list[PlanEntry]:
         """What runs at ``step``: one :class:`PlanEntry` per leaf, in order, resolved."""
-        positions = {id(leaf): i for i, leaf in enumerate(self.leaves())}
         entries = []
-        for leaf, policy in self.schedule(step, Policy()):
-            p = policy.resolve()
+        for position, route in scheduled(self.routes, step):
+            leaf, p = route.leaf, route.resolved
             assert p.accumulation is not None and p.clip is not UNSET and p.sanitize is not UNSET
             entries.append(
                 PlanEntry(
-                    position=positions[id(leaf)],
+                    position=position,
                     name=leaf.name,
                     roles=leaf.trains,
                     managed=leaf.managed,
@@ -121,7 +173,7 @@ class Step(abc.ABC):
                 list of exactly ``microbatches`` micro-batches.
             key: A key to derive this step's randomness from; default ``state.key``.
             parallelism: The process layout of the call (``fvstep.parallel.Layout(...)``
-                on several ranks); default one process.
+                on several ranks); ``None``, the default, is one process.
 
         Returns:
             ``(new_state, metrics)``.
@@ -130,17 +182,17 @@ class Step(abc.ABC):
             ConsumedStateError: If ``state`` was already consumed.
             ValueError: Before anything runs: a leaf (at any step) trains or mutates a
                 role the state does not have, or trains a frozen role; or the layout
-                refuses the state.
+                refuses the state (one process: a sharded role, or several ranks).
             StepFailedError: If the step raised after it had changed a leaf of ``state``
                 (the original error is ``__cause__``); ``state`` is then consumed.
                 Any other error leaves ``state`` usable and bit-unchanged.
         """
-        return run_step(self, state, batch, key, parallelism or SingleProcess())
+        return run_step(self, state, batch, key, parallelism)
 
 
 class Leaf(Step):
     """One leaf of a composition: a unit (``managed = False``: ``roles``, ``loss_fn``) or a
-    managed step (``managed = True``: ``fn``). Plain data: the engine runs it.
+    managed step (``managed = True``: ``fn``, and ``run``). Plain data: the engine runs it.
 
     Its ``name`` keys its randomness and labels its metrics, so the names of the leaves
     of a composed step are unique.
@@ -153,82 +205,71 @@ class Leaf(Step):
     trains: tuple[str, ...]  # the roles whose optimizers it steps
     mutates: tuple[str, ...] = ()  # frozen roles it changes in place (managed steps only)
 
-    def children(self) -> tuple[Step, ...]:
-        """None: a leaf."""
-        return ()
-
-    def leaves(self) -> tuple[Leaf, ...]:
-        """Itself."""
-        return (self,)
-
-    def schedule(self, step: int, policy: Policy) -> list[tuple[Leaf, Policy]]:
-        """It runs at every step it is reached, with its own policy over ``policy``."""
-        return [(self, self.policy.over(policy))]
-
     def describe(self) -> str:
         """``unit 'name'`` or ``managed step 'name'``, for messages."""
         return f"{self.kind} {self.name!r}"
 
 
-@attrs.define
-class ManagedContext:
-    """What a managed step gets to run its inner updates with the step's machinery.
+def own_routes(leaf: Leaf) -> tuple[Route, ...]:
+    """A leaf's routes when it is called as a step by itself: itself, its own policy."""
+    return (Route(leaf, leaf.policy, leaf.policy.resolve()),)
 
-    Attributes:
-        step: The global step being run.
-        position: The managed step's index among the leaves of the called step.
-        accumulation: The default accumulation of inner updates (the enclosing
-            ``compile``'s).
+
+class Progress:
+    """What a running step has changed: it consumes the input at the first change.
+
+    Loss functions may change buffers or ``extra`` tensors in place too (a BatchNorm
+    forward in training mode), so the version counters of those leaves are watched, that
+    a failed step never leaves as "unchanged" an input that is not (best effort: a kernel
+    that writes behind autograd's back moves no counter). Parameters are not watched
+    (only optimizers and managed steps change them).
     """
 
-    step: int
-    position: int
-    accumulation: Accumulation
-    _policy: Policy
-    _parallelism: Parallelism
-    _trains: tuple[str, ...]
+    def __init__(self, state: TrainState, step: int) -> None:
+        self.state = state
+        self.step = step
+        self.changed: list[str] = []
+        self.current = "the step"
+        watched = {
+            f"roles.{r}.buffers.{n}": b
+            for r, rs in state.roles.items()
+            for n, b in rs.buffers.items()
+        }
+        if state.extra:
+            paths, leaves, _ = flatten_with_paths(state.extra)
+            watched.update({f"extra.{p}": x for p, x in zip(paths, leaves)})
+        self.versions = {p: (x, tensor_version(x)) for p, x in watched.items()}
 
-    def update(
-        self,
-        state: TrainState,
-        unit_: Leaf,
-        batch: Any,
-        key: torch.Tensor,
-        *,
-        accumulation: Accumulation | None = None,
-    ) -> tuple[TrainState, dict[str, Any]]:
-        """Run the unit ``unit_`` once on ``batch`` (split into micro-batches), keyed by ``key``.
+    def change(self, what: str) -> None:
+        """``what`` is about to change the state: consume it first (once)."""
+        if not self.changed:
+            mark_consumed(self.state, f"the step function at step {self.step}")
+        if what not in self.changed:
+            self.changed.append(what)
 
-        ``accumulation`` defaults to the enclosing ``compile``'s; the unit's own
-        ``clip``/``sanitize`` apply, else the managed step's, else the enclosing
-        ``compile``'s; the micro-batch keys are ``fold_in(key, m)``.
-
-        Returns:
-            The new state and the unit's metrics.
-
-        Raises:
-            TypeError: If ``unit_`` is not a unit (``fvstep.update(...)``).
-            ValueError: If it trains a role the managed step does not declare in
-                ``trains`` (``plan`` would not show it).
-        """
-        if not isinstance(unit_, Leaf) or unit_.managed:
-            raise TypeError(
-                f"ctx.update runs a unit (fvstep.update(...)), got {type(unit_).__name__}"
-            )
-        undeclared = [r for r in unit_.trains if r not in self._trains]
-        if undeclared:
-            raise ValueError(
-                f"ctx.update: {unit_.describe()} trains {undeclared}, which this managed step "
-                f"does not declare (trains={list(self._trains)}): pass managed(..., "
-                f"trains={tuple(sorted({*self._trains, *undeclared}))!r}) so that plan() "
-                "and the checks before the step see them"
-            )
-        policy = attrs.evolve(
-            unit_.policy.over(self._policy), accumulation=accumulation or self.accumulation
-        ).resolve()
-        assert policy.accumulation is not None
-        microbatches = split_microbatches(batch, policy.accumulation.microbatches)
-        return _run_unit(state, unit_, microbatches, key, policy, self._parallelism, None)
+    def failure(self, error: Exception) -> StepFailedError | None:
+        """The error to raise for ``error``; ``None`` when nothing changed (the input is
+        then left as it was, not consumed)."""
+        in_place = [p for p, (x, v) in self.versions.items() if tensor_version(x) != v]
+        if not self.changed and not in_place:
+            return None
+        if not is_consumed(self.state):
+            mark_consumed(self.state, f"the step function at step {self.step}")
+        parts = []
+        if self.changed:
+            parts.append("already changed by " + ", ".join(self.changed))
+        if in_place:
+            shown = ", ".join(in_place[:3]) + (", ..." if len(in_place) > 3 else "")
+            parts.append(f"changed in place by a loss or managed function ({shown})")
+        return StepFailedError(
+            f"step {self.step} failed in {self.current} after the step had changed its input "
+            f"state: the state was {'; '.join(parts)}. The input state is consumed and partly "
+            "updated: do not continue from it. To recover, reload the last checkpoint into a "
+            "state of the same structure: state = fvstep.checkpoint.load("
+            "fvstep.checkpoint.latest(ckpt_dir), like=fresh_state), with fresh_state built as "
+            "for the first step (fvstep.run does this when restarted with its Checkpoints). "
+            f"The error that stopped the step: {type(error).__name__}: {error}"
+        )
 
 
 def _unknown_role(role: str, state_roles: list[str]) -> str:
@@ -237,9 +278,17 @@ def _unknown_role(role: str, state_roles: list[str]) -> str:
     return f"the state has no role {role!r} (it has roles {state_roles}){hint}"
 
 
-def _check_roles(leaves: Sequence[Leaf], state: TrainState) -> None:
-    """Every role any leaf can run exists in ``state``; the trained ones are trainable."""
-    for leaf in leaves:
+def _check_call(
+    routes: Sequence[Route], state: TrainState, parallelism: Parallelism | None
+) -> None:
+    """The checks of a call, before anything is consumed: every role any leaf can run
+    exists in ``state`` and the trained ones are trainable; the layout accepts the state.
+
+    The layout of one process (``parallelism=None``) refuses sharded roles and a process
+    that is one of several ranks: each rank would train its own copy.
+    """
+    for route in routes:
+        leaf = route.leaf
         for role in (*leaf.trains, *leaf.mutates):
             if role not in state.roles:
                 verb = "trains" if role in leaf.trains else "mutates"
@@ -253,22 +302,40 @@ def _check_roles(leaves: Sequence[Leaf], state: TrainState) -> None:
                     f"{leaf.describe()} trains role {role!r}, which is frozen (give it an "
                     "optimizer: Role(module, optimizer=...))"
                 )
+    if parallelism is not None:
+        parallelism.check(state)
+        return
+    world = world_size_of_default_group()
+    if world > 1:
+        raise ValueError(
+            f"this process is one of {world} ranks, but the step runs with the layout of "
+            "one process (the default), which reduces no gradient: each rank would train "
+            "its own copy. Pass the layout: step(state, batch, "
+            "parallelism=fvstep.parallel.Layout()) (fvstep.run passes it by itself)"
+        )
+    for name, rs in state.roles.items():
+        if any_dtensor(rs.params.values()):
+            raise ValueError(
+                f"role {name!r} has sharded (DTensor) parameters, but the step runs with the "
+                "layout of one process, which does not return FSDP2 modules to rest between "
+                "units: pass parallelism=fvstep.parallel.Layout()"
+            )
 
 
-def _run_unit(
+def run_unit(
     state: TrainState,
     leaf: Any,
     microbatches: Any,
     key: torch.Tensor,
     policy: Policy,
-    parallelism: Parallelism,
+    parallelism: Parallelism | None,
     progress: Progress | None,
 ) -> tuple[TrainState, dict[str, Any]]:
     """One unit: backward, consume the input (``progress``: ``None`` inside a managed step,
-    which consumed it at its start), apply."""
+    which consumed it at its start), apply. ``policy`` is resolved."""
     accumulation, clip, sanitize = policy.accumulation, policy.clip, policy.sanitize
     assert accumulation is not None and clip is not UNSET and sanitize is not UNSET
-    sync = parallelism.grad_sync(state, accumulation)
+    sync = None if parallelism is None else parallelism.grad_sync(state, accumulation)
     gradients = unit.backward(
         state,
         leaf.roles,
@@ -286,33 +353,6 @@ def _run_unit(
     return unit.apply(state, gradients, clip=clip, sanitize=sanitize)
 
 
-def _run_managed(
-    state: TrainState,
-    leaf: Any,
-    batch: Any,
-    key: torch.Tensor,
-    policy: Policy,
-    parallelism: Parallelism,
-    step: int,
-    position: int,
-) -> tuple[TrainState, dict[str, Any]]:
-    """A managed step: ``fn(state, batch, key, ctx)`` inside ``rng_scope(key)``."""
-    assert policy.accumulation is not None
-    ctx = ManagedContext(step, position, policy.accumulation, policy, parallelism, leaf.trains)
-    try:
-        with fsrandom.rng_scope(key):
-            new_state, metrics = leaf.fn(state, batch, key, ctx)
-    except Exception:
-        # Its own module reads (outside ctx.update) may leave FSDP2 groups busy.
-        sync = parallelism.grad_sync(state, policy.accumulation)
-        if sync is not None:
-            sync.release(state, after_error=True)
-        raise
-    if not isinstance(new_state, TrainState):
-        raise TypeError(f"managed step {leaf.name!r} must return (TrainState, metrics)")
-    return new_state, metrics
-
-
 def _merge_metrics(metrics: dict[str, Any], new: dict[str, Any], name: str) -> None:
     """Add a leaf's metrics; a key an earlier leaf of the step reported (two units that
     train one role: ``<role>/loss``, ``<role>/skipped``, ...) goes under ``<name>/<key>``,
@@ -326,9 +366,9 @@ def run_step(
     state: TrainState,
     batch: Any,
     key: torch.Tensor | None,
-    parallelism: Parallelism,
+    parallelism: Parallelism | None,
 ) -> tuple[TrainState, dict[str, Any]]:
-    """The outermost call of ``root``: checks, keys, consumption, the plan, the counter.
+    """The outermost call of ``root``: checks, keys, consumption, the routes, the counter.
 
     See :meth:`Step.__call__` for the arguments and errors.
     """
@@ -337,30 +377,31 @@ def run_step(
     if is_consumed(state):
         mark_consumed(state, "")  # raises ConsumedStateError, naming who consumed it
     step = int(state.step)
-    leaves = root.leaves()
-    _check_roles(leaves, state)
-    parallelism.check(state)
-    replica, _ = parallelism.data_parallel_rank_and_size()
+    routes = root.routes
+    _check_call(routes, state, parallelism)
+    if parallelism is None:
+        replica, counter = 0, None
+    else:
+        replica, _ = parallelism.data_parallel_rank_and_size()
+        counter = parallelism.collective_counter()
     step_key = fsrandom.fold_in(fsrandom.fold_in(state.key if key is None else key, step), replica)
     work = state.replace(roles={name: adopt(rs) for name, rs in state.roles.items()})
     progress = Progress(state, step)
-    counter = parallelism.collective_counter()
     splits: dict[int, list[Any]] = {}
     metrics: dict[str, Any] = {}
     try:
         with counter if counter is not None else contextlib.nullcontext():
-            for leaf, policy in root.schedule(step, Policy()):
-                policy = policy.resolve()
+            for position, route in scheduled(routes, step):
+                leaf, policy = route.leaf, route.resolved
                 leaf_key = fsrandom.fold_in_name(step_key, leaf.name)
-                position = next(i for i, x in enumerate(leaves) if x is leaf)
                 if leaf.managed:
                     progress.current = (
                         f"managed step {leaf.name!r} (position {position}, "
                         f"trains {list(leaf.trains)})"
                     )
                     progress.change(progress.current)  # it may change anything from its start
-                    work, leaf_metrics = _run_managed(
-                        work, leaf, batch, leaf_key, policy, parallelism, step, position
+                    work, leaf_metrics = leaf.run(
+                        work, batch, leaf_key, policy, parallelism, step, position
                     )
                 else:
                     progress.current = (
@@ -369,8 +410,8 @@ def run_step(
                     assert policy.accumulation is not None
                     num = policy.accumulation.microbatches
                     if num not in splits:
-                        splits[num] = split_microbatches(batch, num)
-                    work, leaf_metrics = _run_unit(
+                        splits[num] = unit.split_microbatches(batch, num)
+                    work, leaf_metrics = run_unit(
                         work, leaf, splits[num], leaf_key, policy, parallelism, progress
                     )
                 _merge_metrics(metrics, leaf_metrics, leaf.name)
@@ -379,11 +420,8 @@ def run_step(
         if failure is None:
             raise
         raise failure from error
-    progress.consume()
+    if not progress.changed:  # a step that ran nothing still consumes its input
+        mark_consumed(state, f"the step function at step {step}")
     if counter is not None:
         metrics.update(counter.metrics())
     return work.replace(step=torch.tensor(step + 1, dtype=torch.int64)), metrics
-
-
-ManagedFn = Callable[[TrainState, Any, torch.Tensor, ManagedContext], tuple[TrainState, dict]]
-"""``fn(state, batch, key, ctx) -> (state, metrics)`` of a managed step."""

@@ -52,7 +52,7 @@ def raise_non_finite(
     where = f"step {step}, unit {unit!r}"
     if verdict[0] != 0:
         _raise_for_loss(step, unit, roles, loss_log, where)
-    sharded = any_dtensor(p for g in groups for p in g.params())
+    sharded = any_dtensor(p for g in groups for p in g.params)
     measured = [g for g in groups if g.full_norm is not None]
     for group, norm in zip(measured, verdict[1:]):
         if math.isfinite(norm):

@@ -1,8 +1,9 @@
 """What a step needs from the process layout: the protocols it is passed, never imports.
 
-A call of a step is given its layout: ``step(state, batch, parallelism=...)`` (default
-:class:`SingleProcess`). The core knows these protocols and :class:`SingleProcess`, and
-nothing of ``torch.distributed`` or FSDP2; ``fvstep.parallel.Layout`` is the FSDP2 (and
+A call of a step is given its layout: ``step(state, batch, parallelism=...)``; ``None``,
+the default, is one process (the engine refuses sharded roles and a process that is one
+of several ranks there). The core knows these protocols and nothing of
+``torch.distributed`` or FSDP2; ``fvstep.parallel.Layout`` is the FSDP2 (and
 context-parallel) implementation.
 
 - :class:`GradSync`: what happens around one unit's micro-batches (gradient reduction
@@ -20,15 +21,12 @@ from collections.abc import Sequence
 from types import TracebackType
 from typing import Any, Protocol
 
-import attrs
 import torch
 
-from fvstep._compat import world_size_of_default_group
 from fvstep.accumulation import Accumulation
 from fvstep.state import RoleState, TrainState
-from fvstep.tree import any_dtensor
 
-__all__ = ["CollectiveCounting", "GradSync", "Parallelism", "SingleProcess"]
+__all__ = ["CollectiveCounting", "GradSync", "Parallelism"]
 
 
 class GradSync(Protocol):
@@ -75,8 +73,8 @@ class CollectiveCounting(Protocol):
 class Parallelism(Protocol):
     """The process layout of a call, as the core sees it.
 
-    It holds configuration, never training state. Implementations: :class:`SingleProcess`
-    and ``fvstep.parallel.Layout``.
+    It holds configuration, never training state. The implementation is
+    ``fvstep.parallel.Layout``; one process needs none (``parallelism=None``).
     """
 
     def check(self, state: TrainState) -> None:
@@ -103,54 +101,3 @@ class Parallelism(Protocol):
     def sum_over_ranks(self, value: torch.Tensor, like: Sequence[torch.Tensor]) -> torch.Tensor:
         """``value`` (a 0-d count) summed over the ranks that hold shards of ``like``."""
         ...
-
-
-@attrs.frozen
-class SingleProcess:
-    """One process, plain (unsharded) modules: no sync, replica 0 of 1.
-
-    :meth:`check` refuses a role whose parameters are sharded (DTensors) and a process
-    that is one of several ranks: without the parallel layer's handling each rank would
-    train its own copy. Pass ``parallelism=fvstep.parallel.Layout()`` there.
-
-    Examples:
-        >>> state, metrics = step(state, batch, parallelism=SingleProcess())  # the default
-    """
-
-    def check(self, state: TrainState) -> None:
-        """Refuse sharded roles and a world of several ranks.
-
-        Raises:
-            ValueError: Naming the role (or the world size) and the layout to pass.
-        """
-        world = world_size_of_default_group()
-        if world > 1:
-            raise ValueError(
-                f"this process is one of {world} ranks, but the step runs with the layout of "
-                "one process (the default), which reduces no gradient: each rank would train "
-                "its own copy. Pass the layout: step(state, batch, "
-                "parallelism=fvstep.parallel.Layout()) (fvstep.run passes it by itself)"
-            )
-        for name, rs in state.roles.items():
-            if any_dtensor(rs.params.values()):
-                raise ValueError(
-                    f"role {name!r} has sharded (DTensor) parameters, but the step runs with the "
-                    "layout of one process, which does not return FSDP2 modules to rest between "
-                    "units: pass parallelism=fvstep.parallel.Layout()"
-                )
-
-    def grad_sync(self, state: TrainState, accumulation: Accumulation) -> None:
-        """``None``: plain modules hold nothing between units."""
-        return None
-
-    def data_parallel_rank_and_size(self) -> tuple[int, int]:
-        """``(0, 1)``: the only replica."""
-        return 0, 1
-
-    def collective_counter(self) -> None:
-        """``None``: one process issues no collectives."""
-        return None
-
-    def sum_over_ranks(self, value: torch.Tensor, like: Sequence[torch.Tensor]) -> torch.Tensor:
-        """``value`` itself."""
-        return value

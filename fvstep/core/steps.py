@@ -19,7 +19,7 @@ from typing import ClassVar
 import attrs
 
 from fvstep.accumulation import Accumulation
-from fvstep.core.engine import Leaf, ManagedFn, Step
+from fvstep.core.engine import Gate, Leaf, Route, Step, own_routes
 from fvstep.core.policy import UNSET, PlanEntry, Policy, Unset, check_clip, check_sanitize
 from fvstep.core.unit import LossFn
 from fvstep.grads import ClipGradNorm, Sanitize
@@ -29,12 +29,10 @@ __all__ = [
     "Compiled",
     "Cond",
     "Every",
-    "Managed",
     "Unit",
     "compile",
     "cond",
     "every",
-    "managed",
     "plan",
     "sequence",
     "update",
@@ -78,12 +76,8 @@ def check_unique_names(leaves: tuple[Leaf, ...], where: str) -> None:
         )
 
 
-def _leaves_of(step: Step) -> tuple[Leaf, ...]:
-    return tuple(leaf for child in step.children() for leaf in child.leaves())
-
-
-LEAVES = attrs.Factory(_leaves_of, takes_self=True)
-"""A composite's leaves, depth first, computed once when it is built (steps are frozen)."""
+ROUTES = attrs.Factory(own_routes, takes_self=True)
+"""A leaf's routes: itself, under its own policy (computed once: steps are frozen)."""
 
 
 @attrs.frozen(eq=False)
@@ -104,6 +98,7 @@ class Unit(Leaf):
     policy: Policy = attrs.Factory(Policy)
     name: str = ""
     trains: tuple[str, ...] = attrs.field(init=False, repr=False)  # its roles, as a leaf
+    routes: tuple[Route, ...] = attrs.field(init=False, repr=False, eq=False, default=ROUTES)
 
     @trains.default
     def _trains(self) -> tuple[str, ...]:
@@ -175,76 +170,16 @@ def update(
 
 
 @attrs.frozen(eq=False)
-class Managed(Leaf):
-    """A step that runs its own inner loop (see :func:`managed`)."""
-
-    kind: ClassVar[str] = "managed step"
-    managed: ClassVar[bool] = True
-
-    fn: ManagedFn
-    trains: tuple[str, ...]  # a field where Leaf has a property
-    name: str = "managed"
-    policy: Policy = attrs.Factory(Policy)
-    mutates: tuple[str, ...] = ()
-
-
-def managed(
-    fn: ManagedFn,
-    *,
-    trains: str | tuple[str, ...],
-    mutates: str | tuple[str, ...] = (),
-    clip: ClipGradNorm | Unset | None = UNSET,
-    sanitize: Sanitize | Unset = UNSET,
-    name: str = "managed",
-) -> Managed:
-    """Wrap a method that runs its own inner loop (RL: sample, reward, several updates).
-
-    ``fn(state, batch, key, ctx) -> (state, metrics)`` gets the whole batch (no
-    accumulation is applied for it) and runs inner updates with ``ctx.update(state, unit,
-    batch, key)``. It may change frozen-but-mutated roles (an RL ``old`` policy) through
-    their tensors in place. ``trains`` declares the roles its optimizers step and
-    ``mutates`` the frozen roles it changes otherwise, for :func:`plan`. ``fn`` runs inside
-    ``rng_scope`` of its key, ``fold_in_name(step_key, name)``.
-
-    Args:
-        fn: The outer step.
-        trains: Roles whose optimizers it steps.
-        mutates: Frozen roles it changes in place (e.g. ``"old"``).
-        clip: Default clipping of its inner updates (else the enclosing ``compile``'s).
-        sanitize: Default non-finite policy of its inner updates.
-        name: Keys its randomness; a label for metrics and plans.
-
-    Returns:
-        A :class:`Managed` step.
-
-    Examples:
-        >>> managed(rl_outer_step, trains="student")
-    """
-    trains_t = (trains,) if isinstance(trains, str) else tuple(trains)
-    mutates_t = (mutates,) if isinstance(mutates, str) else tuple(mutates)
-    if not callable(fn):
-        raise TypeError("managed needs a function (state, batch, key, ctx) -> (state, metrics)")
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"a managed step's name must be a non-empty str, got {name!r}")
-    check_clip(clip)
-    check_sanitize(sanitize)
-    return Managed(fn, trains_t, name, Policy(clip=clip, sanitize=sanitize), mutates_t)
-
-
-@attrs.frozen(eq=False)
 class Chain(Step):
     """Several steps run one after the other (see :func:`sequence`)."""
 
     steps: tuple[Step, ...]
-    _leaves: tuple[Leaf, ...] = attrs.field(init=False, repr=False, eq=False, default=LEAVES)
+    routes: tuple[Route, ...] = attrs.field(init=False, repr=False, eq=False)
 
-    def children(self) -> tuple[Step, ...]:
-        """The steps, in order."""
-        return self.steps
-
-    def schedule(self, step: int, policy: Policy) -> list[tuple[Leaf, Policy]]:
-        """Each step's leaves, in order."""
-        return [entry for child in self.steps for entry in child.schedule(step, policy)]
+    @routes.default
+    def _build(self) -> tuple[Route, ...]:
+        """Each step's routes, in order."""
+        return tuple(route for s in self.steps for route in s.routes)
 
 
 def sequence(*steps: Step) -> Chain:
@@ -273,19 +208,17 @@ class Every(Step):
     n: int
     inner: Step
     offset: int = 0
-    _leaves: tuple[Leaf, ...] = attrs.field(init=False, repr=False, eq=False, default=LEAVES)
+    routes: tuple[Route, ...] = attrs.field(init=False, repr=False, eq=False)
+
+    @routes.default
+    def _build(self) -> tuple[Route, ...]:
+        """The wrapped step's routes, behind the gate of this interval."""
+        gate = Gate(self.n, self.offset)
+        return tuple(route.behind(gate) for route in self.inner.routes)
 
     def runs_at(self, step: int) -> bool:
         """Whether the wrapped step runs at ``step``."""
         return step >= self.offset and (step - self.offset) % self.n == 0
-
-    def children(self) -> tuple[Step, ...]:
-        """The wrapped step."""
-        return (self.inner,)
-
-    def schedule(self, step: int, policy: Policy) -> list[tuple[Leaf, Policy]]:
-        """The wrapped step's leaves on its steps, nothing otherwise."""
-        return self.inner.schedule(step, policy) if self.runs_at(step) else []
 
 
 def every(n: int, inner: Step, *, offset: int = 0) -> Every:
@@ -320,17 +253,17 @@ class Cond(Step):
     pred: Callable[[int], bool]
     if_true: Step
     if_false: Step | None
-    _leaves: tuple[Leaf, ...] = attrs.field(init=False, repr=False, eq=False, default=LEAVES)
+    routes: tuple[Route, ...] = attrs.field(init=False, repr=False, eq=False)
 
-    def children(self) -> tuple[Step, ...]:
-        """Both branches (``if_true`` first)."""
-        return (self.if_true,) if self.if_false is None else (self.if_true, self.if_false)
-
-    def schedule(self, step: int, policy: Policy) -> list[tuple[Leaf, Policy]]:
-        """The leaves of the branch the predicate picks."""
-        if bool(self.pred(step)):
-            return self.if_true.schedule(step, policy)
-        return [] if self.if_false is None else self.if_false.schedule(step, policy)
+    @routes.default
+    def _build(self) -> tuple[Route, ...]:
+        """Both branches' routes (``if_true`` first), each behind its side of the predicate."""
+        yes = Gate(pred=self.pred, branch=True)
+        no = attrs.evolve(yes, branch=False)
+        routes = [route.behind(yes) for route in self.if_true.routes]
+        if self.if_false is not None:
+            routes += [route.behind(no) for route in self.if_false.routes]
+        return tuple(routes)
 
 
 def cond(pred: Callable[[int], bool], if_true: Step, if_false: Step | None = None) -> Cond:
@@ -368,15 +301,12 @@ class Compiled(Step):
 
     inner: Step
     policy: Policy = attrs.Factory(Policy)
-    _leaves: tuple[Leaf, ...] = attrs.field(init=False, repr=False, eq=False, default=LEAVES)
+    routes: tuple[Route, ...] = attrs.field(init=False, repr=False, eq=False)
 
-    def children(self) -> tuple[Step, ...]:
-        """The wrapped step."""
-        return (self.inner,)
-
-    def schedule(self, step: int, policy: Policy) -> list[tuple[Leaf, Policy]]:
-        """The wrapped step's leaves, with this policy under theirs and over ``policy``."""
-        return self.inner.schedule(step, self.policy.over(policy))
+    @routes.default
+    def _build(self) -> tuple[Route, ...]:
+        """The wrapped step's routes, with this policy under theirs."""
+        return tuple(route.under(self.policy) for route in self.inner.routes)
 
 
 def compile(

@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
+import optree
 import torch
 
 from fvstep import random as fsrandom
@@ -34,7 +35,7 @@ from fvstep.grads import ClipGradNorm, Sanitize, nan_to_num_
 from fvstep.state import RoleState, TrainState
 from fvstep.tree import full_tensor, local_tensors
 
-__all__ = ["Gradients", "LossFn", "apply", "backward"]
+__all__ = ["Gradients", "LossFn", "apply", "backward", "split_microbatches"]
 
 LossFn = Callable[[TrainState, Any, torch.Tensor], Any]
 """``(state, batch, key) -> loss | (loss, metrics) | ({role: loss}, metrics)``."""
@@ -48,11 +49,12 @@ class Group:
     names: list[str]
     role_states: list[RoleState]
     params_by_role: list[dict[str, torch.Tensor]]
+    params: list[torch.Tensor] = attrs.field(init=False)  # every parameter, role by role
     norm: torch.Tensor | None = None  # as computed: a DTensor for sharded gradients
     full_norm: torch.Tensor | None = None  # a plain tensor, the same on every rank
 
-    def params(self) -> list[torch.Tensor]:
-        """Every parameter of the group, role by role."""
+    @params.default
+    def _all_params(self) -> list[torch.Tensor]:
         return [p for params in self.params_by_role for p in params.values()]
 
 
@@ -71,7 +73,7 @@ class Gradients:
     def clear(self) -> None:
         """Drop every ``.grad`` of the unit (no gradient outlives a unit)."""
         for group in self.groups:
-            for p in group.params():
+            for p in group.params:
                 p.grad = None
 
 
@@ -119,7 +121,7 @@ def backward(
     clip: ClipGradNorm | None,
     sanitize: Sanitize,
     sync: GradSync | None,
-    parallelism: Parallelism,
+    parallelism: Parallelism | None,
 ) -> Gradients:
     """Phase 1 of a unit: gradients of ``roles`` over ``microbatches``, measured.
 
@@ -186,7 +188,7 @@ def backward(
     out.update(sync_metrics)
     try:
         for group in groups:
-            grads = [p.grad for p in group.params() if p.grad is not None]
+            grads = [p.grad for p in group.params if p.grad is not None]
             if sanitize == "nan_to_num":
                 nan_to_num_(grads)
             if clip is not None or sanitize in ("skip", "error"):
@@ -208,14 +210,15 @@ def _check_finite(
     roles: tuple[str, ...],
     loss_log: Mapping[str, list[torch.Tensor]],
     groups: list[Group],
-    parallelism: Parallelism,
+    parallelism: Parallelism | None,
 ) -> None:
     """``sanitize="error"``: one device sync for the verdict of every rank (the norms are
     global; the non-finite losses are counted over ranks)."""
     losses = local_tensors([loss for r in roles for loss in loss_log[r]])
     device = losses[0].device
     bad = (~torch.isfinite(torch.stack([x.float().reshape(()) for x in losses]))).sum().float()
-    bad = parallelism.sum_over_ranks(bad, [p for g in groups for p in g.params()]).to(device)
+    if parallelism is not None:
+        bad = parallelism.sum_over_ranks(bad, [p for g in groups for p in g.params]).to(device)
     norms = [g.full_norm.float().reshape(()).to(device) for g in groups if g.full_norm is not None]
     verdict = torch.stack([bad, *norms]).tolist()  # the one device sync
     if verdict[0] == 0 and all(math.isfinite(v) for v in verdict[1:]):
@@ -246,7 +249,7 @@ def apply(
                 out["+".join(group.names) + "/grad_norm"] = full
             if not skipped and clip is not None and group.norm is not None:
                 torch.nn.utils.clip_grads_with_norm_(
-                    group.params(), clip.max_norm, group.norm, foreach=clip.foreach
+                    group.params, clip.max_norm, group.norm, foreach=clip.foreach
                 )
             for role, rs, params in zip(group.names, group.role_states, group.params_by_role):
                 optimizer = rs.role.optimizer
@@ -286,3 +289,47 @@ def _update_ema(
         return
     torch._foreach_mul_(targets, decay)
     torch._foreach_add_(targets, sources, alpha=1.0 - decay)
+
+
+def split_microbatches(batch: Any, num: int) -> list[Any]:
+    """Split ``batch`` into ``num`` micro-batches along dim 0 of every tensor leaf.
+
+    A ``list`` (or tuple) of exactly ``num`` items is taken as already split. Non-tensor
+    leaves (ints, strings) are shared by every micro-batch.
+
+    Args:
+        batch: A pytree (dicts, tuples, lists) of tensors, or a list of ``num`` micro-batches.
+        num: The number of micro-batches.
+
+    Returns:
+        A list of ``num`` pytrees of the same structure.
+
+    Raises:
+        ValueError: If a tensor's dim 0 is not divisible by ``num``, tensors disagree on
+            dim 0, or a given list has the wrong length.
+    """
+    if isinstance(batch, (list, tuple)) and not _is_tensor_tree(batch):
+        if len(batch) != num:
+            raise ValueError(f"got a list of {len(batch)} micro-batches, expected {num}")
+        return list(batch)
+    if num == 1:
+        return [batch]
+    _paths, flat, spec = optree.tree_flatten_with_path(batch)
+    sizes = {int(x.shape[0]) for x in flat if isinstance(x, torch.Tensor) and x.dim() > 0}
+    if len(sizes) > 1:
+        raise ValueError(f"batch tensors disagree on dim 0: sizes {sorted(sizes)}")
+    if sizes and next(iter(sizes)) % num:
+        raise ValueError(
+            f"batch size {next(iter(sizes))} is not divisible by microbatches={num}; "
+            "pass a list of micro-batches for uneven splits"
+        )
+    columns = [
+        x.chunk(num, dim=0) if isinstance(x, torch.Tensor) and x.dim() > 0 else [x] * num
+        for x in flat
+    ]
+    return [optree.tree_unflatten(spec, [col[m] for col in columns]) for m in range(num)]
+
+
+def _is_tensor_tree(batch: Sequence[Any]) -> bool:
+    """A tuple/list whose items are tensors is one batch (e.g. ``(x, y)``), not micro-batches."""
+    return len(batch) > 0 and all(isinstance(x, torch.Tensor) for x in batch)

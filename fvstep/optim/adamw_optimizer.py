@@ -16,23 +16,20 @@ from torch.optim.adamw import adamw as _torch_adamw
 from fvstep import (
     _compat as torch_compat,  # not `_compat`: attrs-generated methods read that global
 )
-from fvstep.optim._structure import (
-    _check_fused_params,
-    _check_params,
-    _check_same_names,
-    _check_state_dict,
-    _grad_names,
-)
 from fvstep.optim.base import (
     LearningRate,
     _as_betas,
     _as_learning_rate,
     _check_flag,
+    _check_fused_params,
     _check_impl_flags,
     _check_nonnegative,
-    _learning_rate,
+    _check_params,
+    _check_state_dict,
+    _grad_names,
     _new_count,
     _resolve_impl,
+    _scheduled_learning_rate,
     _zeros_like,
 )
 from fvstep.tree import frozen
@@ -94,7 +91,8 @@ class AdamW:
 
     def learning_rate(self, count: int) -> float:
         """The learning rate of the update made when ``count`` updates have been applied."""
-        return _learning_rate(self.lr, count)
+        lr = self.lr
+        return _scheduled_learning_rate(lr, count) if callable(lr) else lr
 
     def init(self, params: Mapping[str, torch.Tensor]) -> AdamWState:
         """Allocate every moment for ``params`` eagerly, exactly as torch would lazily.
@@ -200,12 +198,11 @@ class AdamW:
         """
         if not isinstance(state, AdamWState):
             raise TypeError(f"state must be an AdamWState, got {type(state).__name__}")
-        # The state's structure was checked once (init, check_state); see _structure.py.
-        _check_same_names("step", state.step, params)
+        # The state's structure was checked once (init, check_state); see base.py.
         moments = [("exp_avg", state.exp_avg), ("exp_avg_sq", state.exp_avg_sq)]
         if self.amsgrad:
             moments.append(("max_exp_avg_sq", state.max_exp_avg_sq))
-        names = _grad_names(params, grads, moments)
+        names = _grad_names(params, grads, ("step", state.step), moments)
         lr = self.learning_rate(int(state.count))
         foreach, fused = _resolve_impl((params[n] for n in names), self.foreach, self.fused)
         with torch.no_grad():

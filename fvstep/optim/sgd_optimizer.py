@@ -13,22 +13,19 @@ import attrs
 import torch
 from torch.optim.sgd import sgd as _torch_sgd
 
-from fvstep.optim._structure import (
-    _check_fused_params,
-    _check_params,
-    _check_same_names,
-    _check_state_dict,
-    _grad_names,
-)
 from fvstep.optim.base import (
     LearningRate,
     _as_learning_rate,
     _check_flag,
+    _check_fused_params,
     _check_impl_flags,
     _check_nonnegative,
-    _learning_rate,
+    _check_params,
+    _check_state_dict,
+    _grad_names,
     _new_count,
     _resolve_impl,
+    _scheduled_learning_rate,
     _zeros_like,
 )
 from fvstep.tree import frozen
@@ -90,7 +87,8 @@ class SGD:
 
     def learning_rate(self, count: int) -> float:
         """The learning rate of the update made when ``count`` updates have been applied."""
-        return _learning_rate(self.lr, count)
+        lr = self.lr
+        return _scheduled_learning_rate(lr, count) if callable(lr) else lr
 
     def init(self, params: Mapping[str, torch.Tensor]) -> SGDState:
         """Allocate every momentum buffer for ``params`` eagerly (zeros, not initialized).
@@ -196,13 +194,10 @@ class SGD:
         """
         if not isinstance(state, SGDState):
             raise TypeError(f"state must be an SGDState, got {type(state).__name__}")
-        # The state's structure was checked once (init, check_state); see _structure.py.
+        # The state's structure was checked once (init, check_state); see base.py.
         has_momentum = self.momentum != 0
-        if has_momentum:
-            _check_same_names("momentum_buffer", state.momentum_buffer, params)
-        names = _grad_names(
-            params, grads, [("momentum_buffer", state.momentum_buffer)] if has_momentum else []
-        )
+        buffers_of = ("momentum_buffer", state.momentum_buffer) if has_momentum else None
+        names = _grad_names(params, grads, buffers_of, [buffers_of] if buffers_of else [])
         lr = self.learning_rate(int(state.count))
         foreach, fused = _resolve_impl((params[n] for n in names), self.foreach, self.fused)
         # torch.optim.SGD passes [] without momentum, else state.get("momentum_buffer").

@@ -1,7 +1,7 @@
 """The layout of a call × the step's policies and shape × the optimizer implementation.
 
-A step holds no layout: the same step object called with no layout, with
-``SingleProcess()`` and with ``fvstep.parallel.Layout()`` (one process, plain modules)
+A step holds no layout: the same step object called with no layout (one process), with
+a hand-written one-process ``Parallelism`` and with ``fvstep.parallel.Layout()`` (one process, plain modules)
 computes bitwise the same state and metrics, whatever its policy (sanitize, accumulation,
 clipping) and composition (one unit; two units of one role, whose metrics must both
 survive; a managed step). And an optimizer state whose moment was replaced after
@@ -18,9 +18,9 @@ from torch import nn
 
 import fvstep as fs
 from fvstep import parallel as fsp
-from fvstep.core.layout import SingleProcess
+from tests.multirank import OneRankReference
 
-LAYOUTS = {"default": None, "single_process": SingleProcess(), "layout": fsp.Layout()}
+LAYOUTS = {"default": None, "one_process_protocol": OneRankReference(), "layout": fsp.Layout()}
 
 
 def mlp(seed: int) -> nn.Module:

@@ -1,0 +1,179 @@
+"""Managed steps: methods that run their own inner loop (RL: sample, reward, several updates).
+
+:func:`managed` wraps ``fn(state, batch, key, ctx) -> (state, metrics)``; the engine
+calls :meth:`Managed.run`, which gives ``fn`` a :class:`ManagedContext` to run inner
+units with the engine's own unit runner (:func:`fvstep.core.engine.run_unit`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import attrs
+import torch
+
+from fvstep import random as fsrandom
+from fvstep.accumulation import Accumulation
+from fvstep.core import unit
+from fvstep.core.engine import Leaf, Route, own_routes, run_unit
+from fvstep.core.layout import Parallelism
+from fvstep.core.policy import UNSET, Policy, Unset, check_clip, check_sanitize
+from fvstep.grads import ClipGradNorm, Sanitize
+from fvstep.state import TrainState
+
+__all__ = ["Managed", "ManagedContext", "ManagedFn", "managed"]
+
+ROUTES = attrs.Factory(own_routes, takes_self=True)
+
+
+@attrs.frozen(eq=False)
+class Managed(Leaf):
+    """A step that runs its own inner loop (see :func:`managed`)."""
+
+    kind: ClassVar[str] = "managed step"
+    managed: ClassVar[bool] = True
+
+    fn: ManagedFn
+    trains: tuple[str, ...]  # a field where Leaf has a property
+    name: str = "managed"
+    policy: Policy = attrs.Factory(Policy)
+    mutates: tuple[str, ...] = ()
+    routes: tuple[Route, ...] = attrs.field(init=False, repr=False, eq=False, default=ROUTES)
+
+    def run(
+        self,
+        state: TrainState,
+        batch: Any,
+        key: torch.Tensor,
+        policy: Policy,
+        parallelism: Parallelism | None,
+        step: int,
+        position: int,
+    ) -> tuple[TrainState, dict[str, Any]]:
+        """Run ``fn(state, batch, key, ctx)`` inside ``rng_scope(key)`` (the engine calls
+        this; ``policy`` is resolved)."""
+        assert policy.accumulation is not None
+        ctx = ManagedContext(step, position, policy.accumulation, policy, parallelism, self.trains)
+        try:
+            with fsrandom.rng_scope(key):
+                new_state, metrics = self.fn(state, batch, key, ctx)
+        except Exception:
+            # Its own module reads (outside ctx.update) may leave FSDP2 groups busy.
+            sync = (
+                None if parallelism is None else parallelism.grad_sync(state, policy.accumulation)
+            )
+            if sync is not None:
+                sync.release(state, after_error=True)
+            raise
+        if not isinstance(new_state, TrainState):
+            raise TypeError(f"managed step {self.name!r} must return (TrainState, metrics)")
+        return new_state, metrics
+
+
+def managed(
+    fn: ManagedFn,
+    *,
+    trains: str | tuple[str, ...],
+    mutates: str | tuple[str, ...] = (),
+    clip: ClipGradNorm | Unset | None = UNSET,
+    sanitize: Sanitize | Unset = UNSET,
+    name: str = "managed",
+) -> Managed:
+    """Wrap a method that runs its own inner loop (RL: sample, reward, several updates).
+
+    ``fn(state, batch, key, ctx) -> (state, metrics)`` gets the whole batch (no
+    accumulation is applied for it) and runs inner updates with ``ctx.update(state, unit,
+    batch, key)``. It may change frozen-but-mutated roles (an RL ``old`` policy) through
+    their tensors in place. ``trains`` declares the roles its optimizers step and
+    ``mutates`` the frozen roles it changes otherwise, for :func:`plan`. ``fn`` runs inside
+    ``rng_scope`` of its key, ``fold_in_name(step_key, name)``.
+
+    Args:
+        fn: The outer step.
+        trains: Roles whose optimizers it steps.
+        mutates: Frozen roles it changes in place (e.g. ``"old"``).
+        clip: Default clipping of its inner updates (else the enclosing ``compile``'s).
+        sanitize: Default non-finite policy of its inner updates.
+        name: Keys its randomness; a label for metrics and plans.
+
+    Returns:
+        A :class:`Managed` step.
+
+    Examples:
+        >>> managed(rl_outer_step, trains="student")
+    """
+    trains_t = (trains,) if isinstance(trains, str) else tuple(trains)
+    mutates_t = (mutates,) if isinstance(mutates, str) else tuple(mutates)
+    if not callable(fn):
+        raise TypeError("managed needs a function (state, batch, key, ctx) -> (state, metrics)")
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"a managed step's name must be a non-empty str, got {name!r}")
+    check_clip(clip)
+    check_sanitize(sanitize)
+    return Managed(fn, trains_t, name, Policy(clip=clip, sanitize=sanitize), mutates_t)
+
+
+@attrs.define
+class ManagedContext:
+    """What a managed step gets to run its inner updates with the step's machinery.
+
+    Attributes:
+        step: The global step being run.
+        position: The managed step's index among the leaves of the called step.
+        accumulation: The default accumulation of inner updates (the enclosing
+            ``compile``'s).
+    """
+
+    step: int
+    position: int
+    accumulation: Accumulation
+    _policy: Policy
+    _parallelism: Parallelism | None
+    _trains: tuple[str, ...]
+
+    def update(
+        self,
+        state: TrainState,
+        unit_: Leaf,
+        batch: Any,
+        key: torch.Tensor,
+        *,
+        accumulation: Accumulation | None = None,
+    ) -> tuple[TrainState, dict[str, Any]]:
+        """Run the unit ``unit_`` once on ``batch`` (split into micro-batches), keyed by ``key``.
+
+        ``accumulation`` defaults to the enclosing ``compile``'s; the unit's own
+        ``clip``/``sanitize`` apply, else the managed step's, else the enclosing
+        ``compile``'s; the micro-batch keys are ``fold_in(key, m)``.
+
+        Returns:
+            The new state and the unit's metrics.
+
+        Raises:
+            TypeError: If ``unit_`` is not a unit (``fvstep.update(...)``).
+            ValueError: If it trains a role the managed step does not declare in
+                ``trains`` (``plan`` would not show it).
+        """
+        if not isinstance(unit_, Leaf) or unit_.managed:
+            raise TypeError(
+                f"ctx.update runs a unit (fvstep.update(...)), got {type(unit_).__name__}"
+            )
+        undeclared = [r for r in unit_.trains if r not in self._trains]
+        if undeclared:
+            raise ValueError(
+                f"ctx.update: {unit_.describe()} trains {undeclared}, which this managed step "
+                f"does not declare (trains={list(self._trains)}): pass managed(..., "
+                f"trains={tuple(sorted({*self._trains, *undeclared}))!r}) so that plan() "
+                "and the checks before the step see them"
+            )
+        policy = attrs.evolve(
+            unit_.policy.over(self._policy), accumulation=accumulation or self.accumulation
+        ).resolve()
+        assert policy.accumulation is not None
+        microbatches = unit.split_microbatches(batch, policy.accumulation.microbatches)
+        return run_unit(state, unit_, microbatches, key, policy, self._parallelism, None)
+
+
+ManagedFn = Callable[[TrainState, Any, torch.Tensor, ManagedContext], tuple[TrainState, dict]]
+"""``fn(state, batch, key, ctx) -> (state, metrics)`` of a managed step."""
