@@ -314,9 +314,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--checkpointing",
-        choices=("none", "full", "selective"),
+        choices=("none", "full", "selective", "attention"),
         default="full",
-        help="activation checkpointing of the prepared side (default full)",
+        help="activation checkpointing of the prepared side (default full; attention: "
+        "selective, keeping the attention kernels' outputs only)",
     )
     parser.add_argument(
         "--checkpoint-every",

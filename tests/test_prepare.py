@@ -25,7 +25,12 @@ from fvstep import tree
 from fvstep._compat import TorchDispatchMode
 from fvstep.methods import dmd2, finetune
 from fvstep.models import predict, synthetic_batch, tiny_wan
-from fvstep.parallel.activation_checkpoint import ActivationCheckpointing, is_checkpointed
+from fvstep.parallel.activation_checkpoint import (
+    ATTENTION_SAVE_OPS,
+    ActivationCheckpointing,
+    is_checkpointed,
+    resolve_checkpointing,
+)
 from fvstep.parallel.block_compile import compile_counts
 from fvstep.parallel.prepare import block_names, preparation, prepare
 from fvstep.random import fold_in
@@ -51,6 +56,7 @@ CHECKPOINTINGS = [
     "none",
     "full",
     "selective",
+    "attention",
     ActivationCheckpointing("full", every=2),
     ActivationCheckpointing("selective", every=3),
 ]
@@ -82,10 +88,11 @@ def test_parameter_names_and_state_dict_keys_do_not_change(checkpointing, compil
     [
         ("full", False),
         ("selective", False),
+        ("attention", False),
         (ActivationCheckpointing("full", every=2), False),
         ("selective", True),
     ],
-    ids=["full", "selective", "full-every-2", "selective+compile"],
+    ids=["full", "selective", "attention", "full-every-2", "selective+compile"],
 )
 def test_a_prepared_role_trains_bitwise_as_the_plain_one(checkpointing, compile):
     plain = _train(_finetune_state(tiny_wan(seed=0, num_layers=3)), 3)
@@ -110,9 +117,12 @@ class _OpCounter(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.matmuls = 0
+        self.attention = 0
         self.others = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in ATTENTION_SAVE_OPS or func.overloadpacket in ATTENTION_SAVE_OPS:
+            self.attention += 1
         if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm):
             self.matmuls += 1
         else:
@@ -135,6 +145,24 @@ def test_selective_checkpointing_recomputes_everything_but_matmuls_and_attention
     none, selective, full = (_backward_ops(m) for m in ("none", "selective", "full"))
     assert full[0] > selective[0] == none[0], (none, selective, full)
     assert selective[1] > none[1], (none, selective, full)
+
+
+def test_attention_checkpointing_recomputes_the_matmuls_but_not_the_attention():
+    """``"attention"`` keeps only the attention kernels' outputs: backward re-runs the
+    matmuls (as full AC does) but not the attention kernel (as selective AC does not)."""
+
+    def attention_calls(mode: str) -> int:
+        module = prepare(tiny_wan(seed=0), checkpointing=mode)
+        batch = synthetic_batch(fs.random.key(0), batch_size=2)
+        out = predict(module, batch["latents"], torch.full((2,), 500.0), batch["text"]).sum()
+        with _OpCounter() as counter:
+            out.backward()
+        return counter.attention
+
+    none, attention, full = (_backward_ops(m) for m in ("none", "attention", "full"))
+    assert attention[0] > none[0], (none, attention, full)  # the matmuls re-run
+    assert attention_calls("attention") == attention_calls("none") < attention_calls("full")
+    assert resolve_checkpointing("attention").save_ops == ATTENTION_SAVE_OPS
 
 
 def test_a_checkpoint_saved_with_the_options_loads_without_them_and_back(tmp_path):

@@ -33,6 +33,7 @@ from torch.utils.checkpoint import (
 )
 
 __all__ = [
+    "ATTENTION_SAVE_OPS",
     "DEFAULT_SAVE_OPS",
     "ActivationCheckpointing",
     "CheckpointMode",
@@ -42,6 +43,9 @@ __all__ = [
 ]
 
 CheckpointMode = Literal["none", "full", "selective"]
+CheckpointName = Literal["none", "full", "selective", "attention"]
+"""What ``prepare(checkpointing=...)`` takes by name: a mode, or ``"attention"`` (selective
+checkpointing that keeps only the attention kernels' outputs, :data:`ATTENTION_SAVE_OPS`)."""
 
 _aten = torch.ops.aten
 #: Ops whose outputs selective checkpointing keeps (torchtitan's list, less collectives):
@@ -53,6 +57,24 @@ DEFAULT_SAVE_OPS: frozenset[Any] = frozenset(
         getattr(_aten, "addmm", None),
         getattr(_aten, "bmm", None),
         getattr(_aten, "baddbmm", None),
+        getattr(_aten, "_scaled_dot_product_efficient_attention", None),
+        getattr(_aten, "_scaled_dot_product_flash_attention", None),
+        getattr(_aten, "_scaled_dot_product_cudnn_attention", None),
+        getattr(_aten, "_scaled_dot_product_flash_attention_for_cpu", None),
+        getattr(_aten, "_flash_attention_forward", None),
+        getattr(_aten, "_efficient_attention_forward", None),
+    )
+    if op is not None
+)
+
+#: The attention kernels only: ``checkpointing="attention"`` keeps their outputs and
+#: recomputes the rest of a block (the matmuls too). Attention is most of a video block's
+#: FLOPs at long sequences (quadratic in the tokens) but a small part of its activation
+#: memory, so this keeps most of selective checkpointing's speed at a fraction of its
+#: memory (one H200, Wan2.1-1.3B at 480x832x81: ``docs/benchmarks.md``).
+ATTENTION_SAVE_OPS: frozenset[Any] = frozenset(
+    op
+    for op in (
         getattr(_aten, "_scaled_dot_product_efficient_attention", None),
         getattr(_aten, "_scaled_dot_product_flash_attention", None),
         getattr(_aten, "_scaled_dot_product_cudnn_attention", None),
@@ -93,8 +115,8 @@ class ActivationCheckpointing:
     def __attrs_post_init__(self) -> None:
         if self.mode not in ("none", "full", "selective"):
             raise ValueError(
-                f"activation checkpointing mode must be 'none', 'full' or 'selective', "
-                f"not {self.mode!r}"
+                f"activation checkpointing mode must be 'none', 'full' or 'selective' (or, "
+                f"for prepare, the name 'attention'), not {self.mode!r}"
             )
         if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
             raise ValueError(f"every must be an int >= 1, not {self.every!r}")
@@ -119,13 +141,14 @@ class ActivationCheckpointing:
 
 
 def resolve_checkpointing(
-    value: ActivationCheckpointing | CheckpointMode | None,
+    value: ActivationCheckpointing | CheckpointName | None,
 ) -> ActivationCheckpointing:
     """The :class:`ActivationCheckpointing` that ``prepare(..., checkpointing=value)`` means.
 
     Args:
-        value: ``None`` (no checkpointing), a mode name, or an
-            :class:`ActivationCheckpointing` (returned as it is).
+        value: ``None`` (no checkpointing), a mode name, ``"attention"`` (selective,
+            saving :data:`ATTENTION_SAVE_OPS` only), or an :class:`ActivationCheckpointing`
+            (returned as it is).
 
     Returns:
         The checkpointing choice.
@@ -142,10 +165,13 @@ def resolve_checkpointing(
         return ActivationCheckpointing("none")
     if isinstance(value, ActivationCheckpointing):
         return value
+    if value == "attention":
+        return ActivationCheckpointing("selective", save_ops=ATTENTION_SAVE_OPS)
     if isinstance(value, str):
         return ActivationCheckpointing(value)
     raise TypeError(
-        f"checkpointing must be 'none', 'full', 'selective' or an ActivationCheckpointing, "
+        f"checkpointing must be 'none', 'full', 'selective', 'attention' or an "
+        "ActivationCheckpointing, "
         f"not {type(value).__name__}"
     )
 

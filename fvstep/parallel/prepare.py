@@ -44,7 +44,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 
 from fvstep.parallel.activation_checkpoint import (
     ActivationCheckpointing,
-    CheckpointMode,
+    CheckpointName,
     apply_activation_checkpointing,
     resolve_checkpointing,
 )
@@ -129,7 +129,7 @@ def prepare(
     *,
     mesh: DeviceMesh | None = None,
     trainable: bool = True,
-    checkpointing: ActivationCheckpointing | CheckpointMode | None = None,
+    checkpointing: ActivationCheckpointing | CheckpointName | None = None,
     compile: bool | Mapping[str, Any] = False,
     verify_compile: bool | float = False,
     param_dtype: torch.dtype | None = None,
@@ -161,8 +161,11 @@ def prepare(
             named in ``full_precision_inputs`` (timesteps, whatever their shape) and
             unnamed 0-D/1-D inputs keep their precision. The model's
             ``_keep_in_fp32_modules`` (diffusers) stay fp32.
-        checkpointing: ``"none"`` (default), ``"full"``, ``"selective"`` or an
-            :class:`ActivationCheckpointing` (e.g. every n-th block). Under ``no_grad`` a
+        checkpointing: ``"none"`` (default), ``"full"``, ``"selective"`` (the outputs of
+            matmuls and attention kept), ``"attention"`` (the attention kernels' outputs
+            kept, the rest recomputed: most of selective's speed at a fraction of its
+            memory for long videos) or an :class:`ActivationCheckpointing` (e.g. every
+            n-th block). Under ``no_grad`` a
             checkpointed block just runs its forward, so a role read without gradient
             (a DMD2 teacher) pays nothing for it.
         compile: ``True`` for ``block.compile(fullgraph=True, dynamic=False)`` on each
