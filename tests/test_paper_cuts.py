@@ -200,3 +200,41 @@ def test_encode_refuses_a_size_no_patch_fits_in_one_line(tmp_path, capsys, size,
         assert "does not exist" in err
     else:
         assert re.search(message, err), err
+
+
+# --------------------------------------------------------------------------------------
+# verify-resume --nproc 2 with a factory that does not shard: one line on stderr
+# --------------------------------------------------------------------------------------
+
+
+def unsharded_factory() -> tuple:
+    """A factory that forgets to shard its role on several ranks."""
+    module = torch.nn.Linear(3, 2)
+    state = fs.TrainState.create(
+        {"student": fs.Role(module, optimizer=fs.optim.adamw(lr=1e-2))}, key=fs.random.key(0)
+    )
+    return state, fs.compile(fs.update("student", _linear_loss)), lambda i: torch.ones(2, 3)
+
+
+@pytest.mark.multirank
+def test_verify_resume_on_two_ranks_refuses_an_unsharded_factory_in_one_line() -> None:
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run(
+        [sys.executable, "-m", "fvstep", "verify-resume", "tests.test_paper_cuts:unsharded_factory"]
+        + ["--nproc", "2", "--steps", "2", "--interrupt", "1"],
+        capture_output=True,
+        text=True,
+        cwd=root,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)},
+        timeout=300,
+    )
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "is trained on 2 ranks but its module is not sharded" in lines[0]
+    assert "shard_module" in lines[0]

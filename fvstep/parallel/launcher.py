@@ -11,11 +11,13 @@ Examples:
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import importlib
+import logging
 import os
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -76,8 +78,28 @@ def launch(fn: Callable[..., Any], *args: Any, nproc: int = 2) -> list[Any]:
         monitor_interval=0.1,
         start_method="spawn",
     )
-    results = elastic_launch(config, _launched)((fn.__module__, fn.__qualname__), args)
+    with _child_tracebacks_not_logged():
+        results = elastic_launch(config, _launched)((fn.__module__, fn.__qualname__), args)
     return [results[r] for r in sorted(results)]
+
+
+@contextlib.contextmanager
+def _child_tracebacks_not_logged() -> Iterator[None]:
+    """The elastic launcher logs a failed rank's whole traceback (about 50 lines on stderr)
+    before it raises ``ChildFailedError``, which carries the same traceback: let the error
+    alone say it, so that a command's one-line error stays one line."""
+    from torch.distributed.elastic.multiprocessing import api as processes_api
+
+    # and torch.multiprocessing's "Terminating process ... via signal SIGTERM" of the others
+    loggers = (processes_api.logger, logging.getLogger("torch.multiprocessing.spawn"))
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
 
 
 def init_from_env(*, backend: str | None = None, timeout_s: float | None = None) -> bool:
