@@ -224,9 +224,9 @@ def test_verify_resume_on_two_ranks_refuses_an_unsharded_factory_in_one_line() -
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
+    command = ["verify-resume", "tests.test_paper_cuts:unsharded_factory", "--nproc", "2"]
     result = subprocess.run(
-        [sys.executable, "-m", "fvstep", "verify-resume", "tests.test_paper_cuts:unsharded_factory"]
-        + ["--nproc", "2", "--steps", "2", "--interrupt", "1"],
+        [sys.executable, "-m", "fvstep", *command, "--steps", "2", "--interrupt", "1"],
         capture_output=True,
         text=True,
         cwd=root,
