@@ -30,6 +30,7 @@ EXAMPLE = ROOT / "examples" / "finetune_tiny.yaml"
 HELD = ROOT / "tests" / "held_trainer.py"
 TIMEOUT_S = 300  # a loaded 2-core CI machine may take long to start torch
 HOLD_AT = 3  # the held trainer waits for SIGTERM in step 3: it saves step 4
+NUM_STEPS = 6  # run.num_steps of the example
 
 
 def write_clips(root: Path, num: int = 4) -> None:
@@ -98,6 +99,8 @@ def test_train_killed_by_sigterm_resumes_bitwise_then_exports_a_pipeline_that_sa
     log = workdir / "held.log"
     proc = held_train(workdir, command, log)
     try:
+        # The reference, uninterrupted, in this process while the trainer starts up.
+        assert main([*command, "--run.out", "runs/uninterrupted"]) == 0
         wait_for(workdir / "held", proc, log)
         os.killpg(proc.pid, signal.SIGTERM)  # the whole group, as torchrun and SLURM do
         assert proc.wait(timeout=TIMEOUT_S) == EXIT_INTERRUPTED, log.read_text()
@@ -105,22 +108,24 @@ def test_train_killed_by_sigterm_resumes_bitwise_then_exports_a_pipeline_that_sa
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     out = log.read_text()
-    assert f"stopped by SIGTERM at step {HOLD_AT + 1} of 8" in out, out
+    assert f"stopped by SIGTERM at step {HOLD_AT + 1} of {NUM_STEPS}" in out, out
     assert "run the same command again to resume" in out
     run = Path("runs/finetune-tiny")
     assert ckpt.latest(run) == run / f"step_{HOLD_AT + 1:09d}"
+    capsys.readouterr()
 
     assert main(command) == 0  # the same command: resumes
     assert f"resuming from {run / f'step_{HOLD_AT + 1:09d}'}" in capsys.readouterr().out
-    assert main([*command, "--run.out", "runs/uninterrupted"]) == 0
 
     resumed, _ = _load_run(str(run))
     uninterrupted, _ = _load_run("runs/uninterrupted")
-    assert int(resumed.step) == 8
+    assert int(resumed.step) == NUM_STEPS
     fs.tree.assert_trees_equal(resumed, uninterrupted, check_static=False)
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     again = Path("runs/uninterrupted/metrics.jsonl").read_text().splitlines()
-    assert rows == [json.loads(line) for line in again] and [r["step"] for r in rows] == [*range(8)]
+    assert rows == [json.loads(line) for line in again] and [r["step"] for r in rows] == [
+        *range(NUM_STEPS)
+    ]
 
     export = ["export", str(run), "--out", "exports/pipe", "--format", "pipeline"]
     assert main([*export, "--base", "tiny-wan", "--weights", "ema"]) == 0
