@@ -144,3 +144,63 @@ def test_train_killed_by_sigterm_resumes_bitwise_then_exports_a_pipeline_that_sa
         output_type="np",
     ).frames
     assert frames.shape == (1, 5, 16, 32, 3) and np.isfinite(frames).all()
+
+
+def test_dry_run_prints_the_resolved_config_and_the_plan_and_writes_nothing(tmp_path, capsys):
+    out = tmp_path / "run"
+    argv = ["train", "dmd2", "--dry-run", "--run.out", str(out), "--model.tiny.num_layers", "1"]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "recipe: dmd2" in printed and "critic_lr: 0.0004" in printed
+    assert "step 0: dmd2_fused updates student, critic" in printed
+    assert "step 1: dmd2_critic updates critic (1 micro-batch, clip 1.0)" in printed
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["train", "--optim.lrr", "1"], "optim.lrr"),
+        (["train", "finetune", "--run.num_steps", "x"], "run.num_steps"),
+        (["train", "nope"], "unknown recipe 'nope': choose one of finetune, dmd2, lora_dmd2"),
+        (["train", "--nproc", "0"], "--nproc must be >= 1"),
+        (["export", "nowhere", "--out", "x"], "neither a checkpoint"),
+    ],
+)
+def test_a_bad_option_is_one_line_and_exit_2(capsys, argv, message):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+
+
+def test_train_help_lists_the_recipes_keys_and_the_exit_codes(capsys):
+    assert main(["train", "lora_dmd2", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "--lora.rank" in out and "--init_from.kind" in out and "75 stopped by SIGTERM" in out
+
+
+def test_train_with_no_arguments_runs_the_embedded_default(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["train"]) == 0
+    assert "run folder runs/finetune" in capsys.readouterr().out
+    assert ckpt.latest("runs/finetune").name == "step_000000010"
+
+
+@pytest.mark.heavy
+def test_export_writes_lora_weights_and_a_merged_model_of_a_lora_run(tmp_path, monkeypatch):
+    from diffusers import WanTransformer3DModel
+
+    monkeypatch.chdir(tmp_path)
+    run = ["train", "lora_dmd2", "--run.num_steps", "1", "--run.progress", "false"]
+    assert main([*run, "--model.tiny.num_layers", "1"]) == 0
+    assert main(["export", "runs/lora_dmd2", "--out", "lora", "--format", "lora"]) == 0
+    assert (tmp_path / "lora" / "pytorch_lora_weights.safetensors").is_file()
+    export = ["export", "runs/lora_dmd2", "--out", "merged", "--format", "merged"]
+    assert main([*export, "--weights", "ema"]) == 0
+    merged = WanTransformer3DModel.from_pretrained("merged")
+    assert sum(p.numel() for p in merged.parameters()) > 0
+    assert main(["export", "runs/lora_dmd2", "--out", "x", "--role", "teacher"]) == 0
+    assert (
+        main(["export", "runs/lora_dmd2", "--out", "y", "--format", "lora", "--role", "teacher"])
+        == 2
+    )
