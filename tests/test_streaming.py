@@ -1,0 +1,245 @@
+"""Streaming self-forcing (fvstep.methods.streaming): a stream that spans steps keeps all
+of its state in TrainState.extra, so a resume mid-stream is bitwise the uninterrupted run
+(1 process and 2 gloo ranks, K = 2, an odd step); the same method with the stream on a
+Python attribute is caught by ``fvstep verify-resume``; per-rank streams refuse another
+world size; the step equals a hand-written imperative loop."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from pathlib import Path
+
+import pytest
+import torch
+
+import fvstep as fs
+from fvstep import parallel as fsp
+from fvstep import tree
+from fvstep.checkpoint import CheckpointError
+from fvstep.methods.causal_rollout import exit_steps, regenerate, rollout
+from fvstep.methods.causal_wan import make_causal
+from fvstep.methods.self_forcing import critic_loss_on, dmd_loss_on
+from fvstep.methods.streaming import StreamState, init_stream, streaming
+from fvstep.models import synthetic_batch, tiny_wan
+from fvstep.random import fold_in, fold_in_name, split
+from fvstep.testing import assert_resume_exact
+
+STEPS = (1.0, 0.5)
+OPTIONS = {
+    "steps_per_stream": 4,
+    "window_frames": 1,
+    "sink_frames": 1,
+    "denoising_steps": STEPS,
+    "guidance_scale": 1.5,
+}
+
+
+class StreamData:
+    """Per-rank batches of one latent frame: a pure function of (step, rank)."""
+
+    def batch(self, step: int, *, rank: int = 0, world_size: int = 1) -> dict:
+        return synthetic_batch(
+            fold_in(fold_in(fs.random.key(7), step), rank), batch_size=2, frames=1
+        )
+
+
+def _modules(sharded: bool) -> dict[str, torch.nn.Module]:
+    modules = {
+        "student": make_causal(tiny_wan(seed=0), chunk_frames=1),
+        "teacher": tiny_wan(seed=0),
+        "critic": tiny_wan(seed=1),
+    }
+    if sharded:
+        mesh = fsp.make_mesh(device_type="cpu")
+        modules = {r: fsp.shard_module(m, mesh=mesh) for r, m in modules.items()}
+    return modules
+
+
+def _adamw() -> fs.optim.Optimizer:
+    return fs.optim.adamw(lr=1e-3, weight_decay=0.01)
+
+
+def _state(modules: dict[str, torch.nn.Module]) -> fs.TrainState:
+    stream = init_stream(modules["student"], StreamData().batch(0), window_frames=1, sink_frames=1)
+    return fs.TrainState.create(
+        {
+            "student": fs.Role(modules["student"], optimizer=_adamw()),
+            "teacher": fs.Role(modules["teacher"]),
+            "critic": fs.Role(modules["critic"], optimizer=_adamw()),
+        },
+        key=fs.random.key(3),
+        extra={"stream": stream},
+    )
+
+
+def _compiled(method: fs.Step) -> fs.Step:
+    return fs.compile(method, accumulation=fs.Accumulation(2))
+
+
+def factory(sharded: bool = False):
+    """``(state, step_fn, data)`` of the real streaming method."""
+    return _state(_modules(sharded)), _compiled(streaming(**OPTIONS)), StreamData()
+
+
+class AttributeStream:
+    """The same method, written the way the reference trainer's was: the stream lives on a
+    Python attribute between steps (``extra`` only ever sees the initial stream)."""
+
+    def __init__(self, initial: StreamState) -> None:
+        self.pure = streaming(**OPTIONS).fn
+        self.stream = initial
+
+    def __call__(self, state, batch, key, ctx):
+        initial = state.extra["stream"]
+        state, metrics = self.pure(state.replace(extra={"stream": self.stream}), batch, key, ctx)
+        self.stream = state.extra["stream"]
+        return state.replace(extra={"stream": initial}), metrics
+
+
+def impure_factory():
+    state = _state(_modules(sharded=False))
+    method = fs.managed(
+        AttributeStream(state.extra["stream"]), trains=("student", "critic"), name="stream"
+    )
+    return state, _compiled(method), StreamData()
+
+
+def test_a_resume_mid_stream_is_bitwise_the_uninterrupted_run(tmp_path):
+    """K = 2, a crash before step 1 of a 4-step stream (an odd step, mid-stream); after
+    the resume the cache (sink 1 + window 1) fills and rolls: the resumed run continues
+    the stream exactly."""
+    final = assert_resume_exact(
+        factory, num_steps=3, interruptions=[1], workdir=tmp_path, checkpoint_every=1
+    )
+    stream = final.extra["stream"]
+    assert int(stream.num_frames) == 3 and int(stream.cache.num_frames) == 2
+    assert stream.frames.abs().sum() > 0
+
+
+def test_verify_resume_catches_the_stream_on_a_python_attribute_and_passes_the_real_one(
+    tmp_path, monkeypatch
+):
+    from fvstep.cli import main
+
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+
+    def verify(name: str) -> tuple[int, str]:
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            code = main(
+                ["verify-resume", f"tests.test_streaming:{name}", "--steps", "2",
+                 "--interrupt", "1", "--every", "1", "--workdir", str(tmp_path / name)]
+            )  # fmt: skip
+        return code, out.getvalue()
+
+    code, text = verify("impure_factory")
+    assert code != 0 and "resume is NOT exact" in text, text
+    code, text = verify("factory")
+    assert code == 0, text
+
+
+def test_the_step_is_bitwise_a_hand_written_streaming_loop():
+    """The imperative loop: the stream in a local variable, torch.optim.AdamW, the
+    micro-batches split by hand; the engine's keys (managed step ``stream``)."""
+    modules = _modules(sharded=False)
+    state = _state({r: _copy(m) for r, m in modules.items()})
+    step = _compiled(streaming(**OPTIONS))
+    for i in range(3):
+        state, _ = step(state, StreamData().batch(i))
+    optimizers = {
+        r: torch.optim.AdamW(modules[r].parameters(), lr=1e-3, weight_decay=0.01)
+        for r in ("student", "critic")
+    }
+    view = _View(modules)
+    stream = init_stream(modules["student"], StreamData().batch(0), window_frames=1, sink_frames=1)
+    for i in range(3):
+        batch = StreamData().batch(i)
+        view.step = i
+        if i % 4 == 0:
+            stream = init_stream(modules["student"], batch, window_frames=1, sink_frames=1)
+            stream = StreamState(
+                stream.cache, stream.frames, batch["text"].clone(), stream.num_frames
+            )
+        key = fold_in_name(fold_in(fold_in(fs.random.key(3), i), 0), "stream")
+        k_rollout, k_generator, k_critic = split(key, 3)
+        exits = exit_steps(fs.random.key(3), i, 1, len(STEPS))
+        with torch.no_grad():
+            ro = rollout(modules["student"], batch["latents"], stream.text, k_rollout, exits=exits,
+                         denoising_steps=STEPS, cache=stream.cache)  # fmt: skip
+        for role, key_u in (("student", k_generator), ("critic", k_critic)):
+            for m in range(2):
+                rows = slice(m, m + 1)
+                text = stream.text[rows]
+                if role == "student":
+                    contexts = [_rows(c, rows) for c in ro.contexts]
+                    video = regenerate(modules["student"], [x[rows] for x in ro.exit_inputs],
+                                       ro.exit_times, contexts, text)  # fmt: skip
+                    loss, _ = dmd_loss_on(view, video, text, fold_in(key_u, m), guidance_scale=1.5)
+                else:
+                    loss, _ = critic_loss_on(view, ro.video[rows], text, fold_in(key_u, m))
+                (loss / 2).backward()
+            optimizers[role].step()
+            optimizers[role].zero_grad(set_to_none=True)
+        frames = torch.cat([stream.frames, ro.video], 2)[:, :, -1:]
+        stream = StreamState(ro.cache, frames, stream.text, stream.num_frames + 1)
+    for role in ("student", "critic"):
+        tree.assert_trees_equal(state.roles[role].params, dict(modules[role].named_parameters()))
+    tree.assert_trees_equal(state.extra["stream"], stream)
+
+
+class _View:
+    def __init__(self, modules):
+        self.modules = modules
+        self.key = fs.random.key(3)
+        self.step = 0
+
+    def module(self, name):
+        return self.modules[name]
+
+
+def _copy(module):
+    import copy
+
+    return copy.deepcopy(module)
+
+
+def _rows(cache, rows):
+    return type(cache)(
+        keys=tuple(k[rows] for k in cache.keys),
+        values=tuple(v[rows] for v in cache.values),
+        num_frames=cache.num_frames,
+        frame_tokens=cache.frame_tokens,
+        sink_frames=cache.sink_frames,
+    )
+
+
+def check_resume_on_two_ranks(rank: int, world_size: int, workdir: str) -> list[float]:
+    final = assert_resume_exact(
+        lambda: factory(sharded=True), num_steps=2, interruptions=[1], workdir=workdir,
+        checkpoint_every=1,
+    )  # fmt: skip
+    return final.extra["stream"].frames.flatten()[:4].tolist()
+
+
+@pytest.mark.multirank
+def test_a_resume_mid_stream_is_bitwise_on_two_ranks_and_refused_on_one(ranks, tmp_path):
+    """Each rank runs its own stream (different frames); the checkpoint holds them per
+    rank, so it resumes on 2 ranks exactly and is refused on 1 with a clear error."""
+    first, second = ranks.run(check_resume_on_two_ranks, str(tmp_path))
+    assert first != second
+    latest = fs.checkpoint.latest(tmp_path / "checkpoints")
+    with pytest.raises(CheckpointError, match="per-rank values"):
+        fs.checkpoint.load(latest, like=_state(_modules(sharded=False)))
+
+
+def test_a_state_without_its_stream_and_bad_settings_are_refused():
+    state = _state(_modules(sharded=False))
+    state = state.replace(extra={})
+    with pytest.raises(fs.StepFailedError, match=r"streaming needs state.extra\['stream'\]"):
+        _compiled(streaming(**OPTIONS))(state, StreamData().batch(0))
+    with pytest.raises(ValueError, match="steps_per_stream"):
+        streaming(steps_per_stream=0, window_frames=2)
+    with pytest.raises(ValueError, match="window_frames"):
+        init_stream(make_causal(tiny_wan()), synthetic_batch(fs.random.key(0), frames=3),
+                    window_frames=2)  # fmt: skip
