@@ -50,6 +50,7 @@ import json
 import sys
 from typing import Any
 
+import attrs
 import torch
 from torch import nn
 
@@ -63,6 +64,7 @@ from fvstep.lora import LoRAModule, add_adapters
 from fvstep.methods import SoftUpdate, diffusion_nft, dmd2, finetune
 from fvstep.methods.diffusion_nft import euler_rollout
 from fvstep.methods.rl import latent_mse_reward
+from fvstep.parallel.activation_checkpoint import resolve_checkpointing
 
 __all__ = ["build_parser", "main", "run_side"]
 
@@ -136,8 +138,8 @@ def _by_hand(module: nn.Module, rt: c.Runtime, *, compile_blocks: bool, trainabl
 
 def _prepared(module: nn.Module, rt: c.Runtime, args: Any, *, trainable: bool) -> Any:
     options: dict[str, Any] = {
-        "checkpointing": fsp.ActivationCheckpointing(
-            args.checkpointing, every=args.checkpoint_every
+        "checkpointing": attrs.evolve(
+            resolve_checkpointing(args.checkpointing), every=args.checkpoint_every
         )
         if args.checkpointing != "none"
         else "none",
