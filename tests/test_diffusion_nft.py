@@ -33,8 +33,9 @@ def _differs(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return any(not torch.equal(a[n], b[n]) for n in a)
 
 
-def batch_at(step: int) -> dict[str, torch.Tensor]:
-    return synthetic_batch(fold_in(DATA_KEY, step), **BATCH)
+def batch_at(step: int, rank: int = 0) -> dict[str, torch.Tensor]:
+    key = fold_in(DATA_KEY, step) if rank == 0 else fold_in(fold_in(DATA_KEY, step), rank)
+    return synthetic_batch(key, **BATCH)
 
 
 def nft_state(seed: int = 0, *, reference: bool = True) -> fs.TrainState:
@@ -93,12 +94,13 @@ def _nft_loss_by_hand(modules, mb, key, *, beta, clip_max, kl_weight):
 
 
 def nft_loop(modules, num_steps, *, base_key, group_size, num_inner, minibatches, k, beta,
-             clip_max, kl_weight, sample_steps, soft_update):  # fmt: skip
-    """DiffusionNFT by hand, with fvstep's documented key scheme."""
+             clip_max, kl_weight, sample_steps, soft_update, rank=0, rest=lambda: None):  # fmt: skip
+    """DiffusionNFT by hand, with fvstep's documented key scheme (``rest()``: reshard FSDP2
+    groups, so that the soft update and the next forward see the sharded parameters)."""
     opt = torch.optim.AdamW(modules["policy"].parameters(), lr=LR, weight_decay=WD)
     for step in range(num_steps):
-        batch = batch_at(step)
-        key = fold_in_name(fold_in(fold_in(base_key, step), 0), "diffusion_nft")
+        batch = batch_at(step, rank)
+        key = fold_in_name(fold_in(fold_in(base_key, step), rank), "diffusion_nft")
         k_noise, _, k_inner = split(key, 3)
         text = batch["text"].repeat_interleave(group_size, dim=0)
         latents = batch["latents"].repeat_interleave(group_size, dim=0)
@@ -130,11 +132,13 @@ def nft_loop(modules, num_steps, *, base_key, group_size, num_inner, minibatches
                 opt.step()
                 opt.zero_grad(set_to_none=True)
         eta = soft_update(step)
+        rest()
         with torch.no_grad():
             for p_old, p in zip(
                 modules["old"].parameters(), modules["policy"].parameters(), strict=True
             ):
                 p_old.mul_(eta).add_(p, alpha=1 - eta)
+        rest()
     return opt
 
 
@@ -179,6 +183,68 @@ def test_diffusion_nft_is_bitwise_a_hand_written_loop_on_every_parameter_and_mom
     tree.assert_trees_equal(opt_state.exp_avg_sq, {n: s["exp_avg_sq"] for n, s in moments.items()})
     assert int(opt_state.count) == 2 * 2 * 2  # steps x passes x minibatches
     assert _differs(state.roles["old"].params, reference_before)
+
+
+def check_two_ranks_against_hand_written_loop(rank: int, world_size: int) -> int:
+    from benchmarks.reference import reshard_all, shard_by_hand
+    from fvstep import parallel as fsp
+
+    mesh = fsp.make_mesh(device_type="cpu")
+    net = tiny_wan(seed=0, num_layers=1)
+    plain = {name: copy.deepcopy(net) for name in ("policy", "old", "reference")}
+    ref = {name: shard_by_hand(copy.deepcopy(m), mesh) for name, m in plain.items()}
+    ref["old"].requires_grad_(False)
+    ref["reference"].requires_grad_(False)
+    state = fs.TrainState.create(
+        {
+            "policy": fs.Role(
+                shard_by_hand(plain["policy"], mesh),
+                optimizer=fs.optim.adamw(lr=LR, weight_decay=WD),
+            ),
+            "old": fs.Role(shard_by_hand(plain["old"], mesh)),
+            "reference": fs.Role(shard_by_hand(plain["reference"], mesh)),
+        },
+        key=fs.random.key(9),
+    )
+    soft = SoftUpdate(0.3, 0.5)
+    step = fs.compile(
+        diffusion_nft(
+            reward_fn=latent_mse_reward,
+            group_size=2,
+            num_inner=1,
+            minibatches=1,
+            beta=0.5,
+            kl_weight=0.1,
+            rollout=euler_rollout(1),
+            soft_update=soft,
+        ),
+        accumulation=fs.Accumulation(2, sync="deferred"),
+        clip=fs.clip_grad_norm(MAX_NORM),
+    )
+    for i in range(2):
+        state, _ = step(state, batch_at(i, rank), parallelism=fsp.Layout())
+        assert fsp.unrested_modules(state) == [], fsp.unrested_modules(state)[:3]
+    opt = nft_loop(
+        ref, 2, base_key=fs.random.key(9), group_size=2, num_inner=1, minibatches=1, k=2,
+        beta=0.5, clip_max=5.0, kl_weight=0.1, sample_steps=1, soft_update=soft, rank=rank,
+        rest=lambda: reshard_all(ref),
+    )  # fmt: skip
+    compared = 0
+    for role in ("policy", "old", "reference"):
+        theirs = dict(ref[role].named_parameters())
+        tree.assert_trees_equal(state.roles[role].params, theirs)
+        compared += len(theirs)
+    moments = {n: opt.state[p] for n, p in ref["policy"].named_parameters()}
+    opt_state = state.roles["policy"].opt_state
+    tree.assert_trees_equal(opt_state.exp_avg, {n: s["exp_avg"] for n, s in moments.items()})
+    tree.assert_trees_equal(opt_state.exp_avg_sq, {n: s["exp_avg_sq"] for n, s in moments.items()})
+    return compared
+
+
+@pytest.mark.multirank
+def test_diffusion_nft_on_two_fsdp2_ranks_is_bitwise_a_hand_written_loop(ranks) -> None:
+    compared = ranks.run(check_two_ranks_against_hand_written_loop, timeout=600)
+    assert compared[0] == compared[1] > 3 * 10  # every parameter of the three roles
 
 
 def test_resume_at_an_odd_step_with_two_microbatches_is_bitwise(tmp_path) -> None:
