@@ -184,7 +184,14 @@ def test_the_step_is_bitwise_a_hand_written_streaming_loop():
         frames = torch.cat([stream.frames, ro.video], 2)[:, :, -1:]
         stream = StreamState(ro.cache, frames, stream.text, stream.num_frames + 1)
     for role in ("student", "critic"):
-        tree.assert_trees_equal(state.roles[role].params, dict(modules[role].named_parameters()))
+        params = dict(modules[role].named_parameters())
+        tree.assert_trees_equal(state.roles[role].params, params)
+        moments = {n: optimizers[role].state[p] for n, p in params.items()}
+        for moment in ("exp_avg", "exp_avg_sq"):
+            tree.assert_trees_equal(
+                getattr(state.roles[role].opt_state, moment),
+                {n: s[moment] for n, s in moments.items()},
+            )
     tree.assert_trees_equal(state.extra["stream"], stream)
 
 

@@ -1,0 +1,170 @@
+"""Self-forcing (fvstep.methods.self_forcing, fvstep.methods.causal_rollout): the step equals
+a hand-written loop bitwise, resumes bitwise at an odd step with K = 2, keeps gradient only
+through the exit steps, and draws its exit steps from the shared key of the step."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import fvstep as fs
+from fvstep import tree
+from fvstep.methods.causal_rollout import exit_steps, regenerate, rollout, shifted_steps
+from fvstep.methods.causal_wan import make_causal
+from fvstep.methods.self_forcing import (
+    critic_loss_on,
+    dmd_loss_on,
+    self_forcing,
+    self_forcing_losses,
+)
+from fvstep.models import synthetic_batch, tiny_wan
+from fvstep.random import fold_in, fold_in_name, split
+from fvstep.testing import assert_resume_exact
+
+STEPS = (1.0, 0.5)
+
+
+class VideoData:
+    """Per-rank batches of two latent frames (two chunks of one): a function of (step, rank)."""
+
+    def batch(self, step: int, *, rank: int = 0, world_size: int = 1) -> dict:
+        return synthetic_batch(
+            fold_in(fold_in(fs.random.key(5), step), rank), batch_size=2, frames=2
+        )
+
+
+def _modules() -> dict[str, torch.nn.Module]:
+    return {
+        "student": make_causal(tiny_wan(seed=0), chunk_frames=1),
+        "teacher": tiny_wan(seed=0),
+        "critic": tiny_wan(seed=1),
+    }
+
+
+def _state(modules) -> fs.TrainState:
+    def adamw():
+        return fs.optim.adamw(lr=1e-3, weight_decay=0.01)
+
+    return fs.TrainState.create(
+        {
+            "student": fs.Role(modules["student"], optimizer=adamw()),
+            "teacher": fs.Role(modules["teacher"]),
+            "critic": fs.Role(modules["critic"], optimizer=adamw()),
+        },
+        key=fs.random.key(3),
+    )
+
+
+def _step() -> fs.Step:
+    method = self_forcing(generator_update_interval=2, denoising_steps=STEPS, guidance_scale=1.5)
+    return fs.compile(method, accumulation=fs.Accumulation(2))
+
+
+def factory():
+    return _state(_modules()), _step(), VideoData()
+
+
+class _View:
+    def __init__(self, modules):
+        self.modules, self.key, self.step = modules, fs.random.key(3), 0
+
+    def module(self, name):
+        return self.modules[name]
+
+
+def test_the_step_is_bitwise_a_hand_written_self_forcing_loop():
+    """Three steps (fused, critic only, fused), K = 2, by hand: the rollout chunk by chunk,
+    the DMD and critic losses, torch.optim.AdamW; the engine's keys."""
+    modules = _modules()
+    state = _state({r: copy.deepcopy(m) for r, m in modules.items()})
+    step = _step()
+    for i in range(3):
+        state, _ = step(state, VideoData().batch(i))
+    optimizers = {
+        r: torch.optim.AdamW(modules[r].parameters(), lr=1e-3, weight_decay=0.01)
+        for r in ("student", "critic")
+    }
+    view = _View(modules)
+    for i in range(3):
+        batch = VideoData().batch(i)
+        fused = i % 2 == 0
+        name = "self_forcing_fused" if fused else "self_forcing_critic"
+        roles = ("student", "critic") if fused else ("critic",)
+        exits = exit_steps(fs.random.key(3), i, 2, len(STEPS))
+        for m in range(2):
+            rows = slice(m, m + 1)
+            key = fold_in(fold_in_name(fold_in(fold_in(fs.random.key(3), i), 0), name), m)
+            k_rollout, k_generator, k_critic = split(key, 3)
+            with torch.set_grad_enabled(fused):
+                video = rollout(
+                    modules["student"], batch["latents"][rows], batch["text"][rows], k_rollout,
+                    exits=exits, denoising_steps=STEPS,
+                ).video  # fmt: skip
+            loss, _ = critic_loss_on(view, video, batch["text"][rows], k_critic)
+            if fused:
+                g_loss, _ = dmd_loss_on(
+                    view, video, batch["text"][rows], k_generator, guidance_scale=1.5
+                )
+                loss = g_loss + loss
+            (loss / 2).backward()
+        for role in roles:
+            optimizers[role].step()
+            optimizers[role].zero_grad(set_to_none=True)
+    for role in ("student", "critic"):
+        params = dict(modules[role].named_parameters())
+        tree.assert_trees_equal(state.roles[role].params, params)
+        moments = {n: optimizers[role].state[p] for n, p in params.items()}
+        for moment in ("exp_avg", "exp_avg_sq"):
+            tree.assert_trees_equal(
+                getattr(state.roles[role].opt_state, moment),
+                {n: s[moment] for n, s in moments.items()},
+            )
+
+
+def test_a_resumed_run_is_bitwise_the_uninterrupted_one_at_an_odd_step(tmp_path):
+    assert_resume_exact(factory, num_steps=2, interruptions=[1], workdir=tmp_path)
+
+
+def test_gradient_flows_only_through_each_chunks_exit_step():
+    """The rollout's gradient equals the one of its exit steps recomputed alone from their
+    inputs and (detached) caches: nothing before an exit step, nor the cache, carries any."""
+    student = make_causal(tiny_wan(seed=0), chunk_frames=1)
+    batch = VideoData().batch(0)
+    ro = rollout(student, batch["latents"], batch["text"], fs.random.key(1), exits=(1, 0),
+                 denoising_steps=STEPS)  # fmt: skip
+    assert all(not x.requires_grad for x in ro.exit_inputs)
+    assert all(not leaf.requires_grad for c in ro.contexts for leaf in tree.leaves(c))
+    ro.video.square().sum().backward()
+    first = {n: p.grad.clone() for n, p in student.named_parameters()}
+    student.zero_grad(set_to_none=True)
+    again = regenerate(student, ro.exit_inputs, ro.exit_times, ro.contexts, batch["text"])
+    assert torch.equal(again, ro.video.detach())
+    again.square().sum().backward()
+    tree.assert_trees_equal({n: p.grad for n, p in student.named_parameters()}, first)
+    assert ro.exit_times == (0.5, 1.0)
+
+
+def test_exit_steps_are_a_function_of_the_shared_key_and_the_step():
+    key = fs.random.key(0)
+    draws = {exit_steps(key, s, num_chunks=3, num_steps=4) for s in range(8)}
+    assert len(draws) > 1  # they change with the step
+    assert exit_steps(key, 5, 3, 4) == exit_steps(key, 5, 3, 4)  # no rank, no global RNG
+    assert len(set(exit_steps(key, 5, 3, 4, same_step_across_chunks=True))) == 1
+    assert exit_steps(key, 5, 3, 4, last_step_only=True) == (3, 3, 3)
+    assert shifted_steps((1.0, 0.5), 3.0) == (1.0, 0.75)
+
+
+def test_bad_settings_are_refused_with_a_clear_error():
+    with pytest.raises(ValueError, match="strictly decreasing"):
+        self_forcing_losses(denoising_steps=(0.5, 1.0))
+    with pytest.raises(ValueError, match="context_time"):
+        self_forcing_losses(context_time=1.0)
+    with pytest.raises(ValueError, match="generator_update_interval"):
+        self_forcing(generator_update_interval=0)
+    student = make_causal(tiny_wan(seed=0), chunk_frames=2)
+    batch = synthetic_batch(fs.random.key(0), batch_size=1, frames=3)
+    with pytest.raises(ValueError, match="multiple of the chunk"):
+        rollout(student, batch["latents"], batch["text"], fs.random.key(0), exits=(0,),
+                denoising_steps=STEPS)  # fmt: skip
