@@ -23,6 +23,7 @@ Examples:
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -117,7 +118,9 @@ def source_weights(
         p: torch.empty(meta["shape"], dtype=getattr(torch, meta["dtype"]))
         for p, meta in wanted.items()
     }
-    dcp.load(dict(tensors), checkpoint_id=folder, no_dist=True)
+    with warnings.catch_warnings():  # each rank reads alone: DCP's "single process" note
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(dict(tensors), checkpoint_id=folder, no_dist=True)
     paths = sorted(tensors)
     checksums, _ = fingerprint(paths, [tensors[p] for p in paths])  # every rank: the same
     for p in paths:
