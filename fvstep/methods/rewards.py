@@ -190,8 +190,8 @@ def optimality_probabilities(
     (``std="group"``) or of all the rewards given (``"batch"``, the authors' default; on
     several ranks, of this rank's rewards); then ``r = 1/2 + 1/2 clip(A / c, -1, 1)``
     with ``c = clip_max``. Up to ``eps``, ``r`` is invariant to ``R -> a R + b`` (``a >
-    0``) within each group (``"group"``) or over the batch with any shift per group
-    (``"batch"``).
+    0``) within each group (``"group"``, each group its own ``a`` and ``b``) or applied
+    to all the rewards alike (``"batch"``).
 
     Args:
         rewards: ``(N,)``, ``N`` divisible by ``group_size``; computed in fp32.
