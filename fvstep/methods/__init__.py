@@ -12,6 +12,9 @@ any ``nn.Module`` with that signature works, not only ``diffusers`` models.
   :mod:`fvstep.methods.rewards`.
 - :func:`make_causal` / :func:`causal_forward`: a block-causal Wan with a KV cache
   (:class:`KVCache`, :func:`init_cache`).
+- :func:`self_forcing`: self-forcing over a causal student (student, teacher, critic).
+- :func:`streaming` / :func:`init_stream`: a self-forcing stream across steps, its state
+  (:class:`StreamState`) in ``TrainState.extra``.
 
 Examples:
     >>> from fvstep.methods import dmd2
@@ -24,11 +27,14 @@ from fvstep.methods.diffusion_nft import SoftUpdate, diffusion_nft
 from fvstep.methods.dmd2 import DMD2Losses, dmd2, dmd2_losses
 from fvstep.methods.finetune import finetune, flow_matching_loss
 from fvstep.methods.rl import rl, rl_inner_loss
+from fvstep.methods.self_forcing import self_forcing, self_forcing_losses
+from fvstep.methods.streaming import StreamState, init_stream, streaming
 
 __all__ = [
     "DMD2Losses",
     "KVCache",
     "SoftUpdate",
+    "StreamState",
     "causal_forward",
     "diffusion_nft",
     "dmd2",
@@ -36,7 +42,11 @@ __all__ = [
     "finetune",
     "flow_matching_loss",
     "init_cache",
+    "init_stream",
     "make_causal",
     "rl",
     "rl_inner_loss",
+    "self_forcing",
+    "self_forcing_losses",
+    "streaming",
 ]
