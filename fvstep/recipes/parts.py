@@ -29,6 +29,7 @@ from fvstep.recipes.options import (
 )
 
 __all__ = [
+    "close_data",
     "device_for",
     "dtype_of",
     "load_transformer",

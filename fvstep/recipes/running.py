@@ -19,6 +19,7 @@ Examples:
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -134,6 +135,13 @@ def train(
     Examples:
         >>> state = train(get_recipe("finetune"), FinetuneOptions())
     """
+    with warnings.catch_warnings():
+        # FSDP2 warns that a Wan transformer returns a view; no method changes it in place.
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+        return _train(recipe, options, dry_run=dry_run, log=log)
+
+
+def _train(recipe: Recipe, options: Any, *, dry_run: bool, log: Callable[[str], None]) -> Any:
     import yaml
 
     rank, world = rank_and_world()
