@@ -49,6 +49,7 @@ Examples:
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -326,10 +327,14 @@ def causal_forward(
     cached = int(cache.num_frames) if cache is not None else 0
     collected: list[Any] | None = [None] * len(_wan(model).blocks) if update_cache else None
     token = call_context.set(Call(cache, cached, collected))
+    # A cache-filling pass collects each layer's keys and values as it goes: a side effect
+    # that a compiled, checkpointed block cannot trace, so that pass runs eagerly.
+    eager = torch.compiler.set_stance("force_eager") if update_cache else contextlib.nullcontext()
     try:
-        out = model(
-            hidden_states=x, timestep=timestep, encoder_hidden_states=text, return_dict=False
-        )
+        with eager:
+            out = model(
+                hidden_states=x, timestep=timestep, encoder_hidden_states=text, return_dict=False
+            )
     finally:
         call_context.reset(token)
     velocity = out[0]
