@@ -3,8 +3,10 @@ inference.
 
 ``CHECKPOINT`` is a ``step_<n>`` folder of a run, or the run's folder (its newest
 checkpoint). The run's ``config.yaml`` (written by ``fvstep train``) rebuilds the state's
-structure, the checkpoint is loaded into it, and one role is written with the export
-functions of the library:
+structure (its ``model.path``, relative to where the run was started, must still be
+there: a frozen base saved by digest is verified against it; the dataset is not read),
+the checkpoint is loaded into it, and one role is written with the export functions of
+the library:
 
 - ``--format model`` (default): a diffusers model folder
   (:func:`fvstep.checkpoint.export_diffusers`);
@@ -90,8 +92,9 @@ def _load_run(checkpoint: str) -> tuple[Any, Any]:
         )
     recipe = get_recipe(saved["recipe"])
     options = _options_from(recipe, saved["options"])
-    options = dataclasses.replace(
+    options = dataclasses.replace(  # the state's structure only: no data, no validation
         options,
+        data=dataclasses.replace(options.data, path=None),
         run=dataclasses.replace(options.run, device="cpu", progress=False),
         validation=dataclasses.replace(options.validation, every=0),
     )
