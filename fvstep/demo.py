@@ -36,6 +36,7 @@ import torch
 
 import fvstep as fs
 from fvstep import parallel
+from fvstep._optional import needs_extra
 from fvstep.checkpoint import list_complete
 from fvstep.data import ShuffledSource, SyntheticLatents
 from fvstep.methods import dmd2
@@ -131,7 +132,8 @@ def _setup(config: DemoConfig, sharded: bool) -> tuple[fs.TrainState, fs.Step, S
 def _tiny_vae(seed: int) -> torch.nn.Module:
     """A tiny ``AutoencoderKLWan`` for the demo's latents (4 channels; 2x4x4 latents decode
     to 5 frames of 32x32), built from a config on the CPU."""
-    from diffusers import AutoencoderKLWan
+    with needs_extra("demo", "fvstep demo"):
+        from diffusers import AutoencoderKLWan
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

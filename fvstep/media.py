@@ -18,6 +18,8 @@ from pathlib import Path
 import attrs
 import torch
 
+from fvstep._optional import needs_extra
+
 __all__ = ["Video", "frames_from_pixels", "strip", "write_gif", "write_mp4", "write_png_strip"]
 
 
@@ -131,7 +133,8 @@ def write_mp4(video: Video, path: str | os.PathLike[str]) -> Path:
     Examples:
         >>> write_mp4(video, "samples/step_100/0.mp4")
     """
-    import imageio.v2 as imageio
+    with needs_extra("media", "write_mp4"):
+        import imageio.v2 as imageio
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -156,7 +159,8 @@ def write_gif(video: Video, path: str | os.PathLike[str]) -> Path:
     Examples:
         >>> write_gif(video, "samples/step_100/0.gif")
     """
-    import imageio.v3 as iio
+    with needs_extra("media", "validation media"):
+        import imageio.v3 as iio
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -181,7 +185,8 @@ def write_png_strip(video: Video, path: str | os.PathLike[str], *, max_frames: i
     Examples:
         >>> write_png_strip(video, "samples/step_100/0.png")
     """
-    import imageio.v3 as iio
+    with needs_extra("media", "validation media"):
+        import imageio.v3 as iio
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

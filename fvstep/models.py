@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from fvstep import random as fsrandom
+from fvstep._optional import needs_extra
 
 if TYPE_CHECKING:
     from diffusers import WanTransformer3DModel
@@ -84,7 +85,8 @@ def tiny_wan(
         >>> teacher = tiny_wan(seed=0)
         >>> student = copy.deepcopy(teacher)
     """
-    from diffusers import WanTransformer3DModel
+    with needs_extra("models", "tiny_wan"):
+        from diffusers import WanTransformer3DModel
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

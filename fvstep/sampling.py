@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from fvstep import random as fsrandom
+from fvstep._optional import needs_extra
 from fvstep.media import Video, frames_from_pixels
 from fvstep.methods.finetune import add_noise, x0_from_velocity
 from fvstep.models import predict
@@ -92,7 +93,8 @@ class EulerSampler:
             >>> EulerSampler(4).scheduler().config.shift
             1.0
         """
-        from diffusers import FlowMatchEulerDiscreteScheduler
+        with needs_extra("models", "EulerSampler"):
+            from diffusers import FlowMatchEulerDiscreteScheduler
 
         return FlowMatchEulerDiscreteScheduler(shift=self.shift)
 
@@ -222,7 +224,8 @@ def decode_latents(vae: nn.Module, latents: torch.Tensor) -> torch.Tensor:
     Examples:
         >>> video = decode_latents(vae, sample(net, noise, text, sampler=EulerSampler(4)))
     """
-    from diffusers.video_processor import VideoProcessor
+    with needs_extra("models", "decode_latents"):
+        from diffusers.video_processor import VideoProcessor
 
     config: Any = getattr(vae, "config")  # noqa: B009 - a diffusers FrozenDict
     param = next(vae.parameters())

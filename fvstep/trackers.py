@@ -34,6 +34,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 import torch
 
 from fvstep import media as fsmedia
+from fvstep._optional import needs_extra
 from fvstep.media import Video
 
 __all__ = [
@@ -262,7 +263,8 @@ class TensorBoardTracker:
 
     def start(self, step: int) -> None:
         """Open the writer (purging events of steps ``>= step`` when resuming)."""
-        from torch.utils.tensorboard import SummaryWriter
+        with needs_extra("tracking", "TensorBoardTracker"):
+            from torch.utils.tensorboard import SummaryWriter
 
         self._writer = SummaryWriter(str(self.log_dir), purge_step=step if step > 0 else None)
 
@@ -324,7 +326,8 @@ class WandbTracker:
 
     def start(self, step: int) -> None:
         """Start the W&B run."""
-        import wandb
+        with needs_extra("tracking", "WandbTracker"):
+            import wandb
 
         self.dir.mkdir(parents=True, exist_ok=True)
         self.run = wandb.init(
@@ -343,7 +346,8 @@ class WandbTracker:
         """Each video as an MP4 ``wandb.Video``."""
         import tempfile
 
-        import wandb
+        with needs_extra("tracking", "WandbTracker"):
+            import wandb
 
         if self.run is None:
             self.start(0)

@@ -40,7 +40,7 @@ CORE = (
 engine; the modules of the state, its optimizers and schedules beside it). ``fvstep.core.layout``
 is the protocol a call is given."""
 
-CORE_HELPERS = ("fvstep._checks", "fvstep._compat", "fvstep._role_tensors")
+CORE_HELPERS = ("fvstep._checks", "fvstep._compat", "fvstep._optional", "fvstep._role_tensors")
 """Private modules the core may use besides itself."""
 
 APPLICATIONS = (

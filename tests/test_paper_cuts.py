@@ -238,3 +238,87 @@ def test_verify_resume_on_two_ranks_refuses_an_unsharded_factory_in_one_line() -
     assert len(lines) == 1, result.stderr
     assert "is trained on 2 ranks but its module is not sharded" in lines[0]
     assert "shard_module" in lines[0]
+
+
+# --------------------------------------------------------------------------------------
+# A missing optional package names the extra that installs it
+# --------------------------------------------------------------------------------------
+
+_OPTIONAL = {
+    "diffusers",
+    "peft",
+    "pyarrow",
+    "av",
+    "imageio",
+    "safetensors",
+    "transformers",
+    "wandb",
+    "tensorboard",
+    "jsonargparse",
+}
+
+
+def _missing(monkeypatch: pytest.MonkeyPatch, *packages: str) -> None:
+    import sys
+
+    for name in list(sys.modules):
+        if name.split(".")[0] in packages:
+            monkeypatch.delitem(sys.modules, name)
+    for name in packages:
+        monkeypatch.setitem(sys.modules, name, None)  # `import name` now fails
+
+
+@pytest.mark.parametrize(
+    ("packages", "call", "extra"),
+    [
+        (("pyarrow",), lambda tmp: fs.latents.write_shard(tmp / "s", [{"x": 1}]), "data"),
+        (("diffusers",), lambda tmp: tiny_wan(seed=0), "models"),
+        (("wandb",), lambda tmp: fs.trackers.WandbTracker(project="p").start(0), "tracking"),
+        (("imageio",), lambda tmp: fs.media.write_gif(torch.zeros(1, 3, 8, 8), tmp / "a"), "media"),
+        (("peft",), lambda tmp: fs.lora.add_adapters(torch.nn.Linear(2, 2), {}), "lora"),
+    ],
+)
+def test_a_missing_optional_package_names_its_extra(
+    monkeypatch, tmp_path, packages, call, extra
+) -> None:
+    _missing(monkeypatch, *packages)
+    with pytest.raises(ModuleNotFoundError, match=rf"pip install 'fvstep\[{extra}\]'"):
+        call(tmp_path)
+
+
+def test_every_optional_import_of_the_library_names_its_extra() -> None:
+    import ast
+
+    from tests.test_architecture import APPLICATIONS, MODULES
+
+    def guarded(node: ast.AST, parents: dict[ast.AST, ast.AST]) -> bool:
+        while node in parents:
+            node = parents[node]
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                return True
+            if isinstance(node, ast.With) and "needs_extra" in ast.unparse(node.items[0]):
+                return True
+            if isinstance(node, ast.Try) and any(  # a soft dependency: tqdm, matplotlib
+                "ImportError" in ast.unparse(h.type) for h in node.handlers if h.type
+            ):
+                return True
+        return False
+
+    bare = []
+    for module, path in MODULES.items():
+        if any(module == a or module.startswith(a + ".") for a in APPLICATIONS):
+            continue
+        tree = ast.parse(path.read_text())
+        parents = {c: n for n in ast.walk(tree) for c in ast.iter_child_nodes(n)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module.removeprefix("torch.utils.")]
+            else:
+                continue
+            if {n.split(".")[0] for n in names} & _OPTIONAL and not guarded(node, parents):
+                bare.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+    assert not bare, "imports of optional packages outside `with needs_extra(...)`: " + "; ".join(
+        bare
+    )

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+from fvstep._optional import needs_extra
 from fvstep.checkpoint.export import (
     _agree,
     _check_options,
@@ -136,7 +137,8 @@ def _write_model_folder(
     tensors: dict[str, torch.Tensor], module: nn.Module, cls: type[Any], folder: Path
 ) -> None:
     """``diffusion_pytorch_model.safetensors`` and ``config.json`` in ``folder``, fsynced."""
-    from diffusers.utils import SAFETENSORS_WEIGHTS_NAME
+    with needs_extra("models", "a diffusers export"):
+        from diffusers.utils import SAFETENSORS_WEIGHTS_NAME
 
     _save_safetensors(tensors, folder / SAFETENSORS_WEIGHTS_NAME)
     fsync(folder / SAFETENSORS_WEIGHTS_NAME)
@@ -269,7 +271,8 @@ def export_pipeline(
 
 def _diffusers_class(module: nn.Module, role: str) -> type[Any]:
     """The diffusers class behind ``module``: its own, or the one ``fully_shard`` wrapped."""
-    from diffusers import ModelMixin
+    with needs_extra("models", "a diffusers export"):
+        from diffusers import ModelMixin
 
     if not isinstance(module, ModelMixin):
         raise ValueError(
@@ -290,7 +293,8 @@ def _config_json(module: nn.Module, cls: type[Any]) -> str:
     name into the module's own config). A stand-in object named after ``cls`` carrying
     a copy of the config gives the file diffusers expects.
     """
-    from diffusers.configuration_utils import ConfigMixin, FrozenDict
+    with needs_extra("models", "a diffusers export"):
+        from diffusers.configuration_utils import ConfigMixin, FrozenDict
 
     stand_in_type = type(
         cls.__name__,

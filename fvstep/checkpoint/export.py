@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 from torch.distributed.tensor import DTensor
 
+from fvstep._optional import needs_extra
 from fvstep.checkpoint.layout import fsync
 from fvstep.parallel.ranks import gather_objects, rank_and_world
 from fvstep.state import RoleState, TrainState
@@ -259,7 +260,8 @@ def _gather(
 
 
 def _save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
-    from safetensors.torch import save_file
+    with needs_extra("models", "a safetensors export"):
+        from safetensors.torch import save_file
 
     save_file(tensors, str(path), metadata={"format": "pt"})
 

@@ -19,6 +19,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from fvstep._optional import needs_extra
+
 __all__ = ["UsageError", "add_parser", "run_data"]
 
 
@@ -135,8 +137,10 @@ def _check_size(height: int | None, width: int | None, multiple: int) -> None:
 
 def _load_models(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     import torch
-    import transformers
-    from diffusers import AutoencoderKLWan
+
+    with needs_extra("data", "fvstep data encode"):
+        import transformers
+        from diffusers import AutoencoderKLWan
 
     dtype = getattr(torch, args.model_dtype)
 

@@ -31,6 +31,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from fvstep._optional import needs_extra
+
 __all__ = ["IMAGE_SUFFIXES", "VIDEO_SUFFIXES", "Clip", "find_clips", "fit_frames", "read_frames"]
 
 VIDEO_SUFFIXES = (".mp4", ".webm", ".mov", ".mkv", ".avi", ".gif")
@@ -143,7 +145,8 @@ def read_frames(clip: Clip, *, max_frames: int | None = None) -> torch.Tensor:
         >>> read_frames(Clip("clip", folder, "frames", "x")).shape
         torch.Size([2, 8, 8, 3])
     """
-    import imageio.v3 as iio
+    with needs_extra("data", "reading clips"):
+        import imageio.v3 as iio
     import numpy as np
 
     frames: list[Any] = []
@@ -153,7 +156,8 @@ def read_frames(clip: Clip, *, max_frames: int | None = None) -> torch.Tensor:
                 frames.append(iio.imread(p))
         else:
             # PyAV itself: imageio's PyAV plugin runs a full gc.collect() on every close.
-            import av
+            with needs_extra("data", "reading video files"):
+                import av
 
             with av.open(str(clip.path)) as container:
                 for frame in container.decode(video=0):

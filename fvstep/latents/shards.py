@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from fvstep._optional import needs_extra
 from fvstep.latents.format import (
     FORMAT,
     VERSION,
@@ -38,13 +39,9 @@ _META_KEY = b"fvstep"
 
 
 def _arrow() -> Any:
-    try:
+    with needs_extra("data", "fvstep.latents (Parquet shards)"):
         import pyarrow as pa
         import pyarrow.parquet as pq
-    except ImportError as e:  # pragma: no cover - pyarrow is installed where tests run
-        raise ImportError(
-            "fvstep.latents needs pyarrow: pip install 'fvstep[data]' (or pyarrow)"
-        ) from e
     return pa, pq
 
 

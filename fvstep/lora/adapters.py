@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from fvstep._optional import needs_extra
 from fvstep.tree import any_dtensor
 
 if TYPE_CHECKING:
@@ -77,7 +78,8 @@ def lora_layers(base: nn.Module) -> list[tuple[str, Any]]:
         >>> [name for name, _ in lora_layers(base)][:1]
         ['blocks.0.attn1.to_q']
     """
-    from peft.tuners.lora import LoraLayer
+    with needs_extra("lora", "LoRA roles"):
+        from peft.tuners.lora import LoraLayer
 
     return [(n, m) for n, m in base.named_modules() if isinstance(m, LoraLayer)]
 
@@ -282,7 +284,8 @@ def add_adapters(
         >>> config = peft.LoraConfig(r=16, lora_alpha=16, target_modules=["to_q", "to_k"])
         >>> lora = add_adapters(transformer, {"student": config}, seed=0)
     """
-    from peft import inject_adapter_in_model
+    with needs_extra("lora", "LoRA roles"):
+        from peft import inject_adapter_in_model
 
     if not configs:
         raise ValueError("add_adapters needs at least one adapter config")

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from fvstep._optional import needs_extra
 from fvstep.checkpoint.diffusers_export import _config_json, _diffusers_class
 from fvstep.checkpoint.export import (
     _agree,
@@ -253,7 +254,8 @@ def export_lora(
         >>> export_lora(state, "student", "out/lora")
         >>> pipe.load_lora_weights("out/lora")   # a diffusers WanPipeline
     """
-    from diffusers import WanPipeline
+    with needs_extra("lora", "LoRA export"):
+        from diffusers import WanPipeline
 
     module = _lora_module(state, role)
     path = Path(path)
@@ -312,7 +314,8 @@ def export_merged(
         >>> export_merged(state, "student", "out/merged")
         >>> WanTransformer3DModel.from_pretrained("out/merged")
     """
-    from diffusers.utils import SAFETENSORS_WEIGHTS_NAME
+    with needs_extra("lora", "the merged export"):
+        from diffusers.utils import SAFETENSORS_WEIGHTS_NAME
 
     module = _lora_module(state, role)
     cls = _diffusers_class(module.base, _base_role(state, module, role))

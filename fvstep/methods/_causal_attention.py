@@ -15,6 +15,8 @@ from typing import Any
 import attrs
 import torch
 
+from fvstep._optional import needs_extra
+
 __all__ = [
     "CAUSAL_ATTR",
     "Call",
@@ -156,7 +158,8 @@ class CausalWanAttnProcessor:
         rotary_emb: Any = None,
     ) -> torch.Tensor:
         """Self-attention of ``hidden_states`` (this call's tokens) over cache and self."""
-        from diffusers.models.attention_dispatch import dispatch_attention_fn
+        with needs_extra("models", "causal attention"):
+            from diffusers.models.attention_dispatch import dispatch_attention_fn
 
         if not isinstance(rotary_emb, _Rotary):
             raise ValueError(

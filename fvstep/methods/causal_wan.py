@@ -55,6 +55,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fvstep._optional import needs_extra
 from fvstep.methods._causal_attention import (
     CAUSAL_ATTR,
     Call,
@@ -145,7 +146,8 @@ def make_causal(model: nn.Module, *, chunk_frames: int = 3) -> nn.Module:
         >>> causal.load_state_dict(tiny_wan(seed=1).state_dict())
         <All keys matched successfully>
     """
-    from diffusers import WanTransformer3DModel
+    with needs_extra("models", "make_causal"):
+        from diffusers import WanTransformer3DModel
 
     if isinstance(chunk_frames, bool) or not isinstance(chunk_frames, int) or chunk_frames < 1:
         raise ValueError(f"chunk_frames must be an int >= 1, got {chunk_frames!r}")

@@ -47,6 +47,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
+from fvstep._optional import needs_extra
 from fvstep.parallel.context_checks import _check_backends, _check_plan_signatures, _forward_params
 from fvstep.parallel.mesh import _check_axis
 from fvstep.parallel.ranks import rank_and_world
@@ -98,7 +99,8 @@ def context_parallel_degree(module: nn.Module) -> int:
 
 def _shard(value: Any, spec: Any, mesh: DeviceMesh) -> Any:
     """``value``'s slice along the spec's dim for this rank (diffusers' sharder)."""
-    from diffusers.hooks.context_parallel import EquipartitionSharder
+    with needs_extra("models", "context parallelism"):
+        from diffusers.hooks.context_parallel import EquipartitionSharder
 
     if isinstance(value, (list, tuple)) and isinstance(spec, (list, tuple)):
         return type(value)(_shard(v, s, mesh) for v, s in zip(value, spec, strict=True))
@@ -117,8 +119,9 @@ def _install_plan(module: nn.Module, plan: dict[str, Any], mesh: DeviceMesh) -> 
     class's forward) would silently drop the split. ``nn.Module`` hooks run in
     ``__call__``, whatever ``forward`` is, so the plan survives any order of preparation.
     """
-    from diffusers.hooks.context_parallel import EquipartitionSharder
-    from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
+    with needs_extra("models", "context parallelism"):
+        from diffusers.hooks.context_parallel import EquipartitionSharder
+        from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
 
     for name, entry in plan.items():
         sub = module.get_submodule(name) if name else module
@@ -333,7 +336,8 @@ def apply_context_parallel(
         >>> student = apply_context_parallel(tiny_wan(num_heads=2), mesh=mesh)
         >>> student = shard_module(student, mesh=make_mesh())
     """
-    from diffusers.models._modeling_parallel import ContextParallelConfig, ParallelConfig
+    with needs_extra("models", "context parallelism"):
+        from diffusers.models._modeling_parallel import ContextParallelConfig, ParallelConfig
 
     if mode not in _MODES:
         raise ValueError(f"mode must be one of {_MODES}, got {mode!r}")

@@ -12,10 +12,13 @@ from typing import Any
 
 from torch import nn
 
+from fvstep._optional import needs_extra
+
 
 def _attention_backends(module: nn.Module) -> set[str]:
     """The attention backend names of ``module``'s attention processors (diffusers)."""
-    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+    with needs_extra("models", "context parallelism"):
+        from diffusers.models.attention_dispatch import _AttentionBackendRegistry
 
     names = set()
     for sub in module.modules():
@@ -30,7 +33,8 @@ def _attention_backends(module: nn.Module) -> set[str]:
 
 
 def _check_backends(module: nn.Module, mode: str) -> None:
-    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+    with needs_extra("models", "context parallelism"):
+        from diffusers.models.attention_dispatch import _AttentionBackendRegistry
 
     backends = _attention_backends(module)
     unsupported = sorted(
@@ -60,7 +64,8 @@ def _forward_params(sub: nn.Module) -> list[str]:
 def _check_plan_signatures(module: nn.Module, plan: dict[str, Any]) -> None:
     """Refuse a module whose planned submodules no longer take their inputs by name (a
     wrapper module such as torch's ``checkpoint_wrapper``, or ``torch.compile(module)``)."""
-    from diffusers.models._modeling_parallel import ContextParallelInput
+    with needs_extra("models", "context parallelism"):
+        from diffusers.models._modeling_parallel import ContextParallelInput
 
     for name, entry in plan.items():
         if not isinstance(entry, dict):
