@@ -183,8 +183,10 @@ def check_fsdp2_causal_rollout_matches_one_process(rank: int, world_size: int):
     return True
 
 
+@pytest.mark.heavy
 @pytest.mark.multirank
 def test_an_fsdp2_sharded_causal_wan_gives_the_one_process_gradients(ranks):
+    """Also covered in the default suite by the 2-rank self-forcing and streaming tests."""
     assert all(ranks.run(check_fsdp2_causal_rollout_matches_one_process))
 
 

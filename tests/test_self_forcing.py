@@ -10,6 +10,8 @@ import pytest
 import torch
 
 import fvstep as fs
+from benchmarks.reference import reshard_all, run_unit, shard_by_hand, unit_key
+from fvstep import parallel as fsp
 from fvstep import tree
 from fvstep.methods.causal_rollout import exit_steps, regenerate, rollout, shifted_steps
 from fvstep.methods.causal_wan import make_causal
@@ -20,7 +22,7 @@ from fvstep.methods.self_forcing import (
     self_forcing_losses,
 )
 from fvstep.models import synthetic_batch, tiny_wan
-from fvstep.random import fold_in, fold_in_name, split
+from fvstep.random import fold_in, split
 from fvstep.testing import assert_resume_exact
 
 STEPS = (1.0, 0.5)
@@ -74,44 +76,39 @@ class _View:
         return self.modules[name]
 
 
-def test_the_step_is_bitwise_a_hand_written_self_forcing_loop():
-    """Three steps (fused, critic only, fused), K = 2, by hand: the rollout chunk by chunk,
-    the DMD and critic losses, torch.optim.AdamW; the engine's keys."""
-    modules = _modules()
-    state = _state({r: copy.deepcopy(m) for r, m in modules.items()})
-    step = _step()
-    for i in range(3):
-        state, _ = step(state, VideoData().batch(i))
+def _hand_written_loop(modules, *, num_steps: int, rank: int) -> dict:
+    """Self-forcing by hand: the rollout chunk by chunk, the DMD and critic losses,
+    torch.optim.AdamW, K = 2 micro-batches (``run_unit``: FSDP2 flags when sharded), the
+    engine's keys. Returns the optimizers."""
     optimizers = {
         r: torch.optim.AdamW(modules[r].parameters(), lr=1e-3, weight_decay=0.01)
         for r in ("student", "critic")
     }
     view = _View(modules)
-    for i in range(3):
-        batch = VideoData().batch(i)
+    for i in range(num_steps):
         fused = i % 2 == 0
         name = "self_forcing_fused" if fused else "self_forcing_critic"
-        roles = ("student", "critic") if fused else ("critic",)
         exits = exit_steps(fs.random.key(3), i, 2, len(STEPS))
-        for m in range(2):
-            rows = slice(m, m + 1)
-            key = fold_in(fold_in_name(fold_in(fold_in(fs.random.key(3), i), 0), name), m)
+
+        def loss_of(m: int, mb: dict, fused=fused, name=name, exits=exits, i=i):
+            key = unit_key(fs.random.key(3), i, rank, name, m)
             k_rollout, k_generator, k_critic = split(key, 3)
             with torch.set_grad_enabled(fused):
-                video = rollout(
-                    modules["student"], batch["latents"][rows], batch["text"][rows], k_rollout,
-                    exits=exits, denoising_steps=STEPS,
-                ).video  # fmt: skip
-            loss, _ = critic_loss_on(view, video, batch["text"][rows], k_critic)
+                video = rollout(modules["student"], mb["latents"], mb["text"], k_rollout,
+                                exits=exits, denoising_steps=STEPS).video  # fmt: skip
+            loss, _ = critic_loss_on(view, video, mb["text"], k_critic)
             if fused:
-                g_loss, _ = dmd_loss_on(
-                    view, video, batch["text"][rows], k_generator, guidance_scale=1.5
-                )
+                g_loss, _ = dmd_loss_on(view, video, mb["text"], k_generator, guidance_scale=1.5)
                 loss = g_loss + loss
-            (loss / 2).backward()
-        for role in roles:
-            optimizers[role].step()
-            optimizers[role].zero_grad(set_to_none=True)
+            return loss
+
+        roles = ("student", "critic") if fused else ("critic",)
+        run_unit(modules, optimizers, roles, loss_of, VideoData().batch(i, rank=rank),
+                 num_microbatches=2)  # fmt: skip
+    return optimizers
+
+
+def _assert_equal_to_loop(state, modules, optimizers) -> None:
     for role in ("student", "critic"):
         params = dict(modules[role].named_parameters())
         tree.assert_trees_equal(state.roles[role].params, params)
@@ -121,6 +118,37 @@ def test_the_step_is_bitwise_a_hand_written_self_forcing_loop():
                 getattr(state.roles[role].opt_state, moment),
                 {n: s[moment] for n, s in moments.items()},
             )
+
+
+def test_the_step_is_bitwise_a_hand_written_self_forcing_loop():
+    """Three steps (fused, critic only, fused), K = 2: parameters and AdamW moments."""
+    modules = _modules()
+    state = _state({r: copy.deepcopy(m) for r, m in modules.items()})
+    step = _step()
+    for i in range(3):
+        state, _ = step(state, VideoData().batch(i))
+    _assert_equal_to_loop(state, modules, _hand_written_loop(modules, num_steps=3, rank=0))
+
+
+def check_two_fsdp2_ranks_against_the_loop(rank: int, world_size: int) -> bool:
+    mesh = fsp.make_mesh(device_type="cpu")
+    plain = _modules()
+    ref = {r: shard_by_hand(copy.deepcopy(m), mesh) for r, m in plain.items()}
+    ref["teacher"].requires_grad_(False)
+    state = _state({r: shard_by_hand(m, mesh) for r, m in plain.items()})
+    step = _step()
+    for i in range(2):
+        state, _ = step(state, VideoData().batch(i, rank=rank), parallelism=fsp.Layout())
+    optimizers = _hand_written_loop(ref, num_steps=2, rank=rank)
+    reshard_all(ref)
+    _assert_equal_to_loop(state, ref, optimizers)
+    return True
+
+
+@pytest.mark.multirank
+def test_the_step_on_two_fsdp2_ranks_is_bitwise_the_hand_written_loop(ranks):
+    """Every parameter and AdamW moment of student and critic, 2 steps (fused, critic)."""
+    assert all(ranks.run(check_two_fsdp2_ranks_against_the_loop))
 
 
 def test_a_resumed_run_is_bitwise_the_uninterrupted_one_at_an_odd_step(tmp_path):
