@@ -156,3 +156,22 @@ def test_lora_adapters_start_only_from_a_run_on_the_same_base(tmp_path):
     other = options(tmp_path, *start, "--model.seed", "1", out="other", recipe=recipe)
     with pytest.raises(ckpt.CheckpointError, match="trained on another base model"):
         prepare_run(recipe, other, log=lambda line: None)
+
+
+def test_the_model_comes_from_a_diffusers_folder_or_a_bare_config(source_run, tmp_path):
+    from fvstep.recipes.options import ModelOptions
+    from fvstep.recipes.parts import load_transformer
+
+    _, source = source_run
+    ckpt.export_diffusers(source, "student", tmp_path / "model")
+    loaded = load_transformer(ModelOptions(path=str(tmp_path / "model")))
+    fs.tree.assert_trees_equal(dict(loaded.named_parameters()), source.roles["student"].params)
+    config = tmp_path / "model" / "config.json"
+    fresh = load_transformer(ModelOptions(config=str(config), seed=3))
+    again = load_transformer(ModelOptions(config=str(config), seed=3))
+    fs.tree.assert_trees_equal(dict(fresh.named_parameters()), dict(again.named_parameters()))
+    assert {n: p.shape for n, p in fresh.named_parameters()} == {
+        n: p.shape for n, p in loaded.named_parameters()
+    }
+    with pytest.raises(ValueError, match="neither a diffusers model folder"):
+        load_transformer(ModelOptions(path=str(tmp_path)))
