@@ -149,19 +149,9 @@ SIGNAL_SCRIPT = textwrap.dedent(
         while s == 3 and not os.path.exists({go!r}):
             time.sleep(0.01)
         return data(s)
-    options = dict(num_steps=100000, checkpoints=fs.Checkpoints({dir!r}, every=1000),
-                   progress=False)
-    if {raises!r}:
-        try:
-            fs.run(step, state, held, **options)
-        except fs.Interrupted as e:
-            lock = fs.checkpoint.lock_dir({dir!r})  # released before raising: free to take
-            lock.release()
-            print("raised", e.signal, e.step, e.checkpoint, int(e.state.step), flush=True)
-    else:
-        result = fs.run_until(step, state, held, **options)
-        print("returned", int(result.state.step), result.stopped_by, result.checkpoint,
-              flush=True)
+    result = fs.run_until(step, state, held, num_steps=100000,
+                          checkpoints=fs.Checkpoints({dir!r}, every=1000), progress=False)
+    print("returned", int(result.state.step), result.stopped_by, result.checkpoint, flush=True)
     """
 )
 
@@ -216,17 +206,34 @@ def test_sigterm_saves_at_the_step_boundary_returns_and_says_so(tmp_path):
 
 
 def test_run_stopped_by_sigterm_raises_interrupted_after_saving_a_loadable_checkpoint(tmp_path):
-    proc, go = start_signal_script(tmp_path, raises=True)
-    read_until(proc, "step 3")
-    proc.send_signal(signal.SIGTERM)
-    go.touch()
-    out = finish(proc)
-    assert proc.returncode == 0, out
-    saved = tmp_path / "ckpt" / "step_000000004"
-    assert f"raised SIGTERM 4 {saved} 4\n" in out, out
-    state, _, _ = tiny_setup()
-    loaded = ckpt.load(saved, like=state)
-    assert int(loaded.step) == 4
+    state, step, data = tiny_setup()
+
+    def preempt(s: int, metrics: dict) -> None:
+        if s == 2:  # inside step 2's boundary: the run saves step 3, then raises
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    checkpoints = fs.Checkpoints(tmp_path / "ckpt", every=1000)
+    with pytest.raises(fs.Interrupted) as info:
+        fs.run(
+            step,
+            state,
+            data,
+            num_steps=10,
+            checkpoints=checkpoints,
+            on_metrics=preempt,
+            progress=False,
+        )
+    e = info.value
+    saved = tmp_path / "ckpt" / "step_000000003"
+    assert (e.signal, e.step, e.num_steps, e.checkpoint) == ("SIGTERM", 3, 10, saved)
+    assert int(e.state.step) == 3 and ckpt.latest(tmp_path / "ckpt") == saved
+    ckpt.lock_dir(tmp_path / "ckpt").release()  # released before raising
+    loaded = ckpt.load(saved, like=tiny_setup()[0])
+    fs.tree.assert_trees_equal(loaded, e.state, check_static=False)
+    resumed = fs.run(
+        step, tiny_setup()[0], data, num_steps=10, checkpoints=checkpoints, progress=False
+    )
+    assert int(resumed.step) == 10
 
 
 def test_interrupted_names_the_signal_step_and_checkpoint_and_pickles():
