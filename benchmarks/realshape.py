@@ -1,4 +1,4 @@
-"""The real workload: fine-tune, DMD2 (3 roles) or DiffusionNFT at 480x832x81, prepared vs by hand.
+"""The real workload: fine-tune, DMD2, self-forcing or DiffusionNFT at 480x832x81, prepared vs by hand.
 
 Each *side* builds its roles, runs ``--warmup`` steps (compiles, allocator warm-up), then
 ``--steps`` timed steps, and frees everything before the next side, in one process group:
@@ -21,7 +21,11 @@ side), one prompt a step rolled out ``--group-size`` times by ``--rollout-steps`
 steps of the old policy, scored by the stated latent reward
 (:func:`fvstep.methods.rl.latent_mse_reward`), one optimizer step over ``--group-size``
 micro-batches of one sample, then the soft update; its rollout forwards count as
-no-grad forwards. Both sides run fvstep's
+no-grad forwards. Self-forcing (``--method self-forcing``) makes the student causal
+(:func:`fvstep.methods.make_causal`, chunks of 3 latent frames, or 1 when the frames do
+not divide by 3) and runs DMD2's schedule (interval 2) on its chunk-by-chunk rollouts; a
+call on ``f`` of the ``F`` frames counts as ``f / F`` of a forward (its attention to the
+KV cache is not counted). Both sides run fvstep's
 compiled step; the difference is only the role preparation.
 
 **MFU** counts model FLOPs only: forward hooks count each role's calls per step, a call
@@ -61,7 +65,7 @@ from benchmarks.presets import PRESETS, Preset, build_model, make_batch
 from fvstep import parallel as fsp
 from fvstep._compat import checkpoint_wrapper
 from fvstep.lora import LoRAModule, add_adapters
-from fvstep.methods import SoftUpdate, diffusion_nft, dmd2, finetune
+from fvstep.methods import SoftUpdate, diffusion_nft, dmd2, finetune, make_causal, self_forcing
 from fvstep.methods.diffusion_nft import euler_rollout
 from fvstep.methods.rl import latent_mse_reward
 from fvstep.parallel.activation_checkpoint import resolve_checkpointing
@@ -81,7 +85,8 @@ class _CallCounter:
     again, and the LoRA call counts as a frozen one (the base's weights get no gradient).
     """
 
-    def __init__(self, modules: dict[str, nn.Module]) -> None:
+    def __init__(self, modules: dict[str, nn.Module], frames: int) -> None:
+        self.frames = frames  # a call on fewer frames (a causal chunk) counts as that share
         self.forwards = 0.0
         self.inside_lora = 0
         self.handles = []
@@ -100,6 +105,9 @@ class _CallCounter:
         elif self.inside_lora:
             return  # the base, called by a LoRA role: counted there
         samples = _samples_of(output)  # a forward of B samples costs B forwards of one
+        first = output[0] if isinstance(output, (tuple, list)) else output
+        if isinstance(first, torch.Tensor) and first.dim() == 5:
+            samples *= first.shape[2] / self.frames
         if not torch.is_grad_enabled():
             self.forwards += samples
             return
@@ -173,6 +181,7 @@ ROLES = {
     "finetune": ["student"],
     "dmd2": ["student", "teacher", "critic"],
     "diffusion-nft": ["policy", "old"],
+    "self-forcing": ["student", "teacher", "critic"],
 }
 """The roles each ``--method`` trains or reads."""
 FROZEN = ("teacher", "old")
@@ -182,6 +191,8 @@ FROZEN = ("teacher", "old")
 def _method(args: Any) -> fs.Step:
     if args.method == "dmd2":
         return dmd2(generator_update_interval=2)
+    if args.method == "self-forcing":
+        return self_forcing(generator_update_interval=2)
     if args.method == "diffusion-nft":
         # The stated latent reward (no reward model at this shape); one sample per
         # micro-batch, so a step holds a group of --group-size rollouts of one prompt.
@@ -204,6 +215,8 @@ def _roles(side: str, preset: Preset, rt: c.Runtime, args: Any) -> dict[str, Any
         # DiffusionNFT's old policy starts as a copy of the policy (the same seed)
         seed = args.seed + (0 if name == "old" else i)
         module = build_model(preset, device=rt.device, seed=seed)
+        if args.method == "self-forcing" and name == "student":  # 3-frame chunks, or 1
+            module = make_causal(module, chunk_frames=3 if preset.latent_shape[1] % 3 == 0 else 1)
         trainable = name not in FROZEN
         if side == "prepared":
             modules[name] = _prepared(module, rt, args, trainable=trainable)
@@ -223,7 +236,7 @@ def run_side(side: str, preset: Preset, rt: c.Runtime, args: Any) -> dict[str, A
     compiled = fs.compile(_method(args), clip=fs.clip_grad_norm(1.0))
     step = c.with_autocast(compiled, rt, c.resolve_dtype(args, rt))
     batch = make_batch(preset, 1, device=rt.device, seed=args.seed + rt.rank)
-    counter = _CallCounter(modules)
+    counter = _CallCounter(modules, frames=preset.latent_shape[1])
     meter = c.MemoryMeter(rt.device)
     compiled_before = fsp.compile_counts()["graphs"]
     times: dict[str, list[float]] = {}
