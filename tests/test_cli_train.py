@@ -203,3 +203,15 @@ def test_export_writes_lora_weights_and_a_merged_model_of_a_lora_run(tmp_path, m
         main(["export", "runs/lora_dmd2", "--out", "y", "--format", "lora", "--role", "teacher"])
         == 2
     )
+
+
+@pytest.mark.heavy
+@pytest.mark.multirank
+def test_train_on_two_ranks_resumes_and_exports_on_one(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    run = ["train", "dmd2", "--nproc", "2", "--run.progress", "false", "--run.every", "2"]
+    assert main([*run, "--run.num_steps", "2"]) == 0
+    assert main([*run, "--run.num_steps", "3"]) == 0  # resumed on 2 ranks
+    assert ckpt.latest("runs/dmd2").name == "step_000000003"
+    assert main(["export", "runs/dmd2", "--out", "student", "--weights", "ema"]) == 0
+    assert (tmp_path / "student" / "config.json").is_file()

@@ -6,6 +6,7 @@ latents, on the CPU."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -64,7 +65,17 @@ def test_config_change_rules_name_the_key_that_alters_the_math():
 def source_run(tmp_path_factory):
     """A finetune run of 2 steps (EMA on), its folder and final state."""
     root = tmp_path_factory.mktemp("source")
-    opts = options(root, "--run.num_steps", "2", "--run.every", "2", "--optim.ema", "0.5")
+    opts = options(
+        root,
+        "--run.num_steps",
+        "2",
+        "--run.every",
+        "2",
+        "--optim.ema",
+        "0.5",
+        "--validation.every",
+        "2",
+    )
     state = train(FINETUNE, opts, log=lambda line: None)
     return root / "run", state
 
@@ -75,6 +86,8 @@ def test_a_resumed_run_applies_an_lr_change_and_refuses_one_that_alters_the_math
     run, _ = source_run
     saved = read_config(run)
     assert saved["recipe"] == "finetune" and saved["options"]["run"]["num_steps"] == 2
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "val/loss" in r] == [0, 2]  # validation.every 2
     lines: list[str] = []
     more = options(run.parent, "--run.num_steps", "3", "--run.every", "2", "--optim.lr", "3e-4")
     more = dataclasses.replace(more, optim=dataclasses.replace(more.optim, ema=0.5))

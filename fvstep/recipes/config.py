@@ -40,6 +40,7 @@ __all__ = [
     "ConfigChangeError",
     "check_config_change",
     "flatten_config",
+    "help_text",
     "options_to_dict",
     "parse_options",
     "read_config",
