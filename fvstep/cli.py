@@ -148,11 +148,11 @@ def main(argv: list[str] | None = None) -> int:
         print(str(e), file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("fvstep: interrupted", file=sys.stderr)
+        _say_interrupted()
         return 130
     except Exception as e:
         if _is_sigint(e):  # the elastic launcher's SignalException, on Ctrl-C
-            print("fvstep: interrupted", file=sys.stderr)
+            _say_interrupted()
             return 130
         if debug:
             raise
@@ -162,6 +162,13 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
+
+
+def _say_interrupted() -> None:
+    """One line; on a terminal on a line of its own, not glued to a rank's progress bar
+    (drawn with carriage returns, no newline, by another process)."""
+    start = "\n" if sys.stderr.isatty() else ""
+    print(f"{start}fvstep: interrupted", file=sys.stderr)
 
 
 def _is_sigint(e: BaseException) -> bool:

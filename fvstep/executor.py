@@ -37,6 +37,7 @@ from fvstep.parallel.ranks import host_group, max_over_ranks, rank_and_world
 from fvstep.reporting import (
     Sinks,
     Validation,
+    console_line,
     observe,
     open_trackers,
     progress_bar,
@@ -155,10 +156,8 @@ def _stop_signals(rank: int, *, enabled: bool) -> Iterator[dict[str, int]]:
             raise KeyboardInterrupt
         flag["stop"] = flag["stop"] or _REASONS.index("SIGINT")
         if rank == 0:
-            print(
-                "fvstep: Ctrl-C: saving at the end of this step (Ctrl-C again to abort now)",
-                file=sys.stderr,
-                flush=True,
+            console_line(
+                "fvstep: Ctrl-C: saving at the end of this step (Ctrl-C again to abort now)"
             )
 
     previous: dict[int, Any] = {}

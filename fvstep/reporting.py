@@ -14,6 +14,8 @@ leaves or the training key stream.
 from __future__ import annotations
 
 import contextlib
+import sys
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -31,6 +33,7 @@ __all__ = [
     "Sinks",
     "Validation",
     "ValidationFn",
+    "console_line",
     "observe",
     "open_trackers",
     "progress_bar",
@@ -226,11 +229,40 @@ def show_losses(bar: Any, row: dict[str, Any], shown: dict[str, str]) -> None:
         bar.set_postfix(shown, refresh=False)
 
 
+_BAR_LOCK = threading.RLock()
+
+
 def progress_bar(enabled: bool, start: int, total: int) -> Any:
+    """The run's progress bar on stderr (tqdm), or ``None`` when disabled or not installed.
+
+    Only one process draws it (rank 0), so it takes a thread lock, not tqdm's default
+    multiprocessing one: that is a named semaphore, which a rank ended by a signal (the
+    launcher's SIGTERM after a Ctrl-C) leaves behind ("resource_tracker: There appear to
+    be 1 leaked semaphore objects").
+
+    Examples:
+        >>> bar = progress_bar(True, 0, 100)
+    """
     if not enabled:
         return None
     try:
         from tqdm.auto import tqdm
     except ImportError:
         return None
+    tqdm.set_lock(_BAR_LOCK)
     return tqdm(total=total, initial=start, unit="step", dynamic_ncols=True)
+
+
+def console_line(message: str) -> None:
+    """Print ``message`` as a line of its own on stderr, above a progress bar if one is
+    drawn (not glued to its end), else as it is.
+
+    Examples:
+        >>> console_line("fvstep: Ctrl-C: saving at the end of this step")
+    """
+    tqdm = sys.modules.get("tqdm.auto")
+    bars = getattr(getattr(tqdm, "tqdm", None), "_instances", None)
+    if tqdm is not None and bars:
+        tqdm.tqdm.write(message, file=sys.stderr)
+    else:
+        print(message, file=sys.stderr, flush=True)

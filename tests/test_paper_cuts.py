@@ -322,3 +322,37 @@ def test_every_optional_import_of_the_library_names_its_extra() -> None:
     assert not bare, "imports of optional packages outside `with needs_extra(...)`: " + "; ".join(
         bare
     )
+
+
+# --------------------------------------------------------------------------------------
+# Console: a message is a line of its own beside the progress bar; the bar's lock is no
+# semaphore that a rank killed by a signal would leak
+# --------------------------------------------------------------------------------------
+
+
+def test_a_console_line_is_not_glued_to_the_progress_bar(capsys) -> None:
+    from fvstep.reporting import console_line, progress_bar
+
+    bar = progress_bar(True, 0, 4)
+    assert bar is not None
+    bar.update(1)
+    console_line("fvstep: Ctrl-C: saving")
+    bar.close()
+    err = capsys.readouterr().err
+    before = err[: err.index("fvstep: Ctrl-C: saving")]
+    assert before == "" or before[-1] in "\r\n", repr(before[-40:])
+
+
+def test_the_progress_bar_takes_a_thread_lock_not_a_semaphore() -> None:
+    import multiprocessing.synchronize
+
+    from tqdm.auto import tqdm
+
+    from fvstep.reporting import progress_bar
+
+    bar = progress_bar(True, 0, 1)
+    try:
+        locks = [tqdm.get_lock(), *getattr(tqdm.get_lock(), "locks", [])]
+        assert not any(isinstance(x, multiprocessing.synchronize.SemLock) for x in locks)
+    finally:
+        bar.close()

@@ -17,6 +17,7 @@ import importlib
 import logging
 import os
 import uuid
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -40,6 +41,9 @@ def _launched(entry: tuple[str, str], args: tuple[Any, ...]) -> Any:
     else:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group(backend)
+    # FSDP2 warns, on every rank and for every root module, that a module returned a view
+    # (Wan's output is one): fvstep's commands use the outputs out of place only.
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     try:
         module, name = entry
         fn = getattr(importlib.import_module(module), name)
