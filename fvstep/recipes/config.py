@@ -73,7 +73,10 @@ class ConfigChangeError(ValueError):
 
 
 def _parser(recipe: Recipe) -> Any:
-    from jsonargparse import ActionConfigFile, ArgumentParser
+    from fvstep._optional import needs_extra
+
+    with needs_extra("train", "fvstep train (its options' parser)"):
+        from jsonargparse import ActionConfigFile, ArgumentParser
 
     parser = ArgumentParser(
         prog=f"fvstep train {recipe.name}",

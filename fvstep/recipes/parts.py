@@ -75,7 +75,10 @@ def load_transformer(model: ModelOptions) -> nn.Module:
     Raises:
         ValueError: If ``model.path`` is not a diffusers folder.
     """
-    import diffusers
+    from fvstep._optional import needs_extra
+
+    with needs_extra("models", "the recipes' transformer"):
+        import diffusers
 
     dtype = dtype_of(model.dtype)
     if model.path is not None:
