@@ -185,9 +185,9 @@ def run_train_command(argv: list[str]) -> int:
             ):
                 raise
             print(
-                f"fvstep train: stopped by {signal.Signals(sigval).name}; the ranks saved at "
-                f"the step boundary (newest checkpoint: {_newest(options.run.out)}): run the "
-                "same command again to resume",
+                f"fvstep train: stopped by {signal.Signals(sigval).name}; each rank saves at "
+                f"the step boundary before it exits (newest checkpoint now: "
+                f"{_newest(options.run.out)}): run the same command again to resume",
                 file=sys.stderr,
             )
             return EXIT_INTERRUPTED
