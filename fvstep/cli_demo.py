@@ -186,6 +186,7 @@ def _demo_summary(
             f"{_steps_text(summary['checkpoints_final'])}",
         ),
         ("final losses", _last_losses(out)),
+        ("validation", _validation_line(out)),
         (
             "checkpoint size",
             f"{summary['checkpoint_bytes'] / 2**20:.2f} MiB ({summary['num_leaves']} leaves "
@@ -238,6 +239,19 @@ def _steps_text(steps: list[int]) -> str:
     if not steps:
         return "none"
     return ("step " if len(steps) == 1 else "steps ") + ", ".join(str(s) for s in steps)
+
+
+def _validation_line(out: Path) -> str:
+    """``val/loss`` from its first to its last value, and why it need not fall."""
+    import json
+
+    from fvstep.demo import VAL_LOSS_NOTE
+
+    lines = (out / "interrupted" / "metrics.jsonl").read_text().splitlines()
+    values = [row["val/loss"] for row in map(json.loads, lines) if "val/loss" in row]
+    if not values:
+        return "none logged"
+    return f"val/loss {values[0]:.4f} -> {values[-1]:.4f} (the student's flow-matching loss on held-out latents): {VAL_LOSS_NOTE}"
 
 
 def _last_losses(out: Path) -> str:

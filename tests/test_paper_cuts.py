@@ -356,3 +356,26 @@ def test_the_progress_bar_takes_a_thread_lock_not_a_semaphore() -> None:
         assert not any(isinstance(x, multiprocessing.synchronize.SemLock) for x in locks)
     finally:
         bar.close()
+
+
+# --------------------------------------------------------------------------------------
+# The demo says why its val/loss may rise, in the summary and on the plot
+# --------------------------------------------------------------------------------------
+
+
+def test_the_demo_summary_explains_a_rising_validation_loss(tmp_path) -> None:
+    import json
+
+    from fvstep.cli_demo import _validation_line
+    from fvstep.demo import VAL_LOSS_NOTE, plot_losses
+
+    for run in ("uninterrupted", "interrupted"):
+        (tmp_path / run).mkdir()
+        rows = [
+            {"step": s, "val/loss": 1 + s / 10, "critic/loss": 1, "student/loss": 1} for s in (0, 4)
+        ]
+        (tmp_path / run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    line = _validation_line(tmp_path)
+    assert line.startswith("val/loss 1.0000 -> 1.4000") and VAL_LOSS_NOTE in line
+    assert "one-step generator" in VAL_LOSS_NOTE
+    assert plot_losses(tmp_path, resumed_from=4, crashed_before=6) == tmp_path / "losses.png"
