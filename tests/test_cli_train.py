@@ -69,7 +69,8 @@ def workdir(tmp_path_factory):
 
 
 def held_train(workdir: Path, command: list[str], log: Path) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
     with log.open("w") as out:
         return subprocess.Popen(
             [sys.executable, str(HELD), str(HOLD_AT), str(workdir / "held"), *command],
