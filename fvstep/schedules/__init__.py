@@ -35,6 +35,13 @@ Bit-identity with diffusers and torch:
     other values of those arguments hold against ``get_cosine_schedule_with_warmup`` and
     ``get_polynomial_decay_schedule_with_warmup`` called directly.
 
+Length:
+    A schedule counts the optimizer's *updates*, not the run's steps (a role updated every
+    second step makes half as many updates). The decaying schedules carry the length they
+    are laid out over as ``schedule.total_steps``; :func:`fvstep.run` warns
+    (``fvstep.schedule_check.ScheduleLengthWarning``) when it differs from the updates the
+    role will have made at ``num_steps``.
+
 Errors:
     Factories raise ``ValueError`` for out-of-range hyper-parameters (negative step
     counts or LRs, ``warmup_steps > total_steps``, ratios outside ``[0, 1]``, ...) and
