@@ -334,8 +334,8 @@ def plot_losses(out: str | Path, *, resumed_from: int, crashed_before: int) -> P
         )
         if metric == "val/loss":
             ax.set_title(
-                "val/loss: the student's flow-matching loss on held-out latents\n(may rise: "
-                "DMD2 trains a one-step generator matched to the teacher, not this loss)",
+                "val/loss (student's flow matching, held-out latents)\n"
+                "may rise: DMD2 trains a one-step generator, not this loss",
                 fontsize=9,
             )
         else:
