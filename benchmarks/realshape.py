@@ -329,7 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--checkpointing",
-        choices=("none", "full", "selective", "attention"),
+        choices=("none", "full", "selective", "attention", "narrow"),
         default="full",
         help="activation checkpointing of the prepared side (default full; attention: "
         "selective, keeping the attention kernels' outputs only)",

@@ -57,6 +57,7 @@ CHECKPOINTINGS = [
     "full",
     "selective",
     "attention",
+    "narrow",
     ActivationCheckpointing("full", every=2),
     ActivationCheckpointing("selective", every=3),
 ]
@@ -163,6 +164,22 @@ def test_attention_checkpointing_recomputes_the_matmuls_but_not_the_attention():
     assert attention[0] > none[0], (none, attention, full)  # the matmuls re-run
     assert attention_calls("attention") == attention_calls("none") < attention_calls("full")
     assert resolve_checkpointing("attention").save_ops == ATTENTION_SAVE_OPS
+
+
+def test_narrow_checkpointing_recomputes_only_the_matmuls_that_widen_their_input():
+    """``"narrow"`` keeps attention and the matmuls that do not widen their input: backward
+    re-runs fewer matmuls than full AC but more than selective (the feed-forward
+    up-projections), and it trains bitwise as the plain role."""
+    none, narrow, selective, full = (
+        _backward_ops(m) for m in ("none", "narrow", "selective", "full")
+    )
+    assert selective[0] == none[0] < narrow[0] < full[0], (none, narrow, selective, full)
+    assert not resolve_checkpointing("narrow").save_widening
+    plain = _train(_finetune_state(tiny_wan(seed=0, num_layers=3)), 2)
+    trained = _train(
+        _finetune_state(prepare(tiny_wan(seed=0, num_layers=3), checkpointing="narrow")), 2
+    )
+    tree.assert_trees_equal(trained.roles["student"].params, plain.roles["student"].params)
 
 
 def test_a_checkpoint_saved_with_the_options_loads_without_them_and_back(tmp_path):

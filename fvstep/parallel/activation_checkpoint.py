@@ -43,9 +43,11 @@ __all__ = [
 ]
 
 CheckpointMode = Literal["none", "full", "selective"]
-CheckpointName = Literal["none", "full", "selective", "attention"]
-"""What ``prepare(checkpointing=...)`` takes by name: a mode, or ``"attention"`` (selective
-checkpointing that keeps only the attention kernels' outputs, :data:`ATTENTION_SAVE_OPS`)."""
+CheckpointName = Literal["none", "full", "selective", "attention", "narrow"]
+"""What ``prepare(checkpointing=...)`` takes by name: a mode; ``"attention"`` (selective
+checkpointing that keeps only the attention kernels' outputs, :data:`ATTENTION_SAVE_OPS`);
+or ``"narrow"`` (selective, keeping attention and the matmuls that do not widen their
+input: the feed-forward up-projections are recomputed)."""
 
 _aten = torch.ops.aten
 #: Ops whose outputs selective checkpointing keeps (torchtitan's list, less collectives):
@@ -99,6 +101,10 @@ class ActivationCheckpointing:
             ``1`` checkpoints all of them.
         save_ops: For ``"selective"``: the ATen ops (``OpOverloadPacket`` or
             ``OpOverload``) whose outputs are saved.
+        save_widening: For ``"selective"``: whether a matmul that widens its input (an
+            output wider than its inner dimension: a feed-forward up-projection) is saved
+            too; ``False`` recomputes those, the largest activations of a transformer
+            block, and keeps the other matmuls' and attention's outputs.
 
     Raises:
         ValueError: On an unknown mode or ``every < 1``.
@@ -111,6 +117,7 @@ class ActivationCheckpointing:
     mode: CheckpointMode = "full"
     every: int = 1
     save_ops: frozenset[Any] = attrs.field(default=DEFAULT_SAVE_OPS, converter=frozenset)
+    save_widening: bool = True
 
     def __attrs_post_init__(self) -> None:
         if self.mode not in ("none", "full", "selective"):
@@ -129,15 +136,32 @@ class ActivationCheckpointing:
         """``checkpoint``'s ``context_fn`` for this mode (``None`` for full)."""
         if self.mode != "selective":
             return None
-        save = self.save_ops
+        save, widening = self.save_ops, self.save_widening
 
         def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
             packet = getattr(op, "overloadpacket", op)
-            if op in save or packet in save:
+            if (op in save or packet in save) and (widening or not _widens(packet, args)):
                 return CheckpointPolicy.MUST_SAVE
             return CheckpointPolicy.PREFER_RECOMPUTE
 
         return functools.partial(create_selective_checkpoint_contexts, policy)
+
+
+_MATMUL_OPERANDS = {
+    getattr(_aten, name): first
+    for name, first in (("mm", 0), ("bmm", 0), ("addmm", 1), ("baddbmm", 1))
+}
+
+
+def _widens(packet: Any, args: tuple[Any, ...]) -> bool:
+    """Whether a matmul's output is wider than its inner dimension (``a @ b`` with ``b``
+    of shape ``[..., K, N]``, ``N > K``); ``False`` for any other op."""
+    first = _MATMUL_OPERANDS.get(packet)
+    if first is None or len(args) < first + 2:
+        return False
+    b = args[first + 1]
+    shape = getattr(b, "shape", None)
+    return shape is not None and len(shape) >= 2 and shape[-1] > shape[-2]
 
 
 def resolve_checkpointing(
@@ -167,6 +191,8 @@ def resolve_checkpointing(
         return value
     if value == "attention":
         return ActivationCheckpointing("selective", save_ops=ATTENTION_SAVE_OPS)
+    if value == "narrow":
+        return ActivationCheckpointing("selective", save_widening=False)
     if isinstance(value, str):
         return ActivationCheckpointing(value)
     raise TypeError(

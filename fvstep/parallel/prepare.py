@@ -164,8 +164,9 @@ def prepare(
         checkpointing: ``"none"`` (default), ``"full"``, ``"selective"`` (the outputs of
             matmuls and attention kept), ``"attention"`` (the attention kernels' outputs
             kept, the rest recomputed: most of selective's speed at a fraction of its
-            memory for long videos) or an :class:`ActivationCheckpointing` (e.g. every
-            n-th block). Under ``no_grad`` a
+            memory for long videos), ``"narrow"`` (attention and the matmuls that do not
+            widen their input kept: the feed-forward up-projections are recomputed) or an
+            :class:`ActivationCheckpointing` (e.g. every n-th block). Under ``no_grad`` a
             checkpointed block just runs its forward, so a role read without gradient
             (a DMD2 teacher) pays nothing for it.
         compile: ``True`` for ``block.compile(fullgraph=True, dynamic=False)`` on each
