@@ -36,6 +36,8 @@ __all__ = [
     "checkpoint_wrapper",
     "default_foreach",
     "dynamo_counters",
+    "forward_pre_hooks",
+    "fsdp_casts_inputs",
     "fsdp_lazy_init",
     "fused_kernel_devices",
     "inductor_has_option",
@@ -107,6 +109,24 @@ def is_fsdp_root(module: nn.Module) -> bool:
     """
     state: Any = module._get_fsdp_state()  # type: ignore[operator]
     return bool(state._is_root)
+
+
+def fsdp_casts_inputs(module: nn.Module) -> bool:
+    """Whether FSDP2 casts ``module``'s floating inputs itself (a ``MixedPrecisionPolicy``
+    with ``param_dtype`` and ``cast_forward_inputs``); false for a module FSDP2 did not wrap.
+
+    ``module._get_fsdp_state()._mp_policy``, what FSDP2's pre-forward reads.
+    """
+    get_state = getattr(module, "_get_fsdp_state", None)
+    if get_state is None:
+        return False
+    policy = getattr(get_state(), "_mp_policy", None)
+    return bool(policy is not None and policy.param_dtype and policy.cast_forward_inputs)
+
+
+def forward_pre_hooks(module: nn.Module) -> list[Any]:
+    """The forward pre-hooks registered on ``module`` (``module._forward_pre_hooks``)."""
+    return list(module._forward_pre_hooks.values())
 
 
 def fsdp_lazy_init(module: nn.Module) -> None:

@@ -379,3 +379,34 @@ def test_the_demo_summary_explains_a_rising_validation_loss(tmp_path) -> None:
     assert line.startswith("val/loss 1.0000 -> 1.4000") and VAL_LOSS_NOTE in line
     assert "one-step generator" in VAL_LOSS_NOTE
     assert plot_losses(tmp_path, resumed_from=4, crashed_before=6) == tmp_path / "losses.png"
+
+
+def check_bf16_latents_on_sharded_roles(rank: int, world_size: int) -> dict[str, bool]:
+    """On each rank: a sharded fp32 student trains on bf16 latents as on their fp32 upcast;
+    under FSDP2 mixed precision (which casts inputs itself) the batch is left alone."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from fvstep import parallel
+
+    def sharded(**options: object) -> fs.TrainState:
+        module = parallel.shard_module(tiny_wan(seed=0), mesh=parallel.make_mesh(), **options)
+        return _student_state(module)
+
+    low = {k: v.bfloat16() for k, v in _batch().items()}
+    upcast = {k: v.float() for k, v in low.items()}
+    step, layout = fs.compile(finetune()), parallel.Layout()
+    got, _ = step(sharded(), low, parallelism=layout)
+    want, _ = step(sharded(), upcast, parallelism=layout)
+    mixed = sharded(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    return {
+        "upcast_equal": fs.tree.tree_digest(got.roles["student"].params)
+        == fs.tree.tree_digest(want.roles["student"].params),
+        "mixed_left_alone": check_batch(mixed, low, "student") is low,
+        "plain_upcast": check_batch(sharded(), low, "student")["latents"].dtype == torch.float32,
+    }
+
+
+@pytest.mark.multirank
+def test_bf16_latents_train_a_sharded_fp32_model_on_two_ranks(ranks) -> None:
+    for result in ranks.run(check_bf16_latents_on_sharded_roles):
+        assert all(result.values()), result

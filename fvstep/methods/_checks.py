@@ -10,9 +10,10 @@ tensors), against the module's diffusers config when it has one (``in_channels``
 **The cast rule.** ``fvstep data encode`` stores latents and text embeddings in bf16 by
 default. A floating batch tensor of *lower* precision than the role's parameters (bf16
 latents, an fp32 model) is upcast to the parameters' dtype, unless something already
-decides the compute dtype: an active autocast on the tensor's device, or an input hook
+decides the compute dtype: an active autocast on the tensor's device, or an input cast
 on the role's module (``fvstep.parallel.prepare``'s boundary cast of ``param_dtype`` or
-``frozen_dtype``, FSDP2's mixed precision). A tensor is never downcast, and a batch in
+``frozen_dtype``, or FSDP2's mixed precision with ``cast_forward_inputs``). A module
+sharded without mixed precision computes in its parameters' dtype: its batch is upcast. A tensor is never downcast, and a batch in
 the parameters' dtype is returned as it is: a run that worked before computes exactly
 what it computed before.
 
@@ -30,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fvstep._compat import forward_pre_hooks, fsdp_casts_inputs
 from fvstep.state import TrainState
 
 __all__ = ["check_batch"]
@@ -152,11 +154,18 @@ def _param_dtype(params: Mapping[str, torch.Tensor]) -> torch.dtype | None:
 
 def _decides_dtype(module: nn.Module, device: torch.device) -> bool:
     """Whether something other than the batch sets the compute dtype: autocast, or an
-    input hook on the module (a boundary cast, FSDP2's mixed precision)."""
+    input cast on the module (``prepare``'s boundary cast, FSDP2's mixed precision)."""
     if torch.is_autocast_enabled(device.type):
         return True
     held = (module, getattr(module, "base", None))  # a LoRA role computes through its base
-    return any(isinstance(m, nn.Module) and bool(m._forward_pre_hooks) for m in held)
+    return any(isinstance(m, nn.Module) and _casts_inputs(m) for m in held)
+
+
+def _casts_inputs(module: nn.Module) -> bool:
+    boundary = any(
+        "cast_at_boundary" in getattr(h, "__qualname__", "") for h in forward_pre_hooks(module)
+    )
+    return boundary or fsdp_casts_inputs(module)
 
 
 def _upcast(value: Any, dtype: torch.dtype) -> Any:
