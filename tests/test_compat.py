@@ -160,3 +160,21 @@ def test_the_recompile_limit_is_only_ever_raised():
         assert raise_recompile_limit(64) == 64 == config.recompile_limit
         assert raise_recompile_limit(16) == 64 == config.recompile_limit
     assert hasattr(config, "recompile_limit")
+
+
+def test_forward_pre_hooks_lists_the_hooks_registered_on_a_module() -> None:
+    module = nn.Linear(2, 2)
+    assert _compat.forward_pre_hooks(module) == []
+
+    def hook(mod: nn.Module, args: tuple) -> None:
+        return None
+
+    handle = module.register_forward_pre_hook(hook)
+    assert _compat.forward_pre_hooks(module) == [hook]
+    handle.remove()
+
+
+def test_fsdp_casts_inputs_is_false_for_a_module_fsdp2_did_not_wrap() -> None:
+    # The wrapped cases (with and without a casting MixedPrecisionPolicy) run on two
+    # ranks in tests/test_paper_cuts.py::test_bf16_latents_train_a_sharded_fp32_model_on_two_ranks.
+    assert _compat.fsdp_casts_inputs(nn.Linear(2, 2)) is False
