@@ -104,7 +104,7 @@ class _CallCounter:
             self.inside_lora -= 1
         elif self.inside_lora:
             return  # the base, called by a LoRA role: counted there
-        samples = _samples_of(output)  # a forward of B samples costs B forwards of one
+        samples: float = _samples_of(output)  # a forward of B samples costs B forwards of one
         first = output[0] if isinstance(output, (tuple, list)) else output
         if isinstance(first, torch.Tensor) and first.dim() == 5:
             samples *= first.shape[2] / self.frames

@@ -318,7 +318,7 @@ class TrainState:
 
     def replace(self, **changes: Any) -> TrainState:
         """A new state with ``changes`` applied (``attrs.evolve``), not consumed."""
-        return attrs.evolve(self, **changes)
+        return attrs.evolve(self, **changes)  # type: ignore[misc]
 
 
 def mark_consumed(state: TrainState, by: str) -> None:

@@ -429,3 +429,34 @@ def test_a_managed_step_cannot_train_a_role_it_does_not_declare():
         fs.managed(outer, trains="a", name="m")(state_of(), make_batch(0))
     assert isinstance(info.value.__cause__, ValueError)
     assert "trains ['b'], which this managed step does not declare" in str(info.value.__cause__)
+
+
+def test_a_managed_steps_check_refuses_its_input_before_anything_is_consumed():
+    """``managed(..., check=...)`` runs before the input is consumed: its error leaves the
+    state usable and bit-unchanged; the same error raised in ``fn`` consumes it."""
+    ran = []
+
+    def outer(state, batch, key, ctx):
+        ran.append(True)
+        return state, {}
+
+    def check(state, batch):
+        if batch["x"].shape[0] != 3:
+            raise ValueError("want 3 samples")
+
+    state = state_of()
+    before = tree.clone(state)
+    with pytest.raises(ValueError, match="want 3 samples"):
+        fs.managed(outer, trains="a", name="m", check=check)(state, make_batch(0))
+    assert not ran and not is_consumed(state)
+    tree.assert_trees_equal(state, before)
+
+    def outer_checking(state, batch, key, ctx):
+        check(state, batch)
+        return state, {}
+
+    with pytest.raises(fs.StepFailedError):
+        fs.managed(outer_checking, trains="a", name="m")(state, make_batch(0))
+    assert is_consumed(state)
+    with pytest.raises(TypeError, match="check must be a function"):
+        fs.managed(outer, trains="a", check=3)  # type: ignore[arg-type]

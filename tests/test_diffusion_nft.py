@@ -21,6 +21,7 @@ from fvstep.methods.rewards import check_rewards, colorfulness, decoded, optimal
 from fvstep.methods.rl import latent_mse_reward
 from fvstep.models import predict, synthetic_batch, tiny_wan
 from fvstep.random import fold_in, fold_in_name, generator, split
+from fvstep.state import is_consumed
 
 pytest.importorskip("diffusers")
 
@@ -503,6 +504,8 @@ def test_bad_inputs_at_the_step_name_the_problem(method, state_kwargs, batch_edi
     with pytest.raises((ValueError, TypeError, fs.StepFailedError)) as excinfo:
         step(state, batch)
     assert match in _cause_text(excinfo), _cause_text(excinfo)
+    if not isinstance(excinfo.value, fs.StepFailedError):  # refused before anything ran
+        assert not is_consumed(state)
 
 
 def test_an_old_policy_of_another_model_is_refused() -> None:
@@ -514,9 +517,10 @@ def test_an_old_policy_of_another_model_is_refused() -> None:
         key=fs.random.key(0),
     )
     step = fs.compile(diffusion_nft(reward_fn=latent_mse_reward, group_size=2))
-    with pytest.raises((ValueError, fs.StepFailedError)) as excinfo:
+    with pytest.raises(ValueError) as excinfo:  # refused before the state is consumed
         step(state, batch_at(0))
     assert "must have the parameters of 'policy'" in _cause_text(excinfo)
+    assert not is_consumed(state)
 
 
 def test_check_rewards_refuses_what_is_not_one_float_a_sample() -> None:

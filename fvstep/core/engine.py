@@ -209,6 +209,22 @@ class Leaf(Step):
         """``unit 'name'`` or ``managed step 'name'``, for messages."""
         return f"{self.kind} {self.name!r}"
 
+    def check_input(self, state: TrainState, batch: Any) -> None:
+        """A managed leaf's check of its input, before anything is consumed (units: none)."""
+
+    def run(
+        self,
+        state: TrainState,
+        batch: Any,
+        key: torch.Tensor,
+        policy: Policy,
+        parallelism: Parallelism | None,
+        step: int,
+        position: int,
+    ) -> tuple[TrainState, dict[str, Any]]:
+        """Run a managed leaf (``fvstep.core.managed.Managed``); the engine runs units itself."""
+        raise TypeError(f"{self.describe()} is not a managed step")
+
 
 def own_routes(leaf: Leaf) -> tuple[Route, ...]:
     """A leaf's routes when it is called as a step by itself: itself, its own policy."""
@@ -399,6 +415,7 @@ def run_step(
                         f"managed step {leaf.name!r} (position {position}, "
                         f"trains {list(leaf.trains)})"
                     )
+                    leaf.check_input(work, batch)  # before the input is consumed
                     progress.change(progress.current)  # it may change anything from its start
                     work, leaf_metrics = leaf.run(
                         work, batch, leaf_key, policy, parallelism, step, position

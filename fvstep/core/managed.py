@@ -39,7 +39,14 @@ class Managed(Leaf):
     name: str = "managed"
     policy: Policy = attrs.Factory(Policy)
     mutates: tuple[str, ...] = ()
+    check: Callable[[TrainState, Any], None] | None = None
     routes: tuple[Route, ...] = attrs.field(init=False, repr=False, eq=False, default=ROUTES)
+
+    def check_input(self, state: TrainState, batch: Any) -> None:
+        """Run ``check(state, batch)``, before the engine consumes anything (its error
+        leaves the input usable and unchanged)."""
+        if self.check is not None:
+            self.check(state, batch)
 
     def run(
         self,
@@ -79,6 +86,7 @@ def managed(
     clip: ClipGradNorm | Unset | None = UNSET,
     sanitize: Sanitize | Unset = UNSET,
     name: str = "managed",
+    check: Callable[[TrainState, Any], None] | None = None,
 ) -> Managed:
     """Wrap a method that runs its own inner loop (RL: sample, reward, several updates).
 
@@ -96,6 +104,11 @@ def managed(
         clip: Default clipping of its inner updates (else the enclosing ``compile``'s).
         sanitize: Default non-finite policy of its inner updates.
         name: Keys its randomness; a label for metrics and plans.
+        check: ``check(state, batch)``, run before the step consumes anything: it raises
+            on a state or batch ``fn`` cannot take, and its error leaves the input state
+            usable and bit-unchanged (an error raised inside ``fn`` consumes it, since a
+            managed step counts as changing the state from its start). It must not
+            change anything.
 
     Returns:
         A :class:`Managed` step.
@@ -109,9 +122,11 @@ def managed(
         raise TypeError("managed needs a function (state, batch, key, ctx) -> (state, metrics)")
     if not isinstance(name, str) or not name:
         raise ValueError(f"a managed step's name must be a non-empty str, got {name!r}")
+    if check is not None and not callable(check):
+        raise TypeError(f"check must be a function (state, batch) -> None, got {check!r}")
     check_clip(clip)
     check_sanitize(sanitize)
-    return Managed(fn, trains_t, name, Policy(clip=clip, sanitize=sanitize), mutates_t)
+    return Managed(fn, trains_t, name, Policy(clip=clip, sanitize=sanitize), mutates_t, check)
 
 
 @attrs.define

@@ -269,9 +269,8 @@ def diffusion_nft(
     unit = update(policy, loss, clip=clip, sanitize=sanitize, name=f"{name}_inner")
     sample = rollout or euler_rollout(10)
 
-    def outer_step(
-        state: TrainState, batch: Any, key: torch.Tensor, ctx: ManagedContext
-    ) -> tuple[TrainState, dict[str, Any]]:
+    def check_input(state: TrainState, batch: Any) -> None:
+        """Refuse what the outer step cannot take, before the engine consumes anything."""
         if kl_weight > 0 and reference not in state.roles:
             raise ValueError(
                 f"diffusion_nft(kl_weight={kl_weight}) reads a reference role {reference!r}, "
@@ -287,14 +286,19 @@ def diffusion_nft(
             )
         if not isinstance(batch, Mapping) or not isinstance(batch.get("text"), torch.Tensor):
             raise ValueError('diffusion_nft needs a batch dict with "text" (B, L, D)')
-        grouped = _grouped(batch, group_size)
-        text = grouped["text"]
-        num = text.shape[0]
+        num = batch["text"].shape[0] * group_size
         if num % minibatches:
             raise ValueError(
                 f"minibatches={minibatches} must divide the {num} rollouts "
                 f"({num // group_size} prompts x group_size={group_size})"
             )
+
+    def outer_step(
+        state: TrainState, batch: Any, key: torch.Tensor, ctx: ManagedContext
+    ) -> tuple[TrainState, dict[str, Any]]:
+        grouped = _grouped(batch, group_size)
+        text = grouped["text"]
+        num = text.shape[0]
         decay = float(soft_update(ctx.step))
         if not 0.0 <= decay <= 1.0:
             raise ValueError(f"soft_update({ctx.step}) = {decay} is not in [0, 1]")
@@ -327,4 +331,4 @@ def diffusion_nft(
         metrics[f"{name}/old_decay"] = decay
         return state, metrics
 
-    return managed(outer_step, trains=policy, mutates=old, name=name)
+    return managed(outer_step, trains=policy, mutates=old, name=name, check=check_input)
