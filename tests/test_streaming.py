@@ -213,8 +213,8 @@ def _copy(module):
 
 def _rows(cache, rows):
     return type(cache)(
-        keys=tuple(k[rows] for k in cache.keys),
-        values=tuple(v[rows] for v in cache.values),
+        keys=cache.keys[rows],
+        values=cache.values[rows],
         num_frames=cache.num_frames,
         frame_tokens=cache.frame_tokens,
         sink_frames=cache.sink_frames,

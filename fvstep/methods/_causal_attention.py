@@ -31,14 +31,25 @@ CAUSAL_ATTR = "_fvstep_causal_chunk_frames"  # on the rotary module: a plain int
 
 @attrs.frozen(eq=False)
 class _Rotary:
-    """What one forward's self-attention processors are given (as ``rotary_emb``)."""
+    """What one forward's self-attention processors are given (as ``rotary_emb``).
 
-    cos: torch.Tensor  # (1, key tokens, 1, head_dim): every key's rotation, cached first
-    sin: torch.Tensor
-    num_queries: int
-    mask: torch.Tensor | None  # (queries, keys) bool, True = attend; None: attend to all
-    cache: Any  # a KVCache, or None
-    cached_tokens: int
+    Every shape is fixed by the call's frame count and the cache's capacity, never by how
+    full the cache is, and nothing in it is a Python number that changes between the
+    calls of a rollout: a compiled block sees the same inputs at every chunk.
+    """
+
+    cos_q: torch.Tensor  # (1, queries, 1, head_dim): this call's tokens' rotation
+    sin_q: torch.Tensor
+    cos_k: torch.Tensor  # (1, keys, 1, head_dim): every key's, the cache's slots first
+    sin_k: torch.Tensor
+    # (queries, keys) bool, True = attend: the filled cache slots and the block-causal
+    # local part; None without a cache (the local part is then ``chunks``)
+    mask: torch.Tensor | None
+    # without a cache: per chunk of queries, (query end, key end) in tokens; empty: one
+    # chunk, every key
+    chunks: tuple[tuple[int, int], ...]
+    cache_keys: torch.Tensor | None  # (B, layers, capacity tokens, heads, head_dim)
+    cache_values: torch.Tensor | None
     collected: list[Any] | None  # per layer (k, v) of this call, when the cache is updated
 
 
@@ -64,55 +75,88 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return out.type_as(x)
 
 
-def _block_mask(
-    num_frames: int, cached_frames: int, frame_tokens: int, chunk: int, device: torch.device
-) -> torch.Tensor | None:
-    """Queries of frame ``i`` (this call's) see every cached key and this call's keys of
-    chunks ``<= i // chunk``; ``None`` when that is every key (one chunk or less)."""
-    if num_frames <= chunk:
-        return None
-    chunk_of = torch.arange(num_frames, device=device) // chunk
+def _local_mask(frames: int, frame_tokens: int, chunk: int, device: torch.device) -> torch.Tensor:
+    """``(tokens, tokens)``: a token of frame ``i`` sees this call's frames of chunks
+    ``<= i // chunk``."""
+    chunk_of = torch.arange(frames, device=device) // chunk
     local = chunk_of[:, None] >= chunk_of[None, :]
-    local = local.repeat_interleave(frame_tokens, 0).repeat_interleave(frame_tokens, 1)
-    cached = torch.ones(local.shape[0], cached_frames * frame_tokens, dtype=torch.bool)
-    return torch.cat([cached.to(device), local], dim=1)
+    return local.repeat_interleave(frame_tokens, 0).repeat_interleave(frame_tokens, 1)
+
+
+def _chunks(frames: int, frame_tokens: int, chunk: int) -> tuple[tuple[int, int], ...]:
+    """Without a cache: the queries of chunk ``c`` (up to its end) see the keys up to the
+    same end; ``()`` for one chunk or less (every key)."""
+    if frames <= chunk:
+        return ()
+    ends = [min(start + chunk, frames) * frame_tokens for start in range(0, frames, chunk)]
+    return tuple((end, end) for end in ends)
+
+
+def _table_frames(cache: Any, cached_frames: int, frames: int) -> int:
+    """The rotary positions a call needs: the cache's slots and this call's frames."""
+    capacity = cache.capacity_frames if cache is not None else 0
+    return max(capacity, cached_frames + frames)
 
 
 def rope_check(module: Any, args: tuple[Any, ...]) -> None:
     """Refuse more frames than the rotary table has (diffusers' error would not say why)."""
     call = call_context.get() or Call(None, 0, None)
     frames = args[0].shape[2]
-    total = call.cached_frames + frames
+    total = _table_frames(call.cache, call.cached_frames, frames)
     if total > module.max_seq_len:
+        capacity = call.cache.capacity_frames if call.cache is not None else 0
         raise ValueError(
             f"the causal Wan attends over {total} latent frames (cached "
-            f"{call.cached_frames} + {frames}), more than its rotary table "
-            f"(rope_max_seq_len={module.max_seq_len}); use a rolling cache (sink_frames and "
-            "a smaller capacity_frames) or a model with a longer table"
+            f"{call.cached_frames} + {frames}, cache capacity {capacity}), more than its "
+            f"rotary table (rope_max_seq_len={module.max_seq_len}); use a rolling cache "
+            "(sink_frames and a smaller capacity_frames) or a model with a longer table"
         )
 
 
 def rope_hook(module: Any, args: tuple[Any, ...], output: Any) -> _Rotary:
-    """Wan's rotary embedding, extended over the cached frames, with this call's inputs."""
+    """Wan's rotary embedding, extended over the cache's slots, with this call's inputs.
+
+    Runs eagerly, at the root of the forward (outside the compiled blocks): the cache's
+    fill level is read here, as a Python number, and turned into tensors of fixed shapes
+    (the query rotations, the mask of filled slots).
+    """
     hidden = args[0]
     _, _, frames, height, width = hidden.shape
     p_t, p_h, p_w = module.patch_size
+    frames //= p_t
     frame_tokens = (height // p_h) * (width // p_w)
     call = call_context.get() or Call(None, 0, None)
-    total = call.cached_frames + frames // p_t
-    if call.cached_frames:
-        cos, sin = module.forward(torch.empty((1, 1, total, height, width), device="meta"))
-    else:
-        cos, sin = output
     chunk = int(getattr(module, CAUSAL_ATTR))
-    mask = _block_mask(frames // p_t, call.cached_frames, frame_tokens, chunk, cos.device)
+    cos, sin = output
+    if call.cache is None:
+        return _Rotary(
+            cos_q=cos, sin_q=sin, cos_k=cos, sin_k=sin, mask=None,
+            chunks=_chunks(frames, frame_tokens, chunk), cache_keys=None, cache_values=None,
+            collected=call.collected,
+        )  # fmt: skip
+    table = _table_frames(call.cache, call.cached_frames, frames)
+    if table != frames:
+        cos, sin = module.forward(torch.empty((1, 1, table, height, width), device="meta"))
+    start = call.cached_frames * frame_tokens
+    own = slice(start, start + frames * frame_tokens)
+    slots = call.cache.keys.shape[2]
+    filled = torch.arange(slots, device=cos.device) < start
+    mask = torch.cat(
+        [
+            filled.expand(frames * frame_tokens, slots),
+            _local_mask(frames, frame_tokens, chunk, cos.device),
+        ],
+        dim=1,
+    )
     return _Rotary(
-        cos=cos,
-        sin=sin,
-        num_queries=(frames // p_t) * frame_tokens,
+        cos_q=cos[:, own],
+        sin_q=sin[:, own],
+        cos_k=torch.cat([cos[:, :slots], cos[:, own]], 1),
+        sin_k=torch.cat([sin[:, :slots], sin[:, own]], 1),
         mask=mask,
-        cache=call.cache,
-        cached_tokens=call.cached_frames * frame_tokens,
+        chunks=(),
+        cache_keys=call.cache.keys,
+        cache_values=call.cache.values,
         collected=call.collected,
     )
 
@@ -122,7 +166,9 @@ class CausalWanAttnProcessor:
 
     Installed by :func:`make_causal` on every block's ``attn1``; it takes the signature of
     diffusers' ``WanAttnProcessor`` and is given its per-call inputs as ``rotary_emb`` by
-    the causal model's rotary hook. It holds only its layer index (static).
+    the causal model's rotary hook. It holds only its layer index: a Python int for the
+    (eager) cache-filling pass, and a tensor for reading its layer of the cache, so that
+    a compiled block's graph is one for every layer (an int would be a constant of it).
 
     Examples:
         >>> model = make_causal(tiny_wan())
@@ -134,6 +180,7 @@ class CausalWanAttnProcessor:
 
     def __init__(self, layer: int) -> None:
         self.layer = layer
+        self.layer_index = torch.tensor([layer])
 
     @property
     def _parallel_config(self) -> None:
@@ -182,23 +229,33 @@ class CausalWanAttnProcessor:
         value = value.unflatten(2, (attn.heads, -1))
         if call.collected is not None:
             call.collected[self.layer] = (key.detach(), value.detach())
-        if call.cache is not None and call.cached_tokens:
-            cached = slice(0, call.cached_tokens)
-            key = torch.cat([call.cache.keys[self.layer][:, cached].to(key.dtype), key], 1)
-            value = torch.cat([call.cache.values[self.layer][:, cached].to(value.dtype), value], 1)
-        n = call.num_queries
-        query = _rotate(query, call.cos[:, -n:], call.sin[:, -n:])
-        key = _rotate(key, call.cos, call.sin)
-        out = dispatch_attention_fn(
-            query,
-            key,
-            value,
-            attn_mask=call.mask,
-            dropout_p=0.0,
-            is_causal=False,
-            backend=self._attention_backend,
-            parallel_config=None,
-        )
+        if call.cache_keys is not None and call.cache_values is not None:
+            index = self.layer_index.to(call.cache_keys.device)
+            cached_k = call.cache_keys.index_select(1, index)[:, 0].to(key.dtype)
+            cached_v = call.cache_values.index_select(1, index)[:, 0].to(value.dtype)
+            key, value = torch.cat([cached_k, key], 1), torch.cat([cached_v, value], 1)
+        query = _rotate(query, call.cos_q, call.sin_q)
+        key = _rotate(key, call.cos_k, call.sin_k)
+        # Without a cache, the block-causal attention is one call per chunk of queries over
+        # the keys up to its end (no tokens x tokens mask); with one, a mask of the filled
+        # slots (fixed shape, whatever the fill level).
+        spans = call.chunks or ((query.shape[1], key.shape[1]),)
+        outs, begin = [], 0
+        for q_end, k_end in spans:
+            outs.append(
+                dispatch_attention_fn(
+                    query[:, begin:q_end],
+                    key[:, :k_end],
+                    value[:, :k_end],
+                    attn_mask=call.mask,
+                    dropout_p=0.0,
+                    is_causal=False,
+                    backend=self._attention_backend,
+                    parallel_config=None,
+                )
+            )
+            begin = q_end
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, 1)
         out = out.flatten(2, 3).type_as(query)
         out = attn.to_out[0](out)
         return attn.to_out[1](out)

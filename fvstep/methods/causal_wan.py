@@ -81,16 +81,16 @@ class KVCache:
     """Self-attention keys and values of the frames seen so far, per layer (a pytree).
 
     Attributes:
-        keys: Per layer, ``(B, capacity_frames * frame_tokens, heads, head_dim)``, before
-            the rotary embedding; slots past ``num_frames`` frames are zeros.
-        values: Per layer, like ``keys``.
+        keys: ``(B, layers, capacity_frames * frame_tokens, heads, head_dim)``, before the
+            rotary embedding (batch first: micro-batches split it); slots past ``num_frames`` frames are zeros (and never read).
+        values: Like ``keys``.
         num_frames: 0-d int64 tensor: the frames held (a prefix of the slots).
         frame_tokens: Tokens per latent frame (static).
         sink_frames: Frames kept forever at the start when the cache is full (static).
     """
 
-    keys: tuple[torch.Tensor, ...]
-    values: tuple[torch.Tensor, ...]
+    keys: torch.Tensor
+    values: torch.Tensor
     num_frames: torch.Tensor
     frame_tokens: int = field(pytree_node=False)
     sink_frames: int = field(pytree_node=False, default=0)
@@ -98,7 +98,7 @@ class KVCache:
     @property
     def capacity_frames(self) -> int:
         """The frames the buffers hold at most."""
-        return int(self.keys[0].shape[1]) // self.frame_tokens
+        return int(self.keys.shape[2]) // self.frame_tokens
 
 
 def chunk_frames_of(model: nn.Module) -> int:
@@ -227,15 +227,11 @@ def init_cache(
     _, p_h, p_w = tuple(_wan(model).config.patch_size)
     frame_tokens = (height // p_h) * (width // p_w)
     num_layers, heads, head_dim = _layer_shapes(model)
-    shape = (like.shape[0], capacity_frames * frame_tokens, heads, head_dim)
+    shape = (like.shape[0], num_layers, capacity_frames * frame_tokens, heads, head_dim)
     dtype = dtype or like.dtype
-
-    def zeros() -> tuple[torch.Tensor, ...]:
-        return tuple(torch.zeros(shape, dtype=dtype, device=like.device) for _ in range(num_layers))
-
     return KVCache(
-        keys=zeros(),
-        values=zeros(),
+        keys=torch.zeros(shape, dtype=dtype, device=like.device),
+        values=torch.zeros(shape, dtype=dtype, device=like.device),
         num_frames=torch.zeros((), dtype=torch.int64),
         frame_tokens=frame_tokens,
         sink_frames=sink_frames,
@@ -256,15 +252,17 @@ def _append(cache: KVCache, collected: list[Any], frames: int) -> KVCache:
     keep = min(total, capacity)
 
     def add(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-        full = torch.cat([old[:, : cached * ft], new.to(old.dtype)], 1)
+        full = torch.cat([old[:, :, : cached * ft], new.to(old.dtype)], 2)
         if total > capacity:
-            full = torch.cat([full[:, : sink * ft], full[:, (total - capacity + sink) * ft :]], 1)
-        pad = old.new_zeros((old.shape[0], (capacity - keep) * ft, *old.shape[2:]))
-        return torch.cat([full, pad], 1)
+            full = torch.cat(
+                [full[:, :, : sink * ft], full[:, :, (total - capacity + sink) * ft :]], 2
+            )
+        pad = old.new_zeros((*old.shape[:2], (capacity - keep) * ft, *old.shape[3:]))
+        return torch.cat([full, pad], 2)
 
     return KVCache(
-        keys=tuple(add(o, k) for o, (k, _) in zip(cache.keys, collected, strict=True)),
-        values=tuple(add(o, v) for o, (_, v) in zip(cache.values, collected, strict=True)),
+        keys=add(cache.keys, torch.stack([k for k, _ in collected], 1)),
+        values=add(cache.values, torch.stack([v for _, v in collected], 1)),
         num_frames=torch.tensor(keep, dtype=torch.int64),
         frame_tokens=ft,
         sink_frames=sink,
@@ -313,11 +311,9 @@ def causal_forward(
     batch, _, frames, height, width = x.shape
     _, p_h, p_w = tuple(_wan(model).config.patch_size)
     frame_tokens = (height // p_h) * (width // p_w)
-    if cache is not None and (
-        cache.frame_tokens != frame_tokens or cache.keys[0].shape[0] != batch
-    ):
+    if cache is not None and (cache.frame_tokens != frame_tokens or cache.keys.shape[0] != batch):
         raise ValueError(
-            f"the cache holds {cache.keys[0].shape[0]} samples of {cache.frame_tokens} tokens "
+            f"the cache holds {cache.keys.shape[0]} samples of {cache.frame_tokens} tokens "
             f"a frame; x has {batch} of {frame_tokens}"
         )
     if timestep.shape == (batch, frames):

@@ -55,7 +55,17 @@ from fvstep.methods.finetune import RoleLossFn, add_noise, x0_from_velocity
 from fvstep.models import predict
 from fvstep.state import TrainState
 
-__all__ = ["DMD2Losses", "FusedLossFn", "Ordering", "dmd2", "dmd2_losses", "rollout", "score_time"]
+__all__ = [
+    "DMD2Losses",
+    "FusedLossFn",
+    "Ordering",
+    "critic_denoising_loss",
+    "distribution_matching_loss",
+    "dmd2",
+    "dmd2_losses",
+    "rollout",
+    "score_time",
+]
 
 Ordering = Literal["fused", "sequential"]
 FusedLossFn = Callable[
@@ -101,6 +111,121 @@ def score_time(
     t = _noise.rand(key, (batch_size,), device=device)
     t = shift * t / (1 + (shift - 1) * t)
     return t.clamp(min_ratio, max_ratio)
+
+
+def distribution_matching_loss(
+    state: Any,
+    x0_hat: torch.Tensor,
+    text: torch.Tensor,
+    time_key: torch.Tensor,
+    noise_key: torch.Tensor,
+    *,
+    guidance_scale: float,
+    shift: float,
+    min_ratio: float,
+    max_ratio: float,
+    teacher: str = "teacher",
+    critic: str = "critic",
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    """DMD's generator loss on generated samples ``x0_hat`` (the module docstring's formula).
+
+    The score time is drawn from ``time_key`` (:func:`score_time`), the noise from
+    ``noise_key``; the critic and the (guided) teacher run under ``torch.no_grad()``, so
+    the gradient reaches ``x0_hat`` only, through ``0.5 * MSE(x0_hat, sg(x0_hat - g))``.
+    :func:`dmd2_losses`'s generator loss is this function on its rollout; self-forcing's
+    on its causal rollout.
+
+    Args:
+        state: Anything with ``module(name)`` (a :class:`~fvstep.TrainState`).
+        x0_hat: The generated samples, with the generator's gradient.
+        text: Text embeddings ``(B, L, D)``.
+        time_key: The score time's key.
+        noise_key: The noise's key.
+        guidance_scale: The teacher's classifier-free guidance scale (``1``: the
+            unconditional pass is skipped).
+        shift: The score timestep shift.
+        min_ratio: Lower clamp of the score time.
+        max_ratio: Upper clamp of the score time.
+        teacher: The teacher role's name.
+        critic: The critic role's name.
+
+    Returns:
+        ``(loss, {"score_t_mean", "dmd_denominator"})``.
+
+    Examples:
+        >>> k_t, k_noise = fvstep.random.split(key, 2)
+        >>> loss, metrics = distribution_matching_loss(
+        ...     state, x0_hat, text, k_t, k_noise, guidance_scale=3.5, shift=3.0,
+        ...     min_ratio=0.02, max_ratio=0.98)
+    """
+    with torch.no_grad():
+        x0 = x0_hat.detach()
+        t = score_time(
+            time_key, x0.shape[0], shift=shift, min_ratio=min_ratio, max_ratio=max_ratio,
+            device=x0.device,
+        )  # fmt: skip
+        x_t = add_noise(x0, _noise.randn_like(noise_key, x0), t)
+        timestep = t * 1000
+        v_critic = predict(state.module(critic), x_t, timestep, text)
+        v_teacher = predict(state.module(teacher), x_t, timestep, text)
+        if guidance_scale != 1.0:
+            v_uncond = predict(state.module(teacher), x_t, timestep, torch.zeros_like(text))
+            v_teacher = v_uncond + guidance_scale * (v_teacher - v_uncond)
+        x0_critic = x0_from_velocity(x_t, t, v_critic).float()
+        x0_teacher = x0_from_velocity(x_t, t, v_teacher).float()
+        denom = (x0.float() - x0_teacher).abs().mean()
+        g = torch.nan_to_num((x0_critic - x0_teacher) / denom)
+        target = x0.float() - g
+    loss = 0.5 * F.mse_loss(x0_hat.float(), target)
+    return loss, {"score_t_mean": t.mean(), "dmd_denominator": denom}
+
+
+def critic_denoising_loss(
+    state: Any,
+    x0_hat: torch.Tensor,
+    text: torch.Tensor,
+    time_key: torch.Tensor,
+    noise_key: torch.Tensor,
+    *,
+    shift: float,
+    min_ratio: float,
+    max_ratio: float,
+    critic: str = "critic",
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    """The critic's flow-matching loss on generated samples ``x0_hat`` (detached here).
+
+    ``mean((v_critic(x_t, t') - (eps - x0_hat))^2)`` at a score time from ``time_key``
+    (:func:`score_time`) and noise ``eps`` from ``noise_key``; the gradient reaches the
+    critic only. :func:`dmd2_losses`'s critic loss is this function on its rollout.
+
+    Args:
+        state: Anything with ``module(name)`` (a :class:`~fvstep.TrainState`).
+        x0_hat: The generated samples (detached: no gradient reaches the generator).
+        text: Text embeddings ``(B, L, D)``.
+        time_key: The score time's key.
+        noise_key: The noise's key.
+        shift: The score timestep shift.
+        min_ratio: Lower clamp of the score time.
+        max_ratio: Upper clamp of the score time.
+        critic: The critic role's name.
+
+    Returns:
+        ``(loss, {"critic_t_mean"})``.
+
+    Examples:
+        >>> loss, metrics = critic_denoising_loss(
+        ...     state, x0_hat, text, k_t, k_noise, shift=3.0, min_ratio=0.02, max_ratio=0.98)
+    """
+    x0 = x0_hat.detach()
+    t = score_time(
+        time_key, x0.shape[0], shift=shift, min_ratio=min_ratio, max_ratio=max_ratio,
+        device=x0.device,
+    )  # fmt: skip
+    eps = _noise.randn_like(noise_key, x0)
+    x_t = add_noise(x0, eps, t)
+    v = predict(state.module(critic), x_t, t * 1000, text)
+    loss = F.mse_loss(v.float(), (eps - x0).float())
+    return loss, {"critic_t_mean": t.mean().detach()}
 
 
 def rollout(
@@ -217,46 +342,22 @@ def dmd2_losses(
     _check_config(guidance_scale, shift, min_ratio, max_ratio, denoising_steps)
     steps = tuple(float(s) for s in denoising_steps)
 
-    def draw_time(key: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-        return score_time(
-            key,
-            like.shape[0],
-            shift=shift,
-            min_ratio=min_ratio,
-            max_ratio=max_ratio,
-            device=like.device,
-        )
+    score: dict[str, Any] = {"shift": shift, "min_ratio": min_ratio, "max_ratio": max_ratio}
 
     def generator_terms(
         state: TrainState, x0_hat: torch.Tensor, text: torch.Tensor, keys: Sequence[torch.Tensor]
     ) -> tuple[torch.Tensor, dict[str, Any]]:
-        with torch.no_grad():
-            x0 = x0_hat.detach()
-            t = draw_time(keys[_GEN_T], x0)
-            x_t = add_noise(x0, _noise.randn_like(keys[_GEN_NOISE], x0), t)
-            timestep = t * 1000
-            v_critic = predict(state.module(critic), x_t, timestep, text)
-            v_teacher = predict(state.module(teacher), x_t, timestep, text)
-            if guidance_scale != 1.0:
-                v_uncond = predict(state.module(teacher), x_t, timestep, torch.zeros_like(text))
-                v_teacher = v_uncond + guidance_scale * (v_teacher - v_uncond)
-            x0_critic = x0_from_velocity(x_t, t, v_critic).float()
-            x0_teacher = x0_from_velocity(x_t, t, v_teacher).float()
-            denom = (x0.float() - x0_teacher).abs().mean()
-            g = torch.nan_to_num((x0_critic - x0_teacher) / denom)
-            target = x0.float() - g
-        loss = 0.5 * F.mse_loss(x0_hat.float(), target)
-        return loss, {"score_t_mean": t.mean(), "dmd_denominator": denom}
+        return distribution_matching_loss(
+            state, x0_hat, text, keys[_GEN_T], keys[_GEN_NOISE], guidance_scale=guidance_scale,
+            teacher=teacher, critic=critic, **score,
+        )  # fmt: skip
 
     def critic_terms(
         state: TrainState, x0: torch.Tensor, text: torch.Tensor, keys: Sequence[torch.Tensor]
     ) -> tuple[torch.Tensor, dict[str, Any]]:
-        t = draw_time(keys[_CRITIC_T], x0)
-        eps = _noise.randn_like(keys[_CRITIC_NOISE], x0)
-        x_t = add_noise(x0, eps, t)
-        v = predict(state.module(critic), x_t, t * 1000, text)
-        loss = F.mse_loss(v.float(), (eps - x0).float())
-        return loss, {"critic_t_mean": t.mean().detach()}
+        return critic_denoising_loss(
+            state, x0, text, keys[_CRITIC_T], keys[_CRITIC_NOISE], critic=critic, **score
+        )
 
     def generator_loss(
         state: TrainState, batch: Any, key: torch.Tensor

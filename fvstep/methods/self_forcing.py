@@ -55,16 +55,13 @@ from typing import Any, NamedTuple
 
 import attrs
 import torch
-import torch.nn.functional as F
 
 from fvstep import random as fsrandom
 from fvstep.core.steps import Cond, cond, update
-from fvstep.methods import _noise
 from fvstep.methods.causal_rollout import exit_steps, rollout, shifted_steps
 from fvstep.methods.causal_wan import chunk_frames_of
-from fvstep.methods.dmd2 import FusedLossFn, score_time
-from fvstep.methods.finetune import RoleLossFn, add_noise, x0_from_velocity
-from fvstep.models import predict
+from fvstep.methods.dmd2 import FusedLossFn, critic_denoising_loss, distribution_matching_loss
+from fvstep.methods.finetune import RoleLossFn
 from fvstep.state import TrainState
 
 __all__ = [
@@ -94,30 +91,17 @@ def dmd_loss_on(
 ) -> tuple[torch.Tensor, dict[str, Any]]:
     """DMD's generator loss on a generated ``video`` (with gradient), keyed by ``key``.
 
-    ``split(key, 2)`` gives the score time and the noise; see the module docstring.
+    :func:`fvstep.methods.dmd2.distribution_matching_loss` with ``split(key, 2)`` as its
+    score-time and noise keys.
 
     Examples:
         >>> loss, metrics = dmd_loss_on(state, video, text, k)
     """
     k_t, k_noise = fsrandom.split(key, 2)
-    with torch.no_grad():
-        x0 = video.detach()
-        t = score_time(
-            k_t, x0.shape[0], shift=shift, min_ratio=min_ratio, max_ratio=max_ratio,
-            device=x0.device,
-        )  # fmt: skip
-        x_t = add_noise(x0, _noise.randn_like(k_noise, x0), t)
-        v_critic = predict(state.module(critic), x_t, t * 1000, text)
-        v_teacher = predict(state.module(teacher), x_t, t * 1000, text)
-        if guidance_scale != 1.0:
-            v_uncond = predict(state.module(teacher), x_t, t * 1000, torch.zeros_like(text))
-            v_teacher = v_uncond + guidance_scale * (v_teacher - v_uncond)
-        x0_critic = x0_from_velocity(x_t, t, v_critic).float()
-        x0_teacher = x0_from_velocity(x_t, t, v_teacher).float()
-        denom = (x0.float() - x0_teacher).abs().mean()
-        target = x0.float() - torch.nan_to_num((x0_critic - x0_teacher) / denom)
-    loss = 0.5 * F.mse_loss(video.float(), target)
-    return loss, {"score_t_mean": t.mean(), "dmd_denominator": denom}
+    return distribution_matching_loss(
+        state, video, text, k_t, k_noise, guidance_scale=guidance_scale, shift=shift,
+        min_ratio=min_ratio, max_ratio=max_ratio, teacher=teacher, critic=critic,
+    )  # fmt: skip
 
 
 def critic_loss_on(
@@ -133,16 +117,17 @@ def critic_loss_on(
 ) -> tuple[torch.Tensor, dict[str, Any]]:
     """The critic's denoising loss on a generated ``video`` (detached), keyed by ``key``.
 
+    :func:`fvstep.methods.dmd2.critic_denoising_loss` with ``split(key, 2)`` as its
+    score-time and noise keys.
+
     Examples:
         >>> loss, metrics = critic_loss_on(state, video, text, k)
     """
     k_t, k_noise = fsrandom.split(key, 2)
-    x0 = video.detach()
-    t = score_time(k_t, x0.shape[0], shift=shift, min_ratio=min_ratio, max_ratio=max_ratio,
-                   device=x0.device)  # fmt: skip
-    eps = _noise.randn_like(k_noise, x0)
-    v = predict(state.module(critic), add_noise(x0, eps, t), t * 1000, text)
-    return F.mse_loss(v.float(), (eps - x0).float()), {"critic_t_mean": t.mean().detach()}
+    return critic_denoising_loss(
+        state, video, text, k_t, k_noise, shift=shift, min_ratio=min_ratio,
+        max_ratio=max_ratio, critic=critic,
+    )  # fmt: skip
 
 
 class SelfForcingLosses(NamedTuple):

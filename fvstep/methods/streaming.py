@@ -123,8 +123,8 @@ def _restarted(stream: StreamState, text: torch.Tensor) -> StreamState:
     cache = stream.cache
     return StreamState(
         cache=KVCache(
-            keys=tuple(torch.zeros_like(k) for k in cache.keys),
-            values=tuple(torch.zeros_like(v) for v in cache.values),
+            keys=torch.zeros_like(cache.keys),
+            values=torch.zeros_like(cache.values),
             num_frames=torch.zeros_like(cache.num_frames),
             frame_tokens=cache.frame_tokens,
             sink_frames=cache.sink_frames,
@@ -204,7 +204,7 @@ def streaming(
                 keys=k,
                 values=v,
                 num_frames=n,
-                frame_tokens=k[0].shape[1] // capacity,
+                frame_tokens=k.shape[2] // capacity,
                 sink_frames=sink_frames,
             )
             for k, v, n in zip(
