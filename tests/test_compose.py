@@ -460,3 +460,58 @@ def test_a_managed_steps_check_refuses_its_input_before_anything_is_consumed():
     assert is_consumed(state)
     with pytest.raises(TypeError, match="check must be a function"):
         fs.managed(outer, trains="a", check=3)  # type: ignore[arg-type]
+
+
+def test_a_units_metric_keys_do_not_depend_on_which_other_units_ran():
+    """Two units of one role, one of them every 2nd step: the later one's metrics are
+    ``<its name>/...`` at every step, so a metric series never mixes two units' losses."""
+    step = fs.compile(
+        fs.sequence(
+            fs.every(2, fs.update("a", recording("a"), name="x")),
+            fs.update("a", recording("a"), name="y"),
+        )
+    )
+    state = state_of()
+    for i in range(3):
+        state, metrics = step(state, make_batch(i))
+        assert "y/a/loss" in metrics and "y/a/skipped" in metrics, sorted(metrics)
+        assert ("a/loss" in metrics) == (i % 2 == 0), (i, sorted(metrics))
+
+
+def test_the_two_branches_of_one_cond_keep_their_roles_plain_keys():
+    step = fs.cond(
+        lambda i: i % 2 == 0,
+        fs.update("a", recording("a"), name="x"),
+        fs.update("a", recording("a"), name="y"),
+    )
+    state = state_of()
+    for i in range(2):
+        state, metrics = step(state, make_batch(i))
+        assert "a/loss" in metrics and not any(k.startswith(("x/a", "y/a")) for k in metrics)
+
+
+def test_a_loss_metric_that_takes_the_units_loss_key_is_refused():
+    def loss(state, batch, key):
+        out = recording("a")(state, batch, key)
+        return out, {"loss": torch.tensor(-1.0)}
+
+    state = state_of()
+    with pytest.raises(ValueError, match="the key of the unit's own loss"):
+        fs.update("a", loss)(state, make_batch(0))
+    assert not is_consumed(state)
+
+
+def test_a_managed_steps_check_runs_before_the_units_before_it():
+    def check(state, batch):
+        raise ValueError("no")
+
+    step = fs.sequence(
+        fs.update("a", recording("a"), name="u"),
+        fs.managed(lambda s, b, k, c: (s, {}), trains="b", name="m", check=check),
+    )
+    state = state_of()
+    before = tree.clone(state)
+    with pytest.raises(ValueError, match="no"):
+        step(state, make_batch(0))
+    assert not is_consumed(state)
+    tree.assert_trees_equal(state, before)

@@ -468,3 +468,22 @@ def check_hsdp_matches_fsdp(rank: int, world_size: int):
 @pytest.mark.multirank
 def test_hsdp_preparation_trains_as_fsdp_on_two_ranks(ranks):
     assert ranks.run(check_hsdp_matches_fsdp) == [({"replicate": 2, "shard": 1}, {"shard": 2})] * 2
+
+
+@pytest.mark.parametrize(
+    ("checkpointing", "name"),
+    [
+        ("none", "none"),
+        ("full", "full"),
+        ("selective", "selective"),
+        ("attention", "attention"),
+        ("narrow", "narrow"),
+        (
+            ActivationCheckpointing("selective", save_ops=[torch.ops.aten.mm]),
+            "selective (custom ops)",
+        ),
+    ],
+)
+def test_the_preparation_names_the_checkpointing_it_applied(checkpointing, name):
+    prepared = prepare(tiny_wan(seed=0), checkpointing=checkpointing)
+    assert preparation(prepared).describe()["checkpointing"] == name

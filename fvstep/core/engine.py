@@ -25,18 +25,16 @@ A call (:func:`run_step`) reads nothing but its arguments, and:
    then :func:`~fvstep.core.unit.apply`; a managed step counts as changing from its start;
 4. returns the state with ``step + 1``.
 
-A step fails loudly and never half-silently: a step that raises before its first change
-(a bad batch, an error in a loss's forward or backward, a
-:class:`~fvstep.grads.NonFiniteGradientError` of its first unit) re-raises the error as
-is and leaves its input usable and bit-unchanged; one that raises later raises
-:class:`~fvstep.core.policy.StepFailedError` (the original error is its ``__cause__``),
-saying what had run and how to recover.
+A step that raises before its first change (a bad batch, an error in a loss, a
+``NonFiniteGradientError`` of its first unit, a managed step's ``check``) re-raises the
+error and leaves its input usable and bit-unchanged; one that raises later raises
+:class:`~fvstep.core.policy.StepFailedError` (``__cause__``: the error), saying what had run.
 
-Metrics are means over micro-batches (losses and the loss function's own metrics) and
-per update (``<role>/grad_norm``, ``<role>/lr``, ``<role>/skipped``), as detached tensors
-or Python scalars: converting them to floats is the caller's choice (it syncs a GPU).
-When two units of one step train the same role, the later one's ``<role>/...`` metrics
-are reported as ``<unit name>/<role>/...``: no unit's loss or skip is lost.
+Metrics are means over micro-batches (losses, the loss function's metrics) and per
+update (``<role>/grad_norm``, ``<role>/lr``, ``<role>/skipped``), detached tensors or
+Python scalars. A leaf that trains a role an earlier leaf trains too (other than the two
+branches of one ``cond``) reports all its metrics as ``<its name>/<key>``, at every step:
+no loss is lost, and a metric's key never depends on the step.
 """
 
 from __future__ import annotations
@@ -204,6 +202,8 @@ class Leaf(Step):
     policy: Policy  # its own clip and sanitize; unset fields are the enclosing ones
     trains: tuple[str, ...]  # the roles whose optimizers it steps
     mutates: tuple[str, ...] = ()  # frozen roles it changes in place (managed steps only)
+    # a managed leaf's runner, called by the engine (``fvstep.core.managed.Managed.run``)
+    run: Callable[..., tuple[TrainState, dict[str, Any]]]
 
     def describe(self) -> str:
         """``unit 'name'`` or ``managed step 'name'``, for messages."""
@@ -211,19 +211,6 @@ class Leaf(Step):
 
     def check_input(self, state: TrainState, batch: Any) -> None:
         """A managed leaf's check of its input, before anything is consumed (units: none)."""
-
-    def run(
-        self,
-        state: TrainState,
-        batch: Any,
-        key: torch.Tensor,
-        policy: Policy,
-        parallelism: Parallelism | None,
-        step: int,
-        position: int,
-    ) -> tuple[TrainState, dict[str, Any]]:
-        """Run a managed leaf (``fvstep.core.managed.Managed``); the engine runs units itself."""
-        raise TypeError(f"{self.describe()} is not a managed step")
 
 
 def own_routes(leaf: Leaf) -> tuple[Route, ...]:
@@ -296,15 +283,28 @@ def _unknown_role(role: str, state_roles: list[str]) -> str:
 
 def _check_call(
     routes: Sequence[Route], state: TrainState, parallelism: Parallelism | None
-) -> None:
+) -> set[int]:
     """The checks of a call, before anything is consumed: every role any leaf can run
     exists in ``state`` and the trained ones are trainable; the layout accepts the state.
+    Returns the positions of the leaves that report their metrics under their name.
 
     The layout of one process (``parallelism=None``) refuses sharded roles and a process
-    that is one of several ranks: each rank would train its own copy.
+    that is one of several ranks: each rank would train its own copy. A leaf that trains
+    a role an earlier leaf of the step trains too, where both can run at one step (not the
+    two branches of one ``cond``), reports every metric as ``<its name>/<key>``, at every
+    step, whether or not the earlier one ran: a metric's key never depends on the step.
     """
-    for route in routes:
+    named: set[int] = set()
+    for position, route in enumerate(routes):
         leaf = route.leaf
+        for earlier in routes[:position]:
+            if set(earlier.leaf.trains) & set(leaf.trains) and not any(
+                a.pred is not None and a.pred is b.pred and a.branch != b.branch
+                for a in earlier.gates
+                for b in route.gates
+            ):
+                named.add(position)
+                break
         for role in (*leaf.trains, *leaf.mutates):
             if role not in state.roles:
                 verb = "trains" if role in leaf.trains else "mutates"
@@ -320,7 +320,7 @@ def _check_call(
                 )
     if parallelism is not None:
         parallelism.check(state)
-        return
+        return named
     world = world_size_of_default_group()
     if world > 1:
         raise ValueError(
@@ -336,6 +336,7 @@ def _check_call(
                 "layout of one process, which does not return FSDP2 modules to rest between "
                 "units: pass parallelism=fvstep.parallel.Layout()"
             )
+    return named
 
 
 def run_unit(
@@ -369,12 +370,14 @@ def run_unit(
     return unit.apply(state, gradients, clip=clip, sanitize=sanitize)
 
 
-def _merge_metrics(metrics: dict[str, Any], new: dict[str, Any], name: str) -> None:
-    """Add a leaf's metrics; a key an earlier leaf of the step reported (two units that
-    train one role: ``<role>/loss``, ``<role>/skipped``, ...) goes under ``<name>/<key>``,
-    so that neither is lost."""
+def _merge_metrics(metrics: dict[str, Any], new: dict[str, Any], name: str, *, named: bool) -> None:
+    """Add a leaf's metrics: under ``<name>/<key>`` for a ``named`` leaf (one that trains a
+    role an earlier leaf trains too: see :func:`_check_call`), and for a key an earlier
+    leaf of the step reported, so that none is lost."""
     for key, value in new.items():
-        metrics[f"{name}/{key}" if key in metrics else key] = value
+        if (named or key in metrics) and not key.startswith(f"{name}/"):
+            key = f"{name}/{key}"
+        metrics[key] = value
 
 
 def run_step(
@@ -394,7 +397,7 @@ def run_step(
         mark_consumed(state, "")  # raises ConsumedStateError, naming who consumed it
     step = int(state.step)
     routes = root.routes
-    _check_call(routes, state, parallelism)
+    named = _check_call(routes, state, parallelism)
     if parallelism is None:
         replica, counter = 0, None
     else:
@@ -407,7 +410,10 @@ def run_step(
     metrics: dict[str, Any] = {}
     try:
         with counter if counter is not None else contextlib.nullcontext():
-            for position, route in scheduled(routes, step):
+            runs = scheduled(routes, step)
+            for _, route in runs:  # managed steps' input checks, before anything changes
+                route.leaf.check_input(work, batch)
+            for position, route in runs:
                 leaf, policy = route.leaf, route.resolved
                 leaf_key = fsrandom.fold_in_name(step_key, leaf.name)
                 if leaf.managed:
@@ -415,7 +421,6 @@ def run_step(
                         f"managed step {leaf.name!r} (position {position}, "
                         f"trains {list(leaf.trains)})"
                     )
-                    leaf.check_input(work, batch)  # before the input is consumed
                     progress.change(progress.current)  # it may change anything from its start
                     work, leaf_metrics = leaf.run(
                         work, batch, leaf_key, policy, parallelism, step, position
@@ -431,7 +436,7 @@ def run_step(
                     work, leaf_metrics = run_unit(
                         work, leaf, splits[num], leaf_key, policy, parallelism, progress
                     )
-                _merge_metrics(metrics, leaf_metrics, leaf.name)
+                _merge_metrics(metrics, leaf_metrics, leaf.name, named=position in named)
     except Exception as error:
         failure = progress.failure(error)
         if failure is None:

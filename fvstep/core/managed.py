@@ -43,8 +43,8 @@ class Managed(Leaf):
     routes: tuple[Route, ...] = attrs.field(init=False, repr=False, eq=False, default=ROUTES)
 
     def check_input(self, state: TrainState, batch: Any) -> None:
-        """Run ``check(state, batch)``, before the engine consumes anything (its error
-        leaves the input usable and unchanged)."""
+        """Run ``check(state, batch)`` on the step's input, before any leaf of the step runs
+        (its error leaves the input usable and unchanged)."""
         if self.check is not None:
             self.check(state, batch)
 
@@ -104,11 +104,12 @@ def managed(
         clip: Default clipping of its inner updates (else the enclosing ``compile``'s).
         sanitize: Default non-finite policy of its inner updates.
         name: Keys its randomness; a label for metrics and plans.
-        check: ``check(state, batch)``, run before the step consumes anything: it raises
-            on a state or batch ``fn`` cannot take, and its error leaves the input state
-            usable and bit-unchanged (an error raised inside ``fn`` consumes it, since a
-            managed step counts as changing the state from its start). It must not
-            change anything.
+        check: ``check(state, batch)``, run at the start of every step this managed step
+            runs at, before any leaf of the step runs (so it sees the step's input state,
+            also when units run before it): it raises on a state or batch ``fn`` cannot
+            take, and its error leaves the input state usable and bit-unchanged (an error
+            raised inside ``fn`` consumes it, since a managed step counts as changing the
+            state from its start). It must not change anything.
 
     Returns:
         A :class:`Managed` step.

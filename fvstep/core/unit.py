@@ -184,6 +184,14 @@ def backward(
                 sync.release(state, after_error=failed)
     out = gradients.metrics
     out.update({f"{r}/loss": _mean(v) for r, v in loss_log.items()})
+    clash = [k for k in metric_log if f"{name}/{k}" in out]
+    if clash:
+        gradients.clear()
+        raise ValueError(
+            f"the loss function of unit {name!r} returned the metric {clash[0]!r}, reported "
+            f"as {name + '/' + clash[0]!r}, the key of the unit's own loss: rename the metric "
+            "(or the unit: update(..., name=...))"
+        )
     out.update({f"{name}/{k}": _mean(v) for k, v in metric_log.items()})
     out.update(sync_metrics)
     try:

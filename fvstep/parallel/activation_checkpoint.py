@@ -128,6 +128,17 @@ class ActivationCheckpointing:
         if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
             raise ValueError(f"every must be an int >= 1, not {self.every!r}")
 
+    def describe(self) -> str:
+        """The name of this choice: ``"none"``, ``"full"``, ``"selective"`` (matmuls and
+        attention kept), ``"attention"``, ``"narrow"`` or ``"selective (custom ops)"``."""
+        if self.mode != "selective":
+            return self.mode
+        if self.save_ops == DEFAULT_SAVE_OPS:
+            return "selective" if self.save_widening else "narrow"
+        if self.save_ops == ATTENTION_SAVE_OPS:
+            return "attention"
+        return "selective (custom ops)"
+
     def chooses(self, index: int) -> bool:
         """Whether the ``index``-th block is checkpointed."""
         return self.mode != "none" and index % self.every == 0

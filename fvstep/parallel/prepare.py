@@ -92,7 +92,7 @@ class Preparation:
         """A JSON-friendly summary (for benchmark output and logs)."""
         return {
             "trainable": self.trainable,
-            "checkpointing": self.checkpointing.mode,
+            "checkpointing": self.checkpointing.describe(),
             "checkpoint_every": self.checkpointing.every,
             "checkpointed_blocks": len(self.checkpointed_blocks),
             "compiled_blocks": len(self.compiled_blocks),
