@@ -131,9 +131,8 @@ def distribution_matching_loss(
 
     The score time is drawn from ``time_key`` (:func:`score_time`), the noise from
     ``noise_key``; the critic and the (guided) teacher run under ``torch.no_grad()``, so
-    the gradient reaches ``x0_hat`` only, through ``0.5 * MSE(x0_hat, sg(x0_hat - g))``.
-    :func:`dmd2_losses`'s generator loss is this function on its rollout; self-forcing's
-    on its causal rollout.
+    the gradient reaches ``x0_hat`` only, through ``0.5 * MSE(x0_hat, sg(x0_hat - g))``
+    (:func:`dmd2_losses`'s generator loss on its rollout; self-forcing's on its own).
 
     Args:
         state: Anything with ``module(name)`` (a :class:`~fvstep.TrainState`).
@@ -153,17 +152,13 @@ def distribution_matching_loss(
         ``(loss, {"score_t_mean", "dmd_denominator"})``.
 
     Examples:
-        >>> k_t, k_noise = fvstep.random.split(key, 2)
-        >>> loss, metrics = distribution_matching_loss(
-        ...     state, x0_hat, text, k_t, k_noise, guidance_scale=3.5, shift=3.0,
-        ...     min_ratio=0.02, max_ratio=0.98)
+        >>> options = dict(guidance_scale=3.5, shift=3.0, min_ratio=0.02, max_ratio=0.98)
+        >>> loss, metrics = distribution_matching_loss(state, x0_hat, text, k_t, k_n, **options)
     """
     with torch.no_grad():
         x0 = x0_hat.detach()
-        t = score_time(
-            time_key, x0.shape[0], shift=shift, min_ratio=min_ratio, max_ratio=max_ratio,
-            device=x0.device,
-        )  # fmt: skip
+        t = score_time(time_key, len(x0), shift=shift, min_ratio=min_ratio,
+                       max_ratio=max_ratio, device=x0.device)  # fmt: skip
         x_t = add_noise(x0, _noise.randn_like(noise_key, x0), t)
         timestep = t * 1000
         v_critic = predict(state.module(critic), x_t, timestep, text)
@@ -196,7 +191,7 @@ def critic_denoising_loss(
 
     ``mean((v_critic(x_t, t') - (eps - x0_hat))^2)`` at a score time from ``time_key``
     (:func:`score_time`) and noise ``eps`` from ``noise_key``; the gradient reaches the
-    critic only. :func:`dmd2_losses`'s critic loss is this function on its rollout.
+    critic only (:func:`dmd2_losses`'s critic loss on its rollout).
 
     Args:
         state: Anything with ``module(name)`` (a :class:`~fvstep.TrainState`).
@@ -213,14 +208,12 @@ def critic_denoising_loss(
         ``(loss, {"critic_t_mean"})``.
 
     Examples:
-        >>> loss, metrics = critic_denoising_loss(
-        ...     state, x0_hat, text, k_t, k_noise, shift=3.0, min_ratio=0.02, max_ratio=0.98)
+        >>> loss, metrics = critic_denoising_loss(state, x0_hat, text, k_t, k_n, shift=3.0,
+        ...                                       min_ratio=0.02, max_ratio=0.98)
     """
     x0 = x0_hat.detach()
-    t = score_time(
-        time_key, x0.shape[0], shift=shift, min_ratio=min_ratio, max_ratio=max_ratio,
-        device=x0.device,
-    )  # fmt: skip
+    t = score_time(time_key, len(x0), shift=shift, min_ratio=min_ratio,
+                   max_ratio=max_ratio, device=x0.device)  # fmt: skip
     eps = _noise.randn_like(noise_key, x0)
     x_t = add_noise(x0, eps, t)
     v = predict(state.module(critic), x_t, t * 1000, text)
@@ -279,11 +272,7 @@ def rollout(
 
 
 def _check_config(
-    guidance_scale: float,
-    shift: float,
-    min_ratio: float,
-    max_ratio: float,
-    denoising_steps: Sequence[float],
+    guidance_scale: float, shift: float, min_ratio: float, max_ratio: float, steps: Sequence[float]
 ) -> None:
     if not guidance_scale >= 0:
         raise ValueError(f"guidance_scale must be >= 0, got {guidance_scale}")
@@ -293,7 +282,7 @@ def _check_config(
         raise ValueError(
             f"need 0 <= min_ratio <= max_ratio <= 1, got min_ratio={min_ratio}, max_ratio={max_ratio}"
         )
-    steps = list(denoising_steps)
+    steps = list(steps)
     if not steps or any(not 0.0 < s <= 1.0 for s in steps):
         raise ValueError(f"denoising_steps must be non-empty times in (0, 1], got {steps}")
     if any(a <= b for a, b in itertools.pairwise(steps)):
@@ -343,21 +332,15 @@ def dmd2_losses(
     steps = tuple(float(s) for s in denoising_steps)
 
     score: dict[str, Any] = {"shift": shift, "min_ratio": min_ratio, "max_ratio": max_ratio}
+    g_options = {**score, "guidance_scale": guidance_scale, "teacher": teacher, "critic": critic}
 
-    def generator_terms(
-        state: TrainState, x0_hat: torch.Tensor, text: torch.Tensor, keys: Sequence[torch.Tensor]
-    ) -> tuple[torch.Tensor, dict[str, Any]]:
-        return distribution_matching_loss(
-            state, x0_hat, text, keys[_GEN_T], keys[_GEN_NOISE], guidance_scale=guidance_scale,
-            teacher=teacher, critic=critic, **score,
-        )  # fmt: skip
+    def generator_terms(state: TrainState, x0_hat: torch.Tensor, text: torch.Tensor, keys: Any):
+        k_t, k_noise = keys[_GEN_T], keys[_GEN_NOISE]
+        return distribution_matching_loss(state, x0_hat, text, k_t, k_noise, **g_options)
 
-    def critic_terms(
-        state: TrainState, x0: torch.Tensor, text: torch.Tensor, keys: Sequence[torch.Tensor]
-    ) -> tuple[torch.Tensor, dict[str, Any]]:
-        return critic_denoising_loss(
-            state, x0, text, keys[_CRITIC_T], keys[_CRITIC_NOISE], critic=critic, **score
-        )
+    def critic_terms(state: TrainState, x0: torch.Tensor, text: torch.Tensor, keys: Any):
+        k_t, k_noise = keys[_CRITIC_T], keys[_CRITIC_NOISE]
+        return critic_denoising_loss(state, x0, text, k_t, k_noise, critic=critic, **score)
 
     def generator_loss(
         state: TrainState, batch: Any, key: torch.Tensor
