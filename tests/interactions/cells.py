@@ -104,6 +104,8 @@ PREPARATIONS = (
     Preparation("none"),
     Preparation("full", {"checkpointing": "full"}),
     Preparation("selective", {"checkpointing": "selective"}),
+    Preparation("attention", {"checkpointing": "attention"}),
+    Preparation("narrow", {"checkpointing": "narrow"}),
     Preparation("every_2nd", {"checkpointing": fsp.ActivationCheckpointing("full", every=2)}),
     Preparation("compile", {"compile": {"backend": "aot_eager"}}),
     Preparation("full+compile", {"checkpointing": "full", "compile": {"backend": "aot_eager"}}),
