@@ -412,7 +412,8 @@ def run_step(
         with counter if counter is not None else contextlib.nullcontext():
             runs = scheduled(routes, step)
             for _, route in runs:  # managed steps' input checks, before anything changes
-                route.leaf.check_input(work, batch)
+                if route.leaf.managed:
+                    route.leaf.check_input(work, batch)
             for position, route in runs:
                 leaf, policy = route.leaf, route.resolved
                 leaf_key = fsrandom.fold_in_name(step_key, leaf.name)
