@@ -136,7 +136,7 @@ def test_async_save_refuses_a_nonfinite_leaf(tmp_path):
 def test_the_finiteness_check_rides_on_the_checksum_pass(monkeypatch, dtype):
     """``local_checks`` gives ``leaf_checksum``'s sums and a correct finiteness flag, also
     when the bad element lies in a later chunk of the pass."""
-    monkeypatch.setattr(fp, "_CHUNK", 64)
+    monkeypatch.setattr(fp, "_CPU_CHUNK", 64)
     gen = torch.Generator().manual_seed(0)
     clean = torch.randn(300, generator=gen).to(dtype)
     leaves = [clean, torch.arange(10), torch.ones(3, dtype=torch.bool), torch.empty(0)]
@@ -150,6 +150,40 @@ def test_the_finiteness_check_rides_on_the_checksum_pass(monkeypatch, dtype):
             assert finite == [True, True, True, True, False], (position, bad)
             assert [int(v) for v in sums] == [int(fp.leaf_checksum(x)) for x in [*leaves, dirty]]
     assert fp.local_checks([clean], check_finite=False)[1] == [True]
+
+
+def _reference_checksum(x: torch.Tensor, start: int = 0) -> int:
+    """The documented checksum in one piece, in Python ints: the chunked pass must equal it."""
+    k1, k2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    raw = x.reshape(-1).view(ints[x.element_size()]).tolist()
+    mask, total = (1 << 64) - 1, 0
+    for i, bits in enumerate(raw):
+        h = (((bits & mask) ^ ((start + i) * k2)) * k1) & mask
+        h = h - (1 << 64) if h >> 63 else h  # the arithmetic shift of an int64
+        total += (h ^ (h >> 32)) & mask
+    total &= mask
+    return total - (1 << 64) if total >> 63 else total
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.bfloat16, torch.float64, torch.int64, torch.int8, torch.uint8]
+)
+def test_the_chunked_checksum_equals_the_formula(monkeypatch, dtype):
+    """The pass reuses its buffers and advances the index chunk by chunk (a leaf of 3 chunks
+    and a partial one, a shard starting at a nonzero row): the sums are the formula's."""
+    monkeypatch.setattr(fp, "_CPU_CHUNK", 64)
+    gen = torch.Generator().manual_seed(1)
+    x = (torch.randn(7, 30, generator=gen) * 50).to(dtype)
+    assert int(fp.leaf_checksum(x)) == _reference_checksum(x)
+    flat = x.reshape(-1)
+    start = 2**40 + 3
+    assert int(fp._rows_checks(flat, start, check_finite=False)[0]) == _reference_checksum(
+        flat, start
+    )
+    one_off = x.clone().reshape(-1)
+    one_off[130] = one_off[131] if one_off[130] != one_off[131] else one_off[130] + 1
+    assert int(fp.leaf_checksum(one_off)) != _reference_checksum(x)
 
 
 def save_nonfinite_on_ranks(rank: int, world_size: int, root: str, kind: str, mode: str):

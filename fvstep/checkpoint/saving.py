@@ -274,8 +274,8 @@ def save(
 
     A state with a NaN or infinite value in a floating-point leaf (parameters, optimizer
     moments, EMA, ``extra``), on any rank, is refused: resuming from it could only
-    continue a diverged run. The check rides on the checksum pass (one ``aminmax`` per
-    chunk while it is in cache: a few percent of the checksums' time).
+    continue a diverged run. The check rides on the checksum call (one ``aminmax`` of each
+    leaf, read at memory speed: a few percent of the checksums' time).
 
     Args:
         state: The state to save; it is not consumed or changed.
