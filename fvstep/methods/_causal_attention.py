@@ -43,7 +43,8 @@ class _Rotary:
     cos_k: torch.Tensor  # (1, keys, 1, head_dim): every key's, the cache's slots first
     sin_k: torch.Tensor
     # (queries, keys) bool, True = attend: the filled cache slots and the block-causal
-    # local part; None without a cache (the local part is then ``chunks``)
+    # local part ((1, keys) for one chunk of queries: the same for all); None without a
+    # cache (the local part is then ``chunks``)
     mask: torch.Tensor | None
     # without a cache: per chunk of queries, (query end, key end) in tokens; empty: one
     # chunk, every key
@@ -141,13 +142,11 @@ def rope_hook(module: Any, args: tuple[Any, ...], output: Any) -> _Rotary:
     own = slice(start, start + frames * frame_tokens)
     slots = call.cache.keys.shape[2]
     filled = torch.arange(slots, device=cos.device) < start
-    mask = torch.cat(
-        [
-            filled.expand(frames * frame_tokens, slots),
-            _local_mask(frames, frame_tokens, chunk, cos.device),
-        ],
-        dim=1,
-    )
+    if frames <= chunk:  # one chunk (a rollout's call): one row, broadcast over the queries
+        mask = torch.cat([filled, filled.new_ones(frames * frame_tokens)])[None]
+    else:
+        local = _local_mask(frames, frame_tokens, chunk, cos.device)
+        mask = torch.cat([filled.expand(local.shape[0], slots), local], dim=1)
     return _Rotary(
         cos_q=cos[:, own],
         sin_q=sin[:, own],
