@@ -10,8 +10,9 @@ The latent frames are grouped in chunks of ``chunk_frames`` (3, as Self-Forcing 
 Wan2.1-1.3B). A token of chunk ``i`` attends to every token of chunks ``<= i``:
 
 - **Teacher forcing.** A plain call (``model(hidden_states=x, ...)``, e.g. through
-  :func:`fvstep.models.predict`) runs the whole sequence in one forward with the
-  block-causal mask.
+  :func:`fvstep.models.predict`) runs the whole sequence in one forward, block-causal:
+  each chunk's queries attend in one call to the keys up to their chunk's end (no
+  tokens x tokens mask).
 - **Cached rollout.** :func:`causal_forward` with a :class:`KVCache` runs frames that
   follow the cached ones: their queries attend to the cached keys and values and,
   block-causally, to their own. ``update_cache=True`` returns the cache with their keys
@@ -29,6 +30,12 @@ ones), so a rolling cache (a window of the latest frames after ``sink_frames`` k
 forever, an attention sink) never runs past the rotary table. Without eviction the slot
 is the frame's position in the video, as in teacher forcing. The cache never carries
 gradient (its tensors are detached).
+
+Compiled blocks (``prepare(..., compile=...)``) see the same shapes and constants at every
+chunk of a rollout and at every layer, so the graphs do not grow with the video: a cached
+call attends over the cache's full capacity, its empty slots masked (so its attention
+costs the full capacity and, masked, does not use the flash kernel), and each block reads
+its layer of the cache through a tensor index.
 
 Preparation: call :func:`make_causal` before :func:`fvstep.parallel.prepare`
 (checkpointing, compile and FSDP2 work on the causal model). Context parallel is refused:
