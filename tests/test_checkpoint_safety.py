@@ -169,10 +169,14 @@ def _reference_checksum(x: torch.Tensor, start: int = 0) -> int:
 @pytest.mark.parametrize(
     "dtype", [torch.float32, torch.bfloat16, torch.float64, torch.int64, torch.int8, torch.uint8]
 )
-def test_the_chunked_checksum_equals_the_formula(monkeypatch, dtype):
+@pytest.mark.parametrize("threads", [1, 4])
+def test_the_chunked_checksum_equals_the_formula(monkeypatch, dtype, threads):
     """The pass reuses its buffers and advances the index chunk by chunk (a leaf of 3 chunks
-    and a partial one, a shard starting at a nonzero row): the sums are the formula's."""
-    monkeypatch.setattr(fp, "_CPU_CHUNK", 64)
+    and a partial one, a shard starting at a nonzero row), on one thread or cut into
+    segments summed by several: the sums are the formula's."""
+    monkeypatch.setattr(fp, "_CPU_CHUNK", 64 if threads == 1 else 8)
+    monkeypatch.setattr(fp, "_SEGMENT_CHUNKS", 2)
+    monkeypatch.setattr(fp, "_threads", lambda: threads)
     gen = torch.Generator().manual_seed(1)
     x = (torch.randn(7, 30, generator=gen) * 50).to(dtype)
     assert int(fp.leaf_checksum(x)) == _reference_checksum(x)

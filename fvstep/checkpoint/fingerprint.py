@@ -21,6 +21,9 @@ per-chunk operations, so it costs a few percent of the checksum's mixing.
 
 from __future__ import annotations
 
+import concurrent.futures
+import os
+import threading
 from typing import Any
 
 import torch
@@ -72,11 +75,31 @@ def _contributes(x: Any) -> bool:
     return all(c == 0 for c, p in zip(coordinate, x.placements) if not p.is_shard())
 
 
-# Elements per pass and per intra-op thread on a CPU: each thread's slice of the pass's
-# three int64 buffers (1 MiB each) stays in its L2 cache, and the buffers are reused from
-# chunk to chunk, so no chunk allocates or page-faults.
-_CPU_CHUNK = 1 << 17
+# Elements per operation on a CPU: under torch's parallel grain (32,768), so every op of the
+# pass runs on the calling thread and never waits at an intra-op barrier (on a loaded
+# machine a barrier waits for the slowest, descheduled thread, per op); the pass's int64
+# buffers (256 KiB each) stay in L2 and are reused from chunk to chunk. A large leaf is
+# cut into segments summed by threads of their own (the sum does not depend on order).
+_CPU_CHUNK = 1 << 15
 _DEVICE_CHUNK = 1 << 26
+_SEGMENT_CHUNKS = 64  # at least this many chunks per thread (2M elements)
+_POOL: concurrent.futures.ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def _threads() -> int:
+    """How many checksum threads a large leaf may use: torch's intra-op thread count."""
+    return torch.get_num_threads()
+
+
+def _pool() -> concurrent.futures.ThreadPoolExecutor:
+    """The checksum threads of this process, started on first use."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            workers = max(1, min(8, os.cpu_count() or 1))
+            _POOL = concurrent.futures.ThreadPoolExecutor(workers, "fvstep-checksum")
+        return _POOL
 
 
 def _mix_sum(bits: torch.Tensor, index_k2: torch.Tensor) -> torch.Tensor:
@@ -110,36 +133,22 @@ def _finite(part: torch.Tensor) -> torch.Tensor:
     return torch.isfinite(lo) & torch.isfinite(hi)
 
 
-def _rows_checks(
-    flat: torch.Tensor, start: int, check_finite: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The checksum terms of the contiguous 1-d ``flat`` whose first element has global
-    flat index ``start``, and whether it is finite: one pass, chunk by chunk.
+def _segment_sum(ints: torch.Tensor, start: int, chunk: int) -> torch.Tensor:
+    """The checksum terms of the 1-d raw bits ``ints``, the first at global index ``start``.
 
     Each chunk is read once into a reused int64 buffer (``bitwise_xor`` of the raw bits
     with the chunk's ``index * K2`` widens them as ``to(int64)`` does: sign-extended,
     unsigned bytes zero-extended) and mixed in place; the index buffer advances by
-    ``chunk * K2`` per chunk instead of being rebuilt. The finiteness of a float chunk is
-    one ``aminmax`` while it is in cache. Equal, bit for bit, to :func:`_mix_sum` over
-    :func:`_bits64` of the whole leaf.
+    ``chunk * K2`` per chunk instead of being rebuilt.
     """
-    device = flat.device
-    finite = torch.ones((), dtype=torch.bool, device=device)
-    values = torch.view_as_real(flat).reshape(-1) if flat.is_complex() else flat
-    if values.dtype == torch.bool:
-        values = values.view(torch.uint8)
-    ints = values.view(_INT[values.element_size()])
-    per = 2 if flat.is_complex() else 1  # complex: two parts per element, indexed as such
-    per_pass = _CPU_CHUNK * torch.get_num_threads() if device.type == "cpu" else _DEVICE_CHUNK
-    chunk = min(per_pass, ints.numel())
+    device = ints.device
+    chunk = min(chunk, ints.numel())
     index_k2 = torch.arange(chunk, dtype=torch.int64, device=device)
     index_k2 *= _K2
-    index_k2 += _wrap(start * per * _K2)
+    index_k2 += _wrap(start * _K2)
     advance = _wrap(chunk * _K2)
     bits = torch.empty(chunk, dtype=torch.int64, device=device)
     high = torch.empty(chunk, dtype=torch.int64, device=device)
-    if check_finite:  # one read of the leaf, at memory speed (a few % of the mixing)
-        finite = _finite(values)
     count = -(-ints.numel() // chunk)
     partial = torch.empty(count, dtype=torch.int64, device=device)
     for k in range(count):
@@ -151,8 +160,40 @@ def _rows_checks(
         b ^= h
         torch.sum(b, dim=0, out=partial[k])
         index_k2 += advance
-    total = partial.sum()
-    return total, finite
+    return partial.sum()
+
+
+def _rows_checks(
+    flat: torch.Tensor, start: int, check_finite: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The checksum terms of the contiguous 1-d ``flat`` whose first element has global
+    flat index ``start``, and whether it is finite.
+
+    Equal, bit for bit, to :func:`_mix_sum` over :func:`_bits64` of the whole leaf. On a
+    CPU a leaf of several segments is summed by the checksum threads, a segment each;
+    the finiteness of a float leaf is one ``aminmax`` (a read at memory speed).
+    """
+    device = flat.device
+    finite = torch.ones((), dtype=torch.bool, device=device)
+    values = torch.view_as_real(flat).reshape(-1) if flat.is_complex() else flat
+    if values.dtype == torch.bool:
+        values = values.view(torch.uint8)
+    ints = values.view(_INT[values.element_size()])
+    start *= 2 if flat.is_complex() else 1  # complex: two parts per element, indexed as such
+    if check_finite:
+        finite = _finite(values)
+    if device.type != "cpu":
+        return _segment_sum(ints, start, _DEVICE_CHUNK), finite
+    per_thread = _CPU_CHUNK * _SEGMENT_CHUNKS
+    threads = min(_threads(), -(-ints.numel() // per_thread))
+    if threads <= 1:
+        return _segment_sum(ints, start, _CPU_CHUNK), finite
+    step = -(-ints.numel() // (threads * _CPU_CHUNK)) * _CPU_CHUNK
+    pieces = [
+        _pool().submit(_segment_sum, ints[lo : lo + step], start + lo, _CPU_CHUNK)
+        for lo in range(0, ints.numel(), step)
+    ]
+    return torch.stack([p.result() for p in pieces]).sum(), finite
 
 
 def _leaf_checks(x: Any, check_finite: bool) -> tuple[torch.Tensor, torch.Tensor]:
