@@ -14,6 +14,10 @@ Usage, from the repository root::
     python docs/_ext/check_snippets.py                 # every page
     python docs/_ext/check_snippets.py docs/tutorial.md
     python docs/_ext/check_snippets.py --show docs/tutorial.md   # print what it prints
+    python docs/_ext/check_snippets.py --jobs 1        # one page at a time
+
+Pages run two at a time by default (each page's torch uses one thread), and their
+outcomes are printed in page order.
 
 Exits non-zero if any page fails, printing the page, its script and the error.
 """
@@ -25,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 _BLOCK = re.compile(r"^```python\n(.*?)^```$", re.MULTILINE | re.DOTALL)
@@ -43,13 +48,13 @@ def _script(page: Path, workdir: Path) -> str | None:
     return _PRELUDE + "\n".join(parts) if parts else None
 
 
-def check(page: Path, *, show: bool = False) -> bool:
-    """Run ``page``'s examples; print the outcome; return whether they passed."""
+def check(page: Path, *, show: bool = False) -> tuple[bool, str]:
+    """Run ``page``'s examples; return whether they passed and the outcome to print."""
     with tempfile.TemporaryDirectory(prefix="fvstep-docs-") as tmp:
         workdir = Path(tmp)
         script = _script(page, workdir)
         if script is None:
-            return True
+            return True, ""
         (workdir / "page.py").write_text(script)
         start = time.perf_counter()
         done = subprocess.run(
@@ -57,21 +62,28 @@ def check(page: Path, *, show: bool = False) -> bool:
         )
         elapsed = time.perf_counter() - start
     if done.returncode == 0:
-        print(f"ok    {page} ({elapsed:.1f} s)")
-        if show:
-            print(done.stdout + done.stderr)
-        return True
+        report = f"ok    {page} ({elapsed:.1f} s)"
+        return True, report + ("\n" + done.stdout + done.stderr if show else "")
     numbered = "\n".join(f"{i + 1:4d}  {line}" for i, line in enumerate(script.splitlines()))
-    print(f"FAIL  {page} ({elapsed:.1f} s)\n{numbered}\n{done.stdout}{done.stderr}")
-    return False
+    return False, f"FAIL  {page} ({elapsed:.1f} s)\n{numbered}\n{done.stdout}{done.stderr}"
 
 
 def main(argv: list[str]) -> int:
     show = "--show" in argv
+    jobs = 2
+    if "--jobs" in argv:
+        at = argv.index("--jobs")
+        jobs = int(argv[at + 1])
+        argv = argv[:at] + argv[at + 2 :]
     root = Path(__file__).resolve().parents[1]
     pages = [Path(a) for a in argv if a != "--show"] or sorted(root.rglob("*.md"))
-    results = [check(page, show=show) for page in pages]
-    return 0 if all(results) else 1
+    ok = True
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        for passed, report in pool.map(lambda page: check(page, show=show), pages):
+            if report:
+                print(report, flush=True)
+            ok = ok and passed
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
