@@ -358,6 +358,7 @@ def test_recomputed_blocks_use_the_adapter_of_their_forward():
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+@pytest.mark.heavy  # the compiled, checkpointed LoRA DMD2 on two ranks covers it in the default run
 def test_compiled_lora_blocks_give_the_eager_gradients():
     # torch.compile takes no Python context_fn: the recomputation is in the compiled
     # backward graph, traced with the adapter of the forward. aot_eager: the same ATen ops
@@ -396,6 +397,7 @@ def trained_params(sharded: bool, prepared: dict | None, steps: int) -> dict:
     }
 
 
+@pytest.mark.heavy  # its 2-rank twin runs by default
 def test_compiled_checkpointed_lora_dmd2_trains_bitwise_as_eager():
     # Several steps, both kinds (student+critic, critic only): a compiled graph that kept
     # an adapter's old values, or the wrong adapter, would part from eager after the first
