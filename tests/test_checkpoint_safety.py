@@ -20,6 +20,7 @@ import json
 import math
 import os
 import shutil
+import signal
 from pathlib import Path
 
 import pytest
@@ -581,3 +582,25 @@ def test_dcp_failures_are_reported_without_tracebacks(tmp_path):
         load(path, like=small_state())
     message = str(info.value)
     assert "rank 0: " in message and "tuple" not in message and "Traceback" not in message
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_the_checksum_threads_work_in_a_forked_child(monkeypatch):
+    """A child forked after the checksum pool started has none of its threads: it starts
+    its own instead of waiting forever on the inherited one."""
+    monkeypatch.setattr(fp, "_CPU_CHUNK", 8)
+    monkeypatch.setattr(fp, "_SEGMENT_CHUNKS", 2)
+    monkeypatch.setattr(fp, "_threads", lambda: 2)
+    x = torch.randn(400)
+    expected = int(fp.leaf_checksum(x))
+    assert fp._POOL is not None
+    pid = os.fork()
+    if pid == 0:  # the child: exit at once, whatever happens; a hang ends by SIGALRM
+        code = 1
+        try:
+            signal.alarm(30)
+            code = 0 if int(fp.leaf_checksum(x)) == expected else 1
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0

@@ -85,6 +85,7 @@ _DEVICE_CHUNK = 1 << 26
 _SEGMENT_CHUNKS = 64  # at least this many chunks per thread (2M elements)
 _POOL: concurrent.futures.ThreadPoolExecutor | None = None
 _POOL_LOCK = threading.Lock()
+_POOL_PID = 0
 
 
 def _threads() -> int:
@@ -93,12 +94,14 @@ def _threads() -> int:
 
 
 def _pool() -> concurrent.futures.ThreadPoolExecutor:
-    """The checksum threads of this process, started on first use."""
-    global _POOL
+    """The checksum threads of this process, started on first use (again in a forked
+    child, which inherits the pool object but none of its threads)."""
+    global _POOL, _POOL_PID
     with _POOL_LOCK:
-        if _POOL is None:
+        if _POOL is None or os.getpid() != _POOL_PID:
             workers = max(1, min(8, os.cpu_count() or 1))
             _POOL = concurrent.futures.ThreadPoolExecutor(workers, "fvstep-checksum")
+            _POOL_PID = os.getpid()
         return _POOL
 
 
