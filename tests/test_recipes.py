@@ -17,6 +17,7 @@ from fvstep.recipes import get_recipe
 from fvstep.recipes.config import (
     ConfigChangeError,
     check_config_change,
+    dataset_digest,
     parse_options,
     read_config,
 )
@@ -59,6 +60,26 @@ def test_config_change_rules_name_the_key_that_alters_the_math():
         check_config_change(saved, batch)
     with pytest.raises(ConfigChangeError, match="recipe 'finetune', not 'dmd2'"):
         check_config_change(saved, {**lr, "recipe": "dmd2"})
+    critic = {"recipe": "dmd2", "options": {"critic_lr": 4e-4}}
+    assert check_config_change(critic, {"recipe": "dmd2", "options": {"critic_lr": 1e-4}}) == [
+        "critic_lr: 0.0004 -> 0.0001"
+    ]  # any learning rate may change, a key named *_lr too
+
+
+def test_a_resume_refuses_another_dataset_at_the_same_path(tmp_path):
+    (tmp_path / "index.json").write_text('{"shards": ["a"]}')
+    first = dataset_digest(tmp_path)
+    saved = {
+        "recipe": "finetune",
+        "options": {"data": {"path": str(tmp_path)}},
+        "data_digest": first,
+    }
+    assert check_config_change(saved, dict(saved)) == []
+    (tmp_path / "index.json").write_text('{"shards": ["b"]}')
+    again = {**saved, "data_digest": dataset_digest(tmp_path)}
+    with pytest.raises(ConfigChangeError, match="holds another dataset"):
+        check_config_change(saved, again)
+    assert dataset_digest(None) is None and dataset_digest(tmp_path / "none") is None
 
 
 @pytest.fixture(scope="module")

@@ -25,6 +25,7 @@ Examples:
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import sys
 from collections.abc import Sequence
@@ -39,6 +40,7 @@ __all__ = [
     "MAY_CHANGE",
     "ConfigChangeError",
     "check_config_change",
+    "dataset_digest",
     "flatten_config",
     "help_text",
     "options_to_dict",
@@ -179,8 +181,11 @@ def flatten_config(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def _may_change(key: str) -> bool:
-    return key.rsplit(".", 1)[-1] == "lr" or any(
-        key == k or key.startswith(k + ".") for k in MAY_CHANGE
+    last = key.rsplit(".", 1)[-1]
+    return (
+        last == "lr"
+        or last.endswith("_lr")
+        or any(key == k or key.startswith(k + ".") for k in MAY_CHANGE)
     )
 
 
@@ -207,6 +212,14 @@ def check_config_change(saved: dict[str, Any], new: dict[str, Any]) -> list[str]
         raise ConfigChangeError(
             f"the run was made by recipe {saved.get('recipe')!r}, not {new.get('recipe')!r}: "
             "use another run.out for another recipe"
+        )
+    before, after = saved.get("data_digest"), new.get("data_digest")
+    if before is not None and after is not None and before != after:
+        raise ConfigChangeError(
+            "data.path holds another dataset than the run being resumed was trained on (its "
+            "index.json changed: other clips, another encode or dtype), which alters the math "
+            "of the run: put the dataset back, or start a new run (another run.out; "
+            "init_from can start it from this one)"
         )
     old, now = flatten_config(saved.get("options", {})), flatten_config(new["options"])
     applied = []
@@ -244,8 +257,26 @@ def read_config(run_dir: str | Path) -> dict[str, Any] | None:
     return data
 
 
-def write_config(run_dir: str | Path, recipe: str, options: Any) -> Path:
-    """Write the resolved config of a run as ``<run_dir>/config.yaml`` (atomically).
+def dataset_digest(path: str | Path | None) -> str | None:
+    """The SHA-256 of a latent dataset's ``index.json`` (what it holds: its shards, their
+    checksums, the encode's settings), kept with the config so that a resume refuses
+    another dataset at the same ``data.path``; ``None`` for synthetic data or no index.
+
+    Examples:
+        >>> dataset_digest(None) is None
+        True
+    """
+    if path is None:
+        return None
+    index = Path(path) / "index.json"
+    return hashlib.sha256(index.read_bytes()).hexdigest() if index.is_file() else None
+
+
+def write_config(
+    run_dir: str | Path, recipe: str, options: Any, *, data_digest: str | None = None
+) -> Path:
+    """Write the resolved config of a run as ``<run_dir>/config.yaml`` (atomically), with
+    ``data_digest`` (:func:`dataset_digest`) when there is one.
 
     Returns:
         The file written.
@@ -258,7 +289,10 @@ def write_config(run_dir: str | Path, recipe: str, options: Any) -> Path:
 
     path = Path(run_dir) / CONFIG_NAME
     path.parent.mkdir(parents=True, exist_ok=True)
-    text = yaml.safe_dump({"recipe": recipe, "options": options_to_dict(options)}, sort_keys=False)
+    config: dict[str, Any] = {"recipe": recipe, "options": options_to_dict(options)}
+    if data_digest is not None:
+        config["data_digest"] = data_digest
+    text = yaml.safe_dump(config, sort_keys=False)
     tmp = path.with_name(f".{CONFIG_NAME}.tmp")
     tmp.write_text("# The resolved config of this run (fvstep train). Resuming checks it.\n" + text)
     tmp.replace(path)

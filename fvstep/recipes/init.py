@@ -61,9 +61,15 @@ def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
         return path
     newest = ckpt.latest(path) if path.is_dir() else None
     if newest is None:
+        hint = (
+            "; it is a diffusers model folder: where a recipe starts from one, pass it as "
+            "model.path (a LoRA run's base) or init_from.path of finetune/dmd2"
+            if _is_diffusers_folder(path)
+            else ""
+        )
         raise ValueError(
             f"{str(path)!r} is neither a checkpoint (a step_<n> folder with a manifest) nor "
-            "a run folder holding one"
+            f"a run folder holding one{hint}"
         )
     return newest
 
@@ -110,7 +116,7 @@ def source_weights(
     wanted = {p: meta for p, meta in manifest.leaves.items() if p.startswith(prefix)}
     if not wanted:
         roles = sorted({p.split(".")[1] for p in manifest.leaves if p.startswith("roles.")})
-        what = "an EMA" if weights == "ema" else "saved weights"
+        what = "EMA" if weights == "ema" else "saved weights"
         raise ValueError(
             f"checkpoint {str(folder)!r} has no {what} of role {role!r} (its roles: {roles})"
         )

@@ -32,6 +32,7 @@ from fvstep.recipes import init as init_
 from fvstep.recipes.config import (
     CONFIG_NAME,
     check_config_change,
+    dataset_digest,
     options_to_dict,
     read_config,
     write_config,
@@ -63,14 +64,19 @@ def prepare_run(
         try:
             resumed_from = ckpt.latest(out) if out.is_dir() else None
             saved = read_config(out)
-            new = {"recipe": recipe.name, "options": options_to_dict(options)}
+            digest = dataset_digest(options.data.path)
+            new = {
+                "recipe": recipe.name,
+                "options": options_to_dict(options),
+                "data_digest": digest,
+            }
             if resumed_from is not None and saved is not None:
                 for change in check_config_change(saved, new):
                     say(f"fvstep train: config change applied on resume: {change}")
             if write:
                 lock = ckpt.lock_dir(out)  # a run in progress there: refuse before writing
                 try:
-                    write_config(out, recipe.name, options)
+                    write_config(out, recipe.name, options, data_digest=digest)
                 finally:
                     lock.release()
         except Exception as e:
