@@ -50,25 +50,6 @@ or ``"narrow"`` (selective, keeping attention and the matmuls that do not widen 
 input: the feed-forward up-projections are recomputed)."""
 
 _aten = torch.ops.aten
-#: Ops whose outputs selective checkpointing keeps (torchtitan's list, less collectives):
-#: matmuls and the attention kernels, whose recomputation costs the most FLOPs.
-DEFAULT_SAVE_OPS: frozenset[Any] = frozenset(
-    op
-    for op in (
-        getattr(_aten, "mm", None),
-        getattr(_aten, "addmm", None),
-        getattr(_aten, "bmm", None),
-        getattr(_aten, "baddbmm", None),
-        getattr(_aten, "_scaled_dot_product_efficient_attention", None),
-        getattr(_aten, "_scaled_dot_product_flash_attention", None),
-        getattr(_aten, "_scaled_dot_product_cudnn_attention", None),
-        getattr(_aten, "_scaled_dot_product_flash_attention_for_cpu", None),
-        getattr(_aten, "_flash_attention_forward", None),
-        getattr(_aten, "_efficient_attention_forward", None),
-    )
-    if op is not None
-)
-
 #: The attention kernels only: ``checkpointing="attention"`` keeps their outputs and
 #: recomputes the rest of a block (the matmuls too). Attention is most of a video block's
 #: FLOPs at long sequences (quadratic in the tokens) but a small part of its activation
@@ -83,6 +64,19 @@ ATTENTION_SAVE_OPS: frozenset[Any] = frozenset(
         getattr(_aten, "_scaled_dot_product_flash_attention_for_cpu", None),
         getattr(_aten, "_flash_attention_forward", None),
         getattr(_aten, "_efficient_attention_forward", None),
+    )
+    if op is not None
+)
+
+#: Ops whose outputs selective checkpointing keeps (torchtitan's list, less collectives):
+#: matmuls and the attention kernels, whose recomputation costs the most FLOPs.
+DEFAULT_SAVE_OPS: frozenset[Any] = ATTENTION_SAVE_OPS | frozenset(
+    op
+    for op in (
+        getattr(_aten, "mm", None),
+        getattr(_aten, "addmm", None),
+        getattr(_aten, "bmm", None),
+        getattr(_aten, "baddbmm", None),
     )
     if op is not None
 )
