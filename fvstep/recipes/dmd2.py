@@ -95,31 +95,16 @@ def build(options: DMD2Options, *, fresh: bool = True) -> RunSpec:
         },
         key=fs.random.key(options.run.seed),
     )
-    step = fs.compile(
+    return parts.run_spec(
+        options,
+        state,
         dmd2(
             generator_update_interval=options.generator_update_interval,
             guidance_scale=options.guidance_scale,
             ordering=options.ordering,
         ),
-        accumulation=fs.Accumulation(microbatches=options.run.microbatches),
-        clip=fs.clip_grad_norm(options.optim.clip) if options.optim.clip else None,
-    )
-    data = parts.make_data(options.data)
-    run_options = parts.make_run_options(
-        options.run,
-        data=options.data,
-        validation=options.validation,
-        trackers=options.trackers,
-        parallel=options.parallel,
-        device=device,
-    )
-    return RunSpec(
-        state,
-        step,
-        data,
-        run_options,
         trained=("student", "critic"),
-        close=lambda: parts.close_data(data),
+        device=device,
     )
 
 

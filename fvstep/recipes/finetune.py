@@ -83,22 +83,8 @@ def build(options: FinetuneOptions, *, fresh: bool = True) -> RunSpec:
         {"student": fs.Role(student, optimizer=parts.make_optimizer(options.optim), ema=ema)},
         key=fs.random.key(options.run.seed),
     )
-    step = fs.compile(
-        finetune(t_sampling=options.t_sampling),
-        accumulation=fs.Accumulation(microbatches=options.run.microbatches),
-        clip=fs.clip_grad_norm(options.optim.clip) if options.optim.clip else None,
-    )
-    data = parts.make_data(options.data)
-    run_options = parts.make_run_options(
-        options.run,
-        data=options.data,
-        validation=options.validation,
-        trackers=options.trackers,
-        parallel=options.parallel,
-        device=device,
-    )
-    return RunSpec(
-        state, step, data, run_options, trained=("student",), close=lambda: parts.close_data(data)
+    return parts.run_spec(
+        options, state, finetune(t_sampling=options.t_sampling), trained=("student",), device=device
     )
 
 

@@ -17,6 +17,7 @@ from torch import nn
 
 import fvstep as fs
 from fvstep import parallel as fsp
+from fvstep.recipes import RunSpec
 from fvstep.recipes.options import (
     DataOptions,
     ModelOptions,
@@ -237,3 +238,25 @@ def close_data(data: Any) -> None:
     close = getattr(data, "close", None)
     if close is not None:
         close()
+
+
+def run_spec(
+    options: Any, state: Any, method: Any, *, trained: tuple[str, ...], device: torch.device
+) -> RunSpec:
+    """What every recipe returns: ``method`` compiled with the run's accumulation and
+    clipping, the data, the run options and the :class:`~fvstep.recipes.RunSpec`."""
+    step = fs.compile(
+        method,
+        accumulation=fs.Accumulation(microbatches=options.run.microbatches),
+        clip=fs.clip_grad_norm(options.optim.clip) if options.optim.clip else None,
+    )
+    data = make_data(options.data)
+    run_options = make_run_options(
+        options.run,
+        data=options.data,
+        validation=options.validation,
+        trackers=options.trackers,
+        parallel=options.parallel,
+        device=device,
+    )
+    return RunSpec(state, step, data, run_options, trained=trained, close=lambda: close_data(data))
