@@ -515,3 +515,24 @@ def test_a_managed_steps_check_runs_before_the_units_before_it():
         step(state, make_batch(0))
     assert not is_consumed(state)
     tree.assert_trees_equal(state, before)
+
+
+def test_a_conds_predicate_is_called_once_per_step_for_both_branches():
+    calls: list[int] = []
+
+    def pred(i: int) -> bool:
+        calls.append(i)
+        return i % 2 == 0
+
+    step = fs.cond(
+        pred,
+        fs.sequence(
+            fs.update("a", recording("a"), name="x1"), fs.update("b", recording("b"), name="x2")
+        ),
+        fs.update("a", recording("a"), name="y"),
+    )
+    state = state_of()
+    for i in range(3):
+        state, _ = step(state, make_batch(i))
+    assert calls == [0, 1, 2]
+    assert [e.name for e in fs.plan(step, 1)] == ["y"]

@@ -112,9 +112,9 @@ def scheduled(routes: Sequence[Route], step: int) -> list[tuple[int, Route]]:
             if gate.pred is None:
                 opens = step >= gate.offset and (step - gate.offset) % gate.n == 0
             else:
-                if id(gate) not in decided:
-                    decided[id(gate)] = bool(gate.pred(step))
-                opens = decided[id(gate)] == gate.branch
+                if id(gate.pred) not in decided:  # the two branches share the predicate
+                    decided[id(gate.pred)] = bool(gate.pred(step))
+                opens = decided[id(gate.pred)] == gate.branch
             if not opens:
                 break
         else:
