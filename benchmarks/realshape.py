@@ -48,6 +48,7 @@ Examples:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import gc
 import json
@@ -56,125 +57,20 @@ from typing import Any
 
 import attrs
 import torch
-from torch import nn
 
 import fvstep as fs
 from benchmarks import common as c
 from benchmarks.analytic import mfu, train_flops_per_sample
+from benchmarks.floor import CallCounter, Calls, KernelTimes, floor_seconds, measure_kernels
 from benchmarks.presets import PRESETS, Preset, build_model, make_batch
+from benchmarks.roles import by_hand, lora_roles, prepared
 from fvstep import parallel as fsp
-from fvstep._compat import checkpoint_wrapper
-from fvstep.lora import LoRAModule, add_adapters
 from fvstep.methods import SoftUpdate, diffusion_nft, dmd2, finetune, make_causal, self_forcing
 from fvstep.methods.diffusion_nft import euler_rollout
 from fvstep.methods.rl import latent_mse_reward
-from fvstep.parallel.activation_checkpoint import resolve_checkpointing
+from fvstep.methods.streaming import init_stream, streaming
 
 __all__ = ["build_parser", "main", "run_side"]
-
-
-def _samples_of(output: Any) -> int:
-    first = output[0] if isinstance(output, (tuple, list)) else output
-    return int(first.shape[0]) if isinstance(first, torch.Tensor) and first.dim() > 0 else 1
-
-
-class _CallCounter:
-    """Model forwards of one sample per step, weighted by what backward costs them.
-
-    A LoRA role's call runs its base's forward inside it: that inner call is not counted
-    again, and the LoRA call counts as a frozen one (the base's weights get no gradient).
-    """
-
-    def __init__(self, modules: dict[str, nn.Module], frames: int) -> None:
-        self.frames = frames  # a call on fewer frames (a causal chunk) counts as that share
-        self.forwards = 0.0
-        self.inside_lora = 0
-        self.handles = []
-        for m in modules.values():
-            if isinstance(m, LoRAModule):
-                self.handles.append(m.register_forward_pre_hook(self._enter))
-            self.handles.append(m.register_forward_hook(self._hook))
-
-    def _enter(self, module: nn.Module, args: Any) -> None:
-        self.inside_lora += 1
-
-    def _hook(self, module: nn.Module, args: Any, output: Any) -> None:
-        lora = isinstance(module, LoRAModule)
-        if lora:
-            self.inside_lora -= 1
-        elif self.inside_lora:
-            return  # the base, called by a LoRA role: counted there
-        samples: float = _samples_of(output)  # a forward of B samples costs B forwards of one
-        first = output[0] if isinstance(output, (tuple, list)) else output
-        if isinstance(first, torch.Tensor) and first.dim() == 5:
-            samples *= first.shape[2] / self.frames
-        if not torch.is_grad_enabled():
-            self.forwards += samples
-            return
-        trainable = not lora and any(p.requires_grad for p in module.parameters())
-        self.forwards += (3 if trainable else 2) * samples
-
-    def take(self) -> float:
-        value, self.forwards = self.forwards, 0.0
-        return value
-
-    def close(self) -> None:
-        for h in self.handles:
-            h.remove()
-
-
-def _by_hand(module: nn.Module, rt: c.Runtime, *, compile_blocks: bool, trainable: bool) -> Any:
-    blocks = module.get_submodule("blocks")
-    assert isinstance(blocks, nn.ModuleList)
-    for i, block in enumerate(list(blocks)):
-        wrapped = checkpoint_wrapper(block)
-        if compile_blocks:
-            wrapped.compile()  # as users wrote it: torch's defaults (pytorch/pytorch#193061)
-        blocks[i] = wrapped
-    if not trainable:
-        module.requires_grad_(False)
-    if rt.sharded:
-        fsp.shard_module(
-            module,
-            mesh=rt.mesh,
-            mp_policy=fsp.MixedPrecisionPolicy(
-                param_dtype=torch.bfloat16, reduce_dtype=torch.float32
-            ),
-        )
-    return module
-
-
-def _prepared(module: nn.Module, rt: c.Runtime, args: Any, *, trainable: bool) -> Any:
-    options: dict[str, Any] = {
-        "checkpointing": attrs.evolve(
-            resolve_checkpointing(args.checkpointing), every=args.checkpoint_every
-        )
-        if args.checkpointing != "none"
-        else "none",
-        "compile": args.compile,
-        "attention_backend": args.attention_backend,
-        "trainable": trainable,
-    }
-    if rt.sharded:
-        options.update(mesh=rt.mesh, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    return fsp.prepare(module, **options)
-
-
-def _lora_roles(preset: Preset, rt: c.Runtime, args: Any) -> dict[str, Any]:
-    """One frozen base prepared as the teacher; LoRA student and critic over it."""
-    import peft
-
-    base = build_model(preset, device=rt.device, seed=args.seed + 1)
-    config = peft.LoraConfig(
-        r=args.lora_rank, lora_alpha=args.lora_rank, target_modules=list(args.lora_targets)
-    )
-    lora = add_adapters(base, {"student": config, "critic": config}, seed=args.seed)
-    _prepared(base, rt, args, trainable=False)
-    if rt.sharded:
-        mp = fsp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        for module in lora.values():
-            fsp.shard_module(module, mesh=rt.mesh, mp_policy=mp)
-    return {"student": lora["student"], "teacher": base, "critic": lora["critic"]}
 
 
 ROLES = {
@@ -182,6 +78,7 @@ ROLES = {
     "dmd2": ["student", "teacher", "critic"],
     "diffusion-nft": ["policy", "old"],
     "self-forcing": ["student", "teacher", "critic"],
+    "streaming": ["student", "teacher", "critic"],
 }
 """The roles each ``--method`` trains or reads."""
 FROZEN = ("teacher", "old")
@@ -193,6 +90,13 @@ def _method(args: Any) -> fs.Step:
         return dmd2(generator_update_interval=2)
     if args.method == "self-forcing":
         return self_forcing(generator_update_interval=2)
+    if args.method == "streaming":  # one stream for the whole run: the cache rolls
+        return streaming(
+            steps_per_stream=1_000_000,
+            window_frames=args.window_frames,
+            sink_frames=args.sink_frames,
+            generator_update_interval=2,
+        )
     if args.method == "diffusion-nft":
         # The stated latent reward (no reward model at this shape); one sample per
         # micro-batch, so a step holds a group of --group-size rollouts of one prompt.
@@ -208,45 +112,64 @@ def _method(args: Any) -> fs.Step:
 
 def _roles(side: str, preset: Preset, rt: c.Runtime, args: Any) -> dict[str, Any]:
     if side == "lora":
-        return _lora_roles(preset, rt, args)
+        return lora_roles(preset, rt, args)
     names = ROLES[args.method]
     modules = {}
     for i, name in enumerate(names):
         # DiffusionNFT's old policy starts as a copy of the policy (the same seed)
         seed = args.seed + (0 if name == "old" else i)
         module = build_model(preset, device=rt.device, seed=seed)
-        if args.method == "self-forcing" and name == "student":  # 3-frame chunks, or 1
+        if (
+            args.method in ("self-forcing", "streaming") and name == "student"
+        ):  # 3-frame chunks, or 1
             module = make_causal(module, chunk_frames=3 if preset.latent_shape[1] % 3 == 0 else 1)
         trainable = name not in FROZEN
         if side == "prepared":
-            modules[name] = _prepared(module, rt, args, trainable=trainable)
+            modules[name] = prepared(module, rt, args, trainable=trainable)
         else:
-            modules[name] = _by_hand(module, rt, compile_blocks=args.compile, trainable=trainable)
+            modules[name] = by_hand(module, rt, compile_blocks=args.compile, trainable=trainable)
     return modules
 
 
-def run_side(side: str, preset: Preset, rt: c.Runtime, args: Any) -> dict[str, Any]:
-    """Build one side's roles and state, warm up, time ``--steps`` steps; free it all."""
+def run_side(
+    side: str, preset: Preset, rt: c.Runtime, args: Any, kernels: KernelTimes | None = None
+) -> dict[str, Any]:
+    """Build one side's roles and state, warm up, time ``--steps`` steps; free it all.
+
+    With ``kernels`` (:func:`benchmarks.floor.measure_kernels`), each kind of step also
+    reports its floor and the fraction of it that the step reaches.
+    """
     modules = _roles(side, preset, rt, args)
     adamw = fs.optim.adamw(lr=1e-5)
     roles = {
         name: fs.Role(m, optimizer=None if name in FROZEN else adamw) for name, m in modules.items()
     }
-    state = fs.TrainState.create(roles, key=fs.random.key(args.seed))
+    batch = make_batch(preset, 1, device=rt.device, seed=args.seed + rt.rank)
+    extra = {}
+    if args.method == "streaming":
+        extra["stream"] = init_stream(
+            modules["student"],
+            batch,
+            window_frames=args.window_frames,
+            sink_frames=args.sink_frames,
+        )
+    state = fs.TrainState.create(roles, key=fs.random.key(args.seed), extra=extra)
     compiled = fs.compile(_method(args), clip=fs.clip_grad_norm(1.0))
     step = c.with_autocast(compiled, rt, c.resolve_dtype(args, rt))
-    batch = make_batch(preset, 1, device=rt.device, seed=args.seed + rt.rank)
-    counter = _CallCounter(modules, frames=preset.latent_shape[1])
+    counter = CallCounter(modules, frames=preset.latent_shape[1])
     meter = c.MemoryMeter(rt.device)
     compiled_before = fsp.compile_counts()["graphs"]
     times: dict[str, list[float]] = {}
-    forwards: dict[str, float] = {}
+    forwards: dict[str, Calls] = {}
     meter.reset()
     try:
         for i in range(args.warmup + args.steps):
-            kind = "+".join(
-                sorted({r for e in fs.plan(compiled, int(state.step)) for r in e.roles})
-            )
+            if args.method == "streaming":  # one managed step; the student every 2nd
+                kind = "critic+student" if int(state.step) % 2 == 0 else "critic"
+            else:
+                kind = "+".join(
+                    sorted({r for e in fs.plan(compiled, int(state.step)) for r in e.roles})
+                )
             seconds, (state, _) = c.time_call(
                 functools.partial(step, state, batch, parallelism=fsp.Layout()), rt.device
             )
@@ -276,11 +199,16 @@ def run_side(side: str, preset: Preset, rt: c.Runtime, args: Any) -> dict[str, A
     for kind, values in times.items():
         slowest = rt.max_over_ranks(values)
         stat = c.summarize(slowest)
+        calls = forwards[kind]
         rows[kind] = {
             "seconds": stat,
-            "model_forwards": forwards[kind],
-            "mfu": mfu(forwards[kind] * per_forward, stat["median"], c.peak_flops(args, rt)),
+            "model_forwards": calls.forwards,
+            "calls": attrs.asdict(calls),
+            "mfu": mfu(calls.forwards * per_forward, stat["median"], c.peak_flops(args, rt)),
         }
+        if kernels is not None:
+            rows[kind]["floor_s"] = floor_seconds(calls, kernels)
+            rows[kind]["of_floor"] = rows[kind]["floor_s"] / stat["median"]
     return {
         "side": side,
         "steps": rows,
@@ -345,9 +273,33 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="diffusers attention backend of the prepared side, e.g. _native_cudnn",
     )
+    parser.add_argument(
+        "--window-frames",
+        type=int,
+        default=None,
+        help="streaming: latent frames the stream's cache keeps (default: a step's frames)",
+    )
+    parser.add_argument(
+        "--sink-frames", type=int, default=3, help="streaming: attention-sink frames (default 3)"
+    )
+    parser.add_argument(
+        "--memory-budget",
+        type=float,
+        default=None,
+        help="torch._functorch.config.activation_memory_budget for compiled graphs "
+        "(PyTorch's own budget-driven recomputation; use with --checkpointing none --compile)",
+    )
     parser.add_argument("--steps", type=int, default=4, help="timed steps per side")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per side")
     return parser
+
+
+def _memory_budget(budget: float | None) -> Any:
+    if budget is None:
+        return contextlib.nullcontext()
+    import torch._functorch.config as functorch_config
+
+    return functorch_config.patch(activation_memory_budget=budget)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -365,6 +317,11 @@ def main(argv: list[str] | None = None) -> int:
     if "lora" in args.sides and args.method != "dmd2":
         print("--sides lora is DMD2 with LoRA roles: use --method dmd2", file=sys.stderr)
         return 2
+    if args.memory_budget is not None and not 0.0 <= args.memory_budget <= 1.0:
+        print("--memory-budget must be in [0, 1]", file=sys.stderr)
+        return 2
+    if args.window_frames is None:
+        args.window_frames = PRESETS[args.preset].latent_shape[1]
     c.apply_threads(args)
     rt = c.setup_runtime(args.device)
     try:
@@ -378,12 +335,17 @@ def main(argv: list[str] | None = None) -> int:
             checkpointing=args.checkpointing,
             checkpoint_every=args.checkpoint_every,
             attention_backend=args.attention_backend or "default",
+            memory_budget=args.memory_budget,
         )
+        kernels = measure_kernels(preset, rt.device)
+        info["kernels"] = attrs.asdict(kernels)
+        rt.print(f"# floor kernels: {kernels}")
         rt.print(f"# {c.header_line(info)}, {preset.name} ({preset.num_tokens} tokens)")
         results = []
         for side in args.sides:
             try:
-                results.append(run_side(side, preset, rt, args))
+                with _memory_budget(args.memory_budget):
+                    results.append(run_side(side, preset, rt, args, kernels))
             except Exception as error:  # a side that fails (a NaN, OOM) is a result too
                 results.append({"side": side, "error": f"{type(error).__name__}: {error}"})
                 if rt.device.type == "cuda":
@@ -402,7 +364,7 @@ def report(results: list[dict[str, Any]]) -> None:
     rows = []
     for r in results:
         if "error" in r:
-            rows.append([r["side"], r["error"][:60], "", "", "", "", "", ""])
+            rows.append([r["side"], r["error"][:60], "", "", "", "", "", "", ""])
             continue
         for kind, row in r["steps"].items():
             rows.append(
@@ -412,6 +374,9 @@ def report(results: list[dict[str, Any]]) -> None:
                     c.format_stat(row["seconds"], scale=1.0, digits=3),
                     f"{row['model_forwards']:.0f}",
                     "n/a" if row["mfu"] is None else f"{100 * row['mfu']:.1f}",
+                    f"{row['floor_s']:.3f} ({100 * row['of_floor']:.0f} %)"
+                    if "floor_s" in row
+                    else "",
                     f"{r['peak_bytes'] / 2**30:.1f}",
                     r["graphs_compiled"],
                     f"{r['trained_params'] / 1e6:.1f}",
@@ -424,6 +389,7 @@ def report(results: list[dict[str, Any]]) -> None:
             "s median (min-max)",
             "fwd-equiv",
             "MFU %",
+            "floor s (reached)",
             "peak GiB",
             "graphs",
             "trained M",

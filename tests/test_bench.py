@@ -20,7 +20,7 @@ TARGETS = ["to_q", "to_k"]
 ROOT = Path(__file__).resolve().parents[1]
 """The repository root: ``benchmarks`` is not installed, and runs from there."""
 
-HELPERS = ("__init__", "analytic", "common", "presets", "profiling", "reference")
+HELPERS = ("__init__", "analytic", "common", "presets", "profiling", "reference", "roles")
 """The modules of ``benchmarks/`` that the benchmarks share, not benchmarks themselves."""
 
 BENCHMARKS = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py") if p.stem not in HELPERS)
@@ -88,3 +88,48 @@ def test_checkpointing_every_second_block_is_what_the_prepared_side_gets(tmp_pat
     assert result["preparation"]["checkpoint_every"] == 2
     assert result["preparation"]["checkpointed_blocks"] == (blocks + 1) // 2
     assert realshape.main([*argv[:-2], "--checkpoint-every", "0"]) == 2
+
+
+def test_the_floor_charges_each_call_what_its_kernels_cost():
+    from benchmarks.floor import CallCounter, Calls, KernelTimes, floor_seconds
+
+    k = KernelTimes(
+        attention_forward=1.0, attention_forward_backward=10.0, linear_forward=100.0,
+        linear_input_grad=1000.0, linear_weight_grad=10000.0, attention_backend="x",
+        attention_tflops=0.0, linear_tflops=0.0,
+    )  # fmt: skip
+    # no grad: a forward; frozen: attention both ways, the forward GEMM and dX; trained: + dW
+    assert floor_seconds(Calls(no_grad=2), k) == 2 * 101
+    assert floor_seconds(Calls(frozen=1), k) == 1110
+    assert floor_seconds(Calls(trained=0.5), k) == 0.5 * 11110
+    assert Calls(no_grad=1, frozen=1, trained=1).forwards == 6
+    trained = build_model(PRESETS["tiny-wan"], device=torch.device("cpu"), seed=0)
+    frozen = build_model(PRESETS["tiny-wan"], device=torch.device("cpu"), seed=1)
+    frozen.requires_grad_(False)
+    counter = CallCounter({"a": trained, "b": frozen}, frames=PRESETS["tiny-wan"].latent_shape[1])
+    from benchmarks.presets import make_batch
+    from fvstep.models import predict
+
+    batch = make_batch(PRESETS["tiny-wan"], 2, device=torch.device("cpu"), seed=0)
+    x, t = batch["latents"], torch.full((2,), 0.5)
+    with torch.no_grad():
+        predict(trained, x, t, batch["text"])
+    predict(trained, x, t, batch["text"])
+    predict(frozen, x[:1, :, :1].requires_grad_(), t[:1], batch["text"][:1])  # half the frames
+    assert counter.take() == Calls(no_grad=2, frozen=0.5, trained=2)
+    assert counter.take() == Calls()
+    counter.close()
+
+
+def test_the_streaming_method_runs_and_reports_the_floor_it_reaches(tmp_path):
+    out = tmp_path / "realshape.json"
+    argv = ["--preset", "tiny-wan", "--device", "cpu", "--steps", "2", "--warmup", "0"]
+    argv += ["--method", "streaming", "--sides", "prepared", "--window-frames", "2"]
+    assert realshape.main([*argv, "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["info"]["kernels"]["attention_forward"] > 0
+    (result,) = report["results"]
+    assert set(result["steps"]) == {"critic", "critic+student"}, result
+    for row in result["steps"].values():
+        assert 0 < row["floor_s"] and row["of_floor"] == row["floor_s"] / row["seconds"]["median"]
+    assert realshape.main([*argv, "--memory-budget", "2"]) == 2
