@@ -2,7 +2,8 @@
 of its state in TrainState.extra, so a resume mid-stream is bitwise the uninterrupted run
 (1 process and 2 gloo ranks, K = 2, an odd step); the same method with the stream on a
 Python attribute is caught by ``fvstep verify-resume``; per-rank streams refuse another
-world size; the step equals a hand-written imperative loop."""
+world size; the step equals a hand-written imperative loop, in one process and on 2 FSDP2
+gloo ranks."""
 
 from __future__ import annotations
 
@@ -139,29 +140,27 @@ def test_verify_resume_catches_the_stream_on_a_python_attribute_and_passes_the_r
     assert code == 0, text
 
 
-def test_the_step_is_bitwise_a_hand_written_streaming_loop():
-    """The imperative loop: the stream in a local variable, torch.optim.AdamW, the
-    micro-batches split by hand; the engine's keys (managed step ``stream``)."""
-    modules = _modules(sharded=False)
-    state = _state({r: _copy(m) for r, m in modules.items()})
-    step = _compiled(streaming(**OPTIONS))
-    for i in range(3):
-        state, _ = step(state, StreamData().batch(i))
+def _hand_written_loop(modules, *, num_steps: int, rank: int):
+    """Streaming by hand on rank ``rank``: the stream in a local variable, torch.optim.AdamW,
+    the micro-batches split by hand (FSDP2's default flags: ``sync="every"``), the engine's
+    keys (managed step ``stream``; exit steps from the shared key, every other draw from
+    the rank's key, the rank's batch). Returns the optimizers and the final stream."""
+    modules["teacher"].requires_grad_(False)
     optimizers = {
         r: torch.optim.AdamW(modules[r].parameters(), lr=1e-3, weight_decay=0.01)
         for r in ("student", "critic")
     }
     view = _View(modules)
     stream = init_stream(modules["student"], StreamData().batch(0), window_frames=1, sink_frames=1)
-    for i in range(3):
-        batch = StreamData().batch(i)
+    for i in range(num_steps):
+        batch = StreamData().batch(i, rank=rank)
         view.step = i
         if i % 4 == 0:
             stream = init_stream(modules["student"], batch, window_frames=1, sink_frames=1)
             stream = StreamState(
                 stream.cache, stream.frames, batch["text"].clone(), stream.num_frames
             )
-        key = fold_in_name(fold_in(fold_in(fs.random.key(3), i), 0), "stream")
+        key = fold_in_name(fold_in(fold_in(fs.random.key(3), i), rank), "stream")
         k_rollout, k_generator, k_critic = split(key, 3)
         exits = exit_steps(fs.random.key(3), i, 1, len(STEPS))
         with torch.no_grad():
@@ -183,6 +182,13 @@ def test_the_step_is_bitwise_a_hand_written_streaming_loop():
             optimizers[role].zero_grad(set_to_none=True)
         frames = torch.cat([stream.frames, ro.video], 2)[:, :, -1:]
         stream = StreamState(ro.cache, frames, stream.text, stream.num_frames + 1)
+    return optimizers, stream
+
+
+def _assert_equal_to_loop(state, modules, optimizers, stream) -> int:
+    """Every parameter and both AdamW moments of student and critic, and the stream;
+    returns the number of parameters compared."""
+    compared = 0
     for role in ("student", "critic"):
         params = dict(modules[role].named_parameters())
         tree.assert_trees_equal(state.roles[role].params, params)
@@ -192,7 +198,43 @@ def test_the_step_is_bitwise_a_hand_written_streaming_loop():
                 getattr(state.roles[role].opt_state, moment),
                 {n: s[moment] for n, s in moments.items()},
             )
+        compared += len(params)
     tree.assert_trees_equal(state.extra["stream"], stream)
+    return compared
+
+
+def test_the_step_is_bitwise_a_hand_written_streaming_loop():
+    """Three steps in one process, K = 2: parameters, AdamW moments and the stream."""
+    modules = _modules(sharded=False)
+    state = _state({r: _copy(m) for r, m in modules.items()})
+    step = _compiled(streaming(**OPTIONS))
+    for i in range(3):
+        state, _ = step(state, StreamData().batch(i))
+    _assert_equal_to_loop(state, modules, *_hand_written_loop(modules, num_steps=3, rank=0))
+
+
+def check_two_fsdp2_ranks_against_the_loop(rank: int, world_size: int) -> tuple[int, list]:
+    from benchmarks.reference import reshard_all
+
+    state, step, data = factory(sharded=True)
+    for i in range(2):
+        state, _ = step(state, data.batch(i, rank=rank), parallelism=fsp.Layout())
+        assert fsp.unrested_modules(state) == [], fsp.unrested_modules(state)[:3]
+    ref = _modules(sharded=True)
+    optimizers, stream = _hand_written_loop(ref, num_steps=2, rank=rank)
+    reshard_all(ref)
+    compared = _assert_equal_to_loop(state, ref, optimizers, stream)
+    return compared, stream.frames.flatten()[:4].tolist()
+
+
+@pytest.mark.multirank
+def test_the_step_on_two_fsdp2_ranks_is_bitwise_the_hand_written_loop(ranks):
+    """Two steps on 2 FSDP2 gloo ranks (sharded with ``shard_module``), K = 2: every
+    parameter and AdamW moment of student and critic, sharded, and each rank's own stream
+    in ``state.extra`` equal the hand-written loop's bitwise; the two streams differ."""
+    (compared, first), (again, second) = ranks.run(check_two_fsdp2_ranks_against_the_loop)
+    assert compared == again > 2 * 10  # every parameter of student and critic
+    assert first != second
 
 
 class _View:
