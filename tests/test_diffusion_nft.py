@@ -17,8 +17,13 @@ from fvstep import tree
 from fvstep.methods import SoftUpdate, diffusion_nft
 from fvstep.methods.diffusion_nft import euler_rollout
 from fvstep.methods.diffusion_nft_loss import nft_loss
-from fvstep.methods.rewards import check_rewards, colorfulness, decoded, optimality_probabilities
-from fvstep.methods.rl import latent_mse_reward
+from fvstep.methods.rewards import (
+    check_rewards,
+    colorfulness,
+    decoded,
+    latent_mse_reward,
+    optimality_probabilities,
+)
 from fvstep.models import predict, synthetic_batch, tiny_wan
 from fvstep.random import fold_in, fold_in_name, generator, split
 from fvstep.state import is_consumed
@@ -529,3 +534,15 @@ def test_check_rewards_refuses_what_is_not_one_float_a_sample() -> None:
         check_rewards([1.0, 2.0], 2)
     with pytest.raises(ValueError, match=r"shape \(2,\)"):
         check_rewards(torch.ones(2, 1), 2)
+
+
+def test_latent_mse_reward_is_minus_the_mean_squared_error_to_the_target() -> None:
+    target = torch.arange(8.0).reshape(2, 1, 2, 2)
+    samples = target + torch.tensor([0.0, 2.0]).view(2, 1, 1, 1)
+    torch.testing.assert_close(
+        latent_mse_reward(samples, {"latents": target}), torch.tensor([0.0, -4.0]), rtol=0, atol=0
+    )
+    with pytest.raises(ValueError, match=r"batch\['latents'\] shaped like the samples"):
+        latent_mse_reward(samples, {"latents": target[:1]})
+    with pytest.raises(ValueError, match="latent_mse_reward needs"):
+        latent_mse_reward(samples, {})

@@ -16,7 +16,7 @@ from torch import nn
 
 import fvstep as fs
 from fvstep.methods import dmd2, dmd2_losses, finetune, flow_matching_loss, rl
-from fvstep.methods.rl import blend_, group_advantages
+from fvstep.methods.rewards import group_advantages
 from fvstep.models import predict, synthetic_batch, tiny_wan
 from fvstep.state import RoleState
 
@@ -363,16 +363,8 @@ def test_group_advantages_normalise_within_groups() -> None:
     )
     with pytest.raises(ValueError, match="divisible"):
         group_advantages(torch.zeros(3), 2)
-
-
-def test_blend_is_an_in_place_moving_average() -> None:
-    target = {"w": torch.tensor([1.0, 2.0])}
-    ptr = target["w"].data_ptr()
-    blend_(target, {"w": torch.tensor([3.0, 4.0])}, 0.75)
-    assert target["w"].data_ptr() == ptr
-    torch.testing.assert_close(target["w"], torch.tensor([1.5, 2.5]))
-    with pytest.raises(ValueError, match="different parameters"):
-        blend_(target, {"v": torch.zeros(2)}, 0.5)
+    with pytest.raises(ValueError, match="group_size must be an int >= 2"):
+        group_advantages(torch.zeros(4), 1)
 
 
 def test_rl_rejects_bad_settings() -> None:

@@ -8,8 +8,9 @@ any ``nn.Module`` with that signature works, not only ``diffusers`` models.
 - :func:`finetune` / :func:`flow_matching_loss`: flow-matching fine-tuning (one role).
 - :func:`dmd2` / :func:`dmd2_losses`: DMD2 distillation (student, teacher, critic).
 - :func:`rl` / :func:`rl_inner_loss`: an RL-style managed step (student, old, reference).
-- :func:`diffusion_nft`: DiffusionNFT (policy, old, optional reference); rewards in
-  :mod:`fvstep.methods.rewards`.
+- :func:`diffusion_nft`: DiffusionNFT (policy, old, optional reference).
+- Shared by the RL methods: rewards in :mod:`fvstep.methods.rewards`, the old policy's
+  rollout and soft update in :mod:`fvstep.methods.old_policy`.
 - :func:`make_causal` / :func:`causal_forward`: a block-causal Wan with a KV cache
   (:class:`KVCache`, :func:`init_cache`).
 - :func:`self_forcing`: self-forcing over a causal student (student, teacher, critic).

@@ -60,6 +60,7 @@ from fvstep.grads import ClipGradNorm, Sanitize
 from fvstep.methods import _noise
 from fvstep.methods.diffusion_nft_loss import Weighting, nft_loss
 from fvstep.methods.finetune import TSampling
+from fvstep.methods.old_policy import blend_, euler_sample
 from fvstep.methods.rewards import (
     GroupStd,
     RewardFn,
@@ -67,7 +68,6 @@ from fvstep.methods.rewards import (
     check_rewards,
     optimality_probabilities,
 )
-from fvstep.methods.rl import blend_, euler_sample
 from fvstep.state import TrainState
 
 __all__ = [
@@ -86,7 +86,9 @@ key=key)``."""
 
 
 def euler_rollout(num_steps: int = 10) -> RolloutFn:
-    """A rollout of ``num_steps`` uniform Euler steps from ``t = 1`` (:func:`~fvstep.methods.rl.euler_sample`).
+    """A rollout of ``num_steps`` uniform Euler steps from ``t = 1``.
+
+    :func:`fvstep.methods.old_policy.euler_sample` under ``torch.no_grad()``.
 
     Deterministic (an ODE sampler: the key is not read).
 

@@ -14,8 +14,11 @@ decodes as ``WanPipeline`` does).
 - :class:`RewardFn`: the protocol.
 - :func:`check_rewards`: what a method checks of a reward function's answer.
 - :func:`decoded`: a pixel reward as a latent reward.
+- :func:`latent_mse_reward`: a stated latent reward, ``-mean((x0 - batch["latents"])^2)``.
 - :func:`optimality_probabilities`: rewards to DiffusionNFT's optimality probabilities,
   normalised per prompt group.
+- :func:`group_advantages`: rewards to the simple RL step's advantages
+  (:mod:`fvstep.methods.rl`), normalised per prompt group.
 - :func:`colorfulness`: the colourfulness of Hasler and Süsstrunk (2003), a published
   no-reference image measure with no weights to download: a real reward that runs on a
   CPU without a network (learned rewards, CLIP or aesthetic scorers, need their weights).
@@ -41,6 +44,8 @@ __all__ = [
     "check_rewards",
     "colorfulness",
     "decoded",
+    "group_advantages",
+    "latent_mse_reward",
     "optimality_probabilities",
 ]
 
@@ -162,6 +167,34 @@ def colorfulness(pixels: torch.Tensor, batch: Mapping[str, Any] | None = None) -
     return spread + 0.3 * level
 
 
+def latent_mse_reward(samples: torch.Tensor, batch: Mapping[str, Any]) -> torch.Tensor:
+    """A cheap deterministic reward: ``-mean((x0 - batch["latents"])^2)`` per sample (fp32).
+
+    Args:
+        samples: ``(N, ...)`` generated latents.
+        batch: Holds ``"latents"``, the targets, shaped like ``samples``.
+
+    Returns:
+        ``(N,)`` fp32 (0 for a sample equal to its target, negative otherwise).
+
+    Raises:
+        ValueError: If the batch has no ``"latents"`` of the samples' shape.
+
+    Examples:
+        >>> latent_mse_reward(torch.zeros(2, 1), {"latents": torch.ones(2, 1)})
+        tensor([-1., -1.])
+    """
+    target = batch.get("latents")
+    if not isinstance(target, torch.Tensor) or target.shape != samples.shape:
+        got = tuple(target.shape) if isinstance(target, torch.Tensor) else type(target).__name__
+        raise ValueError(
+            f"latent_mse_reward needs batch['latents'] shaped like the samples "
+            f"{tuple(samples.shape)}, got {got}"
+        )
+    diff = samples.float() - target.float()
+    return -(diff**2).flatten(1).mean(1)
+
+
 def check_group_size(group_size: int) -> None:
     """Refuse a group size that is not an int >= 2.
 
@@ -230,3 +263,34 @@ def optimality_probabilities(
         spread = grouped.std(unbiased=False)
     advantages = (grouped - mean) / (spread + eps)
     return (0.5 + 0.5 * (advantages / clip_max).clamp(-1.0, 1.0)).reshape(-1)
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
+    """Normalise rewards within consecutive groups: ``(r - mean_g) / (std_g + eps)``.
+
+    Args:
+        rewards: ``(N,)`` with ``N`` divisible by ``group_size``; rows ``g * G .. g * G + G - 1``
+            are one group.
+        group_size: ``G`` (>= 2).
+        eps: Added to the (population) standard deviation.
+
+    Returns:
+        ``(N,)`` advantages (zero for a group of equal rewards).
+
+    Raises:
+        ValueError: For a bad shape or group size.
+
+    Examples:
+        >>> group_advantages(torch.tensor([1.0, 3.0, 5.0, 5.0]), 2)
+        tensor([-1.0000,  1.0000,  0.0000,  0.0000])
+    """
+    check_group_size(group_size)
+    if rewards.dim() != 1 or rewards.shape[0] % group_size:
+        raise ValueError(
+            f"rewards must be (N,) with N divisible by group_size={group_size}, "
+            f"got shape {tuple(rewards.shape)}"
+        )
+    grouped = rewards.reshape(-1, group_size)
+    mean = grouped.mean(dim=1, keepdim=True)
+    std = grouped.std(dim=1, keepdim=True, unbiased=False)
+    return ((grouped - mean) / (std + eps)).reshape(-1)

@@ -1,0 +1,90 @@
+"""The old policy of the RL methods: its Euler rollouts and its soft update toward the policy.
+
+The RL methods (:mod:`fvstep.methods.rl`, :mod:`fvstep.methods.diffusion_nft`) keep a
+frozen ``old`` role that generates the rollouts of an outer step and is then moved toward
+the trained policy, in place:
+
+- :func:`euler_sample`: ``x0`` from noise at ``t = 1`` by uniform Euler steps of a role's
+  velocity (DiffusionNFT's default rollout, :func:`fvstep.methods.diffusion_nft.euler_rollout`,
+  and the simple RL step's sampler);
+- :func:`blend_`: ``old = beta * old + (1 - beta) * policy`` over the role's parameters
+  (the RL step's ``blend``, DiffusionNFT's soft update).
+
+Examples:
+    >>> with torch.no_grad():
+    ...     x0 = euler_sample(state.module("old"), noise, text, num_steps=4)
+    >>> blend_(state.roles["old"].params, state.roles["policy"].params, 0.5)
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from fvstep.models import predict
+
+__all__ = ["blend_", "euler_sample"]
+
+
+def euler_sample(
+    module: nn.Module, noise: torch.Tensor, text: torch.Tensor, num_steps: int
+) -> torch.Tensor:
+    """Generate ``x0`` from ``noise`` at ``t = 1`` by ``num_steps`` Euler steps of the velocity.
+
+    ``x <- x + (t_next - t) v(x, t)`` on the uniform grid ``1, 1 - 1/n, ..., 0``; with one
+    step this is ``x0 = noise - v(noise, 1)``. Runs in the caller's grad mode.
+
+    Args:
+        module: Called through the forward contract of :mod:`fvstep.models`.
+        noise: ``x`` at ``t = 1``.
+        text: The text embeddings, ``(B, L, D)``.
+        num_steps: Euler steps (>= 1).
+
+    Returns:
+        ``x0``, shaped like ``noise``.
+
+    Raises:
+        ValueError: If ``num_steps < 1``.
+
+    Examples:
+        >>> with torch.no_grad():
+        ...     x0 = euler_sample(state.module("old"), noise, text, num_steps=2)
+    """
+    if num_steps < 1:
+        raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+    x = noise
+    grid = [1.0 - i / num_steps for i in range(num_steps + 1)]
+    for t_now, t_next in itertools.pairwise(grid):
+        t = torch.full((x.shape[0],), t_now, device=x.device)
+        x = x + (t_next - t_now) * predict(module, x, t * 1000, text)
+    return x
+
+
+@torch.no_grad()
+def blend_(
+    target: Mapping[str, torch.Tensor], source: Mapping[str, torch.Tensor], beta: float
+) -> None:
+    """``target = beta * target + (1 - beta) * source``, in place, for every floating tensor.
+
+    Args:
+        target: The old policy's parameters (``state.roles["old"].params``), changed in place.
+        source: The trained policy's, by the same names (cast to ``target``'s dtypes).
+        beta: How much of ``target`` is kept (``0``: a copy of ``source``).
+
+    Raises:
+        ValueError: If the two do not have the same names.
+
+    Examples:
+        >>> blend_(state.roles["old"].params, state.roles["student"].params, 0.9)
+    """
+    if set(target) != set(source):
+        missing = sorted(set(target) ^ set(source))
+        raise ValueError(f"cannot blend modules with different parameters (e.g. {missing[:3]})")
+    names = [n for n, t in target.items() if t.is_floating_point()]
+    targets = [target[n] for n in names]
+    sources = [source[n].detach().to(target[n].dtype) for n in names]
+    torch._foreach_mul_(targets, beta)
+    torch._foreach_add_(targets, sources, alpha=1.0 - beta)
