@@ -152,6 +152,7 @@ def run_side(
             batch,
             window_frames=args.window_frames,
             sink_frames=args.sink_frames,
+            cache_dtype=torch.bfloat16 if c.resolve_dtype(args, rt) == "bf16" else None,
         )
     state = fs.TrainState.create(roles, key=fs.random.key(args.seed), extra=extra)
     compiled = fs.compile(_method(args), clip=fs.clip_grad_norm(1.0))

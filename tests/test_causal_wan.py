@@ -223,3 +223,36 @@ def test_context_parallel_and_bad_inputs_are_refused_with_a_clear_error():
     with pytest.raises(ValueError, match="rotary table"):
         causal_forward(model, torch.zeros(2, 4, 33, 4, 4), torch.zeros(2), text)
     assert chunk_frames_of(model) == 3
+
+
+def test_a_rollout_keeps_one_cache_for_its_contexts_unless_it_evicts():
+    """Without eviction each chunk's context is its prefix of the final cache (one buffer,
+    the same frames on regeneration); a rolling cache keeps a cache per chunk."""
+    from fvstep.methods.causal_rollout import regenerate, rollout
+    from fvstep.models import synthetic_batch
+
+    student = make_causal(tiny_wan(seed=0), chunk_frames=1)
+    batch = synthetic_batch(fs.random.key(0), batch_size=2, frames=3)
+    options = {"exits": (1, 0, 1), "denoising_steps": (1.0, 0.5)}
+    key = fs.random.key(1)
+    ro = rollout(student, batch["latents"], batch["text"], key, **options)
+    assert all(c.keys is ro.cache.keys for c in ro.contexts)
+    assert [int(c.num_frames) for c in ro.contexts] == [0, 1, 2]
+    again = regenerate(student, ro.exit_inputs, ro.exit_times, ro.contexts, batch["text"])
+    assert torch.equal(again, ro.video)
+    rolling = init_cache(student, batch["latents"], capacity_frames=2, sink_frames=1)
+    ro = rollout(student, batch["latents"], batch["text"], key, cache=rolling, **options)
+    assert len({id(c.keys) for c in ro.contexts}) == 3
+    assert torch.equal(
+        regenerate(student, ro.exit_inputs, ro.exit_times, ro.contexts, batch["text"]), ro.video
+    )
+
+
+def test_the_cache_takes_the_autocast_dtype_its_keys_are_computed_in():
+    latents = torch.zeros(1, 4, 2, 4, 4)
+    model = make_causal(tiny_wan())
+    assert init_cache(model, latents, capacity_frames=2).keys.dtype == torch.float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert init_cache(model, latents, capacity_frames=2).keys.dtype == torch.bfloat16
+    cache = init_cache(model, latents, capacity_frames=2, dtype=torch.float16)
+    assert cache.keys.dtype == torch.float16

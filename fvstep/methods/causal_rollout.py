@@ -91,7 +91,9 @@ class Rollout(NamedTuple):
         cache: The cache after the last chunk (its context pass appended).
         exit_inputs: Per chunk, the noisy input of its exit step (no gradient).
         exit_times: Per chunk, its exit step's time.
-        contexts: Per chunk, the cache its exit step read.
+        contexts: Per chunk, the cache its exit step read. Without eviction (the rollout
+            fits the cache's capacity) they share the final cache's buffers, each with
+            its own fill level; with eviction each is its own cache.
     """
 
     video: torch.Tensor
@@ -148,11 +150,15 @@ def rollout(
         raise ValueError(f"need one exit step for each of {num_chunks} chunks, got {len(exits)}")
     steps = tuple(float(s) for s in denoising_steps)
     current = cache if cache is not None else init_cache(student, like, capacity_frames=frames)
+    # Without eviction every chunk's context is a prefix of the final cache: one buffer,
+    # read by each chunk up to its fill level (the slots past it are masked, never used).
+    grows = int(current.num_frames) + frames <= current.capacity_frames
     shape = (batch, channels, chunk, height, width)
     chunks: list[torch.Tensor] = []
     inputs: list[torch.Tensor] = []
     times: list[float] = []
     contexts: list[KVCache] = []
+    filled: list[torch.Tensor] = []
     for c in range(num_chunks):
         k_noise, k_renoise, k_context = fsrandom.split(fsrandom.fold_in(key, c), 3)
         x = _noise.randn(k_noise, shape, device=like.device, dtype=like.dtype)
@@ -169,7 +175,10 @@ def rollout(
         chunks.append(x0)
         inputs.append(x)
         times.append(steps[j])
-        contexts.append(current)
+        if grows:
+            filled.append(current.num_frames)
+        else:
+            contexts.append(current)
         with torch.no_grad():
             clean = x0.detach()
             t_c = _time(context_time, clean)
@@ -180,7 +189,20 @@ def rollout(
             )
             assert updated is not None
             current = updated
+    if grows:
+        contexts = [_prefix(current, n) for n in filled]
     return Rollout(torch.cat(chunks, 2), current, tuple(inputs), tuple(times), tuple(contexts))
+
+
+def _prefix(cache: KVCache, num_frames: torch.Tensor) -> KVCache:
+    """``cache`` read as its first ``num_frames`` frames (the same buffers)."""
+    return KVCache(
+        keys=cache.keys,
+        values=cache.values,
+        num_frames=num_frames,
+        frame_tokens=cache.frame_tokens,
+        sink_frames=cache.sink_frames,
+    )
 
 
 def regenerate(

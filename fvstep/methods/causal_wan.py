@@ -89,7 +89,9 @@ class KVCache:
 
     Attributes:
         keys: ``(B, layers, capacity_frames * frame_tokens, heads, head_dim)``, before the
-            rotary embedding (batch first: micro-batches split it); slots past ``num_frames`` frames are zeros (and never read).
+            rotary embedding (batch first: micro-batches split it). Slots past
+            ``num_frames`` frames are never read (masked); they hold zeros, or a later
+            chunk's keys in a rollout's context (a prefix of the final cache).
         values: Like ``keys``.
         num_frames: 0-d int64 tensor: the frames held (a prefix of the slots).
         frame_tokens: Tokens per latent frame (static).
@@ -213,7 +215,8 @@ def init_cache(
         capacity_frames: The frames the cache holds at most; a full cache keeps its first
             ``sink_frames`` and drops the oldest of the others.
         sink_frames: Frames kept forever (an attention sink), ``< capacity_frames``.
-        dtype: The buffers' dtype (default ``like``'s).
+        dtype: The buffers' dtype. Default: the autocast dtype when autocast is on for
+            ``like``'s device (the keys and values are computed in it), else ``like``'s.
 
     Returns:
         A cache holding no frame.
@@ -235,7 +238,10 @@ def init_cache(
     frame_tokens = (height // p_h) * (width // p_w)
     num_layers, heads, head_dim = _layer_shapes(model)
     shape = (like.shape[0], num_layers, capacity_frames * frame_tokens, heads, head_dim)
-    dtype = dtype or like.dtype
+    if dtype is None:
+        device = like.device.type
+        on = torch.is_autocast_enabled(device)
+        dtype = torch.get_autocast_dtype(device) if on else like.dtype
     return KVCache(
         keys=torch.zeros(shape, dtype=dtype, device=like.device),
         values=torch.zeros(shape, dtype=dtype, device=like.device),

@@ -14,7 +14,11 @@ runs up to the chunk's exit step ``j_c``::
     x  = (1 - t_{i+1}) x0 + t_{i+1} eps_{c,i}       i < j_c         (re-noised)
 
 The exit-step output ``x0_hat_c`` is the chunk (its gradient follows the caller's grad
-mode: the only gradient path of the chunk). The cache for the next chunk is computed from
+mode: the only gradient path of the chunk). The student's unit rolls out without
+gradient and then recomputes each chunk's exit step with gradient
+(:func:`~fvstep.methods.causal_rollout.regenerate`, the same inputs and cache, so the same
+frames): one more chunk forward per chunk, and the backward holds one cache (each chunk
+reads its prefix of the final one) instead of one per chunk. The cache for the next chunk is computed from
 the generated clean chunk: one forward of ``sg(x0_hat_c)`` (re-noised to
 ``context_time``, 0 by default) at timestep ``context_time`` that appends its keys and
 values, without gradient. The cache never carries gradient.
@@ -58,7 +62,7 @@ import torch
 
 from fvstep import random as fsrandom
 from fvstep.core.steps import Cond, cond, update
-from fvstep.methods.causal_rollout import exit_steps, rollout, shifted_steps
+from fvstep.methods.causal_rollout import exit_steps, regenerate, rollout, shifted_steps
 from fvstep.methods.causal_wan import chunk_frames_of
 from fvstep.methods.dmd2 import FusedLossFn, critic_denoising_loss, distribution_matching_loss
 from fvstep.methods.finetune import RoleLossFn
@@ -206,10 +210,16 @@ def self_forcing_losses(
             same_step_across_chunks=same_step_across_chunks,
             last_step_only=last_step_only,
         )
-        return rollout(
-            module, like, batch["text"], key, exits=exits, denoising_steps=steps,
-            context_time=context_time,
-        ).video  # fmt: skip
+        with torch.no_grad():
+            ro = rollout(
+                module, like, batch["text"], key, exits=exits, denoising_steps=steps,
+                context_time=context_time,
+            )  # fmt: skip
+        if not torch.is_grad_enabled():
+            return ro.video
+        # the exit steps again, with gradient, each reading its prefix of the one final
+        # cache (a rollout under grad would keep every chunk's cache for the backward)
+        return regenerate(module, ro.exit_inputs, ro.exit_times, ro.contexts, batch["text"])
 
     def critic_of(
         state: TrainState, video: torch.Tensor, text: torch.Tensor, keys: Sequence[torch.Tensor]

@@ -81,7 +81,12 @@ class StreamState:
 
 
 def init_stream(
-    student: nn.Module, batch: Any, *, window_frames: int, sink_frames: int = 0
+    student: nn.Module,
+    batch: Any,
+    *,
+    window_frames: int,
+    sink_frames: int = 0,
+    cache_dtype: torch.dtype | None = None,
 ) -> StreamState:
     """An empty stream for ``student`` and batches like ``batch`` (for ``TrainState.create``).
 
@@ -90,6 +95,9 @@ def init_stream(
         batch: A batch of the run: ``"latents"`` (a step's frames) and ``"text"``.
         window_frames: The latest frames the cache and ``frames`` keep; at least a step's.
         sink_frames: The stream's first frames the cache keeps for the whole stream.
+        cache_dtype: The cache's dtype (:func:`~fvstep.methods.causal_wan.init_cache`'s
+            ``dtype``; e.g. ``torch.bfloat16`` for a run under bf16 autocast, where the
+            keys are computed in bf16: half the memory, the same attention).
 
     Returns:
         A :class:`StreamState` holding no frame.
@@ -111,7 +119,11 @@ def init_stream(
     batch_size, channels, _, height, width = like.shape
     return StreamState(
         cache=init_cache(
-            student, like, capacity_frames=sink_frames + window_frames, sink_frames=sink_frames
+            student,
+            like,
+            capacity_frames=sink_frames + window_frames,
+            sink_frames=sink_frames,
+            dtype=cache_dtype,
         ),
         frames=like.new_zeros((batch_size, channels, window_frames, height, width)),
         text=torch.zeros_like(text),
