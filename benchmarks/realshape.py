@@ -19,7 +19,7 @@ student+critic and critic-only, which are reported apart. DiffusionNFT
 (``--method diffusion-nft``) runs a policy and its old copy (frozen, bf16 on the prepared
 side), one prompt a step rolled out ``--group-size`` times by ``--rollout-steps`` Euler
 steps of the old policy, scored by the stated latent reward
-(:func:`fvstep.methods.rl.latent_mse_reward`), one optimizer step over ``--group-size``
+(:func:`fvstep.methods.rewards.latent_mse_reward`), one optimizer step over ``--group-size``
 micro-batches of one sample, then the soft update; its rollout forwards count as
 no-grad forwards. Self-forcing (``--method self-forcing``) makes the student causal
 (:func:`fvstep.methods.make_causal`, chunks of 3 latent frames, or 1 when the frames do
@@ -67,7 +67,7 @@ from benchmarks.roles import by_hand, lora_roles, prepared
 from fvstep import parallel as fsp
 from fvstep.methods import SoftUpdate, diffusion_nft, dmd2, finetune, make_causal, self_forcing
 from fvstep.methods.diffusion_nft import euler_rollout
-from fvstep.methods.rl import latent_mse_reward
+from fvstep.methods.rewards import latent_mse_reward
 from fvstep.methods.streaming import init_stream, streaming
 
 __all__ = ["build_parser", "main", "run_side"]
