@@ -14,8 +14,9 @@ Roles: ``student`` (trained), ``teacher`` (frozen), ``critic`` (trained). Each m
 - **Generator loss** ``0.5 * MSE(x0_hat, sg(x0_hat - g))`` with
   ``g = nan_to_num((x0_critic - x0_teacher_cfg) / mean|x0_hat - x0_teacher_cfg|)``, where
   ``x0 = x_t - t' v`` and the teacher's velocity is classifier-free guided on a null
-  (all-zeros) text: ``v_cfg = v_uncond + s (v_cond - v_uncond)``. The critic and teacher
-  run under ``torch.no_grad()``.
+  (all-zeros) text: ``v_cfg = v_uncond + s (v_cond - v_uncond)``; the mean is each
+  sample's own, as in the DMD2 and Self-Forcing code (a sample's gradient does not depend
+  on the other samples of its micro-batch). Critic and teacher run under ``no_grad``.
 
 Every random draw comes from a generator made from a split of the loss function's key:
 ``split(key, 5) = (rollout, generator_t, generator_noise, critic_t, critic_noise)``, and
@@ -149,7 +150,7 @@ def distribution_matching_loss(
         critic: The critic role's name.
 
     Returns:
-        ``(loss, {"score_t_mean", "dmd_denominator"})``.
+        ``(loss, {"score_t_mean", "dmd_denominator"})`` (its mean over the samples).
 
     Examples:
         >>> options = dict(guidance_scale=3.5, shift=3.0, min_ratio=0.02, max_ratio=0.98)
@@ -168,11 +169,12 @@ def distribution_matching_loss(
             v_teacher = v_uncond + guidance_scale * (v_teacher - v_uncond)
         x0_critic = x0_from_velocity(x_t, t, v_critic).float()
         x0_teacher = x0_from_velocity(x_t, t, v_teacher).float()
-        denom = (x0.float() - x0_teacher).abs().mean()
+        per_sample = tuple(range(1, x0.dim()))
+        denom = (x0.float() - x0_teacher).abs().mean(dim=per_sample, keepdim=True)
         g = torch.nan_to_num((x0_critic - x0_teacher) / denom)
         target = x0.float() - g
     loss = 0.5 * F.mse_loss(x0_hat.float(), target)
-    return loss, {"score_t_mean": t.mean(), "dmd_denominator": denom}
+    return loss, {"score_t_mean": t.mean(), "dmd_denominator": denom.mean()}
 
 
 def critic_denoising_loss(
