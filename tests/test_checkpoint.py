@@ -345,14 +345,26 @@ def test_saved_on_one_process_loads_on_two_ranks_leaf_exact(ranks, tmp_path):
 
 @pytest.mark.multirank
 def test_per_rank_values_refuse_another_world_size(ranks, tmp_path):
-    ranks.run(save_sharded_on_ranks, str(tmp_path), True)
+    saved = ranks.run(save_sharded_on_ranks, str(tmp_path), True)[0]
     path = checkpoint_dir(tmp_path, 5)
     like = wan_state(0, sharded=False, fill=None, extra={"per_rank": torch.tensor([0])})
     before = disk_snapshot(tmp_path)
     with pytest.raises(CheckpointError, match=r"per-rank.*saved by 2 ranks.*loaded on 1") as info:
         load(path, like=like)
     assert str(path) in str(info.value) and "extra.per_rank" in str(info.value)
+    assert "reset=('extra.per_rank',)" in str(info.value)
     assert disk_snapshot(tmp_path) == before
+    # start the per-rank values afresh from `like`; everything else is the checkpoint's
+    loaded = load(path, like=like, reset=("extra.per_rank",))
+    assert int(loaded.extra["per_rank"]) == 0 and loaded.extra["per_rank"] is not None
+    got = full_tensors(loaded)
+    assert set(got) == set(saved)
+    tree.assert_trees_equal(
+        {p: x for p, x in got.items() if p != "extra.per_rank"},
+        {p: x for p, x in saved.items() if p != "extra.per_rank"},
+    )
+    with pytest.raises(ValueError, match="names no leaf"):
+        load(path, like=like, reset=("extra.nothing",))
 
 
 # ------------------------------------------------------- 4. atomic commit and latest

@@ -9,6 +9,7 @@ between ranks: a damaged shard of one rank makes every rank raise.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -59,10 +60,19 @@ def _check_optimizer_states(like: Any, path: Path) -> None:
             ) from None
 
 
+def _under(path: str, prefixes: tuple[str, ...]) -> bool:
+    return any(path == q or path.startswith(q + ".") for q in prefixes)
+
+
 def _check_fits(
-    manifest: Manifest, path: Path, paths: list[str], leaves: list[Any], world: int
+    manifest: Manifest,
+    path: Path,
+    paths: list[str],
+    leaves: list[Any],
+    world: int,
+    reset: tuple[str, ...],
 ) -> None:
-    saved = set(manifest.leaves)
+    saved = {p for p in manifest.leaves if not _under(p, reset)}
     mine = set(paths)
     if saved != mine:
         missing, extra = sorted(mine - saved), sorted(saved - mine)
@@ -85,11 +95,24 @@ def _check_fits(
                 f"checkpoint {str(path)!r}: leaf '{p}' was saved as {entry['dtype']}"
                 f"{tuple(entry['shape'])}, the state has {dtype}{tuple(x.shape)}"
             )
-    if manifest.per_rank and manifest.world_size != world:
+    per_rank = sorted(p for p in manifest.per_rank if not _under(p, reset))
+    if per_rank and manifest.world_size != world:
+        shown = ", ".join(per_rank[:4]) + (", ..." if len(per_rank) > 4 else "")
         raise CheckpointError(
-            f"checkpoint {str(path)!r} holds per-rank values ({sorted(manifest.per_rank)[:3]}) "
-            f"saved by {manifest.world_size} ranks; they cannot be loaded on {world}"
+            f"checkpoint {str(path)!r} holds per-rank values ({shown}) saved by "
+            f"{manifest.world_size} ranks; they cannot be loaded on {world}. To start them "
+            f"afresh from `like` instead, pass reset=({_common_prefix(per_rank)!r},)"
         )
+
+
+def _common_prefix(paths: list[str]) -> str:
+    parts = [p.split(".") for p in paths]
+    common = []
+    for level in zip(*parts):
+        if len(set(level)) > 1:
+            break
+        common.append(level[0])
+    return ".".join(common or parts[0][:1])
 
 
 def _empty_like(x: torch.Tensor) -> torch.Tensor:
@@ -99,7 +122,9 @@ def _empty_like(x: torch.Tensor) -> torch.Tensor:
     return new
 
 
-def load(path: str | os.PathLike[str], *, like: T, group: Any = None) -> T:
+def load(
+    path: str | os.PathLike[str], *, like: T, group: Any = None, reset: Sequence[str] = ()
+) -> T:
     """Load the checkpoint at ``path`` into a *new* state shaped like ``like``.
 
     ``like`` gives the structure, static metadata (modules, optimizers) and sharding; it
@@ -116,6 +141,10 @@ def load(path: str | os.PathLike[str], *, like: T, group: Any = None) -> T:
         path: A checkpoint directory (see :func:`fvstep.checkpoint.latest`).
         like: A state of the same structure (e.g. the freshly created initial state).
         group: The process group (default: the world).
+        reset: Leaf paths (``"extra.stream"``: that leaf or every leaf under it) that are
+            not read: the returned state has ``like``'s own values there, whatever the
+            checkpoint holds under them. E.g. per-rank streams on another world size:
+            ``load(path, like=fresh_state, reset=("extra.stream",))``.
 
     Returns:
         The loaded state.
@@ -130,6 +159,7 @@ def load(path: str | os.PathLike[str], *, like: T, group: Any = None) -> T:
             shape or dtype changed, per-rank values on another world size), or if
             ``like``'s frozen parameters saved by checksum differ from the checkpoint's
             (another base model: naming the role and the first differing parameter).
+        ValueError: If an entry of ``reset`` names no leaf of ``like``.
 
     Examples:
         >>> state = load(latest(root), like=initial_state)
@@ -147,10 +177,14 @@ def load(path: str | os.PathLike[str], *, like: T, group: Any = None) -> T:
     rank, world = rank_and_world(group)
     _check_optimizer_states(like, path)
     all_paths, all_leaves, spec = flatten_with_paths(like)
+    reset = tuple(reset)
+    for q in reset:
+        if not any(_under(p, (q,)) for p in all_paths):
+            raise ValueError(f"reset={q!r} names no leaf of `like` (e.g. {all_paths[:3]})")
     _check_frozen(manifest, path, all_paths, all_leaves, group)
-    keep = [i for i, p in enumerate(all_paths) if p not in manifest.frozen]
+    keep = [i for i, p in enumerate(all_paths) if p not in manifest.frozen and not _under(p, reset)]
     paths, leaves = [all_paths[i] for i in keep], [all_leaves[i] for i in keep]
-    _check_fits(manifest, path, paths, leaves, world)
+    _check_fits(manifest, path, paths, leaves, world, reset)
     fresh = [_empty_like(x) for x in leaves]
     flat = {(_rank_key(p, rank) if p in manifest.per_rank else p): x for p, x in zip(paths, fresh)}
     try:
