@@ -7,8 +7,10 @@
 - :class:`FewStepSampler`: a few-step student's sampler (DMD2's ``denoising_steps``):
   predict ``x0 = x - t v`` at each step, re-noise it to the next step with fresh keyed
   noise, return the last ``x0``.
-- :func:`sample`: run a sampler with a module; :func:`decode_latents`: latents to pixels
-  with a diffusers VAE (``AutoencoderKLWan``), as ``WanPipeline`` decodes them;
+- :func:`sample`: run a sampler with a module (a causal Wan autoregressively, chunk by
+  chunk with its KV cache, as :func:`fvstep.methods.causal_rollout.rollout` generates);
+  :func:`decode_latents`: latents to pixels with a diffusers VAE (``AutoencoderKLWan``),
+  as ``WanPipeline`` decodes them;
 - :func:`sample_videos`: a validation function that samples a role (or its EMA) for
   each prompt embedding and returns :class:`fvstep.media.Video` values, which the
   trackers write as MP4 and PNG strip.
@@ -33,6 +35,14 @@ from torch import nn
 from fvstep import random as fsrandom
 from fvstep._optional import needs_extra
 from fvstep.media import Video, frames_from_pixels
+from fvstep.methods.causal_wan import (
+    KVCache,
+    causal_forward,
+    chunk_frames_of,
+    init_cache,
+    is_causal,
+    recorded_chunk_frames,
+)
 from fvstep.methods.finetune import add_noise, x0_from_velocity
 from fvstep.models import predict
 from fvstep.parallel.ranks import rank_and_world
@@ -156,7 +166,15 @@ def sample(
 ) -> torch.Tensor:
     """Generate clean latents from ``noise`` with ``module`` (the forward contract).
 
-    Runs under ``torch.no_grad()``.
+    Runs under ``torch.no_grad()``. A causal Wan (:func:`fvstep.methods.make_causal`)
+    generates as at inference: chunk by chunk, each chunk's frames (from their slice of
+    ``noise``) run through the whole sampler attending to the KV cache of the chunks
+    before, then the clean chunk (``t = 0``) is appended to the cache. With a
+    :class:`FewStepSampler`, chunk ``c`` re-noises before step ``i + 1`` with
+    ``fold_in(split(fold_in(key, c), 3)[1], i)``: the keys of
+    :func:`fvstep.methods.causal_rollout.rollout`, so that ``sample`` is bitwise the
+    rollout whose every chunk exits at the last step, given the rollout's noise. A
+    guided :class:`EulerSampler` keeps a second cache for the negative text.
 
     Args:
         module: A velocity predictor (:mod:`fvstep.models`' forward contract).
@@ -172,12 +190,19 @@ def sample(
         The latents, shaped like ``noise``.
 
     Raises:
-        ValueError: If a multi-step :class:`FewStepSampler` has no ``key``.
+        ValueError: If a multi-step :class:`FewStepSampler` has no ``key``, a causal
+            model's frames are not a multiple of its chunk, or the module's config
+            records a causal Wan that it is not (a causal export loaded with a plain
+            ``from_pretrained``: :func:`fvstep.methods.causal_wan.load_causal` loads it).
 
     Examples:
         >>> x0 = sample(net, noise, text, sampler=EulerSampler(4))
     """
     batch = noise.shape[0]
+    if is_causal(module):
+        return _sample_causal(module, noise, text, sampler, key, negative_text)
+    if recorded_chunk_frames(module) is not None:
+        chunk_frames_of(module)  # raises: the record of a causal model that is not causal
     with torch.no_grad():
         if isinstance(sampler, EulerSampler):
             scheduler: Any = sampler.scheduler()
@@ -205,6 +230,68 @@ def sample(
                 )
                 x = add_noise(x0, eps, torch.full((batch,), steps[i + 1], device=noise.device))
         return x0
+
+
+def _sample_causal(
+    module: nn.Module,
+    noise: torch.Tensor,
+    text: torch.Tensor,
+    sampler: Sampler,
+    key: torch.Tensor | None,
+    negative_text: torch.Tensor | None,
+) -> torch.Tensor:
+    """:func:`sample` of a causal Wan: chunk by chunk with its KV cache (one per text)."""
+    chunk = chunk_frames_of(module)
+    batch, _, frames, _, _ = noise.shape
+    if frames % chunk:
+        raise ValueError(f"the noise's {frames} frames are not a multiple of the chunk ({chunk})")
+    if isinstance(sampler, FewStepSampler) and len(sampler.denoising_steps) > 1 and key is None:
+        raise ValueError("a FewStepSampler with more than one step needs a key")
+    texts = [text]
+    if isinstance(sampler, EulerSampler) and sampler.guidance_scale > 1.0:
+        texts.append(torch.zeros_like(text) if negative_text is None else negative_text)
+    caches = [init_cache(module, noise, capacity_frames=frames) for _ in texts]
+
+    def velocity(x: torch.Tensor, t: torch.Tensor, caches: list[KVCache]) -> torch.Tensor:
+        vs = [causal_forward(module, x, t, c, cache=k)[0] for c, k in zip(texts, caches)]
+        if len(vs) == 1:
+            return vs[0]
+        assert isinstance(sampler, EulerSampler)
+        return vs[1] + sampler.guidance_scale * (vs[0] - vs[1])
+
+    out = []
+    with torch.no_grad():
+        for c in range(frames // chunk):
+            x = noise[:, :, c * chunk : (c + 1) * chunk].contiguous()
+            if isinstance(sampler, FewStepSampler):
+                steps = sampler.denoising_steps
+                k_renoise = None if key is None else fsrandom.split(fsrandom.fold_in(key, c), 3)[1]
+                for i, s in enumerate(steps):
+                    t = torch.full((batch,), s, device=noise.device)
+                    x0 = x0_from_velocity(x, t, velocity(x, t * 1000, caches))
+                    if i + 1 < len(steps):
+                        assert k_renoise is not None
+                        eps = torch.randn(
+                            x0.shape,
+                            generator=fsrandom.generator(fsrandom.fold_in(k_renoise, i), x0.device),
+                            device=x0.device,
+                            dtype=x0.dtype,
+                        )
+                        x = add_noise(x0, eps, torch.full((batch,), steps[i + 1], device=x.device))
+                x = x0
+            else:
+                scheduler: Any = sampler.scheduler()
+                scheduler.set_timesteps(sampler.num_steps, device=noise.device)
+                for t in scheduler.timesteps:
+                    v = velocity(x, t.expand(batch), caches)
+                    x = scheduler.step(v, t, x, return_dict=False)[0]
+            out.append(x)
+            t_clean = torch.zeros((batch,), device=noise.device)
+            caches = [
+                causal_forward(module, x, t_clean, c, cache=k, update_cache=True)[1]  # type: ignore[misc]
+                for c, k in zip(texts, caches)
+            ]
+    return torch.cat(out, 2)
 
 
 def decode_latents(vae: nn.Module, latents: torch.Tensor) -> torch.Tensor:

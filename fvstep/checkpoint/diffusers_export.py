@@ -5,6 +5,14 @@ The role is gathered and written as :mod:`fvstep.checkpoint.export` does (every 
 calls; global rank 0 writes; the target's checks and the write's outcome are shared with
 every rank), and the folder is written under a temporary name and renamed into place.
 
+The module's config is written as it is, so the record that a model is a causal Wan
+(``"_fvstep_causal": {"chunk_frames": n}``, written by
+:func:`fvstep.methods.causal_wan.make_causal`) goes into ``config.json``: diffusers'
+``from_pretrained`` ignores it and builds the *bidirectional* model of those weights;
+:func:`fvstep.methods.causal_wan.load_causal` restores the causal one. A module whose
+config records causality it does not have (a causal export loaded with a plain
+``from_pretrained``) is refused: its export would claim what it did not compute.
+
 Examples:
     >>> export_diffusers(state, "student", "out/student", dtype=torch.bfloat16)
     >>> WanTransformer3DModel.from_pretrained("out/student")
@@ -60,7 +68,9 @@ def export_diffusers(
     with the ``_class_name`` of the diffusers class even when the module was wrapped by
     ``fully_shard``) and ``diffusion_pytorch_model.safetensors``, so that
     ``ModelClass.from_pretrained(path)`` (or ``diffusers.AutoModel``) loads it. Call it
-    on every rank; global rank 0 writes.
+    on every rank; global rank 0 writes. A causal Wan's folder records its chunk: load it
+    with :func:`fvstep.methods.causal_wan.load_causal` (``from_pretrained`` alone gives
+    the bidirectional model).
 
     With ``dtype``, the tensors of the class's ``_keep_in_fp32_modules`` stay in fp32
     (as ``from_pretrained(..., torch_dtype=dtype)`` would hold them), the others are cast.
@@ -80,9 +90,10 @@ def export_diffusers(
     Raises:
         ImportError: If diffusers is not installed.
         ValueError: For an unknown role or ``weights``, a module that is not a diffusers
-            ``ModelMixin``, ``weights="ema"`` without an EMA, a non-floating ``dtype``, a
-            ``path`` that is a file, or a non-empty ``path`` without ``overwrite=True``.
-            Raised on every rank.
+            ``ModelMixin``, a config recording a causal chunk the module does not have,
+            ``weights="ema"`` without an EMA, a non-floating ``dtype``, a ``path`` that is
+            a file, or a non-empty ``path`` without ``overwrite=True``. Raised on every
+            rank.
         RuntimeError: On the other ranks, when writing failed on rank 0.
 
     Examples:
@@ -92,6 +103,7 @@ def export_diffusers(
     role_state = _role_state(state, role)
     module = role_state.role.module
     cls = _diffusers_class(module, role)
+    _check_causal_record(module, role)
     _check_options(role_state, role, weights, dtype)
     path = Path(path)
     writes = rank_and_world()[0] == 0
@@ -208,6 +220,7 @@ def export_pipeline(
     role_state = _role_state(state, role)
     module = role_state.role.module
     cls = _diffusers_class(module, role)
+    _check_causal_record(module, role)
     _check_options(role_state, role, weights, dtype)
     path, base = Path(path), Path(base)
     writes = rank_and_world()[0] == 0
@@ -283,6 +296,26 @@ def _diffusers_class(module: nn.Module, role: str) -> type[Any]:
         if issubclass(cls, ModelMixin) and not issubclass(cls, FSDPModule):
             return cls
     raise AssertionError("unreachable: a ModelMixin instance has a ModelMixin class")
+
+
+_CAUSAL_CONFIG_KEY = "_fvstep_causal"  # fvstep.methods.causal_wan.CAUSAL_CONFIG_KEY
+_CAUSAL_ROPE_ATTR = "_fvstep_causal_chunk_frames"  # what make_causal sets on the rotary module
+
+
+def _check_causal_record(module: nn.Module, role: str) -> None:
+    """Refuse a module whose config records a causal chunk its rotary module does not have
+    (the checkpoint layer reads the two names; it may not import the methods)."""
+    record = getattr(module, "config", {}).get(_CAUSAL_CONFIG_KEY)
+    if record is None:
+        return
+    actual = getattr(getattr(module, "rope", None), _CAUSAL_ROPE_ATTR, None)
+    if actual is None or record.get("chunk_frames") != actual:
+        raise ValueError(
+            f"role {role!r}'s config records a causal Wan ({_CAUSAL_CONFIG_KEY}={dict(record)}) "
+            f"but its module is {'bidirectional' if actual is None else f'causal of chunk {actual}'}"
+            " (a causal export loaded with a plain from_pretrained?): load it with "
+            "fvstep.methods.causal_wan.load_causal"
+        )
 
 
 def _config_json(module: nn.Module, cls: type[Any]) -> str:

@@ -57,6 +57,8 @@ Examples:
 from __future__ import annotations
 
 import contextlib
+import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -74,13 +76,21 @@ from fvstep.methods._causal_attention import (
 from fvstep.tree import field, frozen
 
 __all__ = [
+    "CAUSAL_CONFIG_KEY",
     "CausalWanAttnProcessor",
     "KVCache",
     "causal_forward",
     "chunk_frames_of",
     "init_cache",
+    "is_causal",
+    "load_causal",
     "make_causal",
+    "recorded_chunk_frames",
 ]
+
+CAUSAL_CONFIG_KEY = "_fvstep_causal"
+"""Where :func:`make_causal` records ``{"chunk_frames": n}`` in the config (and an export's
+``config.json``); ``from_pretrained`` ignores it (builds a bidirectional model) but keeps it."""
 
 
 @frozen
@@ -123,6 +133,12 @@ def chunk_frames_of(model: nn.Module) -> int:
     rope = getattr(model, "rope", None)
     chunk = getattr(rope, CAUSAL_ATTR, None)
     if chunk is None:
+        recorded = recorded_chunk_frames(model)
+        if recorded is not None:
+            raise ValueError(
+                f"{type(model).__name__} was exported causal (chunk_frames={recorded}) but "
+                "loaded bidirectional (a plain from_pretrained): use causal_wan.load_causal"
+            )
         raise ValueError(
             f"{type(model).__name__} is not a causal Wan: build it with "
             "fvstep.methods.causal_wan.make_causal(model)"
@@ -130,17 +146,48 @@ def chunk_frames_of(model: nn.Module) -> int:
     return int(chunk)
 
 
-def make_causal(model: nn.Module, *, chunk_frames: int = 3) -> nn.Module:
+def is_causal(model: nn.Module) -> bool:
+    """Whether ``model`` is a causal Wan (made so by :func:`make_causal`).
+
+    Examples:
+        >>> is_causal(make_causal(tiny_wan())), is_causal(tiny_wan())
+        (True, False)
+    """
+    return hasattr(getattr(model, "rope", None), CAUSAL_ATTR)
+
+
+def recorded_chunk_frames(model_or_config: Any) -> int | None:
+    """The chunk a module's config (or a config mapping) records as causal
+    (:data:`CAUSAL_CONFIG_KEY`), else ``None``; a plain load of a causal export has one.
+
+    Raises:
+        ValueError: If the record is not ``{"chunk_frames": n}``, ``n`` an int ``>= 1``.
+
+    Examples:
+        >>> recorded_chunk_frames(make_causal(tiny_wan(), chunk_frames=1))
+        1
+    """
+    config = getattr(model_or_config, "config", model_or_config)
+    record: Any = config.get(CAUSAL_CONFIG_KEY) if hasattr(config, "get") else None
+    chunk = record.get("chunk_frames") if hasattr(record, "get") else record
+    if record is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+        raise ValueError(f"{CAUSAL_CONFIG_KEY!r} must be {{'chunk_frames': n}}, got {record!r}")
+    return chunk
+
+
+def make_causal(model: nn.Module, *, chunk_frames: int | None = None) -> nn.Module:
     """Make a diffusers ``WanTransformer3DModel`` block-causal over chunks of latent frames.
 
     In place: every block's self-attention processor becomes a
     :class:`CausalWanAttnProcessor` and the rotary embedding gets a forward hook; the
     parameters, their names and the state-dict keys do not change. Call it before
-    :func:`fvstep.parallel.prepare`.
+    :func:`fvstep.parallel.prepare`. Its config records it (:data:`CAUSAL_CONFIG_KEY`):
+    :func:`load_causal` restores the model from a diffusers export.
 
     Args:
         model: A ``WanTransformer3DModel`` (temporal patch size 1), not yet prepared.
-        chunk_frames: Latent frames a chunk (3: Self-Forcing's Wan2.1 setting).
+        chunk_frames: Latent frames a chunk. Default: the chunk the model's config
+            records (a plain load of a causal export), else 3 (Self-Forcing's Wan2.1).
 
     Returns:
         The same model.
@@ -148,7 +195,7 @@ def make_causal(model: nn.Module, *, chunk_frames: int = 3) -> nn.Module:
     Raises:
         ValueError: If ``chunk_frames < 1``, the model is not a Wan transformer, has a
             temporal patch size other than 1, is causal already, is prepared or sharded
-            already, or is context-parallel.
+            already, is context-parallel, or records another ``chunk_frames``.
 
     Examples:
         >>> causal = make_causal(tiny_wan(seed=0), chunk_frames=3)
@@ -158,11 +205,19 @@ def make_causal(model: nn.Module, *, chunk_frames: int = 3) -> nn.Module:
     with needs_extra("models", "make_causal"):
         from diffusers import WanTransformer3DModel
 
-    if isinstance(chunk_frames, bool) or not isinstance(chunk_frames, int) or chunk_frames < 1:
-        raise ValueError(f"chunk_frames must be an int >= 1, got {chunk_frames!r}")
     if not isinstance(model, WanTransformer3DModel):
         raise ValueError(
             f"make_causal takes a diffusers WanTransformer3DModel, got {type(model).__name__}"
+        )
+    recorded = recorded_chunk_frames(model)
+    if chunk_frames is None:
+        chunk_frames = 3 if recorded is None else recorded
+    if isinstance(chunk_frames, bool) or not isinstance(chunk_frames, int) or chunk_frames < 1:
+        raise ValueError(f"chunk_frames must be an int >= 1, got {chunk_frames!r}")
+    if recorded is not None and recorded != chunk_frames:
+        raise ValueError(
+            f"the model's config records a causal model of chunk_frames={recorded} (an "
+            f"export), not {chunk_frames}: leave chunk_frames unset to restore it"
         )
     if _wan(model).config.patch_size[0] != 1:
         raise ValueError(
@@ -185,7 +240,45 @@ def make_causal(model: nn.Module, *, chunk_frames: int = 3) -> nn.Module:
     object.__setattr__(_wan(model).rope, CAUSAL_ATTR, chunk_frames)
     _wan(model).rope.register_forward_pre_hook(rope_check)
     _wan(model).rope.register_forward_hook(rope_hook)
+    _wan(model).register_to_config(**{CAUSAL_CONFIG_KEY: {"chunk_frames": chunk_frames}})
     return model
+
+
+def load_causal(
+    path: str | os.PathLike[str], *, chunk_frames: int | None = None, **kwargs: Any
+) -> nn.Module:
+    """A causal Wan from a diffusers folder: ``WanTransformer3DModel.from_pretrained`` then
+    :func:`make_causal` with the chunk the folder records.
+
+    The way back from an export of a causal role (:func:`fvstep.checkpoint.export_diffusers`,
+    ``export_pipeline``): it computes what the role's module did, bitwise, where a plain
+    ``from_pretrained`` gives the *bidirectional* model of the same weights.
+
+    Args:
+        path: A model folder (``config.json``) or a pipeline folder (``model_index.json``;
+            its ``transformer`` unless ``subfolder`` is given).
+        chunk_frames: Only for a bidirectional folder (a Wan to start a student from).
+        **kwargs: Passed to ``from_pretrained`` (``torch_dtype``, ``subfolder``, ...).
+
+    Raises:
+        ValueError: For a bidirectional folder without ``chunk_frames``, or a
+            ``chunk_frames`` other than the recorded one.
+
+    Examples:
+        >>> student = load_causal("exports/student")
+    """
+    with needs_extra("models", "load_causal"):
+        from diffusers import WanTransformer3DModel
+
+    if (Path(path) / "model_index.json").is_file():
+        kwargs.setdefault("subfolder", "transformer")
+    model = WanTransformer3DModel.from_pretrained(path, **kwargs)
+    if chunk_frames is None and recorded_chunk_frames(model) is None:
+        raise ValueError(
+            f"{str(path)!r} holds a bidirectional model (its config records no causal chunk): "
+            "pass chunk_frames= to make it causal"
+        )
+    return make_causal(model, chunk_frames=chunk_frames)
 
 
 def _wan(model: nn.Module) -> Any:

@@ -11,6 +11,11 @@ another run's whole state (``init_from``).
   them: fresh optimizer state, step 0); ``kind="state"`` loads the whole state of the
   checkpoint (step, optimizer state, EMA, key), to be continued in a new folder.
 
+A diffusers folder of a causal Wan (an fvstep export: its config records the chunk) fills
+only a causal module of that chunk: its weights in a bidirectional module would compute
+another model without a word, so :func:`init_from` refuses (a causal module may start from
+a bidirectional Wan: that is how a causal student starts).
+
 The frozen-base rule of LoRA holds: a checkpoint that recorded a frozen base by its digest
 (``Role(save_frozen=False)``) gives its adapters only to a run whose base has that digest
 (:func:`check_base_digest`); ``fvstep.checkpoint.load`` checks it for a whole state.
@@ -22,6 +27,7 @@ Examples:
 
 from __future__ import annotations
 
+import json
 import os
 import warnings
 from pathlib import Path
@@ -35,6 +41,7 @@ from fvstep.recipes.options import InitFrom
 
 __all__ = [
     "check_base_digest",
+    "check_causal_source",
     "init_from",
     "load_weights_into",
     "resolve_checkpoint",
@@ -44,6 +51,35 @@ __all__ = [
 
 def _is_diffusers_folder(path: Path) -> bool:
     return (path / "model_index.json").is_file() or (path / "config.json").is_file()
+
+
+def check_causal_source(path: str | os.PathLike[str], module: nn.Module, *, role: str) -> None:
+    """Refuse to fill ``module`` from a diffusers folder of a causal Wan it is not.
+
+    Raises:
+        ValueError: If the folder's config records a causal chunk and ``module`` is
+            bidirectional, or causal of another chunk.
+
+    Examples:
+        >>> check_causal_source("exports/student", student, role="student")
+    """
+    from fvstep.methods.causal_wan import chunk_frames_of, is_causal, recorded_chunk_frames
+
+    path = Path(path)
+    folder = path / "transformer" if (path / "model_index.json").is_file() else path
+    config = folder / "config.json"
+    if (path / "manifest.json").is_file() or not config.is_file():
+        return
+    recorded = recorded_chunk_frames(json.loads(config.read_text()))
+    mine = chunk_frames_of(module) if is_causal(module) else None
+    if recorded is not None and recorded != mine:
+        what = "bidirectional" if mine is None else f"causal of chunk_frames={mine}"
+        raise ValueError(
+            f"{str(path)!r} holds a causal Wan (chunk_frames={recorded}, an fvstep export) and "
+            f"role {role!r} is {what}: its weights would compute another model; start a "
+            "causal role from it (fvstep.methods.causal_wan.load_causal), or a "
+            "bidirectional one from a bidirectional folder"
+        )
 
 
 def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
@@ -205,8 +241,10 @@ def init_from(
         ``kind="state"``.
 
     Raises:
-        ValueError: For a missing path, a source without the role, or weights that do not
-            fit; ``fvstep.checkpoint.CheckpointError`` for a state that does not fit.
+        ValueError: For a missing path, a source without the role, weights that do not
+            fit, or a causal Wan's folder for a module that is not that causal Wan
+            (:func:`check_causal_source`); ``fvstep.checkpoint.CheckpointError`` for a
+            state that does not fit.
 
     Examples:
         >>> init_from(InitFrom(path="runs/a", weights="ema"), {"student": student})
@@ -225,6 +263,7 @@ def init_from(
             raise ValueError("init_from kind='state' needs the state to load into")
         return ckpt.load(resolve_checkpoint(options.path), like=state)
     for role, module in (modules or {}).items():
+        check_causal_source(options.path, module, role=role)
         source = options.roles.get(role, role)
         load_weights_into(
             module, source_weights(options.path, role=source, weights=options.weights)

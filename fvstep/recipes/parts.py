@@ -74,7 +74,8 @@ def load_transformer(model: ModelOptions) -> nn.Module:
     config (``model.config``, else the tiny Wan of ``model.tiny``) seeded by ``model.seed``.
 
     Raises:
-        ValueError: If ``model.path`` is not a diffusers folder.
+        ValueError: If ``model.path`` is not a diffusers folder, or holds a causal Wan
+            (an fvstep export of one: the recipes build bidirectional models).
     """
     from fvstep._optional import needs_extra
 
@@ -87,6 +88,7 @@ def load_transformer(model: ModelOptions) -> nn.Module:
         module = diffusers.AutoModel.from_pretrained(
             str(folder), subfolder=subfolder, torch_dtype=dtype
         )
+        _refuse_causal(module, model.path)
         return module.train()
     if model.config is not None:
         config = json.loads(Path(model.config).read_text())
@@ -108,6 +110,21 @@ def load_transformer(model: ModelOptions) -> nn.Module:
         ffn_dim=tiny.ffn_dim,
     )
     return _to_dtype(built, dtype)
+
+
+def _refuse_causal(module: nn.Module, path: Any) -> None:
+    """The recipes build bidirectional models: a causal Wan's export loaded by a plain
+    ``from_pretrained`` is bidirectional, and would silently compute another model."""
+    from fvstep.methods.causal_wan import recorded_chunk_frames
+
+    chunk = recorded_chunk_frames(module)
+    if chunk is not None:
+        raise ValueError(
+            f"model.path {str(path)!r} holds a causal Wan (chunk_frames={chunk}, an fvstep "
+            "export); the recipes train bidirectional models, and loading it as one would "
+            "compute another model: load it with fvstep.methods.causal_wan.load_causal in "
+            "a script of your own (docs/methods/causal_wan.md)"
+        )
 
 
 def _to_dtype(module: nn.Module, dtype: torch.dtype | None) -> nn.Module:

@@ -1,0 +1,197 @@
+"""A causal student stays causal when exported and when sampled.
+
+- Export: a diffusers folder of a causal role records its chunk (``config.json``), and
+  ``load_causal`` restores the causal model, bitwise the role's module; a plain
+  ``from_pretrained`` of it is bidirectional, and fvstep refuses to compute with such a
+  model where it can see it (sampling, export, ``chunk_frames_of``, the recipes' loaders).
+- Sampling: ``fvstep.sampling.sample`` of a causal Wan generates chunk by chunk with its
+  KV cache: bitwise ``causal_rollout.rollout`` with every chunk exiting at the last step.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import fvstep as fs
+from fvstep import random as fsrandom
+from fvstep.checkpoint import export_diffusers, export_pipeline
+from fvstep.methods import self_forcing
+from fvstep.methods.causal_rollout import rollout
+from fvstep.methods.causal_wan import (
+    CAUSAL_CONFIG_KEY,
+    chunk_frames_of,
+    is_causal,
+    load_causal,
+    make_causal,
+    recorded_chunk_frames,
+)
+from fvstep.models import predict, synthetic_batch, tiny_wan
+from fvstep.sampling import EulerSampler, FewStepSampler, sample
+from fvstep.validation import role_module
+
+
+@pytest.fixture(scope="module")
+def trained_state():
+    adamw = fs.optim.adamw(lr=1e-2)
+    state = fs.TrainState.create(
+        {
+            "student": fs.Role(
+                make_causal(tiny_wan(seed=0), chunk_frames=1),
+                optimizer=adamw,
+                ema=fs.EMA(decay=0.5, start_step=0),
+            ),
+            "teacher": fs.Role(tiny_wan(seed=0)),
+            "critic": fs.Role(tiny_wan(seed=1), optimizer=adamw),
+        },
+        key=fs.random.key(0),
+    )
+    step = fs.compile(self_forcing(generator_update_interval=1, denoising_steps=(1.0, 0.5)))
+    batch = synthetic_batch(fs.random.key(1), batch_size=2, frames=2)
+    state, _ = step(state, batch)
+    return state
+
+
+def _probe():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 4, 2, 4, 4, generator=g)
+    text = torch.randn(2, 3, 16, generator=g)
+    return x, torch.full((2,), 400.0), text
+
+
+@pytest.mark.parametrize("weights", ["params", "ema"])
+def test_an_exported_causal_role_loads_back_causal_and_bitwise(trained_state, tmp_path, weights):
+    from diffusers import WanTransformer3DModel
+
+    path = tmp_path / "student"
+    export_diffusers(trained_state, "student", path, weights=weights)
+    config = json.loads((path / "config.json").read_text())
+    assert config[CAUSAL_CONFIG_KEY] == {"chunk_frames": 1}
+    loaded = load_causal(path)
+    assert chunk_frames_of(loaded) == 1
+    x, t, text = _probe()
+    with torch.no_grad():
+        with role_module(trained_state, "student", weights=weights) as module:
+            expected = predict(module, x, t, text)
+        got = predict(loaded, x, t, text)
+        plain = WanTransformer3DModel.from_pretrained(path)
+        bidirectional = predict(plain, x, t, text)
+    assert torch.equal(got, expected)
+    # a plain diffusers load builds the bidirectional model of the same weights
+    assert not is_causal(plain) and recorded_chunk_frames(plain) == 1
+    assert (bidirectional - expected).abs().max() > 1e-2
+
+
+def test_a_pipeline_export_of_a_causal_role_records_it_in_its_transformer(trained_state, tmp_path):
+    from fvstep.recipes.tiny_pipeline import save_tiny_pipeline
+
+    base = save_tiny_pipeline(tmp_path / "base")
+    export_pipeline(trained_state, "student", tmp_path / "pipe", base=base, weights="ema")
+    loaded = load_causal(tmp_path / "pipe")
+    x, t, text = _probe()
+    with torch.no_grad(), role_module(trained_state, "student", weights="ema") as module:
+        assert torch.equal(predict(loaded, x, t, text), predict(module, x, t, text))
+
+
+def test_a_plain_load_of_a_causal_export_is_refused_where_fvstep_computes(tmp_path):
+    from diffusers import WanTransformer3DModel
+
+    make_causal(tiny_wan(seed=0), chunk_frames=2).save_pretrained(tmp_path / "causal")
+    plain = WanTransformer3DModel.from_pretrained(tmp_path / "causal")
+    x, _, text = _probe()
+    with pytest.raises(ValueError, match="exported causal .chunk_frames=2. but loaded bidir"):
+        chunk_frames_of(plain)
+    with pytest.raises(ValueError, match="load_causal"):
+        sample(plain, x, text, sampler=FewStepSampler((1.0,)))
+    state = fs.TrainState.create({"student": fs.Role(plain)}, key=fs.random.key(0))
+    with pytest.raises(ValueError, match="records a causal Wan .* is bidirectional"):
+        export_diffusers(state, "student", tmp_path / "again")
+    assert not (tmp_path / "again").exists()
+    with pytest.raises(ValueError, match="records a causal model of chunk_frames=2"):
+        make_causal(plain, chunk_frames=1)
+    assert chunk_frames_of(make_causal(plain)) == 2  # the recorded chunk restored
+    tiny_wan(seed=0).save_pretrained(tmp_path / "bidirectional")
+    with pytest.raises(ValueError, match="holds a bidirectional model.*chunk_frames="):
+        load_causal(tmp_path / "bidirectional")
+    assert chunk_frames_of(load_causal(tmp_path / "bidirectional", chunk_frames=3)) == 3
+    assert recorded_chunk_frames(tiny_wan()) is None
+    with pytest.raises(ValueError, match="must be"):
+        recorded_chunk_frames({CAUSAL_CONFIG_KEY: {"chunk_frames": 0}})
+
+
+def test_the_recipes_refuse_a_causal_export_for_a_bidirectional_role(tmp_path):
+    from fvstep.recipes.init import check_causal_source, init_from
+    from fvstep.recipes.options import InitFrom, ModelOptions
+    from fvstep.recipes.parts import load_transformer
+
+    causal = make_causal(tiny_wan(seed=0), chunk_frames=1)
+    causal.save_pretrained(tmp_path / "causal")
+    with pytest.raises(ValueError, match="holds a causal Wan .chunk_frames=1.*bidirectional"):
+        init_from(InitFrom(path=str(tmp_path / "causal")), {"student": tiny_wan(seed=1)})
+    with pytest.raises(ValueError, match="causal of chunk_frames=2"):
+        check_causal_source(tmp_path / "causal", make_causal(tiny_wan(), chunk_frames=2), role="s")
+    with pytest.raises(ValueError, match="model.path .* holds a causal Wan"):
+        load_transformer(ModelOptions(path=str(tmp_path / "causal")))
+    # the same causal model, and a causal student started from a bidirectional Wan: filled
+    same = make_causal(tiny_wan(seed=1), chunk_frames=1)
+    init_from(InitFrom(path=str(tmp_path / "causal")), {"student": same})
+    assert torch.equal(same.state_dict()["proj_out.weight"], causal.state_dict()["proj_out.weight"])
+    tiny_wan(seed=2).save_pretrained(tmp_path / "bidirectional")
+    init_from(InitFrom(path=str(tmp_path / "bidirectional")), {"student": same})
+
+
+def _rollout_noise(key, like, chunk):
+    """The noise ``rollout`` draws for each chunk (``split(fold_in(key, c), 3)[0]``)."""
+    b, c, f, h, w = like.shape
+    draws = [
+        torch.randn(
+            (b, c, chunk, h, w),
+            generator=fsrandom.generator(fsrandom.split(fsrandom.fold_in(key, i), 3)[0]),
+        )
+        for i in range(f // chunk)
+    ]
+    return torch.cat(draws, 2)
+
+
+@pytest.mark.parametrize(("chunk", "steps"), [(1, (1.0,)), (1, (1.0, 0.6, 0.3)), (2, (1.0, 0.5))])
+def test_sampling_a_causal_student_is_its_rollout_exiting_at_the_last_step(chunk, steps):
+    student = make_causal(tiny_wan(seed=0), chunk_frames=chunk)
+    batch = synthetic_batch(fs.random.key(1), batch_size=2, frames=2 * chunk + (chunk == 1))
+    key = fs.random.key(2)
+    num_chunks = batch["latents"].shape[2] // chunk
+    with torch.no_grad():
+        ro = rollout(
+            student,
+            batch["latents"],
+            batch["text"],
+            key,
+            exits=(len(steps) - 1,) * num_chunks,
+            denoising_steps=steps,
+        )
+        noise = _rollout_noise(key, batch["latents"], chunk)
+        got = sample(student, noise, batch["text"], sampler=FewStepSampler(steps), key=key)
+    assert torch.equal(got, ro.video)
+
+
+def test_euler_sampling_of_a_causal_student_never_reads_a_later_chunk():
+    student = make_causal(tiny_wan(seed=0), chunk_frames=1)
+    batch = synthetic_batch(fs.random.key(1), batch_size=1, frames=3)
+    noise = torch.randn(batch["latents"].shape, generator=torch.Generator().manual_seed(0))
+    later = noise.clone()
+    later[:, :, 2] += 1.0
+    for sampler in (EulerSampler(2), EulerSampler(2, guidance_scale=3.0)):
+        a = sample(student, noise, batch["text"], sampler=sampler)
+        b = sample(student, later, batch["text"], sampler=sampler)
+        first = sample(student, noise[:, :, :2], batch["text"], sampler=sampler)
+        assert torch.equal(a[:, :, :2], b[:, :, :2])
+        assert not torch.equal(a[:, :, 2], b[:, :, 2])
+        # a shorter video: a cache of 2 frames, not 3 (attention over another capacity)
+        torch.testing.assert_close(first, a[:, :, :2], rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="not a multiple of the chunk"):
+        sample(
+            make_causal(tiny_wan(), chunk_frames=2), noise, batch["text"], sampler=EulerSampler(1)
+        )
+    with pytest.raises(ValueError, match="needs a key"):
+        sample(student, noise, batch["text"], sampler=FewStepSampler((1.0, 0.5)))
