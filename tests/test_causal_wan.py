@@ -256,3 +256,16 @@ def test_the_cache_takes_the_autocast_dtype_its_keys_are_computed_in():
         assert init_cache(model, latents, capacity_frames=2).keys.dtype == torch.bfloat16
     cache = init_cache(model, latents, capacity_frames=2, dtype=torch.float16)
     assert cache.keys.dtype == torch.float16
+
+
+def test_make_causal_records_its_chunk_in_the_config_and_nothing_else_changes():
+    from fvstep.methods.causal_wan import CAUSAL_CONFIG_KEY, is_causal, recorded_chunk_frames
+
+    plain = tiny_wan(seed=0)
+    causal = make_causal(tiny_wan(seed=0), chunk_frames=2)
+    assert dict(causal.config)[CAUSAL_CONFIG_KEY] == {"chunk_frames": 2}
+    assert {k: v for k, v in causal.config.items() if k != CAUSAL_CONFIG_KEY} == dict(plain.config)
+    assert recorded_chunk_frames(causal) == 2 and recorded_chunk_frames(plain) is None
+    assert is_causal(causal) and not is_causal(plain)
+    assert list(causal.state_dict()) == list(plain.state_dict())
+    assert chunk_frames_of(make_causal(tiny_wan())) == 3  # the default without a record
