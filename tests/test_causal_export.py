@@ -91,8 +91,12 @@ def test_a_pipeline_export_of_a_causal_role_records_it_in_its_transformer(traine
     export_pipeline(trained_state, "student", tmp_path / "pipe", base=base, weights="ema")
     loaded = load_causal(tmp_path / "pipe")
     x, t, text = _probe()
+    sampler = FewStepSampler((1.0, 0.5))
     with torch.no_grad(), role_module(trained_state, "student", weights="ema") as module:
         assert torch.equal(predict(loaded, x, t, text), predict(module, x, t, text))
+        # what validation samples is what the loaded export samples
+        expected = sample(module, x, text, sampler=sampler, key=fs.random.key(3))
+    assert torch.equal(sample(loaded, x, text, sampler=sampler, key=fs.random.key(3)), expected)
 
 
 def test_a_plain_load_of_a_causal_export_is_refused_where_fvstep_computes(tmp_path):
