@@ -534,6 +534,59 @@ def test_check_rewards_refuses_what_is_not_one_float_a_sample() -> None:
         check_rewards([1.0, 2.0], 2)
     with pytest.raises(ValueError, match=r"shape \(2,\)"):
         check_rewards(torch.ones(2, 1), 2)
+    with pytest.raises(ValueError, match="require grad: a reward is a constant of the loss"):
+        check_rewards(torch.ones(2, requires_grad=True), 2)
+
+
+def _nft_step(**options: Any) -> fs.Step:
+    method = diffusion_nft(
+        **{"reward_fn": latent_mse_reward, "group_size": 2, "rollout": euler_rollout(1), **options}
+    )
+    return fs.compile(method)
+
+
+def test_an_accumulation_that_does_not_divide_a_minibatch_is_refused_before_any_change() -> None:
+    state = nft_state()  # 2 prompts x group_size 2 = 4 rollouts, minibatches=2: 2 each
+    before = tree.clone(state)
+    step = _nft_step(minibatches=2, accumulation=fs.Accumulation(4))
+    with pytest.raises(ValueError, match="accumulation=4 micro-batches must divide each inner"):
+        step(state, batch_at(0))
+    assert not is_consumed(state)
+    tree.assert_trees_equal(state, before)
+
+
+@pytest.mark.parametrize(
+    ("options", "compiled", "match"),
+    [
+        ({"reward_fn": lambda x, b: x.flatten(1).mean(1).requires_grad_()}, {}, "require grad"),
+        ({"minibatches": 2}, {"accumulation": fs.Accumulation(4)}, "not divisible by"),
+    ],
+    ids=["reward-requires-grad", "compiled-accumulation"],
+)
+def test_what_only_the_step_can_find_raises_step_failed_as_documented(
+    options, compiled, match
+) -> None:
+    state = nft_state()
+    method = diffusion_nft(
+        **{"reward_fn": latent_mse_reward, "group_size": 2, "rollout": euler_rollout(1), **options}
+    )
+    with pytest.raises(fs.StepFailedError) as excinfo:
+        fs.compile(method, **compiled)(state, batch_at(0))
+    assert isinstance(excinfo.value.__cause__, ValueError)
+    assert match in str(excinfo.value.__cause__)
+    assert is_consumed(state)
+
+
+@pytest.mark.parametrize("latents", [True, False], ids=["latents", "latent_shape"])
+def test_bf16_batches_on_an_fp32_policy_train_as_their_fp32_upcast_bitwise(latents) -> None:
+    low = {k: v.bfloat16() for k, v in batch_at(0).items()}
+    high = {k: v.float() for k, v in low.items()}
+    options: dict[str, Any] = {"reward_fn": lambda x, b: x.float().flatten(1).mean(1)}
+    if not latents:
+        options["latent_shape"] = tuple(low["latents"].shape[1:])
+        low, high = {"text": low["text"]}, {"text": high["text"]}
+    results = [_nft_step(**options)(nft_state(), batch) for batch in (low, high)]
+    tree.assert_trees_equal(results[0][0], results[1][0], check_static=False)
 
 
 def test_latent_mse_reward_is_minus_the_mean_squared_error_to_the_target() -> None:

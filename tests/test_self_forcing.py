@@ -14,7 +14,7 @@ from benchmarks.reference import reshard_all, run_unit, shard_by_hand, unit_key
 from fvstep import parallel as fsp
 from fvstep import tree
 from fvstep.methods.causal_rollout import exit_steps, regenerate, rollout, shifted_steps
-from fvstep.methods.causal_wan import make_causal
+from fvstep.methods.causal_wan import init_cache, make_causal
 from fvstep.methods.dmd2 import critic_denoising_loss, distribution_matching_loss, score_time
 from fvstep.methods.self_forcing import (
     critic_loss_on,
@@ -24,6 +24,7 @@ from fvstep.methods.self_forcing import (
 )
 from fvstep.models import predict, synthetic_batch, tiny_wan
 from fvstep.random import fold_in, split
+from fvstep.state import is_consumed
 from fvstep.testing import assert_resume_exact
 
 STEPS = (1.0, 0.5)
@@ -259,7 +260,7 @@ def test_dmd2s_public_terms_are_the_dmd_formulas_written_out():
 
         cond, uncond = x0_of("teacher", text), x0_of("teacher", torch.zeros_like(text))
         x0_cfg = uncond + 1.5 * (cond - uncond)
-        g = (x0_of("critic", text) - x0_cfg) / (x0 - x0_cfg).abs().mean()
+        g = (x0_of("critic", text) - x0_cfg) / (x0 - x0_cfg).abs().mean((1, 2, 3, 4), True)
         v_critic = predict(view.module("critic"), x_t, t * 1000, text)
     torch.testing.assert_close(x0_hat.grad, g / g.numel(), rtol=0, atol=1e-6)
     torch.testing.assert_close(loss, 0.5 * g.square().mean(), rtol=0, atol=1e-6)
@@ -268,3 +269,66 @@ def test_dmd2s_public_terms_are_the_dmd_formulas_written_out():
     torch.testing.assert_close(c_loss, (v_critic - (eps - x0)).square().mean(), rtol=0, atol=1e-6)
     assert torch.autograd.grad(c_loss, x0_hat, allow_unused=True) == (None,)
     assert c_loss.requires_grad and set(c_metrics) == {"critic_t_mean"}
+
+
+def _refused_before_any_change(state, step, batch, error, match) -> None:
+    """``step(state, batch)`` raises ``error`` matching ``match`` and leaves ``state``
+    usable and bit-unchanged."""
+    before = tree.clone(state)
+    with pytest.raises(error, match=match):
+        step(state, batch)
+    assert not is_consumed(state)
+    tree.assert_trees_equal(state, before)
+
+
+@pytest.mark.parametrize("role", ["teacher", "critic"])
+@pytest.mark.parametrize("at_step", [0, 1], ids=["fused", "critic-only"])
+def test_a_causal_teacher_or_critic_is_refused_naming_the_role(role, at_step):
+    modules = _modules()
+    modules[role] = copy.deepcopy(modules["student"])  # a copy of the causal student
+    state = _state(modules).replace(step=torch.tensor(at_step))
+    _refused_before_any_change(
+        state, _step(), VideoData().batch(0), ValueError, f"needs a bidirectional '{role}'"
+    )
+
+
+def test_bf16_latents_on_an_fp32_student_train_as_their_fp32_upcast_bitwise():
+    low = {k: v.bfloat16() for k, v in VideoData().batch(0).items()}
+    high = {k: v.float() for k, v in low.items()}
+    step = fs.compile(self_forcing(generator_update_interval=1, denoising_steps=STEPS))
+    low_state, low_metrics = step(_state(_modules()), low)
+    high_state, high_metrics = step(_state(_modules()), high)
+    tree.assert_trees_equal(low_state, high_state, check_static=False)
+    assert torch.equal(low_metrics["student/loss"], high_metrics["student/loss"])
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"guidance_scale": -1.0}, "guidance_scale must be >= 0"),
+        ({"shift": 0.0}, "shift must be > 0"),
+        ({"min_ratio": 0.9, "max_ratio": 0.1}, "min_ratio <= max_ratio"),
+    ],
+)
+def test_score_options_out_of_range_are_refused_as_dmd2_refuses_them(options, match):
+    with pytest.raises(ValueError, match=match):
+        self_forcing(**options)
+    with pytest.raises(ValueError, match=match):
+        fs.methods.dmd2(**options)
+
+
+def test_rollout_and_exit_steps_refuse_bad_exits_and_a_cache_of_another_model():
+    student = make_causal(tiny_wan(seed=0), chunk_frames=1)
+    batch = synthetic_batch(fs.random.key(0), batch_size=1, frames=2)
+    like, text = batch["latents"], batch["text"]
+    for exits in [(-1, 0), (0, 2)]:
+        with pytest.raises(ValueError, match=r"each an int in 0 \.\. 1"):
+            rollout(student, like, text, fs.random.key(0), exits=exits, denoising_steps=STEPS)
+    other = make_causal(tiny_wan(seed=0, num_layers=1), chunk_frames=1)
+    with pytest.raises(ValueError, match="the cache has 1 layers and the student 2"):
+        rollout(student, like, text, fs.random.key(0), exits=(0, 0), denoising_steps=STEPS,
+                cache=init_cache(other, like, capacity_frames=2))  # fmt: skip
+    with pytest.raises(ValueError, match="num_steps must be an int >= 1"):
+        exit_steps(fs.random.key(0), 0, num_chunks=2, num_steps=0)
+    # the docstring's example
+    assert exit_steps(fs.random.key(0), 3, num_chunks=2, num_steps=4) == (1, 2)

@@ -8,6 +8,7 @@ gloo ranks."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from fvstep.methods.self_forcing import critic_loss_on, dmd_loss_on
 from fvstep.methods.streaming import StreamState, init_stream, streaming
 from fvstep.models import synthetic_batch, tiny_wan
 from fvstep.random import fold_in, fold_in_name, split
+from fvstep.state import is_consumed
 from fvstep.testing import assert_resume_exact
 
 STEPS = (1.0, 0.5)
@@ -285,10 +287,101 @@ def test_a_resume_mid_stream_is_bitwise_on_two_ranks_and_refused_on_one(ranks, t
 def test_a_state_without_its_stream_and_bad_settings_are_refused():
     state = _state(_modules(sharded=False))
     state = state.replace(extra={})
-    with pytest.raises(fs.StepFailedError, match=r"streaming needs state.extra\['stream'\]"):
+    with pytest.raises(ValueError, match=r"streaming needs state.extra\['stream'\].*no stream"):
         _compiled(streaming(**OPTIONS))(state, StreamData().batch(0))
+    assert not is_consumed(state)
     with pytest.raises(ValueError, match="steps_per_stream"):
         streaming(steps_per_stream=0, window_frames=2)
     with pytest.raises(ValueError, match="window_frames"):
         init_stream(make_causal(tiny_wan()), synthetic_batch(fs.random.key(0), frames=3),
                     window_frames=2)  # fmt: skip
+
+
+def _refused_before_any_change(state, step, batch, match) -> None:
+    """``step(state, batch)`` raises a ValueError matching ``match`` and leaves ``state``
+    usable and bit-unchanged."""
+    before = tree.clone(state)
+    with pytest.raises(ValueError, match=match):
+        step(state, batch)
+    assert not is_consumed(state)
+    tree.assert_trees_equal(state, before)
+
+
+def _other_stream(**init) -> StreamState:
+    return init_stream(make_causal(tiny_wan(seed=0), chunk_frames=1), StreamData().batch(0), **init)
+
+
+@pytest.mark.parametrize(
+    ("edit", "batch", "match"),
+    [
+        # the window and sink of the method, not init_stream's (same capacity: 2 frames)
+        ({"stream": _other_stream(window_frames=2)}, {}, "window_frames=1, sink_frames=1"),
+        ({"stream": _other_stream(window_frames=2, sink_frames=0)}, {}, "got a stream of"),
+        (
+            {
+                "stream": init_stream(
+                    make_causal(tiny_wan(seed=0, num_layers=1), chunk_frames=1),
+                    StreamData().batch(0),
+                    window_frames=1,
+                    sink_frames=1,
+                )
+            },
+            {},
+            "1 layers and the student 2",
+        ),
+        ({}, {"frames": 2}, "at most window_frames=1"),
+        ({}, {"batch_size": 1}, r"\(batch, channels, height, width\) = \(1, 4, 4, 4\)"),
+        ({}, {"text_len": 5}, "a new stream takes it as its prompt"),
+    ],
+    ids=["window", "sink", "layers", "frames", "batch-size", "text"],
+)
+def test_a_stream_or_batch_that_does_not_fit_is_refused_before_the_step_changes_anything(
+    edit, batch, match
+):
+    state = _state(_modules(sharded=False))
+    state = state.replace(extra={**state.extra, **edit})
+    data = synthetic_batch(fs.random.key(2), **{"batch_size": 2, "frames": 1, **batch})
+    _refused_before_any_change(state, _compiled(streaming(**OPTIONS)), data, match)
+
+
+@pytest.mark.parametrize("role", ["teacher", "critic"])
+def test_a_causal_teacher_or_critic_is_refused_naming_the_role(role):
+    modules = _modules(sharded=False)
+    modules[role] = copy.deepcopy(modules["student"])  # a copy of the causal student
+    step = fs.compile(streaming(**OPTIONS))
+    _refused_before_any_change(
+        _state(modules), step, StreamData().batch(0), f"needs a bidirectional '{role}'"
+    )
+
+
+def test_bf16_latents_on_an_fp32_student_train_as_their_fp32_upcast_bitwise():
+    data = StreamData().batch(0)
+    low = {k: v.bfloat16() for k, v in data.items()}
+    high = {k: v.float() for k, v in low.items()}
+    step = fs.compile(streaming(**OPTIONS))
+    results = []
+    for batch in (low, high):
+        modules = _modules(sharded=False)
+        state = _state(modules).replace(extra={"stream": init_stream(
+            modules["student"], batch, window_frames=1, sink_frames=1)})  # fmt: skip
+        assert state.extra["stream"].text.dtype == torch.float32
+        results.append(step(state, batch)[0])
+    tree.assert_trees_equal(results[0], results[1], check_static=False)
+
+
+def test_init_stream_and_streaming_refuse_what_the_stream_cannot_move_by():
+    student = make_causal(tiny_wan(seed=0), chunk_frames=2)
+    batch = synthetic_batch(fs.random.key(0), frames=2)
+    with pytest.raises(ValueError, match=r"window_frames \(3\) must be a multiple"):
+        init_stream(student, batch, window_frames=3)
+    with pytest.raises(ValueError, match=r"a step's frames \(3\) must be a multiple"):
+        init_stream(student, synthetic_batch(fs.random.key(0), frames=3), window_frames=4)
+    for options, match in [
+        ({"guidance_scale": -1.0}, "guidance_scale"),
+        ({"shift": 0.0}, "shift"),
+        ({"min_ratio": 0.9, "max_ratio": 0.1}, "min_ratio"),
+        ({"denoising_steps": (0.5, 1.0)}, "strictly decreasing"),
+        ({"context_time": 1.0}, "context_time"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            streaming(steps_per_stream=2, window_frames=2, **options)

@@ -17,6 +17,13 @@ sharded without mixed precision computes in its parameters' dtype: its batch is 
 the parameters' dtype is returned as it is: a run that worked before computes exactly
 what it computed before.
 
+The other checks here refuse, before a step changes anything, what the causal methods
+(self-forcing, streaming) cannot take: a causal teacher or critic
+(:func:`check_bidirectional`), a KV cache of another model (:func:`check_cache_fits`),
+DMD score options out of range (:func:`check_score_options`, the rule of
+:mod:`fvstep.methods.dmd2`) and a few-step schedule that is not one
+(:func:`check_denoising_steps`).
+
 Examples:
     >>> batch = check_batch(state, {"latents": x0.bfloat16(), "text": text}, "student")
     >>> batch["latents"].dtype   # an fp32 student
@@ -25,16 +32,26 @@ Examples:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import itertools
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 from fvstep._compat import forward_pre_hooks, fsdp_casts_inputs
+from fvstep.methods.causal_wan import is_causal
 from fvstep.state import TrainState
 
-__all__ = ["check_batch"]
+__all__ = [
+    "cast_batch",
+    "check_batch",
+    "check_bidirectional",
+    "check_cache_fits",
+    "check_denoising_steps",
+    "check_score_options",
+    "upcast_for",
+]
 
 
 def check_batch(
@@ -84,16 +101,138 @@ def check_batch(
     if not isinstance(state, TrainState):  # a duck-typed view of a state: shapes only
         _check_shapes(x, emb, video, text, role, {})
         return batch
+    _check_shapes(x, emb, video, text, role, _config(state.role(role).role.module))
+    return cast_batch(state, batch, role, keys=(video, text))
+
+
+def cast_batch(
+    state: TrainState, batch: Mapping[str, Any], role: str, *, keys: Sequence[str]
+) -> Mapping[str, Any]:
+    """``batch`` with its floating tensors under ``keys`` upcast for ``role`` (the module
+    docstring's rule; keys it lacks are skipped), no check of shapes.
+
+    Examples:
+        >>> cast_batch(state, {"text": text.bfloat16()}, "old", keys=("text",))["text"].dtype
+        torch.float32
+    """
     role_state = state.role(role)
     module = role_state.role.module
-    _check_shapes(x, emb, video, text, role, _config(module))
     dtype = _param_dtype(role_state.params)
-    if dtype is None or _decides_dtype(module, x.device):
+    present = [k for k in keys if isinstance(batch.get(k), torch.Tensor)]
+    if dtype is None or not present or _decides_dtype(module, batch[present[0]].device):
         return batch
-    cast = {k: _upcast(batch[k], dtype) for k in (video, text)}
+    cast = {k: _upcast(batch[k], dtype) for k in present}
     if all(cast[k] is batch[k] for k in cast):
         return batch
     return {**batch, **cast}
+
+
+def upcast_for(module: nn.Module, value: torch.Tensor) -> torch.Tensor:
+    """``value`` upcast for ``module`` by the module docstring's rule (for code that has a
+    module, not a state: an initial stream).
+
+    Examples:
+        >>> upcast_for(tiny_wan(), torch.zeros(1, dtype=torch.bfloat16)).dtype
+        torch.float32
+    """
+    dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), None)
+    if dtype is None or _decides_dtype(module, value.device):
+        return value
+    result: torch.Tensor = _upcast(value, dtype)
+    return result
+
+
+def check_bidirectional(state: TrainState, roles: Iterable[str], *, method: str) -> None:
+    """Refuse a causal module in any of ``roles`` (those the state has).
+
+    Raises:
+        ValueError: Naming the role, and why it must see the whole video.
+
+    Examples:
+        >>> check_bidirectional(state, ("teacher", "critic"), method="self_forcing")
+    """
+    for role in roles:
+        if role in state.roles and _computes_causally(state.module(role)):
+            raise ValueError(
+                f"{method} needs a bidirectional {role!r}: its module is causal (made by "
+                "make_causal, or a copy.deepcopy of the causal student), so it would score "
+                "each chunk without the frames after it. Give it a model that was never "
+                "made causal (e.g. a fresh copy of the base model)"
+            )
+
+
+def _computes_causally(module: nn.Module) -> bool:
+    """Whether ``module``, or the base model a wrapper (LoRA) computes through, is causal."""
+    held = (module, getattr(module, "base", None), getattr(module, "module", None))
+    return any(isinstance(m, nn.Module) and is_causal(m) for m in held)
+
+
+def check_cache_fits(student: nn.Module, cache: Any, *, what: str = "the cache") -> None:
+    """Refuse a KV cache whose layers, heads or head size are not ``student``'s.
+
+    Raises:
+        ValueError: Naming both shapes.
+
+    Examples:
+        >>> check_cache_fits(student, init_cache(student, like, capacity_frames=4))
+    """
+    config = _config(student)
+    blocks = getattr(student, "blocks", None)
+    expected = (
+        len(blocks) if isinstance(blocks, nn.ModuleList) else None,
+        config.get("num_attention_heads"),
+        config.get("attention_head_dim"),
+    )
+    keys = cache.keys
+    got = (int(keys.shape[1]), int(keys.shape[3]), int(keys.shape[4]))
+    for label, want, have in zip(("layers", "heads", "head_dim"), expected, got, strict=True):
+        if isinstance(want, int) and want != have:
+            raise ValueError(
+                f"{what} has {have} {label} and the student {want} (cache layers, heads, "
+                f"head_dim {got}; the student's {expected}): it was made for another "
+                "model; build it with init_cache (or init_stream) from this student"
+            )
+
+
+def check_score_options(
+    *, guidance_scale: float, shift: float, min_ratio: float, max_ratio: float
+) -> None:
+    """Refuse DMD score options out of range (the rule :func:`fvstep.methods.dmd2.dmd2`
+    applies).
+
+    Raises:
+        ValueError: ``guidance_scale < 0``, ``shift <= 0``, or not ``0 <= min_ratio <=
+            max_ratio <= 1``.
+
+    Examples:
+        >>> check_score_options(guidance_scale=3.0, shift=5.0, min_ratio=0.02, max_ratio=0.98)
+    """
+    if not guidance_scale >= 0:
+        raise ValueError(f"guidance_scale must be >= 0, got {guidance_scale}")
+    if not shift > 0:
+        raise ValueError(f"shift must be > 0, got {shift}")
+    if not 0.0 <= min_ratio <= max_ratio <= 1.0:
+        raise ValueError(
+            f"need 0 <= min_ratio <= max_ratio <= 1, got min_ratio={min_ratio}, max_ratio={max_ratio}"
+        )
+
+
+def check_denoising_steps(denoising_steps: Iterable[float]) -> tuple[float, ...]:
+    """The few-step schedule as floats, refused unless strictly decreasing in ``(0, 1]``.
+
+    Raises:
+        ValueError: Naming the schedule.
+
+    Examples:
+        >>> check_denoising_steps((1, 0.5))
+        (1.0, 0.5)
+    """
+    steps = tuple(float(s) for s in denoising_steps)
+    if not steps or any(not 0.0 < s <= 1.0 for s in steps):
+        raise ValueError(f"denoising_steps must be non-empty times in (0, 1], got {steps}")
+    if any(a <= b for a, b in itertools.pairwise(steps)):
+        raise ValueError(f"denoising_steps must be strictly decreasing, got {steps}")
+    return steps
 
 
 def _check_shapes(

@@ -25,6 +25,7 @@ from torch import nn
 
 from fvstep import random as fsrandom
 from fvstep.methods import _noise
+from fvstep.methods._checks import check_cache_fits
 from fvstep.methods.causal_wan import KVCache, causal_forward, chunk_frames_of, init_cache
 from fvstep.methods.finetune import add_noise, x0_from_velocity
 
@@ -70,10 +71,16 @@ def exit_steps(
     Returns:
         ``num_chunks`` step indices.
 
+    Raises:
+        ValueError: If ``num_steps < 1`` or ``num_chunks < 0``.
+
     Examples:
         >>> exit_steps(fvstep.random.key(0), 3, num_chunks=2, num_steps=4)
-        (2, 1)
+        (1, 2)
     """
+    for label, value, low in (("num_steps", num_steps, 1), ("num_chunks", num_chunks, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"exit_steps: {label} must be an int >= {low}, got {value!r}")
     if last_step_only:
         return (num_steps - 1,) * num_chunks
     shared = fsrandom.fold_in(fsrandom.fold_in_name(key, "self_forcing_exit"), step)
@@ -135,7 +142,9 @@ def rollout(
         A :class:`Rollout`; ``video`` has gradient through the exit steps when grad is on.
 
     Raises:
-        ValueError: If ``F`` is not a multiple of the chunk or ``exits`` has the wrong length.
+        ValueError: If ``F`` is not a multiple of the chunk, ``exits`` has the wrong length
+            or an index outside ``range(len(denoising_steps))``, or ``cache`` was made for
+            a model of other layers, heads or head size.
 
     Examples:
         >>> ro = rollout(student, batch["latents"], batch["text"], k, exits=(1, 3),
@@ -149,6 +158,15 @@ def rollout(
     if len(exits) != num_chunks:
         raise ValueError(f"need one exit step for each of {num_chunks} chunks, got {len(exits)}")
     steps = tuple(float(s) for s in denoising_steps)
+    bad = [j for j in exits if isinstance(j, bool) or not isinstance(j, int) or j < 0]
+    bad += [j for j in exits if j not in bad and j >= len(steps)]
+    if bad:
+        raise ValueError(
+            f"exits {tuple(exits)} must index the {len(steps)} denoising steps: each an int "
+            f"in 0 .. {len(steps) - 1}, got {bad[0]!r}"
+        )
+    if cache is not None:
+        check_cache_fits(student, cache)
     current = cache if cache is not None else init_cache(student, like, capacity_frames=frames)
     # Without eviction every chunk's context is a prefix of the final cache: one buffer,
     # read by each chunk up to its fill level (the slots past it are masked, never used).

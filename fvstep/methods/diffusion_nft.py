@@ -58,6 +58,7 @@ from fvstep.core.policy import UNSET, Unset
 from fvstep.core.steps import update
 from fvstep.grads import ClipGradNorm, Sanitize
 from fvstep.methods import _noise
+from fvstep.methods._checks import cast_batch, check_batch
 from fvstep.methods.diffusion_nft_loss import Weighting, nft_loss
 from fvstep.methods.finetune import TSampling
 from fvstep.methods.old_policy import blend_, euler_sample
@@ -198,7 +199,9 @@ def diffusion_nft(
     """DiffusionNFT's outer step as a managed method (see the module docstring).
 
     Batches need ``"text"`` ``(B, L, D)`` and either ``"latents"`` (only their shape is
-    read, for the rollout noise) or ``latent_shape``; every tensor of the batch is
+    read, for the rollout noise) or ``latent_shape``; latents and text of lower precision
+    than the old policy (a bf16 dataset, an fp32 model) are upcast first, as
+    :func:`fvstep.methods.dmd2.dmd2` does; every tensor of the batch is
     repeated ``group_size`` times along dim 0 before the rollout and the reward. The
     inner minibatches hold ``B * group_size / minibatches`` samples each, split further
     by the accumulation. Keys: ``split(step_key, 3)`` gives the rollout noise, the
@@ -233,11 +236,20 @@ def diffusion_nft(
         ``fvstep.managed(outer_step, trains=policy, mutates=old, name=name)``.
 
     Raises:
-        ValueError: For out-of-range settings; at the first step, for a batch without the
-            latents' shape, a ``reference`` role missing with ``kl_weight > 0``, an old
-            policy whose parameters are not the policy's, or a minibatch split that does
-            not divide the rollouts.
-        TypeError: If ``reward_fn`` is not callable (or returns no floating ``(N,)``).
+        ValueError: For out-of-range settings; at a step, before it changes anything (the
+            input state stays usable and unchanged), for a batch without the latents'
+            shape or whose latents or text do not fit the old policy's model, a
+            ``reference`` role missing with ``kl_weight > 0``, an old policy whose
+            parameters are not the policy's, a minibatch split that does not divide the
+            rollouts, or an ``accumulation`` that does not divide a minibatch.
+        TypeError: If ``reward_fn`` is not callable.
+        StepFailedError: At a step, for what only the step can find, after it has started
+            (the input state is then consumed; ``__cause__`` is the error): a reward that
+            is not a floating ``(N,)`` tensor without gradient
+            (:func:`~fvstep.methods.rewards.check_rewards`: ``TypeError`` or
+            ``ValueError``), or, with ``accumulation=None``, a compiled step's
+            accumulation that does not divide a minibatch (the input check does not see
+            the compiled step's accumulation: pass ``accumulation=`` to have it checked).
 
     Examples:
         >>> step = fvstep.compile(diffusion_nft(reward_fn=reward, group_size=4, num_inner=2),
@@ -288,16 +300,31 @@ def diffusion_nft(
             )
         if not isinstance(batch, Mapping) or not isinstance(batch.get("text"), torch.Tensor):
             raise ValueError('diffusion_nft needs a batch dict with "text" (B, L, D)')
+        if isinstance(batch.get("latents"), torch.Tensor):
+            check_batch(state, batch, old)
+        elif shape is None:
+            raise ValueError(
+                "diffusion_nft needs the latents' shape: pass latent_shape=(C, F, H, W) or a "
+                'batch["latents"] of that shape (its values are not read by the method)'
+            )
         num = batch["text"].shape[0] * group_size
         if num % minibatches:
             raise ValueError(
                 f"minibatches={minibatches} must divide the {num} rollouts "
                 f"({num // group_size} prompts x group_size={group_size})"
             )
+        size = num // minibatches
+        if accumulation is not None and size % accumulation.microbatches:
+            raise ValueError(
+                f"accumulation={accumulation.microbatches} micro-batches must divide each "
+                f"inner minibatch of {size} rollouts ({num} rollouts / minibatches="
+                f"{minibatches})"
+            )
 
     def outer_step(
         state: TrainState, batch: Any, key: torch.Tensor, ctx: ManagedContext
     ) -> tuple[TrainState, dict[str, Any]]:
+        batch = cast_batch(state, batch, old, keys=("latents", "text"))
         grouped = _grouped(batch, group_size)
         text = grouped["text"]
         num = text.shape[0]

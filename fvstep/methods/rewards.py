@@ -87,7 +87,9 @@ def check_rewards(rewards: object, num_samples: int, *, what: str = "reward_fn")
 
     Raises:
         TypeError: If it is not a floating tensor.
-        ValueError: If its shape is not ``(N,)``.
+        ValueError: If its shape is not ``(N,)``, or it requires grad (a reward is a
+            constant of the loss: a reward built from the samples with gradient, or a
+            learned scorer run with grad on, would be silently detached).
 
     Examples:
         >>> check_rewards(torch.zeros(4), 4)
@@ -100,6 +102,12 @@ def check_rewards(rewards: object, num_samples: int, *, what: str = "reward_fn")
         raise ValueError(
             f"{what} must return one reward per sample, shape ({num_samples},), got "
             f"{tuple(rewards.shape)} (reduce any per-frame or per-pixel scores to one a sample)"
+        )
+    if rewards.requires_grad:
+        raise ValueError(
+            f"{what} returned rewards that require grad: a reward is a constant of the "
+            "loss (the methods run it under torch.no_grad()); compute it without gradient "
+            "(torch.no_grad(), or .detach() what it returns)"
         )
     return rewards.detach()
 

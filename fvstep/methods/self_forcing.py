@@ -27,7 +27,7 @@ values, without gradient. The cache never carries gradient.
 formulas of :mod:`fvstep.methods.dmd2`, against the bidirectional teacher and critic):
 score time ``t' = clamp(shift t / (1 + (shift - 1) t), min_ratio, max_ratio)``,
 ``x_t = (1 - t') x0_hat + t' eps``,
-``g = nan_to_num((x0_critic - x0_teacher_cfg) / mean|x0_hat - x0_teacher_cfg|)``, generator
+``g = nan_to_num((x0_critic - x0_teacher_cfg) / mean_s|x0_hat - x0_teacher_cfg|)`` (``mean_s``: each sample's own mean), generator
 loss ``0.5 MSE(x0_hat, sg(x0_hat - g))``; critic loss
 ``mean((v_critic(x_t, t') - (eps - sg(x0_hat)))^2)``.
 
@@ -53,7 +53,6 @@ Examples:
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -62,6 +61,12 @@ import torch
 
 from fvstep import random as fsrandom
 from fvstep.core.steps import Cond, cond, update
+from fvstep.methods._checks import (
+    check_batch,
+    check_bidirectional,
+    check_denoising_steps,
+    check_score_options,
+)
 from fvstep.methods.causal_rollout import exit_steps, regenerate, rollout, shifted_steps
 from fvstep.methods.causal_wan import chunk_frames_of
 from fvstep.methods.dmd2 import FusedLossFn, critic_denoising_loss, distribution_matching_loss
@@ -164,7 +169,8 @@ def self_forcing_losses(
     """Self-forcing's loss functions (formulas and keys: the module docstring).
 
     Batches need ``"text"`` ``(B, L, D)`` and ``"latents"`` (only its shape, dtype and
-    device: the video to generate).
+    device: the video to generate). Latents or text of lower precision than the student
+    (a bf16 dataset, an fp32 model) are upcast as :func:`fvstep.methods.dmd2.dmd2` does.
 
     Args:
         denoising_steps: The student's few-step schedule, decreasing in ``(0, 1]``
@@ -184,20 +190,29 @@ def self_forcing_losses(
         A :class:`SelfForcingLosses`.
 
     Raises:
-        ValueError: For a schedule that is not decreasing in ``(0, 1]``, or a
-            ``context_time`` outside ``[0, 1)``.
+        ValueError: For a schedule that is not decreasing in ``(0, 1]``, a
+            ``context_time`` outside ``[0, 1)``, ``guidance_scale < 0``, ``shift <= 0`` or
+            not ``0 <= min_ratio <= max_ratio <= 1``; at a step (before it changes
+            anything, the state stays usable), for a student that is not causal, a causal
+            teacher or critic, or a batch that does not fit the student.
 
     Examples:
         >>> losses = self_forcing_losses(denoising_steps=(1.0, 0.5))
     """
-    steps = tuple(float(s) for s in denoising_steps)
-    if not steps or any(not 0.0 < s <= 1.0 for s in steps):
-        raise ValueError(f"denoising_steps must be non-empty times in (0, 1], got {steps}")
-    if any(a <= b for a, b in itertools.pairwise(steps)):
-        raise ValueError(f"denoising_steps must be strictly decreasing, got {steps}")
+    steps = check_denoising_steps(denoising_steps)
+    check_score_options(
+        guidance_scale=guidance_scale, shift=shift, min_ratio=min_ratio, max_ratio=max_ratio
+    )
     if not 0.0 <= context_time < 1.0:
         raise ValueError(f"context_time must be in [0, 1), got {context_time}")
     score: dict[str, Any] = {"shift": shift, "min_ratio": min_ratio, "max_ratio": max_ratio}
+
+    def checked(state: TrainState, batch: Any) -> Any:
+        """The batch checked and cast for the student; causal student, bidirectional
+        teacher and critic (a loss's error, before any change: the state stays usable)."""
+        chunk_frames_of(state.module(student))  # raises for a student that is not causal
+        check_bidirectional(state, (teacher, critic), method="self_forcing")
+        return check_batch(state, batch, student)
 
     def generate(state: TrainState, batch: Any, key: torch.Tensor) -> torch.Tensor:
         module = state.module(student)
@@ -229,6 +244,7 @@ def self_forcing_losses(
     def critic_loss(
         state: TrainState, batch: Any, key: torch.Tensor
     ) -> tuple[torch.Tensor, dict[str, Any]]:
+        batch = checked(state, batch)
         keys = fsrandom.split(key, _NUM_KEYS)
         with torch.no_grad():
             video = generate(state, batch, keys[_ROLLOUT])
@@ -237,6 +253,7 @@ def self_forcing_losses(
     def fused_loss(
         state: TrainState, batch: Any, key: torch.Tensor
     ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        batch = checked(state, batch)
         keys = fsrandom.split(key, _NUM_KEYS)
         video = generate(state, batch, keys[_ROLLOUT])
         g_loss, g_metrics = dmd_loss_on(

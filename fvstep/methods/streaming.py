@@ -29,8 +29,10 @@ frames) into the step's micro-batches like any batch.
 text), so the leaves of ``extra[name]`` differ between ranks and are saved per rank
 (:mod:`fvstep.checkpoint`). Such a checkpoint resumes on the same world size only: on
 another one, loading raises ``CheckpointError`` (the streams cannot be split or merged
-between ranks); start new streams instead (a fresh ``extra``). Exit steps come from the
-shared key (the same on every rank, :func:`~fvstep.methods.causal_rollout.exit_steps`);
+between ranks); start new streams instead:
+``fvstep.checkpoint.load(path, like=fresh_state, reset=("extra.stream",))``. Exit steps
+come from the shared key (the same on every rank,
+:func:`~fvstep.methods.causal_rollout.exit_steps`);
 every other draw from the managed step's key, per rank: ``split(key, 3) = (rollout,
 generator, critic)``.
 
@@ -45,7 +47,7 @@ Examples:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -54,6 +56,14 @@ from torch import nn
 from fvstep import random as fsrandom
 from fvstep.core.managed import Managed, managed
 from fvstep.core.steps import update
+from fvstep.methods._checks import (
+    check_batch,
+    check_bidirectional,
+    check_cache_fits,
+    check_denoising_steps,
+    check_score_options,
+    upcast_for,
+)
 from fvstep.methods.causal_rollout import exit_steps, regenerate, rollout, shifted_steps
 from fvstep.methods.causal_wan import KVCache, chunk_frames_of, init_cache
 from fvstep.methods.self_forcing import critic_loss_on, dmd_loss_on
@@ -102,20 +112,33 @@ def init_stream(
     Returns:
         A :class:`StreamState` holding no frame.
 
+    Latents or text of lower precision than the student (a bf16 dataset, an fp32 model)
+    are upcast first, as the step upcasts its batches (so the stream's ``frames``,
+    ``text`` and, without ``cache_dtype``, cache are in the student's dtype).
+
     Raises:
-        ValueError: If the window is smaller than a step's frames or the chunk, or the
-            student is not causal.
+        ValueError: If the window is smaller than a step's frames or the chunk, a step's
+            frames or the window is not a multiple of the chunk, or the student is not
+            causal.
 
     Examples:
         >>> stream = init_stream(student, batch, window_frames=6, sink_frames=3)
     """
-    like, text = batch["latents"], batch["text"]
+    like, text = upcast_for(student, batch["latents"]), upcast_for(student, batch["text"])
     chunk = chunk_frames_of(student)
+    if isinstance(window_frames, bool) or not isinstance(window_frames, int):
+        raise ValueError(f"window_frames must be an int, got {window_frames!r}")
     if window_frames < max(like.shape[2], chunk):
         raise ValueError(
             f"window_frames={window_frames} must hold a step's {like.shape[2]} frames "
             f"and a chunk of {chunk}"
         )
+    for label, value in (("window_frames", window_frames), ("a step's frames", like.shape[2])):
+        if value % chunk:
+            raise ValueError(
+                f"{label} ({value}) must be a multiple of the student's chunk of {chunk} "
+                "frames (the stream moves a chunk at a time)"
+            )
     batch_size, channels, _, height, width = like.shape
     return StreamState(
         cache=init_cache(
@@ -184,8 +207,13 @@ def streaming(
         A managed step that trains ``student`` and ``critic``.
 
     Raises:
-        ValueError: For out-of-range settings; at a step, if ``state.extra`` has no
-            stream of this shape.
+        ValueError: For out-of-range settings (as :func:`fvstep.methods.self_forcing.self_forcing`'s);
+            at a step, before it changes anything (the input state stays usable): if
+            ``state.extra`` has no stream of this window and sink, its cache was made for
+            another model, the student is not causal, the teacher or critic is causal, or
+            the batch does not fit the stream (its batch size, channels, height and width;
+            more frames than the window, or frames not a multiple of the chunk; a new
+            stream's text shaped otherwise than the stream's).
 
     Examples:
         >>> step = fvstep.compile(streaming(steps_per_stream=8, window_frames=6),
@@ -199,7 +227,12 @@ def streaming(
     ):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"{label} must be an int >= {low}, got {value!r}")
-    steps = tuple(float(s) for s in denoising_steps)
+    steps = check_denoising_steps(denoising_steps)
+    check_score_options(
+        guidance_scale=guidance_scale, shift=shift, min_ratio=min_ratio, max_ratio=max_ratio
+    )
+    if not 0.0 <= context_time < 1.0:
+        raise ValueError(f"context_time must be in [0, 1), got {context_time}")
     score: dict[str, Any] = {"shift": shift, "min_ratio": min_ratio, "max_ratio": max_ratio}
     capacity = sink_frames + window_frames
 
@@ -242,16 +275,61 @@ def streaming(
     generator_unit = update("student", generator_loss, name=f"{name}_generator")
     critic_unit = update("critic", critic_loss, name=f"{name}_critic")
 
+    def check_input(state: TrainState, batch: Any) -> None:
+        """Refuse what the step cannot take, before the engine consumes anything."""
+        student = state.module("student")
+        chunk = chunk_frames_of(student)  # raises for a student that is not causal
+        check_bidirectional(state, ("teacher", "critic"), method="streaming")
+        if not isinstance(batch, Mapping):
+            raise ValueError('streaming needs a batch dict with "latents" and "text"')
+        batch = check_batch(state, batch, "student")
+        stream = state.extra.get(name)
+        fits = (
+            isinstance(stream, StreamState)
+            and stream.cache.capacity_frames == capacity
+            and stream.cache.sink_frames == sink_frames
+            and stream.frames.shape[2] == window_frames
+        )
+        if not fits or not isinstance(stream, StreamState):
+            got = (
+                f"a stream of window_frames={stream.frames.shape[2]}, sink_frames="
+                f"{stream.cache.sink_frames}"
+                if isinstance(stream, StreamState)
+                else f"{'no stream' if stream is None else type(stream).__name__} "
+                f"(state.extra has keys {sorted(state.extra)})"
+            )
+            raise ValueError(
+                f"streaming needs state.extra[{name!r}] = init_stream(student, batch, "
+                f"window_frames={window_frames}, sink_frames={sink_frames}), got {got}"
+            )
+        check_cache_fits(student, stream.cache, what=f"state.extra[{name!r}].cache")
+        like, text = batch["latents"], batch["text"]
+        frames = like.shape[2]
+        if frames > window_frames or frames % chunk:
+            raise ValueError(
+                f'batch["latents"] has {frames} frames: a step must generate a multiple of '
+                f"the student's chunk ({chunk}) and at most window_frames={window_frames} "
+                "frames (more would evict the step's own chunks from the cache)"
+            )
+        want = (stream.frames.shape[0], stream.frames.shape[1], *stream.frames.shape[3:])
+        have = (like.shape[0], like.shape[1], *like.shape[3:])
+        if have != want:
+            raise ValueError(
+                f'batch["latents"] has (batch, channels, height, width) = {have}; the '
+                f"stream was made for {want} (init_stream's batch): the stream's samples "
+                "continue from step to step"
+            )
+        if int(state.step) % steps_per_stream == 0 and text.shape != stream.text.shape:
+            raise ValueError(
+                f'batch["text"] has shape {tuple(text.shape)}; a new stream takes it as its '
+                f"prompt, which must be shaped like init_stream's, {tuple(stream.text.shape)}"
+            )
+
     def stream_step(
         state: TrainState, batch: Any, key: torch.Tensor, ctx: Any
     ) -> tuple[TrainState, dict[str, Any]]:
-        stream = state.extra.get(name)
-        if not isinstance(stream, StreamState) or stream.cache.capacity_frames != capacity:
-            raise ValueError(
-                f"streaming needs state.extra[{name!r}] = init_stream(student, batch, "
-                f"window_frames={window_frames}, sink_frames={sink_frames}), got "
-                f"{type(stream).__name__}"
-            )
+        batch = check_batch(state, batch, "student")  # checked by check_input; the cast
+        stream = state.extra[name]
         step = int(state.step)
         if step % steps_per_stream == 0:
             stream = _restarted(stream, batch["text"])
@@ -286,4 +364,4 @@ def streaming(
         metrics = {**metrics, **critic_metrics, f"{name}/frames": moved.num_frames}
         return state.replace(extra={**state.extra, name: moved}), metrics
 
-    return managed(stream_step, trains=("student", "critic"), name=name)
+    return managed(stream_step, trains=("student", "critic"), name=name, check=check_input)
