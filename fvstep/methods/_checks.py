@@ -142,8 +142,9 @@ def upcast_for(module: nn.Module, value: torch.Tensor) -> torch.Tensor:
     return result
 
 
-def check_bidirectional(state: TrainState, roles: Iterable[str], *, method: str) -> None:
-    """Refuse a causal module in any of ``roles`` (those the state has).
+def check_bidirectional(state: Any, roles: Iterable[str], *, method: str) -> None:
+    """Refuse a causal module in any of ``roles`` (those the state has; ``state`` may be
+    any object with ``module(role)``, as the DMD losses take).
 
     Raises:
         ValueError: Naming the role, and why it must see the whole video.
@@ -152,7 +153,9 @@ def check_bidirectional(state: TrainState, roles: Iterable[str], *, method: str)
         >>> check_bidirectional(state, ("teacher", "critic"), method="self_forcing")
     """
     for role in roles:
-        if role in state.roles and _computes_causally(state.module(role)):
+        if isinstance(state, TrainState) and role not in state.roles:
+            continue  # a missing role is the engine's error, or the loss's
+        if _computes_causally(state.module(role)):
             raise ValueError(
                 f"{method} needs a bidirectional {role!r}: its module is causal (made by "
                 "make_causal, or a copy.deepcopy of the causal student), so it would score "
