@@ -201,15 +201,15 @@ def run_side(
         slowest = rt.max_over_ranks(values)
         stat = c.summarize(slowest)
         calls = forwards[kind]
-        rows[kind] = {
+        rows[kind] = row = {
             "seconds": stat,
             "model_forwards": calls.forwards,
             "calls": attrs.asdict(calls),
             "mfu": mfu(calls.forwards * per_forward, stat["median"], c.peak_flops(args, rt)),
         }
         if kernels is not None:
-            rows[kind]["floor_s"] = floor_seconds(calls, kernels)
-            rows[kind]["of_floor"] = rows[kind]["floor_s"] / stat["median"]
+            floor = floor_seconds(calls, kernels)
+            row.update(floor_s=floor, of_floor=floor / stat["median"])
     return {
         "side": side,
         "steps": rows,

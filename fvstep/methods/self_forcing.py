@@ -27,8 +27,9 @@ values, without gradient. The cache never carries gradient.
 formulas of :mod:`fvstep.methods.dmd2`, against the bidirectional teacher and critic):
 score time ``t' = clamp(shift t / (1 + (shift - 1) t), min_ratio, max_ratio)``,
 ``x_t = (1 - t') x0_hat + t' eps``,
-``g = nan_to_num((x0_critic - x0_teacher_cfg) / mean_s|x0_hat - x0_teacher_cfg|)`` (``mean_s``: each sample's own mean), generator
-loss ``0.5 MSE(x0_hat, sg(x0_hat - g))``; critic loss
+``g = nan_to_num((x0_critic - x0_teacher_cfg) / mean_s|x0_hat - x0_teacher_cfg|)``
+(``mean_s``: each sample's own mean), generator loss ``0.5 MSE(x0_hat, sg(x0_hat - g))``;
+critic loss
 ``mean((v_critic(x_t, t') - (eps - sg(x0_hat)))^2)``.
 
 **Draw rules.** The exit steps ``j_c`` are drawn from the *shared* key
