@@ -440,19 +440,23 @@ def test_a_managed_steps_check_refuses_its_input_before_anything_is_consumed():
         ran.append(True)
         return state, {}
 
-    def check(state, batch):
+    seen = []
+
+    def check(state, batch, accumulation):
+        seen.append(accumulation.microbatches)  # the accumulation ctx will hold
         if batch["x"].shape[0] != 3:
             raise ValueError("want 3 samples")
 
     state = state_of()
     before = tree.clone(state)
     with pytest.raises(ValueError, match="want 3 samples"):
-        fs.managed(outer, trains="a", name="m", check=check)(state, make_batch(0))
-    assert not ran and not is_consumed(state)
+        step = fs.managed(outer, trains="a", name="m", check=check)
+        fs.compile(step, accumulation=fs.Accumulation(2))(state, make_batch(0))
+    assert not ran and not is_consumed(state) and seen == [2]
     tree.assert_trees_equal(state, before)
 
     def outer_checking(state, batch, key, ctx):
-        check(state, batch)
+        check(state, batch, ctx.accumulation)
         return state, {}
 
     with pytest.raises(fs.StepFailedError):
@@ -502,7 +506,7 @@ def test_a_loss_metric_that_takes_the_units_loss_key_is_refused():
 
 
 def test_a_managed_steps_check_runs_before_the_units_before_it():
-    def check(state, batch):
+    def check(state, batch, accumulation):
         raise ValueError("no")
 
     step = fs.sequence(

@@ -385,3 +385,17 @@ def test_init_stream_and_streaming_refuse_what_the_stream_cannot_move_by():
     ]:
         with pytest.raises(ValueError, match=match):
             streaming(steps_per_stream=2, window_frames=2, **options)
+
+
+def test_an_accumulation_that_does_not_divide_the_batch_is_refused_before_any_change():
+    """The input check is given the compiled step's accumulation: K = 2 on 3 samples."""
+    modules = _modules(sharded=False)
+    batch = synthetic_batch(fs.random.key(0), batch_size=3, frames=1)
+    state = _state(modules).replace(
+        extra={"stream": init_stream(modules["student"], batch, window_frames=1, sink_frames=1)}
+    )
+    before = tree.clone(state)
+    with pytest.raises(ValueError, match="accumulation of 2 micro-batches does not divide"):
+        _compiled(streaming(**OPTIONS))(state, batch)
+    assert not is_consumed(state)
+    tree.assert_trees_equal(state, before)

@@ -209,8 +209,9 @@ class Leaf(Step):
         """``unit 'name'`` or ``managed step 'name'``, for messages."""
         return f"{self.kind} {self.name!r}"
 
-    def check_input(self, state: TrainState, batch: Any) -> None:
-        """A managed leaf's check of its input, before anything is consumed (units: none)."""
+    def check_input(self, state: TrainState, batch: Any, policy: Policy) -> None:
+        """A managed leaf's check of its input (``policy``: the leaf's resolved policy),
+        before anything is consumed (units: none)."""
 
 
 def own_routes(leaf: Leaf) -> tuple[Route, ...]:
@@ -413,7 +414,7 @@ def run_step(
             runs = scheduled(routes, step)
             for _, route in runs:  # managed steps' input checks, before anything changes
                 if route.leaf.managed:
-                    route.leaf.check_input(work, batch)
+                    route.leaf.check_input(work, batch, route.resolved)
             for position, route in runs:
                 leaf, policy = route.leaf, route.resolved
                 leaf_key = fsrandom.fold_in_name(step_key, leaf.name)

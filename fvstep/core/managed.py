@@ -39,14 +39,16 @@ class Managed(Leaf):
     name: str = "managed"
     policy: Policy = attrs.Factory(Policy)
     mutates: tuple[str, ...] = ()
-    check: Callable[[TrainState, Any], None] | None = None
+    check: Callable[[TrainState, Any, Accumulation], None] | None = None
     routes: tuple[Route, ...] = attrs.field(init=False, repr=False, eq=False, default=ROUTES)
 
-    def check_input(self, state: TrainState, batch: Any) -> None:
-        """Run ``check(state, batch)`` on the step's input, before any leaf of the step runs
-        (its error leaves the input usable and unchanged)."""
+    def check_input(self, state: TrainState, batch: Any, policy: Policy) -> None:
+        """Run ``check(state, batch, accumulation)`` on the step's input, before any leaf of
+        the step runs (its error leaves the input usable and unchanged); ``policy`` is the
+        resolved one its ``ctx`` will hold."""
         if self.check is not None:
-            self.check(state, batch)
+            assert policy.accumulation is not None
+            self.check(state, batch, policy.accumulation)
 
     def run(
         self,
@@ -86,7 +88,7 @@ def managed(
     clip: ClipGradNorm | Unset | None = UNSET,
     sanitize: Sanitize | Unset = UNSET,
     name: str = "managed",
-    check: Callable[[TrainState, Any], None] | None = None,
+    check: Callable[[TrainState, Any, Accumulation], None] | None = None,
 ) -> Managed:
     """Wrap a method that runs its own inner loop (RL: sample, reward, several updates).
 
@@ -104,9 +106,10 @@ def managed(
         clip: Default clipping of its inner updates (else the enclosing ``compile``'s).
         sanitize: Default non-finite policy of its inner updates.
         name: Keys its randomness; a label for metrics and plans.
-        check: ``check(state, batch)``, run at the start of every step this managed step
-            runs at, before any leaf of the step runs (so it sees the step's input state,
-            also when units run before it): it raises on a state or batch ``fn`` cannot
+        check: ``check(state, batch, accumulation)``, run at the start of every step this
+            managed step runs at, before any leaf of the step runs (so it sees the step's
+            input state, also when units run before it; ``accumulation`` is the one
+            ``ctx.accumulation`` will hold): it raises on a state or batch ``fn`` cannot
             take, and its error leaves the input state usable and bit-unchanged (an error
             raised inside ``fn`` consumes it, since a managed step counts as changing the
             state from its start). It must not change anything.
@@ -124,7 +127,9 @@ def managed(
     if not isinstance(name, str) or not name:
         raise ValueError(f"a managed step's name must be a non-empty str, got {name!r}")
     if check is not None and not callable(check):
-        raise TypeError(f"check must be a function (state, batch) -> None, got {check!r}")
+        raise TypeError(
+            f"check must be a function (state, batch, accumulation) -> None, got {check!r}"
+        )
     check_clip(clip)
     check_sanitize(sanitize)
     return Managed(fn, trains_t, name, Policy(clip=clip, sanitize=sanitize), mutates_t, check)

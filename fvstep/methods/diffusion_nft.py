@@ -241,15 +241,14 @@ def diffusion_nft(
             shape or whose latents or text do not fit the old policy's model, a
             ``reference`` role missing with ``kl_weight > 0``, an old policy whose
             parameters are not the policy's, a minibatch split that does not divide the
-            rollouts, or an ``accumulation`` that does not divide a minibatch.
+            rollouts, or an accumulation (``accumulation``, else the compiled step's)
+            that does not divide a minibatch.
         TypeError: If ``reward_fn`` is not callable.
         StepFailedError: At a step, for what only the step can find, after it has started
             (the input state is then consumed; ``__cause__`` is the error): a reward that
             is not a floating ``(N,)`` tensor without gradient
             (:func:`~fvstep.methods.rewards.check_rewards`: ``TypeError`` or
-            ``ValueError``), or, with ``accumulation=None``, a compiled step's
-            accumulation that does not divide a minibatch (the input check does not see
-            the compiled step's accumulation: pass ``accumulation=`` to have it checked).
+            ``ValueError``).
 
     Examples:
         >>> step = fvstep.compile(diffusion_nft(reward_fn=reward, group_size=4, num_inner=2),
@@ -283,7 +282,7 @@ def diffusion_nft(
     unit = update(policy, loss, clip=clip, sanitize=sanitize, name=f"{name}_inner")
     sample = rollout or euler_rollout(10)
 
-    def check_input(state: TrainState, batch: Any) -> None:
+    def check_input(state: TrainState, batch: Any, compiled: Accumulation) -> None:
         """Refuse what the outer step cannot take, before the engine consumes anything."""
         if kl_weight > 0 and reference not in state.roles:
             raise ValueError(
@@ -314,9 +313,10 @@ def diffusion_nft(
                 f"({num // group_size} prompts x group_size={group_size})"
             )
         size = num // minibatches
-        if accumulation is not None and size % accumulation.microbatches:
+        inner = accumulation if accumulation is not None else compiled
+        if size % inner.microbatches:
             raise ValueError(
-                f"accumulation={accumulation.microbatches} micro-batches must divide each "
+                f"accumulation={inner.microbatches} micro-batches must divide each "
                 f"inner minibatch of {size} rollouts ({num} rollouts / minibatches="
                 f"{minibatches})"
             )

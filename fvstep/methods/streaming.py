@@ -54,6 +54,7 @@ import torch
 from torch import nn
 
 from fvstep import random as fsrandom
+from fvstep.accumulation import Accumulation
 from fvstep.core.managed import Managed, managed
 from fvstep.core.steps import update
 from fvstep.methods._checks import (
@@ -275,7 +276,7 @@ def streaming(
     generator_unit = update("student", generator_loss, name=f"{name}_generator")
     critic_unit = update("critic", critic_loss, name=f"{name}_critic")
 
-    def check_input(state: TrainState, batch: Any) -> None:
+    def check_input(state: TrainState, batch: Any, accumulation: Accumulation) -> None:
         """Refuse what the step cannot take, before the engine consumes anything."""
         student = state.module("student")
         chunk = chunk_frames_of(student)  # raises for a student that is not causal
@@ -318,6 +319,11 @@ def streaming(
                 f'batch["latents"] has (batch, channels, height, width) = {have}; the '
                 f"stream was made for {want} (init_stream's batch): the stream's samples "
                 "continue from step to step"
+            )
+        if like.shape[0] % accumulation.microbatches:
+            raise ValueError(
+                f"the step's accumulation of {accumulation.microbatches} micro-batches does "
+                f'not divide the batch of {like.shape[0]} samples (batch["latents"])'
             )
         if int(state.step) % steps_per_stream == 0 and text.shape != stream.text.shape:
             raise ValueError(
