@@ -210,8 +210,7 @@ class Leaf(Step):
         return f"{self.kind} {self.name!r}"
 
     def check_input(self, state: TrainState, batch: Any, policy: Policy) -> None:
-        """A managed leaf's check of its input (``policy``: the leaf's resolved policy),
-        before anything is consumed (units: none)."""
+        """A managed leaf's check of its input under its resolved ``policy`` (units: none)."""
 
 
 def own_routes(leaf: Leaf) -> tuple[Route, ...]:
