@@ -39,6 +39,9 @@ class Checkpoints:
             :class:`~fvstep.checkpoint.CheckpointSkippedWarning`, renames it
             ``step_<n>.damaged`` (kept, never listed, pruned or counted in ``keep``) and
             tries the next older one; ``"error"`` raises.
+        reset: Leaf paths a resume takes from the initial state instead of the checkpoint
+            (:func:`fvstep.checkpoint.load`'s ``reset``), e.g. ``("extra.stream",)`` to
+            resume a streaming run on another world size with new streams.
 
     Examples:
         >>> Checkpoints("runs/a/ckpt", every=100, keep=3, async_save=True)
@@ -49,8 +52,11 @@ class Checkpoints:
     keep: int | None = 3
     async_save: bool = False
     on_damaged: str = "skip"
+    reset: tuple[str, ...] = attrs.field(default=(), converter=tuple)
 
     def __attrs_post_init__(self) -> None:
+        if not all(isinstance(p, str) and p for p in self.reset):
+            raise ValueError(f"Checkpoints.reset must be leaf paths (str), got {self.reset!r}")
         if self.every < 1:
             raise ValueError(f"Checkpoints.every must be >= 1, got {self.every}")
         if self.keep is not None and self.keep < 1:
@@ -104,7 +110,7 @@ def resume(
     skipped: list[tuple[Path, DamagedCheckpointError]] = []
     for _, path in reversed(candidates):
         try:
-            loaded = ckpt.load(path, like=state)
+            loaded = ckpt.load(path, like=state, reset=checkpoints.reset)
         except DamagedCheckpointError as e:
             if checkpoints.on_damaged == "error":
                 raise

@@ -352,11 +352,14 @@ def test_per_rank_values_refuse_another_world_size(ranks, tmp_path):
     with pytest.raises(CheckpointError, match=r"per-rank.*saved by 2 ranks.*loaded on 1") as info:
         load(path, like=like)
     assert str(path) in str(info.value) and "extra.per_rank" in str(info.value)
-    assert "reset=('extra.per_rank',)" in str(info.value)
+    assert "reset=('extra.per_rank',)" in str(info.value) and "Checkpoints(" in str(info.value)
     assert disk_snapshot(tmp_path) == before
     # start the per-rank values afresh from `like`; everything else is the checkpoint's
     loaded = load(path, like=like, reset=("extra.per_rank",))
-    assert int(loaded.extra["per_rank"]) == 0 and loaded.extra["per_rank"] is not None
+    assert (
+        int(loaded.extra["per_rank"]) == 0
+        and loaded.extra["per_rank"] is not like.extra["per_rank"]
+    )
     got = full_tensors(loaded)
     assert set(got) == set(saved)
     tree.assert_trees_equal(
@@ -365,6 +368,53 @@ def test_per_rank_values_refuse_another_world_size(ranks, tmp_path):
     )
     with pytest.raises(ValueError, match="names no leaf"):
         load(path, like=like, reset=("extra.nothing",))
+
+
+def test_reset_leaves_are_copies_of_likes_and_skip_the_checks_of_the_checkpoint(tmp_path):
+    """``load(reset=...)``: the reset leaves are ``like``'s values in tensors of their own (a
+    step on the loaded state leaves ``like`` as it was), the rest is the checkpoint's; a
+    reset frozen role saved by checksum is not checked against the checkpoint's weights;
+    ``fvstep.run`` resumes with ``Checkpoints(reset=...)``."""
+    from fvstep.methods import finetune
+    from fvstep.models import synthetic_batch, tiny_wan
+
+    def state_of(seed: int, teacher_seed: int) -> fs.TrainState:
+        return fs.TrainState.create(
+            {
+                "student": fs.Role(tiny_wan(seed=seed, num_layers=1), optimizer=fs.optim.adamw()),
+                "teacher": fs.Role(tiny_wan(seed=teacher_seed, num_layers=1), save_frozen=False),
+            },
+            key=fs.random.key(seed),
+            extra={"n": torch.tensor([seed])},
+        )
+
+    step = fs.compile(finetune())
+    batch = synthetic_batch(fs.random.key(0), batch_size=2, frames=1)
+    state, _ = step(state_of(0, 1), batch)
+    path = save(state, checkpoint_dir(tmp_path / "a", 1))
+    like = state_of(5, 1)
+    before = tree.clone(like)
+    reset = ("roles.student.opt_state", "extra.n")
+    loaded = load(path, like=like, reset=reset)
+    assert int(loaded.extra["n"]) == 5
+    tree.assert_trees_equal(loaded.roles["student"].params, state.roles["student"].params)
+    tree.assert_trees_equal(loaded.roles["student"].opt_state, before.roles["student"].opt_state)
+    step(loaded, batch)  # updates the loaded leaves in place
+    tree.assert_trees_equal(like, before)
+    other_base = state_of(5, 2)
+    with pytest.raises(CheckpointError, match="other frozen weights"):
+        load(path, like=other_base)
+    teacher = load(path, like=other_base, reset=("roles.teacher",)).roles["teacher"]
+    tree.assert_trees_equal(teacher.params, other_base.roles["teacher"].params)
+    # fs.run resumes with the same reset
+    ckpts = fs.Checkpoints(tmp_path / "run", every=1, reset=("extra.n",))
+    fs.run(step, state_of(0, 1), lambda i: batch, num_steps=1, checkpoints=ckpts, progress=False)
+    resumed = fs.run_until(
+        step, state_of(7, 1), lambda i: batch, num_steps=2, checkpoints=ckpts, progress=False
+    ).state
+    assert int(resumed.extra["n"]) == 7 and int(resumed.step) == 2
+    with pytest.raises(ValueError, match="leaf paths"):
+        fs.Checkpoints(tmp_path, reset=("",))
 
 
 # ------------------------------------------------------- 4. atomic commit and latest

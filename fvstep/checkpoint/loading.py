@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
+import attrs
 import optree
 import torch
 import torch.distributed.checkpoint as dcp
@@ -101,18 +102,23 @@ def _check_fits(
         raise CheckpointError(
             f"checkpoint {str(path)!r} holds per-rank values ({shown}) saved by "
             f"{manifest.world_size} ranks; they cannot be loaded on {world}. To start them "
-            f"afresh from `like` instead, pass reset=({_common_prefix(per_rank)!r},)"
+            f"afresh from `like` instead, pass reset={_subtrees(per_rank)!r} to "
+            "fvstep.checkpoint.load (fvstep.run: Checkpoints(..., reset=...))"
         )
 
 
-def _common_prefix(paths: list[str]) -> str:
-    parts = [p.split(".") for p in paths]
-    common = []
-    for level in zip(*parts):
-        if len(set(level)) > 1:
-            break
-        common.append(level[0])
-    return ".".join(common or parts[0][:1])
+def _subtrees(paths: list[str]) -> tuple[str, ...]:
+    """The subtrees (``extra.<name>``, ``roles.<role>``) that hold ``paths``, each once."""
+    return tuple(dict.fromkeys(".".join(p.split(".")[:2]) for p in paths))
+
+
+def _copy(x: Any) -> Any:
+    if not isinstance(x, torch.Tensor):
+        return x
+    new = x.detach().clone()
+    if isinstance(x, torch.nn.Parameter):
+        return torch.nn.Parameter(new, requires_grad=x.requires_grad)
+    return new
 
 
 def _empty_like(x: torch.Tensor) -> torch.Tensor:
@@ -142,9 +148,10 @@ def load(
         like: A state of the same structure (e.g. the freshly created initial state).
         group: The process group (default: the world).
         reset: Leaf paths (``"extra.stream"``: that leaf or every leaf under it) that are
-            not read: the returned state has ``like``'s own values there, whatever the
-            checkpoint holds under them. E.g. per-rank streams on another world size:
-            ``load(path, like=fresh_state, reset=("extra.stream",))``.
+            not read: the returned state has copies of ``like``'s values there, whatever
+            the checkpoint holds under them (nor are they checked against it, frozen
+            weights saved by checksum included). E.g. per-rank streams on another world
+            size: ``load(path, like=fresh_state, reset=("extra.stream",))``.
 
     Returns:
         The loaded state.
@@ -181,6 +188,9 @@ def load(
     for q in reset:
         if not any(_under(p, (q,)) for p in all_paths):
             raise ValueError(f"reset={q!r} names no leaf of `like` (e.g. {all_paths[:3]})")
+    if reset:
+        pinned = {p: e for p, e in manifest.frozen.items() if not _under(p, reset)}
+        manifest = attrs.evolve(manifest, frozen=pinned)
     _check_frozen(manifest, path, all_paths, all_leaves, group)
     keep = [i for i, p in enumerate(all_paths) if p not in manifest.frozen and not _under(p, reset)]
     paths, leaves = [all_paths[i] for i in keep], [all_leaves[i] for i in keep]
@@ -215,4 +225,7 @@ def load(
     out = list(all_leaves)  # frozen leaves saved by checksum: the state's own, verified
     for i, x in zip(keep, fresh):
         out[i] = x
+    for i, p in enumerate(all_paths):
+        if _under(p, reset):  # like's values, in tensors of their own (steps update in place)
+            out[i] = _copy(all_leaves[i])
     return optree.tree_unflatten(spec, out)  # type: ignore[return-value]

@@ -309,7 +309,7 @@ def init_cache(
             ``sink_frames`` and drops the oldest of the others.
         sink_frames: Frames kept forever (an attention sink), ``< capacity_frames``.
         dtype: The buffers' dtype. Default: the autocast dtype when autocast is on for
-            ``like``'s device (the keys and values are computed in it), else ``like``'s.
+            ``like``'s device (half the memory; keys rounded to it), else ``like``'s.
 
     Returns:
         A cache holding no frame.

@@ -107,8 +107,10 @@ def init_stream(
         window_frames: The latest frames the cache and ``frames`` keep; at least a step's.
         sink_frames: The stream's first frames the cache keeps for the whole stream.
         cache_dtype: The cache's dtype (:func:`~fvstep.methods.causal_wan.init_cache`'s
-            ``dtype``; e.g. ``torch.bfloat16`` for a run under bf16 autocast, where the
-            keys are computed in bf16: half the memory, the same attention).
+            ``dtype``; e.g. ``torch.bfloat16`` for a run under bf16 autocast: half the
+            memory, the keys rounded to bf16 before the rotary embedding, so the attention
+            is close to, not bitwise, that of an fp32 cache; on CUDA the keys' RMSNorm runs
+            in fp32 under autocast).
 
     Returns:
         A :class:`StreamState` holding no frame.
