@@ -225,9 +225,10 @@ def test_context_parallel_and_bad_inputs_are_refused_with_a_clear_error():
     assert chunk_frames_of(model) == 3
 
 
-def test_a_rollout_keeps_one_cache_for_its_contexts_unless_it_evicts():
-    """Without eviction each chunk's context is its prefix of the final cache (one buffer,
-    the same frames on regeneration); a rolling cache keeps a cache per chunk."""
+def test_a_rollouts_contexts_are_views_of_one_buffer_and_regenerate_its_frames():
+    """Each chunk's context is a view of one buffer (without eviction its prefix of the
+    final cache; with eviction a window of the start's and the new frames), and the exit
+    steps regenerated from them are the rollout's frames, bitwise."""
     from fvstep.methods.causal_rollout import regenerate, rollout
     from fvstep.models import synthetic_batch
 
@@ -240,12 +241,16 @@ def test_a_rollout_keeps_one_cache_for_its_contexts_unless_it_evicts():
     assert [int(c.num_frames) for c in ro.contexts] == [0, 1, 2]
     again = regenerate(student, ro.exit_inputs, ro.exit_times, ro.contexts, batch["text"])
     assert torch.equal(again, ro.video)
+    # a rolling cache (sink 1 + 1 frame) evicts: the contexts are windows of one buffer,
+    # from a cache already holding frames (the second call continues the first's)
     rolling = init_cache(student, batch["latents"], capacity_frames=2, sink_frames=1)
-    ro = rollout(student, batch["latents"], batch["text"], key, cache=rolling, **options)
-    assert len({id(c.keys) for c in ro.contexts}) == 3
-    assert torch.equal(
-        regenerate(student, ro.exit_inputs, ro.exit_times, ro.contexts, batch["text"]), ro.video
-    )
+    for _ in range(2):
+        ro = rollout(student, batch["latents"], batch["text"], key, cache=rolling, **options)
+        assert len({id(c.keys) for c in ro.contexts}) == 1
+        assert all(c.slots is not None and c.capacity_frames == 2 for c in ro.contexts)
+        again = regenerate(student, ro.exit_inputs, ro.exit_times, ro.contexts, batch["text"])
+        assert torch.equal(again, ro.video)
+        rolling = ro.cache
 
 
 def test_the_cache_takes_the_autocast_dtype_its_keys_are_computed_in():

@@ -262,6 +262,7 @@ def _rows(cache, rows):
         num_frames=cache.num_frames,
         frame_tokens=cache.frame_tokens,
         sink_frames=cache.sink_frames,
+        slots=cache.slots,
     )
 
 

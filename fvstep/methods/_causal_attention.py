@@ -49,8 +49,11 @@ class _Rotary:
     # without a cache: per chunk of queries, (query end, key end) in tokens; empty: one
     # chunk, every key
     chunks: tuple[tuple[int, int], ...]
-    cache_keys: torch.Tensor | None  # (B, layers, capacity tokens, heads, head_dim)
+    cache_keys: torch.Tensor | None  # (B, layers, buffer tokens, heads, head_dim)
     cache_values: torch.Tensor | None
+    # None, or (capacity tokens,) int64: the buffer's token for each cache slot (a rollout
+    # context in one shared buffer); gathered per layer inside the block
+    cache_slots: torch.Tensor | None
     collected: list[Any] | None  # per layer (k, v) of this call, when the cache is updated
 
 
@@ -133,14 +136,14 @@ def rope_hook(module: Any, args: tuple[Any, ...], output: Any) -> _Rotary:
         return _Rotary(
             cos_q=cos, sin_q=sin, cos_k=cos, sin_k=sin, mask=None,
             chunks=_chunks(frames, frame_tokens, chunk), cache_keys=None, cache_values=None,
-            collected=call.collected,
+            cache_slots=None, collected=call.collected,
         )  # fmt: skip
     table = _table_frames(call.cache, call.cached_frames, frames)
     if table != frames:
         cos, sin = module.forward(torch.empty((1, 1, table, height, width), device="meta"))
     start = call.cached_frames * frame_tokens
     own = slice(start, start + frames * frame_tokens)
-    slots = call.cache.keys.shape[2]
+    slots = call.cache.capacity_frames * frame_tokens
     filled = torch.arange(slots, device=cos.device) < start
     if frames <= chunk:  # one chunk (a rollout's call): one row, broadcast over the queries
         mask = torch.cat([filled, filled.new_ones(frames * frame_tokens)])[None]
@@ -156,6 +159,7 @@ def rope_hook(module: Any, args: tuple[Any, ...], output: Any) -> _Rotary:
         chunks=(),
         cache_keys=call.cache.keys,
         cache_values=call.cache.values,
+        cache_slots=call.cache.slots,
         collected=call.collected,
     )
 
@@ -230,8 +234,15 @@ class CausalWanAttnProcessor:
             call.collected[self.layer] = (key.detach(), value.detach())
         if call.cache_keys is not None and call.cache_values is not None:
             index = self.layer_index.to(call.cache_keys.device)
-            cached_k = call.cache_keys.index_select(1, index)[:, 0].to(key.dtype)
-            cached_v = call.cache_values.index_select(1, index)[:, 0].to(value.dtype)
+            cached_k = call.cache_keys.index_select(1, index)[:, 0]
+            cached_v = call.cache_values.index_select(1, index)[:, 0]
+            if call.cache_slots is not None:
+                slots = call.cache_slots.to(cached_k.device)
+                cached_k, cached_v = (
+                    cached_k.index_select(1, slots),
+                    cached_v.index_select(1, slots),
+                )
+            cached_k, cached_v = cached_k.to(key.dtype), cached_v.to(value.dtype)
             key, value = torch.cat([cached_k, key], 1), torch.cat([cached_v, value], 1)
         query = _rotate(query, call.cos_q, call.sin_q)
         key = _rotate(key, call.cos_k, call.sin_k)

@@ -98,9 +98,10 @@ class Rollout(NamedTuple):
         cache: The cache after the last chunk (its context pass appended).
         exit_inputs: Per chunk, the noisy input of its exit step (no gradient).
         exit_times: Per chunk, its exit step's time.
-        contexts: Per chunk, the cache its exit step read. Without eviction (the rollout
-            fits the cache's capacity) they share the final cache's buffers, each with
-            its own fill level; with eviction each is its own cache.
+        contexts: Per chunk, the cache its exit step read, all views of one buffer: without
+            eviction (the rollout fits the cache's capacity) the final cache, each with its
+            own fill level; with eviction the start's frames and the new ones, each read
+            through its ``slots``.
     """
 
     video: torch.Tensor
@@ -177,6 +178,9 @@ def rollout(
     times: list[float] = []
     contexts: list[KVCache] = []
     filled: list[torch.Tensor] = []
+    held = int(current.num_frames)
+    start = current  # with eviction, the contexts are windows of its frames and the new ones
+    new_frames: list[tuple[torch.Tensor, torch.Tensor]] = []
     for c in range(num_chunks):
         k_noise, k_renoise, k_context = fsrandom.split(fsrandom.fold_in(key, c), 3)
         x = _noise.randn(k_noise, shape, device=like.device, dtype=like.dtype)
@@ -195,8 +199,6 @@ def rollout(
         times.append(steps[j])
         if grows:
             filled.append(current.num_frames)
-        else:
-            contexts.append(current)
         with torch.no_grad():
             clean = x0.detach()
             t_c = _time(context_time, clean)
@@ -207,9 +209,51 @@ def rollout(
             )
             assert updated is not None
             current = updated
+            if not grows:  # this chunk's keys and values: the newest slots
+                end = int(current.num_frames) * current.frame_tokens
+                begin = end - chunk * current.frame_tokens
+                new_frames.append(
+                    (current.keys[:, :, begin:end].clone(), current.values[:, :, begin:end].clone())
+                )
     if grows:
         contexts = [_prefix(current, n) for n in filled]
+    else:
+        contexts = _windows(start, held, new_frames, chunk)
     return Rollout(torch.cat(chunks, 2), current, tuple(inputs), tuple(times), tuple(contexts))
+
+
+def _windows(
+    start: KVCache, held: int, new: list[tuple[torch.Tensor, torch.Tensor]], chunk: int
+) -> list[KVCache]:
+    """Each chunk's context in a rolling cache, as views of one buffer.
+
+    The buffer is the ``held`` frames ``start`` holds, then each chunk's new frames; the
+    cache chunk ``c`` read held, of the first ``held + c * chunk`` of them, the sink
+    frames and the latest that fit (the eviction of ``causal_wan``'s append, in one go).
+    """
+    ft, capacity, sink = start.frame_tokens, start.capacity_frames, start.sink_frames
+    keys = torch.cat([start.keys[:, :, : held * ft], *(k for k, _ in new)], 2)
+    values = torch.cat([start.values[:, :, : held * ft], *(v for _, v in new)], 2)
+    tokens = torch.arange(capacity * ft, device=keys.device)
+    contexts = []
+    for c in range(len(new)):
+        seen = held + c * chunk
+        if seen <= capacity:  # a prefix; the slots past it are masked (any token will do)
+            slots, frames = torch.where(tokens < seen * ft, tokens, 0), seen
+        else:  # the sink, then the latest capacity - sink frames
+            slots = torch.where(tokens < sink * ft, tokens, tokens + (seen - capacity) * ft)
+            frames = capacity
+        contexts.append(
+            KVCache(
+                keys=keys,
+                values=values,
+                num_frames=torch.tensor(frames, dtype=torch.int64),
+                frame_tokens=ft,
+                sink_frames=sink,
+                slots=slots,
+            )
+        )
+    return contexts
 
 
 def _prefix(cache: KVCache, num_frames: torch.Tensor) -> KVCache:

@@ -99,13 +99,13 @@ class KVCache:
 
     Attributes:
         keys: ``(B, layers, capacity_frames * frame_tokens, heads, head_dim)``, before the
-            rotary embedding (batch first: micro-batches split it). Slots past
-            ``num_frames`` frames are never read (masked); they hold zeros, or a later
-            chunk's keys in a rollout's context (a prefix of the final cache).
+            rotary embedding (micro-batches split dim 0). Slots past ``num_frames`` frames
+            are masked: zeros, or later chunks' keys in a rollout's context.
         values: Like ``keys``.
         num_frames: 0-d int64 tensor: the frames held (a prefix of the slots).
         frame_tokens: Tokens per latent frame (static).
         sink_frames: Frames kept forever at the start when the cache is full (static).
+        slots: ``None``, or (a rollout's context in a longer buffer) each slot's token in it.
     """
 
     keys: torch.Tensor
@@ -113,11 +113,13 @@ class KVCache:
     num_frames: torch.Tensor
     frame_tokens: int = field(pytree_node=False)
     sink_frames: int = field(pytree_node=False, default=0)
+    slots: torch.Tensor | None = None
 
     @property
     def capacity_frames(self) -> int:
-        """The frames the buffers hold at most."""
-        return int(self.keys.shape[2]) // self.frame_tokens
+        """The frames the cache holds at most."""
+        tokens = self.keys.shape[2] if self.slots is None else self.slots.shape[0]
+        return int(tokens) // self.frame_tokens
 
 
 def chunk_frames_of(model: nn.Module) -> int:
@@ -157,8 +159,7 @@ def is_causal(model: nn.Module) -> bool:
 
 
 def recorded_chunk_frames(model_or_config: Any) -> int | None:
-    """The chunk a module's config (or a config mapping) records as causal
-    (:data:`CAUSAL_CONFIG_KEY`), else ``None``; a plain load of a causal export has one.
+    """The chunk a module's config (or a config mapping) records (:data:`CAUSAL_CONFIG_KEY`).
 
     Raises:
         ValueError: If the record is not ``{"chunk_frames": n}``, ``n`` an int ``>= 1``.
@@ -247,12 +248,10 @@ def make_causal(model: nn.Module, *, chunk_frames: int | None = None) -> nn.Modu
 def load_causal(
     path: str | os.PathLike[str], *, chunk_frames: int | None = None, **kwargs: Any
 ) -> nn.Module:
-    """A causal Wan from a diffusers folder: ``WanTransformer3DModel.from_pretrained`` then
-    :func:`make_causal` with the chunk the folder records.
-
-    The way back from an export of a causal role (:func:`fvstep.checkpoint.export_diffusers`,
-    ``export_pipeline``): it computes what the role's module did, bitwise, where a plain
-    ``from_pretrained`` gives the *bidirectional* model of the same weights.
+    """A causal Wan from a diffusers folder: ``from_pretrained``, then :func:`make_causal`
+    with the chunk the folder records: the way back from an export of a causal role (it
+    computes what the role's module did, bitwise; a plain ``from_pretrained`` gives the
+    *bidirectional* model of the same weights).
 
     Args:
         path: A model folder (``config.json``) or a pipeline folder (``model_index.json``;
@@ -347,6 +346,7 @@ def init_cache(
 def _append(cache: KVCache, collected: list[Any], frames: int) -> KVCache:
     """``cache`` with ``collected`` (this call's keys and values, ``frames`` frames) added;
     a full cache keeps its sink and the latest frames."""
+    assert cache.slots is None, "a rollout context is read, never appended to"
     cached = int(cache.num_frames)
     capacity, sink, ft = cache.capacity_frames, cache.sink_frames, cache.frame_tokens
     if frames > capacity - sink:

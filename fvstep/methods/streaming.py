@@ -50,6 +50,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import attrs
 import torch
 from torch import nn
 
@@ -157,6 +158,13 @@ def init_stream(
     )
 
 
+@attrs.frozen
+class _Whole:
+    """A value every micro-batch gets whole (not a pytree: the split shares it)."""
+
+    value: Any
+
+
 def _restarted(stream: StreamState, text: torch.Tensor) -> StreamState:
     cache = stream.cache
     return StreamState(
@@ -247,20 +255,16 @@ def streaming(
         state: TrainState, inputs: Any, key: torch.Tensor
     ) -> tuple[torch.Tensor, dict[str, Any]]:
         exits = exits_at(state, inputs["video"].shape[2])
-        contexts = [
+        contexts = [  # views of the rollout's one buffer (this micro-batch's rows)
             KVCache(
-                keys=k,
-                values=v,
+                keys=inputs["context_keys"],
+                values=inputs["context_values"],
                 num_frames=n,
-                frame_tokens=k.shape[2] // capacity,
+                frame_tokens=inputs["frame_tokens"],
                 sink_frames=sink_frames,
+                slots=slots.value,
             )
-            for k, v, n in zip(
-                inputs["context_keys"],
-                inputs["context_values"],
-                inputs["context_frames"],
-                strict=True,
-            )
+            for n, slots in zip(inputs["context_frames"], inputs["context_slots"], strict=True)
         ]
         video = regenerate(
             state.module("student"), inputs["exit_inputs"], [steps[j] for j in exits],
@@ -353,9 +357,11 @@ def streaming(
             "text": stream.text,
             "video": ro.video,
             "exit_inputs": ro.exit_inputs,
-            "context_keys": tuple(c.keys for c in ro.contexts),
-            "context_values": tuple(c.values for c in ro.contexts),
+            "context_keys": ro.contexts[0].keys,  # every context reads this one buffer
+            "context_values": ro.contexts[0].values,
             "context_frames": tuple(c.num_frames for c in ro.contexts),
+            "context_slots": tuple(_Whole(c.slots) for c in ro.contexts),  # not split
+            "frame_tokens": ro.cache.frame_tokens,
         }
         metrics: dict[str, Any] = {}
         if step % generator_update_interval == 0:
