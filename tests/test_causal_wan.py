@@ -251,6 +251,9 @@ def test_a_rollouts_contexts_are_views_of_one_buffer_and_regenerate_its_frames()
         again = regenerate(student, ro.exit_inputs, ro.exit_times, ro.contexts, batch["text"])
         assert torch.equal(again, ro.video)
         rolling = ro.cache
+    with pytest.raises(ValueError, match="cannot append to a KVCache with slots"):
+        x, t = batch["latents"][:, :, :1], torch.zeros(2, 1)
+        causal_forward(student, x, t, batch["text"], cache=ro.contexts[1], update_cache=True)
 
 
 def test_the_cache_takes_the_autocast_dtype_its_keys_are_computed_in():

@@ -28,8 +28,7 @@ every step (a checkpoint loads into it). It holds keys *before* the rotary embed
 positions are given at attention time, by slot (cached frames ``0 .. m-1``, then the new
 ones), so a rolling cache (a window of the latest frames after ``sink_frames`` kept
 forever, an attention sink) never runs past the rotary table. Without eviction the slot
-is the frame's position in the video, as in teacher forcing. The cache never carries
-gradient (its tensors are detached).
+is the frame's position in the video, as in teacher forcing. The cache has no gradient.
 
 Compiled blocks (``prepare(..., compile=...)``) see the same shapes and constants at every
 chunk of a rollout and at every layer, so the graphs do not grow with the video: a cached
@@ -98,9 +97,9 @@ class KVCache:
     """Self-attention keys and values of the frames seen so far, per layer (a pytree).
 
     Attributes:
-        keys: ``(B, layers, capacity_frames * frame_tokens, heads, head_dim)``, before the
-            rotary embedding (micro-batches split dim 0). Slots past ``num_frames`` frames
-            are masked: zeros, or later chunks' keys in a rollout's context.
+        keys: ``(B, layers, capacity_frames * frame_tokens, heads, head_dim)`` (a longer
+            buffer with ``slots``), before the rotary embedding. Slots past ``num_frames``
+            frames are masked: zeros, or later chunks' keys in a rollout's context.
         values: Like ``keys``.
         num_frames: 0-d int64 tensor: the frames held (a prefix of the slots).
         frame_tokens: Tokens per latent frame (static).
@@ -346,7 +345,8 @@ def init_cache(
 def _append(cache: KVCache, collected: list[Any], frames: int) -> KVCache:
     """``cache`` with ``collected`` (this call's keys and values, ``frames`` frames) added;
     a full cache keeps its sink and the latest frames."""
-    assert cache.slots is None, "a rollout context is read, never appended to"
+    if cache.slots is not None:  # a rollout's context is a view: read, never appended to
+        raise ValueError("cannot append to a KVCache with slots (a rollout's context)")
     cached = int(cache.num_frames)
     capacity, sink, ft = cache.capacity_frames, cache.sink_frames, cache.frame_tokens
     if frames > capacity - sink:
