@@ -20,8 +20,8 @@ what it computed before.
 The other checks here refuse, before a step changes anything, what the causal methods
 (self-forcing, streaming) cannot take: a causal teacher or critic
 (:func:`check_bidirectional`), a KV cache of another model (:func:`check_cache_fits`),
-DMD score options out of range (:func:`check_score_options`, the rule of
-:mod:`fvstep.methods.dmd2`) and a few-step schedule that is not one
+DMD score options out of range (:func:`check_score_options`, which
+:mod:`fvstep.methods.dmd2` applies too) and a few-step schedule that is not one
 (:func:`check_denoising_steps`).
 
 Examples:
@@ -200,8 +200,7 @@ def check_cache_fits(student: nn.Module, cache: Any, *, what: str = "the cache")
 def check_score_options(
     *, guidance_scale: float, shift: float, min_ratio: float, max_ratio: float
 ) -> None:
-    """Refuse DMD score options out of range (the rule :func:`fvstep.methods.dmd2.dmd2`
-    applies).
+    """Refuse DMD score options out of range (DMD2, self-forcing and streaming).
 
     Raises:
         ValueError: ``guidance_scale < 0``, ``shift <= 0``, or not ``0 <= min_ratio <=

@@ -39,7 +39,6 @@ Examples:
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, NamedTuple
 
@@ -51,7 +50,7 @@ from torch import nn
 from fvstep import random as fsrandom
 from fvstep.core.steps import Chain, Cond, cond, every, sequence, update
 from fvstep.methods import _noise
-from fvstep.methods._checks import check_batch
+from fvstep.methods._checks import check_batch, check_denoising_steps, check_score_options
 from fvstep.methods.finetune import RoleLossFn, add_noise, x0_from_velocity
 from fvstep.models import predict
 from fvstep.state import TrainState
@@ -273,24 +272,6 @@ def rollout(
     return x0_from_velocity(x, t_j, predict(student, x, t_j * 1000, text))
 
 
-def _check_config(
-    guidance_scale: float, shift: float, min_ratio: float, max_ratio: float, steps: Sequence[float]
-) -> None:
-    if not guidance_scale >= 0:
-        raise ValueError(f"guidance_scale must be >= 0, got {guidance_scale}")
-    if not shift > 0:
-        raise ValueError(f"shift must be > 0, got {shift}")
-    if not 0.0 <= min_ratio <= max_ratio <= 1.0:
-        raise ValueError(
-            f"need 0 <= min_ratio <= max_ratio <= 1, got min_ratio={min_ratio}, max_ratio={max_ratio}"
-        )
-    steps = list(steps)
-    if not steps or any(not 0.0 < s <= 1.0 for s in steps):
-        raise ValueError(f"denoising_steps must be non-empty times in (0, 1], got {steps}")
-    if any(a <= b for a, b in itertools.pairwise(steps)):
-        raise ValueError(f"denoising_steps must be strictly decreasing, got {steps}")
-
-
 def dmd2_losses(
     *,
     guidance_scale: float = 3.5,
@@ -330,8 +311,10 @@ def dmd2_losses(
         >>> method = fvstep.sequence(fvstep.update("critic", losses.critic_loss),
         ...                          fvstep.every(5, fvstep.update("student", losses.generator_loss)))
     """
-    _check_config(guidance_scale, shift, min_ratio, max_ratio, denoising_steps)
-    steps = tuple(float(s) for s in denoising_steps)
+    check_score_options(
+        guidance_scale=guidance_scale, shift=shift, min_ratio=min_ratio, max_ratio=max_ratio
+    )
+    steps = check_denoising_steps(denoising_steps)
 
     score: dict[str, Any] = {"shift": shift, "min_ratio": min_ratio, "max_ratio": max_ratio}
     g_options = {**score, "guidance_scale": guidance_scale, "teacher": teacher, "critic": critic}
