@@ -36,7 +36,6 @@ from fvstep import random as fsrandom
 from fvstep._optional import needs_extra
 from fvstep.media import Video, frames_from_pixels
 from fvstep.methods.causal_wan import (
-    KVCache,
     causal_forward,
     chunk_frames_of,
     init_cache,
@@ -198,38 +197,60 @@ def sample(
     Examples:
         >>> x0 = sample(net, noise, text, sampler=EulerSampler(4))
     """
-    batch = noise.shape[0]
     if is_causal(module):
         return _sample_causal(module, noise, text, sampler, key, negative_text)
     if recorded_chunk_frames(module) is not None:
         chunk_frames_of(module)  # raises: the record of a causal model that is not causal
+    _check_key(sampler, key)
+    if isinstance(sampler, EulerSampler):
+        scale = sampler.guidance_scale
+
+        def velocity(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+            return _guided(module, x, t, text, negative_text, scale)
+    else:
+
+        def velocity(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+            return predict(module, x, t, text)
+
     with torch.no_grad():
-        if isinstance(sampler, EulerSampler):
-            scheduler: Any = sampler.scheduler()
-            scheduler.set_timesteps(sampler.num_steps, device=noise.device)
-            x = noise
-            for t in scheduler.timesteps:
-                v = _guided(module, x, t.expand(batch), text, negative_text, sampler.guidance_scale)
-                x = scheduler.step(v, t, x, return_dict=False)[0]
-            return x
-        steps = sampler.denoising_steps
-        if len(steps) > 1 and key is None:
-            raise ValueError("a FewStepSampler with more than one step needs a key")
-        x = noise
-        x0 = noise
-        for i, s in enumerate(steps):
-            t = torch.full((batch,), s, device=noise.device)
-            x0 = x0_from_velocity(x, t, predict(module, x, t * 1000, text))
-            if i + 1 < len(steps):
-                assert key is not None
-                eps = torch.randn(
-                    x0.shape,
-                    generator=fsrandom.generator(fsrandom.fold_in(key, i), x0.device),
-                    device=x0.device,
-                    dtype=x0.dtype,
-                )
-                x = add_noise(x0, eps, torch.full((batch,), steps[i + 1], device=noise.device))
-        return x0
+        return _run(velocity, noise, sampler, key)
+
+
+def _check_key(sampler: Sampler, key: torch.Tensor | None) -> None:
+    if isinstance(sampler, FewStepSampler) and len(sampler.denoising_steps) > 1 and key is None:
+        raise ValueError("a FewStepSampler with more than one step needs a key")
+
+
+def _run(
+    velocity: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    x: torch.Tensor,
+    sampler: Sampler,
+    key: torch.Tensor | None,
+) -> torch.Tensor:
+    """The sampler's loop from ``x`` with ``velocity(x, timestep)`` (timesteps x 1000);
+    a few-step sampler re-noises before step ``i + 1`` from ``fold_in(key, i)``."""
+    batch = x.shape[0]
+    if isinstance(sampler, EulerSampler):
+        scheduler: Any = sampler.scheduler()
+        scheduler.set_timesteps(sampler.num_steps, device=x.device)
+        for t in scheduler.timesteps:
+            x = scheduler.step(velocity(x, t.expand(batch)), t, x, return_dict=False)[0]
+        return x
+    steps = sampler.denoising_steps
+    x0 = x
+    for i, s in enumerate(steps):
+        t = torch.full((batch,), s, device=x.device)
+        x0 = x0_from_velocity(x, t, velocity(x, t * 1000))
+        if i + 1 < len(steps):
+            assert key is not None
+            eps = torch.randn(
+                x0.shape,
+                generator=fsrandom.generator(fsrandom.fold_in(key, i), x0.device),
+                device=x0.device,
+                dtype=x0.dtype,
+            )
+            x = add_noise(x0, eps, torch.full((batch,), steps[i + 1], device=x.device))
+    return x0
 
 
 def _sample_causal(
@@ -245,14 +266,13 @@ def _sample_causal(
     batch, _, frames, _, _ = noise.shape
     if frames % chunk:
         raise ValueError(f"the noise's {frames} frames are not a multiple of the chunk ({chunk})")
-    if isinstance(sampler, FewStepSampler) and len(sampler.denoising_steps) > 1 and key is None:
-        raise ValueError("a FewStepSampler with more than one step needs a key")
+    _check_key(sampler, key)
     texts = [text]
     if isinstance(sampler, EulerSampler) and sampler.guidance_scale > 1.0:
         texts.append(torch.zeros_like(text) if negative_text is None else negative_text)
     caches = [init_cache(module, noise, capacity_frames=frames) for _ in texts]
 
-    def velocity(x: torch.Tensor, t: torch.Tensor, caches: list[KVCache]) -> torch.Tensor:
+    def velocity(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         vs = [causal_forward(module, x, t, c, cache=k)[0] for c, k in zip(texts, caches)]
         if len(vs) == 1:
             return vs[0]
@@ -263,28 +283,9 @@ def _sample_causal(
     with torch.no_grad():
         for c in range(frames // chunk):
             x = noise[:, :, c * chunk : (c + 1) * chunk].contiguous()
-            if isinstance(sampler, FewStepSampler):
-                steps = sampler.denoising_steps
-                k_renoise = None if key is None else fsrandom.split(fsrandom.fold_in(key, c), 3)[1]
-                for i, s in enumerate(steps):
-                    t = torch.full((batch,), s, device=noise.device)
-                    x0 = x0_from_velocity(x, t, velocity(x, t * 1000, caches))
-                    if i + 1 < len(steps):
-                        assert k_renoise is not None
-                        eps = torch.randn(
-                            x0.shape,
-                            generator=fsrandom.generator(fsrandom.fold_in(k_renoise, i), x0.device),
-                            device=x0.device,
-                            dtype=x0.dtype,
-                        )
-                        x = add_noise(x0, eps, torch.full((batch,), steps[i + 1], device=x.device))
-                x = x0
-            else:
-                scheduler: Any = sampler.scheduler()
-                scheduler.set_timesteps(sampler.num_steps, device=noise.device)
-                for t in scheduler.timesteps:
-                    v = velocity(x, t.expand(batch), caches)
-                    x = scheduler.step(v, t, x, return_dict=False)[0]
+            # the rollout's re-noising keys of chunk c (causal_rollout.rollout)
+            k_renoise = None if key is None else fsrandom.split(fsrandom.fold_in(key, c), 3)[1]
+            x = _run(velocity, x, sampler, k_renoise)
             out.append(x)
             t_clean = torch.zeros((batch,), device=noise.device)
             caches = [
