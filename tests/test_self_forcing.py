@@ -24,8 +24,8 @@ from fvstep.methods.self_forcing import (
 )
 from fvstep.models import predict, synthetic_batch, tiny_wan
 from fvstep.random import fold_in, split
-from fvstep.state import is_consumed
 from fvstep.testing import assert_resume_exact
+from tests.refusals import assert_refused_before_any_change
 
 STEPS = (1.0, 0.5)
 
@@ -271,24 +271,14 @@ def test_dmd2s_public_terms_are_the_dmd_formulas_written_out():
     assert c_loss.requires_grad and set(c_metrics) == {"critic_t_mean"}
 
 
-def _refused_before_any_change(state, step, batch, error, match) -> None:
-    """``step(state, batch)`` raises ``error`` matching ``match`` and leaves ``state``
-    usable and bit-unchanged."""
-    before = tree.clone(state)
-    with pytest.raises(error, match=match):
-        step(state, batch)
-    assert not is_consumed(state)
-    tree.assert_trees_equal(state, before)
-
-
 @pytest.mark.parametrize("role", ["teacher", "critic"])
 @pytest.mark.parametrize("at_step", [0, 1], ids=["fused", "critic-only"])
 def test_a_causal_teacher_or_critic_is_refused_naming_the_role(role, at_step):
     modules = _modules()
     modules[role] = copy.deepcopy(modules["student"])  # a copy of the causal student
     state = _state(modules).replace(step=torch.tensor(at_step))
-    _refused_before_any_change(
-        state, _step(), VideoData().batch(0), ValueError, f"needs a bidirectional '{role}'"
+    assert_refused_before_any_change(
+        state, _step(), VideoData().batch(0), f"needs a bidirectional '{role}'"
     )
 
 

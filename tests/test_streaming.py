@@ -27,6 +27,7 @@ from fvstep.models import synthetic_batch, tiny_wan
 from fvstep.random import fold_in, fold_in_name, split
 from fvstep.state import is_consumed
 from fvstep.testing import assert_resume_exact
+from tests.refusals import assert_refused_before_any_change
 
 STEPS = (1.0, 0.5)
 OPTIONS = {
@@ -298,16 +299,6 @@ def test_a_state_without_its_stream_and_bad_settings_are_refused():
                     window_frames=2)  # fmt: skip
 
 
-def _refused_before_any_change(state, step, batch, match) -> None:
-    """``step(state, batch)`` raises a ValueError matching ``match`` and leaves ``state``
-    usable and bit-unchanged."""
-    before = tree.clone(state)
-    with pytest.raises(ValueError, match=match):
-        step(state, batch)
-    assert not is_consumed(state)
-    tree.assert_trees_equal(state, before)
-
-
 def _other_stream(**init) -> StreamState:
     return init_stream(make_causal(tiny_wan(seed=0), chunk_frames=1), StreamData().batch(0), **init)
 
@@ -342,7 +333,7 @@ def test_a_stream_or_batch_that_does_not_fit_is_refused_before_the_step_changes_
     state = _state(_modules(sharded=False))
     state = state.replace(extra={**state.extra, **edit})
     data = synthetic_batch(fs.random.key(2), **{"batch_size": 2, "frames": 1, **batch})
-    _refused_before_any_change(state, _compiled(streaming(**OPTIONS)), data, match)
+    assert_refused_before_any_change(state, _compiled(streaming(**OPTIONS)), data, match)
 
 
 @pytest.mark.parametrize("role", ["teacher", "critic"])
@@ -350,7 +341,7 @@ def test_a_causal_teacher_or_critic_is_refused_naming_the_role(role):
     modules = _modules(sharded=False)
     modules[role] = copy.deepcopy(modules["student"])  # a copy of the causal student
     step = fs.compile(streaming(**OPTIONS))
-    _refused_before_any_change(
+    assert_refused_before_any_change(
         _state(modules), step, StreamData().batch(0), f"needs a bidirectional '{role}'"
     )
 
@@ -388,15 +379,12 @@ def test_init_stream_and_streaming_refuse_what_the_stream_cannot_move_by():
             streaming(steps_per_stream=2, window_frames=2, **options)
 
 
-def test_an_accumulation_that_does_not_divide_the_batch_is_refused_before_any_change():
+def test_an_accumulation_that_does_not_divide_the_batch_isassert_refused_before_any_change():
     """The input check is given the compiled step's accumulation: K = 2 on 3 samples."""
     modules = _modules(sharded=False)
     batch = synthetic_batch(fs.random.key(0), batch_size=3, frames=1)
     state = _state(modules).replace(
         extra={"stream": init_stream(modules["student"], batch, window_frames=1, sink_frames=1)}
     )
-    before = tree.clone(state)
-    with pytest.raises(ValueError, match="accumulation of 2 micro-batches does not divide"):
-        _compiled(streaming(**OPTIONS))(state, batch)
-    assert not is_consumed(state)
-    tree.assert_trees_equal(state, before)
+    step = _compiled(streaming(**OPTIONS))
+    assert_refused_before_any_change(state, step, batch, "accumulation of 2 micro-batches does not")
