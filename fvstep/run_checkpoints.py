@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
+from typing import Any
 
 import attrs
 
@@ -21,6 +22,11 @@ from fvstep.parallel.ranks import broadcast_object, rank_and_world
 from fvstep.state import TrainState
 
 __all__ = ["Checkpoints", "lock_run_dir", "resume", "save_run_state"]
+
+
+def _paths(value: Any) -> tuple[str, ...]:
+    """One leaf path (a str) or several, as a tuple."""
+    return (value,) if isinstance(value, str) else tuple(value)
 
 
 @attrs.frozen
@@ -52,7 +58,7 @@ class Checkpoints:
     keep: int | None = 3
     async_save: bool = False
     on_damaged: str = "skip"
-    reset: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    reset: tuple[str, ...] = attrs.field(default=(), converter=_paths)
 
     def __attrs_post_init__(self) -> None:
         if not all(isinstance(p, str) and p for p in self.reset):

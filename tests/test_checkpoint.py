@@ -415,6 +415,8 @@ def test_reset_leaves_are_copies_of_likes_and_skip_the_checks_of_the_checkpoint(
     assert int(resumed.extra["n"]) == 7 and int(resumed.step) == 2
     with pytest.raises(ValueError, match="leaf paths"):
         fs.Checkpoints(tmp_path, reset=("",))
+    assert fs.Checkpoints(tmp_path, reset="extra.n").reset == ("extra.n",)  # one path
+    assert int(load(path, like=like, reset="extra.n").extra["n"]) == 5
 
 
 # ------------------------------------------------------- 4. atomic commit and latest

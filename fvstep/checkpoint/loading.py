@@ -129,7 +129,7 @@ def _empty_like(x: torch.Tensor) -> torch.Tensor:
 
 
 def load(
-    path: str | os.PathLike[str], *, like: T, group: Any = None, reset: Sequence[str] = ()
+    path: str | os.PathLike[str], *, like: T, group: Any = None, reset: str | Sequence[str] = ()
 ) -> T:
     """Load the checkpoint at ``path`` into a *new* state shaped like ``like``.
 
@@ -184,7 +184,7 @@ def load(
     rank, world = rank_and_world(group)
     _check_optimizer_states(like, path)
     all_paths, all_leaves, spec = flatten_with_paths(like)
-    reset = tuple(reset)
+    reset = (reset,) if isinstance(reset, str) else tuple(reset)
     for q in reset:
         if not any(_under(p, (q,)) for p in all_paths):
             raise ValueError(f"reset={q!r} names no leaf of `like` (e.g. {all_paths[:3]})")
