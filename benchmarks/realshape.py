@@ -62,6 +62,7 @@ import fvstep as fs
 from benchmarks import common as c
 from benchmarks.analytic import mfu, train_flops_per_sample
 from benchmarks.floor import CallCounter, Calls, KernelTimes, floor_seconds, measure_kernels
+from benchmarks.kernel_profile import profile_call
 from benchmarks.presets import PRESETS, Preset, build_model, make_batch
 from benchmarks.roles import by_hand, lora_roles, prepared
 from fvstep import parallel as fsp
@@ -162,18 +163,24 @@ def run_side(
     compiled_before = fsp.compile_counts()["graphs"]
     times: dict[str, list[float]] = {}
     forwards: dict[str, Calls] = {}
+    profiles: dict[str, dict[str, Any]] = {}
     meter.reset()
     try:
-        for i in range(args.warmup + args.steps):
+        for i in range(args.warmup + args.steps + args.profile_steps):
             if args.method == "streaming":  # one managed step; the student every 2nd
                 kind = "critic+student" if int(state.step) % 2 == 0 else "critic"
             else:
                 kind = "+".join(
                     sorted({r for e in fs.plan(compiled, int(state.step)) for r in e.roles})
                 )
-            seconds, (state, _) = c.time_call(
-                functools.partial(step, state, batch, parallelism=fsp.Layout()), rt.device
-            )
+            call = functools.partial(step, state, batch, parallelism=fsp.Layout())
+            if i >= args.warmup + args.steps:  # profiled after the timed steps
+                profile = profile_call(call, rt.device)
+                state, _ = profile.pop("result")
+                profiles.setdefault(kind, profile)
+                counter.take()
+                continue
+            seconds, (state, _) = c.time_call(call, rt.device)
             fwd = counter.take()
             if i >= args.warmup:
                 times.setdefault(kind, []).append(seconds)
@@ -210,6 +217,8 @@ def run_side(
         if kernels is not None:
             floor = floor_seconds(calls, kernels)
             row.update(floor_s=floor, of_floor=floor / stat["median"])
+        if kind in profiles:
+            row["profile"] = profiles[kind]
     return {
         "side": side,
         "steps": rows,
@@ -292,6 +301,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--steps", type=int, default=4, help="timed steps per side")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per side")
+    parser.add_argument(
+        "--profile-steps",
+        type=int,
+        default=0,
+        help="steps profiled after the timed ones (benchmarks.kernel_profile): each kind "
+        "of step's first gets its kernels grouped by category in the JSON",
+    )
     return parser
 
 
@@ -306,8 +322,8 @@ def _memory_budget(budget: float | None) -> Any:
 def main(argv: list[str] | None = None) -> int:
     """Run the sides and print a table (rank 0); ``--json`` writes the results."""
     args = build_parser().parse_args(argv)
-    if args.steps < 1 or args.warmup < 0:
-        print("--steps must be >= 1 and --warmup >= 0", file=sys.stderr)
+    if args.steps < 1 or args.warmup < 0 or args.profile_steps < 0:
+        print("--steps must be >= 1, --warmup and --profile-steps >= 0", file=sys.stderr)
         return 2
     if args.checkpoint_every < 1:
         print("--checkpoint-every must be >= 1", file=sys.stderr)
@@ -397,6 +413,15 @@ def report(results: list[dict[str, Any]]) -> None:
         ],
         rows,
     )
+    for r in results:
+        for kind, row in r.get("steps", {}).items():
+            if "profile" in row:
+                p = row["profile"]
+                parts = ", ".join(f"{label} {s:.3f}" for label, s in p["categories"].items())
+                print(
+                    f"# profile {r['side']} {kind}: {p['wall_s']:.3f} s, device idle "
+                    f"{p['idle_s']:.3f} s; kernels (s): {parts}"
+                )
 
 
 if __name__ == "__main__":

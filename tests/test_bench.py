@@ -20,7 +20,16 @@ TARGETS = ["to_q", "to_k"]
 ROOT = Path(__file__).resolve().parents[1]
 """The repository root: ``benchmarks`` is not installed, and runs from there."""
 
-HELPERS = ("__init__", "analytic", "common", "presets", "profiling", "reference", "roles")
+HELPERS = (
+    "__init__",
+    "analytic",
+    "common",
+    "kernel_profile",
+    "presets",
+    "profiling",
+    "reference",
+    "roles",
+)
 """The modules of ``benchmarks/`` that the benchmarks share, not benchmarks themselves."""
 
 BENCHMARKS = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py") if p.stem not in HELPERS)
