@@ -48,6 +48,7 @@ Examples:
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import functools
 import gc
@@ -141,7 +142,8 @@ def run_side(
     reports its floor and the fraction of it that the step reaches.
     """
     modules = _roles(side, preset, rt, args)
-    adamw = fs.optim.adamw(lr=1e-5)
+    impl = {"default": {}, "foreach": {"foreach": True}, "fused": {"fused": True}}
+    adamw = fs.optim.adamw(lr=1e-5, **impl[args.adamw_impl])
     roles = {
         name: fs.Role(m, optimizer=None if name in FROZEN else adamw) for name, m in modules.items()
     }
@@ -302,6 +304,22 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--steps", type=int, default=4, help="timed steps per side")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per side")
     parser.add_argument(
+        "--adamw-impl",
+        choices=("default", "foreach", "fused"),
+        default="default",
+        help="AdamW's implementation: torch's default for the device (foreach on CUDA), "
+        "foreach, or the fused kernel",
+    )
+    parser.add_argument(
+        "--inductor-option",
+        type=_inductor_option,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an Inductor option for the prepared side's compile (repeatable), e.g. "
+        "coordinate_descent_tuning=True",
+    )
+    parser.add_argument(
         "--profile-steps",
         type=int,
         default=0,
@@ -309,6 +327,16 @@ def build_parser() -> argparse.ArgumentParser:
         "of step's first gets its kernels grouped by category in the JSON",
     )
     return parser
+
+
+def _inductor_option(text: str) -> tuple[str, Any]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, not {text!r}")
+    try:
+        return key, ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return key, value
 
 
 def _memory_budget(budget: float | None) -> Any:
@@ -353,6 +381,8 @@ def main(argv: list[str] | None = None) -> int:
             checkpoint_every=args.checkpoint_every,
             attention_backend=args.attention_backend or "default",
             memory_budget=args.memory_budget,
+            adamw_impl=args.adamw_impl,
+            inductor_options=dict(args.inductor_option),
         )
         kernels = measure_kernels(preset, rt.device)
         info["kernels"] = attrs.asdict(kernels)

@@ -41,14 +41,17 @@ def by_hand(module: nn.Module, rt: c.Runtime, *, compile_blocks: bool, trainable
 
 
 def prepared(module: nn.Module, rt: c.Runtime, args: Any, *, trainable: bool) -> Any:
-    """``fvstep.parallel.prepare`` with the run's ``--checkpointing`` and ``--compile``."""
+    """``fvstep.parallel.prepare`` with the run's ``--checkpointing`` and ``--compile`` (and
+    ``--inductor-option``, merged over prepare's safe Inductor options)."""
     options: dict[str, Any] = {
         "checkpointing": attrs.evolve(
             resolve_checkpointing(args.checkpointing), every=args.checkpoint_every
         )
         if args.checkpointing != "none"
         else "none",
-        "compile": args.compile,
+        "compile": {"options": dict(args.inductor_option)}
+        if args.compile and getattr(args, "inductor_option", None)
+        else args.compile,
         "attention_backend": args.attention_backend,
         "trainable": trainable,
     }
