@@ -142,8 +142,8 @@ def run_side(
     reports its floor and the fraction of it that the step reaches.
     """
     modules = _roles(side, preset, rt, args)
-    impl = {"default": {}, "foreach": {"foreach": True}, "fused": {"fused": True}}
-    adamw = fs.optim.adamw(lr=1e-5, **impl[args.adamw_impl])
+    impl = {"torch": {}, "foreach": {"foreach": True}, "fused": {"fused": True}}
+    adamw = fs.optim.adamw(lr=1e-5, **impl[_adamw_impl(args, rt)])
     roles = {
         name: fs.Role(m, optimizer=None if name in FROZEN else adamw) for name, m in modules.items()
     }
@@ -305,10 +305,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per side")
     parser.add_argument(
         "--adamw-impl",
-        choices=("default", "foreach", "fused"),
-        default="default",
+        choices=("torch", "foreach", "fused"),
+        default=None,
         help="AdamW's implementation: torch's default for the device (foreach on CUDA), "
-        "foreach, or the fused kernel",
+        "foreach, or the fused kernel (the default on CUDA; torch's elsewhere)",
     )
     parser.add_argument(
         "--inductor-option",
@@ -327,6 +327,12 @@ def build_parser() -> argparse.ArgumentParser:
         "of step's first gets its kernels grouped by category in the JSON",
     )
     return parser
+
+
+def _adamw_impl(args: Any, rt: c.Runtime) -> str:
+    if args.adamw_impl is not None:
+        return str(args.adamw_impl)
+    return "fused" if rt.device.type == "cuda" else "torch"
 
 
 def _inductor_option(text: str) -> tuple[str, Any]:
@@ -381,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
             checkpoint_every=args.checkpoint_every,
             attention_backend=args.attention_backend or "default",
             memory_budget=args.memory_budget,
-            adamw_impl=args.adamw_impl,
+            adamw_impl=_adamw_impl(args, rt),
             inductor_options=dict(args.inductor_option),
         )
         kernels = measure_kernels(preset, rt.device)

@@ -209,3 +209,30 @@ def test_the_model_comes_from_a_diffusers_folder_or_a_bare_config(source_run, tm
     }
     with pytest.raises(ValueError, match="neither a diffusers model folder"):
         load_transformer(ModelOptions(path=str(tmp_path)))
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_recipes_adamw_is_torchs_fused_kernel_unless_told_otherwise(fused):
+    from fvstep.recipes.options import OptimOptions
+    from fvstep.recipes.parts import make_optimizer
+
+    assert OptimOptions().fused is True
+    optim = OptimOptions(lr=1e-2, weight_decay=0.1, fused=fused)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    reference = torch.nn.Linear(8, 8)
+    reference.load_state_dict(model.state_dict())
+    torch_opt = torch.optim.AdamW(
+        reference.parameters(), lr=1e-2, weight_decay=0.1, fused=fused or None
+    )
+    opt = make_optimizer(optim)
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    state = opt.init(params)
+    for _ in range(3):
+        grads = {n: torch.randn_like(p) for n, p in params.items()}
+        for n, p in reference.named_parameters():
+            p.grad = grads[n].clone()
+        torch_opt.step()
+        state = opt.update(params, grads, state)
+    for n, p in reference.named_parameters():
+        assert torch.equal(params[n], p.detach()), n

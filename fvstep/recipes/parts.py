@@ -155,11 +155,14 @@ def prepare_role(
 
 
 def make_optimizer(optim: OptimOptions) -> Any:
-    """AdamW at ``optim.lr`` after ``optim.warmup_steps`` of linear warm-up."""
+    """AdamW at ``optim.lr`` after ``optim.warmup_steps`` of linear warm-up (torch's fused
+    kernel unless ``optim.fused`` is ``False``)."""
     lr: Any = optim.lr
     if optim.warmup_steps:
         lr = fs.schedules.constant_with_warmup(optim.lr, warmup_steps=optim.warmup_steps)
-    return fs.optim.adamw(lr=lr, betas=optim.betas, weight_decay=optim.weight_decay)
+    return fs.optim.adamw(
+        lr=lr, betas=optim.betas, weight_decay=optim.weight_decay, fused=optim.fused or None
+    )
 
 
 def make_data(data: DataOptions) -> Any:
