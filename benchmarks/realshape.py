@@ -142,8 +142,12 @@ def run_side(
     reports its floor and the fraction of it that the step reaches.
     """
     modules = _roles(side, preset, rt, args)
-    impl = {"torch": {}, "foreach": {"foreach": True}, "fused": {"fused": True}}
-    adamw = fs.optim.adamw(lr=1e-5, **impl[_adamw_impl(args, rt)])
+    impl = _adamw_impl(args, rt)
+    adamw = fs.optim.adamw(
+        lr=1e-5,
+        foreach=True if impl == "foreach" else None,
+        fused=True if impl == "fused" else None,
+    )
     roles = {
         name: fs.Role(m, optimizer=None if name in FROZEN else adamw) for name, m in modules.items()
     }
