@@ -17,7 +17,8 @@ import torch
 
 import fvstep as fs
 from fvstep import random as fsrandom
-from fvstep.checkpoint import export_diffusers, export_pipeline
+from fvstep.checkpoint import export_diffusers, export_pipeline, export_role
+from fvstep.checkpoint.export import CAUSAL_METADATA_KEY
 from fvstep.methods import self_forcing
 from fvstep.methods.causal_rollout import rollout
 from fvstep.methods.causal_wan import (
@@ -82,6 +83,26 @@ def test_an_exported_causal_role_loads_back_causal_and_bitwise(trained_state, tm
     # a plain diffusers load builds the bidirectional model of the same weights
     assert not is_causal(plain) and recorded_chunk_frames(plain) == 1
     assert (bidirectional - expected).abs().max() > 1e-2
+
+
+def test_a_plain_safetensors_export_of_a_causal_role_records_its_chunk(trained_state, tmp_path):
+    from safetensors import safe_open
+
+    causal = export_role(trained_state, "student", tmp_path / "student")
+    plain = export_role(trained_state, "critic", tmp_path / "critic")
+    with safe_open(str(causal), "pt") as f:
+        record = json.loads(f.metadata()[CAUSAL_METADATA_KEY])
+        weights = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open's API)
+    with safe_open(str(plain), "pt") as f:
+        assert CAUSAL_METADATA_KEY not in f.metadata()
+    assert record == {"chunk_frames": 1}
+    # what the record is for: the file's weights into a module rebuilt with it compute
+    # what the role did
+    rebuilt = make_causal(tiny_wan(seed=5), chunk_frames=record["chunk_frames"])
+    rebuilt.load_state_dict(weights)
+    x, t, text = _probe()
+    with torch.no_grad(), role_module(trained_state, "student") as module:
+        assert torch.equal(predict(rebuilt, x, t, text), predict(module, x, t, text))
 
 
 def test_a_pipeline_export_of_a_causal_role_records_it_in_its_transformer(trained_state, tmp_path):

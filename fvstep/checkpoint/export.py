@@ -22,6 +22,7 @@ Examples:
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import uuid
@@ -37,9 +38,13 @@ from fvstep.parallel.ranks import gather_objects, rank_and_world
 from fvstep.state import RoleState, TrainState
 from fvstep.weights import Weights, roles_holding_other_weights, select_weights
 
-__all__ = ["WEIGHTS_NAME", "export_role", "gather_weights"]
+__all__ = ["CAUSAL_METADATA_KEY", "WEIGHTS_NAME", "export_role", "gather_weights"]
 
 WEIGHTS_NAME = "model.safetensors"
+#: The safetensors metadata key under which :func:`export_role` records a causal Wan's
+#: chunk (the name of the config key of :mod:`fvstep.methods.causal_wan`).
+CAUSAL_METADATA_KEY = "_fvstep_causal"
+_CAUSAL_ROPE_ATTR = "_fvstep_causal_chunk_frames"  # what make_causal sets on the rotary module
 """The file name :func:`export_role` writes when given a directory."""
 
 
@@ -120,6 +125,12 @@ def export_role(
     Returns:
         The path of the file written on a writing rank, ``None`` on the others.
 
+    A causal Wan's file (:func:`fvstep.methods.make_causal`) records its chunk in the
+    safetensors metadata (:data:`CAUSAL_METADATA_KEY`: ``'{"chunk_frames": n}'``, read
+    with ``safetensors.safe_open(path, "pt").metadata()``): the weights alone load into a
+    bidirectional Wan without a word, so rebuild the module with ``make_causal(model,
+    chunk_frames=n)`` first.
+
     Raises:
         ValueError: For an unknown role or ``weights``, ``weights="ema"`` without an EMA,
             a non-floating ``dtype``, an existing target without ``overwrite=True``, or
@@ -146,11 +157,15 @@ def export_role(
 
     _agree("check the export target", check_target if writes else None)
     tensors = _gather(role_state, role, weights=weights, dtype_for=lambda _: dtype, keep=writes)
+    metadata = {"format": "pt"}
+    chunk = getattr(getattr(role_state.role.module, "rope", None), _CAUSAL_ROPE_ATTR, None)
+    if chunk is not None:  # a causal Wan: the file says so (it has no config)
+        metadata[CAUSAL_METADATA_KEY] = json.dumps({"chunk_frames": int(chunk)})
 
     def write() -> None:
         assert tensors is not None
         target.parent.mkdir(parents=True, exist_ok=True)
-        _write_file_atomically(target, lambda tmp: _save_safetensors(tensors, tmp))
+        _write_file_atomically(target, lambda tmp: _save_safetensors(tensors, tmp, metadata))
 
     _agree("write the export", write if writes else None)
     return target if writes else None
@@ -259,11 +274,13 @@ def _gather(
     return out if keep else None
 
 
-def _save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+def _save_safetensors(
+    tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None
+) -> None:
     with needs_extra("models", "a safetensors export"):
         from safetensors.torch import save_file
 
-    save_file(tensors, str(path), metadata={"format": "pt"})
+    save_file(tensors, str(path), metadata=metadata or {"format": "pt"})
 
 
 def _write_file_atomically(target: Path, write: Callable[[Path], None]) -> None:
