@@ -585,6 +585,36 @@ def test_dcp_failures_are_reported_without_tracebacks(tmp_path):
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_checks_finiteness_without_waiting_on_the_parents_threads():
+    """The CPU pass checks NaN and infinity in its own numpy reads: nothing in it runs
+    torch's intra-op (OpenMP) threads, which a child forked after the parent used them
+    waits on forever (``aminmax`` of a large leaf hung there)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # the tests run on one intra-op thread: here, the parent's pool
+    x = torch.randn(2**18 * 5 + 11)  # several segments: the checksum threads run
+    leaves = [x, x.to(torch.bfloat16), x.double()] * 2
+    leaves[1][5] = math.inf
+    expected = fp.local_checks(leaves)
+    pid = os.fork()
+    if pid == 0:  # the child: exit at once, whatever happens; a hang ends by SIGALRM
+        code = 1
+        try:
+            signal.alarm(30)
+            fp.local_sums(leaves)  # the child's own checksum threads start
+            sums, finite = fp.local_checks(leaves)
+            same = [int(v) for v in sums] == [int(v) for v in expected[0]]
+            code = 0 if same and finite == expected[1] else 1
+        finally:
+            os._exit(code)
+    try:
+        _, status = os.waitpid(pid, 0)
+    finally:
+        torch.set_num_threads(before)
+    assert expected[1] == [True, False, True] * 2
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 def test_the_checksum_threads_work_in_a_forked_child(monkeypatch):
     """A child forked after the checksum pool started has none of its threads: it starts
     its own instead of waiting forever on the inherited one."""

@@ -18,8 +18,15 @@ The same call can say whether a floating-point leaf is finite (:func:`local_chec
 refuses non-finite states with it). It reads the leaf once at memory speed and runs no
 per-chunk operations, so it costs a few percent of the checksum's mixing.
 
+A complex leaf counts as its real view: its real and imaginary parts are elements of
+their own, at flat indices ``2 i`` and ``2 i + 1``.
+
 On a CPU the mixing runs in numpy (the same int64 arithmetic; numpy is a dependency of
-DCP's save): its operations release the GIL, so the checksum threads scale.
+DCP's save): its operations release the GIL, so the checksum threads scale. It checks
+NaN and infinity on the bits it reads (:data:`_NONFINITE_BITS`), so a leaf sharded by rows
+runs none of torch's intra-op threads: a child forked after the parent used them would
+wait on them forever. A leaf sharded otherwise, or a float dtype without an entry, is
+checked with ``aminmax``.
 """
 
 from __future__ import annotations
@@ -173,12 +180,39 @@ def _segment_sum(ints: torch.Tensor, start: int, chunk: int) -> torch.Tensor:
     return partial.sum()
 
 
-def _segment_sum_cpu(ints: torch.Tensor, start: int, chunk: int) -> torch.Tensor:
-    """:func:`_segment_sum` of a CPU tensor, in numpy (the same int64 arithmetic, wrapping).
+#: ``(mask, value)`` of the raw bits of each CPU float dtype the numpy pass checks for
+#: finiteness itself: an element is NaN or infinite exactly when ``bits & mask == value``
+#: (an all-ones exponent; e4m3fn has only NaN, S.1111.111; the fnuz formats only one NaN,
+#: 0x80). Other float dtypes are checked by :func:`_finite`.
+_NONFINITE_BITS: dict[torch.dtype, tuple[int, int]] = {
+    torch.float16: (0x7C00, 0x7C00),
+    torch.bfloat16: (0x7F80, 0x7F80),
+    torch.float32: (0x7F800000, 0x7F800000),
+    torch.float64: (0x7FF0000000000000, 0x7FF0000000000000),
+    **{
+        dtype: bits
+        for name, bits in (
+            ("float8_e5m2", (0x7C, 0x7C)),
+            ("float8_e4m3fn", (0x7F, 0x7F)),
+            ("float8_e5m2fnuz", (0xFF, 0x80)),
+            ("float8_e4m3fnuz", (0xFF, 0x80)),
+        )
+        if (dtype := getattr(torch, name, None)) is not None
+    },
+}
+
+
+def _segment_sum_cpu(
+    ints: torch.Tensor, start: int, chunk: int, nonfinite: tuple[int, int] | None = None
+) -> tuple[torch.Tensor, bool]:
+    """:func:`_segment_sum` of a CPU tensor, in numpy (the same int64 arithmetic, wrapping),
+    and whether no element's bits say NaN or infinity (``nonfinite``: ``(mask, value)``
+    of :data:`_NONFINITE_BITS`; ``None``: not checked, ``True``).
 
     ``bitwise_xor`` of the raw bits with the int64 ``index * K2`` widens them as
     ``to(int64)`` does (signed ints sign-extended, unsigned bytes zero-extended); the sum
-    wraps modulo 2**64, as torch's does.
+    wraps modulo 2**64, as torch's does. Nothing here runs torch's intra-op threads, so it
+    is safe in a forked child and never waits at a barrier.
     """
     values = ints.numpy()
     chunk = min(chunk, values.size)
@@ -188,7 +222,9 @@ def _segment_sum_cpu(ints: torch.Tensor, start: int, chunk: int) -> torch.Tensor
     advance = np.int64(_wrap(chunk * _K2))
     bits = np.empty(chunk, dtype=np.int64)
     high = np.empty(chunk, dtype=np.int64)
-    total = 0
+    masked = np.empty(chunk, dtype=values.dtype) if nonfinite is not None else None
+    mask, value = (values.dtype.type(v) for v in nonfinite) if nonfinite else (0, 0)
+    total, finite = 0, True
     for lo in range(0, values.size, chunk):
         part = values[lo : lo + chunk]
         b, h = bits[: part.size], high[: part.size]
@@ -198,7 +234,12 @@ def _segment_sum_cpu(ints: torch.Tensor, start: int, chunk: int) -> torch.Tensor
         np.bitwise_xor(b, h, out=b)
         total += int(b.sum(dtype=np.int64))
         index_k2 += advance
-    return torch.tensor(_wrap(total), dtype=torch.int64)
+        if masked is not None and finite:
+            m = masked[: part.size]
+            np.bitwise_and(part, mask, out=m)
+            # an all-ones exponent is the largest value ``bits & mask`` can take: one max
+            finite = bool(m.max() < mask) if value == mask else not bool((m == value).any())
+    return torch.tensor(_wrap(total), dtype=torch.int64), finite
 
 
 def _rows_checks(
@@ -208,7 +249,8 @@ def _rows_checks(
     flat index ``start``, and whether it is finite.
 
     Equal, bit for bit, to :func:`_mix_sum` over :func:`_bits64` of the whole leaf. On a
-    CPU a leaf of several segments is summed by the checksum threads, a segment each;
+    CPU a leaf of several segments is summed by the checksum threads, a segment each,
+    each checking its elements' bits for NaN and infinity as it reads them; on a device
     the finiteness of a float leaf is one ``aminmax`` (a read at memory speed).
     """
     device = flat.device
@@ -218,20 +260,27 @@ def _rows_checks(
         values = values.view(torch.uint8)
     ints = values.view(_INT[values.element_size()])
     start *= 2 if flat.is_complex() else 1  # complex: two parts per element, indexed as such
-    if check_finite:
+    nonfinite = _NONFINITE_BITS.get(values.dtype) if check_finite else None
+    if check_finite and (device.type != "cpu" or nonfinite is None):
         finite = _finite(values)
     if device.type != "cpu":
         return _segment_sum(ints, start, _DEVICE_CHUNK), finite
     per_thread = _CPU_CHUNK * _SEGMENT_CHUNKS
     threads = min(_threads(), -(-ints.numel() // per_thread))
     if threads <= 1:
-        return _segment_sum_cpu(ints, start, _CPU_CHUNK), finite
-    step = -(-ints.numel() // (threads * _CPU_CHUNK)) * _CPU_CHUNK
-    pieces = [
-        _pool().submit(_segment_sum_cpu, ints[lo : lo + step], start + lo, _CPU_CHUNK)
-        for lo in range(0, ints.numel(), step)
-    ]
-    return torch.stack([p.result() for p in pieces]).sum(), finite
+        pieces = [_segment_sum_cpu(ints, start, _CPU_CHUNK, nonfinite)]
+    else:
+        step = -(-ints.numel() // (threads * _CPU_CHUNK)) * _CPU_CHUNK
+        futures = [
+            _pool().submit(
+                _segment_sum_cpu, ints[lo : lo + step], start + lo, _CPU_CHUNK, nonfinite
+            )
+            for lo in range(0, ints.numel(), step)
+        ]
+        pieces = [f.result() for f in futures]
+    if nonfinite is not None:
+        finite = torch.tensor(all(ok for _, ok in pieces))
+    return torch.stack([total for total, _ in pieces]).sum(), finite
 
 
 def _leaf_checks(x: Any, check_finite: bool) -> tuple[torch.Tensor, torch.Tensor]:
