@@ -105,6 +105,23 @@ def test_a_plain_safetensors_export_of_a_causal_role_records_its_chunk(trained_s
         assert torch.equal(predict(rebuilt, x, t, text), predict(module, x, t, text))
 
 
+def test_a_lora_roles_safetensors_export_records_its_causal_bases_chunk(tmp_path):
+    peft = pytest.importorskip("peft")
+    from safetensors import safe_open
+
+    from fvstep.lora import add_adapters
+
+    base = make_causal(tiny_wan(seed=0), chunk_frames=2)
+    config = peft.LoraConfig(r=2, lora_alpha=2, target_modules=["to_q"])
+    lora = add_adapters(base, {"student": config})
+    adamw = fs.optim.adamw(lr=1e-3)
+    roles = {"student": fs.Role(lora["student"], optimizer=adamw), "base": fs.Role(base)}
+    state = fs.TrainState.create(roles, key=fs.random.key(0))
+    for role in roles:
+        with safe_open(str(export_role(state, role, tmp_path / role)), "pt") as f:
+            assert json.loads(f.metadata()[CAUSAL_METADATA_KEY]) == {"chunk_frames": 2}, role
+
+
 def test_a_pipeline_export_of_a_causal_role_records_it_in_its_transformer(trained_state, tmp_path):
     from fvstep.recipes.tiny_pipeline import save_tiny_pipeline
 

@@ -28,6 +28,7 @@ import shutil
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -125,7 +126,8 @@ def export_role(
     Returns:
         The path of the file written on a writing rank, ``None`` on the others.
 
-    A causal Wan's file (:func:`fvstep.methods.make_causal`) records its chunk in the
+    A causal Wan's file (:func:`fvstep.methods.make_causal`), or that of a LoRA role's
+    adapters over one, records its chunk in the
     safetensors metadata (:data:`CAUSAL_METADATA_KEY`: ``'{"chunk_frames": n}'``, read
     with ``safetensors.safe_open(path, "pt").metadata()``): the weights alone load into a
     bidirectional Wan without a word, so rebuild the module with ``make_causal(model,
@@ -158,8 +160,8 @@ def export_role(
     _agree("check the export target", check_target if writes else None)
     tensors = _gather(role_state, role, weights=weights, dtype_for=lambda _: dtype, keep=writes)
     metadata = {"format": "pt"}
-    chunk = getattr(getattr(role_state.role.module, "rope", None), _CAUSAL_ROPE_ATTR, None)
-    if chunk is not None:  # a causal Wan: the file says so (it has no config)
+    chunk = _causal_chunk(role_state.role.module)
+    if chunk is not None:  # a causal Wan, or adapters over one: the file says so
         metadata[CAUSAL_METADATA_KEY] = json.dumps({"chunk_frames": int(chunk)})
 
     def write() -> None:
@@ -169,6 +171,16 @@ def export_role(
 
     _agree("write the export", write if writes else None)
     return target if writes else None
+
+
+def _causal_chunk(module: Any) -> int | None:
+    """The chunk of a causal Wan (``make_causal`` marks its rotary module), or of the base
+    a LoRA role's adapters compute over (held as ``base``, not a submodule); else ``None``."""
+    for candidate in (module, module.__dict__.get("base")):
+        chunk = getattr(getattr(candidate, "rope", None), _CAUSAL_ROPE_ATTR, None)
+        if chunk is not None:
+            return int(chunk)
+    return None
 
 
 def _agree(what: str, action: Callable[[], None] | None) -> None:
