@@ -96,6 +96,11 @@ def test_a_plain_safetensors_export_of_a_causal_role_records_its_chunk(trained_s
     with safe_open(str(plain), "pt") as f:
         assert CAUSAL_METADATA_KEY not in f.metadata()
     assert record == {"chunk_frames": 1}
+    # the checkpoint layer's copies of the methods' names (it may not import them)
+    from fvstep.checkpoint.export import _CAUSAL_ROPE_ATTR
+    from fvstep.methods._causal_attention import CAUSAL_ATTR
+
+    assert (CAUSAL_METADATA_KEY, _CAUSAL_ROPE_ATTR) == (CAUSAL_CONFIG_KEY, CAUSAL_ATTR)
     # what the record is for: the file's weights into a module rebuilt with it compute
     # what the role did
     rebuilt = make_causal(tiny_wan(seed=5), chunk_frames=record["chunk_frames"])

@@ -37,6 +37,8 @@ from torch.distributed.fsdp import FSDPModule
 
 from fvstep._optional import needs_extra
 from fvstep.checkpoint.export import (
+    _CAUSAL_ROPE_ATTR,
+    CAUSAL_METADATA_KEY,
     _agree,
     _check_options,
     _check_target,
@@ -298,20 +300,16 @@ def _diffusers_class(module: nn.Module, role: str) -> type[Any]:
     raise AssertionError("unreachable: a ModelMixin instance has a ModelMixin class")
 
 
-_CAUSAL_CONFIG_KEY = "_fvstep_causal"  # fvstep.methods.causal_wan.CAUSAL_CONFIG_KEY
-_CAUSAL_ROPE_ATTR = "_fvstep_causal_chunk_frames"  # what make_causal sets on the rotary module
-
-
 def _check_causal_record(module: nn.Module, role: str) -> None:
     """Refuse a module whose config records a causal chunk its rotary module does not have
     (the checkpoint layer reads the two names; it may not import the methods)."""
-    record = getattr(module, "config", {}).get(_CAUSAL_CONFIG_KEY)
+    record = getattr(module, "config", {}).get(CAUSAL_METADATA_KEY)
     if record is None:
         return
     actual = getattr(getattr(module, "rope", None), _CAUSAL_ROPE_ATTR, None)
     if actual is None or record.get("chunk_frames") != actual:
         raise ValueError(
-            f"role {role!r}'s config records a causal Wan ({_CAUSAL_CONFIG_KEY}={dict(record)}) "
+            f"role {role!r}'s config records a causal Wan ({CAUSAL_METADATA_KEY}={dict(record)}) "
             f"but its module is {'bidirectional' if actual is None else f'causal of chunk {actual}'}"
             " (a causal export loaded with a plain from_pretrained?): load it with "
             "fvstep.methods.causal_wan.load_causal"

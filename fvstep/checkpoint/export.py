@@ -42,11 +42,13 @@ from fvstep.weights import Weights, roles_holding_other_weights, select_weights
 __all__ = ["CAUSAL_METADATA_KEY", "WEIGHTS_NAME", "export_role", "gather_weights"]
 
 WEIGHTS_NAME = "model.safetensors"
-#: The safetensors metadata key under which :func:`export_role` records a causal Wan's
-#: chunk (the name of the config key of :mod:`fvstep.methods.causal_wan`).
-CAUSAL_METADATA_KEY = "_fvstep_causal"
-_CAUSAL_ROPE_ATTR = "_fvstep_causal_chunk_frames"  # what make_causal sets on the rotary module
 """The file name :func:`export_role` writes when given a directory."""
+CAUSAL_METADATA_KEY = "_fvstep_causal"
+"""The safetensors metadata key under which :func:`export_role` records a causal Wan's
+chunk, and the config key of a diffusers export's record
+(``fvstep.methods.causal_wan.CAUSAL_CONFIG_KEY``: the checkpoint layer may not import the
+methods)."""
+_CAUSAL_ROPE_ATTR = "_fvstep_causal_chunk_frames"  # what make_causal sets on the rotary module
 
 
 def gather_weights(

@@ -13,10 +13,10 @@ sums its own shard and one all-reduce adds the shards; ranks holding a replica (
 replicate axis of HSDP) contribute only once. The index term makes swapped elements
 count. The computation is a few int64 tensor ops on the leaf's own device.
 
-The same call can say whether a floating-point leaf is finite (:func:`local_checks`): one
-``aminmax`` of the leaf, which is NaN or infinite exactly when an element is (a save
-refuses non-finite states with it). It reads the leaf once at memory speed and runs no
-per-chunk operations, so it costs a few percent of the checksum's mixing.
+The same call can say whether a floating-point leaf is finite (:func:`local_checks`; a
+save refuses non-finite states with it): on a device, one ``aminmax`` of the leaf, which
+is NaN or infinite exactly when an element is (a read at memory speed, no per-chunk
+operations); on a CPU, from the bits the checksum reads (below).
 
 A complex leaf counts as its real view: its real and imaginary parts are elements of
 their own, at flat indices ``2 i`` and ``2 i + 1``.
