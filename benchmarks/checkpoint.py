@@ -44,6 +44,7 @@ from benchmarks import presets
 from fvstep import checkpoint as ckpt
 from fvstep import parallel as fsd
 from fvstep.checkpoint.fingerprint import fingerprint
+from fvstep.checkpoint.saving import WRITER_THREADS
 from fvstep.tree import flatten_with_paths
 
 __all__ = ["main", "write_with_fsync"]
@@ -144,14 +145,16 @@ def run(args: Any, rt: c.Runtime) -> dict[str, Any]:
                     seconds = _timed(rt, write_with_fsync, disk, mine, chunk)
                     times["disk write"].append(seconds)
                 elif item == "sync":
-                    times["sync save"].append(_timed(rt, ckpt.save, state, sync_dir))
+                    times["sync save"].append(
+                        _timed(rt, ckpt.save, state, sync_dir, writer_threads=args.writer_threads)
+                    )
                 else:  # the baseline: DCP's own save of the same tensors, nothing of fvstep's
                     flat = {p: x.detach() for p, x in zip(paths, leaves)}
                     times["dcp.save alone"].append(_timed(rt, _dcp_save, flat, dcp_dir, rt.world))
             times["checksums"].append(_timed(rt, fingerprint, paths, leaves))
             times["load"].append(_timed(rt, ckpt.load, sync_dir, like=state))
             if async_error is None:
-                async_error = _time_async(rt, saver, state, async_dir, times)
+                async_error = _time_async(rt, saver, state, async_dir, times, args.writer_threads)
             rt.barrier()
             if rt.is_main:
                 on_disk = _du(sync_dir)
@@ -178,6 +181,7 @@ def run(args: Any, rt: c.Runtime) -> dict[str, Any]:
         on_disk_bytes=on_disk,
         dir=str(root),
         rounds=args.rounds,
+        writer_threads=args.writer_threads,
         async_error=async_error,
     )
     return {"benchmark": "checkpoint", "info": info, "rows": rows}
@@ -189,6 +193,7 @@ def _time_async(
     state: fs.TrainState,
     path: Path,
     times: dict[str, list[float]],
+    writer_threads: int,
 ) -> str | None:
     """Time one async save (blocking part, then until committed); the error, if it fails.
 
@@ -197,7 +202,7 @@ def _time_async(
     rt.barrier()
     start = time.perf_counter()
     try:
-        saver.save(state, path)
+        saver.save(state, path, writer_threads=writer_threads)
         blocking = time.perf_counter() - start
         saver.wait()
     except Exception as e:  # reported in the table's notes
@@ -229,7 +234,7 @@ def report(result: dict[str, Any]) -> None:
     print(
         f"checkpoint: {info['state']} + AdamW, {info['state_bytes'] / 2**20:.1f} MiB in "
         f"{info['leaves']} leaves ({info['on_disk_bytes'] / 2**20:.1f} MiB on disk), "
-        f"{info['rounds']} rounds, dir {info['dir']}"
+        f"{info['rounds']} rounds, {info['writer_threads']} writer threads, dir {info['dir']}"
     )
     print(c.header_line(info))
     disk = rows["disk write"]["median"]
@@ -272,6 +277,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
     parser.add_argument("--keep", action="store_true", help="keep the files written")
+    parser.add_argument(
+        "--writer-threads",
+        type=int,
+        default=WRITER_THREADS,
+        help=f"files each rank's save writes at once (default {WRITER_THREADS}; DCP's "
+        "own save, the baseline, writes one)",
+    )
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--json", default=None, help="write the results as JSON here")
     return parser
@@ -282,8 +294,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.preset is None and args.mib is None:
         args.mib = 64
-    if args.rounds < 1 or (args.mib is not None and args.mib < 1):
-        print("--rounds and --mib must be >= 1", file=sys.stderr)
+    if args.rounds < 1 or args.writer_threads < 1 or (args.mib is not None and args.mib < 1):
+        print("--rounds, --writer-threads and --mib must be >= 1", file=sys.stderr)
         return 2
     rt = c.setup_runtime(args.device)
     try:

@@ -285,6 +285,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="checkpoint every n-th block only (default 1: all of them)",
     )
     parser.add_argument(
+        "--offload-every",
+        type=int,
+        default=None,
+        help="trained roles keep the saved activations of every n-th block in pinned host "
+        "memory (prepare's offload_activations; default: none)",
+    )
+    parser.add_argument(
         "--attention-backend",
         default=None,
         help="diffusers attention backend of the prepared side, e.g. _native_cudnn",
@@ -363,8 +370,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps < 1 or args.warmup < 0 or args.profile_steps < 0:
         print("--steps must be >= 1, --warmup and --profile-steps >= 0", file=sys.stderr)
         return 2
-    if args.checkpoint_every < 1:
-        print("--checkpoint-every must be >= 1", file=sys.stderr)
+    if args.checkpoint_every < 1 or (args.offload_every is not None and args.offload_every < 1):
+        print("--checkpoint-every and --offload-every must be >= 1", file=sys.stderr)
         return 2
     if args.method == "diffusion-nft" and (args.group_size < 2 or args.rollout_steps < 1):
         print("--group-size must be >= 2 and --rollout-steps >= 1", file=sys.stderr)

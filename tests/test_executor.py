@@ -138,7 +138,10 @@ def test_bad_checkpoint_settings_are_rejected():
 # machine's speed (no sleeps as synchronisation).
 SIGNAL_SCRIPT = textwrap.dedent(
     """
-    import os, sys, time, torch
+    import os, signal, sys, time, torch
+    # Python's own Ctrl-C handler, as in a terminal: a child started from a background
+    # job inherits an ignored SIGINT, and fvstep keeps a handling it did not install.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     sys.path.insert(0, {root!r})
     import fvstep as fs
     from tests.test_executor import tiny_setup

@@ -23,7 +23,13 @@ import torch.distributed as dist
 
 from fvstep.checkpoint.fingerprint import fingerprint, local_checks
 from fvstep.checkpoint.frozen import _split_frozen
-from fvstep.checkpoint.saving import _make_temp_dir, _refuse_nonfinite, _write
+from fvstep.checkpoint.saving import (
+    WRITER_THREADS,
+    _check_writer_threads,
+    _make_temp_dir,
+    _refuse_nonfinite,
+    _write,
+)
 from fvstep.parallel.ranks import rank_and_world
 from fvstep.tree import flatten_with_paths
 
@@ -115,6 +121,7 @@ class AsyncSaver:
         *,
         overwrite: bool = False,
         allow_nonfinite: bool = False,
+        writer_threads: int = WRITER_THREADS,
     ) -> None:
         """Start saving ``state`` to ``path``; returns once the state has been staged.
 
@@ -129,11 +136,14 @@ class AsyncSaver:
             path: The checkpoint directory to create.
             overwrite: Replace an existing checkpoint at ``path``.
             allow_nonfinite: Save a state with NaN or Inf values anyway.
+            writer_threads: Files each rank writes at once, as for :func:`save`.
 
         Raises:
             CheckpointError: If ``path`` exists and ``overwrite`` is false, or (on a GPU)
                 a leaf is not finite; or the failure of the previous background save.
+            ValueError: If ``writer_threads`` is not an int >= 1.
         """
+        _check_writer_threads(writer_threads)
         self.wait()
         upload_group = self._uploads()
         final = Path(path)
@@ -165,6 +175,7 @@ class AsyncSaver:
             prints,
             allow_nonfinite,
             frozen,
+            writer_threads,
         )
 
     def wait(self) -> None:

@@ -18,6 +18,8 @@ Split by concern (as torchtitan's ``distributed/`` folder):
   with mixed precision and offload, frozen roles in bf16, the attention backend), built
   from one module per step:
   :mod:`fvstep.parallel.activation_checkpoint` (:class:`ActivationCheckpointing`),
+  :mod:`fvstep.parallel.activation_offload` (:class:`ActivationOffloading`: saved
+  activations in pinned host memory),
   :mod:`fvstep.parallel.block_compile` (compile options, the recompile limit,
   :func:`compile_counts`) and :mod:`fvstep.parallel.precision` (casts at a role's
   boundary, :data:`FULL_PRECISION_INPUTS`);
@@ -53,6 +55,7 @@ Examples:
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from fvstep.parallel.activation_checkpoint import ActivationCheckpointing
+from fvstep.parallel.activation_offload import ActivationOffloading
 from fvstep.parallel.block_compile import compile_counts
 from fvstep.parallel.collectives import CollectiveCounter
 from fvstep.parallel.compile_check import CompiledGradientError, CompiledGradientReport
@@ -97,6 +100,7 @@ from fvstep.parallel.ranks import (
 __all__ = [
     "FULL_PRECISION_INPUTS",
     "ActivationCheckpointing",
+    "ActivationOffloading",
     "CollectiveCounter",
     "CompiledGradientError",
     "CompiledGradientReport",

@@ -48,6 +48,11 @@ from fvstep.parallel.activation_checkpoint import (
     apply_activation_checkpointing,
     resolve_checkpointing,
 )
+from fvstep.parallel.activation_offload import (
+    ActivationOffloading,
+    apply_activation_offloading,
+    resolve_offloading,
+)
 from fvstep.parallel.block_compile import apply_compile, resolve_compile_options
 from fvstep.parallel.compile_check import resolve_rtol
 from fvstep.parallel.compile_check_hooks import install_compile_check
@@ -65,6 +70,8 @@ class Preparation:
         trainable: Whether the role is trained.
         checkpointing: The activation-checkpointing choice.
         checkpointed_blocks: Qualified names of the checkpointed blocks.
+        offloaded_blocks: Qualified names of the blocks whose saved activations wait in
+            host memory (``offload_activations``).
         compiled_blocks: Qualified names of the compiled blocks.
         sharded: Whether ``fully_shard`` was applied (per block and at the root).
         mesh_shape: The mesh's shape and dim names, or ``None``.
@@ -79,6 +86,7 @@ class Preparation:
     trainable: bool
     checkpointing: ActivationCheckpointing
     checkpointed_blocks: tuple[str, ...]
+    offloaded_blocks: tuple[str, ...]
     compiled_blocks: tuple[str, ...]
     sharded: bool
     mesh_shape: tuple[tuple[str, int], ...] | None
@@ -95,6 +103,7 @@ class Preparation:
             "checkpointing": self.checkpointing.describe(),
             "checkpoint_every": self.checkpointing.every,
             "checkpointed_blocks": len(self.checkpointed_blocks),
+            "offloaded_blocks": len(self.offloaded_blocks),
             "compiled_blocks": len(self.compiled_blocks),
             "sharded": self.sharded,
             "mesh": dict(self.mesh_shape) if self.mesh_shape else None,
@@ -130,6 +139,7 @@ def prepare(
     mesh: DeviceMesh | None = None,
     trainable: bool = True,
     checkpointing: ActivationCheckpointing | CheckpointName | None = None,
+    offload_activations: ActivationOffloading | bool | None = None,
     compile: bool | Mapping[str, Any] = False,
     verify_compile: bool | float = False,
     param_dtype: torch.dtype | None = None,
@@ -169,6 +179,13 @@ def prepare(
             :class:`ActivationCheckpointing` (e.g. every n-th block). Under ``no_grad`` a
             checkpointed block just runs its forward, so a role read without gradient
             (a DMD2 teacher) pays nothing for it.
+        offload_activations: Keep the saved activations of some blocks in pinned host
+            memory between forward and backward (:mod:`fvstep.parallel.activation_offload`):
+            ``True`` for every block, or an :class:`ActivationOffloading` (every n-th
+            block). They come back one block ahead of their backward. Memory without
+            recomputation, paid in PCIe bandwidth; bitwise the same step. CUDA tensors
+            only (on a CPU nothing moves). A frozen role saves activations only when a
+            gradient flows through it to its inputs.
         compile: ``True`` for ``block.compile(fullgraph=True, dynamic=False)`` on each
             block, or a mapping of ``torch.compile`` arguments (e.g. ``{"backend":
             "aot_eager"}``) merged over those. With Inductor, the Inductor ``options``
@@ -233,9 +250,10 @@ def prepare(
 
     Raises:
         ValueError: If the module was prepared or sharded already, if FSDP2 options are
-            given without a mesh, if it has no blocks to checkpoint or compile, or if
-            ``verify_compile`` is asked without ``compile``.
-        TypeError: On a bad ``checkpointing``, ``compile`` or ``verify_compile`` value.
+            given without a mesh, if it has no blocks to checkpoint, offload or compile,
+            or if ``verify_compile`` is asked without ``compile``.
+        TypeError: On a bad ``checkpointing``, ``offload_activations``, ``compile`` or
+            ``verify_compile`` value.
 
     Examples:
         >>> student = prepare(student, mesh=mesh, checkpointing="full", compile=True,
@@ -256,14 +274,15 @@ def prepare(
         )
     keep = frozenset(full_precision_inputs)
     ac = resolve_checkpointing(checkpointing)
+    offloading = resolve_offloading(offload_activations)
     compile_kwargs = resolve_compile_options(compile)
     verify_rtol = resolve_rtol(verify_compile)
     if verify_compile is not False and compile_kwargs is None:
         raise ValueError("verify_compile checks compiled blocks: it needs compile")
     names = block_names(module, policy)
-    if (ac.mode != "none" or compile_kwargs is not None) and not names:
+    if (ac.mode != "none" or offloading or compile_kwargs is not None) and not names:
         raise ValueError(
-            "the module has no blocks to checkpoint or compile (the policy picked none)"
+            "the module has no blocks to checkpoint, offload or compile (the policy picked none)"
         )
     if context_mesh is not None and compile_kwargs is not None:
         raise ValueError(
@@ -293,6 +312,9 @@ def prepare(
     checkpointed = apply_activation_checkpointing(
         {name: blocks[name] for name in names}, ac, checkpoint_context=checkpoint_context
     )
+    offloaded: tuple[str, ...] = ()
+    if offloading is not None:
+        offloaded = apply_activation_offloading({name: blocks[name] for name in names}, offloading)
     if compile_kwargs is not None:
         apply_compile([blocks[name] for name in names], compile_kwargs)
         if verify_compile is not False:  # a pre-hook: runs after FSDP2's (it prepends)
@@ -320,6 +342,7 @@ def prepare(
         trainable=trainable,
         checkpointing=ac,
         checkpointed_blocks=checkpointed,
+        offloaded_blocks=offloaded,
         compiled_blocks=tuple(names) if compile_kwargs is not None else (),
         sharded=mesh is not None,
         mesh_shape=tuple(zip(mesh.mesh_dim_names or (), mesh.shape, strict=False))

@@ -1,0 +1,324 @@
+"""Activation offloading per block: saved activations wait in pinned host memory.
+
+The memory lever that recomputes nothing. A chosen block's forward runs under
+``torch.autograd.graph.saved_tensors_hooks``: every tensor it saves for backward (under
+``torch.compile``, what the compiled block's autograd function saves) that is a plain,
+contiguous CUDA tensor of at least ``min_bytes`` is copied to pinned host memory on a
+side stream, and its device memory is released once the copy is done. In backward the
+copies come back on a second side stream, **one block ahead**: when the backward of the
+block that ran right after an offloaded one starts, the offloaded block's tensors start
+coming back, so they are on the device by the time its own backward needs them.
+
+Nothing changes in the numbers (the copies are exact): a step with offloading is bitwise
+the step without it. Parameters are never offloaded (FSDP2 frees and re-gathers them
+itself), nor tensors that are not on a CUDA device, so on a CPU the hooks keep every
+tensor where it is.
+
+What it costs is PCIe bandwidth: each offloaded block's saved tensors cross it twice a
+step. Choose ``every`` so that the copy of one block's activations takes less time than
+the forward (and the backward) of ``every`` blocks (``docs/benchmarks.md`` measures it on
+an H200 at 480x832x81).
+
+State: the host copies live as long as the autograd graph that holds them (they are
+what the graph saved) and the side streams are per device; nothing outlives a step's
+backward, and nothing of it belongs in ``TrainState``.
+
+Examples:
+    >>> offload = ActivationOffloading(every=4)
+    >>> apply_activation_offloading({"blocks.0": block, "blocks.1": other}, offload)
+    ('blocks.0',)
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+import torch
+from torch import nn
+
+__all__ = [
+    "ActivationOffloading",
+    "apply_activation_offloading",
+    "is_offloaded",
+    "offloaded_bytes",
+    "resolve_offloading",
+]
+
+_OFFLOADED_ATTR = "_fvstep_activation_offload"
+
+
+def _positive_int(name: str) -> Any:
+    def check(_: Any, __: Any, value: Any) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, not {value!r}")
+
+    return check
+
+
+@attrs.frozen
+class ActivationOffloading:
+    """Which blocks keep their saved activations in pinned host memory between forward
+    and backward.
+
+    Attributes:
+        every: Offload every ``every``-th block (blocks ``0, every, 2 * every, ...``),
+            counted as :func:`fvstep.parallel.prepare` counts blocks for checkpointing.
+        min_bytes: Saved tensors smaller than this stay on the device (the copy's
+            latency would cost more than the memory is worth).
+
+    Raises:
+        ValueError: If ``every`` or ``min_bytes`` is not an int >= 1.
+
+    Examples:
+        >>> ActivationOffloading(every=5)   # 6 of a 30-block model's blocks
+    """
+
+    every: int = attrs.field(default=1, validator=_positive_int("every"))
+    min_bytes: int = attrs.field(default=1 << 20, validator=_positive_int("min_bytes"))
+
+    def chooses(self, index: int) -> bool:
+        """Whether the ``index``-th block is offloaded."""
+        return index % self.every == 0
+
+    def describe(self) -> str:
+        """``"every <n>"`` (for :class:`fvstep.parallel.prepare.Preparation`)."""
+        return f"every {self.every}"
+
+
+def resolve_offloading(value: ActivationOffloading | bool | None) -> ActivationOffloading | None:
+    """What ``prepare(..., offload_activations=value)`` means: ``None``/``False`` for
+    none, ``True`` for every block, or the :class:`ActivationOffloading` given.
+
+    Raises:
+        TypeError: On any other value.
+
+    Examples:
+        >>> resolve_offloading(True)
+        ActivationOffloading(every=1, min_bytes=1048576)
+    """
+    if value is None or value is False:
+        return None
+    if value is True:
+        return ActivationOffloading()
+    if isinstance(value, ActivationOffloading):
+        return value
+    raise TypeError(
+        "offload_activations must be a bool, None or an ActivationOffloading, not "
+        f"{type(value).__name__}"
+    )
+
+
+class _Kept:
+    """A saved tensor that stays where it is, tagged with the call that saved it."""
+
+    __slots__ = ("call", "tensor")
+
+    def __init__(self, call: _Call, tensor: torch.Tensor) -> None:
+        self.call, self.tensor = call, tensor
+
+
+class _Moved:
+    """A saved tensor copied to the host: its index in its call's copies."""
+
+    __slots__ = ("call", "index")
+
+    def __init__(self, call: _Call, index: int) -> None:
+        self.call, self.index = call, index
+
+
+class _Call:
+    """One grad-enabled call of a hooked block: what it moved to the host, and how it
+    comes back."""
+
+    __slots__ = (
+        "__weakref__",
+        "back",
+        "host",
+        "offloader",
+        "offloads",
+        "prefetch",
+        "seq",
+        "started",
+    )
+
+    def __init__(self, offloader: _Offloader, offloads: bool, seq: int, prefetch: Any) -> None:
+        self.offloader = offloader
+        self.offloads = offloads
+        self.seq = seq
+        self.prefetch = prefetch  # weakref to the offloaded call to bring back, or None
+        self.started = False  # whether its backward has unpacked anything yet
+        self.host: list[tuple[torch.Tensor, torch.device, torch.cuda.Event]] = []
+        self.back: dict[int, tuple[torch.Tensor, torch.cuda.Event]] = {}
+
+    def pack(self, t: torch.Tensor) -> Any:
+        if not self.offloads or not self.offloader.movable(t):
+            return _Kept(self, t)
+        device = t.device
+        d2h, _ = self.offloader.streams(device)
+        d2h.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(d2h):
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            host.copy_(t, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(d2h)
+        t.record_stream(d2h)  # its memory is not reused before the copy has read it
+        self.host.append((host, device, done))
+        self.offloader.moved_bytes += t.numel() * t.element_size()
+        return _Moved(self, len(self.host) - 1)
+
+    def fetch(self) -> None:
+        """Start bringing every moved tensor back (once; a no-op after the first)."""
+        for i, (host, device, offloaded) in enumerate(self.host):
+            if i in self.back:
+                continue
+            _, h2d = self.offloader.streams(device)
+            h2d.wait_event(offloaded)
+            with torch.cuda.stream(h2d):
+                back = torch.empty(host.shape, dtype=host.dtype, device=device)
+                back.copy_(host, non_blocking=True)
+                arrived = torch.cuda.Event()
+                arrived.record(h2d)
+            self.back[i] = (back, arrived)
+
+    def unpack(self, packed: Any) -> torch.Tensor:
+        if not self.started:
+            self.started = True
+            target = self.prefetch() if self.prefetch is not None else None
+            if target is not None and self.seq - target.seq <= _LOOKAHEAD:
+                target.fetch()
+        if isinstance(packed, _Kept):
+            return packed.tensor
+        if packed.index not in self.back:
+            self.fetch()
+        back, arrived = self.back.pop(packed.index)
+        stream = torch.cuda.current_stream(back.device)
+        stream.wait_event(arrived)
+        back.record_stream(stream)
+        return back
+
+
+#: How many calls ahead of its backward an offloaded call's tensors start coming back:
+#: when the backward of the call right after it starts.
+_LOOKAHEAD = 1
+
+
+class _Offloader:
+    """The offloading of one prepared module's chosen blocks: the side streams, the order
+    of the calls (to know which to bring back next), and the bytes moved so far."""
+
+    def __init__(self, min_bytes: int) -> None:
+        self.min_bytes = min_bytes
+        self.moved_bytes = 0
+        self._streams: dict[torch.device, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}
+        self._seq = itertools.count()
+        self._last_offloaded: Any = None  # weakref to the latest offloading call
+
+    def streams(self, device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
+        """The device's (host-bound, device-bound) copy streams."""
+        if device not in self._streams:
+            self._streams[device] = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+        return self._streams[device]
+
+    def movable(self, t: torch.Tensor) -> bool:
+        return (
+            type(t) is torch.Tensor  # not a Parameter, DTensor or other subclass
+            and t.device.type == "cuda"
+            and t.is_contiguous()
+            and t.numel() * t.element_size() >= self.min_bytes
+        )
+
+    def begin(self, offloads: bool) -> _Call:
+        call = _Call(self, offloads, next(self._seq), self._last_offloaded)
+        if offloads:
+            self._last_offloaded = weakref.ref(call)
+        return call
+
+
+def _install(block: nn.Module, offloader: _Offloader, offloads: bool) -> None:
+    contexts: list[Any] = []
+
+    def enter(module: nn.Module, args: Any) -> None:
+        if not torch.is_grad_enabled():
+            contexts.append(None)
+            return
+        call = offloader.begin(offloads)
+        context = torch.autograd.graph.saved_tensors_hooks(call.pack, call.unpack)
+        context.__enter__()
+        contexts.append(context)
+
+    def leave(module: nn.Module, args: Any, output: Any) -> None:
+        context = contexts.pop()
+        if context is not None:
+            context.__exit__(None, None, None)
+
+    # Skipped by dynamo (run as Python around a compiled block's graph), so the hooks
+    # see what the compiled autograd function saves.
+    block.register_forward_pre_hook(torch.compiler.disable(enter, recursive=False))
+    block.register_forward_hook(torch.compiler.disable(leave, recursive=False), always_call=True)
+    object.__setattr__(block, _OFFLOADED_ATTR, (offloader, offloads))
+
+
+def is_offloaded(block: nn.Module) -> bool:
+    """Whether :func:`apply_activation_offloading` chose ``block``."""
+    hooked = block.__dict__.get(_OFFLOADED_ATTR)
+    return hooked is not None and hooked[1]
+
+
+def offloaded_bytes(module: nn.Module) -> int:
+    """The bytes of saved activations that ``module``'s offloaded blocks have moved to
+    host memory so far (each crosses back once per backward): 0 on a CPU.
+
+    Examples:
+        >>> before = offloaded_bytes(student)
+        >>> state, _ = step(state, batch)
+        >>> offloaded_bytes(student) - before   # one step's traffic each way
+        10737418240
+    """
+    offloaders = {
+        id(hooked[0]): hooked[0]
+        for m in module.modules()
+        if (hooked := m.__dict__.get(_OFFLOADED_ATTR)) is not None
+    }
+    return sum(o.moved_bytes for o in offloaders.values())
+
+
+def apply_activation_offloading(
+    blocks: Mapping[str, nn.Module], offload: ActivationOffloading
+) -> tuple[str, ...]:
+    """Offload the saved activations of the blocks ``offload`` chooses.
+
+    In place: every block gets a forward pre-hook and a forward hook (skipped by dynamo,
+    so they work around compiled blocks); the chosen ones move what they save to pinned
+    host memory, and the others only say when their backward starts, so that the
+    offloaded block before them is brought back in time. Under ``no_grad`` nothing is
+    hooked. Parameter names do not change.
+
+    Args:
+        blocks: The blocks by qualified name, in the order their forwards run.
+        offload: Which blocks, and the smallest tensor worth moving.
+
+    Returns:
+        The qualified names of the offloaded blocks, in order.
+
+    Raises:
+        ValueError: If a block is hooked already.
+
+    Examples:
+        >>> apply_activation_offloading(dict(model.blocks.named_children()),
+        ...                             ActivationOffloading(every=2))
+        ('0', '2')
+    """
+    again = [name for name, block in blocks.items() if _OFFLOADED_ATTR in block.__dict__]
+    if again:
+        raise ValueError(f"activation offloading is applied to {again} already")
+    offloader = _Offloader(offload.min_bytes)
+    chosen = []
+    for i, (name, block) in enumerate(blocks.items()):
+        _install(block, offloader, offload.chooses(i))
+        if offload.chooses(i):
+            chosen.append(name)
+    return tuple(chosen)
