@@ -107,6 +107,31 @@ def test_bad_offloading_options_are_refused_with_a_clear_error():
         apply_activation_offloading(blocks, ActivationOffloading())
 
 
+class _SinBlock(torch.nn.Module):
+    """Returns the tensor its ``sin`` saves, so a caller can change it in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.lin(x)
+        return h.sin(), h
+
+
+@pytest.mark.parametrize("hooked", [False, True], ids=["plain", "offload-hooked"])
+def test_a_saved_tensor_changed_in_place_raises_autograds_error_through_the_hooks(hooked):
+    """Autograd checks no version counter under saved-tensor hooks: the hooks do."""
+    torch.manual_seed(0)
+    blocks = torch.nn.ModuleList([_SinBlock()])
+    if hooked:
+        apply_activation_offloading(dict(blocks.named_children()), ActivationOffloading())
+    out, h = blocks[0](torch.randn(2, 4))
+    h.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+
+
 def test_no_grad_calls_are_not_hooked():
     module = prepare(tiny_wan(seed=0), offload_activations=True)
     batch = synthetic_batch(fs.random.key(0), batch_size=1)

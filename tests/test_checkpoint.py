@@ -868,3 +868,26 @@ def test_checksums_never_modify_the_leaves(dtype):
     x.view(-1)[7] = ~before.view(-1)[7] if dtype == torch.bool else before.view(-1)[7] + 1
     assert not torch.equal(x, before)
     assert not torch.equal(leaf_checksum(x), first)  # one changed element changes the sum
+
+
+@pytest.mark.parametrize("writer_threads", [1, 3])
+def test_a_save_on_several_writer_threads_writes_that_many_files_and_loads_leaf_exact(
+    tmp_path, writer_threads
+):
+    state = small_state(critic=True)
+    path = ckpt.save(state, tmp_path / "c", writer_threads=writer_threads)
+    assert len(shard_files(path)) == writer_threads
+    tree.assert_trees_equal(ckpt.load(path, like=zeros_like_state(state)), state)
+    with ckpt.AsyncSaver() as saver:
+        saver.save(state, tmp_path / "a", writer_threads=writer_threads)
+    assert len(shard_files(tmp_path / "a")) == writer_threads
+    tree.assert_trees_equal(ckpt.load(tmp_path / "a", like=zeros_like_state(state)), state)
+
+
+@pytest.mark.parametrize("bad", [0, True, 2.5])
+def test_a_bad_writer_thread_count_is_refused_before_anything_is_written(tmp_path, bad):
+    with pytest.raises(ValueError, match="writer_threads must be an int >= 1"):
+        ckpt.save(small_state(), tmp_path / "c", writer_threads=bad)
+    with ckpt.AsyncSaver() as saver, pytest.raises(ValueError, match="writer_threads"):
+        saver.save(small_state(), tmp_path / "c", writer_threads=bad)
+    assert list(tmp_path.iterdir()) == []

@@ -55,9 +55,10 @@ _FVSTEP_VERSION = _installed_version()
 
 #: Files each rank writes at once (DCP ``FileSystemWriter``'s ``thread_count``): the
 #: shards are split by size into this many files, each written and fsynced on its own
-#: thread, so one file's fsync overlaps the next one's writes. On the H200 host a sync
-#: save of 2 GiB went from 58 % of the disk's write bandwidth on one file to
-#: (``docs/benchmarks.md``, "Checkpoint save on the H200 host").
+#: thread, so one file's fsync overlaps the next one's writes. On the H200 host, beside
+#: DCP's own save (one file), a sync save went from 1.09x to 0.94x of it from CUDA
+#: (2 GiB) and from 0.99x to 0.62x from the CPU (512 MiB) (``docs/benchmarks.md``,
+#: "Checkpoint writes on several threads").
 WRITER_THREADS = 4
 
 

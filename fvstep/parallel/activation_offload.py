@@ -10,7 +10,10 @@ block that ran right after an offloaded one starts, the offloaded block's tensor
 coming back, so they are on the device by the time its own backward needs them.
 
 Nothing changes in the numbers (the copies are exact): a step with offloading is bitwise
-the step without it. Parameters are never offloaded (FSDP2 frees and re-gathers them
+the step without it. Autograd checks no version counter under saved-tensor hooks, so the
+hooks check it themselves for what stays on the device: a saved tensor changed in place
+before backward raises autograd's own error. A moved tensor's copy holds the value the
+forward used, so backward uses that value (where plain autograd would raise). Parameters are never offloaded (FSDP2 frees and re-gathers them
 itself), nor tensors that are not on a CUDA device, so on a CPU the hooks keep every
 tensor where it is.
 
@@ -39,6 +42,8 @@ from typing import Any
 import attrs
 import torch
 from torch import nn
+
+from fvstep._compat import tensor_version
 
 __all__ = [
     "ActivationOffloading",
@@ -113,12 +118,23 @@ def resolve_offloading(value: ActivationOffloading | bool | None) -> ActivationO
 
 
 class _Kept:
-    """A saved tensor that stays where it is, tagged with the call that saved it."""
+    """A saved tensor that stays where it is, tagged with the call that saved it, and its
+    version then: autograd checks no version under saved-tensor hooks, so this does."""
 
-    __slots__ = ("call", "tensor")
+    __slots__ = ("call", "tensor", "version")
 
     def __init__(self, call: _Call, tensor: torch.Tensor) -> None:
-        self.call, self.tensor = call, tensor
+        self.call, self.tensor, self.version = call, tensor, tensor_version(tensor)
+
+    def get(self) -> torch.Tensor:
+        if tensor_version(self.tensor) != self.version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by "
+                f"an inplace operation: a {tuple(self.tensor.shape)} {self.tensor.dtype} "
+                f"tensor saved by an offloading-hooked block is at version "
+                f"{tensor_version(self.tensor)}; expected version {self.version} instead"
+            )
+        return self.tensor
 
 
 class _Moved:
@@ -191,7 +207,7 @@ class _Call:
             if target is not None and self.seq - target.seq <= _LOOKAHEAD:
                 target.fetch()
         if isinstance(packed, _Kept):
-            return packed.tensor
+            return packed.get()
         if packed.index not in self.back:
             self.fetch()
         back, arrived = self.back.pop(packed.index)

@@ -109,6 +109,7 @@ PREPARATIONS = (
     Preparation("every_2nd", {"checkpointing": fsp.ActivationCheckpointing("full", every=2)}),
     Preparation("compile", {"compile": {"backend": "aot_eager"}}),
     Preparation("full+compile", {"checkpointing": "full", "compile": {"backend": "aot_eager"}}),
+    Preparation("offload+narrow", {"offload_activations": True, "checkpointing": "narrow"}),
 )
 """The rows of the preparation axis (on one process; FSDP2 options are in the 2-rank cells)."""
 
