@@ -127,6 +127,49 @@ def test_a_lora_roles_safetensors_export_records_its_causal_bases_chunk(tmp_path
             assert json.loads(f.metadata()[CAUSAL_METADATA_KEY]) == {"chunk_frames": 2}, role
 
 
+def test_a_merged_lora_export_over_a_causal_base_loads_back_causal_and_computes_the_role(
+    tmp_path,
+):
+    """LoRA's ``export_merged`` writes the base's config: over a causal base it carries the
+    record, ``load_causal`` rebuilds the causal model of the merged weights, and a plain
+    ``from_pretrained`` of the folder is the bidirectional model fvstep refuses elsewhere."""
+    peft = pytest.importorskip("peft")
+    from diffusers import WanTransformer3DModel
+
+    from fvstep.lora import add_adapters, export_merged
+
+    base = make_causal(tiny_wan(seed=0), chunk_frames=1)
+    config = peft.LoraConfig(r=2, lora_alpha=2, target_modules=["to_q", "to_v"])
+    lora = add_adapters(base, {"student": config})
+    roles = {
+        "student": fs.Role(lora["student"], optimizer=fs.optim.adamw(lr=1e-3)),
+        "base": fs.Role(base),
+    }
+    state = fs.TrainState.create(roles, key=fs.random.key(0))
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():  # an adapter that changes the output (peft starts B at zero)
+        for name, p in state.roles["student"].params.items():
+            if ".lora_B." in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    path = export_merged(state, "student", tmp_path / "merged")
+    assert json.loads((path / "config.json").read_text())[CAUSAL_CONFIG_KEY] == {
+        "chunk_frames": 1
+    }
+    loaded = load_causal(path)
+    x, t, text = _probe()
+    with torch.no_grad():
+        with role_module(state, "student") as module:
+            expected = predict(module, x, t, text)
+        with role_module(state, "base") as module:
+            without_adapter = predict(module, x, t, text)
+        got = predict(loaded, x, t, text)
+        bidirectional = predict(WanTransformer3DModel.from_pretrained(path), x, t, text)
+    assert (expected - without_adapter).abs().max().item() > 1e-3  # the merge is not a no-op
+    scale = expected.abs().max().item()
+    assert (got - expected).abs().max().item() <= 1e-5 * scale  # the merge's fp32 rounding
+    assert (bidirectional - expected).abs().max().item() > 1e-2
+
+
 def test_a_pipeline_export_of_a_causal_role_records_it_in_its_transformer(trained_state, tmp_path):
     from fvstep.recipes.tiny_pipeline import save_tiny_pipeline
 
