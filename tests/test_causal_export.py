@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -152,9 +153,7 @@ def test_a_merged_lora_export_over_a_causal_base_loads_back_causal_and_computes_
             if ".lora_B." in name:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.5)
     path = export_merged(state, "student", tmp_path / "merged")
-    assert json.loads((path / "config.json").read_text())[CAUSAL_CONFIG_KEY] == {
-        "chunk_frames": 1
-    }
+    assert json.loads((path / "config.json").read_text())[CAUSAL_CONFIG_KEY] == {"chunk_frames": 1}
     loaded = load_causal(path)
     x, t, text = _probe()
     with torch.no_grad():
@@ -285,3 +284,49 @@ def test_euler_sampling_of_a_causal_student_never_reads_a_later_chunk():
         )
     with pytest.raises(ValueError, match="needs a key"):
         sample(student, noise, batch["text"], sampler=FewStepSampler((1.0, 0.5)))
+
+
+# --- 2 FSDP2-sharded ranks ------------------------------------------------------------------
+
+
+def check_sharded_causal_export_and_sample(rank: int, world_size: int, directory: str):
+    from fvstep import parallel as fsp
+
+    mesh = fsp.make_mesh(device_type="cpu")
+    student = fsp.shard_module(make_causal(tiny_wan(seed=0), chunk_frames=1), mesh=mesh)
+    state = fs.TrainState.create(
+        {"student": fs.Role(student, optimizer=fs.optim.adamw(lr=1e-3))}, key=fs.random.key(0)
+    )
+    out = Path(directory)
+    file = export_role(state, "student", out / "student.safetensors")
+    folder = export_diffusers(state, "student", out / "student")
+    batch = synthetic_batch(fs.random.key(1), batch_size=2, frames=2)
+    noise = torch.randn(batch["latents"].shape, generator=torch.Generator().manual_seed(4))
+    with role_module(state, "student") as module:
+        video = sample(
+            module, noise, batch["text"], sampler=FewStepSampler((1.0, 0.5)), key=fs.random.key(2)
+        )
+    return (None if file is None else str(file), None if folder is None else str(folder), video)
+
+
+@pytest.mark.multirank
+def test_a_sharded_causal_student_exports_its_record_and_samples_as_on_one_process(ranks, tmp_path):
+    from safetensors import safe_open
+
+    (file, folder, video_0), (none_file, none_folder, video_1) = ranks.run(
+        check_sharded_causal_export_and_sample, str(tmp_path)
+    )
+    assert none_file is None and none_folder is None
+    with safe_open(file, "pt") as f:
+        assert json.loads(f.metadata()[CAUSAL_METADATA_KEY]) == {"chunk_frames": 1}
+    loaded = load_causal(folder)
+    plain = make_causal(tiny_wan(seed=0), chunk_frames=1)
+    for name, p in plain.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], p), name
+    batch = synthetic_batch(fs.random.key(1), batch_size=2, frames=2)
+    noise = torch.randn(batch["latents"].shape, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        expected = sample(
+            plain, noise, batch["text"], sampler=FewStepSampler((1.0, 0.5)), key=fs.random.key(2)
+        )
+    assert torch.equal(video_0, expected) and torch.equal(video_1, expected)
