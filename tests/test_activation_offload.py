@@ -132,6 +132,120 @@ def test_a_saved_tensor_changed_in_place_raises_autograds_error_through_the_hook
         out.sum().backward()
 
 
+class _HostCopies:
+    """The CUDA copies' stand-in on a CPU: every tensor of ``min_bytes`` or more moves (a
+    clone), and each copy is logged, so the bookkeeping around the copies (versions, one
+    copy per tensor, the prefetch one block ahead) is checked without a GPU."""
+
+    def __init__(self, log: list) -> None:
+        self.log = log
+        self.owner: dict[int, str] = {}  # id of a host copy -> the block that moved it
+
+    def movable(self, t: torch.Tensor, min_bytes: int) -> bool:
+        return type(t) is torch.Tensor and t.numel() * t.element_size() >= min_bytes
+
+    def out(self, t):
+        host = t.detach().clone()
+        self.log.append(("out", id(host)))
+        return host, None
+
+    def back(self, host, device, done):
+        self.log.append(("back", self.owner.get(id(host))))
+        return host.clone(), None
+
+    def ready(self, back, arrived):
+        return back
+
+
+def _hooked(blocks: torch.nn.ModuleList, offload: ActivationOffloading, copies: _HostCopies):
+    from fvstep.parallel.activation_offload import _install, _Offloader
+
+    offloader = _Offloader(offload.min_bytes, copies)
+    for i, block in enumerate(blocks):
+        _install(block, offloader, offload.chooses(i))
+    return offloader
+
+
+def _mlp_blocks(n: int) -> torch.nn.ModuleList:
+    torch.manual_seed(0)
+    return torch.nn.ModuleList(
+        torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8))
+        for _ in range(n)
+    )
+
+
+def test_moved_tensors_come_back_one_block_ahead_and_the_gradients_stay_bitwise():
+    plain, moved = _mlp_blocks(4), _mlp_blocks(4)
+    log: list = []
+    copies = _HostCopies(log)
+    offloader = _hooked(moved, ActivationOffloading(every=2, min_bytes=1), copies)
+    for i, block in enumerate(moved):
+        block.register_forward_hook(
+            lambda m, a, o, i=i: copies.owner.update(
+                {
+                    hid: f"block {i}"
+                    for kind, hid in log
+                    if kind == "out" and hid not in copies.owner
+                }
+            )
+        )
+        block.register_full_backward_pre_hook(lambda m, g, i=i: log.append(("backward", i)))
+    x = torch.randn(5, 8, requires_grad=True)
+    for blocks in (plain, moved):
+        h = x
+        for b in blocks:
+            h = b(h)
+        h.square().sum().backward()
+    for p, q in zip(plain.parameters(), moved.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    assert offloader.moved_bytes > 0
+    assert any(kind == "out" for kind, _ in log)
+    events = [e for e in log if e[0] != "out"]
+    runs = [e for i, e in enumerate(events) if i == 0 or e != events[i - 1]]
+    # block 2 comes back when block 3's backward starts, block 0 when block 1's does
+    assert runs == [
+        ("backward", 3),
+        ("back", "block 2"),
+        ("backward", 2),
+        ("backward", 1),
+        ("back", "block 0"),
+        ("backward", 0),
+    ], events
+
+
+class _SavesTwice(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * x  # mul saves x twice
+
+
+@pytest.mark.parametrize("where", ["inside-the-forward", "after-it-by-the-caller"])
+def test_a_moved_tensor_changed_in_place_raises_autograds_error(where):
+    class ChangesItsSaved(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            z = torch.sigmoid(x * 1.0)  # sigmoid saves its output
+            if where == "inside-the-forward":
+                z.mul_(2.0)
+            return z * 1.0, z
+
+    blocks = torch.nn.ModuleList([ChangesItsSaved()])
+    _hooked(blocks, ActivationOffloading(min_bytes=1), _HostCopies([]))
+    out, z = blocks[0](torch.randn(3, requires_grad=True))
+    if where == "after-it-by-the-caller":
+        z.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+
+
+def test_a_tensor_saved_twice_moves_once():
+    log: list = []
+    blocks = torch.nn.ModuleList([_SavesTwice()])
+    _hooked(blocks, ActivationOffloading(min_bytes=1), _HostCopies(log))
+    x = torch.randn(4, requires_grad=True)
+    blocks[0](x).sum().backward()
+    assert [e[0] for e in log] == ["out", "back"]
+    assert torch.equal(x.grad, 2 * x.detach())
+
+
 def test_no_grad_calls_are_not_hooked():
     module = prepare(tiny_wan(seed=0), offload_activations=True)
     batch = synthetic_batch(fs.random.key(0), batch_size=1)

@@ -11,9 +11,12 @@ coming back, so they are on the device by the time its own backward needs them.
 
 Nothing changes in the numbers (the copies are exact): a step with offloading is bitwise
 the step without it. Autograd checks no version counter under saved-tensor hooks, so the
-hooks check it themselves for what stays on the device: a saved tensor changed in place
-before backward raises autograd's own error. A moved tensor's copy holds the value the
-forward used, so backward uses that value (where plain autograd would raise). Parameters are never offloaded (FSDP2 frees and re-gathers them
+hooks check it themselves: a saved tensor changed in place raises autograd's own error in
+backward. That holds for a tensor kept on the device, for a moved one changed before its
+block's forward returns (it is held until then), and for a moved one still alive at
+backward. One case goes unseen: a moved tensor changed in place after its block returned
+and freed before backward (plain autograd, which keeps it alive, raises there). Its copy
+may then hold either value. Parameters are never offloaded (FSDP2 frees and re-gathers them
 itself), nor tensors that are not on a CUDA device, so on a CPU the hooks keep every
 tensor where it is.
 
@@ -117,6 +120,14 @@ def resolve_offloading(value: ActivationOffloading | bool | None) -> ActivationO
     )
 
 
+def _changed_in_place(t: torch.Tensor, now: int, then: int) -> RuntimeError:
+    return RuntimeError(
+        "one of the variables needed for gradient computation has been modified by an "
+        f"inplace operation: a {tuple(t.shape)} {t.dtype} tensor saved by an "
+        f"offloading-hooked block is at version {now}; expected version {then} instead"
+    )
+
+
 class _Kept:
     """A saved tensor that stays where it is, tagged with the call that saved it, and its
     version then: autograd checks no version under saved-tensor hooks, so this does."""
@@ -127,13 +138,9 @@ class _Kept:
         self.call, self.tensor, self.version = call, tensor, tensor_version(tensor)
 
     def get(self) -> torch.Tensor:
-        if tensor_version(self.tensor) != self.version:
-            raise RuntimeError(
-                "one of the variables needed for gradient computation has been modified by "
-                f"an inplace operation: a {tuple(self.tensor.shape)} {self.tensor.dtype} "
-                f"tensor saved by an offloading-hooked block is at version "
-                f"{tensor_version(self.tensor)}; expected version {self.version} instead"
-            )
+        now = tensor_version(self.tensor)
+        if now != self.version:
+            raise _changed_in_place(self.tensor, now, self.version)
         return self.tensor
 
 
@@ -153,12 +160,18 @@ class _Call:
     __slots__ = (
         "__weakref__",
         "back",
+        "changed",
         "host",
+        "ids",
         "offloader",
         "offloads",
+        "pending",
         "prefetch",
         "seq",
         "started",
+        "unpacks",
+        "uses",
+        "watched",
     )
 
     def __init__(self, offloader: _Offloader, offloads: bool, seq: int, prefetch: Any) -> None:
@@ -167,38 +180,63 @@ class _Call:
         self.seq = seq
         self.prefetch = prefetch  # weakref to the offloaded call to bring back, or None
         self.started = False  # whether its backward has unpacked anything yet
-        self.host: list[tuple[torch.Tensor, torch.device, torch.cuda.Event]] = []
-        self.back: dict[int, tuple[torch.Tensor, torch.cuda.Event]] = {}
+        self.host: list[tuple[torch.Tensor, torch.device, Any]] = []  # copy, device, event
+        self.back: dict[int, tuple[torch.Tensor, Any]] = {}  # copy back, its event
+        # Versions, checked as autograd would (it checks none under saved-tensor hooks):
+        # a moved tensor is held until its block's forward ends (``end_forward``; its
+        # memory is held by its copy until then anyway), then watched through a weakref.
+        self.pending: list[tuple[int, torch.Tensor, int]] = []
+        self.ids: dict[int, int] = {}  # id of a pending tensor -> its index (saved twice)
+        self.uses: dict[int, int] = {}  # index -> how many saved slots hold it
+        self.unpacks: dict[int, int] = {}  # index -> how many unpacks of it so far
+        self.changed: dict[int, RuntimeError] = {}
+        self.watched: dict[int, tuple[Any, int]] = {}
 
     def pack(self, t: torch.Tensor) -> Any:
-        if not self.offloads or not self.offloader.movable(t):
+        copies = self.offloader.copies
+        if not self.offloads or not copies.movable(t, self.offloader.min_bytes):
             return _Kept(self, t)
-        device = t.device
-        d2h, _ = self.offloader.streams(device)
-        d2h.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(d2h):
-            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            host.copy_(t, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(d2h)
-        t.record_stream(d2h)  # its memory is not reused before the copy has read it
-        self.host.append((host, device, done))
+        if id(t) in self.ids:  # the same tensor saved again: one copy, out and back
+            index = self.ids[id(t)]
+            self.uses[index] += 1
+            return _Moved(self, index)
+        host, done = copies.out(t)
+        self.host.append((host, t.device, done))
+        index = len(self.host) - 1
+        self.pending.append((index, t, tensor_version(t)))
+        self.ids[id(t)] = index
+        self.uses[index] = 1
         self.offloader.moved_bytes += t.numel() * t.element_size()
-        return _Moved(self, len(self.host) - 1)
+        return _Moved(self, index)
+
+    def end_forward(self) -> None:
+        """The block's forward returned: check what it changed in place since it saved it,
+        and watch the rest through weakrefs (the tensors may now be freed)."""
+        for index, t, version in self.pending:
+            now = tensor_version(t)
+            if now != version:
+                self.changed[index] = _changed_in_place(t, now, version)
+            else:
+                self.watched[index] = (weakref.ref(t), version)
+        self.pending.clear()
+        self.ids.clear()
+
+    def check(self, index: int) -> None:
+        """Raise autograd's error if the moved tensor ``index`` was changed in place."""
+        if self.pending:  # a backward before the forward returned
+            self.end_forward()
+        if index in self.changed:
+            raise self.changed[index]
+        ref, version = self.watched[index]
+        t = ref()
+        if t is not None and tensor_version(t) != version:
+            raise _changed_in_place(t, tensor_version(t), version)
 
     def fetch(self) -> None:
         """Start bringing every moved tensor back (once; a no-op after the first)."""
         for i, (host, device, offloaded) in enumerate(self.host):
-            if i in self.back:
-                continue
-            _, h2d = self.offloader.streams(device)
-            h2d.wait_event(offloaded)
-            with torch.cuda.stream(h2d):
-                back = torch.empty(host.shape, dtype=host.dtype, device=device)
-                back.copy_(host, non_blocking=True)
-                arrived = torch.cuda.Event()
-                arrived.record(h2d)
-            self.back[i] = (back, arrived)
+            if i not in self.back:
+                self.back[i] = self.offloader.copies.back(host, device, offloaded)
 
     def unpack(self, packed: Any) -> torch.Tensor:
         if not self.started:
@@ -208,13 +246,15 @@ class _Call:
                 target.fetch()
         if isinstance(packed, _Kept):
             return packed.get()
+        self.check(packed.index)
         if packed.index not in self.back:
             self.fetch()
-        back, arrived = self.back.pop(packed.index)
-        stream = torch.cuda.current_stream(back.device)
-        stream.wait_event(arrived)
-        back.record_stream(stream)
-        return back
+        index = packed.index
+        self.unpacks[index] = self.unpacks.get(index, 0) + 1
+        # The copy back serves every slot that saved the tensor, then is let go.
+        last = self.unpacks[index] % self.uses[index] == 0
+        back = self.back.pop(index) if last else self.back[index]
+        return self.offloader.copies.ready(*back)
 
 
 #: How many calls ahead of its backward an offloaded call's tensors start coming back:
@@ -222,30 +262,68 @@ class _Call:
 _LOOKAHEAD = 1
 
 
-class _Offloader:
-    """The offloading of one prepared module's chosen blocks: the side streams, the order
-    of the calls (to know which to bring back next), and the bytes moved so far."""
+class _CudaCopies:
+    """How tensors go to pinned host memory and back: on two side streams per device."""
 
-    def __init__(self, min_bytes: int) -> None:
-        self.min_bytes = min_bytes
-        self.moved_bytes = 0
+    def __init__(self) -> None:
         self._streams: dict[torch.device, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}
-        self._seq = itertools.count()
-        self._last_offloaded: Any = None  # weakref to the latest offloading call
 
-    def streams(self, device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
+    def _pair(self, device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
         """The device's (host-bound, device-bound) copy streams."""
         if device not in self._streams:
             self._streams[device] = (torch.cuda.Stream(device), torch.cuda.Stream(device))
         return self._streams[device]
 
-    def movable(self, t: torch.Tensor) -> bool:
+    def movable(self, t: torch.Tensor, min_bytes: int) -> bool:
         return (
             type(t) is torch.Tensor  # not a Parameter, DTensor or other subclass
             and t.device.type == "cuda"
             and t.is_contiguous()
-            and t.numel() * t.element_size() >= self.min_bytes
+            and t.numel() * t.element_size() >= min_bytes
         )
+
+    def out(self, t: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """Start copying ``t`` to the host: the copy and the event that says it is done."""
+        d2h, _ = self._pair(t.device)
+        d2h.wait_stream(torch.cuda.current_stream(t.device))
+        with torch.cuda.stream(d2h):
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            host.copy_(t, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(d2h)
+        t.record_stream(d2h)  # its memory is not reused before the copy has read it
+        return host, done
+
+    def back(self, host: torch.Tensor, device: torch.device, done: Any) -> tuple[torch.Tensor, Any]:
+        """Start copying ``host`` back to ``device`` once its copy out is ``done``."""
+        _, h2d = self._pair(device)
+        h2d.wait_event(done)
+        with torch.cuda.stream(h2d):
+            back = torch.empty(host.shape, dtype=host.dtype, device=device)
+            back.copy_(host, non_blocking=True)
+            arrived = torch.cuda.Event()
+            arrived.record(h2d)
+        return back, arrived
+
+    def ready(self, back: torch.Tensor, arrived: Any) -> torch.Tensor:
+        """``back``, usable on the current stream (which waits for it to arrive)."""
+        stream = torch.cuda.current_stream(back.device)
+        stream.wait_event(arrived)
+        back.record_stream(stream)  # not reused before the backward has read it
+        return back
+
+
+class _Offloader:
+    """The offloading of one prepared module's chosen blocks: how tensors move
+    (``copies``), the order of the calls (to know which to bring back next), and the bytes
+    moved so far."""
+
+    def __init__(self, min_bytes: int, copies: Any = None) -> None:
+        self.min_bytes = min_bytes
+        self.copies = _CudaCopies() if copies is None else copies
+        self.moved_bytes = 0
+        self._seq = itertools.count()
+        self._last_offloaded: Any = None  # weakref to the latest offloading call
 
     def begin(self, offloads: bool) -> _Call:
         call = _Call(self, offloads, next(self._seq), self._last_offloaded)
@@ -264,12 +342,16 @@ def _install(block: nn.Module, offloader: _Offloader, offloads: bool) -> None:
         call = offloader.begin(offloads)
         context = torch.autograd.graph.saved_tensors_hooks(call.pack, call.unpack)
         context.__enter__()
-        contexts.append(context)
+        contexts.append((context, call))
 
     def leave(module: nn.Module, args: Any, output: Any) -> None:
-        context = contexts.pop()
-        if context is not None:
+        if not contexts:  # a pre-hook before ``enter`` raised: ``enter`` never ran
+            return
+        entered = contexts.pop()
+        if entered is not None:
+            context, call = entered
             context.__exit__(None, None, None)
+            call.end_forward()
 
     # Skipped by dynamo (run as Python around a compiled block's graph), so the hooks
     # see what the compiled autograd function saves.
