@@ -236,6 +236,44 @@ def test_a_moved_tensor_changed_in_place_raises_autograds_error(where):
         out.sum().backward()
 
 
+def test_a_tensor_saved_again_after_an_in_place_change_is_a_second_copy():
+    """As plain autograd: the first save is stale (an error only if its backward runs)."""
+
+    class SavesBeforeAndAfter(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            h = x * 1.0
+            unused = h.sin()  # saves h at version 0
+            h.mul_(2.0)
+            return h.cos(), unused  # saves h at version 1
+
+    log: list = []
+    blocks = torch.nn.ModuleList([SavesBeforeAndAfter()])
+    _hooked(blocks, ActivationOffloading(min_bytes=1), _HostCopies(log))
+    x = torch.randn(4, requires_grad=True)
+    used, _ = blocks[0](x)
+    used.sum().backward()
+    assert [e[0] for e in log].count("out") == 2
+    assert torch.equal(x.grad, -torch.sin(2 * x.detach()) * 2)
+
+
+def test_a_graph_kept_from_an_earlier_backward_is_not_brought_back():
+    log: list = []
+    blocks = _mlp_blocks(4)
+    _hooked(blocks, ActivationOffloading(min_bytes=1), _HostCopies(log))
+
+    def loss(x: torch.Tensor) -> torch.Tensor:
+        for b in blocks:
+            x = b(x)
+        return x.square().sum()
+
+    kept = loss(torch.randn(3, 8))
+    kept.backward(retain_graph=True)  # its graph stays alive, its backward ran
+    log.clear()
+    loss(torch.randn(3, 8)).backward()
+    kinds = [e[0] for e in log]
+    assert kinds.count("back") == kinds.count("out") > 0, log
+
+
 def test_a_tensor_saved_twice_moves_once():
     log: list = []
     blocks = torch.nn.ModuleList([_SavesTwice()])

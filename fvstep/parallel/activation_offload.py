@@ -186,7 +186,8 @@ class _Call:
         # a moved tensor is held until its block's forward ends (``end_forward``; its
         # memory is held by its copy until then anyway), then watched through a weakref.
         self.pending: list[tuple[int, torch.Tensor, int]] = []
-        self.ids: dict[int, int] = {}  # id of a pending tensor -> its index (saved twice)
+        # id of a pending tensor -> its latest copy's index and version (saved twice)
+        self.ids: dict[int, tuple[int, int]] = {}
         self.uses: dict[int, int] = {}  # index -> how many saved slots hold it
         self.unpacks: dict[int, int] = {}  # index -> how many unpacks of it so far
         self.changed: dict[int, RuntimeError] = {}
@@ -196,15 +197,15 @@ class _Call:
         copies = self.offloader.copies
         if not self.offloads or not copies.movable(t, self.offloader.min_bytes):
             return _Kept(self, t)
-        if id(t) in self.ids:  # the same tensor saved again: one copy, out and back
-            index = self.ids[id(t)]
-            self.uses[index] += 1
+        index, version = self.ids.get(id(t), (-1, -1))
+        if index >= 0 and version == tensor_version(t):
+            self.uses[index] += 1  # the same tensor saved again: one copy, out and back
             return _Moved(self, index)
         host, done = copies.out(t)
         self.host.append((host, t.device, done))
         index = len(self.host) - 1
         self.pending.append((index, t, tensor_version(t)))
-        self.ids[id(t)] = index
+        self.ids[id(t)] = (index, tensor_version(t))
         self.uses[index] = 1
         self.offloader.moved_bytes += t.numel() * t.element_size()
         return _Moved(self, index)
@@ -242,7 +243,8 @@ class _Call:
         if not self.started:
             self.started = True
             target = self.prefetch() if self.prefetch is not None else None
-            if target is not None and self.seq - target.seq <= _LOOKAHEAD:
+            # (a target whose backward ran already belongs to a graph kept for another)
+            if target is not None and not target.started and self.seq - target.seq <= _LOOKAHEAD:
                 target.fetch()
         if isinstance(packed, _Kept):
             return packed.get()
