@@ -4,8 +4,10 @@ refuses, and that it changes no number.
 On a CPU nothing moves (the hooks keep every tensor where it is), so the CPU tests check
 the wiring: which blocks are hooked, that names and checkpoint keys do not change, that a
 step through the hooks (eager, compiled, checkpointed) is bitwise the plain one, and that
-compiling around them breaks no graph. The CUDA tests (run on the GPU machine, results in
-``docs/benchmarks.md``) check that tensors do move, under Inductor too, and that the
+compiling around them breaks no graph. The bookkeeping around the copies (versions, one
+copy per saved tensor, the copies back one block ahead) is checked on a CPU through a
+stand-in for the CUDA copies (``_HostCopies``). The CUDA tests (run on the GPU machine,
+results in ``docs/gpu.md``) check that tensors do move, under Inductor too, and that the
 step stays bitwise the same while the device holds less.
 """
 
