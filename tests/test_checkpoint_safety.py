@@ -28,6 +28,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.distributed.checkpoint import filesystem as dcp_filesystem
+from torch.futures import Future
 
 from fvstep import checkpoint as ckpt
 from fvstep import tree
@@ -444,6 +445,44 @@ def install_failure(m: pytest.MonkeyPatch, where: str, code: int = errno.ENOSPC)
         m.setattr(dcp_filesystem.FileSystem, "create_stream", failing_stream(code))
     else:
         m.setattr(Manifest, "write", failing_manifest_write)
+
+
+def lossy_write_data(original):
+    """DCP's write, losing one file's failure as its helper threads do: the failure passes
+    through the file's stream, is swallowed, and that file's results are missing."""
+
+    def write_data(self, plan, planner):
+        written = original(self, plan, planner)
+        try:
+            with self.fs.create_stream(Path(self.path) / "__0_9.distcp", "wb"):
+                raise OSError(errno.ENOSPC, ENOSPC)
+        except OSError:
+            pass
+        lost = Future()
+        lost.set_result(written.wait()[:-1])
+        return lost
+
+    return write_data
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_write_lost_on_a_writer_thread_is_refused_naming_its_cause(tmp_path, monkeypatch, mode):
+    older = save(small_state(seed=1), checkpoint_dir(tmp_path, 1))
+    before = disk_snapshot(tmp_path)
+    path = checkpoint_dir(tmp_path, 3)
+    writer = saving.FileSystemWriter
+    with monkeypatch.context() as m:
+        m.setattr(writer, "write_data", lossy_write_data(writer.write_data))
+        with pytest.raises(CheckpointError) as info:
+            if mode == "sync":
+                save(small_state(), path, writer_threads=2)
+            else:
+                with ckpt.AsyncSaver() as saver:
+                    saver.save(small_state(), path, writer_threads=2)
+    message = str(info.value)
+    assert str(path) in message and "1 of" in message and ENOSPC in message, message
+    assert disk_snapshot(tmp_path) == before
+    assert [p for _, p in list_complete(tmp_path)] == [older]
 
 
 def save_with(mode: str, state, path: Path) -> None:

@@ -15,6 +15,7 @@ Usage, from the repository root::
     python docs/_ext/check_snippets.py docs/tutorial.md
     python docs/_ext/check_snippets.py --show docs/tutorial.md   # print what it prints
     python docs/_ext/check_snippets.py --jobs 1        # one page at a time
+    python docs/_ext/check_snippets.py --skip docs/tutorial.md   # every page but one
 
 Pages run two at a time by default (each page's torch uses one thread), and their
 outcomes are printed in page order.
@@ -75,8 +76,14 @@ def main(argv: list[str]) -> int:
         at = argv.index("--jobs")
         jobs = int(argv[at + 1])
         argv = argv[:at] + argv[at + 2 :]
+    skip: set[Path] = set()
+    while "--skip" in argv:
+        at = argv.index("--skip")
+        skip.add(Path(argv[at + 1]).resolve())
+        argv = argv[:at] + argv[at + 2 :]
     root = Path(__file__).resolve().parents[1]
     pages = [Path(a) for a in argv if a != "--show"] or sorted(root.rglob("*.md"))
+    pages = [p for p in pages if p.resolve() not in skip]
     ok = True
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         for passed, report in pool.map(lambda page: check(page, show=show), pages):

@@ -53,13 +53,16 @@ def _installed_version() -> str:
 
 _FVSTEP_VERSION = _installed_version()
 
-#: Files each rank writes at once (DCP ``FileSystemWriter``'s ``thread_count``): the
-#: shards are split by size into this many files, each written and fsynced on its own
-#: thread, so one file's fsync overlaps the next one's writes. On the H200 host, beside
-#: DCP's own save (one file), a sync save went from 1.09x to 0.94x of it from CUDA
-#: (2 GiB) and from 0.99x to 0.62x from the CPU (512 MiB) (``docs/benchmarks.md``,
-#: "Checkpoint writes on several threads").
-WRITER_THREADS = 4
+#: Files each rank writes at once by default (DCP ``FileSystemWriter``'s ``thread_count``):
+#: one, as DCP's own save. ``save(..., writer_threads=4)`` splits a rank's shards by size
+#: into 4 files, each written and fsynced on its own thread, so one file's fsync overlaps
+#: the next one's writes: on the H200 host a sync save went from 1.09x to 0.94x of DCP's
+#: own save from CUDA (2 GiB) and from 0.99x to 0.62x from the CPU (512 MiB)
+#: (``docs/benchmarks.md``, "Checkpoint writes on several threads"). It is not the
+#: default because when a write fails on one of DCP's helper threads, DCP neither raises
+#: it nor stops the other threads: fvstep refuses such a save (:class:`_CheckedWriter`),
+#: but the helper threads print their own tracebacks.
+WRITER_THREADS = 1
 
 
 @contextlib.contextmanager
@@ -150,14 +153,55 @@ def _check_writer_threads(writer_threads: int) -> None:
         raise ValueError(f"writer_threads must be an int >= 1, not {writer_threads!r}")
 
 
+class _CheckedWriter(FileSystemWriter):
+    """DCP's ``FileSystemWriter``, whose writes are all accounted for.
+
+    With ``thread_count > 1``, DCP writes files on helper threads and a failure there is
+    lost: the thread dies, its items' results are missing, and DCP writes the metadata
+    of a checkpoint that cannot load. This writer records any exception that passes
+    through a file stream and raises when fewer items were written than planned.
+    """
+
+    def __init__(self, path: Path, thread_count: int) -> None:
+        super().__init__(path, thread_count=thread_count)
+        self._failures: list[BaseException] = []
+        original, failures = self.fs.create_stream, self._failures
+
+        @contextlib.contextmanager
+        def create_stream(path: Any, mode: str) -> Iterator[Any]:
+            try:
+                with original(path, mode) as stream:
+                    yield stream
+            except BaseException as e:
+                failures.append(e)
+                raise
+
+        self.fs.create_stream = create_stream  # type: ignore[method-assign]  # this writer's FileSystem only
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        written = super().write_data(plan, planner)
+        missing = len(plan.items) - len(written.wait())
+        if missing:
+            cause = self._failures[0] if self._failures else None
+            text = _exc_text(cause) if cause is not None else "no error was raised"
+            raise OSError(f"{missing} of {len(plan.items)} items were not written ({text})")
+        return written
+
+
 def _dcp_save(
     flat: dict[str, torch.Tensor], final: Path, tmp: Path, group: Any, writer_threads: int
 ) -> None:
     world = rank_and_world(group)[1]
-    writer = FileSystemWriter(tmp, thread_count=writer_threads)
+    writer = _CheckedWriter(tmp, thread_count=writer_threads)
     try:
         with _quiet_single_process(world):
-            dcp.save(flat, storage_writer=writer, process_group=group, no_dist=world == 1)
+            dcp.save(
+                flat,
+                checkpoint_id=tmp,
+                storage_writer=writer,
+                process_group=group,
+                no_dist=world == 1,
+            )
     except (Exception, CheckpointException) as e:  # DCP's exception is a BaseException
         # DCP gathers every rank's failure and raises it on all of them.
         raise CheckpointError(
@@ -307,8 +351,11 @@ def save(
         overwrite: Replace an existing checkpoint at ``path``.
         group: The process group (default: the world).
         allow_nonfinite: Save a state with NaN or Inf values anyway (for inspection).
-        writer_threads: Files each rank writes at once (:data:`WRITER_THREADS`; DCP's
-            ``thread_count``). Loading reads any number of them.
+        writer_threads: Files each rank writes at once (default :data:`WRITER_THREADS`,
+            1; DCP's ``thread_count``). With 4, a save on the H200 host took 0.94x of
+            DCP's own instead of 1.09x from CUDA, 0.62x instead of 0.99x from the CPU;
+            a failed write on a helper thread is refused all the same, but that thread
+            prints its own traceback. Loading reads any number of files.
 
     Returns:
         ``path`` as a ``Path``.
