@@ -96,10 +96,10 @@ def test_a_checkpoint_of_an_offloaded_role_loads_into_a_plain_one(tmp_path):
 
 
 def test_bad_offloading_options_are_refused_with_a_clear_error():
-    with pytest.raises(ValueError, match="every must be an int >= 1"):
+    with pytest.raises(ValueError, match="every must be >= 1"):
         ActivationOffloading(every=0)
-    with pytest.raises(ValueError, match="min_bytes must be an int >= 1"):
-        ActivationOffloading(min_bytes=True)
+    with pytest.raises(TypeError, match="min_bytes must be an integer"):
+        ActivationOffloading(min_bytes=1.5)
     with pytest.raises(TypeError, match="offload_activations must be a bool"):
         resolve_offloading(2)  # type: ignore[arg-type]
     module = tiny_wan()

@@ -884,10 +884,15 @@ def test_a_save_on_several_writer_threads_writes_that_many_files_and_loads_leaf_
     tree.assert_trees_equal(ckpt.load(tmp_path / "a", like=zeros_like_state(state)), state)
 
 
-@pytest.mark.parametrize("bad", [0, True, 2.5])
-def test_a_bad_writer_thread_count_is_refused_before_anything_is_written(tmp_path, bad):
-    with pytest.raises(ValueError, match="writer_threads must be an int >= 1"):
+@pytest.mark.parametrize(
+    ("bad", "error", "says"),
+    [(0, ValueError, "writer_threads must be >= 1"), (2.5, TypeError, "must be an integer")],
+)
+def test_a_bad_writer_thread_count_is_refused_before_anything_is_written(
+    tmp_path, bad, error, says
+):
+    with pytest.raises(error, match=says):
         ckpt.save(small_state(), tmp_path / "c", writer_threads=bad)
-    with ckpt.AsyncSaver() as saver, pytest.raises(ValueError, match="writer_threads"):
+    with ckpt.AsyncSaver() as saver, pytest.raises(error, match=says):
         saver.save(small_state(), tmp_path / "c", writer_threads=bad)
     assert list(tmp_path.iterdir()) == []

@@ -141,9 +141,10 @@ class AsyncSaver:
         Raises:
             CheckpointError: If ``path`` exists and ``overwrite`` is false, or (on a GPU)
                 a leaf is not finite; or the failure of the previous background save.
-            ValueError: If ``writer_threads`` is not an int >= 1.
+            TypeError: If ``writer_threads`` is not an integer.
+            ValueError: If ``writer_threads`` is smaller than 1.
         """
-        _check_writer_threads(writer_threads)
+        writer_threads = _check_writer_threads(writer_threads)
         self.wait()
         upload_group = self._uploads()
         final = Path(path)

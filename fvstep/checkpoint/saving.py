@@ -31,6 +31,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
+from fvstep._checks import check_int
 from fvstep.checkpoint.fingerprint import fingerprint, local_checks
 from fvstep.checkpoint.frozen import _split_frozen
 from fvstep.checkpoint.layout import commit, discard
@@ -144,13 +145,8 @@ def _make_temp_dir(final: Path, overwrite: bool, group: Any) -> Path:
     return tmp
 
 
-def _check_writer_threads(writer_threads: int) -> None:
-    if (
-        isinstance(writer_threads, bool)
-        or not isinstance(writer_threads, int)
-        or writer_threads < 1
-    ):
-        raise ValueError(f"writer_threads must be an int >= 1, not {writer_threads!r}")
+def _check_writer_threads(writer_threads: int) -> int:
+    return check_int(writer_threads, "writer_threads", minimum=1)
 
 
 class _CheckedWriter(FileSystemWriter):
@@ -365,12 +361,13 @@ def save(
             not finite (naming the first such leaf, the rank and the step) and
             ``allow_nonfinite`` is false; or if writing fails (naming ``path`` and the
             cause, e.g. ``No space left on device``).
-        ValueError: If ``writer_threads`` is not an int >= 1.
+        TypeError: If ``writer_threads`` is not an integer.
+        ValueError: If ``writer_threads`` is smaller than 1.
 
     Examples:
         >>> save(state, "ckpt/step_000000100")
     """
-    _check_writer_threads(writer_threads)
+    writer_threads = _check_writer_threads(writer_threads)
     swapped = roles_holding_other_weights(state)
     if swapped:
         raise CheckpointError(

@@ -4,7 +4,8 @@ The memory lever that recomputes nothing. A chosen block's forward runs under
 ``torch.autograd.graph.saved_tensors_hooks``: every tensor it saves for backward (under
 ``torch.compile``, what the compiled block's autograd function saves) that is a plain,
 contiguous CUDA tensor of at least ``min_bytes`` is copied to pinned host memory on a
-side stream, and its device memory is released once the copy is done. In backward the
+side stream, and its device memory is released once the copy is done and the block's
+forward has returned. In backward the
 copies come back on a second side stream, **one block ahead**: when the backward of the
 block that ran right after an offloaded one starts, the offloaded block's tensors start
 coming back, so they are on the device by the time its own backward needs them.
@@ -46,6 +47,7 @@ import attrs
 import torch
 from torch import nn
 
+from fvstep._checks import check_int
 from fvstep._compat import tensor_version
 
 __all__ = [
@@ -57,14 +59,6 @@ __all__ = [
 ]
 
 _OFFLOADED_ATTR = "_fvstep_activation_offload"
-
-
-def _positive_int(name: str) -> Any:
-    def check(_: Any, __: Any, value: Any) -> None:
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an int >= 1, not {value!r}")
-
-    return check
 
 
 @attrs.frozen
@@ -79,22 +73,21 @@ class ActivationOffloading:
             latency would cost more than the memory is worth).
 
     Raises:
-        ValueError: If ``every`` or ``min_bytes`` is not an int >= 1.
+        TypeError: If ``every`` or ``min_bytes`` is not an integer.
+        ValueError: If it is smaller than 1.
 
     Examples:
         >>> ActivationOffloading(every=5)   # 6 of a 30-block model's blocks
     """
 
-    every: int = attrs.field(default=1, validator=_positive_int("every"))
-    min_bytes: int = attrs.field(default=1 << 20, validator=_positive_int("min_bytes"))
+    every: int = attrs.field(default=1, converter=lambda v: check_int(v, "every", minimum=1))
+    min_bytes: int = attrs.field(
+        default=1 << 20, converter=lambda v: check_int(v, "min_bytes", minimum=1)
+    )
 
     def chooses(self, index: int) -> bool:
         """Whether the ``index``-th block is offloaded."""
         return index % self.every == 0
-
-    def describe(self) -> str:
-        """``"every <n>"`` (for :class:`fvstep.parallel.prepare.Preparation`)."""
-        return f"every {self.every}"
 
 
 def resolve_offloading(value: ActivationOffloading | bool | None) -> ActivationOffloading | None:
@@ -129,13 +122,13 @@ def _changed_in_place(t: torch.Tensor, now: int, then: int) -> RuntimeError:
 
 
 class _Kept:
-    """A saved tensor that stays where it is, tagged with the call that saved it, and its
-    version then: autograd checks no version under saved-tensor hooks, so this does."""
+    """A saved tensor that stays where it is, with its version then: autograd checks no
+    version under saved-tensor hooks, so this does."""
 
-    __slots__ = ("call", "tensor", "version")
+    __slots__ = ("tensor", "version")
 
-    def __init__(self, call: _Call, tensor: torch.Tensor) -> None:
-        self.call, self.tensor, self.version = call, tensor, tensor_version(tensor)
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor, self.version = tensor, tensor_version(tensor)
 
     def get(self) -> torch.Tensor:
         now = tensor_version(self.tensor)
@@ -145,12 +138,13 @@ class _Kept:
 
 
 class _Moved:
-    """A saved tensor copied to the host: its index in its call's copies."""
+    """A saved tensor copied to the host: its index in its call's copies (the call that
+    saved it is the one whose ``unpack`` gets it back)."""
 
-    __slots__ = ("call", "index")
+    __slots__ = ("index",)
 
-    def __init__(self, call: _Call, index: int) -> None:
-        self.call, self.index = call, index
+    def __init__(self, index: int) -> None:
+        self.index = index
 
 
 class _Call:
@@ -196,11 +190,11 @@ class _Call:
     def pack(self, t: torch.Tensor) -> Any:
         copies = self.offloader.copies
         if not self.offloads or not copies.movable(t, self.offloader.min_bytes):
-            return _Kept(self, t)
+            return _Kept(t)
         index, version = self.ids.get(id(t), (-1, -1))
         if index >= 0 and version == tensor_version(t):
             self.uses[index] += 1  # the same tensor saved again: one copy, out and back
-            return _Moved(self, index)
+            return _Moved(index)
         host, done = copies.out(t)
         self.host.append((host, t.device, done))
         index = len(self.host) - 1
@@ -208,7 +202,7 @@ class _Call:
         self.ids[id(t)] = (index, tensor_version(t))
         self.uses[index] = 1
         self.offloader.moved_bytes += t.numel() * t.element_size()
-        return _Moved(self, index)
+        return _Moved(index)
 
     def end_forward(self) -> None:
         """The block's forward returned: check what it changed in place since it saved it,
@@ -248,10 +242,10 @@ class _Call:
                 target.fetch()
         if isinstance(packed, _Kept):
             return packed.get()
-        self.check(packed.index)
-        if packed.index not in self.back:
-            self.fetch()
         index = packed.index
+        self.check(index)
+        if index not in self.back:
+            self.fetch()
         self.unpacks[index] = self.unpacks.get(index, 0) + 1
         # The copy back serves every slot that saved the tensor, then is let go.
         last = self.unpacks[index] % self.uses[index] == 0

@@ -280,7 +280,7 @@ def prepare(
     if verify_compile is not False and compile_kwargs is None:
         raise ValueError("verify_compile checks compiled blocks: it needs compile")
     names = block_names(module, policy)
-    if (ac.mode != "none" or offloading or compile_kwargs is not None) and not names:
+    if (ac.mode != "none" or offloading is not None or compile_kwargs is not None) and not names:
         raise ValueError(
             "the module has no blocks to checkpoint, offload or compile (the policy picked none)"
         )
