@@ -144,7 +144,9 @@ def test_a_prepared_tiny_wan_trains_as_the_plain_one_with_the_same_names(options
 
 def test_a_lora_student_over_a_changed_base_gets_the_plain_adapter_gradients():
     peft = pytest.importorskip("peft")
-    config = peft.LoraConfig(r=4, lora_alpha=4, target_modules=["to_q", "to_v"], init_lora_weights=False)
+    config = peft.LoraConfig(
+        r=4, lora_alpha=4, target_modules=["to_q", "to_v"], init_lora_weights=False
+    )
 
     def adapter_grads(gemm: bool) -> dict[str, torch.Tensor]:
         torch.manual_seed(0)

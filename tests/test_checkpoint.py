@@ -884,6 +884,23 @@ def test_a_save_on_several_writer_threads_writes_that_many_files_and_loads_leaf_
     tree.assert_trees_equal(ckpt.load(tmp_path / "a", like=zeros_like_state(state)), state)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on the GPU machine)")
+@pytest.mark.parametrize("writer_threads", [1, 4])
+def test_a_state_on_the_gpu_saved_on_several_threads_loads_leaf_exact(tmp_path, writer_threads):
+    # several threads: staged to the host in one pass first (saving._staged_for_threads)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    state = {
+        "w": torch.randn(4096, 513, device="cuda", generator=g),
+        "h": torch.randn(77, device="cuda", generator=g).to(torch.bfloat16),
+        "n": torch.arange(5, device="cuda"),
+    }
+    path = ckpt.save(state, tmp_path / "c", writer_threads=writer_threads)
+    assert len(shard_files(path)) == writer_threads
+    back = ckpt.load(path, like={k: torch.zeros_like(v) for k, v in state.items()})
+    for k, v in state.items():
+        assert back[k].device == v.device and torch.equal(back[k], v), k
+
+
 @pytest.mark.parametrize(
     ("bad", "error", "says"),
     [(0, ValueError, "writer_threads must be >= 1"), (2.5, TypeError, "must be an integer")],

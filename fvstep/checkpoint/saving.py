@@ -184,10 +184,48 @@ class _CheckedWriter(FileSystemWriter):
         return written
 
 
+def _host_copy(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in (pageable) host memory; a DTensor keeps its mesh and placements."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(x, DTensor):
+        local = x.to_local()
+        if local.device.type != "cuda":
+            return x
+        return DTensor.from_local(
+            local.cpu(),
+            x.device_mesh,
+            x.placements,
+            run_check=False,
+            shape=x.shape,
+            stride=x.stride(),
+        )
+    return x.cpu() if x.device.type == "cuda" else x
+
+
+def _staged_for_threads(
+    flat: dict[str, torch.Tensor], writer_threads: int
+) -> dict[str, torch.Tensor]:
+    """With several writer threads, DCP copies device tensors to the host one at a time
+    (its ``_SerialCpuLoader``), each copy ahead of its write: copied first, in one pass,
+    the files are written at the host's rate (``docs/benchmarks.md``, "Checkpoint writes
+    on several threads"). It holds a host copy of the rank's shard for the save."""
+    if writer_threads == 1 or not any(_device_type(x) == "cuda" for x in flat.values()):
+        return flat  # one thread: DCP overlaps its copies with the writes itself
+    return {k: _host_copy(x) for k, x in flat.items()}
+
+
+def _device_type(x: torch.Tensor) -> str:
+    from torch.distributed.tensor import DTensor
+
+    return (x.to_local() if isinstance(x, DTensor) else x).device.type
+
+
 def _dcp_save(
     flat: dict[str, torch.Tensor], final: Path, tmp: Path, group: Any, writer_threads: int
 ) -> None:
     world = rank_and_world(group)[1]
+    flat = _staged_for_threads(flat, writer_threads)
     writer = _CheckedWriter(tmp, thread_count=writer_threads)
     try:
         with _quiet_single_process(world):

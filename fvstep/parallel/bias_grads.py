@@ -34,11 +34,14 @@ from torch import nn
 
 __all__ = ["apply_gemm_bias_grads", "gemm_bias_linear", "has_gemm_bias_grads"]
 
+
 class _GemmBiasLinear(torch.autograd.Function):
     """``F.linear`` whose backward computes the bias gradient as a matrix-vector product."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    def forward(
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
+    ) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
         return F.linear(x, weight, bias)
 
