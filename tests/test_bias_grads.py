@@ -142,6 +142,32 @@ def test_a_prepared_tiny_wan_trains_as_the_plain_one_with_the_same_names(options
     assert set(tree.flatten_with_paths(trained)[0]) == set(tree.flatten_with_paths(plain)[0])
 
 
+def test_compiled_under_bf16_autocast_a_block_computes_as_the_plain_compiled_one():
+    """Under dynamo a backward that entered an autocast context left autocast off for the
+    rest of the block's trace (its other projections ran in fp32)."""
+
+    def grads(gemm: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        module = prepare(
+            tiny_wan(seed=0, num_layers=2), gemm_bias_grads=gemm, compile={"backend": "aot_eager"}
+        )
+        batch = synthetic_batch(fs.random.key(0), batch_size=2)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = module(
+                hidden_states=batch["latents"],
+                timestep=torch.tensor([500.0, 100.0]),
+                encoder_hidden_states=batch["text"],
+                return_dict=False,
+            )[0]
+        assert out.dtype == torch.bfloat16
+        out.float().square().mean().backward()
+        return out.detach(), [p.grad for p in module.parameters()]
+
+    (y0, g0), (y1, g1) = grads(False), grads(True)
+    assert torch.equal(y1, y0)
+    for a, b in zip(g1, g0):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2 * float(b.abs().max() + 1e-6))
+
+
 def test_a_lora_student_over_a_changed_base_gets_the_plain_adapter_gradients():
     peft = pytest.importorskip("peft")
     config = peft.LoraConfig(

@@ -328,29 +328,43 @@ class _Offloader:
         return call
 
 
+@torch.compiler.disable  # recursive: dynamo traces nothing the bookkeeping calls
+def _enter(contexts: list[Any], offloader: _Offloader, offloads: bool) -> None:
+    if not torch.is_grad_enabled():
+        contexts.append(None)
+        return
+    call = offloader.begin(offloads)
+    context = torch.autograd.graph.saved_tensors_hooks(call.pack, call.unpack)
+    context.__enter__()
+    contexts.append((context, call))
+
+
+@torch.compiler.disable
+def _leave(contexts: list[Any]) -> None:
+    if not contexts:  # a pre-hook before ``enter`` raised: ``enter`` never ran
+        return
+    entered = contexts.pop()
+    if entered is not None:
+        context, call = entered
+        context.__exit__(None, None, None)
+        call.end_forward()
+
+
 def _install(block: nn.Module, offloader: _Offloader, offloads: bool) -> None:
     contexts: list[Any] = []
 
     def enter(module: nn.Module, args: Any) -> None:
-        if not torch.is_grad_enabled():
-            contexts.append(None)
-            return
-        call = offloader.begin(offloads)
-        context = torch.autograd.graph.saved_tensors_hooks(call.pack, call.unpack)
-        context.__enter__()
-        contexts.append((context, call))
+        _enter(contexts, offloader, offloads)
 
     def leave(module: nn.Module, args: Any, output: Any) -> None:
-        if not contexts:  # a pre-hook before ``enter`` raised: ``enter`` never ran
-            return
-        entered = contexts.pop()
-        if entered is not None:
-            context, call = entered
-            context.__exit__(None, None, None)
-            call.end_forward()
+        _leave(contexts)
 
-    # Skipped by dynamo (run as Python around a compiled block's graph), so the hooks
-    # see what the compiled autograd function saves.
+    # The hooks' own frames are skipped by dynamo (run as Python around a compiled
+    # block's graph, so they see what the compiled autograd function saves, with no graph
+    # break). What they call is disabled recursively: a function that a skipped frame
+    # calls is compiled by dynamo otherwise, and a compiled ``end_forward`` read the
+    # tensors' versions as constants of its trace (a false "modified by an inplace
+    # operation" under Inductor).
     block.register_forward_pre_hook(torch.compiler.disable(enter, recursive=False))
     block.register_forward_hook(torch.compiler.disable(leave, recursive=False), always_call=True)
     object.__setattr__(block, _OFFLOADED_ATTR, (offloader, offloads))

@@ -40,31 +40,39 @@ class _GemmBiasLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor,
+        dtype: torch.dtype | None,
     ) -> torch.Tensor:
+        # autocast's casts, made here: what is saved is what plain autocast saves (the
+        # cast copies), and the gradients go back to the inputs' dtypes through the
+        # engine's cast, as through autocast's. (No autocast context in the backward:
+        # dynamo, tracing one there, left autocast off for the rest of the block.)
+        if dtype is not None:
+            x, weight, bias = (_cast(t, dtype) for t in (x, weight, bias))
         ctx.save_for_backward(x, weight)
         return F.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, weight = ctx.saved_tensors
-        # The backward runs in the forward's dtypes, whatever autocast is around .backward().
-        with torch.autocast(grad.device.type, enabled=False):
-            g = grad.reshape(-1, grad.shape[-1])
-            x2 = x.reshape(-1, x.shape[-1])
-            gx = gw = gb = None
-            # The orientations of autograd's addmm backward (mm_mat1_backward and
-            # mm_mat2_backward): a column-major input's gradient is made column-major.
-            if ctx.needs_input_grad[0]:
-                if x2.stride(0) == 1 and x2.stride(1) == x2.shape[0]:
-                    gx = weight.t().mm(g.t()).t().reshape(x.shape)
-                else:
-                    gx = g.mm(weight).reshape(x.shape)
-            if ctx.needs_input_grad[1]:
-                gw = g.t().mm(x2)  # the weight's transpose is column-major
-            if ctx.needs_input_grad[2]:
-                gb = g.t().mm(g.new_ones((g.shape[0], 1))).view(-1)
-        return gx, gw, gb
+        g = grad.reshape(-1, grad.shape[-1])
+        x2 = x.reshape(-1, x.shape[-1])
+        gx = gw = gb = None
+        # The orientations of autograd's addmm backward (mm_mat1_backward and
+        # mm_mat2_backward): a column-major input's gradient is made column-major.
+        if ctx.needs_input_grad[0]:
+            if x2.stride(0) == 1 and x2.stride(1) == x2.shape[0]:
+                gx = weight.t().mm(g.t()).t().reshape(x.shape)
+            else:
+                gx = g.mm(weight).reshape(x.shape)
+        if ctx.needs_input_grad[1]:
+            gw = g.t().mm(x2)  # the weight's transpose is column-major
+        if ctx.needs_input_grad[2]:
+            gb = g.t().mm(g.new_ones((g.shape[0], 1))).view(-1)
+        return gx, gw, gb, None
 
 
 def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
@@ -91,10 +99,7 @@ def gemm_bias_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) 
     Examples:
         >>> y = gemm_bias_linear(x, layer.weight, layer.bias)
     """
-    dtype = _autocast_dtype(x)
-    if dtype is not None:
-        x, weight, bias = (_cast(t, dtype) for t in (x, weight, bias))
-    out: torch.Tensor = _GemmBiasLinear.apply(x, weight, bias)
+    out: torch.Tensor = _GemmBiasLinear.apply(x, weight, bias, _autocast_dtype(x))
     return out
 
 
