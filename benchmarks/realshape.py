@@ -292,12 +292,6 @@ def build_parser() -> argparse.ArgumentParser:
         "memory (prepare's offload_activations; default: none)",
     )
     parser.add_argument(
-        "--gemm-bias-grads",
-        action="store_true",
-        help="the prepared blocks' bias gradients as matrix-vector products "
-        "(prepare's gemm_bias_grads)",
-    )
-    parser.add_argument(
         "--attention-backend",
         default=None,
         help="diffusers attention backend of the prepared side, e.g. _native_cudnn",

@@ -43,8 +43,7 @@ def by_hand(module: nn.Module, rt: c.Runtime, *, compile_blocks: bool, trainable
 def prepared(module: nn.Module, rt: c.Runtime, args: Any, *, trainable: bool) -> Any:
     """``fvstep.parallel.prepare`` with the run's ``--checkpointing`` and ``--compile`` (and
     ``--inductor-option``, merged over prepare's safe Inductor options; the saved
-    activations of every ``--offload-every``-th block offloaded to the host; with
-    ``--gemm-bias-grads``, the blocks' bias gradients as matrix-vector products)."""
+    activations of every ``--offload-every``-th block offloaded to the host)."""
     options: dict[str, Any] = {
         "checkpointing": attrs.evolve(
             resolve_checkpointing(args.checkpointing), every=args.checkpoint_every
@@ -59,8 +58,6 @@ def prepared(module: nn.Module, rt: c.Runtime, args: Any, *, trainable: bool) ->
     }
     if getattr(args, "offload_every", None):
         options["offload_activations"] = fsp.ActivationOffloading(every=args.offload_every)
-    if getattr(args, "gemm_bias_grads", False):
-        options["gemm_bias_grads"] = True
     if rt.sharded:
         options.update(mesh=rt.mesh, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     return fsp.prepare(module, **options)

@@ -53,7 +53,6 @@ from fvstep.parallel.activation_offload import (
     apply_activation_offloading,
     resolve_offloading,
 )
-from fvstep.parallel.bias_grads import apply_gemm_bias_grads
 from fvstep.parallel.block_compile import apply_compile, resolve_compile_options
 from fvstep.parallel.compile_check import resolve_rtol
 from fvstep.parallel.compile_check_hooks import install_compile_check
@@ -74,8 +73,6 @@ class Preparation:
         offloaded_blocks: Qualified names of the blocks whose saved activations wait in
             host memory (``offload_activations``).
         compiled_blocks: Qualified names of the compiled blocks.
-        gemm_bias_layers: Qualified names of the linear layers whose bias gradient is a
-            matrix-vector product (``gemm_bias_grads``).
         sharded: Whether ``fully_shard`` was applied (per block and at the root).
         mesh_shape: The mesh's shape and dim names, or ``None``.
         param_dtype: Compute dtype of the parameters under FSDP2 (``None``: as stored).
@@ -91,7 +88,6 @@ class Preparation:
     checkpointed_blocks: tuple[str, ...]
     offloaded_blocks: tuple[str, ...]
     compiled_blocks: tuple[str, ...]
-    gemm_bias_layers: tuple[str, ...]
     sharded: bool
     mesh_shape: tuple[tuple[str, int], ...] | None
     param_dtype: torch.dtype | None
@@ -109,7 +105,6 @@ class Preparation:
             "checkpointed_blocks": len(self.checkpointed_blocks),
             "offloaded_blocks": len(self.offloaded_blocks),
             "compiled_blocks": len(self.compiled_blocks),
-            "gemm_bias_layers": len(self.gemm_bias_layers),
             "sharded": self.sharded,
             "mesh": dict(self.mesh_shape) if self.mesh_shape else None,
             "param_dtype": str(self.param_dtype).removeprefix("torch.")
@@ -145,7 +140,6 @@ def prepare(
     trainable: bool = True,
     checkpointing: ActivationCheckpointing | CheckpointName | None = None,
     offload_activations: ActivationOffloading | bool | None = None,
-    gemm_bias_grads: bool = False,
     compile: bool | Mapping[str, Any] = False,
     verify_compile: bool | float = False,
     param_dtype: torch.dtype | None = None,
@@ -192,12 +186,6 @@ def prepare(
             recomputation, paid in PCIe bandwidth; bitwise the same step. CUDA tensors
             only (on a CPU nothing moves). A frozen role saves activations only when a
             gradient flows through it to its inputs.
-        gemm_bias_grads: Compute the bias gradient of every ``nn.Linear`` in the blocks
-            as one matrix-vector product rather than a reduction that Inductor fuses
-            into the kernel before it (:mod:`fvstep.parallel.bias_grads`). The forward
-            and the input and weight gradients are unchanged; the bias gradients are
-            the same sums in another order (not bitwise). An opt-in speed lever for
-            long sequences under compile.
         compile: ``True`` for ``block.compile(fullgraph=True, dynamic=False)`` on each
             block, or a mapping of ``torch.compile`` arguments (e.g. ``{"backend":
             "aot_eager"}``) merged over those. With Inductor, the Inductor ``options``
@@ -264,8 +252,8 @@ def prepare(
         ValueError: If the module was prepared or sharded already, if FSDP2 options are
             given without a mesh, if it has no blocks to checkpoint, offload or compile,
             or if ``verify_compile`` is asked without ``compile``.
-        TypeError: On a bad ``checkpointing``, ``offload_activations``,
-            ``gemm_bias_grads``, ``compile`` or ``verify_compile`` value.
+        TypeError: On a bad ``checkpointing``, ``offload_activations``, ``compile`` or
+            ``verify_compile`` value.
 
     Examples:
         >>> student = prepare(student, mesh=mesh, checkpointing="full", compile=True,
@@ -292,13 +280,9 @@ def prepare(
     if verify_compile is not False and compile_kwargs is None:
         raise ValueError("verify_compile checks compiled blocks: it needs compile")
     names = block_names(module, policy)
-    if not isinstance(gemm_bias_grads, bool):
-        raise TypeError(f"gemm_bias_grads must be a bool, got {gemm_bias_grads!r}")
-    changes_blocks = ac.mode != "none" or offloading is not None or compile_kwargs is not None
-    if (changes_blocks or gemm_bias_grads) and not names:
+    if (ac.mode != "none" or offloading is not None or compile_kwargs is not None) and not names:
         raise ValueError(
-            "the module has no blocks to checkpoint, offload, compile or give GEMM bias "
-            "gradients (the policy picked none)"
+            "the module has no blocks to checkpoint, offload or compile (the policy picked none)"
         )
     if context_mesh is not None and compile_kwargs is not None:
         raise ValueError(
@@ -325,9 +309,6 @@ def prepare(
         apply_context_parallel(module, mesh=context_mesh, mode=context_mode)
     if checkpoint_context is None:
         checkpoint_context = module.__dict__.get("_fvstep_checkpoint_context")
-    gemm_bias: tuple[str, ...] = ()
-    if gemm_bias_grads:
-        gemm_bias = apply_gemm_bias_grads({name: blocks[name] for name in names})
     checkpointed = apply_activation_checkpointing(
         {name: blocks[name] for name in names}, ac, checkpoint_context=checkpoint_context
     )
@@ -363,7 +344,6 @@ def prepare(
         checkpointed_blocks=checkpointed,
         offloaded_blocks=offloaded,
         compiled_blocks=tuple(names) if compile_kwargs is not None else (),
-        gemm_bias_layers=gemm_bias,
         sharded=mesh is not None,
         mesh_shape=tuple(zip(mesh.mesh_dim_names or (), mesh.shape, strict=False))
         if mesh is not None
