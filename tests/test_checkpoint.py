@@ -887,7 +887,7 @@ def test_a_save_on_several_writer_threads_writes_that_many_files_and_loads_leaf_
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on the GPU machine)")
 @pytest.mark.parametrize("writer_threads", [1, 4])
 def test_a_state_on_the_gpu_saved_on_several_threads_loads_leaf_exact(tmp_path, writer_threads):
-    # several threads: staged to the host in one pass first (saving._staged_for_threads)
+    # several threads: DCP copies each tensor to the host on the thread that writes it
     g = torch.Generator(device="cuda").manual_seed(0)
     state = {
         "w": torch.randn(4096, 513, device="cuda", generator=g),

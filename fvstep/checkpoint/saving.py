@@ -184,64 +184,10 @@ class _CheckedWriter(FileSystemWriter):
         return written
 
 
-def _pinned_copy(local: torch.Tensor) -> torch.Tensor:
-    host = torch.empty(local.shape, dtype=local.dtype, pin_memory=True)
-    host.copy_(local, non_blocking=True)
-    return host
-
-
-def _host_copy(x: torch.Tensor) -> torch.Tensor:
-    """``x`` copied to pinned host memory (asynchronously); a DTensor keeps its mesh and
-    placements around a copy of its local shard."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(x, DTensor):
-        local = x.to_local()
-        if local.device.type != "cuda":
-            return x
-        return DTensor.from_local(
-            _pinned_copy(local),
-            x.device_mesh,
-            x.placements,
-            run_check=False,
-            shape=x.shape,
-            stride=x.stride(),
-        )
-    return _pinned_copy(x) if x.device.type == "cuda" else x
-
-
-def _local(x: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return x.to_local() if isinstance(x, DTensor) else x
-
-
-def _device_type(x: torch.Tensor) -> str:
-    return _local(x).device.type
-
-
-def _staged_for_threads(
-    flat: dict[str, torch.Tensor], writer_threads: int
-) -> dict[str, torch.Tensor]:
-    """With several writer threads, DCP copies device tensors to the host one at a time
-    (its ``_SerialCpuLoader``), each copy before its write. Here they are all copied
-    first, into pinned memory and asynchronously, with one synchronisation, as
-    :class:`~fvstep.checkpoint.AsyncSaver` stages; the files are then written at the
-    host's rate. It holds a host copy of the rank's shard for the save (torch's caching
-    host allocator keeps the pinned blocks for the next one)."""
-    if writer_threads == 1 or not any(_device_type(x) == "cuda" for x in flat.values()):
-        return flat  # one thread: DCP overlaps its copies with the writes itself
-    staged = {k: _host_copy(x) for k, x in flat.items()}
-    for device in {_local(x).device for x in flat.values() if _device_type(x) == "cuda"}:
-        torch.cuda.synchronize(device)
-    return staged
-
-
 def _dcp_save(
     flat: dict[str, torch.Tensor], final: Path, tmp: Path, group: Any, writer_threads: int
 ) -> None:
     world = rank_and_world(group)[1]
-    flat = _staged_for_threads(flat, writer_threads)
     writer = _CheckedWriter(tmp, thread_count=writer_threads)
     try:
         with _quiet_single_process(world):
