@@ -14,6 +14,8 @@ many steps run.
 from __future__ import annotations
 
 import copy
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -487,3 +489,18 @@ def test_hsdp_preparation_trains_as_fsdp_on_two_ranks(ranks):
 def test_the_preparation_names_the_checkpointing_it_applied(checkpointing, name):
     prepared = prepare(tiny_wan(seed=0), checkpointing=checkpointing)
     assert preparation(prepared).describe()["checkpointing"] == name
+
+
+def test_a_checkpointing_choice_reads_the_same_in_every_process():
+    # test ids and logs carry it; a set's order follows its ops' addresses
+    code = (
+        "from fvstep.parallel import ActivationCheckpointing as A;"
+        "print(repr(A('selective')), repr(A('selective', save_ops=[])))"
+    )
+    seen = {
+        subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, check=True
+        ).stdout
+        for _ in range(3)
+    }
+    assert len(seen) == 1 and "save_ops=frozenset({})" in seen.pop()

@@ -110,7 +110,13 @@ class ActivationCheckpointing:
 
     mode: CheckpointMode = "full"
     every: int = 1
-    save_ops: frozenset[Any] = attrs.field(default=DEFAULT_SAVE_OPS, converter=frozenset)
+    # A set's order follows its ops' hashes (addresses), which differ between processes:
+    # the repr lists them sorted, so that it is the same in every process.
+    save_ops: frozenset[Any] = attrs.field(
+        default=DEFAULT_SAVE_OPS,
+        converter=frozenset,
+        repr=lambda ops: "frozenset({" + ", ".join(sorted(map(str, ops))) + "})",
+    )
     save_widening: bool = True
 
     def __attrs_post_init__(self) -> None:
