@@ -14,10 +14,13 @@ Nothing changes in the numbers (the copies are exact): a step with offloading is
 the step without it. Autograd checks no version counter under saved-tensor hooks, so the
 hooks check it themselves: a saved tensor changed in place raises autograd's own error in
 backward. That holds for a tensor kept on the device, for a moved one changed before its
-block's forward returns (it is held until then), and for a moved one still alive at
-backward. One case goes unseen: a moved tensor changed in place after its block returned
-and freed before backward (plain autograd, which keeps it alive, raises there). Its copy
-may then hold either value. Parameters are never offloaded (FSDP2 frees and re-gathers them
+block's forward returns (it is held until then), for a moved one still alive at
+backward, and for one changed through the block's output that shares its memory (a
+compiled function may save a separate object sharing the memory and version counter of
+a tensor it returns; an eager block may return ``z.detach()`` of a saved ``z``). One case
+goes unseen: a moved tensor changed in place after its block returned, through a tensor
+that is not the block's output, and freed before backward (plain autograd, which keeps
+it alive, raises there). Its copy then holds the value it had at the forward. Parameters are never offloaded (FSDP2 frees and re-gathers them
 itself), nor tensors that are not on a CUDA device, so on a CPU the hooks keep every
 tensor where it is.
 
@@ -137,6 +140,22 @@ class _Kept:
         return self.tensor
 
 
+def _memory(t: torch.Tensor) -> tuple[Any, ...]:
+    """Where and how a tensor lays out its elements: equal for aliases of one memory."""
+    return (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
+
+
+def _output_tensors(output: Any) -> tuple[torch.Tensor, ...]:
+    """The tensors of a block's output (a tensor, or tuples, lists and dicts of them)."""
+    if isinstance(output, torch.Tensor):
+        return (output,)
+    if isinstance(output, (tuple, list)):
+        return tuple(t for item in output for t in _output_tensors(item))
+    if isinstance(output, dict):
+        return tuple(t for item in output.values() for t in _output_tensors(item))
+    return ()
+
+
 class _Moved:
     """A saved tensor copied to the host: its index in its call's copies (the call that
     saved it is the one whose ``unpack`` gets it back)."""
@@ -185,7 +204,7 @@ class _Call:
         self.uses: dict[int, int] = {}  # index -> how many saved slots hold it
         self.unpacks: dict[int, int] = {}  # index -> how many unpacks of it so far
         self.changed: dict[int, RuntimeError] = {}
-        self.watched: dict[int, tuple[Any, int]] = {}
+        self.watched: dict[int, tuple[list[Any], int]] = {}
 
     def pack(self, t: torch.Tensor) -> Any:
         copies = self.offloader.copies
@@ -204,15 +223,27 @@ class _Call:
         self.offloader.moved_bytes += t.numel() * t.element_size()
         return _Moved(index)
 
-    def end_forward(self) -> None:
+    def end_forward(self, outputs: tuple[torch.Tensor, ...] = ()) -> None:
         """The block's forward returned: check what it changed in place since it saved it,
-        and watch the rest through weakrefs (the tensors may now be freed)."""
+        and watch the rest through weakrefs (the tensors may now be freed).
+
+        A block's output that is the same memory as a saved tensor (same address, dtype,
+        shape, strides and version) is watched too: a compiled function may save a
+        separate tensor object sharing the memory and version counter of one it returns
+        (and an eager block may return ``z.detach()`` of a saved ``z``). The saved object
+        is freed here; the caller's output lives on, and a change through it is what
+        plain autograd would catch."""
+        aliases = {_memory(o): o for o in outputs}
         for index, t, version in self.pending:
             now = tensor_version(t)
             if now != version:
                 self.changed[index] = _changed_in_place(t, now, version)
-            else:
-                self.watched[index] = (weakref.ref(t), version)
+                continue
+            refs = [weakref.ref(t)]
+            alias = aliases.get(_memory(t))
+            if alias is not None and alias is not t and tensor_version(alias) == version:
+                refs.append(weakref.ref(alias))
+            self.watched[index] = (refs, version)
         self.pending.clear()
         self.ids.clear()
 
@@ -222,10 +253,11 @@ class _Call:
             self.end_forward()
         if index in self.changed:
             raise self.changed[index]
-        ref, version = self.watched[index]
-        t = ref()
-        if t is not None and tensor_version(t) != version:
-            raise _changed_in_place(t, tensor_version(t), version)
+        refs, version = self.watched[index]
+        for ref in refs:
+            t = ref()
+            if t is not None and tensor_version(t) != version:
+                raise _changed_in_place(t, tensor_version(t), version)
 
     def fetch(self) -> None:
         """Start bringing every moved tensor back (once; a no-op after the first)."""
@@ -340,14 +372,14 @@ def _enter(contexts: list[Any], offloader: _Offloader, offloads: bool) -> None:
 
 
 @torch.compiler.disable
-def _leave(contexts: list[Any]) -> None:
+def _leave(contexts: list[Any], output: Any) -> None:
     if not contexts:  # a pre-hook before ``enter`` raised: ``enter`` never ran
         return
     entered = contexts.pop()
     if entered is not None:
         context, call = entered
         context.__exit__(None, None, None)
-        call.end_forward()
+        call.end_forward(_output_tensors(output))
 
 
 def _install(block: nn.Module, offloader: _Offloader, offloads: bool) -> None:
@@ -357,7 +389,7 @@ def _install(block: nn.Module, offloader: _Offloader, offloads: bool) -> None:
         _enter(contexts, offloader, offloads)
 
     def leave(module: nn.Module, args: Any, output: Any) -> None:
-        _leave(contexts)
+        _leave(contexts, output)
 
     # The hooks' own frames are skipped by dynamo (run as Python around a compiled
     # block's graph, so they see what the compiled autograd function saves, with no graph
