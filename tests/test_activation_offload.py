@@ -112,6 +112,17 @@ def test_bad_offloading_options_are_refused_with_a_clear_error():
         apply_activation_offloading(blocks, ActivationOffloading())
 
 
+def test_only_plain_contiguous_cuda_tensors_of_min_bytes_are_movable():
+    from fvstep.parallel.offload_copies import CudaCopies
+
+    copies = CudaCopies()
+    assert not copies.movable(torch.zeros(1024), 1)  # a CPU tensor stays
+    if CUDA:
+        x = torch.zeros(64, 64, device="cuda")
+        assert copies.movable(x, 1) and not copies.movable(x, x.numel() * 4 + 1)
+        assert not copies.movable(x.t(), 1) and not copies.movable(torch.nn.Parameter(x), 1)
+
+
 class _SinBlock(torch.nn.Module):
     """Returns the tensor its ``sin`` saves, so a caller can change it in place."""
 

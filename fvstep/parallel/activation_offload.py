@@ -4,34 +4,28 @@ The memory lever that recomputes nothing. A chosen block's forward runs under
 ``torch.autograd.graph.saved_tensors_hooks``: every tensor it saves for backward (under
 ``torch.compile``, what the compiled block's autograd function saves) that is a plain,
 contiguous CUDA tensor of at least ``min_bytes`` is copied to pinned host memory on a
-side stream, and its device memory is released once the copy is done and the block's
-forward has returned. In backward the
-copies come back on a second side stream, **one block ahead**: when the backward of the
-block that ran right after an offloaded one starts, the offloaded block's tensors start
-coming back, so they are on the device by the time its own backward needs them.
+side stream; its device memory is released once the copy is done and the forward has
+returned. The copies come back on a second side stream **one block ahead**: when the
+backward of the block after an offloaded one starts. Parameters never move (FSDP2 frees
+and re-gathers them), nor tensors off a CUDA device: on a CPU nothing moves.
 
-Nothing changes in the numbers (the copies are exact): a step with offloading is bitwise
-the step without it. Autograd checks no version counter under saved-tensor hooks, so the
-hooks check it themselves: a saved tensor changed in place raises autograd's own error in
-backward. That holds for a tensor kept on the device, for a moved one changed before its
-block's forward returns (it is held until then), for a moved one still alive at
-backward, and for one changed through the block's output that shares its memory (a
+The copies are exact: a step with offloading is bitwise the step without it. Autograd
+checks no version counter under saved-tensor hooks, so the hooks do: a saved tensor
+changed in place raises autograd's own error in backward, whether kept on the device,
+moved and changed before its block's forward returns (it is held until then), moved and
+alive at backward, or changed through the block's output that shares its memory (a
 compiled function may save a separate object sharing the memory and version counter of
-a tensor it returns; an eager block may return ``z.detach()`` of a saved ``z``). One case
-goes unseen: a moved tensor changed in place after its block returned, through a tensor
-that is not the block's output, and freed before backward (plain autograd, which keeps
-it alive, raises there). Its copy then holds the value it had at the forward. Parameters are never offloaded (FSDP2 frees and re-gathers them
-itself), nor tensors that are not on a CUDA device, so on a CPU the hooks keep every
-tensor where it is.
+a tensor it returns; an eager block may return ``z.detach()`` of a saved ``z``). Unseen:
+a moved tensor changed after its block returned, through a tensor that is not the
+block's output, and freed before backward (plain autograd, which keeps it alive, raises
+there); its copy holds the value of the forward.
 
 What it costs is PCIe bandwidth: each offloaded block's saved tensors cross it twice a
 step. Choose ``every`` so that the copy of one block's activations takes less time than
-the forward (and the backward) of ``every`` blocks (``docs/benchmarks.md`` measures it on
-an H200 at 480x832x81).
+the forward (and the backward) of ``every`` blocks (``docs/benchmarks.md``, an H200).
 
-State: the host copies live as long as the autograd graph that holds them (they are
-what the graph saved) and the side streams are per device; nothing outlives a step's
-backward, and nothing of it belongs in ``TrainState``.
+State: the host copies live as long as the autograd graph that saved them, the side
+streams are per device; nothing outlives a step's backward or belongs in ``TrainState``.
 
 Examples:
     >>> offload = ActivationOffloading(every=4)
@@ -47,11 +41,13 @@ from collections.abc import Mapping
 from typing import Any
 
 import attrs
+import optree
 import torch
 from torch import nn
 
 from fvstep._checks import check_int
 from fvstep._compat import tensor_version
+from fvstep.parallel.offload_copies import CudaCopies
 
 __all__ = [
     "ActivationOffloading",
@@ -145,15 +141,9 @@ def _memory(t: torch.Tensor) -> tuple[Any, ...]:
     return (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
 
 
-def _output_tensors(output: Any) -> tuple[torch.Tensor, ...]:
-    """The tensors of a block's output (a tensor, or tuples, lists and dicts of them)."""
-    if isinstance(output, torch.Tensor):
-        return (output,)
-    if isinstance(output, (tuple, list)):
-        return tuple(t for item in output for t in _output_tensors(item))
-    if isinstance(output, dict):
-        return tuple(t for item in output.values() for t in _output_tensors(item))
-    return ()
+def _output_tensors(output: Any) -> list[torch.Tensor]:
+    """The tensors of a block's output (a tensor, or a tree of them)."""
+    return [t for t in optree.tree_leaves(output) if isinstance(t, torch.Tensor)]
 
 
 class _Moved:
@@ -223,7 +213,7 @@ class _Call:
         self.offloader.moved_bytes += t.numel() * t.element_size()
         return _Moved(index)
 
-    def end_forward(self, outputs: tuple[torch.Tensor, ...] = ()) -> None:
+    def end_forward(self, outputs: list[torch.Tensor] | tuple[()] = ()) -> None:
         """The block's forward returned: check what it changed in place since it saved it,
         and watch the rest through weakrefs (the tensors may now be freed).
 
@@ -290,57 +280,6 @@ class _Call:
 _LOOKAHEAD = 1
 
 
-class _CudaCopies:
-    """How tensors go to pinned host memory and back: on two side streams per device."""
-
-    def __init__(self) -> None:
-        self._streams: dict[torch.device, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}
-
-    def _pair(self, device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
-        """The device's (host-bound, device-bound) copy streams."""
-        if device not in self._streams:
-            self._streams[device] = (torch.cuda.Stream(device), torch.cuda.Stream(device))
-        return self._streams[device]
-
-    def movable(self, t: torch.Tensor, min_bytes: int) -> bool:
-        return (
-            type(t) is torch.Tensor  # not a Parameter, DTensor or other subclass
-            and t.device.type == "cuda"
-            and t.is_contiguous()
-            and t.numel() * t.element_size() >= min_bytes
-        )
-
-    def out(self, t: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        """Start copying ``t`` to the host: the copy and the event that says it is done."""
-        d2h, _ = self._pair(t.device)
-        d2h.wait_stream(torch.cuda.current_stream(t.device))
-        with torch.cuda.stream(d2h):
-            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            host.copy_(t, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(d2h)
-        t.record_stream(d2h)  # its memory is not reused before the copy has read it
-        return host, done
-
-    def back(self, host: torch.Tensor, device: torch.device, done: Any) -> tuple[torch.Tensor, Any]:
-        """Start copying ``host`` back to ``device`` once its copy out is ``done``."""
-        _, h2d = self._pair(device)
-        h2d.wait_event(done)
-        with torch.cuda.stream(h2d):
-            back = torch.empty(host.shape, dtype=host.dtype, device=device)
-            back.copy_(host, non_blocking=True)
-            arrived = torch.cuda.Event()
-            arrived.record(h2d)
-        return back, arrived
-
-    def ready(self, back: torch.Tensor, arrived: Any) -> torch.Tensor:
-        """``back``, usable on the current stream (which waits for it to arrive)."""
-        stream = torch.cuda.current_stream(back.device)
-        stream.wait_event(arrived)
-        back.record_stream(stream)  # not reused before the backward has read it
-        return back
-
-
 class _Offloader:
     """The offloading of one prepared module's chosen blocks: how tensors move
     (``copies``), the order of the calls (to know which to bring back next), and the bytes
@@ -348,7 +287,7 @@ class _Offloader:
 
     def __init__(self, min_bytes: int, copies: Any = None) -> None:
         self.min_bytes = min_bytes
-        self.copies = _CudaCopies() if copies is None else copies
+        self.copies = CudaCopies() if copies is None else copies
         self.moved_bytes = 0
         self._seq = itertools.count()
         self._last_offloaded: Any = None  # weakref to the latest offloading call
