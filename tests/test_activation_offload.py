@@ -293,6 +293,23 @@ def test_a_moved_tensor_changed_in_place_raises_autograds_error(where):
         out.sum().backward()
 
 
+def test_every_output_over_a_moved_tensors_memory_is_watched():
+    """Two outputs of one layout over a saved tensor's memory: a change through either is
+    seen (the review found only the last one watched)."""
+
+    class TwoAliases(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            z = torch.sigmoid(x * 1.0)  # sigmoid saves its output
+            return z * 1.0, z.detach(), z.data  # .data: a version counter of its own
+
+    blocks = torch.nn.ModuleList([TwoAliases()])
+    _hooked(blocks, ActivationOffloading(min_bytes=1), _HostCopies([]))
+    out, first, _ = blocks[0](torch.randn(3, requires_grad=True))
+    first.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+
+
 def test_a_tensor_saved_again_after_an_in_place_change_is_a_second_copy():
     """As plain autograd: the first save is stale (an error only if its backward runs)."""
 

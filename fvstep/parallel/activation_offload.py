@@ -15,10 +15,12 @@ changed in place raises autograd's own error in backward, whether kept on the de
 moved and changed before its block's forward returns (it is held until then), moved and
 alive at backward, or changed through the block's output that shares its memory (a
 compiled function may save a separate object sharing the memory and version counter of
-a tensor it returns; an eager block may return ``z.detach()`` of a saved ``z``). Unseen:
-a moved tensor changed after its block returned, through a tensor that is not the
-block's output, and freed before backward (plain autograd, which keeps it alive, raises
-there); its copy holds the value of the forward.
+a tensor it returns; an eager block may return ``z.detach()`` of a saved ``z``). Unseen,
+where plain autograd raises: a moved tensor changed after its block returned and then
+freed, with every tensor of the same layout over its memory, before backward; or changed
+through a view of another shape. The copy then holds the value of the forward. An output
+of the same layout with a version counter of its own (``z.data``) is watched all the
+same: changing it raises, where plain autograd does not.
 
 What it costs is PCIe bandwidth: each offloaded block's saved tensors cross it twice a
 step. Choose ``every`` so that the copy of one block's activations takes less time than
@@ -223,16 +225,19 @@ class _Call:
         (and an eager block may return ``z.detach()`` of a saved ``z``). The saved object
         is freed here; the caller's output lives on, and a change through it is what
         plain autograd would catch."""
-        aliases = {_memory(o): o for o in outputs}
+        aliases: dict[tuple[Any, ...], list[torch.Tensor]] = {}
+        for o in outputs:
+            aliases.setdefault(_memory(o), []).append(o)
         for index, t, version in self.pending:
             now = tensor_version(t)
             if now != version:
                 self.changed[index] = _changed_in_place(t, now, version)
                 continue
-            refs = [weakref.ref(t)]
-            alias = aliases.get(_memory(t))
-            if alias is not None and alias is not t and tensor_version(alias) == version:
-                refs.append(weakref.ref(alias))
+            refs = [weakref.ref(t)] + [
+                weakref.ref(o)
+                for o in aliases.get(_memory(t), ())
+                if o is not t and tensor_version(o) == version
+            ]
             self.watched[index] = (refs, version)
         self.pending.clear()
         self.ids.clear()
