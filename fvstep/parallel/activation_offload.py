@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -215,7 +215,7 @@ class _Call:
         self.offloader.moved_bytes += t.numel() * t.element_size()
         return _Moved(index)
 
-    def end_forward(self, outputs: list[torch.Tensor] | tuple[()] = ()) -> None:
+    def end_forward(self, outputs: Sequence[torch.Tensor] = ()) -> None:
         """The block's forward returned: check what it changed in place since it saved it,
         and watch the rest through weakrefs (the tensors may now be freed).
 
@@ -323,7 +323,8 @@ def _leave(contexts: list[Any], output: Any) -> None:
     if entered is not None:
         context, call = entered
         context.__exit__(None, None, None)
-        call.end_forward(_output_tensors(output))
+        # (the outputs are read only when the call moved something: no flatten otherwise)
+        call.end_forward(_output_tensors(output) if call.pending else ())
 
 
 def _install(block: nn.Module, offloader: _Offloader, offloads: bool) -> None:
