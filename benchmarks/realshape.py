@@ -297,6 +297,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="diffusers attention backend of the prepared side, e.g. _native_cudnn",
     )
     parser.add_argument(
+        "--flash-attention-4",
+        action="store_true",
+        help="the prepared side's attention on FlashAttention-4 (fvstep.parallel."
+        "enable_flash_attention_4, attention backend _native_flash); the floor stays "
+        "PyTorch's own kernels, FA4's are measured beside it (info.kernels_fa4)",
+    )
+    parser.add_argument(
         "--window-frames",
         type=int,
         default=None,
@@ -382,6 +389,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.memory_budget is not None and not 0.0 <= args.memory_budget <= 1.0:
         print("--memory-budget must be in [0, 1]", file=sys.stderr)
         return 2
+    if args.flash_attention_4:
+        if args.attention_backend not in (None, "_native_flash"):
+            print("--flash-attention-4 runs the _native_flash backend", file=sys.stderr)
+            return 2
+        args.attention_backend = "_native_flash"
     if args.window_frames is None:
         args.window_frames = PRESETS[args.preset].latent_shape[1]
     c.apply_threads(args)
@@ -397,6 +409,7 @@ def main(argv: list[str] | None = None) -> int:
             checkpointing=args.checkpointing,
             checkpoint_every=args.checkpoint_every,
             attention_backend=args.attention_backend or "default",
+            flash_attention_4=args.flash_attention_4,
             memory_budget=args.memory_budget,
             adamw_impl=_adamw_impl(args, rt),
             inductor_options=dict(args.inductor_option),
@@ -404,6 +417,13 @@ def main(argv: list[str] | None = None) -> int:
         kernels = measure_kernels(preset, rt.device)
         info["kernels"] = attrs.asdict(kernels)
         rt.print(f"# floor kernels: {kernels}")
+        if args.flash_attention_4:
+            from fvstep.parallel import enable_flash_attention_4
+
+            enable_flash_attention_4(rt.device)
+            fa4_kernels = measure_kernels(preset, rt.device)
+            info["kernels_fa4"] = attrs.asdict(fa4_kernels)
+            rt.print(f"# FA4 kernels (not the floor's): {fa4_kernels}")
         rt.print(f"# {c.header_line(info)}, {preset.name} ({preset.num_tokens} tokens)")
         results = []
         for side in args.sides:

@@ -36,6 +36,7 @@ __all__ = [
     "checkpoint_wrapper",
     "default_foreach",
     "dynamo_counters",
+    "flash_attention_registry",
     "forward_pre_hooks",
     "fsdp_casts_inputs",
     "fsdp_lazy_init",
@@ -46,6 +47,7 @@ __all__ = [
     "local_shape_and_global_offset",
     "optimizer_step_dtype",
     "raise_recompile_limit",
+    "register_flash_attention_4",
     "tensor_version",
     "world_size_of_default_group",
 ]
@@ -199,6 +201,41 @@ def dynamo_counters() -> dict[str, dict[str, int]]:
     from torch._dynamo.utils import counters
 
     return {k: dict(v) for k, v in counters.items()}
+
+
+def flash_attention_registry() -> Any:
+    """``torch.nn.attention``, checked to hold PyTorch's registry of flash attention impls.
+
+    ``register_flash_attention_impl``, ``activate_flash_attention_impl`` and
+    ``restore_flash_attention_impl`` are public in ``torch.nn.attention`` (torch 2.11 on);
+    a torch without them cannot swap the flash backend's kernels.
+    """
+    import torch.nn.attention as attention
+
+    names = (
+        "register_flash_attention_impl",
+        "activate_flash_attention_impl",
+        "restore_flash_attention_impl",
+    )
+    missing = [name for name in names if not hasattr(attention, name)]
+    if missing:
+        raise RuntimeError(
+            f"torch {torch.__version__} has no registry of flash attention implementations "
+            f"(torch.nn.attention lacks {', '.join(missing)}): FlashAttention-4 needs torch >= 2.11"
+        )
+    return attention
+
+
+def register_flash_attention_4(module_path: str) -> Any:
+    """Override the flash SDPA backend's CUDA kernels with FA4's, imported from ``module_path``.
+
+    ``torch.nn.attention._fa4.register_flash_attention_fa4``: PyTorch's glue from the ATen
+    flash attention ops to a module exposing ``_flash_attn_fwd`` and ``_flash_attn_bwd``;
+    it returns the handle that keeps the override alive.
+    """
+    from torch.nn.attention import _fa4
+
+    return _fa4.register_flash_attention_fa4(module_path)
 
 
 def raise_recompile_limit(limit: int) -> int:

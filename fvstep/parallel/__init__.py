@@ -23,6 +23,10 @@ Split by concern (as torchtitan's ``distributed/`` folder):
   :mod:`fvstep.parallel.block_compile` (compile options, the recompile limit,
   :func:`compile_counts`) and :mod:`fvstep.parallel.precision` (casts at a role's
   boundary, :data:`FULL_PRECISION_INPUTS`);
+- :mod:`fvstep.parallel.flash_attention`: FlashAttention-4 as the kernel of PyTorch's
+  flash SDPA backend, process-wide and opt-in (:func:`enable_flash_attention_4`,
+  :func:`disable_flash_attention_4`, :func:`flash_attention_4_enabled`); a role takes it
+  with ``prepare(..., attention_backend="_native_flash")``;
 - :mod:`fvstep.parallel.compile_check`: compiled gradients checked against eager ones,
   block by block, before training on them (``prepare(..., verify_compile=True)``): the
   verdict (:class:`CompiledGradientError`, :class:`CompiledGradientReport`, the
@@ -65,6 +69,11 @@ from fvstep.parallel.context import (
     applied_context_group,
     apply_context_parallel,
     context_parallel_degree,
+)
+from fvstep.parallel.flash_attention import (
+    disable_flash_attention_4,
+    enable_flash_attention_4,
+    flash_attention_4_enabled,
 )
 from fvstep.parallel.grad_sync import (
     FSDPGradSync,
@@ -124,6 +133,9 @@ __all__ = [
     "data_parallel_rank_and_size",
     "default_layout",
     "destroy",
+    "disable_flash_attention_4",
+    "enable_flash_attention_4",
+    "flash_attention_4_enabled",
     "gather_objects",
     "grad_sync_for",
     "init_from_env",

@@ -220,7 +220,9 @@ def prepare(
             it).
         attention_backend: A diffusers attention backend name (``"native"``,
             ``"_native_cudnn"``, ``"_native_flash"``, ``"flash"``, ...), set with
-            ``module.set_attention_backend``.
+            ``module.set_attention_backend``. ``"_native_flash"`` runs FlashAttention-4
+            once :func:`~fvstep.parallel.enable_flash_attention_4` has been called (the
+            fastest measured on Hopper; PyTorch's FlashAttention-2 otherwise).
         policy: Which submodules are blocks (default: the items of the root's
             ``nn.ModuleList`` attributes, e.g. a Wan transformer's ``blocks.*``).
         checkpoint_context: ``context_fn -> context_fn``: wraps the checkpointing
