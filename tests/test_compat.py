@@ -7,6 +7,7 @@ One test per shim; the multi-rank ones run on the 2-rank gloo pool (tests/multir
 from __future__ import annotations
 
 import copy
+import types
 
 import pytest
 import torch
@@ -178,3 +179,23 @@ def test_fsdp_casts_inputs_is_false_for_a_module_fsdp2_did_not_wrap() -> None:
     # The wrapped cases (with and without a casting MixedPrecisionPolicy) run on two
     # ranks in tests/test_paper_cuts.py::test_bf16_latents_train_a_sharded_fp32_model_on_two_ranks.
     assert _compat.fsdp_casts_inputs(nn.Linear(2, 2)) is False
+
+
+def test_the_flash_attention_registry_has_what_enabling_fa4_calls() -> None:
+    registry = _compat.flash_attention_registry()
+    assert callable(registry.register_flash_attention_impl)
+    assert callable(registry.activate_flash_attention_impl)
+    assert callable(registry.restore_flash_attention_impl)
+    assert "FA4" in registry.list_flash_attention_impls()  # torch's own, which fvstep's replaces
+
+
+def test_register_flash_attention_4_imports_the_kernels_from_the_given_module(monkeypatch) -> None:
+    import sys
+
+    from torch.nn.attention import _fa4
+
+    # the glue checks the module it is given for FA4's two kernels before registering
+    monkeypatch.setitem(sys.modules, "no_kernels_here", types.ModuleType("no_kernels_here"))
+    with pytest.raises(RuntimeError, match="does not expose FA4 kernels"):
+        _compat.register_flash_attention_4("no_kernels_here")
+    assert _fa4._FA4_MODULE_PATH != "no_kernels_here"
