@@ -236,3 +236,27 @@ def test_a_recipes_adamw_is_torchs_fused_kernel_unless_told_otherwise(fused):
         state = opt.update(params, grads, state)
     for n, p in reference.named_parameters():
         assert torch.equal(params[n], p.detach()), n
+
+
+def test_the_recipes_flash_attention_4_option_enables_it_or_refuses(monkeypatch):
+    import sys
+
+    from fvstep.models import tiny_wan
+    from fvstep.parallel import preparation
+    from fvstep.recipes.options import PrepareOptions
+    from fvstep.recipes.parts import prepare_role
+
+    plain = prepare_role(tiny_wan(seed=0), PrepareOptions(), None, trainable=True)
+    assert preparation(plain).attention_backend is None
+    # on a machine FA4 cannot run on, the option raises before anything is prepared
+    monkeypatch.setitem(sys.modules, "flash_attn.cute.interface", None)
+    with pytest.raises(ModuleNotFoundError, match=r"fvstep\[flash4\]"):
+        prepare_role(
+            tiny_wan(seed=0), PrepareOptions(flash_attention_4=True), None, trainable=True
+        )
+    enabled = []
+    monkeypatch.setattr(fs.parallel, "enable_flash_attention_4", lambda: enabled.append(1))
+    module = prepare_role(
+        tiny_wan(seed=0), PrepareOptions(flash_attention_4=True), None, trainable=True
+    )
+    assert enabled == [1] and preparation(module).attention_backend == "_native_flash"

@@ -140,12 +140,17 @@ class PrepareOptions:
         compile: ``torch.compile`` each block.
         param_dtype: FSDP2's compute dtype on several ranks (``None``: the weights').
         frozen_dtype: The dtype frozen roles are stored in (``None``: as loaded).
+        flash_attention_4: Every role's attention on FlashAttention-4
+            (:func:`fvstep.parallel.enable_flash_attention_4`, backend
+            ``"_native_flash"``; Hopper/Blackwell GPUs, ``fvstep[flash4]``). It is kept
+            in the run's ``config.yaml``, so a resumed run takes the same kernels.
     """
 
     checkpointing: Literal["none", "full", "selective"] = "none"
     compile: bool = False
     param_dtype: Dtype | None = None
     frozen_dtype: Dtype | None = None
+    flash_attention_4: bool = False
 
 
 @dataclass(frozen=True)

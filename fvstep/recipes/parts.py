@@ -142,7 +142,13 @@ def make_mesh(device: torch.device) -> Any:
 def prepare_role(
     module: nn.Module, options: PrepareOptions, mesh: Any, *, trainable: bool
 ) -> nn.Module:
-    """:func:`fvstep.parallel.prepare` with the recipe's options (FSDP2 over ``mesh``)."""
+    """:func:`fvstep.parallel.prepare` with the recipe's options (FSDP2 over ``mesh``).
+
+    With ``options.flash_attention_4``, FlashAttention-4 is enabled for the process (it
+    raises where it cannot run) and the role's attention backend is ``"_native_flash"``.
+    """
+    if options.flash_attention_4:
+        fsp.enable_flash_attention_4()
     return fsp.prepare(
         module,
         mesh=mesh,
@@ -151,6 +157,7 @@ def prepare_role(
         compile=options.compile,
         param_dtype=dtype_of(options.param_dtype) if mesh is not None else None,
         frozen_dtype=dtype_of(options.frozen_dtype),
+        attention_backend="_native_flash" if options.flash_attention_4 else None,
     )
 
 
