@@ -219,6 +219,33 @@ def test_inputs_with_zero_strides_on_size_one_dimensions_run_on_fa4(counted):
 
 
 @needs_fa4
+def test_under_deterministic_algorithms_fa4s_backward_repeats_bitwise(counted):
+    from torch.nn.attention import SDPBackend
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (
+        torch.randn(1, 4, 4096, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+        for _ in range(3)
+    )
+    dout = torch.randn_like(q)
+    flash = _attention(SDPBackend.FLASH_ATTENTION)
+
+    def grads():
+        inputs = [t.detach().requires_grad_() for t in (q, k, v)]
+        return torch.autograd.grad(flash(*inputs), inputs, dout)
+
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        first, second = grads(), grads()
+    finally:
+        torch.use_deterministic_algorithms(was)
+    assert counted
+    for a, b in zip(first, second, strict=True):
+        assert torch.equal(a, b)
+
+
+@needs_fa4
 def test_a_prepared_wan_on_fa4_trains_as_on_cudnn(counted):
     def gradients(backend):
         module = tiny_wan(seed=0, num_layers=2, dim_per_head=128, num_heads=2).cuda()

@@ -251,12 +251,13 @@ def test_the_recipes_flash_attention_4_option_enables_it_or_refuses(monkeypatch)
     # on a machine FA4 cannot run on, the option raises before anything is prepared
     monkeypatch.setitem(sys.modules, "flash_attn.cute.interface", None)
     with pytest.raises(ModuleNotFoundError, match=r"fvstep\[flash4\]"):
-        prepare_role(
-            tiny_wan(seed=0), PrepareOptions(flash_attention_4=True), None, trainable=True
-        )
+        prepare_role(tiny_wan(seed=0), PrepareOptions(flash_attention_4=True), None, trainable=True)
     enabled = []
     monkeypatch.setattr(fs.parallel, "enable_flash_attention_4", lambda: enabled.append(1))
     module = prepare_role(
         tiny_wan(seed=0), PrepareOptions(flash_attention_4=True), None, trainable=True
     )
     assert enabled == [1] and preparation(module).attention_backend == "_native_flash"
+    assert (
+        preparation(module).describe()["flash_attention_4"] is False
+    )  # the stand-in enabled nothing

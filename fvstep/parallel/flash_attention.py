@@ -18,6 +18,20 @@ strides, say), and such a call then runs FA4 too. The state is PyTorch's registr
 process-wide, by PyTorch's design. fvstep holds none of it, and
 :func:`disable_flash_attention_4` restores PyTorch's own kernels.
 
+What to know (found in review, ``docs/concepts/prepare.md``):
+
+- Inductor's default (Python) wrapper calls the flash op through the dispatcher, so
+  enabling before or after ``compile`` works alike. With Inductor's ``cpp_wrapper`` or
+  AOTInductor the op is called past the dispatcher and runs PyTorch's own kernel; CUDA
+  graphs (``mode="reduce-overhead"``) replay the kernel they captured.
+- The tensors must be on the current CUDA device (``torch.cuda.set_device``, as fvstep's
+  launcher does): FA4 launches on the current device's stream.
+- Under ``torch.use_deterministic_algorithms(True)`` the glue asks FA4 for its
+  deterministic backward, which 4.0.0b36 has on Hopper.
+- The choice is not part of a ``TrainState``: a resumed run must enable it again (the
+  recipes' ``prepare.flash_attention_4`` does, from the run's ``config.yaml``).
+  ``preparation(module).describe()["flash_attention_4"]`` says what is on.
+
 Why this module sits in between: PyTorch's FA4 glue (``torch.nn.attention._fa4``, torch
 2.11 to 2.13) unpacks two values from FA4's ``_flash_attn_fwd``, which returns five in
 the releases on PyPI (4.0.0b36), so PyTorch's own ``activate_flash_attention_impl("FA4")``

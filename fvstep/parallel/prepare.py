@@ -56,6 +56,7 @@ from fvstep.parallel.activation_offload import (
 from fvstep.parallel.block_compile import apply_compile, resolve_compile_options
 from fvstep.parallel.compile_check import resolve_rtol
 from fvstep.parallel.compile_check_hooks import install_compile_check
+from fvstep.parallel.flash_attention import flash_attention_4_enabled
 from fvstep.parallel.mesh import ShardPolicy, blocks_policy, is_sharded, shard_module
 from fvstep.parallel.precision import FULL_PRECISION_INPUTS, cast_at_boundary, store_in_dtype
 
@@ -97,7 +98,12 @@ class Preparation:
     attention_backend: str | None
 
     def describe(self) -> dict[str, Any]:
-        """A JSON-friendly summary (for benchmark output and logs)."""
+        """A JSON-friendly summary (for benchmark output and logs).
+
+        ``flash_attention_4`` is the process's state when this is called (whether SDPA's
+        flash backend runs FlashAttention-4, :func:`~fvstep.parallel.enable_flash_attention_4`),
+        not a property of the module: the kernel a ``"_native_flash"`` role runs now.
+        """
         return {
             "trainable": self.trainable,
             "checkpointing": self.checkpointing.describe(),
@@ -116,6 +122,7 @@ class Preparation:
             "storage_dtype": str(self.storage_dtype).removeprefix("torch."),
             "offload": self.offload,
             "attention_backend": self.attention_backend,
+            "flash_attention_4": flash_attention_4_enabled(),
         }
 
 
