@@ -260,6 +260,19 @@ def test_the_attention_backend_is_set_and_recorded():
     } == {None}
 
 
+@pytest.mark.filterwarnings("ignore:Attention backends are an experimental feature")
+def test_a_roles_attention_backend_leaves_every_other_models_as_it_was():
+    from diffusers.models.attention_dispatch import dispatch_attention_fn
+
+    q = torch.randn(1, 6, 2, 8)
+    mask = torch.ones(6, 6, dtype=torch.bool).tril()
+    before = dispatch_attention_fn(q, q, q, attn_mask=mask)  # the process default
+    # diffusers' setter would make "_native_flash" the default, which refuses masks (a
+    # causal role's processors, which have no backend of their own, failed on it)
+    prepare(tiny_wan(seed=0), attention_backend="_native_flash")
+    torch.testing.assert_close(dispatch_attention_fn(q, q, q, attn_mask=mask), before)
+
+
 def test_bad_options_are_refused_with_a_clear_error():
     with pytest.raises(ValueError, match="mode must be"):
         ActivationCheckpointing("sometimes")  # type: ignore[arg-type]

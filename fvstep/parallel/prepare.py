@@ -306,7 +306,13 @@ def prepare(
                 f"{type(module).__name__} has no set_attention_backend: the attention "
                 "backend is chosen by diffusers models only"
             )
-        setter(attention_backend)
+        from diffusers.models.attention_dispatch import attention_backend as active_backend
+
+        # diffusers' setter also makes its backend the process's default, which every other
+        # model's processors without a backend of their own would then run on; the
+        # context puts the default back, so only this module changes
+        with active_backend():
+            setter(attention_backend)
     if not trainable:
         if frozen_dtype is not None:
             store_in_dtype(module, frozen_dtype)
