@@ -42,6 +42,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
+from fvstep._optional import needs_extra
 from fvstep.parallel.activation_checkpoint import (
     ActivationCheckpointing,
     CheckpointName,
@@ -306,7 +307,8 @@ def prepare(
                 f"{type(module).__name__} has no set_attention_backend: the attention "
                 "backend is chosen by diffusers models only"
             )
-        from diffusers.models.attention_dispatch import attention_backend as active_backend
+        with needs_extra("models", "prepare(attention_backend=...)"):
+            from diffusers.models.attention_dispatch import attention_backend as active_backend
 
         # diffusers' setter also makes its backend the process's default, which every other
         # model's processors without a backend of their own would then run on; the
