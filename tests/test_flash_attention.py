@@ -161,6 +161,14 @@ def counted(monkeypatch):
     disable_flash_attention_4()
 
 
+def _randn(*shape, count=3, seed=0):
+    """``count`` bf16 CUDA tensors of ``shape``, the same for a seed."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return [
+        torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(count)
+    ]
+
+
 def _attention(backend):
     from torch.nn.attention import sdpa_kernel
 
@@ -177,12 +185,8 @@ def _attention(backend):
 def test_the_flash_backend_runs_fa4_and_agrees_with_cudnn(counted, compiled, keys):
     from torch.nn.attention import SDPBackend
 
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q = torch.randn(2, 4, 1000, 128, device="cuda", dtype=torch.bfloat16, generator=g)
-    k, v = (
-        torch.randn(2, 4, keys, 128, device="cuda", dtype=torch.bfloat16, generator=g)
-        for _ in range(2)
-    )
+    (q,) = _randn(2, 4, 1000, 128, count=1)
+    k, v = _randn(2, 4, keys, 128, count=2, seed=1)
     dout = torch.randn_like(q)
 
     def run(attend):
@@ -206,11 +210,7 @@ def test_the_flash_backend_runs_fa4_and_agrees_with_cudnn(counted, compiled, key
 def test_inputs_with_zero_strides_on_size_one_dimensions_run_on_fa4(counted):
     from torch.nn.attention import SDPBackend
 
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (
-        torch.randn(1, 4, 600, 128, device="cuda", dtype=torch.bfloat16, generator=g)
-        for _ in range(3)
-    )
+    q, k, v = _randn(1, 4, 600, 128)
     zero = [t.as_strided(t.shape, (0, *t.stride()[1:])) for t in (q, k, v)]
     got = _attention(SDPBackend.FLASH_ATTENTION)(*zero)
     assert counted
@@ -222,11 +222,7 @@ def test_inputs_with_zero_strides_on_size_one_dimensions_run_on_fa4(counted):
 def test_under_deterministic_algorithms_fa4s_backward_repeats_bitwise(counted):
     from torch.nn.attention import SDPBackend
 
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (
-        torch.randn(1, 4, 4096, 128, device="cuda", dtype=torch.bfloat16, generator=g)
-        for _ in range(3)
-    )
+    q, k, v = _randn(1, 4, 4096, 128)
     dout = torch.randn_like(q)
     flash = _attention(SDPBackend.FLASH_ATTENTION)
 
@@ -246,7 +242,7 @@ def test_under_deterministic_algorithms_fa4s_backward_repeats_bitwise(counted):
 
 
 @needs_fa4
-def test_a_prepared_wan_on_fa4_trains_as_on_cudnn(counted):
+def test_a_prepared_wan_on_fa4_has_the_loss_and_gradients_of_cudnn(counted):
     def gradients(backend):
         module = tiny_wan(seed=0, num_layers=2, dim_per_head=128, num_heads=2).cuda()
         module = prepare(module, attention_backend=backend, compile=True)

@@ -12,10 +12,11 @@ implementations (``torch.nn.attention.register_flash_attention_impl`` and
 compiled: Inductor calls the ATen flash attention op, and the registry overrides that
 op's CUDA kernel. A role takes the flash backend with
 ``prepare(..., attention_backend="_native_flash")``. Roles on another backend keep
-their kernels, with one exception: SDPA's default (diffusers' ``"native"``) picks cuDNN's
-kernel on Hopper but falls back to the flash backend for a call cuDNN refuses (an input's
-strides, say), and such a call then runs FA4 too. The state is PyTorch's registry's and
-process-wide, by PyTorch's design. fvstep holds none of it, and
+their kernels, with one exception seen on the H200: blocks compiled with torch's defaults
+on SDPA's default backend (diffusers' ``"native"``) reached the flash backend, and so
+FA4 (the benchmark's by-hand side). Eager calls on the default backend picked cuDNN's
+kernel in every layout tried. The state is PyTorch's registry's and process-wide, by
+PyTorch's design. fvstep holds none of it, and
 :func:`disable_flash_attention_4` restores PyTorch's own kernels.
 
 What to know (found in review, ``docs/concepts/prepare.md``):
@@ -80,11 +81,11 @@ def _unbroadcast(tensor: torch.Tensor) -> torch.Tensor:
     output has no zero stride ("out must not have broadcast dimensions").
     """
     strides = list(tensor.stride())
-    if all(s != 0 or n != 1 for s, n in zip(strides, tensor.shape, strict=True)):
-        return tensor
-    for i in reversed(range(tensor.dim())):
+    for i in reversed(range(tensor.dim())):  # the next dimension's stride is real by then
         if tensor.shape[i] == 1 and strides[i] == 0:
             strides[i] = 1 if i == tensor.dim() - 1 else strides[i + 1] * tensor.shape[i + 1]
+    if strides == list(tensor.stride()):
+        return tensor
     return tensor.as_strided(tensor.shape, strides)
 
 
