@@ -54,6 +54,29 @@ def _train(state: fs.TrainState, num_steps: int) -> fs.TrainState:
     return state
 
 
+@pytest.mark.parametrize("checkpointing", ["none", "full", "narrow"])
+def test_one_process_param_dtype_trains_as_a_step_under_autocast(checkpointing):
+    # The benchmarks' one-process path wraps the whole step in torch.autocast(bf16); a role
+    # prepared with param_dtype on one process must compute exactly that, fp32 masters kept.
+    by_hand = _finetune_state(prepare(tiny_wan(seed=0), checkpointing=checkpointing))
+    ours = _finetune_state(
+        prepare(tiny_wan(seed=0), checkpointing=checkpointing, param_dtype=torch.bfloat16)
+    )
+    step = fs.compile(finetune(), clip=fs.clip_grad_norm(1.0))
+    for i in range(3):
+        batch = synthetic_batch(fs.random.key(i), batch_size=2)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            by_hand, expected = step(by_hand, batch)
+        ours, got = step(ours, batch)
+        assert got["student/loss"] == expected["student/loss"]
+    tree.assert_trees_equal(ours, by_hand, check_static=False)
+    assert all(p.dtype == torch.float32 for p in ours.roles["student"].params.values())
+    assert not torch.is_autocast_enabled("cpu")  # the role's autocast ended with its forward
+    plain = _train(_finetune_state(tiny_wan(seed=0)), 3)
+    with pytest.raises(AssertionError):  # bf16 compute did change the numbers
+        tree.assert_trees_equal(plain, ours)
+
+
 CHECKPOINTINGS = [
     "none",
     "full",
@@ -282,8 +305,8 @@ def test_bad_options_are_refused_with_a_clear_error():
         prepare(tiny_wan(), checkpointing=3)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="compile must be"):
         prepare(tiny_wan(), compile="yes")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="need a mesh"):
-        prepare(tiny_wan(), param_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="needs a mesh"):
+        prepare(tiny_wan(), offload=True)
     with pytest.raises(ValueError, match="no blocks"):
         prepare(torch.nn.Linear(2, 2), checkpointing="full")
     with pytest.raises(ValueError, match="set_attention_backend"):

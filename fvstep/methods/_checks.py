@@ -12,7 +12,8 @@ default. A floating batch tensor of *lower* precision than the role's parameters
 latents, an fp32 model) is upcast to the parameters' dtype, unless something already
 decides the compute dtype: an active autocast on the tensor's device, or an input cast
 on the role's module (``fvstep.parallel.prepare``'s boundary cast of ``param_dtype`` or
-``frozen_dtype``, or FSDP2's mixed precision with ``cast_forward_inputs``). A module
+``frozen_dtype``, its autocast of ``param_dtype`` on one process, or FSDP2's mixed
+precision with ``cast_forward_inputs``). A module
 sharded without mixed precision computes in its parameters' dtype: its batch is upcast. A tensor is never downcast, and a batch in
 the parameters' dtype is returned as it is: a run that worked before computes exactly
 what it computed before.
@@ -304,7 +305,9 @@ def _decides_dtype(module: nn.Module, device: torch.device) -> bool:
 
 def _casts_inputs(module: nn.Module) -> bool:
     boundary = any(
-        "cast_at_boundary" in getattr(h, "__qualname__", "") for h in forward_pre_hooks(module)
+        name in getattr(h, "__qualname__", "")
+        for h in forward_pre_hooks(module)
+        for name in ("cast_at_boundary", "autocast_forward")
     )
     return boundary or fsdp_casts_inputs(module)
 

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["FULL_PRECISION_INPUTS", "cast_at_boundary", "store_in_dtype"]
+__all__ = ["FULL_PRECISION_INPUTS", "autocast_forward", "cast_at_boundary", "store_in_dtype"]
 
 FULL_PRECISION_INPUTS: tuple[str, ...] = ("timestep", "timesteps", "t", "sigma", "sigmas")
 """The forward arguments a boundary cast of :func:`fvstep.parallel.prepare` leaves in full precision.
@@ -145,6 +145,46 @@ def cast_at_boundary(
 
     module.register_forward_pre_hook(cast_in, with_kwargs=True, prepend=True)
     module.register_forward_hook(cast_out, with_kwargs=True, always_call=True)
+
+
+def autocast_forward(module: nn.Module, dtype: torch.dtype) -> None:
+    """Run ``module``'s forward under ``torch.autocast(dtype)`` on its parameters' device.
+
+    Mixed precision on one process: the parameters stay as stored (fp32 masters), the
+    matmuls and attention compute in ``dtype``, the gradients come back in the parameters'
+    dtype. It is what a step wrapped in ``torch.autocast`` computes for this module's
+    forward (the benchmarks' one-process path), made a property of the role, so that
+    training, validation and sampling all see it. Activation checkpointing recomputes
+    under the autocast state of the forward (torch records it).
+
+    Args:
+        module: The role's module (hooked in place: a prepended forward pre-hook enters
+            autocast, an ``always_call`` forward hook leaves it).
+        dtype: The autocast dtype (``torch.bfloat16`` or ``torch.float16``).
+
+    Raises:
+        ValueError: If ``dtype`` is not a 16-bit floating dtype.
+
+    Examples:
+        >>> autocast_forward(student, torch.bfloat16)
+        >>> student(x, t).dtype   # the output of its last layer, computed in bf16
+        torch.bfloat16
+    """
+    if dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"autocast computes in bfloat16 or float16, not {dtype}")
+    entered: list[Any] = []
+
+    def enter(mod: nn.Module, args: tuple[Any, ...]) -> None:
+        device = next((t.device for t in mod.parameters()), torch.device("cpu"))
+        context = torch.autocast(device.type, dtype=dtype)
+        context.__enter__()
+        entered.append(context)
+
+    def leave(mod: nn.Module, args: Any, output: Any) -> None:
+        entered.pop().__exit__(None, None, None)  # also after an error (always_call)
+
+    module.register_forward_pre_hook(enter, prepend=True)
+    module.register_forward_hook(leave, always_call=True)
 
 
 def _kept_in_fp32(module: nn.Module) -> set[str]:

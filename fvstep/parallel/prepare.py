@@ -59,7 +59,12 @@ from fvstep.parallel.compile_check import resolve_rtol
 from fvstep.parallel.compile_check_hooks import install_compile_check
 from fvstep.parallel.flash_attention import flash_attention_4_enabled
 from fvstep.parallel.mesh import ShardPolicy, blocks_policy, is_sharded, shard_module
-from fvstep.parallel.precision import FULL_PRECISION_INPUTS, cast_at_boundary, store_in_dtype
+from fvstep.parallel.precision import (
+    FULL_PRECISION_INPUTS,
+    autocast_forward,
+    cast_at_boundary,
+    store_in_dtype,
+)
 
 __all__ = ["Preparation", "block_names", "preparation", "prepare"]
 
@@ -77,7 +82,8 @@ class Preparation:
         compiled_blocks: Qualified names of the compiled blocks.
         sharded: Whether ``fully_shard`` was applied (per block and at the root).
         mesh_shape: The mesh's shape and dim names, or ``None``.
-        param_dtype: Compute dtype of the parameters under FSDP2 (``None``: as stored).
+        param_dtype: Compute dtype over the stored parameters: FSDP2's with a mesh,
+            autocast's on one process (``None``: as stored).
         reduce_dtype: Gradient reduction dtype (``None``: the parameter dtype).
         storage_dtype: The dtype most parameter elements are stored in (a frozen role's
             ``_keep_in_fp32_modules`` stay fp32 beside it).
@@ -215,11 +221,14 @@ def prepare(
             default tolerance by precision (1e-3 fp32, 1e-2 TF32, 0.1 bf16/fp16), or a
             relative tolerance. It costs one eager and one compiled forward and backward
             of each block, once, and no compile; off by default.
-        param_dtype: FSDP2's compute dtype (``MixedPrecisionPolicy.param_dtype``), e.g.
-            ``torch.bfloat16`` with fp32 master parameters. Needs ``mesh``. Activations
-            are cast to it at the root and outputs cast back; the
-            ``full_precision_inputs`` are not (FSDP2's ``cast_forward_inputs`` would
-            round them).
+        param_dtype: The compute dtype over the stored (master) parameters, e.g.
+            ``torch.bfloat16`` over fp32. With ``mesh``, FSDP2's
+            ``MixedPrecisionPolicy.param_dtype``: activations are cast to it at the root
+            and outputs cast back; the ``full_precision_inputs`` are not (FSDP2's
+            ``cast_forward_inputs`` would round them). On one process (no ``mesh``), the
+            role's forward runs under ``torch.autocast(param_dtype)``
+            (:func:`~fvstep.parallel.precision.autocast_forward`), what a step wrapped in
+            autocast computes; for a frozen role too.
         reduce_dtype: FSDP2's gradient-reduction dtype (default fp32).
         reshard_after_forward: FSDP2's option, for every group.
         offload: FSDP2's ``CPUOffloadPolicy`` (parameters, gradients and optimizer state
@@ -275,8 +284,8 @@ def prepare(
         raise ValueError("the module was prepared already (fvstep.parallel.prepare)")
     if is_sharded(module):
         raise ValueError("the module is sharded already: prepare it before fully_shard")
-    if mesh is None and (param_dtype is not None or offload):
-        raise ValueError("param_dtype and offload are FSDP2 options: they need a mesh")
+    if mesh is None and offload:
+        raise ValueError("offload is an FSDP2 option: it needs a mesh")
     if isinstance(full_precision_inputs, str):
         raise TypeError(
             "full_precision_inputs must be a collection of argument names, got the string "
@@ -339,6 +348,8 @@ def prepare(
                 install_compile_check(blocks[name], name=name, rtol=verify_rtol, mesh=mesh)
     if mesh is not None and param_dtype is not None and trainable:
         cast_at_boundary(module, param_dtype, full_precision_inputs=keep)
+    if mesh is None and param_dtype is not None:  # one process: autocast, as FSDP2 casts
+        autocast_forward(module, param_dtype)
     if mesh is not None:
         offload_policy: OffloadPolicy = CPUOffloadPolicy() if offload else OffloadPolicy()
         shard_module(
