@@ -10,7 +10,9 @@ lists every key of the recipe.
 
 Exit codes: 0 when ``run.num_steps`` was reached; :data:`EXIT_INTERRUPTED` (75) when
 SIGTERM or Ctrl-C stopped the run after it saved (run the same command again to resume);
-2 for a user error (one line); 1 for any other error.
+2 for a user error (one line: an unknown key or value, a ``data.path`` or ``model.path``
+that holds nothing, a run folder another run holds, a refused config change such as
+another ``--nproc`` than the run's); 1 for any other error.
 """
 
 from __future__ import annotations
@@ -118,20 +120,48 @@ def _options(recipe: Any, argv: list[str]) -> Any:
         ) from None
 
 
+def _check_before_launch(recipe: Any, options: Any, nproc: int) -> None:
+    """What the launched ranks would refuse, refused here (exit code 2, not a failed
+    rank's 1): a wrong path, a folder another run holds, a refused config change."""
+    from pathlib import Path
+
+    from fvstep.checkpoint import CheckpointLockedError, lock_dir
+    from fvstep.checkpoint.layout import LOCK_NAME
+    from fvstep.recipes.config import ConfigChangeError
+    from fvstep.recipes.parts import check_paths
+    from fvstep.recipes.running import check_resume
+
+    try:
+        check_paths(options)
+        if (Path(options.run.out) / LOCK_NAME).is_file():  # creates nothing in a new folder
+            lock_dir(options.run.out).release()
+        check_resume(recipe, options, world_size=nproc)
+    except (CheckpointLockedError, ConfigChangeError) as e:
+        raise CLIError(f"fvstep train: {e}") from None
+    except ValueError as e:  # check_paths's
+        raise CLIError(f"fvstep train {recipe.name}: {e}") from None
+
+
 def _train_rank(job: tuple[str, list[str], bool]) -> dict[str, Any]:
     """One rank's run; what it ended with, as plain data (a launched rank returns it)."""
     import fvstep as fs
+    from fvstep.checkpoint import CheckpointLockedError
     from fvstep.recipes.config import ConfigChangeError
+    from fvstep.recipes.parts import check_paths
     from fvstep.recipes.running import train
 
     name, argv, dry_run = job
     recipe = _recipe(name)
     options = _options(recipe, argv)
     try:
+        check_paths(options)
+    except ValueError as e:
+        raise CLIError(f"fvstep train {recipe.name}: {e}") from None
+    try:
         state = train(recipe, options, dry_run=dry_run, log=lambda line: print(line, flush=True))
     except fs.Interrupted as e:
         return {"interrupted": str(e), "signal": e.signal, "step": e.step}
-    except ConfigChangeError as e:
+    except (ConfigChangeError, CheckpointLockedError) as e:
         raise CLIError(f"fvstep train: {e}") from None
     return {"step": None if state is None else int(state.step), "out": options.run.out}
 
@@ -151,7 +181,8 @@ def run_train_command(argv: list[str]) -> int:
         when a signal stopped it after saving.
 
     Raises:
-        CLIError: For an unknown recipe, key or value, or a refused config change.
+        CLIError: For an unknown recipe, key or value, a wrong path, a run folder another
+            run holds, or a refused config change (another world size included).
 
     Example:
         $ fvstep train finetune --config examples/finetune_tiny.yaml --run.num_steps 8
@@ -173,6 +204,7 @@ def run_train_command(argv: list[str]) -> int:
             init_from_env()
         results = [_train_rank(job)]
     else:
+        _check_before_launch(recipe, options, own["nproc"])
         try:
             results = run_on_ranks(_train_rank, job, own["nproc"])
         except Exception as e:

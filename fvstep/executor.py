@@ -236,7 +236,8 @@ def run_until(
     """Run ``step`` until the state's step counter reaches ``num_steps``, or a signal.
 
     With ``checkpoints``, it first takes the lock of ``checkpoints.dir``
-    (:func:`fvstep.checkpoint.lock_dir`, held until it returns), so a second run on the
+    (:func:`fvstep.checkpoint.lock_dir`, held until it returns; or uses
+    ``checkpoints.lock``, one its caller holds and keeps), so a second run on the
     same directory fails at once (an ``flock``, which a network filesystem may not
     honour). It resumes from the newest checkpoint under
     ``checkpoints.dir`` that loads (the loaded state replaces ``state``, which only
@@ -319,7 +320,7 @@ def run_until(
     if isinstance(log_every, bool) or not isinstance(log_every, int) or log_every < 1:
         raise ValueError(f"log_every must be an int >= 1, got {log_every!r}")
     rank, _ = rank_and_world()
-    lock = lock_run_dir(checkpoints.dir, rank) if checkpoints is not None else None
+    lock = lock_run_dir(checkpoints.dir, rank, checkpoints.lock) if checkpoints else None
     resumed_from = None
     try:
         if checkpoints is not None:

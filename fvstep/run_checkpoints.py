@@ -48,6 +48,11 @@ class Checkpoints:
         reset: Leaf paths a resume takes from the initial state instead of the checkpoint
             (:func:`fvstep.checkpoint.load`'s ``reset``), e.g. ``("extra.stream",)`` to
             resume a streaming run on another world size with new streams.
+        lock: The lock of ``dir`` (:func:`fvstep.checkpoint.lock_dir`) that the caller
+            took on rank 0 and still holds: :func:`run` then takes none and leaves it
+            held, so that the folder stays locked from before the run (``fvstep train``
+            checks and writes ``config.yaml`` under it) to after. ``None`` (default, and
+            on the other ranks): :func:`run` takes the lock and releases it when it returns.
 
     Examples:
         >>> Checkpoints("runs/a/ckpt", every=100, keep=3, async_save=True)
@@ -59,6 +64,7 @@ class Checkpoints:
     async_save: bool = False
     on_damaged: str = "skip"
     reset: tuple[str, ...] = attrs.field(default=(), converter=_paths)
+    lock: layout.DirectoryLock | None = attrs.field(default=None, eq=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
         if not all(isinstance(p, str) and p for p in self.reset):
@@ -73,12 +79,23 @@ class Checkpoints:
             )
 
 
-def lock_run_dir(root: Path, rank: int) -> layout.DirectoryLock | None:
-    """Collective: rank 0 locks ``root``; every rank raises rank 0's error, if any."""
-    lock, error = None, None
+def lock_run_dir(
+    root: Path, rank: int, held: layout.DirectoryLock | None = None
+) -> layout.DirectoryLock | None:
+    """Collective: rank 0 locks ``root``, unless it passes ``held``, a lock of ``root`` it
+    holds already (then it takes none and returns ``None``); every rank raises rank 0's
+    error, if any."""
+    lock: layout.DirectoryLock | None = None
+    error: Exception | None = None
     if rank == 0:
         try:
-            lock = layout.lock_dir(root)
+            if held is None:
+                lock = layout.lock_dir(root)
+            elif Path(held.path).resolve() != (root / layout.LOCK_NAME).resolve():
+                error = ValueError(
+                    f"Checkpoints.lock is the lock {str(held.path)!r}, not the one of "
+                    f"Checkpoints.dir {str(root)!r}: pass lock_dir(dir), or no lock"
+                )
         except CheckpointError as e:
             error = e
     error = broadcast_object(error)

@@ -56,7 +56,9 @@ def main() -> int:
     from fvstep.recipes import parts
 
     make_data = parts.make_data
-    parts.make_data = lambda options: Held(make_data(options), int(at), marker, wakeup_r)
+    parts.make_data = lambda options, **kw: Held(
+        make_data(options, **kw), int(at), marker, wakeup_r
+    )
     return fvstep_main(argv)
 
 

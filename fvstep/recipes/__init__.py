@@ -8,7 +8,9 @@ TOML file and ``--dotted.key value`` flags (:mod:`fvstep.recipes.config`);
 checks it on resume, starts from ``init_from`` (:mod:`fvstep.recipes.init`) and runs.
 
 Shipped recipes, one module each: ``finetune`` (:mod:`fvstep.recipes.finetune`),
-``dmd2`` (:mod:`fvstep.recipes.dmd2`), ``lora_dmd2`` (:mod:`fvstep.recipes.lora_dmd2`).
+``dmd2`` (:mod:`fvstep.recipes.dmd2`), ``lora_dmd2`` (:mod:`fvstep.recipes.lora_dmd2`),
+``self_forcing`` (:mod:`fvstep.recipes.self_forcing`), ``streaming``
+(:mod:`fvstep.recipes.streaming`), ``diffusion_nft`` (:mod:`fvstep.recipes.diffusion_nft`).
 A recipe of your own is any module-level :class:`Recipe`: ``fvstep train
 my_package.my_module:RECIPE``.
 
@@ -32,6 +34,9 @@ RECIPES = {
     "finetune": "fvstep.recipes.finetune:RECIPE",
     "dmd2": "fvstep.recipes.dmd2:RECIPE",
     "lora_dmd2": "fvstep.recipes.lora_dmd2:RECIPE",
+    "self_forcing": "fvstep.recipes.self_forcing:RECIPE",
+    "streaming": "fvstep.recipes.streaming:RECIPE",
+    "diffusion_nft": "fvstep.recipes.diffusion_nft:RECIPE",
 }
 """The shipped recipes, by name: where each one lives."""
 

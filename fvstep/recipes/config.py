@@ -10,10 +10,14 @@ small dependency (PyYAML); tyro needs a loader of its own for config files, and 
 is less used.
 
 The resolved config (every option, defaults included) is written as ``config.yaml`` in
-the run's folder. On resume it is compared with the new one: a change to a key of
-:data:`MAY_CHANGE` (or to any learning rate, a key ending in ``lr``) applies; any other
-change alters the math of the run and is refused with :class:`ConfigChangeError`, naming
-the key and both values.
+the run's folder, with the world size (the number of ranks: ``data.batch_size`` is per
+rank, so the global batch, each rank's keys and data, and whether ``prepare.param_dtype``
+applies depend on it) and the digest of the dataset. On resume it is compared with the
+new one: a change to a key of :data:`MAY_CHANGE` (or to any learning rate, a key ending
+in ``lr``) applies; any other change, another world size or another dataset alters the
+math of the run and is refused with :class:`ConfigChangeError`, naming the key and both
+values. With ``data.path``, ``validation.num_samples`` is no key that may change: it
+decides which items are held out of training (:func:`fvstep.recipes.parts.make_data`).
 
 Examples:
     >>> from fvstep.recipes import get_recipe
@@ -41,6 +45,7 @@ __all__ = [
     "ConfigChangeError",
     "check_config_change",
     "dataset_digest",
+    "describe_run",
     "flatten_config",
     "help_text",
     "options_to_dict",
@@ -193,15 +198,18 @@ def check_config_change(saved: dict[str, Any], new: dict[str, Any]) -> list[str]
     """Compare a run's saved config with the config it is resumed with.
 
     Args:
-        saved: ``{"recipe": name, "options": {...}}`` as :func:`read_config` reads it.
+        saved: ``{"recipe": name, "world_size": n, "options": {...}}`` as
+            :func:`read_config` reads it.
         new: The same for the resumed run.
 
     Returns:
         The changed keys that apply (``"optim.lr: 0.0001 -> 0.0003"``), for the log.
 
     Raises:
-        ConfigChangeError: If the recipe differs, or a key outside :data:`MAY_CHANGE`
-            changed (naming the first such key and both values).
+        ConfigChangeError: If the recipe, the dataset or the world size differs (a
+            ``new`` with a ``world_size`` refuses a ``saved`` without one), or a key
+            outside :data:`MAY_CHANGE` changed (naming the first such key and both
+            values), or ``validation.num_samples`` with ``data.path``.
 
     Examples:
         >>> check_config_change({"recipe": "finetune", "options": {"optim": {"lr": 1.0}}},
@@ -213,6 +221,7 @@ def check_config_change(saved: dict[str, Any], new: dict[str, Any]) -> list[str]
             f"the run was made by recipe {saved.get('recipe')!r}, not {new.get('recipe')!r}: "
             "use another run.out for another recipe"
         )
+    _check_world_size(saved, new)
     before, after = saved.get("data_digest"), new.get("data_digest")
     if before is not None and after is not None and before != after:
         raise ConfigChangeError(
@@ -222,11 +231,19 @@ def check_config_change(saved: dict[str, Any], new: dict[str, Any]) -> list[str]
             "init_from can start it from this one)"
         )
     old, now = flatten_config(saved.get("options", {})), flatten_config(new["options"])
+    split = old.get("data.path") is not None or now.get("data.path") is not None
     applied = []
     for key in sorted(set(old) | set(now)):
         a, b = old.get(key, "<absent>"), now.get(key, "<absent>")
         if a == b:
             continue
+        if split and key == "validation.num_samples":
+            raise ConfigChangeError(
+                f"validation.num_samples was {a!r} in the run being resumed and is {b!r} "
+                "now: with data.path, the items it validates on are held out of training, "
+                "so a change alters the items the run trains on. Put it back, or start a "
+                "new run (another run.out; init_from can start it from this one)"
+            )
         if not _may_change(key):
             raise ConfigChangeError(
                 f"{key} was {a!r} in the run being resumed and is {b!r} now: a change of "
@@ -237,6 +254,36 @@ def check_config_change(saved: dict[str, Any], new: dict[str, Any]) -> list[str]
             )
         applied.append(f"{key}: {a!r} -> {b!r}")
     return applied
+
+
+def _ranks(n: Any) -> str:
+    return f"{n} rank" if n == 1 else f"{n} ranks"
+
+
+def _check_world_size(saved: dict[str, Any], new: dict[str, Any]) -> None:
+    """Refuse another world size, or a saved config that does not say its own."""
+    if "world_size" not in new:
+        return  # a comparison of options alone (no run behind it)
+    before, after = saved.get("world_size"), new["world_size"]
+    if before is None:
+        raise ConfigChangeError(
+            f"the {CONFIG_NAME} of the run being resumed does not record the world size "
+            "it was trained on (an older fvstep wrote it, which also trained on the "
+            "validation items of data.path), so nothing can check that this resume "
+            "continues it exactly: continue its state in a new folder (--run.out NEW "
+            "--init_from.path OLD --init_from.kind state), or, if it ran on N ranks on "
+            f"synthetic data, add 'world_size: N' to its {CONFIG_NAME}"
+        )
+    if before != after:
+        raise ConfigChangeError(
+            f"world size: the run being resumed was trained on {_ranks(before)} "
+            f"(fvstep train --nproc {before}) and is resumed on {_ranks(after)} (--nproc "
+            f"{after}); data.batch_size is per rank (the global batch, each rank's keys and "
+            "data, and whether prepare.param_dtype applies depend on the world size), so "
+            f"this alters the math of the run. Resume with --nproc {before} (under torchrun: "
+            f"{before} ranks in all), or start a new run (another run.out; init_from can "
+            "start it from this one)"
+        )
 
 
 def read_config(run_dir: str | Path) -> dict[str, Any] | None:
@@ -272,26 +319,50 @@ def dataset_digest(path: str | Path | None) -> str | None:
     return hashlib.sha256(index.read_bytes()).hexdigest() if index.is_file() else None
 
 
+def describe_run(
+    recipe: str, options: Any, *, world_size: int, data_digest: str | None = None
+) -> dict[str, Any]:
+    """What ``config.yaml`` holds: the recipe, the world size, the resolved options and
+    the dataset's digest (:func:`dataset_digest`) when there is one.
+
+    Examples:
+        >>> list(describe_run("finetune", options, world_size=2))
+        ['recipe', 'world_size', 'options']
+    """
+    config: dict[str, Any] = {
+        "recipe": recipe,
+        "world_size": world_size,
+        "options": options_to_dict(options),
+    }
+    if data_digest is not None:
+        config["data_digest"] = data_digest
+    return config
+
+
 def write_config(
-    run_dir: str | Path, recipe: str, options: Any, *, data_digest: str | None = None
+    run_dir: str | Path,
+    recipe: str,
+    options: Any,
+    *,
+    world_size: int,
+    data_digest: str | None = None,
 ) -> Path:
     """Write the resolved config of a run as ``<run_dir>/config.yaml`` (atomically), with
-    ``data_digest`` (:func:`dataset_digest`) when there is one.
+    the world size it runs on and ``data_digest`` (:func:`dataset_digest`) when there is
+    one (:func:`describe_run`).
 
     Returns:
         The file written.
 
     Examples:
-        >>> write_config("runs/a", "finetune", options)
+        >>> write_config("runs/a", "finetune", options, world_size=1)
         PosixPath('runs/a/config.yaml')
     """
     import yaml
 
     path = Path(run_dir) / CONFIG_NAME
     path.parent.mkdir(parents=True, exist_ok=True)
-    config: dict[str, Any] = {"recipe": recipe, "options": options_to_dict(options)}
-    if data_digest is not None:
-        config["data_digest"] = data_digest
+    config = describe_run(recipe, options, world_size=world_size, data_digest=data_digest)
     text = yaml.safe_dump(config, sort_keys=False)
     tmp = path.with_name(f".{CONFIG_NAME}.tmp")
     tmp.write_text("# The resolved config of this run (fvstep train). Resuming checks it.\n" + text)

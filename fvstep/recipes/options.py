@@ -7,7 +7,8 @@ the checkpoints. Each field's comment is its help text.
 
 Which keys a resumed run may change is :data:`fvstep.recipes.config.MAY_CHANGE`: the
 learning rates, ``run.num_steps`` and the cadences of saving, logging and validation;
-any other change alters the math and is refused.
+any other change alters the math and is refused, and so is another world size
+(``data.batch_size`` is per rank).
 
 Examples:
     >>> ModelOptions().path is None  # the embedded tiny Wan, randomly initialised
@@ -201,7 +202,10 @@ class ValidationOptions:
 
     Attributes:
         every: Validate every ``every`` steps (``0``: never).
-        num_samples: How many held-out latents.
+        num_samples: How many held-out latents. With ``data.path``: the dataset's first
+            ``num_samples`` items (of the first item's shapes), which training never
+            draws, whether validation runs or not (``0``: train on every item); a resumed
+            run may not change it then.
     """
 
     every: int = 0

@@ -30,9 +30,11 @@ from fvstep.recipes.options import (
 )
 
 __all__ = [
+    "check_paths",
     "close_data",
     "device_for",
     "dtype_of",
+    "held_out_indices",
     "load_transformer",
     "make_data",
     "make_mesh",
@@ -172,19 +174,90 @@ def make_optimizer(optim: OptimOptions) -> Any:
     )
 
 
-def make_data(data: DataOptions) -> Any:
-    """A latent dataset's loader (``data.path``), or a shuffle of synthetic latents."""
+def check_paths(options: Any) -> None:
+    """Refuse a ``data.path``, ``model.path`` or ``model.config`` that holds nothing to
+    read, before a run writes anything (a recipe's options without these groups pass).
+
+    Raises:
+        ValueError: Naming the key and what it should name.
+
+    Examples:
+        >>> check_paths(FinetuneOptions(data=DataOptions(path="nowhere")))
+        Traceback (most recent call last):
+        ValueError: data.path 'nowhere' holds no latent dataset (no index.json) ...
+    """
+    data, model = getattr(options, "data", None), getattr(options, "model", None)
+    path = getattr(data, "path", None)
+    if path is not None and not (Path(path) / "index.json").is_file():
+        raise ValueError(
+            f"data.path {path!r} holds no latent dataset (no index.json): give the folder "
+            "that `fvstep data encode` wrote, or leave data.path out for synthetic latents"
+        )
+    model_path = getattr(model, "path", None)
+    if model_path is not None:
+        _model_folder(Path(model_path))
+    config = getattr(model, "config", None)
+    if config is not None and not Path(config).is_file():
+        raise ValueError(f"model.config {config!r} is not a file: give a transformer config.json")
+
+
+def held_out_indices(shapes: list[Any], num: int) -> list[int]:
+    """The items of a dataset that validation uses and training never draws: the first
+    ``num`` of the first item's shapes (so that they stack into one batch).
+
+    Examples:
+        >>> held_out_indices([{"x": (2,)}, {"x": (3,)}, {"x": (2,)}], 2)
+        [0, 2]
+    """
+    if num < 1 or not shapes:
+        return []
+    return [i for i, s in enumerate(shapes) if s == shapes[0]][:num]
+
+
+class _Kept:
+    """``order`` over the kept items of a dataset: its positions, mapped to their indices."""
+
+    def __init__(self, order: Any, kept: list[int]) -> None:
+        self.order, self.kept = order, kept
+
+    def indices(self, step: Any, *, rank: Any = 0, world_size: Any = 1) -> list[int]:
+        drawn = self.order.indices(step, rank=rank, world_size=world_size)
+        return [self.kept[i] for i in drawn]
+
+
+def make_data(data: DataOptions, *, held_out: int = 0) -> Any:
+    """A latent dataset's loader (``data.path``), or a shuffle of synthetic latents.
+
+    Args:
+        data: The data options.
+        held_out: With ``data.path``, the items :func:`held_out_indices` keeps for
+            validation (``validation.num_samples``, whether validation runs or not):
+            the loader never draws them. A fixed split: it follows from the recorded
+            options and the dataset, whose digest a resume checks.
+
+    Raises:
+        ValueError: If the items left after the held-out ones do not fill a global batch.
+    """
     key = fs.random.key(data.seed)
     if data.path is not None:
-        from fvstep.latents import latent_source
+        from fvstep.latents import BucketedOrder, LatentDataset, WorkerSource
 
-        return latent_source(
-            data.path,
-            key=key,
-            batch_size=data.batch_size,
-            num_workers=data.num_workers,
-            fields=("latents", "text"),
+        dataset = LatentDataset(data.path, fields=("latents", "text"))
+        held = set(held_out_indices(dataset.shapes, held_out))
+        kept = [i for i in range(len(dataset)) if i not in held]
+        world = fsp.rank_and_world()[1]
+        if len(kept) < data.batch_size * world:
+            raise ValueError(
+                f"data.path {data.path!r} has {len(dataset)} items: {len(held)} held out "
+                f"for validation (validation.num_samples {held_out}) leave {len(kept)}, fewer "
+                f"than a global batch (data.batch_size {data.batch_size} x {world} rank(s)): "
+                "lower validation.num_samples (0 trains on every item) or data.batch_size, "
+                "or encode more clips"
+            )
+        order = BucketedOrder(
+            [dataset.shapes[i] for i in kept], key=key, batch_size=data.batch_size
         )
+        return WorkerSource(dataset, _Kept(order, kept), num_workers=data.num_workers)
     from fvstep.data import ShuffledSource, SyntheticLatents
 
     items = SyntheticLatents(
@@ -197,14 +270,13 @@ def make_data(data: DataOptions) -> Any:
 
 
 def _held_out(data: DataOptions, num: int) -> dict[str, torch.Tensor]:
-    """``num`` held-out items: the dataset's first ones, or synthetic ones of another key."""
+    """``num`` held-out items: the dataset's (:func:`held_out_indices`, never trained on:
+    :func:`make_data`), or synthetic ones of another key."""
     if data.path is not None:
         from fvstep.latents import LatentDataset
 
         ds = LatentDataset(data.path, fields=("latents", "text"))
-        first = ds.shapes[0]
-        picked = [i for i, s in enumerate(ds.shapes) if s == first][:num]
-        items = [ds[i] for i in picked]
+        items = [ds[i] for i in held_out_indices(ds.shapes, num)]
         return {k: torch.stack([item[k] for item in items]).float() for k in ("latents", "text")}
     from fvstep.data import SyntheticLatents
 
@@ -243,6 +315,11 @@ def make_run_options(
         "progress": run.progress,
     }
     if validation.every:
+        if validation.num_samples < 1:
+            raise ValueError(
+                f"validation.num_samples is {validation.num_samples}: validation needs at "
+                "least 1 held-out item (or validation.every 0: no validation)"
+            )
         held = _held_out(data, validation.num_samples)
         if device is not None:
             held = {k: v.to(device) for k, v in held.items()}
@@ -277,7 +354,7 @@ def run_spec(
         accumulation=fs.Accumulation(microbatches=options.run.microbatches),
         clip=fs.clip_grad_norm(options.optim.clip) if options.optim.clip else None,
     )
-    data = make_data(options.data)
+    data = make_data(options.data, held_out=options.validation.num_samples)
     run_options = make_run_options(
         options.run,
         data=options.data,

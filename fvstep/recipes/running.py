@@ -2,15 +2,20 @@
 
 :func:`train` is what ``fvstep train`` runs on every rank:
 
-1. A run folder that holds a checkpoint is resumed: its ``config.yaml`` is compared with
-   the new options (:func:`fvstep.recipes.config.check_config_change`: a learning-rate or
-   ``run.num_steps`` change applies, a change that alters the math is refused, naming
-   the key). Otherwise the run is fresh and ``init_from`` applies.
-2. Rank 0 writes the resolved config as ``<run.out>/config.yaml``.
+1. Rank 0 takes the lock of the run folder (:func:`fvstep.checkpoint.lock_dir`) and keeps
+   it to the end of the run, so that a second command on the folder is refused before it
+   reads or writes anything (``--dry-run`` takes no lock and writes nothing).
+2. A run folder that holds a checkpoint is resumed: its ``config.yaml`` is compared with
+   the new options and world size (:func:`fvstep.recipes.config.check_config_change`: a
+   learning-rate or ``run.num_steps`` change applies, a change that alters the math is
+   refused, naming the key). Otherwise the run is fresh and ``init_from`` applies.
 3. The recipe builds the run; ``init_from`` with ``kind="state"`` replaces its state by
    the other run's.
-4. :func:`fvstep.run` trains to ``run.num_steps``, resuming from the folder's newest
-   checkpoint; on SIGTERM or Ctrl-C it saves and raises :class:`fvstep.Interrupted`.
+4. Rank 0 writes the resolved config as ``<run.out>/config.yaml`` (so a run refused so
+   far leaves none: nor a folder, for a wrong ``data.path`` or ``model.path``).
+5. :func:`fvstep.run` trains to ``run.num_steps`` under the lock taken in 1 (handed over
+   as ``Checkpoints.lock``), resuming from the folder's newest checkpoint; on SIGTERM or
+   Ctrl-C it saves and raises :class:`fvstep.Interrupted`.
 
 Examples:
     >>> recipe = get_recipe("finetune")
@@ -24,8 +29,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import attrs
+
 import fvstep as fs
 from fvstep import checkpoint as ckpt
+from fvstep.checkpoint.layout import DirectoryLock
 from fvstep.parallel import broadcast_object, rank_and_world
 from fvstep.recipes import Recipe, RunSpec
 from fvstep.recipes import init as init_
@@ -33,66 +41,143 @@ from fvstep.recipes.config import (
     CONFIG_NAME,
     check_config_change,
     dataset_digest,
-    options_to_dict,
+    describe_run,
     read_config,
     write_config,
 )
+from fvstep.recipes.parts import check_paths
 
-__all__ = ["describe_plan", "prepare_run", "train"]
+__all__ = ["check_resume", "describe_plan", "prepare_run", "train"]
 
 
 def _say(rank: int, log: Callable[[str], None]) -> Callable[[str], None]:
     return log if rank == 0 else (lambda line: None)
 
 
+def check_resume(recipe: Recipe, options: Any, *, world_size: int) -> tuple[Path | None, list[str]]:
+    """Whether ``options.run.out`` holds a run to resume, and the changes that apply to it.
+
+    Reads only (rank 0 of :func:`prepare_run` calls it under the folder's lock;
+    ``fvstep train --nproc N`` calls it before it launches the ranks).
+
+    Args:
+        recipe: The recipe.
+        options: Its options.
+        world_size: The number of ranks the run is to run on.
+
+    Returns:
+        The checkpoint it resumes from (``None``: a fresh run), and the changed keys
+        that apply, for the log.
+
+    Raises:
+        fvstep.recipes.config.ConfigChangeError: For a change that alters the math of the
+            run, another world size included.
+
+    Examples:
+        >>> check_resume(get_recipe("finetune"), options, world_size=1)
+        (PosixPath('runs/finetune/step_000000010'), ['optim.lr: 0.0001 -> 0.0003'])
+    """
+    out = Path(options.run.out)
+    resumed_from = ckpt.latest(out) if out.is_dir() else None
+    saved = read_config(out)
+    if resumed_from is None or saved is None:
+        return resumed_from, []
+    new = describe_run(
+        recipe.name,
+        options,
+        world_size=world_size,
+        data_digest=dataset_digest(options.data.path),
+    )
+    return resumed_from, check_config_change(saved, new)
+
+
 def prepare_run(
     recipe: Recipe, options: Any, *, log: Callable[[str], None] = print, write: bool = True
 ) -> RunSpec:
-    """Steps 1 to 3 of :func:`train`: check (and with ``write``, keep) the config, build
-    the run, apply ``init_from``. Collective on several ranks.
+    """Steps 1 to 4 of :func:`train`: lock the run folder, check the config, build the run,
+    apply ``init_from`` and (with ``write``) keep the config. Collective on several ranks.
+
+    With ``write``, the returned spec holds the lock of ``run.out`` (rank 0), as the
+    ``checkpoints`` of its ``run_options`` hand it to :func:`fvstep.run`; ``spec.close()``
+    releases it. Without, it takes no lock and writes nothing.
 
     Raises:
-        fvstep.recipes.config.ConfigChangeError: If the options change a key that alters
-            the math of the run being resumed.
+        fvstep.checkpoint.CheckpointLockedError: If another run holds the folder's lock
+            (nothing read or written).
+        fvstep.recipes.config.ConfigChangeError: If the options or the world size change
+            what alters the math of the run being resumed.
+        ValueError: For a ``data.path`` or ``model.path`` that holds nothing to read.
     """
-    rank, _ = rank_and_world()
+    rank, world = rank_and_world()
     say = _say(rank, log)
     out = Path(options.run.out)
     error: Exception | None = None
-    resumed_from = None
+    resumed_from: Path | None = None
+    applied: list[str] = []
+    lock: DirectoryLock | None = None
     if rank == 0:
         try:
-            resumed_from = ckpt.latest(out) if out.is_dir() else None
-            saved = read_config(out)
-            digest = dataset_digest(options.data.path)
-            new = {
-                "recipe": recipe.name,
-                "options": options_to_dict(options),
-                "data_digest": digest,
-            }
-            if resumed_from is not None and saved is not None:
-                for change in check_config_change(saved, new):
-                    say(f"fvstep train: config change applied on resume: {change}")
-            if write:
-                lock = ckpt.lock_dir(out)  # a run in progress there: refuse before writing
-                try:
-                    write_config(out, recipe.name, options, data_digest=digest)
-                finally:
-                    lock.release()
+            check_paths(options)  # before the lock: a wrong path leaves no folder
+            lock = ckpt.lock_dir(out) if write else None
+            resumed_from, applied = check_resume(recipe, options, world_size=world)
         except Exception as e:
             error = e
+            if lock is not None:
+                lock.release()
     error, resumed_from = broadcast_object((error, resumed_from))
     if error is not None:
         raise error
-    fresh = resumed_from is None
+    try:
+        for change in applied:
+            say(f"fvstep train: config change applied on resume: {change}")
+        spec = _build(recipe, options, fresh=resumed_from is None, say=say)
+        if write:
+            if rank == 0:
+                try:
+                    digest = dataset_digest(options.data.path)
+                    write_config(out, recipe.name, options, world_size=world, data_digest=digest)
+                except Exception as e:
+                    error = e
+            error = broadcast_object(error)
+            if error is not None:
+                spec.close()
+                raise error
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+    if resumed_from is not None:
+        say(f"fvstep train: resuming from {resumed_from}")
+    if not write:
+        return spec
+    run_options = dict(spec.run_options)
+    checkpoints = run_options.get("checkpoints")
+    if checkpoints is not None and Path(checkpoints.dir).resolve() == out.resolve():
+        # fvstep.run goes on under this lock (rank 0's; None elsewhere) instead of its own.
+        run_options["checkpoints"] = attrs.evolve(checkpoints, lock=lock)
+
+    def close() -> None:
+        try:
+            spec.close()
+        finally:
+            if lock is not None:
+                lock.release()
+
+    return attrs.evolve(spec, run_options=run_options, close=close)
+
+
+def _build(recipe: Recipe, options: Any, *, fresh: bool, say: Callable[[str], None]) -> RunSpec:
+    """The recipe's run, its state from ``init_from`` when fresh and of kind ``state``."""
     if fresh and options.init_from.path is not None:
         say(f"fvstep train: a new run, from {options.init_from.kind} of {options.init_from.path}")
     spec = recipe.build(options, fresh=fresh)
     if fresh and options.init_from.path is not None and options.init_from.kind == "state":
-        state = init_.init_from(options.init_from, state=spec.state)
-        spec = RunSpec(state, spec.step, spec.data, spec.run_options, spec.trained, spec.close)
-    if not fresh:
-        say(f"fvstep train: resuming from {resumed_from}")
+        try:
+            state = init_.init_from(options.init_from, state=spec.state)
+        except BaseException:
+            spec.close()
+            raise
+        spec = attrs.evolve(spec, state=state)
     return spec
 
 
@@ -157,7 +242,7 @@ def _train(recipe: Recipe, options: Any, *, dry_run: bool, log: Callable[[str], 
         if dry_run:
             say(f"# {CONFIG_NAME} of recipe {recipe.name!r} (dry run: nothing is written)")
             text = yaml.safe_dump(
-                {"recipe": recipe.name, "options": options_to_dict(options)}, sort_keys=False
+                describe_run(recipe.name, options, world_size=world), sort_keys=False
             )
             say(text.rstrip())
             say(f"# the first steps, from step {int(spec.state.step)}, on {world} rank(s):")

@@ -1,0 +1,197 @@
+"""The ``diffusion_nft`` recipe: online RL of a flow-matching model by DiffusionNFT.
+
+Roles: ``student`` (the policy, ``diffusion_nft(policy="student")``: trained, with an EMA
+when ``optim.ema`` is set; named as in every recipe, so ``validation``, ``fvstep export``
+and ``init_from`` find it), ``old`` (a frozen copy of the student, made after
+``init_from``: it samples the rollouts and is moved toward the student by the soft update
+after each step, so it is saved with the state; kept in the student's dtype whatever
+``prepare.frozen_dtype`` says, so the blend is not rounded to bf16) and, with
+``kl_weight > 0``, ``reference`` (a frozen copy of the starting student, saved). The
+method is :func:`fvstep.methods.diffusion_nft`: each step repeats each prompt
+``group_size`` times, rolls out ``rollout_steps`` Euler steps of the old policy, scores
+the samples by ``reward`` and makes ``num_inner * minibatches`` optimizer steps of the
+student on the negative-aware loss.
+
+Rewards (:mod:`fvstep.methods.rewards`), by name:
+
+- ``latent_mse`` (default): :func:`~fvstep.methods.rewards.latent_mse_reward`,
+  ``-mean((x0 - batch["latents"])^2)``, the stated latent reward of the benchmarks (no
+  weights, no decoding);
+- ``colorfulness``: :func:`~fvstep.methods.rewards.colorfulness` of the samples decoded
+  by the VAE of the pipeline folder at ``model.path`` (``vae/``), as ``WanPipeline``
+  decodes them.
+
+Examples:
+    $ fvstep train diffusion_nft --model.path Wan2.1-T2V-1.3B-Diffusers \\
+          --data.path latents/ --reward colorfulness --group_size 8 --optim.lr 3e-6
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+import fvstep as fs
+from fvstep.methods import SoftUpdate, diffusion_nft
+from fvstep.methods.diffusion_nft import euler_rollout
+from fvstep.methods.rewards import RewardFn, colorfulness, decoded, latent_mse_reward
+from fvstep.recipes import Recipe, RunSpec, parts
+from fvstep.recipes import init as init_
+from fvstep.recipes.options import (
+    DataOptions,
+    InitFrom,
+    ModelOptions,
+    OptimOptions,
+    ParallelOptions,
+    PrepareOptions,
+    RunOptions,
+    TrackerOptions,
+    ValidationOptions,
+)
+
+__all__ = ["RECIPE", "DiffusionNFTOptions", "SoftUpdateOptions", "build"]
+
+
+@dataclass(frozen=True)
+class SoftUpdateOptions:
+    """The old policy's decay at step ``i`` (:class:`fvstep.methods.SoftUpdate`):
+    ``0`` before ``flat``, then ``min(rate (i - flat), max_decay)``.
+
+    Attributes:
+        rate: Growth of the decay per step.
+        max_decay: Its cap, in ``[0, 1]``.
+        flat: Steps of decay 0 (the old policy a copy of the student) first.
+    """
+
+    rate: float = 0.001
+    max_decay: float = 0.5
+    flat: int = 0
+
+
+@dataclass(frozen=True)
+class DiffusionNFTOptions:
+    """The options of the ``diffusion_nft`` recipe (see :mod:`fvstep.recipes.options`).
+
+    Attributes:
+        reward: The reward, by name: ``"latent_mse"`` or ``"colorfulness"`` (the module
+            docstring).
+        group_size: Rollouts a prompt (>= 2); a step rolls out ``data.batch_size *
+            group_size`` samples.
+        rollout_steps: Euler steps of the old policy's rollouts.
+        num_inner: Passes over the rollouts a step.
+        minibatches: Optimizer steps a pass (divides ``data.batch_size * group_size``).
+        beta: The loss's guidance strength.
+        kl_weight: The weight of the loss's term toward a frozen ``reference`` copy of
+            the starting student (``0``: no reference role).
+        soft_update: The old policy's decay.
+    """
+
+    model: ModelOptions = field(default_factory=ModelOptions)
+    data: DataOptions = field(default_factory=DataOptions)
+    optim: OptimOptions = field(default_factory=lambda: OptimOptions(lr=3e-4))
+    prepare: PrepareOptions = field(default_factory=PrepareOptions)
+    parallel: ParallelOptions = field(default_factory=ParallelOptions)
+    run: RunOptions = field(
+        default_factory=lambda: RunOptions(out="runs/diffusion_nft", num_steps=10, every=5)
+    )
+    validation: ValidationOptions = field(default_factory=ValidationOptions)
+    trackers: TrackerOptions = field(default_factory=TrackerOptions)
+    init_from: InitFrom = field(default_factory=InitFrom)
+    reward: Literal["latent_mse", "colorfulness"] = "latent_mse"
+    group_size: int = 4
+    rollout_steps: int = 10
+    num_inner: int = 1
+    minibatches: int = 1
+    beta: float = 1.0
+    kl_weight: float = 0.0
+    soft_update: SoftUpdateOptions = field(default_factory=SoftUpdateOptions)
+
+
+def _reward(options: DiffusionNFTOptions, device: torch.device) -> RewardFn:
+    """The reward named by ``options.reward``."""
+    if options.reward == "latent_mse":
+        return latent_mse_reward
+    path = options.model.path
+    if path is None or not (Path(path) / "vae" / "config.json").is_file():
+        raise ValueError(
+            f"reward 'colorfulness' scores decoded videos and needs a VAE: model.path "
+            f"({path!r}) must be a pipeline folder with a vae/ (a diffusers WanPipeline "
+            "folder; fvstep.recipes.tiny_pipeline.save_tiny_pipeline writes a tiny one), "
+            "or choose --reward latent_mse"
+        )
+    import diffusers
+
+    from fvstep.sampling import decode_latents
+
+    vae = diffusers.AutoencoderKLWan.from_pretrained(str(path), subfolder="vae").to(device)
+    return decoded(colorfulness, functools.partial(decode_latents, vae.eval()))
+
+
+def build(options: DiffusionNFTOptions, *, fresh: bool = True) -> RunSpec:
+    """The DiffusionNFT run of ``options``: the student (from ``model``, or ``init_from``
+    on a fresh run), the old policy a copy of it, and a reference with ``kl_weight > 0``.
+
+    Raises:
+        ValueError: For settings out of range, or ``reward="colorfulness"`` without a
+            pipeline folder's VAE (before any role is built).
+
+    Examples:
+        >>> spec = build(DiffusionNFTOptions(), fresh=True)
+        >>> sorted(spec.state.roles), spec.trained
+        (['old', 'student'], ('student',))
+    """
+    device = parts.device_for(options.run)
+    method = diffusion_nft(
+        reward_fn=_reward(options, device),
+        group_size=options.group_size,
+        num_inner=options.num_inner,
+        minibatches=options.minibatches,
+        beta=options.beta,
+        kl_weight=options.kl_weight,
+        soft_update=SoftUpdate(**dataclasses.asdict(options.soft_update)),
+        rollout=euler_rollout(options.rollout_steps),
+        policy="student",
+    )
+    student = parts.load_transformer(options.model)
+    if fresh and options.init_from.path is not None and options.init_from.kind == "weights":
+        init_.init_from(options.init_from, {"student": student})
+    frozen = {"old": copy.deepcopy(student)}  # copies of the starting student
+    if options.kl_weight > 0:
+        frozen["reference"] = copy.deepcopy(student)
+    mesh = parts.make_mesh(device)
+    in_place = dataclasses.replace(options.prepare, frozen_dtype=None)  # old blends in fp32
+    ema = fs.EMA(options.optim.ema) if options.optim.ema is not None else None
+    roles = {
+        "student": fs.Role(
+            parts.prepare_role(student.to(device), options.prepare, mesh, trainable=True),
+            optimizer=parts.make_optimizer(options.optim),
+            ema=ema,
+        ),
+        "old": fs.Role(
+            parts.prepare_role(frozen["old"].to(device), in_place, mesh, trainable=False)
+        ),
+    }
+    if "reference" in frozen:
+        roles["reference"] = fs.Role(
+            parts.prepare_role(
+                frozen["reference"].to(device), options.prepare, mesh, trainable=False
+            )
+        )
+    state = fs.TrainState.create(roles, key=fs.random.key(options.run.seed))
+    return parts.run_spec(options, state, method, trained=("student",), device=device)
+
+
+RECIPE = Recipe(
+    "diffusion_nft",
+    DiffusionNFTOptions,
+    build,
+    summary="DiffusionNFT: online RL of the student by a reward (default: the stated latent "
+    "reward), its rollouts by an old copy moved toward it.",
+)
+"""The ``diffusion_nft`` recipe (``fvstep train diffusion_nft``)."""

@@ -1,0 +1,188 @@
+"""The ``self_forcing`` recipe: a causal student trained by DMD on its own chunked rollouts.
+
+Roles: ``student`` (a causal copy of the model, :func:`fvstep.methods.make_causal` with
+``chunk_frames``; trained, with an EMA when ``optim.ema`` is set), ``teacher`` (the model,
+bidirectional, frozen, left out of checkpoints by its digest:
+``Role(save_frozen=False)``), ``critic`` (a bidirectional copy of the model, trained). The
+method is :func:`fvstep.methods.self_forcing`: the critic steps every step, student and
+critic together every ``generator_update_interval`` steps. The latents' frames must be a
+multiple of ``chunk_frames``; the recipe refuses other ones before anything runs. With no
+options it trains the embedded tiny Wan on synthetic latents of 6 frames (2 chunks of 3)
+on the CPU, in seconds.
+
+Examples:
+    $ fvstep train self_forcing --model.path Wan2.1-T2V-1.3B-Diffusers \\
+          --data.path latents/ --chunk_frames 3 --optim.lr 2e-6 --critic_lr 4e-7
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+import fvstep as fs
+from fvstep.methods import make_causal, self_forcing
+from fvstep.methods.causal_rollout import shifted_steps
+from fvstep.recipes import Recipe, RunSpec, parts
+from fvstep.recipes import init as init_
+from fvstep.recipes.options import (
+    DataOptions,
+    InitFrom,
+    ModelOptions,
+    OptimOptions,
+    ParallelOptions,
+    PrepareOptions,
+    RunOptions,
+    TrackerOptions,
+    ValidationOptions,
+)
+
+__all__ = ["RECIPE", "SelfForcingOptions", "build", "causal_roles", "check_latent_frames"]
+
+
+@dataclass(frozen=True)
+class SelfForcingOptions:
+    """The options of the ``self_forcing`` recipe (see :mod:`fvstep.recipes.options`).
+
+    Attributes:
+        chunk_frames: Latent frames a chunk of the causal student (the latents' frames
+            must be a multiple of it; Self-Forcing's Wan2.1 uses 3).
+        critic_lr: The critic's learning rate (its other optimizer options are ``optim``'s;
+            it has no EMA).
+        generator_update_interval: The student steps every this many steps.
+        denoising_steps: The student's few-step schedule, decreasing in ``(0, 1]``,
+            before ``denoising_shift``.
+        denoising_shift: Warps the schedule, ``shift t / (1 + (shift - 1) t)`` (``1``:
+            as given; Self-Forcing's Wan2.1 uses 5).
+        guidance_scale: The teacher's classifier-free guidance scale.
+    """
+
+    model: ModelOptions = field(default_factory=ModelOptions)
+    data: DataOptions = field(default_factory=lambda: DataOptions(latent_shape=(4, 6, 4, 4)))
+    optim: OptimOptions = field(default_factory=lambda: OptimOptions(lr=2e-4))
+    prepare: PrepareOptions = field(default_factory=PrepareOptions)
+    parallel: ParallelOptions = field(default_factory=ParallelOptions)
+    run: RunOptions = field(
+        default_factory=lambda: RunOptions(out="runs/self_forcing", num_steps=10, every=5)
+    )
+    validation: ValidationOptions = field(default_factory=ValidationOptions)
+    trackers: TrackerOptions = field(default_factory=TrackerOptions)
+    init_from: InitFrom = field(default_factory=InitFrom)
+    chunk_frames: int = 3
+    critic_lr: float = 4e-4
+    generator_update_interval: int = 2
+    denoising_steps: tuple[float, ...] = (1.0, 0.75, 0.5, 0.25)
+    denoising_shift: float = 5.0
+    guidance_scale: float = 3.0
+
+
+def check_latent_frames(data: DataOptions, chunk_frames: int) -> None:
+    """Refuse latents whose frames are not a multiple of the causal student's chunk.
+
+    Reads the synthetic ``data.latent_shape``, or every item's shape in the index of the
+    dataset at ``data.path`` (no tensor is read).
+
+    Raises:
+        ValueError: Naming the frames, the chunk and the keys to change.
+
+    Examples:
+        >>> check_latent_frames(DataOptions(latent_shape=(4, 6, 4, 4)), 3)
+    """
+    if isinstance(chunk_frames, bool) or not isinstance(chunk_frames, int) or chunk_frames < 1:
+        raise ValueError(f"chunk_frames must be an int >= 1, got {chunk_frames!r}")
+    if data.path is None:
+        frames, where = {data.latent_shape[1]}, f"data.latent_shape {data.latent_shape}"
+    else:
+        from fvstep.latents import LatentDataset
+
+        shapes = LatentDataset(data.path, fields=("latents",)).shapes
+        frames, where = {s["latents"][1] for s in shapes}, f"the dataset at {data.path!r}"
+    odd = sorted(f for f in frames if f % chunk_frames)
+    if odd:
+        raise ValueError(
+            f"{where} has latents of {odd[0]} frames, not a multiple of chunk_frames="
+            f"{chunk_frames}: the causal student generates whole chunks; set --chunk_frames "
+            "to a divisor of the frames (1 always fits), or latents of a multiple of it"
+        )
+
+
+def causal_roles(options: Any, *, fresh: bool, device: torch.device) -> dict[str, fs.Role]:
+    """The roles of the causal recipes (``self_forcing``, ``streaming``), prepared.
+
+    ``student``: a causal copy of the model (``options.chunk_frames``), ``critic``: a
+    copy, both filled from ``options.init_from`` on a fresh run, then trained;
+    ``teacher``: the model, frozen and saved by its digest.
+
+    Args:
+        options: Options with the shared groups, ``chunk_frames`` and ``critic_lr``.
+        fresh: Whether the run starts afresh (then ``init_from`` with ``kind="weights"``
+            fills the student and the critic).
+        device: The rank's device.
+
+    Returns:
+        The roles, by name.
+
+    Examples:
+        >>> roles = causal_roles(SelfForcingOptions(), fresh=True, device=torch.device("cpu"))
+        >>> sorted(roles)
+        ['critic', 'student', 'teacher']
+    """
+    teacher = parts.load_transformer(options.model)
+    student = make_causal(copy.deepcopy(teacher), chunk_frames=options.chunk_frames)
+    critic = copy.deepcopy(teacher)
+    if fresh and options.init_from.path is not None and options.init_from.kind == "weights":
+        init_.init_from(options.init_from, {"student": student, "critic": critic})
+    mesh = parts.make_mesh(device)
+    prepared = {
+        name: parts.prepare_role(m.to(device), options.prepare, mesh, trainable=name != "teacher")
+        for name, m in (("student", student), ("teacher", teacher), ("critic", critic))
+    }
+    ema = fs.EMA(options.optim.ema) if options.optim.ema is not None else None
+    critic_optim = dataclasses.replace(options.optim, lr=options.critic_lr)
+    return {
+        "student": fs.Role(
+            prepared["student"], optimizer=parts.make_optimizer(options.optim), ema=ema
+        ),
+        "teacher": fs.Role(prepared["teacher"], save_frozen=False),
+        "critic": fs.Role(prepared["critic"], optimizer=parts.make_optimizer(critic_optim)),
+    }
+
+
+def build(options: SelfForcingOptions, *, fresh: bool = True) -> RunSpec:
+    """The self-forcing run of ``options``: a causal student and a critic, both copies of
+    the teacher (or from ``init_from`` on a fresh run).
+
+    Raises:
+        ValueError: If the latents' frames are not a multiple of ``chunk_frames``, or for
+            the method's settings out of range (before any role is built).
+
+    Examples:
+        >>> spec = build(SelfForcingOptions(), fresh=True)
+        >>> sorted(spec.state.roles), spec.trained
+        (['critic', 'student', 'teacher'], ('student', 'critic'))
+    """
+    check_latent_frames(options.data, options.chunk_frames)
+    method = self_forcing(
+        generator_update_interval=options.generator_update_interval,
+        denoising_steps=shifted_steps(options.denoising_steps, options.denoising_shift),
+        guidance_scale=options.guidance_scale,
+    )
+    device = parts.device_for(options.run)
+    state = fs.TrainState.create(
+        causal_roles(options, fresh=fresh, device=device), key=fs.random.key(options.run.seed)
+    )
+    return parts.run_spec(options, state, method, trained=("student", "critic"), device=device)
+
+
+RECIPE = Recipe(
+    "self_forcing",
+    SelfForcingOptions,
+    build,
+    summary="Self-forcing: a causal student trained by DMD on its own chunk-by-chunk "
+    "rollouts, with a frozen teacher and a trained critic.",
+)
+"""The ``self_forcing`` recipe (``fvstep train self_forcing``)."""

@@ -1,0 +1,151 @@
+"""The ``streaming`` recipe: self-forcing on a long rollout that spans several steps.
+
+Roles: those of ``self_forcing`` (:func:`fvstep.recipes.self_forcing.causal_roles`: a
+causal ``student`` and a ``critic``, trained; the ``teacher``, frozen, saved by its
+digest). The method is :func:`fvstep.methods.streaming`: each step generates the next
+frames of the stream (the latents' frames, a multiple of ``chunk_frames`` and at most
+``window_frames``) from its KV cache, trains on them, and moves the stream on; a new
+stream starts every ``steps_per_stream`` steps. The stream (its rolling cache of
+``sink_frames + window_frames`` frames, latest frames, prompt and frame count) is
+``state.extra["stream"]`` (:func:`fvstep.methods.init_stream`, shaped by the run's first
+batch): checkpointed per rank and restored like every other leaf, so a checkpoint resumes
+on the same number of ranks. Its cache is kept in the student's compute dtype (bf16 when
+the student computes in bf16: FSDP2's ``param_dtype``, or autocast on one process). With
+no options it trains the embedded tiny Wan on the CPU, a chunk of 3 frames a step.
+
+Examples:
+    $ fvstep train streaming --model.path Wan2.1-T2V-1.3B-Diffusers --data.path latents/ \\
+          --window_frames 21 --sink_frames 3 --steps_per_stream 8
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+
+import fvstep as fs
+from fvstep import parallel as fsp
+from fvstep.methods import init_stream, streaming
+from fvstep.methods.causal_rollout import shifted_steps
+from fvstep.recipes import Recipe, RunSpec, parts
+from fvstep.recipes.options import (
+    DataOptions,
+    InitFrom,
+    ModelOptions,
+    OptimOptions,
+    ParallelOptions,
+    PrepareOptions,
+    RunOptions,
+    TrackerOptions,
+    ValidationOptions,
+)
+from fvstep.recipes.self_forcing import causal_roles, check_latent_frames
+
+__all__ = ["RECIPE", "StreamingOptions", "build"]
+
+
+@dataclass(frozen=True)
+class StreamingOptions:
+    """The options of the ``streaming`` recipe (see :mod:`fvstep.recipes.options`).
+
+    Attributes:
+        chunk_frames: Latent frames a chunk of the causal student.
+        window_frames: The latest frames the stream's cache keeps (a multiple of
+            ``chunk_frames``, at least a step's frames).
+        sink_frames: The stream's first frames its cache keeps for the whole stream.
+        steps_per_stream: A new stream starts at every step ``i % steps_per_stream == 0``.
+        critic_lr: The critic's learning rate.
+        generator_update_interval: The student steps every this many steps (the critic
+            every step).
+        denoising_steps: The student's few-step schedule, before ``denoising_shift``.
+        denoising_shift: Warps the schedule, ``shift t / (1 + (shift - 1) t)``.
+        guidance_scale: The teacher's classifier-free guidance scale.
+    """
+
+    model: ModelOptions = field(default_factory=ModelOptions)
+    data: DataOptions = field(default_factory=lambda: DataOptions(latent_shape=(4, 3, 4, 4)))
+    optim: OptimOptions = field(default_factory=lambda: OptimOptions(lr=2e-4))
+    prepare: PrepareOptions = field(default_factory=PrepareOptions)
+    parallel: ParallelOptions = field(default_factory=ParallelOptions)
+    run: RunOptions = field(
+        default_factory=lambda: RunOptions(out="runs/streaming", num_steps=10, every=5)
+    )
+    validation: ValidationOptions = field(default_factory=ValidationOptions)
+    trackers: TrackerOptions = field(default_factory=TrackerOptions)
+    init_from: InitFrom = field(default_factory=InitFrom)
+    chunk_frames: int = 3
+    window_frames: int = 6
+    sink_frames: int = 3
+    steps_per_stream: int = 4
+    critic_lr: float = 4e-4
+    generator_update_interval: int = 1
+    denoising_steps: tuple[float, ...] = (1.0, 0.75, 0.5, 0.25)
+    denoising_shift: float = 5.0
+    guidance_scale: float = 3.0
+
+
+def _first_batch(options: StreamingOptions, device: torch.device) -> dict[str, torch.Tensor]:
+    """This rank's batch of step 0 on ``device``, as the run's data gives it (read in this
+    process: no workers)."""
+    source = parts.make_data(
+        dataclasses.replace(options.data, num_workers=0),
+        held_out=options.validation.num_samples,
+    )
+    try:
+        rank, world = fsp.rank_and_world()
+        batch = source.batch(0, rank=rank, world_size=world)
+    finally:
+        parts.close_data(source)
+    return {k: batch[k].to(device) for k in ("latents", "text")}
+
+
+def build(options: StreamingOptions, *, fresh: bool = True) -> RunSpec:
+    """The streaming run of ``options``: the roles of ``self_forcing`` and an empty stream.
+
+    Raises:
+        ValueError: If the latents' frames are not a multiple of ``chunk_frames``, the
+            window does not hold a step's frames, or for the method's settings out of
+            range (before any role is built).
+
+    Examples:
+        >>> spec = build(StreamingOptions(), fresh=True)
+        >>> sorted(spec.state.extra), int(spec.state.extra["stream"].num_frames)
+        (['stream'], 0)
+    """
+    check_latent_frames(options.data, options.chunk_frames)
+    method = streaming(
+        steps_per_stream=options.steps_per_stream,
+        window_frames=options.window_frames,
+        sink_frames=options.sink_frames,
+        generator_update_interval=options.generator_update_interval,
+        denoising_steps=shifted_steps(options.denoising_steps, options.denoising_shift),
+        guidance_scale=options.guidance_scale,
+    )
+    device = parts.device_for(options.run)
+    roles = causal_roles(options, fresh=fresh, device=device)
+    student = roles["student"].module
+    prepared = fsp.preparation(student)
+    stream = init_stream(
+        student,
+        _first_batch(options, device),
+        window_frames=options.window_frames,
+        sink_frames=options.sink_frames,
+        # the keys are computed in the student's compute dtype: keep them in it
+        cache_dtype=None if prepared is None else prepared.param_dtype,
+    )
+    state = fs.TrainState.create(
+        roles, key=fs.random.key(options.run.seed), extra={"stream": stream}
+    )
+    return parts.run_spec(options, state, method, trained=("student", "critic"), device=device)
+
+
+RECIPE = Recipe(
+    "streaming",
+    StreamingOptions,
+    build,
+    summary="Streaming self-forcing: one long rollout across steps, its KV cache in the "
+    "state (TrainState.extra), with a frozen teacher and a trained critic.",
+)
+"""The ``streaming`` recipe (``fvstep train streaming``)."""
