@@ -550,7 +550,11 @@ def _draw_digest(loss_fn: Any, dtype: torch.dtype) -> str:
 
     log: list[torch.Tensor] = []
     modules = {r: _Recorder(log) for r in ("student", "teacher", "critic", "reference")}
-    view = types.SimpleNamespace(module=modules.__getitem__)
+    # key and step: multi-step DMD2 draws its target step from them (dmd2.target_step); at
+    # these it is 1, the target that keys 0, 1, 2 drew per key before, so the pins still hold
+    view = types.SimpleNamespace(
+        module=modules.__getitem__, key=fs.random.key(9), step=torch.tensor(4)
+    )
     x0 = (torch.arange(32, dtype=torch.float32).reshape(2, 4, 1, 2, 2) / 7 - 1).to(dtype)
     batch = {
         "latents": x0,

@@ -278,12 +278,15 @@ def check_resume_on_two_ranks(rank: int, world_size: int, workdir: str) -> list[
 @pytest.mark.multirank
 def test_a_resume_mid_stream_is_bitwise_on_two_ranks_and_refused_on_one(ranks, tmp_path):
     """Each rank runs its own stream (different frames); the checkpoint holds them per
-    rank, so it resumes on 2 ranks exactly and is refused on 1 with a clear error."""
+    rank, so it resumes on 2 ranks exactly and is refused on 1 with a clear error; loaded
+    on 1 with the stream reset (at step 2, mid-stream), it starts a new stream exactly."""
     first, second = ranks.run(check_resume_on_two_ranks, str(tmp_path))
     assert first != second
     latest = fs.checkpoint.latest(tmp_path / "checkpoints")
     with pytest.raises(CheckpointError, match="per-rank values"):
         fs.checkpoint.load(latest, like=_state(_modules(sharded=False)))
+    # the way the error names: new streams, which start as new streams do
+    _assert_a_reset_stream_starts_as_a_new_one(latest, at_step=2)
 
 
 def test_a_state_without_its_stream_and_bad_settings_are_refused():
@@ -388,3 +391,37 @@ def test_an_accumulation_that_does_not_divide_the_batch_isassert_refused_before_
     )
     step = _compiled(streaming(**OPTIONS))
     assert_refused_before_any_change(state, step, batch, "accumulation of 2 micro-batches does not")
+
+
+def _assert_a_reset_stream_starts_as_a_new_one(path: Path, at_step: int) -> None:
+    """Load ``path`` into a fresh state with the stream reset (``init_stream``'s: no
+    frame, a zero prompt) at ``at_step``, not a stream boundary; step it. The state (roles,
+    AdamW moments, and the stream's frames, prompt, cache and counter: all the next step
+    reads) is bitwise that of the same step started as a new stream by the method itself
+    (``steps_per_stream=1``: every step starts one, with the same keys and exit steps), and
+    the prompt is the batch's."""
+    assert at_step % OPTIONS["steps_per_stream"] != 0
+    batch = StreamData().batch(at_step)
+    results = []
+    for every in (OPTIONS["steps_per_stream"], 1):
+        like = _state(_modules(sharded=False))
+        state = fs.checkpoint.load(path, like=like, reset=("extra.stream",))
+        assert int(state.step) == at_step and int(state.extra["stream"].num_frames) == 0
+        step = _compiled(streaming(**{**OPTIONS, "steps_per_stream": every}))
+        results.append(step(state, batch)[0])
+    reset, started = results
+    tree.assert_trees_equal(reset, started, check_static=False)
+    stream = reset.extra["stream"]
+    assert stream.text.abs().max() > 0, "the reset stream trained on init_stream's zero prompt"
+    tree.assert_trees_equal(stream.text, batch["text"])
+    assert int(stream.num_frames) == 1
+
+
+def test_a_stream_reset_off_a_boundary_starts_bitwise_as_a_new_stream_from_the_batch(tmp_path):
+    """``load(reset=("extra.stream",))`` at step 1 of a 4-step stream (a checkpoint of
+    step 0's state), then a step: exactly a new stream's first step."""
+    state, _ = _compiled(streaming(**OPTIONS))(
+        _state(_modules(sharded=False)), StreamData().batch(0)
+    )
+    fs.checkpoint.save(state, tmp_path / "ckpt")
+    _assert_a_reset_stream_starts_as_a_new_one(tmp_path / "ckpt", at_step=1)

@@ -4,7 +4,8 @@ Roles: ``student`` (trained), ``teacher`` (frozen), ``critic`` (trained). Each m
 
 - **Student rollout.** From pure noise ``x`` (shaped like ``batch["latents"]``) at
   ``t = denoising_steps[0]`` (1.0), a target step index ``j`` is drawn uniformly from the
-  ``denoising_steps`` list; the student denoises without gradient through the steps before
+  ``denoising_steps`` list (:func:`target_step`: one per step, the same on every rank and
+  micro-batch); the student denoises without gradient through the steps before
   ``j`` (``x0 = x - t v``, re-noised to the next step with fresh noise), then once more at
   step ``j``: ``x0_hat = x - t_j * v_student(x, t_j)`` (with gradient for the generator).
 - **Score timestep.** ``t ~ U[0, 1)``, shifted ``t' = shift t / (1 + (shift - 1) t)`` and
@@ -18,10 +19,16 @@ Roles: ``student`` (trained), ``teacher`` (frozen), ``critic`` (trained). Each m
   sample's own, as in the DMD2 and Self-Forcing code (a sample's gradient does not depend
   on the other samples of its micro-batch). Critic and teacher run under ``no_grad``.
 
-Every random draw comes from a generator made from a split of the loss function's key:
+The target step ``j`` decides how many student forwards a micro-batch runs, so it comes
+from the *shared* key ``fold_in(fold_in_name(state.key, "dmd2_target"), state.step)``
+(:func:`target_step`): on FSDP2 ranks every rank runs the same forwards, and their
+all-gathers pair (a per-rank draw ran different numbers of forwards and hung the ranks).
+Every other random draw comes from a generator made from a split of the loss function's
+(per-rank, per-micro-batch) key:
 ``split(key, 5) = (rollout, generator_t, generator_noise, critic_t, critic_noise)``, and
-the rollout key splits into (noise, target step, re-noise). So :func:`dmd2_losses`'s
-``fused_loss`` on a key gives exactly ``generator_loss`` and ``critic_loss`` on that key.
+the rollout key splits into (noise, unused, re-noise). So :func:`dmd2_losses`'s
+``fused_loss`` on a state and key gives exactly ``generator_loss`` and ``critic_loss`` on
+them.
 
 The reference's schedule: the critic steps every iteration, the student only when
 ``i % generator_update_interval == 0`` (:func:`dmd2`).
@@ -65,6 +72,7 @@ __all__ = [
     "dmd2_losses",
     "rollout",
     "score_time",
+    "target_step",
 ]
 
 Ordering = Literal["fused", "sequential"]
@@ -222,19 +230,50 @@ def critic_denoising_loss(
     return loss, {"critic_t_mean": t.mean().detach()}
 
 
+def target_step(key: torch.Tensor, step: int, num_steps: int) -> int:
+    """The rollout's target step index at ``step``, drawn from the shared key (every rank).
+
+    Uniform over ``range(num_steps)`` from ``fold_in(fold_in_name(key, "dmd2_target"),
+    step)``, drawn on the CPU; ``0`` (no draw) for one step. It decides how many student
+    forwards a rollout runs, so it must be the same on every rank of an FSDP2 group.
+
+    Args:
+        key: The state's base key (``state.key``), not a per-rank key.
+        step: The global step.
+        num_steps: Steps of the few-step schedule (>= 1).
+
+    Returns:
+        An index into the schedule.
+
+    Raises:
+        ValueError: If ``num_steps < 1``.
+
+    Examples:
+        >>> j = target_step(state.key, int(state.step), len(denoising_steps))
+    """
+    if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
+        raise ValueError(f"target_step: num_steps must be an int >= 1, got {num_steps!r}")
+    if num_steps == 1:
+        return 0
+    shared = fsrandom.fold_in(fsrandom.fold_in_name(key, "dmd2_target"), step)
+    return int(torch.randint(num_steps, (1,), generator=fsrandom.generator(shared)))
+
+
 def rollout(
     student: nn.Module,
     like: torch.Tensor,
     text: torch.Tensor,
     key: torch.Tensor,
     denoising_steps: Sequence[float] = (1.0,),
+    *,
+    target: int | None = None,
 ) -> torch.Tensor:
-    """The student's few-step generation ``x0_hat`` from pure noise, at a drawn target step.
+    """The student's few-step generation ``x0_hat`` from pure noise, at a target step.
 
     ``split(key, 3)`` gives the initial noise (shaped like ``like``), the target step index
-    (uniform over ``denoising_steps``, drawn on the CPU) and the re-noising noise. The steps
-    before the target run under ``torch.no_grad()``; the last evaluation follows the
-    caller's grad mode.
+    when ``target`` is not given (uniform over ``denoising_steps``, drawn on the CPU) and
+    the re-noising noise. The steps before the target run under ``torch.no_grad()``; the
+    last evaluation follows the caller's grad mode.
 
     Args:
         student: A module with the forward contract of :mod:`fvstep.models`.
@@ -242,20 +281,34 @@ def rollout(
         text: Text embeddings ``(B, L, D)``.
         key: The rollout key.
         denoising_steps: Decreasing times in ``(0, 1]``; the first is where noise starts.
+        target: The target step's index (:func:`target_step`). On several ranks pass it:
+            drawn from a per-rank ``key``, ranks run different numbers of forwards and
+            sharded (FSDP2) students hang.
 
     Returns:
         ``x0_hat``, shaped like ``like``.
 
+    Raises:
+        ValueError: If ``target`` does not index ``denoising_steps``.
+
     Examples:
+        >>> j = target_step(state.key, int(state.step), 2)
         >>> with torch.no_grad():
-        ...     x0_hat = rollout(state.module("student"), batch["latents"], batch["text"], k)
+        ...     x0_hat = rollout(state.module("student"), batch["latents"], batch["text"], k,
+        ...                      (1.0, 0.5), target=j)
     """
     k_noise, k_target, k_renoise = fsrandom.split(key, 3)
     x = _noise.randn_like(k_noise, like)
     steps = tuple(float(s) for s in denoising_steps)
-    target = 0
-    if len(steps) > 1:
-        target = int(torch.randint(len(steps), (1,), generator=fsrandom.generator(k_target)))
+    if target is None:
+        target = 0
+        if len(steps) > 1:
+            target = int(torch.randint(len(steps), (1,), generator=fsrandom.generator(k_target)))
+    elif isinstance(target, bool) or not isinstance(target, int) or not 0 <= target < len(steps):
+        raise ValueError(
+            f"target={target!r} must index the {len(steps)} denoising steps: an int in "
+            f"0 .. {len(steps) - 1}"
+        )
     batch_size = like.shape[0]
 
     def time(s: float) -> torch.Tensor:
@@ -286,7 +339,8 @@ def dmd2_losses(
     """The DMD2 loss functions (see the module docstring for the formulas and keys).
 
     Batches need ``"text"`` ``(B, L, D)`` and ``"latents"`` (only its shape, dtype and
-    device are used: DMD2 generates its samples).
+    device are used: DMD2 generates its samples). With several ``denoising_steps`` the
+    losses read ``state.key`` and ``state.step`` too (:func:`target_step`).
 
     Args:
         guidance_scale: The teacher's classifier-free guidance scale ``s`` (``1``: no
@@ -319,6 +373,13 @@ def dmd2_losses(
     score: dict[str, Any] = {"shift": shift, "min_ratio": min_ratio, "max_ratio": max_ratio}
     g_options = {**score, "guidance_scale": guidance_scale, "teacher": teacher, "critic": critic}
 
+    def generate(
+        state: TrainState, like: torch.Tensor, text: torch.Tensor, key: torch.Tensor
+    ) -> torch.Tensor:
+        # one step: no draw, so a view with modules only (no key, no step) will do
+        target = 0 if len(steps) == 1 else target_step(state.key, int(state.step), len(steps))
+        return rollout(state.module(student), like, text, key, steps, target=target)
+
     def generator_terms(state: TrainState, x0_hat: torch.Tensor, text: torch.Tensor, keys: Any):
         k_t, k_noise = keys[_GEN_T], keys[_GEN_NOISE]
         return distribution_matching_loss(state, x0_hat, text, k_t, k_noise, **g_options)
@@ -333,7 +394,7 @@ def dmd2_losses(
         batch = check_batch(state, batch, student)
         keys = fsrandom.split(key, _NUM_KEYS)
         text = batch["text"]
-        x0_hat = rollout(state.module(student), batch["latents"], text, keys[_ROLLOUT], steps)
+        x0_hat = generate(state, batch["latents"], text, keys[_ROLLOUT])
         return generator_terms(state, x0_hat, text, keys)
 
     def critic_loss(
@@ -343,7 +404,7 @@ def dmd2_losses(
         keys = fsrandom.split(key, _NUM_KEYS)
         text = batch["text"]
         with torch.no_grad():
-            x0_hat = rollout(state.module(student), batch["latents"], text, keys[_ROLLOUT], steps)
+            x0_hat = generate(state, batch["latents"], text, keys[_ROLLOUT])
         return critic_terms(state, x0_hat, text, keys)
 
     def fused_loss(
@@ -352,7 +413,7 @@ def dmd2_losses(
         batch = check_batch(state, batch, student)
         keys = fsrandom.split(key, _NUM_KEYS)
         text = batch["text"]
-        x0_hat = rollout(state.module(student), batch["latents"], text, keys[_ROLLOUT], steps)
+        x0_hat = generate(state, batch["latents"], text, keys[_ROLLOUT])
         g_loss, g_metrics = generator_terms(state, x0_hat, text, keys)
         c_loss, c_metrics = critic_terms(state, x0_hat.detach(), text, keys)
         return {student: g_loss, critic: c_loss}, {**g_metrics, **c_metrics}

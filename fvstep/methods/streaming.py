@@ -18,7 +18,11 @@ module or Python object holds any of it:
 
 A stream starts (empty cache, the batch's text) at every step ``i`` with
 ``i % steps_per_stream == 0``: a pure function of the step, so a resumed run restarts its
-streams where the uninterrupted one did. Within a step: the rollout runs without
+streams where the uninterrupted one did. A stream that has generated no frame yet
+(``num_frames == 0``: :func:`init_stream`'s, or one reset by
+``fvstep.checkpoint.load(..., reset=("extra.stream",))`` mid-stream) starts at its first
+step, whatever the step: exactly as a new stream at a boundary would, so a reset stream
+never trains on ``init_stream``'s all-zero prompt. Within a step: the rollout runs without
 gradient on the whole per-rank batch; the generator unit recomputes the chunks from their
 exit steps with gradient (:func:`~fvstep.methods.causal_rollout.regenerate`: one more
 forward a chunk, the same frames) and trains the student by the DMD loss; the critic
@@ -201,7 +205,8 @@ def streaming(
     state needs ``extra[name]`` from :func:`init_stream` with the same window and sink.
 
     Args:
-        steps_per_stream: A stream starts at every step ``i % steps_per_stream == 0``.
+        steps_per_stream: A stream starts at every step ``i % steps_per_stream == 0``
+            (and at any step its stream has generated no frame yet).
         window_frames: The latest frames the stream keeps (as :func:`init_stream`'s).
         sink_frames: The stream's first frames its cache keeps (as :func:`init_stream`'s).
         generator_update_interval: The student trains at ``i % n == 0``; the critic at
@@ -282,6 +287,10 @@ def streaming(
     generator_unit = update("student", generator_loss, name=f"{name}_generator")
     critic_unit = update("critic", critic_loss, name=f"{name}_critic")
 
+    def starts(state: TrainState, stream: StreamState) -> bool:
+        """Whether this step starts a new stream: at a boundary, or a stream not started."""
+        return int(state.step) % steps_per_stream == 0 or int(stream.num_frames) == 0
+
     def check_input(state: TrainState, batch: Any, accumulation: Accumulation) -> None:
         """Refuse what the step cannot take, before the engine consumes anything."""
         student = state.module("student")
@@ -331,7 +340,7 @@ def streaming(
                 f"the step's accumulation of {accumulation.microbatches} micro-batches does "
                 f'not divide the batch of {like.shape[0]} samples (batch["latents"])'
             )
-        if int(state.step) % steps_per_stream == 0 and text.shape != stream.text.shape:
+        if starts(state, stream) and text.shape != stream.text.shape:
             raise ValueError(
                 f'batch["text"] has shape {tuple(text.shape)}; a new stream takes it as its '
                 f"prompt, which must be shaped like init_stream's, {tuple(stream.text.shape)}"
@@ -343,7 +352,7 @@ def streaming(
         batch = check_batch(state, batch, "student")  # checked by check_input; the cast
         stream = state.extra[name]
         step = int(state.step)
-        if step % steps_per_stream == 0:
+        if starts(state, stream):
             stream = _restarted(stream, batch["text"])
         like = batch["latents"]
         k_rollout, k_generator, k_critic = fsrandom.split(key, 3)
