@@ -250,13 +250,14 @@ def test_the_recipes_flash_attention_4_option_enables_it_or_refuses(monkeypatch)
     assert preparation(plain).attention_backend is None
     # on a machine FA4 cannot run on, the option raises before anything is prepared
     monkeypatch.setitem(sys.modules, "flash_attn.cute.interface", None)
+    fa4 = PrepareOptions(flash_attention_4=True, precision="bf16")
     with pytest.raises(ModuleNotFoundError, match=r"fvstep\[flash4\]"):
+        prepare_role(tiny_wan(seed=0), fa4, None, trainable=True)
+    with pytest.raises(ValueError, match="needs bf16 compute"):  # no fp32 kernel: refused
         prepare_role(tiny_wan(seed=0), PrepareOptions(flash_attention_4=True), None, trainable=True)
     enabled = []
     monkeypatch.setattr(fs.parallel, "enable_flash_attention_4", lambda: enabled.append(1))
-    module = prepare_role(
-        tiny_wan(seed=0), PrepareOptions(flash_attention_4=True), None, trainable=True
-    )
+    module = prepare_role(tiny_wan(seed=0), fa4, None, trainable=True)
     assert enabled == [1] and preparation(module).attention_backend == "_native_flash"
     assert (
         preparation(module).describe()["flash_attention_4"] is False

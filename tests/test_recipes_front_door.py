@@ -237,3 +237,65 @@ def test_a_dataset_too_small_to_hold_out_the_validation_items_is_refused(tmp_pat
     with pytest.raises(ValueError, match="validation.num_samples") as e:
         FINETUNE.build(opts, fresh=True)
     assert "data.batch_size" in str(e.value) and "3 items" in str(e.value)
+
+
+# -- issue 35: precision, the whole preparation, batches on the rank's device -----------
+
+
+def test_config_yaml_records_the_resolved_precision_and_a_resume_in_another_is_refused(
+    tmp_path, capsys
+):
+    out = tmp_path / "run"
+    argv = ["train", *FLAGS, "--run.out", str(out), "--run.every", "1"]
+    assert main([*argv, "--run.num_steps", "1"]) == 0
+    saved = read_config(out)
+    assert saved["precision"] == "fp32"  # "auto" on the CPU
+    assert saved["options"]["prepare"]["precision"] == "auto"
+    before = (out / CONFIG_NAME).read_bytes()
+    capsys.readouterr()
+    assert main([*argv, "--run.num_steps", "2", "--prepare.precision", "bf16"]) == 2
+    err = capsys.readouterr().err
+    assert "precision" in err and "fp32" in err and "bf16" in err, err
+    assert (out / CONFIG_NAME).read_bytes() == before
+
+
+def test_bf16_precision_prepares_every_role_for_bf16_compute_over_fp32_masters(tmp_path):
+    from fvstep.parallel import preparation
+
+    dmd2 = get_recipe("dmd2")
+    flags = [*FLAGS, "--run.out", str(tmp_path / "d"), "--prepare.precision", "bf16"]
+    spec = dmd2.build(parse_options(dmd2, flags), fresh=True)
+    for name, role in spec.state.roles.items():
+        assert preparation(role.role.module).param_dtype == torch.bfloat16, name
+    for name in ("student", "critic"):  # fp32 masters, fp32 moments
+        assert {p.dtype for p in spec.state.roles[name].params.values()} == {torch.float32}
+    teacher = spec.state.roles["teacher"].params.values()
+    assert torch.bfloat16 in {p.dtype for p in teacher}  # frozen: stored in bf16
+    spec.close()
+
+
+def test_the_recipes_prepare_every_checkpointing_mode_and_offload_they_are_given(tmp_path):
+    from fvstep.parallel import preparation
+
+    flags = [
+        *FLAGS,
+        *("--model.tiny.num_layers", "4", "--run.out", str(tmp_path / "r")),
+        *("--prepare.checkpointing", "narrow", "--prepare.checkpoint_every", "2"),
+        *("--prepare.offload_activations_every", "2"),
+    ]
+    spec = FINETUNE.build(parse_options(FINETUNE, flags), fresh=True)
+    described = preparation(spec.state.roles["student"].role.module).describe()
+    assert described["checkpointing"] == "narrow" and described["checkpoint_every"] == 2
+    assert described["checkpointed_blocks"] == 2 and described["offloaded_blocks"] == 2
+    spec.close()
+
+
+def test_the_recipes_batches_arrive_on_the_runs_device(tmp_path):
+    from fvstep.recipes import parts
+
+    meta = torch.device("meta")  # stands in for cuda:LOCAL_RANK (the CPU tests have none)
+    o = options(tmp_path / "r")
+    batch = parts.make_data(o.data, device=meta).batch(0, rank=0, world_size=1)
+    assert {v.device for v in batch.values()} == {meta}
+    plain = parts.make_data(o.data).batch(0, rank=0, world_size=1)
+    assert {v.device.type for v in plain.values()} == {"cpu"}

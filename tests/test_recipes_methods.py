@@ -129,18 +129,12 @@ def test_diffusion_nfts_old_policy_and_reference_start_as_the_initialised_studen
     assert {p.dtype for p in roles["reference"].params.values()} >= {torch.bfloat16}
 
 
-def test_the_streams_cache_is_kept_in_the_students_compute_dtype(tmp_path, monkeypatch):
+def test_the_streams_cache_is_kept_in_the_students_compute_dtype(tmp_path):
     from fvstep import parallel as fsp
-    from fvstep.recipes import parts
-
-    def autocast_on_one_process(module, options, mesh, *, trainable):
-        dtype = parts.dtype_of(options.param_dtype)
-        return fsp.prepare(module, mesh=mesh, trainable=trainable, param_dtype=dtype)
 
     spec = get_recipe("streaming").build(options("streaming", tmp_path), fresh=True)
-    assert spec.state.extra["stream"].cache.keys.dtype == torch.float32
-    monkeypatch.setattr(parts, "prepare_role", autocast_on_one_process)  # the one-process
-    bf16 = options("streaming", tmp_path, "--prepare.param_dtype", "bfloat16")  # bf16 path
+    assert spec.state.extra["stream"].cache.keys.dtype == torch.float32  # fp32 on the CPU
+    bf16 = options("streaming", tmp_path, "--prepare.precision", "bf16")  # autocast, 1 process
     spec = get_recipe("streaming").build(bf16, fresh=True)
     assert fsp.preparation(spec.state.roles["student"].role.module).param_dtype == torch.bfloat16
     assert spec.state.extra["stream"].cache.keys.dtype == torch.bfloat16

@@ -11,8 +11,9 @@ is less used.
 
 The resolved config (every option, defaults included) is written as ``config.yaml`` in
 the run's folder, with the world size (the number of ranks: ``data.batch_size`` is per
-rank, so the global batch, each rank's keys and data, and whether ``prepare.param_dtype``
-applies depend on it) and the digest of the dataset. On resume it is compared with the
+rank, so the global batch and each rank's keys and data depend on it), the resolved
+precision (``"bf16"`` or ``"fp32"``: ``prepare.precision="auto"`` depends on the device)
+and the digest of the dataset. On resume it is compared with the
 new one: a change to a key of :data:`MAY_CHANGE` (or to any learning rate, a key ending
 in ``lr``) applies; any other change, another world size or another dataset alters the
 math of the run and is refused with :class:`ConfigChangeError`, naming the key and both
@@ -222,6 +223,15 @@ def check_config_change(saved: dict[str, Any], new: dict[str, Any]) -> list[str]
             "use another run.out for another recipe"
         )
     _check_world_size(saved, new)
+    if "precision" in new and saved.get("precision") != new["precision"]:
+        raise ConfigChangeError(
+            f"precision: the run being resumed computed in {saved.get('precision')} and "
+            f"would resume in {new['precision']} (prepare.precision "
+            f"{flatten_config(new['options']).get('prepare.precision')!r} on this device), "
+            "which alters the math of the run: resume with --prepare.precision "
+            f"{saved.get('precision')} on a device that runs it, or start a new run "
+            "(another run.out; init_from can start it from this one)"
+        )
     before, after = saved.get("data_digest"), new.get("data_digest")
     if before is not None and after is not None and before != after:
         raise ConfigChangeError(
@@ -279,7 +289,7 @@ def _check_world_size(saved: dict[str, Any], new: dict[str, Any]) -> None:
             f"world size: the run being resumed was trained on {_ranks(before)} "
             f"(fvstep train --nproc {before}) and is resumed on {_ranks(after)} (--nproc "
             f"{after}); data.batch_size is per rank (the global batch, each rank's keys and "
-            "data, and whether prepare.param_dtype applies depend on the world size), so "
+            "data depend on the world size), so "
             f"this alters the math of the run. Resume with --nproc {before} (under torchrun: "
             f"{before} ranks in all), or start a new run (another run.out; init_from can "
             "start it from this one)"
@@ -320,20 +330,25 @@ def dataset_digest(path: str | Path | None) -> str | None:
 
 
 def describe_run(
-    recipe: str, options: Any, *, world_size: int, data_digest: str | None = None
+    recipe: str,
+    options: Any,
+    *,
+    world_size: int,
+    precision: str | None = None,
+    data_digest: str | None = None,
 ) -> dict[str, Any]:
-    """What ``config.yaml`` holds: the recipe, the world size, the resolved options and
-    the dataset's digest (:func:`dataset_digest`) when there is one.
+    """What ``config.yaml`` holds: the recipe, the world size, the resolved precision
+    (``prepare.precision``'s ``"auto"`` made ``"bf16"`` or ``"fp32"`` by the device), the
+    resolved options and the dataset's digest (:func:`dataset_digest`) when there is one.
 
     Examples:
-        >>> list(describe_run("finetune", options, world_size=2))
-        ['recipe', 'world_size', 'options']
+        >>> list(describe_run("finetune", options, world_size=2, precision="bf16"))
+        ['recipe', 'world_size', 'precision', 'options']
     """
-    config: dict[str, Any] = {
-        "recipe": recipe,
-        "world_size": world_size,
-        "options": options_to_dict(options),
-    }
+    config: dict[str, Any] = {"recipe": recipe, "world_size": world_size}
+    if precision is not None:
+        config["precision"] = precision
+    config["options"] = options_to_dict(options)
     if data_digest is not None:
         config["data_digest"] = data_digest
     return config
@@ -345,6 +360,7 @@ def write_config(
     options: Any,
     *,
     world_size: int,
+    precision: str | None = None,
     data_digest: str | None = None,
 ) -> Path:
     """Write the resolved config of a run as ``<run_dir>/config.yaml`` (atomically), with
@@ -362,7 +378,9 @@ def write_config(
 
     path = Path(run_dir) / CONFIG_NAME
     path.parent.mkdir(parents=True, exist_ok=True)
-    config = describe_run(recipe, options, world_size=world_size, data_digest=data_digest)
+    config = describe_run(
+        recipe, options, world_size=world_size, precision=precision, data_digest=data_digest
+    )
     text = yaml.safe_dump(config, sort_keys=False)
     tmp = path.with_name(f".{CONFIG_NAME}.tmp")
     tmp.write_text("# The resolved config of this run (fvstep train). Resuming checks it.\n" + text)

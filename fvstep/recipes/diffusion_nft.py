@@ -165,7 +165,8 @@ def build(options: DiffusionNFTOptions, *, fresh: bool = True) -> RunSpec:
     if options.kl_weight > 0:
         frozen["reference"] = copy.deepcopy(student)
     mesh = parts.make_mesh(device)
-    in_place = dataclasses.replace(options.prepare, frozen_dtype=None)  # old blends in fp32
+    # old blends toward the student in the student's storage dtype, never rounded to bf16
+    in_place = dataclasses.replace(options.prepare, frozen_dtype=options.model.dtype)
     ema = fs.EMA(options.optim.ema) if options.optim.ema is not None else None
     roles = {
         "student": fs.Role(

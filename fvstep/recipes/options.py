@@ -18,7 +18,7 @@ Examples:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 __all__ = [
     "DataOptions",
@@ -134,22 +134,49 @@ class OptimOptions:
 
 @dataclass(frozen=True)
 class PrepareOptions:
-    """The options of :func:`fvstep.parallel.prepare` for the trained roles.
+    """How every role is prepared (:func:`fvstep.parallel.prepare`): precision, memory
+    and kernels. The defaults on a GPU are the benchmarks' numerics (bf16 compute over
+    fp32 masters); ``docs/recipes.md`` gives the plan that reached 99 % of the kernel floor
+    at 480x832x81.
 
     Attributes:
-        checkpointing: Activation checkpointing: ``"none"``, ``"full"`` or ``"selective"``.
-        compile: ``torch.compile`` each block.
-        param_dtype: FSDP2's compute dtype on several ranks (``None``: the weights').
-        frozen_dtype: The dtype frozen roles are stored in (``None``: as loaded).
+        precision: ``"bf16"``: bf16 compute over fp32 master weights (FSDP2's
+            ``param_dtype`` on several ranks, autocast on one process; fp32 gradient
+            reduction and optimizer state); ``"fp32"``: fp32 throughout; ``"auto"``:
+            bf16 on CUDA, fp32 on the CPU. The resolved value is kept in ``config.yaml``
+            and checked on resume.
+        checkpointing: Activation checkpointing of the trained roles' blocks: ``"none"``,
+            ``"full"``, ``"selective"`` (matmul and attention outputs kept),
+            ``"attention"`` (attention outputs kept) or ``"narrow"`` (attention and the
+            matmuls that do not widen their input kept).
+        checkpoint_every: Checkpoint every n-th block only (1: every block).
+        offload_activations_every: Keep the saved activations of every n-th block in
+            pinned host memory between forward and backward (0: none; CUDA only).
+        compile: ``torch.compile`` each block (Inductor, with fvstep's safe options).
+        compile_memory_budget: Inductor's activation memory budget for the compiled
+            blocks' min-cut partitioner (``0``-``1``; ``None``: torch's default, 1.0:
+            save everything it can). The realshape fine-tune used 0.65.
+        inductor_options: Inductor options merged over fvstep's safe ones (e.g.
+            ``{"coordinate_descent_tuning": true}``).
+        verify_compile: Check every compiled graph's gradients against eager ones once
+            before training on them (:mod:`fvstep.parallel.compile_check`).
+        frozen_dtype: The dtype frozen roles are stored in (``None``: bf16 when
+            ``precision`` resolves to bf16, else as loaded).
         flash_attention_4: Every role's attention on FlashAttention-4
             (:func:`fvstep.parallel.enable_flash_attention_4`, backend
-            ``"_native_flash"``; Hopper/Blackwell GPUs, ``fvstep[flash4]``). It is kept
-            in the run's ``config.yaml``, so a resumed run takes the same kernels.
+            ``"_native_flash"``; Hopper/Blackwell GPUs, ``fvstep[flash4]``; needs bf16
+            compute). It is kept in the run's ``config.yaml``, so a resumed run takes the
+            same kernels.
     """
 
-    checkpointing: Literal["none", "full", "selective"] = "none"
+    precision: Literal["auto", "bf16", "fp32"] = "auto"
+    checkpointing: Literal["none", "full", "selective", "attention", "narrow"] = "none"
+    checkpoint_every: int = 1
+    offload_activations_every: int = 0
     compile: bool = False
-    param_dtype: Dtype | None = None
+    compile_memory_budget: float | None = None
+    inductor_options: dict[str, Any] = field(default_factory=dict)
+    verify_compile: bool = False
     frozen_dtype: Dtype | None = None
     flash_attention_4: bool = False
 

@@ -8,15 +8,18 @@ Examples:
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any
 
+import attrs
 import torch
 from torch import nn
 
 import fvstep as fs
 from fvstep import parallel as fsp
+from fvstep.parallel.activation_checkpoint import resolve_checkpointing
 from fvstep.recipes import RunSpec
 from fvstep.recipes.options import (
     DataOptions,
@@ -32,6 +35,7 @@ from fvstep.recipes.options import (
 __all__ = [
     "check_paths",
     "close_data",
+    "compute_dtype",
     "device_for",
     "dtype_of",
     "held_out_indices",
@@ -40,6 +44,7 @@ __all__ = [
     "make_mesh",
     "make_optimizer",
     "make_run_options",
+    "precision_name",
     "prepare_role",
 ]
 
@@ -141,24 +146,70 @@ def make_mesh(device: torch.device) -> Any:
     return fsp.make_mesh(device_type=device.type)
 
 
+def compute_dtype(options: PrepareOptions, device: torch.device) -> torch.dtype | None:
+    """The dtype roles compute in over their fp32 masters: ``torch.bfloat16`` for
+    ``precision="bf16"`` (and ``"auto"`` on CUDA), ``None`` (fp32 throughout) otherwise.
+
+    Examples:
+        >>> compute_dtype(PrepareOptions(), torch.device("cpu")) is None
+        True
+    """
+    if options.precision == "bf16" or (options.precision == "auto" and device.type == "cuda"):
+        return torch.bfloat16
+    return None
+
+
+def precision_name(options: PrepareOptions, device: torch.device) -> str:
+    """``"bf16"`` or ``"fp32"``: the resolved ``prepare.precision`` (kept in ``config.yaml``)."""
+    return "fp32" if compute_dtype(options, device) is None else "bf16"
+
+
 def prepare_role(
     module: nn.Module, options: PrepareOptions, mesh: Any, *, trainable: bool
 ) -> nn.Module:
     """:func:`fvstep.parallel.prepare` with the recipe's options (FSDP2 over ``mesh``).
 
-    With ``options.flash_attention_4``, FlashAttention-4 is enabled for the process (it
-    raises where it cannot run) and the role's attention backend is ``"_native_flash"``.
+    The compute dtype (:func:`compute_dtype`) is FSDP2's ``param_dtype`` with a mesh and
+    autocast on one process, for frozen roles too (stored in ``frozen_dtype``, bf16 by
+    default under bf16 compute). Checkpointing, activation offloading and compile apply to
+    every role: a role read under ``no_grad`` (a DMD2 teacher) pays nothing for the first
+    two, and a frozen LoRA base needs them (its adapters' gradients flow through it). With
+    ``options.flash_attention_4``, FlashAttention-4 is enabled for the process (it raises
+    where it cannot run) and the role's attention backend is ``"_native_flash"``.
+
+    Raises:
+        ValueError: For FlashAttention-4 under fp32 compute (it has no fp32 kernel).
     """
+    device = next((p.device for p in module.parameters()), torch.device("cpu"))
+    dtype = compute_dtype(options, device)
     if options.flash_attention_4:
+        if dtype is None:
+            raise ValueError(
+                "prepare.flash_attention_4 needs bf16 compute (FlashAttention has no fp32 "
+                "kernel): set prepare.precision to bf16 (the default on CUDA)"
+            )
         fsp.enable_flash_attention_4()
+    checkpointing: Any = "none"
+    if options.checkpointing != "none":
+        named = resolve_checkpointing(options.checkpointing)  # "attention", "narrow": names
+        checkpointing = attrs.evolve(named, every=options.checkpoint_every)
+    offload = None
+    if options.offload_activations_every:
+        offload = fsp.ActivationOffloading(every=options.offload_activations_every)
+    compile: Any = options.compile
+    if options.compile and options.inductor_options:
+        compile = {"options": dict(options.inductor_options)}
+    frozen = dtype_of(options.frozen_dtype)
     return fsp.prepare(
         module,
         mesh=mesh,
         trainable=trainable,
-        checkpointing=options.checkpointing,
-        compile=options.compile,
-        param_dtype=dtype_of(options.param_dtype) if mesh is not None else None,
-        frozen_dtype=dtype_of(options.frozen_dtype),
+        checkpointing=checkpointing,
+        offload_activations=offload,
+        compile=compile,
+        verify_compile=options.verify_compile and options.compile,
+        param_dtype=dtype,
+        frozen_dtype=frozen if frozen is not None or dtype is None else dtype,
         attention_backend="_native_flash" if options.flash_attention_4 else None,
     )
 
@@ -225,11 +276,13 @@ class _Kept:
         return [self.kept[i] for i in drawn]
 
 
-def make_data(data: DataOptions, *, held_out: int = 0) -> Any:
+def make_data(data: DataOptions, *, held_out: int = 0, device: torch.device | None = None) -> Any:
     """A latent dataset's loader (``data.path``), or a shuffle of synthetic latents.
 
     Args:
         data: The data options.
+        device: Where the batches are delivered (the rank's device; ``None``: the CPU).
+            A dataset's loader copies them from pinned memory without blocking.
         held_out: With ``data.path``, the items :func:`held_out_indices` keeps for
             validation (``validation.num_samples``, whether validation runs or not):
             the loader never draws them. A fixed split: it follows from the recorded
@@ -257,7 +310,9 @@ def make_data(data: DataOptions, *, held_out: int = 0) -> Any:
         order = BucketedOrder(
             [dataset.shapes[i] for i in kept], key=key, batch_size=data.batch_size
         )
-        return WorkerSource(dataset, _Kept(order, kept), num_workers=data.num_workers)
+        return WorkerSource(
+            dataset, _Kept(order, kept), num_workers=data.num_workers, device=device
+        )
     from fvstep.data import ShuffledSource, SyntheticLatents
 
     items = SyntheticLatents(
@@ -266,7 +321,14 @@ def make_data(data: DataOptions, *, held_out: int = 0) -> Any:
         shape=data.latent_shape,
         text_shape=data.text_shape,
     )
-    return ShuffledSource(items, key=key, batch_size=data.batch_size)
+    collate = None if device is None else functools.partial(_collate_to, device=device)
+    return ShuffledSource(items, key=key, batch_size=data.batch_size, collate=collate)
+
+
+def _collate_to(items: list[Any], *, device: torch.device) -> Any:
+    from torch.utils.data import default_collate
+
+    return {k: v.to(device) for k, v in default_collate(items).items()}
 
 
 def _held_out(data: DataOptions, num: int) -> dict[str, torch.Tensor]:
@@ -354,7 +416,7 @@ def run_spec(
         accumulation=fs.Accumulation(microbatches=options.run.microbatches),
         clip=fs.clip_grad_norm(options.optim.clip) if options.optim.clip else None,
     )
-    data = make_data(options.data, held_out=options.validation.num_samples)
+    data = make_data(options.data, held_out=options.validation.num_samples, device=device)
     run_options = make_run_options(
         options.run,
         data=options.data,

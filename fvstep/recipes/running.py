@@ -24,6 +24,7 @@ Examples:
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -45,13 +46,31 @@ from fvstep.recipes.config import (
     read_config,
     write_config,
 )
-from fvstep.recipes.parts import check_paths
+from fvstep.recipes.parts import check_paths, device_for, precision_name
 
 __all__ = ["check_resume", "describe_plan", "prepare_run", "train"]
 
 
 def _say(rank: int, log: Callable[[str], None]) -> Callable[[str], None]:
     return log if rank == 0 else (lambda line: None)
+
+
+def _precision(options: Any) -> str:
+    """The resolved ``prepare.precision`` on this rank's device (``"bf16"`` or ``"fp32"``)."""
+    return precision_name(options.prepare, device_for(options.run))
+
+
+def _compile_memory_budget(options: Any) -> contextlib.AbstractContextManager[Any]:
+    """``prepare.compile_memory_budget`` for the graphs compiled during the run (the blocks
+    compile at their first call: Inductor's partitioner reads it then)."""
+    budget = getattr(options.prepare, "compile_memory_budget", None)
+    if budget is None:
+        return contextlib.nullcontext()
+    if not 0.0 <= budget <= 1.0:
+        raise ValueError(f"prepare.compile_memory_budget must be in [0, 1], got {budget}")
+    import torch._functorch.config as functorch_config
+
+    return functorch_config.patch(activation_memory_budget=budget)
 
 
 def check_resume(recipe: Recipe, options: Any, *, world_size: int) -> tuple[Path | None, list[str]]:
@@ -86,6 +105,7 @@ def check_resume(recipe: Recipe, options: Any, *, world_size: int) -> tuple[Path
         recipe.name,
         options,
         world_size=world_size,
+        precision=_precision(options),
         data_digest=dataset_digest(options.data.path),
     )
     return resumed_from, check_config_change(saved, new)
@@ -135,7 +155,14 @@ def prepare_run(
             if rank == 0:
                 try:
                     digest = dataset_digest(options.data.path)
-                    write_config(out, recipe.name, options, world_size=world, data_digest=digest)
+                    write_config(
+                        out,
+                        recipe.name,
+                        options,
+                        world_size=world,
+                        precision=_precision(options),
+                        data_digest=digest,
+                    )
                 except Exception as e:
                     error = e
             error = broadcast_object(error)
@@ -242,7 +269,8 @@ def _train(recipe: Recipe, options: Any, *, dry_run: bool, log: Callable[[str], 
         if dry_run:
             say(f"# {CONFIG_NAME} of recipe {recipe.name!r} (dry run: nothing is written)")
             text = yaml.safe_dump(
-                describe_run(recipe.name, options, world_size=world), sort_keys=False
+                describe_run(recipe.name, options, world_size=world, precision=_precision(options)),
+                sort_keys=False,
             )
             say(text.rstrip())
             say(f"# the first steps, from step {int(spec.state.step)}, on {world} rank(s):")
@@ -253,7 +281,8 @@ def _train(recipe: Recipe, options: Any, *, dry_run: bool, log: Callable[[str], 
             f"fvstep train: recipe {recipe.name}, {world} rank(s), to step "
             f"{options.run.num_steps}; run folder {options.run.out}"
         )
-        state = fs.run(spec.step, spec.state, spec.data, **spec.run_options)
+        with _compile_memory_budget(options):
+            state = fs.run(spec.step, spec.state, spec.data, **spec.run_options)
         say(
             f"fvstep train: done at step {int(state.step)}; run folder {options.run.out} "
             f"(checkpoints, metrics.jsonl, {CONFIG_NAME})"
