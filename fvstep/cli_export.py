@@ -18,6 +18,11 @@ the library:
   (:func:`fvstep.lora.export_merged`);
 - ``--format safetensors``: one safetensors file (:func:`fvstep.checkpoint.export_role`).
 
+Of a LoRA run (``lora_dmd2``): a LoRA role (student, critic) is written as ``lora``,
+``merged`` or ``safetensors`` (its adapter), its base (the teacher) as ``model``,
+``pipeline`` or ``safetensors``, under the plain model's names; another format is refused,
+naming one that applies.
+
 ``--weights params`` (live, the default) or ``ema``; ``--dtype`` casts. Run it on one
 process (a checkpoint saved on several ranks reshards on load), or under ``torchrun``.
 """

@@ -273,6 +273,72 @@ def test_merged_export_matches_the_role_up_to_rounding(trained):
     assert set(merge_weights(state, "critic")) == set(net.state_dict())
 
 
+def peft_model(*, disabled: bool) -> torch.nn.Module:
+    """One peft model (adapters in its own module tree, as peft leaves them), its adapter
+    away from zero (``init_lora_weights=False``) and on, or disabled."""
+    net = tiny_wan(seed=0, num_layers=1)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        peft.inject_adapter_in_model(lora_config(init_lora_weights=False), net)
+    if disabled:
+        for module in net.modules():
+            if isinstance(module, peft.tuners.lora.LoraLayer):
+                module.enable_adapters(False)
+    return net
+
+
+def one_role(net: torch.nn.Module) -> fs.TrainState:
+    return fs.TrainState.create({"student": fs.Role(net)}, key=fs.random.key(0))
+
+
+def test_a_peft_model_with_its_adapters_off_exports_the_plain_model_it_computes(tmp_path):
+    from diffusers import WanTransformer3DModel
+
+    from fvstep.checkpoint import export_diffusers
+
+    net = peft_model(disabled=True)
+    path = export_diffusers(one_role(net), "student", tmp_path / "plain")
+    loaded, info = WanTransformer3DModel.from_pretrained(path, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    plain = tiny_wan(seed=0, num_layers=1)  # the base the adapters were injected into
+    fs.tree.assert_trees_equal(dict(loaded.state_dict()), dict(plain.state_dict()))
+    assert torch.equal(velocity(loaded), velocity(net))  # the adapters' tensors left out
+
+
+def test_a_peft_model_computing_with_its_adapters_keeps_them_or_is_refused(tmp_path):
+    from safetensors.torch import load_file
+
+    from fvstep.checkpoint import export_diffusers, export_role
+
+    net = peft_model(disabled=False)
+    state = one_role(net)
+    with pytest.raises(ValueError, match=r"role 'student' computes with the peft adapter "):
+        export_diffusers(state, "student", tmp_path / "plain")  # would drop the adapter
+    # A safetensors file is the peft model as it is: it loads back into one, bitwise.
+    again = peft_model(disabled=False)
+    with torch.no_grad():
+        for p in again.parameters():
+            p.zero_()
+    again.load_state_dict(load_file(export_role(state, "student", tmp_path / "role")))
+    assert torch.equal(velocity(again), velocity(net))
+
+
+def test_an_export_refuses_peft_adapters_it_would_silently_lose(tmp_path):
+    from fvstep.checkpoint import export_diffusers, export_role
+
+    state, lora = dmd2_state(init=False)
+    with lora["student"].active(), pytest.raises(ValueError, match="not the role.s"):
+        export_role(state, "teacher", tmp_path / "active")  # the student's weights, not its
+    net = peft_model(disabled=False)
+    for module in net.modules():
+        if isinstance(module, peft.tuners.lora.LoraLayer):
+            module.merge()
+    with pytest.raises(ValueError, match=r"role 'student' has peft adapters \['default'\]"):
+        export_role(one_role(net), "student", tmp_path / "merged")
+    with pytest.raises(ValueError, match="--format merged"):
+        export_diffusers(state, "critic", tmp_path / "critic")
+
+
 def test_a_lora_role_without_its_base_in_the_state_is_refused():
     base = tiny_wan(seed=0, num_layers=1)
     lora = add_adapters(base, {"student": lora_config()})

@@ -46,6 +46,7 @@ from fvstep.checkpoint.export import (
     _replace_dir,
     _role_state,
     _save_safetensors,
+    export_names,
 )
 from fvstep.checkpoint.layout import fsync
 from fvstep.parallel.ranks import rank_and_world
@@ -77,6 +78,12 @@ def export_diffusers(
     With ``dtype``, the tensors of the class's ``_keep_in_fp32_modules`` stay in fp32
     (as ``from_pretrained(..., torch_dtype=dtype)`` would hold them), the others are cast.
 
+    The base of LoRA roles (a module carrying peft layers whose adapters it does not
+    compute with: the teacher of ``lora_dmd2``) is written as the plain model it
+    computes, under the class's own names (``x.base_layer.weight`` as ``x.weight``; see
+    :func:`~fvstep.checkpoint.export.export_names`). A LoRA role itself is refused: write
+    it with :func:`fvstep.lora.export_merged` or :func:`fvstep.lora.export_lora`.
+
     Args:
         state: The training state.
         role: The role's name.
@@ -92,7 +99,8 @@ def export_diffusers(
     Raises:
         ImportError: If diffusers is not installed.
         ValueError: For an unknown role or ``weights``, a module that is not a diffusers
-            ``ModelMixin``, a config recording a causal chunk the module does not have,
+            ``ModelMixin`` (a LoRA role), one computing with peft adapters (or with
+            merged ones), a config recording a causal chunk the module does not have,
             ``weights="ema"`` without an EMA, a non-floating ``dtype``, a ``path`` that is
             a file, or a non-empty ``path`` without ``overwrite=True``. Raised on every
             rank.
@@ -107,6 +115,7 @@ def export_diffusers(
     cls = _diffusers_class(module, role)
     _check_causal_record(module, role)
     _check_options(role_state, role, weights, dtype)
+    names = export_names(module, role)  # peft layers the role does not compute with: plain
     path = Path(path)
     writes = rank_and_world()[0] == 0
 
@@ -115,7 +124,12 @@ def export_diffusers(
         functools.partial(_check_target, path, overwrite) if writes else None,
     )
     tensors = _gather(
-        role_state, role, weights=weights, dtype_for=_dtype_for(cls, dtype), keep=writes
+        role_state,
+        role,
+        weights=weights,
+        dtype_for=_dtype_for(cls, dtype),
+        keep=writes,
+        names=names,
     )
 
     def write() -> None:
@@ -178,7 +192,8 @@ def export_pipeline(
     ``path`` gets everything of the pipeline folder ``base`` (its ``model_index.json``,
     VAE, text encoder, tokenizer, scheduler, ...), copied (or, with ``link=True``,
     symlinked to ``base``'s absolute paths), except ``component``, which is the role's
-    module written as :func:`export_diffusers` writes it. So
+    module written as :func:`export_diffusers` writes it (the base of LoRA roles under
+    its plain names). So
     ``DiffusionPipeline.from_pretrained(path)`` loads the base pipeline with the trained
     transformer (or its EMA, chosen explicitly). With ``scheduler`` (a diffusers scheduler,
     e.g. ``EulerSampler(...).scheduler()``), its config replaces the base's, so that the
@@ -208,7 +223,8 @@ def export_pipeline(
     Raises:
         ImportError: If diffusers is not installed.
         ValueError: For an unknown role or ``weights``, a role that is not a diffusers
-            ``ModelMixin``, a ``base`` without ``model_index.json`` or whose
+            ``ModelMixin`` (a LoRA role), one computing with peft adapters (as
+            :func:`export_diffusers`), a ``base`` without ``model_index.json`` or whose
             ``model_index.json`` has no ``component``, ``path`` inside ``base`` (or the
             reverse), or a non-empty ``path`` without ``overwrite=True``. Raised on every
             rank.
@@ -224,6 +240,7 @@ def export_pipeline(
     cls = _diffusers_class(module, role)
     _check_causal_record(module, role)
     _check_options(role_state, role, weights, dtype)
+    names = export_names(module, role)  # peft layers the role does not compute with: plain
     path, base = Path(path), Path(base)
     writes = rank_and_world()[0] == 0
 
@@ -242,7 +259,12 @@ def export_pipeline(
 
     _agree("check the export target", check if writes else None)
     tensors = _gather(
-        role_state, role, weights=weights, dtype_for=_dtype_for(cls, dtype), keep=writes
+        role_state,
+        role,
+        weights=weights,
+        dtype_for=_dtype_for(cls, dtype),
+        keep=writes,
+        names=names,
     )
 
     def write() -> None:
@@ -289,6 +311,13 @@ def _diffusers_class(module: nn.Module, role: str) -> type[Any]:
     with needs_extra("models", "a diffusers export"):
         from diffusers import ModelMixin
 
+    if not isinstance(module, ModelMixin) and isinstance(module.__dict__.get("base"), ModelMixin):
+        raise ValueError(  # a fvstep.lora.LoRAModule (the checkpoint layer may not import it)
+            f"role {role!r} is a LoRA adapter over a base model, not a diffusers model: "
+            "write the base with the adapter merged in (fvstep.lora.export_merged; fvstep "
+            "export --format merged) or the adapter alone in diffusers' LoRA format "
+            "(fvstep.lora.export_lora; --format lora)"
+        )
     if not isinstance(module, ModelMixin):
         raise ValueError(
             f"export_diffusers needs a diffusers ModelMixin, but role {role!r} holds a "

@@ -25,12 +25,14 @@ import contextlib
 import json
 import os
 import shutil
+import sys
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fvstep._optional import needs_extra
@@ -39,7 +41,7 @@ from fvstep.parallel.ranks import gather_objects, rank_and_world
 from fvstep.state import RoleState, TrainState
 from fvstep.weights import Weights, roles_holding_other_weights, select_weights
 
-__all__ = ["CAUSAL_METADATA_KEY", "WEIGHTS_NAME", "export_role", "gather_weights"]
+__all__ = ["CAUSAL_METADATA_KEY", "WEIGHTS_NAME", "export_names", "export_role", "gather_weights"]
 
 WEIGHTS_NAME = "model.safetensors"
 """The file name :func:`export_role` writes when given a directory."""
@@ -114,6 +116,13 @@ def export_role(
     its names (as ``state_dict`` lists it), each its own copy: safetensors cannot store
     shared memory, and a strict ``load_state_dict`` expects every name.
 
+    A module carrying peft layers whose adapters it does not compute with (the base of
+    :func:`fvstep.lora.add_adapters`: the teacher of ``lora_dmd2``) is written as the
+    plain model it computes: ``x.base_layer.weight`` as ``x.weight``, the adapters' own
+    tensors left out, so the file loads strictly into the plain model (the base's class,
+    without peft). A module that computes with adapters of its own (one peft model as
+    one role) keeps its ``state_dict`` keys.
+
     Args:
         state: The training state.
         role: The role's name.
@@ -137,8 +146,9 @@ def export_role(
 
     Raises:
         ValueError: For an unknown role or ``weights``, ``weights="ema"`` without an EMA,
-            a non-floating ``dtype``, an existing target without ``overwrite=True``, or
-            a target that is a directory. Raised on every rank.
+            a non-floating ``dtype``, an existing target without ``overwrite=True``, a
+            target that is a directory, or peft adapters that the file would lose (see
+            :func:`export_names`). Raised on every rank.
         RuntimeError: On the other ranks, when writing failed on a writing rank.
 
     Examples:
@@ -147,6 +157,7 @@ def export_role(
     """
     role_state = _role_state(state, role)
     _check_options(role_state, role, weights, dtype)
+    names = export_names(role_state.role.module, role, keep_own_adapters=True)
     path = Path(path)
     target = path if path.suffix == ".safetensors" else path / WEIGHTS_NAME
     writes = rank0_only is False or rank_and_world()[0] == 0
@@ -160,7 +171,9 @@ def export_role(
             )
 
     _agree("check the export target", check_target if writes else None)
-    tensors = _gather(role_state, role, weights=weights, dtype_for=lambda _: dtype, keep=writes)
+    tensors = _gather(
+        role_state, role, weights=weights, dtype_for=lambda _: dtype, keep=writes, names=names
+    )
     metadata = {"format": "pt"}
     chunk = _causal_chunk(role_state.role.module)
     if chunk is not None:  # a causal Wan, or adapters over one: the file says so
@@ -173,6 +186,97 @@ def export_role(
 
     _agree("write the export", write if writes else None)
     return target if writes else None
+
+
+def export_names(
+    module: nn.Module, role: str, *, keep_own_adapters: bool = False
+) -> Callable[[str], str | None] | None:
+    """How an export names a role's tensors when its module carries peft layers.
+
+    A peft layer (``peft.tuners.tuners_utils.BaseTunerLayer``) holds the weights it wraps
+    under ``base_layer``; what the module computes decides the names. A layer neither
+    merged nor computing with an adapter (disabled, as the base of
+    :func:`fvstep.lora.add_adapters` is between calls) computes its base layer alone:
+    ``x.base_layer.weight`` is exported as ``x.weight`` and its adapter tensors (another
+    role's, or unused) are left out, so the plain class loads the export and computes
+    bitwise what the role does. A module computing with adapters registered in it (one
+    peft model as one role) keeps its ``state_dict`` names with ``keep_own_adapters`` (a
+    file that loads back into that peft model); otherwise it is refused, as a plain
+    export would silently drop what the adapter adds.
+
+    Args:
+        module: The role's module.
+        role: The role's name (for the errors).
+        keep_own_adapters: Keep the names of a module computing with its own adapters.
+
+    Returns:
+        ``state_dict`` name to export name (``None``: left out), or ``None`` to keep the
+        ``state_dict`` names (no peft layer, or a peft model kept as it is).
+
+    Raises:
+        ValueError: For a merged peft layer (its base weights hold the adapter: the
+            forward unmerges them when disabled), or a computing adapter that cannot be
+            kept, naming the role, the layer, the adapter and the fix.
+
+    Examples:
+        >>> names = export_names(state.module("teacher"), "teacher")
+        >>> names("blocks.0.attn1.to_q.base_layer.weight")
+        'blocks.0.attn1.to_q.weight'
+    """
+    if "peft" not in sys.modules:  # peft layers exist only once peft was imported
+        return None
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers: dict[str, Any] = {
+        p: m for p, m in module.named_modules() if isinstance(m, BaseTunerLayer)
+    }
+    if not layers:
+        return None
+    computing = []
+    for path, layer in layers.items():
+        if layer.merged:
+            raise ValueError(
+                f"role {role!r} has peft adapters {layer.merged_adapters} merged into "
+                f"{path!r}: an export cannot tell them from the base weights; unmerge them "
+                "(peft's unmerge_adapter) or make the merge final (merge_and_unload) first"
+            )
+        if layer.disable_adapters:
+            continue
+        for adapter in layer.active_adapters:
+            held = [getattr(layer, c) for c in layer.adapter_layer_names if hasattr(layer, c)]
+            held = [c for c in held if adapter in c]
+            if held:
+                computing.append((path, adapter, all(c in layer.children() for c in held)))
+    if computing:
+        if keep_own_adapters and all(own for _, _, own in computing):
+            return None  # one peft model as one role: its state_dict, adapters included
+        not_own = [c for c in computing if not c[2]]
+        path, adapter, own = (not_own if keep_own_adapters else computing)[0]
+        if not own:
+            raise ValueError(
+                f"role {role!r} computes with the peft adapter {adapter!r} at {path!r}, whose "
+                "weights are not the role's (an adapter switched on outside its LoRAModule's "
+                "call?): export with every other role's adapter off, or export that LoRA role"
+            )
+        raise ValueError(
+            f"role {role!r} computes with the peft adapter {adapter!r} at {path!r}, which "
+            "a plain model cannot hold: merge it into the weights first (peft's "
+            "merge_and_unload), or make the adapter a role (fvstep.lora.add_adapters) and "
+            "write it with fvstep.lora.export_lora or export_merged"
+        )
+
+    def rename(name: str) -> str | None:
+        parts = name.split(".")
+        kept = []
+        for i, part in enumerate(parts):
+            if ".".join(parts[:i]) in layers:  # the part right under a peft layer
+                if part != "base_layer":
+                    return None  # an adapter's tensor: not what this role computes
+                continue
+            kept.append(part)
+        return ".".join(kept)
+
+    return rename
 
 
 def _causal_chunk(module: Any) -> int | None:
@@ -257,13 +361,19 @@ def _gather(
     weights: Weights,
     dtype_for: Callable[[str], torch.dtype | None],
     keep: bool,
+    names: Callable[[str], str | None] | None = None,
 ) -> dict[str, torch.Tensor] | None:
+    """The role's tensors under their export names: ``names(state_dict name)`` (``None``
+    leaves the tensor out; no ``names``: the ``state_dict`` names, see :func:`export_names`)."""
     out: dict[str, torch.Tensor] = {}
     # A tied tensor's aliases reuse its gathered copy: one gather (a collective, so every
     # rank must skip the same ones) per tensor and dtype.
     gathered: dict[tuple[int, torch.dtype], str] = {}
     with torch.no_grad():
-        for name, source in _named_sources(role_state, role, weights):
+        for state_name, source in _named_sources(role_state, role, weights):
+            name = state_name if names is None else names(state_name)
+            if name is None:  # the same names on every rank: no gather is skipped on one
+                continue
             tensor = source.detach()
             dtype = dtype_for(name)
             if dtype is not None and tensor.is_floating_point():

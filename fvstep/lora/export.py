@@ -66,7 +66,9 @@ def _lora_module(state: TrainState, role: str) -> LoRAModule:
     if not isinstance(module, LoRAModule):
         raise ValueError(
             f"role {role!r} holds a {type(module).__name__}, not a fvstep.lora.LoRAModule "
-            "(made by fvstep.lora.add_adapters)"
+            "(made by fvstep.lora.add_adapters): it has no adapter to write; write its "
+            "weights as a diffusers model (fvstep.checkpoint.export_diffusers; fvstep "
+            "export --format model)"
         )
     return module
 
