@@ -249,3 +249,13 @@ def raise_recompile_limit(limit: int) -> int:
 
     config.recompile_limit = max(config.recompile_limit, limit)
     return config.recompile_limit
+
+
+def activation_memory_budget(budget: float) -> Any:
+    """A context in which graphs compiled use ``budget`` as the min-cut partitioner's
+    activation memory budget (``torch._functorch.config.activation_memory_budget``, 0 to
+    1; 1.0, torch's default, saves all it can). A process-wide setting, put back on exit;
+    it applies to the graphs compiled inside (a block compiles at its first call)."""
+    import torch._functorch.config as functorch_config
+
+    return functorch_config.patch(activation_memory_budget=budget)

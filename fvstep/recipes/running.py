@@ -68,9 +68,9 @@ def _compile_memory_budget(options: Any) -> contextlib.AbstractContextManager[An
         return contextlib.nullcontext()
     if not 0.0 <= budget <= 1.0:
         raise ValueError(f"prepare.compile_memory_budget must be in [0, 1], got {budget}")
-    import torch._functorch.config as functorch_config
+    from fvstep._compat import activation_memory_budget
 
-    return functorch_config.patch(activation_memory_budget=budget)
+    return activation_memory_budget(budget)
 
 
 def check_resume(recipe: Recipe, options: Any, *, world_size: int) -> tuple[Path | None, list[str]]:
