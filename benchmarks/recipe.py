@@ -25,7 +25,7 @@ import torch
 import fvstep as fs
 from fvstep.recipes import get_recipe
 from fvstep.recipes.config import parse_options
-from fvstep.recipes.running import prepare_run
+from fvstep.recipes.running import compile_memory_budget, prepare_run
 
 
 def _sync(device: torch.device) -> None:
@@ -45,9 +45,9 @@ def time_recipe(name: str, argv: list[str], *, warmup: int) -> dict[str, Any]:
     recipe = get_recipe(name)
     options = parse_options(recipe, argv)
     device = device_for(options.run)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
     spec = prepare_run(recipe, options, log=lambda line: None)
+    if device.type == "cuda":  # after the build: CUDA is initialised, the weights are in
+        torch.cuda.reset_peak_memory_stats(device)
     times: list[float] = []
     losses: list[float] = []
     last = [time.perf_counter()]
@@ -64,7 +64,8 @@ def time_recipe(name: str, argv: list[str], *, warmup: int) -> dict[str, Any]:
     try:
         _sync(device)
         last[0] = time.perf_counter()
-        fs.run(spec.step, spec.state, spec.data, **spec.run_options, on_metrics=on_metrics)
+        with compile_memory_budget(options):  # as fvstep train runs it
+            fs.run(spec.step, spec.state, spec.data, **spec.run_options, on_metrics=on_metrics)
     finally:
         spec.close()
     timed = times[warmup:] or times

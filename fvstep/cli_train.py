@@ -17,7 +17,6 @@ another ``--nproc`` than the run's); 1 for any other error.
 
 from __future__ import annotations
 
-import os
 import sys
 from typing import Any
 
@@ -120,6 +119,19 @@ def _options(recipe: Any, argv: list[str]) -> Any:
         ) from None
 
 
+def _check_options(options: Any) -> None:
+    """What a run would refuse before it starts, refused before it writes anything: a path
+    that holds nothing, an ``init_from`` state past ``run.num_steps``, samples without a
+    VAE."""
+    from fvstep.recipes.init import check_init_state
+    from fvstep.recipes.parts import check_paths
+    from fvstep.recipes.samples import check_samples
+
+    check_paths(options)
+    check_init_state(options)
+    check_samples(options)
+
+
 def _check_before_launch(recipe: Any, options: Any, nproc: int) -> None:
     """What the launched ranks would refuse, refused here (exit code 2, not a failed
     rank's 1): a wrong path, a folder another run holds, a refused config change."""
@@ -128,17 +140,16 @@ def _check_before_launch(recipe: Any, options: Any, nproc: int) -> None:
     from fvstep.checkpoint import CheckpointLockedError, lock_dir
     from fvstep.checkpoint.layout import LOCK_NAME
     from fvstep.recipes.config import ConfigChangeError
-    from fvstep.recipes.parts import check_paths
     from fvstep.recipes.running import check_resume
 
     try:
-        check_paths(options)
+        _check_options(options)
         if (Path(options.run.out) / LOCK_NAME).is_file():  # creates nothing in a new folder
             lock_dir(options.run.out).release()
         check_resume(recipe, options, world_size=nproc)
     except (CheckpointLockedError, ConfigChangeError) as e:
         raise CLIError(f"fvstep train: {e}") from None
-    except ValueError as e:  # check_paths's
+    except ValueError as e:  # _check_options's
         raise CLIError(f"fvstep train {recipe.name}: {e}") from None
 
 
@@ -147,14 +158,13 @@ def _train_rank(job: tuple[str, list[str], bool]) -> dict[str, Any]:
     import fvstep as fs
     from fvstep.checkpoint import CheckpointLockedError
     from fvstep.recipes.config import ConfigChangeError
-    from fvstep.recipes.parts import check_paths
     from fvstep.recipes.running import train
 
     name, argv, dry_run = job
     recipe = _recipe(name)
     options = _options(recipe, argv)
     try:
-        check_paths(options)
+        _check_options(options)
     except ValueError as e:
         raise CLIError(f"fvstep train {recipe.name}: {e}") from None
     try:
@@ -223,9 +233,7 @@ def run_train_command(argv: list[str]) -> int:
                 file=sys.stderr,
             )
             return EXIT_INTERRUPTED
-    mine = results[0]
-    if "interrupted" in mine:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"fvstep train: {mine['interrupted']}", file=sys.stderr, flush=True)
+    if "interrupted" in results[0]:
+        # rank 0's fvstep.run said it in one line (the signal, the step, the checkpoint)
         return EXIT_INTERRUPTED
     return 0

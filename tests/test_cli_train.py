@@ -109,8 +109,9 @@ def test_train_killed_by_sigterm_resumes_bitwise_then_exports_a_pipeline_that_sa
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     out = log.read_text()
-    assert f"stopped by SIGTERM at step {HOLD_AT + 1} of {NUM_STEPS}" in out, out
-    assert "run the same command again to resume" in out
+    saved = f"saved '{Path('runs/finetune-tiny') / f'step_{HOLD_AT + 1:09d}'}'"
+    assert f"fvstep: stopped by SIGTERM at step {HOLD_AT + 1} of {NUM_STEPS}; {saved}" in out, out
+    assert out.count("stopped by SIGTERM") == 1, out  # one line, fvstep.run's
     run = Path("runs/finetune-tiny")
     assert ckpt.latest(run) == run / f"step_{HOLD_AT + 1:09d}"
     capsys.readouterr()

@@ -410,3 +410,70 @@ def check_bf16_latents_on_sharded_roles(rank: int, world_size: int) -> dict[str,
 def test_bf16_latents_train_a_sharded_fp32_model_on_two_ranks(ranks) -> None:
     for result in ranks.run(check_bf16_latents_on_sharded_roles):
         assert all(result.values()), result
+
+
+# --------------------------------------------------------------------------------------
+# fvstep train's front door: --help with descriptions, a recipe of the working directory,
+# an init_from state with nothing left to train, a misspelt key
+# --------------------------------------------------------------------------------------
+
+
+def test_train_help_shows_each_options_description() -> None:
+    from fvstep.recipes import get_recipe
+    from fvstep.recipes.config import help_text
+    from tests.test_docs_facts import _pyproject
+
+    train = _pyproject()["project"]["optional-dependencies"]["train"]
+    assert any(r.startswith("docstring-parser") for r in train), train  # jsonargparse reads them
+    text = " ".join(help_text(get_recipe("finetune")).split())
+    assert "--optim.lr LR The learning rate (a resumed run may change it" in text, text
+
+
+def test_a_recipe_in_the_working_directory_is_found_by_module_and_attribute(
+    tmp_path, monkeypatch
+) -> None:
+    import sys
+
+    from fvstep.recipes import get_recipe
+
+    (tmp_path / "my_cwd_recipe.py").write_text(
+        "from fvstep.recipes import Recipe\n"
+        "from fvstep.recipes.finetune import FinetuneOptions, build\n"
+        "RECIPE = Recipe('mine', FinetuneOptions, build)\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    monkeypatch.delitem(sys.modules, "my_cwd_recipe", raising=False)
+    assert get_recipe("my_cwd_recipe:RECIPE").name == "mine"
+
+
+@pytest.mark.parametrize("num_steps", [2, 1])
+def test_init_from_a_state_with_no_step_left_to_train_is_refused_naming_both_steps(
+    tmp_path, monkeypatch, capsys, num_steps
+) -> None:
+    from fvstep.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    run = ["train", "finetune", "--run.progress", "false", "--model.tiny.num_layers", "1"]
+    assert main([*run, "--run.out", "a", "--run.num_steps", "2"]) == 0
+    capsys.readouterr()
+    init = ["--init_from.path", "a", "--init_from.kind", "state"]
+    assert main([*run, "--run.out", "b", *init, "--run.num_steps", str(num_steps)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert f"is at step 2 and run.num_steps is {num_steps}" in err, err
+    assert not (tmp_path / "b").exists()
+    assert main([*run, "--run.out", "b", *init, "--run.num_steps", "3"]) == 0  # one step left
+
+
+def test_a_misspelt_key_is_answered_with_the_closest_key(capsys) -> None:
+    from fvstep.cli import main
+
+    assert main(["train", "finetune", "--optim.lrr", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "unrecognized arguments: --optim.lrr 1: did you mean --optim.lr?" in err, err
+    assert main(["train", "dmd2", "--run.nm_steps", "3", "--critic_lrr=1"]) == 2
+    err = capsys.readouterr().err
+    assert "did you mean --run.num_steps for --run.nm_steps, --critic_lr for --critic_lrr?" in err
+    assert main(["train", "finetune", "--bogus", "1"]) == 2
+    assert "did you mean" not in capsys.readouterr().err

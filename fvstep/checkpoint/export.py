@@ -225,7 +225,8 @@ def export_names(
     """
     if "peft" not in sys.modules:  # peft layers exist only once peft was imported
         return None
-    from peft.tuners.tuners_utils import BaseTunerLayer
+    with needs_extra("lora", "exporting a role with peft layers"):
+        from peft.tuners.tuners_utils import BaseTunerLayer
 
     layers: dict[str, Any] = {
         p: m for p, m in module.named_modules() if isinstance(m, BaseTunerLayer)

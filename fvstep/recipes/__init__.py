@@ -23,6 +23,8 @@ Examples:
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -82,7 +84,8 @@ class Recipe:
 
 
 def get_recipe(name: str) -> Recipe:
-    """A shipped recipe by name, or a :class:`Recipe` at ``"package.module:ATTRIBUTE"``.
+    """A shipped recipe by name, or a :class:`Recipe` at ``"package.module:ATTRIBUTE"``
+    (importable from the working directory, as ``fvstep verify-resume``'s factories).
 
     Raises:
         ValueError: For an unknown name, or an attribute that is not a :class:`Recipe`.
@@ -98,6 +101,8 @@ def get_recipe(name: str) -> Recipe:
             "'package.module:ATTRIBUTE' naming a fvstep.recipes.Recipe"
         )
     module, _, attribute = where.partition(":")
+    if name not in RECIPES and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # `fvstep train my_recipe:RECIPE` from its folder
     try:
         recipe = getattr(importlib.import_module(module), attribute)
     except (ImportError, AttributeError) as e:

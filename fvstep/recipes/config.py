@@ -149,7 +149,47 @@ def parse_options(recipe: Recipe, argv: Sequence[str]) -> Any:
         values = {f.name: init[f.name] for f in dataclasses.fields(recipe.options)}
         return recipe.options(**values)
     except (argparse.ArgumentError, TypeError, ValueError) as e:
-        raise ValueError(" ".join(str(e).split())) from None
+        raise ValueError(" ".join(str(e).split()) + _did_you_mean(recipe, argv)) from None
+
+
+def _option_keys(options: type, prefix: str = "") -> list[str]:
+    """Every dotted key of an options dataclass (``optim.lr``, ``model.tiny.num_layers``)."""
+    keys = []
+    for f in dataclasses.fields(options):
+        nested = f.default_factory if f.default_factory is not dataclasses.MISSING else None
+        value = nested() if nested is not None else f.default
+        if dataclasses.is_dataclass(value):
+            keys.extend(_option_keys(type(value), f"{prefix}{f.name}."))
+        else:
+            keys.append(prefix + f.name)
+    return keys
+
+
+def _did_you_mean(recipe: Recipe, argv: Sequence[str]) -> str:
+    """``": did you mean --optim.lr?"`` for each flag of ``argv`` that is no key of the
+    recipe but close to one (difflib over the dotted keys, then over their last parts)."""
+    import difflib
+
+    keys = _option_keys(recipe.options)
+    groups = {k.rsplit(".", 1)[0] for k in keys if "." in k}
+    known = {*keys, *groups, "config"}
+    hints = []
+    for word in argv:
+        if not word.startswith("--"):
+            continue
+        key = word[2:].partition("=")[0]
+        if key in known:
+            continue
+        close = difflib.get_close_matches(key, keys, n=1)
+        if not close:  # `--lr`: the key of that last part
+            last = key.rsplit(".", 1)[-1]
+            close = [k for k in keys if k.rsplit(".", 1)[-1] == last][:1]
+        if close:
+            hints.append((key, close[0]))
+    if len(hints) == 1:
+        return f": did you mean --{hints[0][1]}?"
+    pairs = ", ".join(f"--{k} for --{typo}" for typo, k in hints)
+    return f": did you mean {pairs}?" if hints else ""
 
 
 def help_text(recipe: Recipe) -> str:

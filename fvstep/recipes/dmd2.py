@@ -33,6 +33,7 @@ from fvstep.recipes.options import (
     TrackerOptions,
     ValidationOptions,
 )
+from fvstep.sampling import FewStepSampler
 
 __all__ = ["RECIPE", "DMD2Options", "build"]
 
@@ -105,6 +106,7 @@ def build(options: DMD2Options, *, fresh: bool = True) -> RunSpec:
         ),
         trained=("student", "critic"),
         device=device,
+        sampler=FewStepSampler((1.0,)),  # the student's schedule: dmd2's default, one step
     )
 
 

@@ -42,6 +42,7 @@ from fvstep.recipes.options import InitFrom
 __all__ = [
     "check_base_digest",
     "check_causal_source",
+    "check_init_state",
     "init_from",
     "load_weights_into",
     "resolve_checkpoint",
@@ -221,6 +222,39 @@ def check_base_digest(
             f"checkpoint {str(folder)!r} was trained on another base model (digest "
             f"{digests[base_role][:16]}..., this run's is {mine[:16]}...): its adapters "
             "only fit the base they were trained on (same weights, dtype and revision)"
+        )
+
+
+def check_init_state(options: Any) -> None:
+    """Refuse ``init_from.kind="state"`` from a checkpoint at or past ``run.num_steps``: the
+    new run would train no step, write nothing and end "done".
+
+    Nothing is checked for a run whose folder holds a checkpoint (it resumes from it and
+    ignores ``init_from``), nor for other kinds.
+
+    Args:
+        options: A recipe's options (``init_from`` and ``run`` groups).
+
+    Raises:
+        ValueError: Naming the source's step and ``run.num_steps``.
+
+    Examples:
+        >>> check_init_state(parse_options(recipe, ["--init_from.path", "runs/a",
+        ...                                         "--init_from.kind", "state"]))
+    """
+    source = options.init_from
+    if source.path is None or source.kind != "state":
+        return
+    out = Path(options.run.out)
+    if out.is_dir() and ckpt.latest(out) is not None:
+        return
+    folder = resolve_checkpoint(source.path)
+    step = ckpt.read_manifest(folder).step
+    if options.run.num_steps <= step:
+        raise ValueError(
+            f"init_from.kind state: {str(folder)!r} is at step {step} and run.num_steps is "
+            f"{options.run.num_steps}, so the run would train no step; run.num_steps is the "
+            f"step to reach, counted from the source's start: give more than {step}"
         )
 
 

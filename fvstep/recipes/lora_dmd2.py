@@ -32,6 +32,7 @@ from fvstep.recipes.options import (
     TrackerOptions,
     ValidationOptions,
 )
+from fvstep.sampling import FewStepSampler
 
 __all__ = ["RECIPE", "LoRADMD2Options", "LoRAOptions", "build"]
 
@@ -132,6 +133,7 @@ def build(options: LoRADMD2Options, *, fresh: bool = True) -> RunSpec:
         ),
         trained=("student", "critic"),
         device=device,
+        sampler=FewStepSampler((1.0,)),  # the student's schedule: dmd2's default, one step
     )
 
 

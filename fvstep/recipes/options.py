@@ -225,7 +225,8 @@ class RunOptions:
 @dataclass(frozen=True)
 class ValidationOptions:
     """The flow-matching loss of the trained role on held-out latents
-    (:func:`fvstep.validation.validation_loss`).
+    (:func:`fvstep.validation.validation_loss`), and sample videos of it
+    (:func:`fvstep.recipes.samples.sample_validation`).
 
     Attributes:
         every: Validate every ``every`` steps (``0``: never).
@@ -233,10 +234,28 @@ class ValidationOptions:
             ``num_samples`` items (of the first item's shapes), which training never
             draws, whether validation runs or not (``0``: train on every item); a resumed
             run may not change it then.
+        sample_every: Sample videos every ``sample_every`` steps and at the end (``0``:
+            never), written as ``<run.out>/media/step_<n>/samples_sample_<i>.mp4`` and
+            ``.png`` (the frames side by side). Needs a VAE: ``model.path`` a diffusers
+            pipeline folder with a ``vae/``.
+        num_videos: Videos a sampling: the prompts (text embeddings) of the first
+            ``num_videos`` held-out items, each from fixed noise, at the held-out
+            latents' shape (at most ``num_samples``).
+        sample_steps: Euler steps of a bidirectional student (``finetune``,
+            ``diffusion_nft``; the time shift of the pipeline's scheduler). A distilled
+            student (``dmd2``, ``lora_dmd2``, ``self_forcing``, ``streaming``) samples with
+            its own few-step schedule (a causal one chunk by chunk) and ignores it.
+        sample_weights: The student's weights the videos show: ``"ema"``, ``"params"``
+            (live), or ``"auto"``: the EMA when the run keeps one (``optim.ema``), else
+            the live weights.
     """
 
     every: int = 0
     num_samples: int = 2
+    sample_every: int = 0
+    num_videos: int = 2
+    sample_steps: int = 50
+    sample_weights: Literal["auto", "params", "ema"] = "auto"
 
 
 @dataclass(frozen=True)

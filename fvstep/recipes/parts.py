@@ -39,6 +39,7 @@ __all__ = [
     "device_for",
     "dtype_of",
     "held_out_indices",
+    "held_out_items",
     "load_transformer",
     "make_data",
     "make_mesh",
@@ -331,9 +332,10 @@ def _collate_to(items: list[Any], *, device: torch.device) -> Any:
     return {k: v.to(device) for k, v in default_collate(items).items()}
 
 
-def _held_out(data: DataOptions, num: int) -> dict[str, torch.Tensor]:
-    """``num`` held-out items: the dataset's (:func:`held_out_indices`, never trained on:
-    :func:`make_data`), or synthetic ones of another key."""
+def held_out_items(data: DataOptions, num: int) -> dict[str, torch.Tensor]:
+    """``num`` held-out items (``latents``, ``text``) for validation: the dataset's
+    (:func:`held_out_indices`, never trained on: :func:`make_data`), or synthetic ones of
+    another key."""
     if data.path is not None:
         from fvstep.latents import LatentDataset
 
@@ -382,7 +384,7 @@ def make_run_options(
                 f"validation.num_samples is {validation.num_samples}: validation needs at "
                 "least 1 held-out item (or validation.every 0: no validation)"
             )
-        held = _held_out(data, validation.num_samples)
+        held = held_out_items(data, validation.num_samples)
         if device is not None:
             held = {k: v.to(device) for k, v in held.items()}
         loss = validation_loss(held["latents"], held["text"], role=role)
@@ -407,10 +409,21 @@ def close_data(data: Any) -> None:
 
 
 def run_spec(
-    options: Any, state: Any, method: Any, *, trained: tuple[str, ...], device: torch.device
+    options: Any,
+    state: Any,
+    method: Any,
+    *,
+    trained: tuple[str, ...],
+    device: torch.device,
+    sampler: Any = None,
 ) -> RunSpec:
     """What every recipe returns: ``method`` compiled with the run's accumulation and
-    clipping, the data, the run options and the :class:`~fvstep.recipes.RunSpec`."""
+    clipping, the data, the run options and the :class:`~fvstep.recipes.RunSpec`; with
+    ``validation.sample_every``, sample videos of the student by ``sampler``
+    (:func:`fvstep.recipes.samples.sample_validation`; ``None``: Euler steps)."""
+    from fvstep.recipes.samples import check_samples, sample_validation
+
+    check_samples(options)  # before the data's workers start, or a held-out item is read
     step = fs.compile(
         method,
         accumulation=fs.Accumulation(microbatches=options.run.microbatches),
@@ -425,4 +438,9 @@ def run_spec(
         parallel=options.parallel,
         device=device,
     )
+    if options.validation.sample_every:
+        held = held_out_items(options.data, options.validation.num_samples)
+        samples = sample_validation(options, held, device=device, sampler=sampler)
+        loss = run_options.get("validation")
+        run_options["validation"] = [samples] if loss is None else [loss, samples]
     return RunSpec(state, step, data, run_options, trained=trained, close=lambda: close_data(data))

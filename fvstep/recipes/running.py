@@ -47,8 +47,9 @@ from fvstep.recipes.config import (
     write_config,
 )
 from fvstep.recipes.parts import check_paths, device_for, precision_name
+from fvstep.recipes.samples import check_samples
 
-__all__ = ["check_resume", "describe_plan", "prepare_run", "train"]
+__all__ = ["check_resume", "compile_memory_budget", "describe_plan", "prepare_run", "train"]
 
 
 def _say(rank: int, log: Callable[[str], None]) -> Callable[[str], None]:
@@ -60,9 +61,14 @@ def _precision(options: Any) -> str:
     return precision_name(options.prepare, device_for(options.run))
 
 
-def _compile_memory_budget(options: Any) -> contextlib.AbstractContextManager[Any]:
-    """``prepare.compile_memory_budget`` for the graphs compiled during the run (the blocks
-    compile at their first call: Inductor's partitioner reads it then)."""
+def compile_memory_budget(options: Any) -> contextlib.AbstractContextManager[Any]:
+    """A context holding ``prepare.compile_memory_budget`` for the graphs compiled in it
+    (a block compiles at its first call, inside :func:`fvstep.run`: the partitioner reads
+    it then); a null context without one.
+
+    Raises:
+        ValueError: For a budget outside ``[0, 1]``.
+    """
     budget = getattr(options.prepare, "compile_memory_budget", None)
     if budget is None:
         return contextlib.nullcontext()
@@ -126,7 +132,9 @@ def prepare_run(
             (nothing read or written).
         fvstep.recipes.config.ConfigChangeError: If the options or the world size change
             what alters the math of the run being resumed.
-        ValueError: For a ``data.path`` or ``model.path`` that holds nothing to read.
+        ValueError: For a ``data.path`` or ``model.path`` that holds nothing to read, an
+            ``init_from.kind="state"`` source at or past ``run.num_steps``, or samples
+            (``validation.sample_every``) without a VAE (nothing read or written).
     """
     rank, world = rank_and_world()
     say = _say(rank, log)
@@ -138,6 +146,8 @@ def prepare_run(
     if rank == 0:
         try:
             check_paths(options)  # before the lock: a wrong path leaves no folder
+            init_.check_init_state(options)
+            check_samples(options)
             lock = ckpt.lock_dir(out) if write else None
             resumed_from, applied = check_resume(recipe, options, world_size=world)
         except Exception as e:
@@ -281,7 +291,7 @@ def _train(recipe: Recipe, options: Any, *, dry_run: bool, log: Callable[[str], 
             f"fvstep train: recipe {recipe.name}, {world} rank(s), to step "
             f"{options.run.num_steps}; run folder {options.run.out}"
         )
-        with _compile_memory_budget(options):
+        with compile_memory_budget(options):
             state = fs.run(spec.step, spec.state, spec.data, **spec.run_options)
         say(
             f"fvstep train: done at step {int(state.step)}; run folder {options.run.out} "

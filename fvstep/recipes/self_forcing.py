@@ -40,6 +40,7 @@ from fvstep.recipes.options import (
     TrackerOptions,
     ValidationOptions,
 )
+from fvstep.sampling import FewStepSampler
 
 __all__ = ["RECIPE", "SelfForcingOptions", "build", "causal_roles", "check_latent_frames"]
 
@@ -175,7 +176,15 @@ def build(options: SelfForcingOptions, *, fresh: bool = True) -> RunSpec:
     state = fs.TrainState.create(
         causal_roles(options, fresh=fresh, device=device), key=fs.random.key(options.run.seed)
     )
-    return parts.run_spec(options, state, method, trained=("student", "critic"), device=device)
+    steps = shifted_steps(options.denoising_steps, options.denoising_shift)
+    return parts.run_spec(
+        options,
+        state,
+        method,
+        trained=("student", "critic"),
+        device=device,
+        sampler=FewStepSampler(steps),  # the causal student samples chunk by chunk
+    )
 
 
 RECIPE = Recipe(

@@ -42,6 +42,7 @@ from fvstep.recipes.options import (
     ValidationOptions,
 )
 from fvstep.recipes.self_forcing import causal_roles, check_latent_frames
+from fvstep.sampling import FewStepSampler
 
 __all__ = ["RECIPE", "StreamingOptions", "build"]
 
@@ -138,7 +139,15 @@ def build(options: StreamingOptions, *, fresh: bool = True) -> RunSpec:
     state = fs.TrainState.create(
         roles, key=fs.random.key(options.run.seed), extra={"stream": stream}
     )
-    return parts.run_spec(options, state, method, trained=("student", "critic"), device=device)
+    steps = shifted_steps(options.denoising_steps, options.denoising_shift)
+    return parts.run_spec(
+        options,
+        state,
+        method,
+        trained=("student", "critic"),
+        device=device,
+        sampler=FewStepSampler(steps),  # the causal student samples chunk by chunk
+    )
 
 
 RECIPE = Recipe(

@@ -1,0 +1,183 @@
+"""Sample videos of a recipe's student at a cadence (``validation.sample_every``).
+
+:func:`sample_validation` turns the ``validation`` options into a
+:class:`fvstep.Validation` of :func:`fvstep.sampling.sample_videos`: the student (its EMA
+when the run keeps one, by default) samples one video for each of the first
+``validation.num_videos`` held-out items' prompt embeddings (the split the validation loss
+uses, never trained on), from fixed noise at the held-out latents' shape, and the VAE of
+the pipeline folder at ``model.path`` decodes them. The run's JSONL tracker writes each as
+``<run.out>/media/step_<n>/samples_sample_<i>.mp4`` and ``.png`` (the frames side by
+side), so they can be watched with no TensorBoard or W&B; a resumed run writes those of
+its start step again, the same bit for bit.
+
+Sampling never changes the training: it runs as every validation does (no autograd, the
+global RNG scoped, the state's leaves untouched; :func:`fvstep.reporting.observe`).
+
+Examples:
+    >>> held = held_out_items(options.data, options.validation.num_samples)
+    >>> samples = sample_validation(options, held, device=torch.device("cpu"),
+    ...                             sampler=FewStepSampler((1.0,)))  # a DMD2 student
+    >>> fvstep.run(step, state, data, num_steps=100, validation=[loss, samples])
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from fvstep._optional import needs_extra
+from fvstep.parallel import rank_and_world
+from fvstep.reporting import Validation
+from fvstep.sampling import EulerSampler, Sampler, sample_videos
+from fvstep.state import TrainState
+
+__all__ = ["SAMPLES_PREFIX", "check_samples", "sample_validation"]
+
+SAMPLES_PREFIX = "samples"
+"""The prefix of the videos' names: ``media/step_<n>/samples_sample_<i>.mp4``."""
+
+
+def _vae_folder(options: Any) -> Path | None:
+    """``model.path`` when it is a pipeline folder with a ``vae/``, else ``None``."""
+    path = getattr(getattr(options, "model", None), "path", None)
+    if path is None or not (Path(path) / "vae" / "config.json").is_file():
+        return None
+    return Path(path)
+
+
+def check_samples(options: Any) -> None:
+    """Refuse ``validation.sample_every`` that a run could not honour, before it starts.
+
+    Args:
+        options: A recipe's options (with the ``validation``, ``model`` and ``optim``
+            groups); nothing is checked when ``validation.sample_every`` is 0.
+
+    Raises:
+        ValueError: For a negative cadence, ``num_videos`` outside ``1 ..
+            num_samples``, no VAE (``model.path`` not a pipeline folder with a ``vae/``),
+            or ``sample_weights="ema"`` in a run without an EMA (``optim.ema``).
+        fvstep._optional.MissingExtraError: Without ``imageio-ffmpeg`` (the MP4 files).
+
+    Examples:
+        >>> check_samples(FinetuneOptions())  # sample_every 0: nothing to check
+    """
+    v = options.validation
+    if v.sample_every < 0:
+        raise ValueError(
+            f"validation.sample_every is {v.sample_every}: give a number of steps, or 0 "
+            "(no samples)"
+        )
+    if v.sample_every == 0:
+        return
+    if not 1 <= v.num_videos <= v.num_samples:
+        raise ValueError(
+            f"validation.num_videos is {v.num_videos}: the videos' prompts are the "
+            f"held-out items' (validation.num_samples {v.num_samples}); give 1 to "
+            f"{v.num_samples}, or raise validation.num_samples"
+        )
+    if v.sample_steps < 1:
+        raise ValueError(f"validation.sample_steps is {v.sample_steps}: give 1 or more")
+    if _vae_folder(options) is None:
+        raise ValueError(
+            f"validation.sample_every {v.sample_every} needs a VAE to decode the videos, "
+            f"and model.path ({options.model.path!r}) is no pipeline folder with a vae/: "
+            "give a diffusers pipeline folder (e.g. Wan2.1-T2V-1.3B-Diffusers; "
+            "fvstep.recipes.tiny_pipeline.save_tiny_pipeline writes a tiny one), or "
+            "--validation.sample_every 0"
+        )
+    if v.sample_weights == "ema" and getattr(options.optim, "ema", None) is None:
+        raise ValueError(
+            "validation.sample_weights is 'ema' and the run keeps no EMA (optim.ema is "
+            "None): set --optim.ema, or --validation.sample_weights params (or auto)"
+        )
+    with needs_extra("media", "validation.sample_every (the videos' MP4 files)"):
+        import imageio  # noqa: F401
+        import imageio_ffmpeg  # noqa: F401
+
+
+def _scheduler_shift(folder: Path) -> float:
+    """The time shift of the pipeline's scheduler (``1``: none, or no scheduler)."""
+    config = folder / "scheduler" / "scheduler_config.json"
+    if not config.is_file():
+        return 1.0
+    return float(json.loads(config.read_text()).get("shift", 1.0))
+
+
+def _load_vae(folder: Path, device: torch.device) -> nn.Module:
+    with needs_extra("models", "validation.sample_every (the pipeline's VAE)"):
+        from diffusers import AutoencoderKLWan
+
+    vae: Any = AutoencoderKLWan.from_pretrained(
+        str(folder), subfolder="vae", torch_dtype=torch.float32
+    )
+    return vae.to(device).eval()
+
+
+def sample_validation(
+    options: Any,
+    held_out: Mapping[str, torch.Tensor],
+    *,
+    device: torch.device,
+    role: str = "student",
+    sampler: Sampler | None = None,
+) -> Validation | None:
+    """The sample videos of ``options.validation`` as a :class:`fvstep.Validation`.
+
+    Every rank samples (a sharded role needs all of them); rank 0 alone loads the VAE,
+    decodes and returns the videos, which the run's trackers write (the JSONL tracker as
+    ``<run.out>/media/step_<n>/samples_sample_<i>.mp4`` and ``.png``). The noise is fixed
+    (:func:`fvstep.sampling.sample_videos`' key), so the videos of two validations differ
+    by the weights alone, and a resumed run's equal an uninterrupted run's.
+
+    Args:
+        options: A recipe's options.
+        held_out: The validation's held-out items, ``{"latents": (N, C, F, H, W), "text":
+            (N, L, D)}`` (:func:`fvstep.recipes.parts.held_out_items`): the videos' prompts
+            are the first ``validation.num_videos`` texts, their shape the latents'.
+        device: The rank's device (where the VAE decodes).
+        role: The role to sample.
+        sampler: The student's sampler: a :class:`~fvstep.sampling.FewStepSampler` of
+            its schedule for a distilled student (a causal one samples chunk by chunk);
+            ``None``: ``validation.sample_steps`` Euler steps with the shift of the
+            pipeline's scheduler.
+
+    Returns:
+        The validation, or ``None`` when ``validation.sample_every`` is 0.
+
+    Raises:
+        ValueError: As :func:`check_samples`.
+
+    Examples:
+        >>> held = held_out_items(options.data, options.validation.num_samples)
+        >>> samples = sample_validation(options, held, device=torch.device("cpu"))
+        >>> samples.every == options.validation.sample_every
+        True
+    """
+    v = options.validation
+    check_samples(options)
+    if v.sample_every == 0:
+        return None
+    folder = _vae_folder(options)
+    assert folder is not None  # check_samples refused it otherwise
+    text, shape = held_out["text"][: v.num_videos], tuple(held_out["latents"].shape[1:])
+    # only rank 0 decodes (sample_videos); the others never touch their VAE
+    vae = _load_vae(folder, device) if rank_and_world()[0] == 0 else nn.Module()
+    chosen = sampler or EulerSampler(v.sample_steps, shift=_scheduler_shift(folder))
+    by_weights: dict[str, Callable[[TrainState, torch.Tensor], Mapping[str, Any]]] = {}
+
+    def videos(state: TrainState, key: torch.Tensor) -> Mapping[str, Any]:
+        weights = v.sample_weights
+        if weights == "auto":
+            weights = "ema" if state.role(role).ema is not None else "params"
+        if weights not in by_weights:
+            by_weights[weights] = sample_videos(
+                text, latent_shape=shape, vae=vae, role=role, sampler=chosen, weights=weights
+            )
+        return by_weights[weights](state, key)
+
+    return Validation(videos, every=v.sample_every, prefix=SAMPLES_PREFIX)
