@@ -24,18 +24,16 @@ from typing import Literal
 import attrs
 import torch
 
-from fvstep.tree import full_tensor, local_tensor
+from fvstep.tree import local_tensor
 
 __all__ = [
     "SANITIZE_POLICIES",
     "ClipGradNorm",
     "NonFiniteGradientError",
     "Sanitize",
-    "as_full",
     "clip_grad_norm",
     "first_non_finite",
     "nan_to_num_",
-    "total_norm",
 ]
 
 Sanitize = Literal["error", "nan_to_num", "skip"] | None
@@ -138,22 +136,6 @@ def clip_grad_norm(
         >>> step = fvstep.compile(method, clip=clip_grad_norm(1.0))
     """
     return ClipGradNorm(max_norm=max_norm, norm_type=norm_type, foreach=foreach, joint=joint)
-
-
-def total_norm(
-    grads: Sequence[torch.Tensor], *, norm_type: float = 2.0, foreach: bool | None = None
-) -> torch.Tensor:
-    """The global p-norm of ``grads`` (torch's ``get_total_norm``).
-
-    For DTensor gradients the result is a DTensor, exactly what ``clip_grad_norm_`` hands
-    to ``clip_grads_with_norm_``; :func:`as_full` turns it into a plain tensor.
-    """
-    return torch.nn.utils.get_total_norm(grads, norm_type, False, foreach)
-
-
-def as_full(norm: torch.Tensor) -> torch.Tensor:
-    """A plain tensor of a norm that may be a (partial or replicated) DTensor."""
-    return full_tensor(norm)
 
 
 def _non_finite_kind(x: torch.Tensor) -> str | None:

@@ -216,10 +216,6 @@ class Every(Step):
         gate = Gate(self.n, self.offset)
         return tuple(route.behind(gate) for route in self.inner.routes)
 
-    def runs_at(self, step: int) -> bool:
-        """Whether the wrapped step runs at ``step``."""
-        return step >= self.offset and (step - self.offset) % self.n == 0
-
 
 def every(n: int, inner: Step, *, offset: int = 0) -> Every:
     """Run ``inner`` at steps ``offset, offset + n, offset + 2n, ...``.
