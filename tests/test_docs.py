@@ -32,6 +32,24 @@ def _run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
 
 
+def _shown_outputs(page: Path) -> list[str]:
+    """The lines of a page's ``text`` blocks that follow a Python block: what it says the
+    Python prints (a ``text`` block after a ``bash`` block is a command's output)."""
+    lines: list[str] = []
+    block: str | None = None
+    last = None
+    for line in page.read_text().splitlines():
+        if line.startswith("```") and block is None:
+            block = line[3:].strip()
+            continue
+        if line.startswith("```"):
+            last, block = block, None
+            continue
+        if block == "text" and last == "python":
+            lines.append(line)
+    return lines
+
+
 def test_tutorial_runs_twice_in_a_row_with_the_same_output(tmp_path):
     script = _load_check_snippets()._script(ROOT / "docs" / "tutorial.md", tmp_path)
     assert script is not None and (tmp_path / "my_method.py").exists()
@@ -43,6 +61,13 @@ def test_tutorial_runs_twice_in_a_row_with_the_same_output(tmp_path):
         outputs.append(done.stdout)
     assert outputs[0] == outputs[1]
     assert outputs[0].startswith("20\n30\n")
+    printed = outputs[0].splitlines()
+    at = 0
+    for line in _shown_outputs(ROOT / "docs" / "tutorial.md"):  # what the page says it prints
+        assert line in printed[at:], f"docs/tutorial.md shows {line!r}; the code printed:\n" + (
+            "\n".join(printed)
+        )
+        at = printed.index(line, at) + 1
 
     done = _run(
         [sys.executable, "-m", "fvstep", "verify-resume", "my_method:factory", *VERIFY_ARGS],
