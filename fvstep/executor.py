@@ -182,11 +182,21 @@ def run(
     step: Callable[..., tuple[TrainState, dict[str, Any]]],
     state: TrainState,
     data: Any,
-    **options: Any,
+    *,
+    num_steps: int,
+    checkpoints: Checkpoints | None = None,
+    metrics_path: str | os.PathLike[str] | None = None,
+    progress: bool = True,
+    on_metrics: Callable[[int, dict[str, Any]], None] | None = None,
+    handle_signals: bool = True,
+    validation: Validation | Sequence[Validation] | None = None,
+    trackers: Sequence[Tracker] | None = None,
+    log_every: int = 10,
+    parallelism: Parallelism | None = None,
 ) -> TrainState:
     """Run ``step`` until the state's step counter reaches ``num_steps``; return the state.
 
-    As :func:`run_until` (see it for the options and the errors), but a run that a signal
+    As :func:`run_until` (the same options; see it for each and for the errors), but a run that a signal
     stops early raises: on SIGTERM or a first Ctrl-C it finishes the step in progress,
     saves, releases the lock of ``checkpoints.dir`` and raises :class:`Interrupted`
     (naming the signal, the step and the checkpoint). So a script never goes on to
@@ -205,12 +215,26 @@ def run(
         >>> state = run(step_fn, state, source, num_steps=1000,
         ...             checkpoints=Checkpoints("ckpt", every=100, keep=3))
     """
-    result = run_until(step, state, data, **options)
+    result = run_until(
+        step,
+        state,
+        data,
+        num_steps=num_steps,
+        checkpoints=checkpoints,
+        metrics_path=metrics_path,
+        progress=progress,
+        on_metrics=on_metrics,
+        handle_signals=handle_signals,
+        validation=validation,
+        trackers=trackers,
+        log_every=log_every,
+        parallelism=parallelism,
+    )
     if not result.completed:
         raise Interrupted(
             result.stopped_by,
             int(result.state.step),
-            options["num_steps"],
+            num_steps,
             result.checkpoint,
             result.state,
         )
