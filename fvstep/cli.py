@@ -1,8 +1,8 @@
-"""The ``fvstep`` command line: ``train``, ``export``, ``demo``, ``verify-resume``,
+"""The ``fvstep`` command line: ``train``, ``plan``, ``export``, ``demo``, ``verify-resume``,
 ``verify-compile``, ``data``.
 
 This module is the parser and the dispatch; each command lives in its own module
-(:mod:`fvstep.cli_train`, :mod:`fvstep.cli_export`, :mod:`fvstep.cli_demo`,
+(:mod:`fvstep.cli_train`, :mod:`fvstep.cli_plan`, :mod:`fvstep.cli_export`, :mod:`fvstep.cli_demo`,
 :mod:`fvstep.cli_verify`, :mod:`fvstep.latents.cli`), and what
 they share in :mod:`fvstep.cli_common`. ``fvstep demo`` and ``fvstep verify-resume``
 launch their ranks themselves through torch.distributed's elastic launcher when
@@ -25,6 +25,7 @@ from typing import Any, NoReturn
 from fvstep.cli_common import CLIError
 from fvstep.cli_demo import add_demo_parser, run_demo_command
 from fvstep.cli_export import add_export_parser, run_export_command
+from fvstep.cli_plan import add_plan_parser, run_plan_command
 from fvstep.cli_train import add_train_parser, run_train_command
 from fvstep.cli_verify import add_verify_parsers, run_verify_compile, run_verify_resume
 
@@ -47,6 +48,7 @@ def _build_parser(command: str | None = None) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     add_train_parser(sub)
+    add_plan_parser(sub)
     add_export_parser(sub)
     add_demo_parser(sub)
     add_verify_parsers(sub)
@@ -130,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
             code = run_train_command(argv[argv.index("train") + 1 :])
             _close_process_group()
             return code
+        if command_name == "plan":  # so are plan's (the same options, then its own flags)
+            return run_plan_command(argv[argv.index("plan") + 1 :])
         args = _build_parser(command_name).parse_args(argv)
         handlers = {
             "export": run_export_command,
