@@ -5,18 +5,15 @@ inference.
 checkpoint). The run's ``config.yaml`` (written by ``fvstep train``) rebuilds the state's
 structure (its ``model.path``, relative to where the run was started, must still be
 there: a frozen base saved by digest is verified against it; the dataset is not read),
-the checkpoint is loaded into it, and one role is written with the export functions of
-the library:
+the checkpoint is loaded into it, and one role is written by the library's
+:func:`fvstep.checkpoint.export`, in one of its formats:
 
-- ``--format model`` (default): a diffusers model folder
-  (:func:`fvstep.checkpoint.export_diffusers`);
+- ``--format model`` (default): a diffusers model folder (``format="diffusers"``);
 - ``--format pipeline --base DIR``: a whole diffusers pipeline folder, the role in place
-  of the base pipeline's transformer (:func:`fvstep.checkpoint.export_pipeline`);
-- ``--format lora``: a LoRA role's adapter in diffusers' LoRA format
-  (:func:`fvstep.lora.export_lora`);
-- ``--format merged``: the base with a LoRA role's adapter merged in
-  (:func:`fvstep.lora.export_merged`);
-- ``--format safetensors``: one safetensors file (:func:`fvstep.checkpoint.export_role`).
+  of the base pipeline's transformer;
+- ``--format lora``: a LoRA role's adapter in diffusers' LoRA format;
+- ``--format merged``: the base with a LoRA role's adapter merged in;
+- ``--format safetensors``: one safetensors file.
 
 Of a LoRA run (``lora_dmd2``): a LoRA role (student, critic) is written as ``lora``,
 ``merged`` or ``safetensors`` (its adapter), its base (the teacher) as ``model``,
@@ -93,7 +90,7 @@ def _load_run(checkpoint: str) -> tuple[Any, Any]:
         raise CLIError(
             f"fvstep export: no config.yaml in {str(folder.parent)!r}: export reads the run's "
             "config (written by fvstep train) to rebuild its state; for a run of your own "
-            "script, call fvstep.checkpoint.export_diffusers on its loaded state"
+            "script, call fvstep.checkpoint.export on its loaded state"
         )
     recipe = get_recipe(saved["recipe"])
     options = _options_from(recipe, saved["options"])
@@ -135,25 +132,25 @@ def run_export_command(args: argparse.Namespace) -> int:
     """
     import torch
 
-    from fvstep.checkpoint import export_diffusers, export_pipeline, export_role
+    from fvstep.checkpoint import export
 
     if args.format == "pipeline" and not args.base:
         raise CLIError("fvstep export: --format pipeline needs --base (a pipeline folder)")
     state, folder = _load_run(args.checkpoint)
-    dtype = getattr(torch, args.dtype) if args.dtype else None
-    common = {"weights": args.weights, "dtype": dtype, "overwrite": args.overwrite}
+    if args.format in ("lora", "merged"):
+        import fvstep.lora  # noqa: F401  (registers the LoRA formats)
+    options = {"base": args.base} if args.format == "pipeline" else {}
     try:
-        if args.format == "model":
-            written = export_diffusers(state, args.role, args.out, **common)
-        elif args.format == "pipeline":
-            written = export_pipeline(state, args.role, args.out, base=args.base, **common)
-        elif args.format == "safetensors":
-            written = export_role(state, args.role, args.out, **common)
-        else:
-            from fvstep.lora import export_lora, export_merged
-
-            writer = export_lora if args.format == "lora" else export_merged
-            written = writer(state, args.role, args.out, **common)
+        written = export(
+            state,
+            args.role,
+            args.out,
+            format="diffusers" if args.format == "model" else args.format,
+            weights=args.weights,
+            dtype=getattr(torch, args.dtype) if args.dtype else None,
+            overwrite=args.overwrite,
+            **options,
+        )
     except ValueError as e:
         raise CLIError(f"fvstep export: {e}") from None
     if written is not None:

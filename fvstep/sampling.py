@@ -3,7 +3,7 @@
 - :class:`EulerSampler`: ``N``-step flow-matching Euler with the times of diffusers'
   ``FlowMatchEulerDiscreteScheduler`` (and its ``step``), optionally classifier-free
   guided: the sampler a ``WanPipeline`` with that scheduler runs, so an exported pipeline
-  (:func:`fvstep.checkpoint.export_pipeline`) reproduces it.
+  (``fvstep.checkpoint.export(..., format="pipeline")``) reproduces it.
 - :class:`FewStepSampler`: a few-step student's sampler (DMD2's ``denoising_steps``):
   predict ``x0 = x - t v`` at each step, re-noise it to the next step with fresh keyed
   noise, return the last ``x0``.

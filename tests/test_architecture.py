@@ -50,9 +50,11 @@ APPLICATIONS = (
     "fvstep.cli_common",
     "fvstep.cli_demo",
     "fvstep.cli_export",
+    "fvstep.cli_plan",
     "fvstep.cli_train",
     "fvstep.cli_verify",
     "fvstep.demo",
+    "fvstep.planning",
     "fvstep.recipes",
 )
 """The package's own users, at the top: they may import the face, nothing imports them."""
@@ -323,7 +325,7 @@ def _private_imports() -> list[str]:
     return found
 
 
-PRIVATE_IMPORTS_LEFT = 73
+PRIVATE_IMPORTS_LEFT = 34
 """Imports of another module's private names still in the code (issue 36 takes them to 0,
 merging what a 450-line cap once split): the number may only go down."""
 

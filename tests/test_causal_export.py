@@ -18,8 +18,8 @@ import torch
 
 import fvstep as fs
 from fvstep import random as fsrandom
-from fvstep.checkpoint import export_diffusers, export_pipeline, export_role
-from fvstep.checkpoint.export import CAUSAL_METADATA_KEY
+from fvstep.checkpoint import export
+from fvstep.checkpoint.exporting import CAUSAL_METADATA_KEY
 from fvstep.methods import self_forcing
 from fvstep.methods.causal_rollout import rollout
 from fvstep.methods.causal_wan import (
@@ -68,7 +68,7 @@ def test_an_exported_causal_role_loads_back_causal_and_bitwise(trained_state, tm
     from diffusers import WanTransformer3DModel
 
     path = tmp_path / "student"
-    export_diffusers(trained_state, "student", path, weights=weights)
+    export(trained_state, "student", path, weights=weights, format="diffusers")
     config = json.loads((path / "config.json").read_text())
     assert config[CAUSAL_CONFIG_KEY] == {"chunk_frames": 1}
     loaded = load_causal(path)
@@ -89,8 +89,8 @@ def test_an_exported_causal_role_loads_back_causal_and_bitwise(trained_state, tm
 def test_a_plain_safetensors_export_of_a_causal_role_records_its_chunk(trained_state, tmp_path):
     from safetensors import safe_open
 
-    causal = export_role(trained_state, "student", tmp_path / "student")
-    plain = export_role(trained_state, "critic", tmp_path / "critic")
+    causal = export(trained_state, "student", tmp_path / "student")
+    plain = export(trained_state, "critic", tmp_path / "critic")
     with safe_open(str(causal), "pt") as f:
         record = json.loads(f.metadata()[CAUSAL_METADATA_KEY])
         weights = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open's API)
@@ -98,7 +98,7 @@ def test_a_plain_safetensors_export_of_a_causal_role_records_its_chunk(trained_s
         assert CAUSAL_METADATA_KEY not in f.metadata()
     assert record == {"chunk_frames": 1}
     # the checkpoint layer's copies of the methods' names (it may not import them)
-    from fvstep.checkpoint.export import _CAUSAL_ROPE_ATTR
+    from fvstep.checkpoint.exporting import _CAUSAL_ROPE_ATTR
     from fvstep.methods._causal_attention import CAUSAL_ATTR
 
     assert (CAUSAL_METADATA_KEY, _CAUSAL_ROPE_ATTR) == (CAUSAL_CONFIG_KEY, CAUSAL_ATTR)
@@ -124,20 +124,20 @@ def test_a_lora_roles_safetensors_export_records_its_causal_bases_chunk(tmp_path
     roles = {"student": fs.Role(lora["student"], optimizer=adamw), "base": fs.Role(base)}
     state = fs.TrainState.create(roles, key=fs.random.key(0))
     for role in roles:
-        with safe_open(str(export_role(state, role, tmp_path / role)), "pt") as f:
+        with safe_open(str(export(state, role, tmp_path / role)), "pt") as f:
             assert json.loads(f.metadata()[CAUSAL_METADATA_KEY]) == {"chunk_frames": 2}, role
 
 
 def test_a_merged_lora_export_over_a_causal_base_loads_back_causal_and_computes_the_role(
     tmp_path,
 ):
-    """LoRA's ``export_merged`` writes the base's config: over a causal base it carries the
+    """LoRA's ``format="merged"`` export writes the base's config: over a causal base it carries the
     record, ``load_causal`` rebuilds the causal model of the merged weights, and a plain
     ``from_pretrained`` of the folder is the bidirectional model fvstep refuses elsewhere."""
     peft = pytest.importorskip("peft")
     from diffusers import WanTransformer3DModel
 
-    from fvstep.lora import add_adapters, export_merged
+    from fvstep.lora import add_adapters
 
     base = make_causal(tiny_wan(seed=0), chunk_frames=1)
     config = peft.LoraConfig(r=2, lora_alpha=2, target_modules=["to_q", "to_v"])
@@ -152,7 +152,7 @@ def test_a_merged_lora_export_over_a_causal_base_loads_back_causal_and_computes_
         for name, p in state.roles["student"].params.items():
             if ".lora_B." in name:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.5)
-    path = export_merged(state, "student", tmp_path / "merged")
+    path = export(state, "student", tmp_path / "merged", format="merged")
     assert json.loads((path / "config.json").read_text())[CAUSAL_CONFIG_KEY] == {"chunk_frames": 1}
     loaded = load_causal(path)
     x, t, text = _probe()
@@ -173,7 +173,7 @@ def test_a_pipeline_export_of_a_causal_role_records_it_in_its_transformer(traine
     from fvstep.recipes.tiny_pipeline import save_tiny_pipeline
 
     base = save_tiny_pipeline(tmp_path / "base")
-    export_pipeline(trained_state, "student", tmp_path / "pipe", base=base, weights="ema")
+    export(trained_state, "student", tmp_path / "pipe", base=base, weights="ema", format="pipeline")
     loaded = load_causal(tmp_path / "pipe")
     x, t, text = _probe()
     sampler = FewStepSampler((1.0, 0.5))
@@ -196,7 +196,7 @@ def test_a_plain_load_of_a_causal_export_is_refused_where_fvstep_computes(tmp_pa
         sample(plain, x, text, sampler=FewStepSampler((1.0,)))
     state = fs.TrainState.create({"student": fs.Role(plain)}, key=fs.random.key(0))
     with pytest.raises(ValueError, match="records a causal Wan .* is bidirectional"):
-        export_diffusers(state, "student", tmp_path / "again")
+        export(state, "student", tmp_path / "again", format="diffusers")
     assert not (tmp_path / "again").exists()
     with pytest.raises(ValueError, match="records a causal model of chunk_frames=2"):
         make_causal(plain, chunk_frames=1)
@@ -298,8 +298,8 @@ def check_sharded_causal_export_and_sample(rank: int, world_size: int, directory
         {"student": fs.Role(student, optimizer=fs.optim.adamw(lr=1e-3))}, key=fs.random.key(0)
     )
     out = Path(directory)
-    file = export_role(state, "student", out / "student.safetensors")
-    folder = export_diffusers(state, "student", out / "student")
+    file = export(state, "student", out / "student.safetensors")
+    folder = export(state, "student", out / "student", format="diffusers")
     batch = synthetic_batch(fs.random.key(1), batch_size=2, frames=2)
     noise = torch.randn(batch["latents"].shape, generator=torch.Generator().manual_seed(4))
     with role_module(state, "student") as module:

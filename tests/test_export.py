@@ -14,8 +14,7 @@ from torch import nn
 
 import fvstep as fs
 from fvstep import tree
-from fvstep.checkpoint.diffusers_export import export_diffusers
-from fvstep.checkpoint.export import export_role, gather_weights
+from fvstep.checkpoint.exporting import export, gather_weights
 from fvstep.methods.finetune import flow_matching_loss
 from fvstep.models import predict, synthetic_batch, tiny_wan
 
@@ -74,14 +73,14 @@ def tmp_leftovers(directory: Path) -> list[str]:
     return [p.name for p in directory.rglob(".*")]
 
 
-# --- export_role ------------------------------------------------------------------------
+# --- format="safetensors" -----------------------------------------------------------------
 
 
 @pytest.mark.parametrize("target", ["dir", "file"])
 def test_export_role_round_trip_is_bitwise_the_state_dict(tmp_path, target):
     state = trained_state()
     path = tmp_path / "out" if target == "dir" else tmp_path / "student.safetensors"
-    written = export_role(state, "student", path)
+    written = export(state, "student", path)
     expected = tmp_path / "out" / "model.safetensors" if target == "dir" else path
     assert written == expected
     tree.assert_trees_equal(load_file(written), state_dict_of(state))
@@ -92,7 +91,7 @@ def test_export_role_of_a_plain_module_keeps_integer_buffers_and_casts_floats(tm
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
     state = make_state(net, ema=False)
-    written = export_role(state, "student", tmp_path, dtype=torch.bfloat16)
+    written = export(state, "student", tmp_path, dtype=torch.bfloat16)
     assert written is not None
     loaded = load_file(written)
     expected = {
@@ -114,7 +113,7 @@ def test_export_role_ema_exports_the_average_for_trainable_params_and_live_value
         state, _ = step(state, synthetic_batch(fs.random.fold_in(fs.random.key(1), i)))
     rs = state.roles["student"]
     assert rs.ema is not None and "patch_embedding.bias" not in rs.ema.params
-    written = export_role(state, "student", tmp_path, weights="ema")
+    written = export(state, "student", tmp_path, weights="ema")
     assert written is not None
     loaded = load_file(written)
     expected = {**state_dict_of(state), **rs.ema.params}
@@ -132,13 +131,13 @@ def test_gather_weights_never_shares_memory_with_the_state():
     assert not torch.equal(weights["proj_out.weight"], live)
 
 
-# --- export_diffusers ---------------------------------------------------------------------
+# --- format="diffusers" -------------------------------------------------------------------
 
 
 def test_export_diffusers_loads_bitwise_and_predicts_the_same(tmp_path):
     state = trained_state()
     path = tmp_path / "student"
-    assert export_diffusers(state, "student", path) == path
+    assert export(state, "student", path, format="diffusers") == path
     assert sorted(p.name for p in path.iterdir()) == ["config.json", WEIGHTS]
     module = state.module("student")
     assert json.loads((path / "config.json").read_text()) == json.loads(module.to_json_string())
@@ -157,7 +156,7 @@ def test_export_diffusers_loads_bitwise_and_predicts_the_same(tmp_path):
 
 def test_export_diffusers_ema_loads_the_average(tmp_path):
     state = trained_state()
-    export_diffusers(state, "student", tmp_path / "ema", weights="ema")
+    export(state, "student", tmp_path / "ema", weights="ema", format="diffusers")
     loaded = load_diffusers(tmp_path / "ema")
     expected = {**state_dict_of(state), **state.roles["student"].ema.params}
     tree.assert_trees_equal(dict(loaded.state_dict()), expected)
@@ -165,7 +164,7 @@ def test_export_diffusers_ema_loads_the_average(tmp_path):
 
 def test_export_diffusers_dtype_cast_keeps_the_classes_fp32_modules_in_fp32(tmp_path):
     state = make_state()
-    export_diffusers(state, "student", tmp_path / "bf16", dtype=torch.bfloat16)
+    export(state, "student", tmp_path / "bf16", dtype=torch.bfloat16, format="diffusers")
     loaded = load_file(tmp_path / "bf16" / WEIGHTS)
     keep = WanTransformer3DModel._keep_in_fp32_modules
     for name, value in state_dict_of(state).items():
@@ -182,43 +181,43 @@ def test_export_diffusers_dtype_cast_keeps_the_classes_fp32_modules_in_fp32(tmp_
 def test_errors_name_the_problem(tmp_path):
     state = make_state(ema=False)
     with pytest.raises(ValueError, match="no role 'critic'"):
-        export_role(state, "critic", tmp_path)
+        export(state, "critic", tmp_path)
     with pytest.raises(ValueError, match="no EMA"):
-        export_role(state, "student", tmp_path, weights="ema")
+        export(state, "student", tmp_path, weights="ema")
     with pytest.raises(ValueError, match="no EMA"):
-        export_diffusers(state, "student", tmp_path / "d", weights="ema")
+        export(state, "student", tmp_path / "d", weights="ema", format="diffusers")
     with pytest.raises(ValueError, match="weights must be"):
-        export_role(state, "student", tmp_path, weights="average")  # type: ignore[arg-type]
+        export(state, "student", tmp_path, weights="average")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="floating-point"):
-        export_role(state, "student", tmp_path, dtype=torch.int32)
+        export(state, "student", tmp_path, dtype=torch.int32)
     (tmp_path / "x.safetensors").mkdir()
     with pytest.raises(ValueError, match="is a directory"):
-        export_role(state, "student", tmp_path / "x.safetensors")
+        export(state, "student", tmp_path / "x.safetensors")
     plain = make_state(nn.Linear(2, 2), ema=False)
-    with pytest.raises(ValueError, match="diffusers ModelMixin.*export_role"):
-        export_diffusers(plain, "student", tmp_path / "d")
+    with pytest.raises(ValueError, match="diffusers ModelMixin.*format=.safetensors."):
+        export(plain, "student", tmp_path / "d", format="diffusers")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["x.safetensors"]
 
 
 def test_existing_exports_are_kept_unless_overwrite(tmp_path):
     old, new = make_state(), trained_state()
-    file = export_role(old, "student", tmp_path / "f.safetensors")
+    file = export(old, "student", tmp_path / "f.safetensors")
     with pytest.raises(ValueError, match="overwrite=True"):
-        export_role(new, "student", tmp_path / "f.safetensors")
+        export(new, "student", tmp_path / "f.safetensors")
     tree.assert_trees_equal(load_file(file), state_dict_of(old))
-    export_role(new, "student", tmp_path / "f.safetensors", overwrite=True)
+    export(new, "student", tmp_path / "f.safetensors", overwrite=True)
     tree.assert_trees_equal(load_file(file), state_dict_of(new))
 
     folder = tmp_path / "d"
     folder.mkdir()  # an empty folder is a fine target
-    export_diffusers(old, "student", folder)
+    export(old, "student", folder, format="diffusers")
     with pytest.raises(ValueError, match="not empty.*overwrite=True"):
-        export_diffusers(new, "student", folder)
+        export(new, "student", folder, format="diffusers")
     tree.assert_trees_equal(load_file(folder / WEIGHTS), state_dict_of(old))
-    export_diffusers(new, "student", folder, overwrite=True)
+    export(new, "student", folder, overwrite=True, format="diffusers")
     tree.assert_trees_equal(load_file(folder / WEIGHTS), state_dict_of(new))
     with pytest.raises(ValueError, match="exists and is not a directory"):
-        export_diffusers(new, "student", file, overwrite=True)  # a file is never replaced
+        export(new, "student", file, overwrite=True, format="diffusers")  # a file is never replaced
     tree.assert_trees_equal(load_file(file), state_dict_of(new))
     assert tmp_leftovers(tmp_path) == []
 
@@ -227,8 +226,8 @@ def test_a_failed_write_leaves_the_previous_export_intact(tmp_path, monkeypatch)
     import safetensors.torch
 
     old = make_state()
-    file = export_role(old, "student", tmp_path / "f.safetensors")
-    export_diffusers(old, "student", tmp_path / "d")
+    file = export(old, "student", tmp_path / "f.safetensors")
+    export(old, "student", tmp_path / "d", format="diffusers")
 
     def crash(tensors, filename, metadata=None):
         Path(filename).write_bytes(b"partial")
@@ -237,9 +236,9 @@ def test_a_failed_write_leaves_the_previous_export_intact(tmp_path, monkeypatch)
     monkeypatch.setattr(safetensors.torch, "save_file", crash)
     new = trained_state()
     with pytest.raises(OSError, match="disk full"):
-        export_role(new, "student", tmp_path / "f.safetensors", overwrite=True)
+        export(new, "student", tmp_path / "f.safetensors", overwrite=True)
     with pytest.raises(OSError, match="disk full"):
-        export_diffusers(new, "student", tmp_path / "d", overwrite=True)
+        export(new, "student", tmp_path / "d", overwrite=True, format="diffusers")
     monkeypatch.undo()
     tree.assert_trees_equal(load_file(file), state_dict_of(old))
     tree.assert_trees_equal(load_file(tmp_path / "d" / WEIGHTS), state_dict_of(old))
@@ -259,14 +258,14 @@ def check_sharded_export(rank: int, world_size: int, directory: str):
     assert all(hasattr(p, "full_tensor") for p in state.roles["student"].params.values())
     out = Path(directory)
     written = {
-        "params": export_role(state, "student", out / "params"),
-        "ema_bf16": export_role(
+        "params": export(state, "student", out / "params"),
+        "ema_bf16": export(
             state, "student", out / "ema.safetensors", weights="ema", dtype=torch.bfloat16
         ),
-        "diffusers": export_diffusers(state, "student", out / "diffusers"),
+        "diffusers": export(state, "student", out / "diffusers", format="diffusers"),
     }
     try:  # refused on rank 0 (which checks the path), raised on every rank: no hang
-        export_role(state, "student", out / "params")
+        export(state, "student", out / "params")
         refusal = None
     except ValueError as e:
         refusal = str(e)
@@ -290,7 +289,7 @@ def test_sharded_export_is_bitwise_the_unsharded_model_and_loads_in_diffusers(ra
     assert tmp_leftovers(tmp_path) == []
 
 
-# --- export_pipeline: a whole diffusers pipeline folder ---------------------------------------
+# --- format="pipeline": a whole diffusers pipeline folder ---------------------------------------
 
 
 def tiny_tokenizer():
@@ -340,14 +339,19 @@ def tiny_base_pipeline(path: Path) -> Path:
 
 
 def test_export_pipeline_loads_and_reproduces_the_in_training_sampler(tmp_path):
-    from fvstep.checkpoint.diffusers_export import export_pipeline
     from fvstep.sampling import EulerSampler, decode_latents, sample
 
     base = tiny_base_pipeline(tmp_path / "base")
     state = trained_state()
     sampler = EulerSampler(3, shift=3.0)
-    out = export_pipeline(
-        state, "student", tmp_path / "pipe", base=base, weights="ema", scheduler=sampler.scheduler()
+    out = export(
+        state,
+        "student",
+        tmp_path / "pipe",
+        base=base,
+        weights="ema",
+        scheduler=sampler.scheduler(),
+        format="pipeline",
     )
     assert out == tmp_path / "pipe" and tmp_leftovers(tmp_path) == []
     pipe = diffusers.DiffusionPipeline.from_pretrained(out)
@@ -394,35 +398,37 @@ def test_export_pipeline_loads_and_reproduces_the_in_training_sampler(tmp_path):
 
 
 def test_export_pipeline_links_refuses_and_keeps_the_base_scheduler(tmp_path):
-    from fvstep.checkpoint.diffusers_export import export_pipeline
 
     base = tiny_base_pipeline(tmp_path / "base")
     state = trained_state(1)
-    out = export_pipeline(state, "student", tmp_path / "linked", base=base, link=True)
+    out = export(state, "student", tmp_path / "linked", base=base, link=True, format="pipeline")
     assert (out / "vae").is_symlink() and not (out / "transformer").is_symlink()
     index = json.loads((out / "model_index.json").read_text())
     assert index["scheduler"] == ["diffusers", "UniPCMultistepScheduler"]
     pipe = diffusers.DiffusionPipeline.from_pretrained(out)
     tree.assert_trees_equal(dict(pipe.transformer.state_dict()), state_dict_of(state))
     with pytest.raises(ValueError, match="overwrite=True"):
-        export_pipeline(state, "student", out, base=base)
-    export_pipeline(state, "student", out, base=base, overwrite=True)
+        export(state, "student", out, base=base, format="pipeline")
+    export(state, "student", out, base=base, overwrite=True, format="pipeline")
     with pytest.raises(ValueError, match="model_index.json"):
-        export_pipeline(state, "student", tmp_path / "x", base=tmp_path / "linked" / "vae")
+        export(
+            state, "student", tmp_path / "x", base=tmp_path / "linked" / "vae", format="pipeline"
+        )
     with pytest.raises(ValueError, match="nest"):
-        export_pipeline(state, "student", base / "inside", base=base)
+        export(state, "student", base / "inside", base=base, format="pipeline")
     with pytest.raises(ValueError, match="no component"):
-        export_pipeline(state, "student", tmp_path / "y", base=base, component="unet")
+        export(state, "student", tmp_path / "y", base=base, component="unet", format="pipeline")
     assert tmp_leftovers(tmp_path) == []
 
 
 def check_sharded_pipeline_export(rank: int, world_size: int, directory: str, base: str):
     from fvstep import parallel as fsp
-    from fvstep.checkpoint.diffusers_export import export_pipeline
 
     mesh = fsp.make_mesh(device_type="cpu")
     state = make_state(fsp.shard_module(tiny_wan(seed=0), mesh=mesh))
-    out = export_pipeline(state, "student", Path(directory) / "pipe", base=base, weights="ema")
+    out = export(
+        state, "student", Path(directory) / "pipe", base=base, weights="ema", format="pipeline"
+    )
     return None if out is None else str(out)
 
 

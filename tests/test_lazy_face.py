@@ -16,7 +16,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-HEAVY = ("torch", "torch.distributed.fsdp", "diffusers", "sympy", "fvstep.checkpoint.export")
+HEAVY = ("torch", "torch.distributed.fsdp", "diffusers", "sympy", "fvstep.checkpoint.exporting")
 """Modules whose import made ``fvstep --help`` take seconds."""
 
 

@@ -11,13 +11,11 @@ import torch
 
 import fvstep as fs
 from fvstep import parallel as fsp
-from fvstep.checkpoint import CheckpointError, DamagedCheckpointError, read_manifest
+from fvstep.checkpoint import CheckpointError, DamagedCheckpointError, export, read_manifest
 from fvstep.lora import (
     LoRAModule,
     add_adapters,
     base_digest,
-    export_lora,
-    export_merged,
     merge_weights,
 )
 from fvstep.methods import dmd2
@@ -228,7 +226,7 @@ def test_diffusers_lora_export_loads_and_matches_the_role(trained, weights):
     from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
 
     state, root = trained
-    path = export_lora(state, "student", root / f"lora_{weights}")
+    path = export(state, "student", root / f"lora_{weights}", format="lora")
     expected_module = state.module("student")
     if weights == "ema":  # the role computing with its EMA weights
         ema = fs.tree.clone(state.roles["student"].ema.params)
@@ -249,7 +247,7 @@ def test_diffusers_lora_export_loads_and_matches_the_role(trained, weights):
         # The same operations in the same order as the role: equal, not merely close.
         assert torch.equal(velocity(pipe.transformer), expected)
     net = tiny_wan(seed=0, num_layers=1)
-    export_lora(state, "student", root / f"lora2_{weights}", weights=weights)
+    export(state, "student", root / f"lora2_{weights}", weights=weights, format="lora")
     net.load_lora_adapter(
         root / f"lora2_{weights}",
         weight_name="pytorch_lora_weights.safetensors",
@@ -263,7 +261,7 @@ def test_merged_export_matches_the_role_up_to_rounding(trained):
     from diffusers import WanTransformer3DModel
 
     state, root = trained
-    path = export_merged(state, "student", root / "merged")
+    path = export(state, "student", root / "merged", format="merged")
     net = WanTransformer3DModel.from_pretrained(path)
     assert not any("lora" in n or "base_layer" in n for n, _ in net.named_parameters())
     # Merging W + s * B @ A rounds differently from W x + s * B (A x): close, not equal.
@@ -294,10 +292,10 @@ def one_role(net: torch.nn.Module) -> fs.TrainState:
 def test_a_peft_model_with_its_adapters_off_exports_the_plain_model_it_computes(tmp_path):
     from diffusers import WanTransformer3DModel
 
-    from fvstep.checkpoint import export_diffusers
+    from fvstep.checkpoint import export
 
     net = peft_model(disabled=True)
-    path = export_diffusers(one_role(net), "student", tmp_path / "plain")
+    path = export(one_role(net), "student", tmp_path / "plain", format="diffusers")
     loaded, info = WanTransformer3DModel.from_pretrained(path, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     plain = tiny_wan(seed=0, num_layers=1)  # the base the adapters were injected into
@@ -308,35 +306,35 @@ def test_a_peft_model_with_its_adapters_off_exports_the_plain_model_it_computes(
 def test_a_peft_model_computing_with_its_adapters_keeps_them_or_is_refused(tmp_path):
     from safetensors.torch import load_file
 
-    from fvstep.checkpoint import export_diffusers, export_role
+    from fvstep.checkpoint import export
 
     net = peft_model(disabled=False)
     state = one_role(net)
     with pytest.raises(ValueError, match=r"role 'student' computes with the peft adapter "):
-        export_diffusers(state, "student", tmp_path / "plain")  # would drop the adapter
+        export(state, "student", tmp_path / "plain", format="diffusers")  # would drop the adapter
     # A safetensors file is the peft model as it is: it loads back into one, bitwise.
     again = peft_model(disabled=False)
     with torch.no_grad():
         for p in again.parameters():
             p.zero_()
-    again.load_state_dict(load_file(export_role(state, "student", tmp_path / "role")))
+    again.load_state_dict(load_file(export(state, "student", tmp_path / "role")))
     assert torch.equal(velocity(again), velocity(net))
 
 
 def test_an_export_refuses_peft_adapters_it_would_silently_lose(tmp_path):
-    from fvstep.checkpoint import export_diffusers, export_role
+    from fvstep.checkpoint import export
 
     state, lora = dmd2_state(init=False)
     with lora["student"].active(), pytest.raises(ValueError, match="not the role.s"):
-        export_role(state, "teacher", tmp_path / "active")  # the student's weights, not its
+        export(state, "teacher", tmp_path / "active")  # the student's weights, not its
     net = peft_model(disabled=False)
     for module in net.modules():
         if isinstance(module, peft.tuners.lora.LoraLayer):
             module.merge()
     with pytest.raises(ValueError, match=r"role 'student' has peft adapters \['default'\]"):
-        export_role(one_role(net), "student", tmp_path / "merged")
+        export(one_role(net), "student", tmp_path / "merged")
     with pytest.raises(ValueError, match="--format merged"):
-        export_diffusers(state, "critic", tmp_path / "critic")
+        export(state, "critic", tmp_path / "critic", format="diffusers")
 
 
 def test_a_lora_role_without_its_base_in_the_state_is_refused():

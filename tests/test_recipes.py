@@ -155,7 +155,7 @@ def test_init_from_another_runs_state_continues_it_in_a_new_folder(source_run, t
 
 def test_init_from_a_diffusers_folder_loads_its_weights_into_the_student(source_run, tmp_path):
     _, source = source_run
-    ckpt.export_diffusers(source, "student", tmp_path / "model")
+    ckpt.export(source, "student", tmp_path / "model", format="diffusers")
     opts = options(tmp_path, "--init_from.path", str(tmp_path / "model"))
     spec = prepare_run(FINETUNE, opts, log=lambda line: None)
     spec.close()
@@ -197,7 +197,7 @@ def test_the_model_comes_from_a_diffusers_folder_or_a_bare_config(source_run, tm
     from fvstep.recipes.parts import load_transformer
 
     _, source = source_run
-    ckpt.export_diffusers(source, "student", tmp_path / "model")
+    ckpt.export(source, "student", tmp_path / "model", format="diffusers")
     loaded = load_transformer(ModelOptions(path=str(tmp_path / "model")))
     fs.tree.assert_trees_equal(dict(loaded.named_parameters()), source.roles["student"].params)
     config = tmp_path / "model" / "config.json"

@@ -25,7 +25,7 @@ import fvstep as fs
 from fvstep import parallel as fsp
 from fvstep import tree
 from fvstep.checkpoint import checkpoint_dir, load, save
-from fvstep.checkpoint.export import export_role, gather_weights
+from fvstep.checkpoint.exporting import export, gather_weights
 from fvstep.testing import assert_resume_exact
 
 WIDTH = 4
@@ -293,7 +293,7 @@ def test_export_loads_back_with_a_strict_load_state_dict(tmp_path, weights):
     step = make_step()
     for i in range(2):
         state, _ = step(state, batch_at(i))
-    target = export_role(state, "ae", tmp_path, weights=weights)
+    target = export(state, "ae", tmp_path, weights=weights)
     exported = load_file(str(target))
     assert set(exported) == set(module.state_dict())
     fresh = TiedAutoencoder(seed=9)
@@ -315,7 +315,6 @@ def test_export_loads_back_with_a_strict_load_state_dict(tmp_path, weights):
 
 def test_export_diffusers_writes_every_name_of_a_tied_weight(tmp_path):
     diffusers = pytest.importorskip("diffusers")
-    from fvstep.checkpoint.diffusers_export import export_diffusers
 
     class TiedModel(diffusers.ModelMixin, diffusers.ConfigMixin):
         @diffusers.configuration_utils.register_to_config
@@ -329,7 +328,7 @@ def test_export_diffusers_writes_every_name_of_a_tied_weight(tmp_path):
     state = make_state(module)
     with torch.no_grad():
         state.role("ae").params["enc.weight"].add_(1.0)
-    export_diffusers(state, "ae", tmp_path / "out")
+    export(state, "ae", tmp_path / "out", format="diffusers")
     loaded = TiedModel.from_pretrained(tmp_path / "out")
     # diffusers (0.42) loads the two names as two tensors: the values are right, but a
     # model that ties weights must re-tie them itself after from_pretrained.

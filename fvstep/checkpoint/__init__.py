@@ -10,17 +10,17 @@
   checkpoint cannot be used (:class:`DamagedCheckpointError`: its files are damaged;
   :class:`CheckpointLockedError`: another run holds the directory);
   :class:`CheckpointSkippedWarning` — ``fvstep.run`` resumed past a damaged checkpoint.
-- :func:`export_role`, :func:`export_diffusers` — one role's consolidated weights for
-  inference; :func:`export_pipeline` — a complete diffusers pipeline folder (the trained
-  role or its EMA plus the base model's other parts) (``fvstep.checkpoint.export``,
-  ``fvstep.checkpoint.diffusers_export``).
+- :func:`export` — one role's consolidated weights for inference, in a format: one
+  safetensors file, a diffusers model folder, a complete diffusers pipeline folder (the
+  trained role or its EMA plus a base's other parts), and with :mod:`fvstep.lora` a LoRA
+  adapter or a merged model; :func:`gather_weights` — the same tensors, returned
+  (``fvstep.checkpoint.exporting``).
 - :func:`frozen_digest` — the digest by which a checkpoint that leaves a frozen base out
   (``Role(save_frozen=False)``) identifies it; ``load`` verifies it.
 """
 
 from fvstep.checkpoint.async_saving import AsyncSaver
-from fvstep.checkpoint.diffusers_export import export_diffusers, export_pipeline
-from fvstep.checkpoint.export import export_role
+from fvstep.checkpoint.exporting import export, gather_weights
 from fvstep.checkpoint.layout import checkpoint_dir, latest, list_complete, lock_dir, prune
 from fvstep.checkpoint.loading import load
 from fvstep.checkpoint.manifest import (
@@ -46,10 +46,9 @@ __all__ = [
     "Manifest",
     "NewerFormatError",
     "checkpoint_dir",
-    "export_diffusers",
-    "export_pipeline",
-    "export_role",
+    "export",
     "frozen_digest",
+    "gather_weights",
     "latest",
     "list_complete",
     "load",

@@ -7,8 +7,8 @@
   a block with the adapter it ran with.
 - :func:`base_digest`: the digest of a base's weights that a checkpoint records for a
   frozen role saved with ``Role(save_frozen=False)`` (verified on load).
-- :func:`export_lora` (diffusers' LoRA format), :func:`export_merged` (a merged
-  diffusers model), :func:`lora_weights`, :func:`merge_weights`.
+- the formats ``"lora"`` (diffusers' LoRA format) and ``"merged"`` (a merged diffusers
+  model) of :func:`fvstep.checkpoint.export`, registered on import; :func:`merge_weights`.
 
 See ``docs/concepts/lora.md``. Needs ``peft`` (``pip install fvstep[lora]``).
 
@@ -27,23 +27,14 @@ from fvstep.lora.adapters import (
     lora_layers,
     recompute_context,
 )
-from fvstep.lora.export import (
-    MERGED_DTYPE,
-    export_lora,
-    export_merged,
-    lora_weights,
-    merge_weights,
-)
+from fvstep.lora.export import MERGED_DTYPE, merge_weights
 
 __all__ = [
     "MERGED_DTYPE",
     "LoRAModule",
     "add_adapters",
     "base_digest",
-    "export_lora",
-    "export_merged",
     "lora_layers",
-    "lora_weights",
     "merge_weights",
     "recompute_context",
 ]

@@ -1,54 +1,38 @@
-"""Export a LoRA role: adapters in diffusers' LoRA format, or a merged transformer.
+"""A LoRA role's exports: the formats ``"lora"`` and ``"merged"`` of
+:func:`fvstep.checkpoint.export`, registered in its table when this module is imported.
 
-- :func:`lora_weights`: the adapter's full weights, keyed as peft's state dict.
-- :func:`export_lora`: a folder with ``pytorch_lora_weights.safetensors`` as diffusers'
+- ``format="lora"``: a folder with ``pytorch_lora_weights.safetensors`` as diffusers'
   ``save_lora_weights`` writes it (keys ``transformer.<peft key>``, the adapter's
-  ``LoraConfig`` in the metadata), loadable by ``WanPipeline.load_lora_weights`` or
+  ``LoraConfig`` in the metadata, so that ``load_lora_weights`` scales it as in
+  training), loadable by ``WanPipeline.load_lora_weights`` or
   ``WanTransformer3DModel.load_lora_adapter(path, prefix="transformer")``.
-- :func:`export_merged`: a diffusers model folder of the base with the adapter merged
-  into its weights (``W + scaling * B @ A``), loadable by ``from_pretrained``.
-
-Sharded (FSDP2) weights are gathered collectively: call these on every rank; global
-rank 0 writes.
+- ``format="merged"``: a diffusers model folder of the base with the adapter merged into
+  its weights (:func:`merge_weights`), loadable by ``from_pretrained``: a plain model (no
+  peft layers) computing what the LoRA role computes, up to rounding.
 
 Examples:
-    >>> export_lora(state, "student", "out/student_lora", weights="ema")
+    >>> fvstep.checkpoint.export(state, "student", "out/student_lora", format="lora")
     >>> pipe.load_lora_weights("out/student_lora")
-    >>> export_merged(state, "student", "out/student_merged", dtype=torch.bfloat16)
+    >>> fvstep.checkpoint.export(state, "student", "out/student_merged", format="merged")
 """
 
 from __future__ import annotations
 
-import os
-import shutil
-import uuid
-from pathlib import Path
+import dataclasses
 from typing import Any
 
 import torch
 
 from fvstep._optional import needs_extra
-from fvstep.checkpoint.diffusers_export import _config_json, _diffusers_class
-from fvstep.checkpoint.export import (
-    _agree,
-    _check_target,
-    _replace_dir,
-    _save_safetensors,
-    gather_weights,
-)
-from fvstep.checkpoint.layout import fsync
+from fvstep.checkpoint.exporting import FORMATS, ExportJob, Writer, gather_weights
 from fvstep.lora.adapters import LoRAModule, lora_layers
-from fvstep.parallel.ranks import rank_and_world
 from fvstep.state import TrainState
 from fvstep.weights import Weights
 
-__all__ = ["MERGED_DTYPE", "export_lora", "export_merged", "lora_weights", "merge_weights"]
-
-PREFIX = "transformer"
-"""The component prefix of diffusers' LoRA files for a pipeline's transformer."""
+__all__ = ["MERGED_DTYPE", "merge_weights"]
 
 MERGED_DTYPE = torch.float32
-"""The dtype :func:`merge_weights` and :func:`export_merged` write by default.
+"""The dtype :func:`merge_weights` and ``format="merged"`` write by default.
 
 fp32, whatever the base's storage dtype: ``W + scaling * (B @ A)`` over a frozen bf16
 base (``prepare``'s default) holds changes far below an ulp of ``W`` in bf16 (85 % of
@@ -67,8 +51,7 @@ def _lora_module(state: TrainState, role: str) -> LoRAModule:
         raise ValueError(
             f"role {role!r} holds a {type(module).__name__}, not a fvstep.lora.LoRAModule "
             "(made by fvstep.lora.add_adapters): it has no adapter to write; write its "
-            "weights as a diffusers model (fvstep.checkpoint.export_diffusers; fvstep "
-            "export --format model)"
+            "weights as a diffusers model (format='diffusers'; fvstep export --format model)"
         )
     return module
 
@@ -81,37 +64,6 @@ def _base_role(state: TrainState, module: LoRAModule, role: str) -> str:
         f"the base of LoRA role {role!r} is not a role of the state: add it as a frozen "
         "role (fvstep.Role(base, save_frozen=False)) so that its weights are in the state"
     )
-
-
-def lora_weights(
-    state: TrainState,
-    role: str,
-    *,
-    weights: Weights = "params",
-    dtype: torch.dtype | None = None,
-) -> dict[str, torch.Tensor] | None:
-    """The full weights of a LoRA role's adapter, keyed as peft's state dict.
-
-    Keys like ``blocks.0.attn1.to_q.lora_A.weight`` (no adapter name), on the CPU.
-    Call it on every rank (sharded adapters are gathered).
-
-    Args:
-        state: The training state.
-        role: A role whose module is a :class:`~fvstep.lora.LoRAModule`.
-        weights: ``"params"`` or ``"ema"`` (the adapter's moving average).
-        dtype: Cast to this floating-point dtype; ``None`` keeps each tensor's.
-
-    Returns:
-        Name to tensor on global rank 0; ``None`` on the other ranks.
-
-    Raises:
-        ValueError: For a role that is not a LoRA role, or ``weights="ema"`` without EMA.
-
-    Examples:
-        >>> sd = lora_weights(state, "student", weights="ema")
-    """
-    _lora_module(state, role)
-    return gather_weights(state, role, weights=weights, dtype=dtype)
 
 
 def _merge_names(module: LoRAModule) -> dict[str, tuple[str, str, float]]:
@@ -144,6 +96,7 @@ def merge_weights(
     *,
     weights: Weights = "params",
     dtype: torch.dtype | None = None,
+    rank0_only: bool = True,
 ) -> dict[str, torch.Tensor] | None:
     """The base's weights with a LoRA role's adapter merged in, keyed as the plain model.
 
@@ -151,19 +104,12 @@ def merge_weights(
     to ``dtype`` (default :data:`MERGED_DTYPE`, fp32, whatever the base's dtype: a bf16
     merge rounds away the changes smaller than an ulp of ``W``, most of a LoRA's): the
     merged model's outputs differ from the LoRA role's by rounding only. Names are the
-    base model's own (peft's ``.base_layer`` removed), so ``type(base).from_config(base.config).load_state_dict(...)`` takes them.
-    Call it on every rank.
+    base model's own (peft's ``.base_layer`` removed), so
+    ``type(base).from_config(base.config).load_state_dict(...)`` takes them. Call it on
+    every rank.
 
-    Args:
-        state: The training state (with the LoRA role and its base's role).
-        role: The LoRA role.
-        weights: ``"params"`` or ``"ema"`` (of the adapter; the base is frozen), as
-            :func:`fvstep.weights.select_weights` decides (live before the EMA starts).
-        dtype: The dtype of every floating-point tensor written (default
-            :data:`MERGED_DTYPE`, fp32); the merge itself is always computed in fp32.
-
-    Returns:
-        Name to tensor on global rank 0; ``None`` on the other ranks.
+    ``weights`` is the adapter's (the base is frozen); ``weights``, ``rank0_only`` as
+    :func:`fvstep.checkpoint.gather_weights`. ``state`` holds the base as a role too.
 
     Raises:
         ValueError: For a role that is not a LoRA role, a base that is not a role of the
@@ -174,8 +120,9 @@ def merge_weights(
     """
     module = _lora_module(state, role)
     merges = _merge_names(module)
-    base = gather_weights(state, _base_role(state, module, role))
-    adapter = gather_weights(state, role, weights=weights)
+    base_role = _base_role(state, module, role)
+    base = gather_weights(state, base_role, rank0_only=rank0_only)
+    adapter = gather_weights(state, role, weights=weights, rank0_only=rank0_only)
     if base is None or adapter is None:
         return None
     target = MERGED_DTYPE if dtype is None else dtype
@@ -193,143 +140,36 @@ def merge_weights(
     return out
 
 
-def _write_dir(path: Path, fill: Any) -> None:
-    """Fill a fresh temporary folder beside ``path``, fsync it, rename it to ``path``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex}"
-    try:
-        tmp.mkdir()
-        fill(tmp)
-        for f in tmp.iterdir():
-            fsync(f)
-        fsync(tmp)
-        _replace_dir(tmp, path)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _metadata(module: LoRAModule) -> dict[str, Any]:
-    """The adapter's LoraConfig as diffusers stores it (JSON-friendly)."""
-    config = module.config.to_dict()
-    return {
-        k: sorted(v) if isinstance(v, set) else v
-        for k, v in config.items()
-        if k in ("r", "lora_alpha", "target_modules", "use_rslora", "use_dora", "lora_bias")
-        or k in ("rank_pattern", "alpha_pattern", "init_lora_weights", "lora_dropout")
-    }
-
-
-def export_lora(
-    state: TrainState,
-    role: str,
-    path: str | os.PathLike[str],
-    *,
-    weights: Weights = "params",
-    dtype: torch.dtype | None = None,
-    overwrite: bool = False,
-) -> Path | None:
-    """Write a LoRA role's adapter in diffusers' LoRA format (a folder).
-
-    The folder holds ``pytorch_lora_weights.safetensors``, written by diffusers'
-    ``WanPipeline.save_lora_weights``: keys ``transformer.blocks.0.attn1.to_q.lora_A.weight``,
-    and the adapter's ``LoraConfig`` (rank, alpha, target modules) in the file's
-    metadata, so that ``load_lora_weights`` scales it as in training. Call it on every
-    rank; global rank 0 writes (atomically: a temporary folder renamed into place).
-
-    Args:
-        state: The training state.
-        role: A LoRA role (its module is a :class:`~fvstep.lora.LoRAModule`).
-        path: The folder to write.
-        weights: ``"params"`` or ``"ema"``.
-        dtype: Cast to this floating-point dtype (e.g. ``torch.bfloat16``).
-        overwrite: Replace a non-empty folder at ``path``.
-
-    Returns:
-        ``path`` on global rank 0, ``None`` on the others.
-
-    Raises:
-        ImportError: If diffusers is not installed.
-        ValueError: For a role that is not a LoRA role, ``weights="ema"`` without an EMA,
-            or an existing non-empty ``path`` without ``overwrite``. Raised on every rank.
-
-    Examples:
-        >>> export_lora(state, "student", "out/lora")
-        >>> pipe.load_lora_weights("out/lora")   # a diffusers WanPipeline
-    """
+def _lora(job: ExportJob) -> Writer:
     with needs_extra("lora", "LoRA export"):
         from diffusers import WanPipeline
 
-    module = _lora_module(state, role)
-    path = Path(path)
-    writes = rank_and_world()[0] == 0
-    _agree("check the export target", (lambda: _check_target(path, overwrite)) if writes else None)
-    tensors = lora_weights(state, role, weights=weights, dtype=dtype)
-
-    def write() -> None:
-        assert tensors is not None
-        _write_dir(
-            path,
-            lambda tmp: WanPipeline.save_lora_weights(
-                tmp,
-                transformer_lora_layers=tensors,
-                transformer_lora_adapter_metadata=_metadata(module),
-            ),
-        )
-
-    _agree("write the LoRA export", write if writes else None)
-    return path if writes else None
+    module = _lora_module(job.state, job.role)
+    config = module.config.to_dict()  # the adapter's LoraConfig as diffusers stores it
+    keys = {"r", "lora_alpha", "target_modules", "use_rslora", "use_dora", "lora_bias"}
+    keys |= {"rank_pattern", "alpha_pattern", "init_lora_weights", "lora_dropout"}
+    metadata: dict[str, Any] = {
+        k: sorted(v) if isinstance(v, set) else v for k, v in config.items() if k in keys
+    }
+    return Writer(
+        gather=job.gather,
+        write=lambda tensors, folder: WanPipeline.save_lora_weights(
+            folder, transformer_lora_layers=tensors, transformer_lora_adapter_metadata=metadata
+        ),
+    )
 
 
-def export_merged(
-    state: TrainState,
-    role: str,
-    path: str | os.PathLike[str],
-    *,
-    weights: Weights = "params",
-    dtype: torch.dtype | None = None,
-    overwrite: bool = False,
-) -> Path | None:
-    """Write the base with a LoRA role's adapter merged in, as a diffusers model folder.
+def _merged(job: ExportJob) -> Writer:
+    module = _lora_module(job.state, job.role)
+    base_role = _base_role(job.state, module, job.role)
+    # the base's diffusers model folder (its config, its plain names), of merged tensors
+    base_folder = FORMATS["diffusers"](dataclasses.replace(job, role=base_role, options={}))
+    return Writer(
+        gather=lambda: merge_weights(
+            job.state, job.role, weights=job.weights, dtype=job.dtype, rank0_only=job.rank0_only
+        ),
+        write=base_folder.write,
+    )
 
-    ``config.json`` (the base's config) and ``diffusion_pytorch_model.safetensors``
-    (:func:`merge_weights`), so that ``type(base).from_pretrained(path)`` loads a plain
-    model (no peft layers) computing what the LoRA role computes, up to rounding. Call
-    it on every rank; global rank 0 writes.
 
-    Args:
-        state: The training state (with the LoRA role and its base's role).
-        role: The LoRA role.
-        path: The folder to write.
-        weights: ``"params"`` or ``"ema"`` (of the adapter).
-        dtype: The dtype written (default :data:`MERGED_DTYPE`, fp32; see :func:`merge_weights`).
-        overwrite: Replace a non-empty folder at ``path``.
-
-    Returns:
-        ``path`` on global rank 0, ``None`` on the others.
-
-    Raises:
-        ImportError: If diffusers is not installed.
-        ValueError: As :func:`merge_weights`, for a base that is not a diffusers model,
-            or an existing non-empty ``path`` without ``overwrite``. Raised on every rank.
-
-    Examples:
-        >>> export_merged(state, "student", "out/merged")
-        >>> WanTransformer3DModel.from_pretrained("out/merged")
-    """
-    with needs_extra("lora", "the merged export"):
-        from diffusers.utils import SAFETENSORS_WEIGHTS_NAME
-
-    module = _lora_module(state, role)
-    cls = _diffusers_class(module.base, _base_role(state, module, role))
-    path = Path(path)
-    writes = rank_and_world()[0] == 0
-    _agree("check the export target", (lambda: _check_target(path, overwrite)) if writes else None)
-    tensors = merge_weights(state, role, weights=weights, dtype=dtype)
-
-    def fill(tmp: Path) -> None:
-        assert tensors is not None
-        _save_safetensors(tensors, tmp / SAFETENSORS_WEIGHTS_NAME)
-        (tmp / cls.config_name).write_text(_config_json(module.base, cls))
-
-    _agree("write the merged export", (lambda: _write_dir(path, fill)) if writes else None)
-    return path if writes else None
+FORMATS.update(lora=_lora, merged=_merged)

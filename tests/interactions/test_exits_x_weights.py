@@ -21,7 +21,6 @@ from safetensors.torch import load_file
 
 import fvstep as fs
 from fvstep import tree
-from fvstep.checkpoint.export import export_role
 from fvstep.data import ShuffledSource, SyntheticLatents
 from fvstep.methods.finetune import flow_matching_loss
 from fvstep.reporting import Validation
@@ -87,7 +86,7 @@ def uninterrupted(case_name: str, source: str) -> tuple[fs.TrainState, Path]:
 
 def export(state: fs.TrainState, case: WeightsCase, tmp: Path) -> dict[str, torch.Tensor]:
     weights = "params" if case.ema_start is None else "ema"
-    return load_file(export_role(state, "student", tmp / "export", weights=weights))
+    return load_file(fs.checkpoint.export(state, "student", tmp / "export", weights=weights))
 
 
 @pytest.mark.parametrize("exit", EXITS)

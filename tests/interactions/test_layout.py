@@ -57,7 +57,7 @@ def check_cells(rank: int, world_size: int) -> list[tuple[str, str, float]]:
     from torch.distributed.fsdp import fully_shard
 
     from fvstep import parallel as fsp
-    from fvstep.checkpoint.export import gather_weights
+    from fvstep.checkpoint import gather_weights
     from fvstep.parallel.grad_sync import unrested_modules
     from tests.interactions.cells import expected_weights
 

@@ -1,7 +1,7 @@
 """Weights × preparation × observers, on one process: every way of reading a role's
 weights back out (validation's ``role_module``, ``validation_loss``, ``gather_weights``,
-``export_role``, ``export_diffusers``, LoRA's ``merge_weights``/``export_merged``/
-``export_lora``) computes with the same weights, the ones an independent reading of the
+``export`` as ``"safetensors"`` and ``"diffusers"``, LoRA's ``merge_weights`` and the
+``"merged"`` export) computes with the same weights, the ones an independent reading of the
 state's leaves says (:func:`tests.interactions.cells.expected_weights`), for live weights,
 an EMA before and after its ``start_step``, LoRA and tied weights, and every preparation.
 
@@ -19,8 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 import fvstep as fs
-from fvstep.checkpoint.diffusers_export import export_diffusers
-from fvstep.checkpoint.export import export_role, gather_weights
+from fvstep.checkpoint.exporting import export, gather_weights
 from fvstep.models import tiny_wan
 from fvstep.validation import role_module, validation_loss
 from tests.interactions.cells import (
@@ -88,14 +87,14 @@ def via_gather_weights(state, case, weights, tmp):
 
 
 def via_export_role(state, case, weights, tmp):
-    path = export_role(state, "student", tmp / "role", weights=weights)
+    path = export(state, "student", tmp / "role", weights=weights)
     return velocity(load_plain(load_file(path), case))
 
 
 def via_export_diffusers(state, case, weights, tmp):
     from tests.test_export import load_diffusers
 
-    export_diffusers(state, "student", tmp / "diffusers", weights=weights)
+    export(state, "student", tmp / "diffusers", weights=weights, format="diffusers")
     return velocity(load_diffusers(tmp / "diffusers"))
 
 
@@ -106,10 +105,10 @@ def via_merge_weights(state, case, weights, tmp):
 
 
 def via_export_merged(state, case, weights, tmp):
-    from fvstep.lora import export_merged
+    import fvstep.lora  # noqa: F401  (the merged format)
     from tests.test_export import load_diffusers
 
-    export_merged(state, "student", tmp / "merged", weights=weights)
+    export(state, "student", tmp / "merged", weights=weights, format="merged")
     return velocity(load_diffusers(tmp / "merged"))
 
 
@@ -219,7 +218,7 @@ def test_inside_an_ema_block_readers_of_the_live_weights_refuse(tmp_path):
         with pytest.raises(fs.checkpoint.CheckpointError, match="hold their EMA"):
             fs.checkpoint.save(state, tmp_path / "inside")
         with pytest.raises(ValueError, match="holds its EMA"):
-            export_role(state, "student", tmp_path / "inside.safetensors")
+            export(state, "student", tmp_path / "inside.safetensors")
         with pytest.raises(ValueError, match="holds its EMA"):
             gather_weights(state, "student")
         with (

@@ -1,0 +1,642 @@
+"""Export of one role for inference: :func:`export`, one mechanism over a table of formats.
+
+:func:`export` checks once what every format needs (the role, its weights, the target),
+gathers the role's tensors and writes them atomically; a format (:data:`FORMATS`) says
+only which tensors, under which names, and what it writes around them. This layer
+registers ``"safetensors"``, ``"diffusers"`` and ``"pipeline"``; :mod:`fvstep.lora`
+registers ``"lora"`` and ``"merged"`` when it is imported (before that, a role cannot be
+a LoRA role: the two names refuse it).
+
+A role's parameters may be FSDP2 shards (DTensors): each is gathered with
+``full_tensor()``, a collective, so **every rank calls** :func:`export`; global rank 0
+writes. The writing ranks' checks of the target are shared before the gathers (a refusal
+is raised on every rank instead of leaving the others waiting in a gather), and the
+write's outcome after it (every rank returns, or raises, together). A file is written
+into a temporary file beside the target, a folder into a temporary folder, fsynced, then
+renamed into place: a crash leaves the old target or the new one, never a partial one.
+
+Examples:
+    >>> export(state, "student", "out/student.safetensors", weights="ema")
+    >>> export(state, "student", "out/student", format="diffusers", dtype=torch.bfloat16)
+    >>> export(state, "student", "out/pipe", format="pipeline", base="Wan2.1-T2V-1.3B-Diffusers")
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import shutil
+import sys
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NamedTuple, cast
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from fvstep._optional import needs_extra
+from fvstep.checkpoint.layout import fsync
+from fvstep.parallel.ranks import gather_objects, rank_and_world
+from fvstep.state import RoleState, TrainState
+from fvstep.weights import Weights, roles_holding_other_weights, select_weights
+
+__all__ = [
+    "CAUSAL_METADATA_KEY",
+    "FORMATS",
+    "WEIGHTS_NAME",
+    "ExportJob",
+    "Writer",
+    "export",
+    "export_names",
+    "gather_weights",
+]
+
+WEIGHTS_NAME = "model.safetensors"
+"""The file name ``format="safetensors"`` writes when given a directory."""
+CAUSAL_METADATA_KEY = "_fvstep_causal"
+"""The safetensors metadata key under which ``format="safetensors"`` records a causal
+Wan's chunk, and the config key of a diffusers folder's record
+(``fvstep.methods.causal_wan.CAUSAL_CONFIG_KEY``: the checkpoint layer may not import the
+methods)."""
+_CAUSAL_ROPE_ATTR = "_fvstep_causal_chunk_frames"  # what make_causal sets on the rotary module
+Tensors = dict[str, torch.Tensor]
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportJob:
+    """One call of :func:`export`, checked, as a format reads it."""
+
+    state: TrainState
+    role: str
+    path: Path
+    weights: Weights
+    dtype: torch.dtype | None
+    rank0_only: bool
+    options: dict[str, Any]  # the keywords of export's formats beyond the common ones
+
+    @property
+    def module(self) -> nn.Module:
+        return self.state.roles[self.role].role.module
+
+    def gather(
+        self,
+        dtype_for: Callable[[str], torch.dtype | None] | None = None,
+        names: Callable[[str], str | None] | None = None,
+    ) -> Tensors | None:
+        """The role's tensors (:func:`gather_weights`), renamed by ``names``."""
+        keep = not self.rank0_only or rank_and_world()[0] == 0
+        dtype_for = dtype_for or (lambda _: self.dtype)
+        role_state = self.state.roles[self.role]
+        return _gather(role_state, self.role, self.weights, dtype_for, keep, names)
+
+
+class Writer(NamedTuple):
+    """What a format writes: ``write(gather(), into)`` on the writing ranks, ``into`` a
+    fresh folder renamed to the target (``file`` set: a temporary file renamed to it);
+    ``check`` runs on the writing ranks before the target's own checks."""
+
+    gather: Callable[[], Tensors | None]
+    write: Callable[[Tensors, Path], None]
+    file: Path | None = None
+    check: Callable[[], None] | None = None
+
+
+FORMATS: dict[str, Callable[[ExportJob], Writer]] = {}
+"""Format name to the function that makes its :class:`Writer` for a checked call."""
+
+
+def export(
+    state: TrainState,
+    role: str,
+    path: str | os.PathLike[str],
+    *,
+    format: str = "safetensors",
+    weights: Weights = "params",
+    dtype: torch.dtype | None = None,
+    overwrite: bool = False,
+    rank0_only: bool = True,
+    **options: Any,
+) -> Path | None:
+    """Write one role's full weights for inference, in one of :data:`FORMATS`.
+
+    - ``"safetensors"``: one file (``path`` ending in ``.safetensors``, or a folder in
+      which ``model.safetensors`` is written), keyed like the module's ``state_dict``, a
+      tied tensor under each of its names. A causal Wan's file (or that of a LoRA role's
+      adapters over one) records its chunk in the metadata (:data:`CAUSAL_METADATA_KEY`:
+      ``'{"chunk_frames": n}'``): rebuild the module with ``make_causal`` to load it.
+    - ``"diffusers"``: a diffusers model folder (``config.json`` naming the diffusers
+      class, also of a module wrapped by ``fully_shard``; ``diffusion_pytorch_model.
+      safetensors``), for ``ModelClass.from_pretrained(path)``. With ``dtype``, the
+      class's ``_keep_in_fp32_modules`` stay fp32. A causal Wan's config records its
+      chunk (``fvstep.methods.causal_wan.load_causal`` restores it); a module whose config
+      records causality it does not have is refused.
+    - ``"pipeline"``: a whole diffusers pipeline folder, options ``base=`` (a pipeline
+      folder, required), ``component="transformer"`` (what the role replaces, written as
+      ``"diffusers"`` does), ``scheduler=None`` (a diffusers scheduler whose config
+      replaces the base's, e.g. ``EulerSampler(...).scheduler()``), ``link=False``
+      (symlink the base's other parts instead of copying them).
+    - ``"lora"``, ``"merged"`` (registered by :mod:`fvstep.lora`): a LoRA role's adapter
+      in diffusers' LoRA format, or the base with the adapter merged in.
+
+    A module carrying peft layers whose adapters it does not compute with (the base of
+    LoRA roles: the teacher of ``lora_dmd2``) is written as the plain model it computes
+    (:func:`export_names`); one peft model as one role keeps its names in a safetensors
+    file and is refused by the diffusers formats.
+
+    ``weights`` and ``dtype`` are :func:`gather_weights`'s. ``overwrite`` replaces an
+    existing target (a folder is moved aside, the new one renamed into place, the old
+    one removed; a file is never replaced by a folder). With ``rank0_only=False`` every
+    rank writes to ``path`` (e.g. to node-local disks) and returns it. ``options`` are a
+    format's (``"pipeline"``'s above). Returns the path written (the file, or the
+    folder) on a writing rank, ``None`` on the others.
+
+    Raises:
+        ImportError: If a format's package (diffusers, peft) is not installed.
+        ValueError: For an unknown format or option, an unknown role or ``weights``,
+            ``weights="ema"`` without an EMA, a non-floating ``dtype``, a role the format
+            cannot write (naming the one that can), an existing target without
+            ``overwrite=True``, or peft adapters the export would lose. Raised on every rank.
+        RuntimeError: On the other ranks, when writing failed on a writing rank.
+
+    Examples:
+        >>> export(state, "student", "exports/step_1000", weights="ema")
+        PosixPath('exports/step_1000/model.safetensors')
+        >>> export(state, "student", "exports/pipe", format="pipeline", weights="ema",
+        ...        base="Wan2.1-T2V-1.3B-Diffusers", scheduler=sampler.scheduler())
+    """
+    if format not in FORMATS:
+        raise ValueError(f"unknown export format {format!r}; one of {sorted(FORMATS)}")
+    _check(state, role, weights, dtype)
+    job = ExportJob(state, role, Path(path), weights, dtype, rank0_only, options)
+    writer = FORMATS[format](job)
+    if job.options:
+        raise ValueError(f"format={format!r} has no option {sorted(job.options)[0]!r}")
+    target = writer.file or job.path
+    writes = not rank0_only or rank_and_world()[0] == 0
+
+    def check() -> None:
+        if writer.check is not None:
+            writer.check()
+        if writer.file is None:
+            _check_folder(target, overwrite)
+        elif target.is_dir():
+            raise ValueError(f"the export target {str(target)!r} is a directory")
+        elif target.exists() and not overwrite:
+            raise ValueError(
+                f"{str(target)!r} exists; pass overwrite=True to replace it, or choose another path"
+            )
+
+    _agree("check the export target", check if writes else None)
+    tensors = writer.gather()
+
+    def write() -> None:
+        assert tensors is not None
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if writer.file is None:
+            _write_folder_atomically(target, lambda tmp: writer.write(tensors, tmp))
+            return
+        tmp = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex}"
+        try:
+            writer.write(tensors, tmp)
+            fsync(tmp)
+            os.replace(tmp, target)
+            fsync(target.parent)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+
+    _agree("write the export", write if writes else None)
+    return target if writes else None
+
+
+def gather_weights(
+    state: TrainState,
+    role: str,
+    *,
+    weights: Weights = "params",
+    dtype: torch.dtype | None = None,
+    rank0_only: bool = True,
+) -> Tensors | None:
+    """The full (unsharded) weights of one role, on the CPU, keyed like its ``state_dict``.
+
+    The keys are the parameter and persistent buffer names, a tied tensor
+    (:attr:`~fvstep.state.RoleState.tied`) under each of its names, gathered once and
+    copied; no two tensors share storage. DTensor leaves are gathered with
+    ``full_tensor()``, a collective: call this on every rank. ``weights="ema"`` is the
+    fp32 moving average of the trainable parameters (the rest keep their live values),
+    or, before the EMA's ``start_step``, the live values, as validation computes with
+    (:func:`fvstep.weights.select_weights`, the one rule). ``dtype`` casts the
+    floating-point tensors (``None`` keeps each one's). With ``rank0_only`` (the
+    default), the other ranks drop each gathered tensor at once and return ``None``.
+
+    Raises:
+        ValueError: For an unknown role or ``weights``, ``weights="ema"`` for a role
+            without an EMA, or a ``dtype`` that is not floating point.
+
+    Examples:
+        >>> sd = gather_weights(state, "student", weights="ema", dtype=torch.bfloat16)
+    """
+    _check(state, role, weights, dtype)
+    return ExportJob(state, role, Path(), weights, dtype, rank0_only, {}).gather()
+
+
+def export_names(
+    module: nn.Module, role: str, *, keep_own_adapters: bool = False
+) -> Callable[[str], str | None] | None:
+    """How an export names a role's tensors when its module carries peft layers.
+
+    A peft layer (``peft.tuners.tuners_utils.BaseTunerLayer``) holds the weights it wraps
+    under ``base_layer``; what the module computes decides the names. A layer neither
+    merged nor computing with an adapter (disabled, as the base of
+    :func:`fvstep.lora.add_adapters` is between calls) computes its base layer alone:
+    ``x.base_layer.weight`` is exported as ``x.weight`` and its adapter tensors (another
+    role's, or unused) are left out, so the plain class loads the export and computes
+    bitwise what the role does. A module computing with adapters registered in it (one
+    peft model as one role) keeps its ``state_dict`` names with ``keep_own_adapters`` (a
+    file that loads back into that peft model); otherwise it is refused, as a plain
+    export would silently drop what the adapter adds.
+
+    Args:
+        module: The role's module.
+        role: The role's name (for the errors).
+        keep_own_adapters: Keep the names of a module computing with its own adapters.
+
+    Returns:
+        ``state_dict`` name to export name (``None``: left out), or ``None`` to keep the
+        ``state_dict`` names (no peft layer, or a peft model kept as it is).
+
+    Raises:
+        ValueError: For a merged peft layer (its base weights hold the adapter: the
+            forward unmerges them when disabled), or a computing adapter that cannot be
+            kept, naming the role, the layer, the adapter and the fix.
+
+    Examples:
+        >>> names = export_names(state.module("teacher"), "teacher")
+        >>> names("blocks.0.attn1.to_q.base_layer.weight")
+        'blocks.0.attn1.to_q.weight'
+    """
+    if "peft" not in sys.modules:  # peft layers exist only once peft was imported
+        return None
+    with needs_extra("lora", "exporting a role with peft layers"):
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers: dict[str, Any] = {
+        p: m for p, m in module.named_modules() if isinstance(m, BaseTunerLayer)
+    }
+    if not layers:
+        return None
+    computing = []
+    for path, layer in layers.items():
+        if layer.merged:
+            raise ValueError(
+                f"role {role!r} has peft adapters {layer.merged_adapters} merged into "
+                f"{path!r}: an export cannot tell them from the base weights; unmerge them "
+                "(peft's unmerge_adapter) or make the merge final (merge_and_unload) first"
+            )
+        if layer.disable_adapters:
+            continue
+        for adapter in layer.active_adapters:
+            held = [getattr(layer, c) for c in layer.adapter_layer_names if hasattr(layer, c)]
+            held = [c for c in held if adapter in c]
+            if held:
+                computing.append((path, adapter, all(c in layer.children() for c in held)))
+    if computing:
+        if keep_own_adapters and all(own for _, _, own in computing):
+            return None  # one peft model as one role: its state_dict, adapters included
+        not_own = [c for c in computing if not c[2]]
+        path, adapter, own = (not_own if keep_own_adapters else computing)[0]
+        if not own:
+            raise ValueError(
+                f"role {role!r} computes with the peft adapter {adapter!r} at {path!r}, whose "
+                "weights are not the role's (an adapter switched on outside its LoRAModule's "
+                "call?): export with every other role's adapter off, or export that LoRA role"
+            )
+        raise ValueError(
+            f"role {role!r} computes with the peft adapter {adapter!r} at {path!r}, which "
+            "a plain model cannot hold: merge it into the weights first (peft's "
+            "merge_and_unload), or make the adapter a role (fvstep.lora.add_adapters) and "
+            "export it with format='lora' or format='merged'"
+        )
+
+    def rename(name: str) -> str | None:
+        parts = name.split(".")
+        kept = []
+        for i, part in enumerate(parts):
+            if ".".join(parts[:i]) in layers:  # the part right under a peft layer
+                if part != "base_layer":
+                    return None  # an adapter's tensor: not what this role computes
+                continue
+            kept.append(part)
+        return ".".join(kept)
+
+    return rename
+
+
+# --- the formats of this layer ------------------------------------------------------------
+
+
+def _safetensors(job: ExportJob) -> Writer:
+    names = export_names(job.module, job.role, keep_own_adapters=True)
+    metadata = {"format": "pt"}
+    chunk = _causal_chunk(job.module)
+    if chunk is not None:  # a causal Wan, or adapters over one: the file says so
+        metadata[CAUSAL_METADATA_KEY] = json.dumps({"chunk_frames": int(chunk)})
+    return Writer(
+        gather=lambda: job.gather(names=names),
+        write=lambda tensors, tmp: _save_safetensors(tensors, tmp, metadata),
+        file=job.path if job.path.suffix == ".safetensors" else job.path / WEIGHTS_NAME,
+    )
+
+
+def _diffusers(job: ExportJob) -> Writer:
+    module = job.module
+    cls = _diffusers_class(module, job.role)
+    _check_causal_record(module, job.role)
+    names = export_names(module, job.role)  # peft layers the role does not compute with: plain
+    fp32 = tuple(getattr(cls, "_keep_in_fp32_modules", None) or ())
+
+    def dtype_for(name: str) -> torch.dtype | None:  # as from_pretrained(torch_dtype=) holds them
+        if job.dtype is not None and any(m in name.split(".") for m in fp32):
+            return torch.float32
+        return job.dtype
+
+    def write(tensors: Tensors, folder: Path) -> None:
+        with needs_extra("models", "a diffusers export"):
+            from diffusers.utils import SAFETENSORS_WEIGHTS_NAME
+
+        _save_safetensors(tensors, folder / SAFETENSORS_WEIGHTS_NAME)
+        (folder / cls.config_name).write_text(_config_json(module, cls))
+        for file in (SAFETENSORS_WEIGHTS_NAME, cls.config_name, "."):
+            fsync(folder / file)
+
+    return Writer(gather=lambda: job.gather(dtype_for, names), write=write)
+
+
+def _pipeline(job: ExportJob) -> Writer:
+    base = job.options.pop("base", None)
+    component = job.options.pop("component", "transformer")
+    scheduler = job.options.pop("scheduler", None)
+    link = job.options.pop("link", False)
+    if base is None:
+        raise ValueError("format='pipeline' needs base= (the base diffusers pipeline folder)")
+    base, model = Path(base), _diffusers(job)
+    class_name = _diffusers_class(job.module, job.role).__name__
+
+    def check() -> None:
+        index = base / "model_index.json"
+        if not index.is_file():
+            raise ValueError(
+                f"the base {str(base)!r} is not a diffusers pipeline folder: no model_index.json"
+            )
+        if component not in json.loads(index.read_text()):
+            raise ValueError(f"the base pipeline {str(base)!r} has no component {component!r}")
+        a, b = job.path.resolve(), base.resolve()
+        if a == b or a.is_relative_to(b) or b.is_relative_to(a):
+            raise ValueError(
+                f"the export {str(job.path)!r} and its base {str(base)!r} must not nest"
+            )
+
+    def write(tensors: Tensors, tmp: Path) -> None:
+        replaced = (component, ".cache", *(["scheduler"] if scheduler is not None else []))
+        for entry in sorted(base.iterdir()):
+            if entry.name in replaced:
+                continue
+            if link:
+                os.symlink(entry.resolve(), tmp / entry.name)
+            elif entry.is_dir():
+                shutil.copytree(entry, tmp / entry.name)
+            else:
+                shutil.copy2(entry, tmp / entry.name)
+        (tmp / component).mkdir()
+        model.write(tensors, tmp / component)
+        index = json.loads((base / "model_index.json").read_text())
+        index[component] = ["diffusers", class_name]
+        if scheduler is not None:
+            scheduler.save_pretrained(tmp / "scheduler")
+            index["scheduler"] = ["diffusers", type(scheduler).__name__]
+        (tmp / "model_index.json").unlink(missing_ok=True)
+        (tmp / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        fsync(tmp / "model_index.json")
+
+    return Writer(gather=model.gather, write=write, check=check)
+
+
+def _not_a_lora_role(job: ExportJob) -> Writer:
+    raise ValueError(  # fvstep.lora replaces this entry when imported: before, no LoRA role exists
+        f"role {job.role!r} holds a {type(job.module).__name__}, not a fvstep.lora.LoRAModule "
+        "(made by fvstep.lora.add_adapters): it has no adapter to write; write its weights "
+        "as a diffusers model (format='diffusers'; fvstep export --format model)"
+    )
+
+
+FORMATS.update(
+    safetensors=_safetensors,
+    diffusers=_diffusers,
+    pipeline=_pipeline,
+    lora=_not_a_lora_role,
+    merged=_not_a_lora_role,
+)
+
+
+# --- checks, gathers and atomic writes ----------------------------------------------------
+
+
+def _check(state: TrainState, role: str, weights: str, dtype: torch.dtype | None) -> None:
+    """What every export checks first: the role, its weights, the dtype."""
+    if role not in state.roles:
+        raise ValueError(f"no role {role!r}; the state has roles {sorted(state.roles)}")
+    if role in roles_holding_other_weights(state):
+        raise ValueError(
+            f"role {role!r} holds its EMA in its parameters here (inside "
+            "fvstep.validation.role_module(weights='ema')): an export would take them for "
+            "the live weights; export after the with block"
+        )
+    if weights not in ("params", "ema"):
+        raise ValueError(f"weights must be 'params' or 'ema', got {weights!r}")
+    if weights == "ema" and state.roles[role].ema is None:
+        raise ValueError(
+            f"weights='ema' but role {role!r} has no EMA; configure one with "
+            "Role(..., ema=fvstep.EMA(decay)) or export weights='params'"
+        )
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(f"dtype must be a floating-point torch.dtype or None, got {dtype!r}")
+
+
+def _causal_chunk(module: Any) -> int | None:
+    """The chunk of a causal Wan (``make_causal`` marks its rotary module), or of the base
+    a LoRA role's adapters compute over (held as ``base``, not a submodule); else ``None``."""
+    for candidate in (module, module.__dict__.get("base")):
+        chunk = getattr(getattr(candidate, "rope", None), _CAUSAL_ROPE_ATTR, None)
+        if chunk is not None:
+            return int(chunk)
+    return None
+
+
+def _diffusers_class(module: nn.Module, role: str) -> type[Any]:
+    """The diffusers class behind ``module``: its own, or the one ``fully_shard`` wrapped."""
+    with needs_extra("models", "a diffusers export"):
+        from diffusers import ModelMixin
+
+    if not isinstance(module, ModelMixin) and isinstance(module.__dict__.get("base"), ModelMixin):
+        raise ValueError(  # a fvstep.lora.LoRAModule (the checkpoint layer may not import it)
+            f"role {role!r} is a LoRA adapter over a base model, not a diffusers model: "
+            "write the base with the adapter merged in (format='merged'; fvstep export "
+            "--format merged) or the adapter alone in diffusers' LoRA format "
+            "(format='lora'; --format lora)"
+        )
+    if not isinstance(module, ModelMixin):
+        raise ValueError(
+            f"format='diffusers' needs a diffusers ModelMixin, but role {role!r} holds a "
+            f"{type(module).__name__}; use format='safetensors' for a plain safetensors file"
+        )
+    for cls in type(module).__mro__:
+        if issubclass(cls, ModelMixin) and not issubclass(cls, FSDPModule):
+            return cls
+    raise AssertionError("unreachable: a ModelMixin instance has a ModelMixin class")
+
+
+def _check_causal_record(module: nn.Module, role: str) -> None:
+    """Refuse a module whose config records a causal chunk its rotary module does not have
+    (the checkpoint layer reads the two names; it may not import the methods)."""
+    record = getattr(module, "config", {}).get(CAUSAL_METADATA_KEY)
+    if record is None:
+        return
+    actual = _causal_chunk(module)
+    if actual is None or record.get("chunk_frames") != actual:
+        raise ValueError(
+            f"role {role!r}'s config records a causal Wan ({CAUSAL_METADATA_KEY}={dict(record)}) "
+            f"but its module is {'bidirectional' if actual is None else f'causal of chunk {actual}'}"
+            " (a causal export loaded with a plain from_pretrained?): load it with "
+            "fvstep.methods.causal_wan.load_causal"
+        )
+
+
+def _config_json(module: nn.Module, cls: type[Any]) -> str:
+    """``config.json`` as ``cls.save_config`` writes it, for ``module``'s config: a
+    stand-in named after ``cls`` (``to_json_string`` names ``type(self)``, for a module
+    wrapped by ``fully_shard`` the ``FSDP<Name>`` class that diffusers cannot load)."""
+    with needs_extra("models", "a diffusers export"):
+        from diffusers.configuration_utils import ConfigMixin, FrozenDict
+
+    attrs = {"__module__": cls.__module__, "_auto_class": getattr(cls, "_auto_class", None)}
+    stand_in: Any = type(cls.__name__, (), attrs)()
+    stand_in._internal_dict = FrozenDict(dict(cast(Any, module).config))
+    return ConfigMixin.to_json_string(stand_in)
+
+
+def _agree(what: str, action: Callable[[], None] | None) -> None:
+    """Run ``action`` (on the ranks that have one), then share its outcome with every rank.
+
+    The rank(s) whose action raised re-raise their error; the others raise a
+    ``RuntimeError`` naming the failed rank, or a ``ValueError`` when the failure was one,
+    so that all ranks leave together and no rank waits in a later collective.
+    """
+    error: Exception | None = None
+    if action is not None:
+        try:
+            action()
+        except Exception as e:
+            error = e
+    mine = None if error is None else (type(error) is ValueError, str(error))
+    outcomes = gather_objects(mine)  # nothing is communicated on one process
+    if error is not None:
+        raise error
+    for rank, outcome in enumerate(outcomes):
+        if outcome is not None:
+            is_value_error, message = outcome
+            kind = ValueError if is_value_error else RuntimeError
+            raise kind(f"rank {rank} failed to {what}: {message}")
+
+
+def _gather(
+    role_state: RoleState,
+    role: str,
+    weights: Weights,
+    dtype_for: Callable[[str], torch.dtype | None],
+    keep: bool,
+    names: Callable[[str], str | None] | None,
+) -> Tensors | None:
+    """The role's tensors under their export names: ``names(state_dict name)`` (``None``
+    leaves the tensor out; no ``names``: the ``state_dict`` names, see :func:`export_names`)."""
+    sources = select_weights(role_state, weights, role=role)  # the one rule (EMA started?)
+    sources.update(role_state.buffers)
+    # A tied tensor is one leaf, but state_dict (and a strict load_state_dict) has it under
+    # each of its names; its aliases reuse its gathered copy: one gather (a collective, so
+    # every rank must skip the same ones) per tensor and dtype.
+    named = [*sources.items(), *((alias, sources[c]) for alias, c in role_state.tied)]
+    out: Tensors = {}
+    gathered: dict[tuple[int, torch.dtype], str] = {}
+    with torch.no_grad():
+        for state_name, source in named:
+            name = state_name if names is None else names(state_name)
+            if name is None:  # the same names on every rank: no gather is skipped on one
+                continue
+            tensor = source.detach()
+            dtype = dtype_for(name)
+            if dtype is not None and tensor.is_floating_point():
+                # Cast the shard before the gather: same bits, less to communicate.
+                tensor = tensor.to(dtype)
+            first = gathered.setdefault((id(source), tensor.dtype), name)
+            if first != name:
+                if keep:
+                    out[name] = out[first].clone()  # safetensors refuses shared memory
+                continue
+            if isinstance(tensor, DTensor):
+                tensor = tensor.full_tensor()  # a collective: every rank gets here
+            if not keep:
+                continue
+            tensor = tensor.to("cpu").contiguous()
+            local = source.to_local() if isinstance(source, DTensor) else source
+            if tensor.untyped_storage().data_ptr() == local.untyped_storage().data_ptr():
+                # Never hand out the state's own memory (and safetensors refuses tensors
+                # that share it, e.g. tied weights).
+                tensor = tensor.clone()
+            out[name] = tensor
+    return out if keep else None
+
+
+def _save_safetensors(tensors: Tensors, path: Path, metadata: dict[str, str] | None = None) -> None:
+    with needs_extra("models", "a safetensors export"):
+        from safetensors.torch import save_file
+
+    save_file(tensors, str(path), metadata=metadata or {"format": "pt"})
+
+
+def _check_folder(path: Path, overwrite: bool) -> None:
+    """Refuse an export target that is a file, or a non-empty folder without ``overwrite``."""
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"the export target {str(path)!r} exists and is not a directory")
+    if path.is_dir() and any(path.iterdir()) and not overwrite:
+        raise ValueError(
+            f"{str(path)!r} exists and is not empty; pass overwrite=True to replace it, "
+            "or choose another path"
+        )
+
+
+def _write_folder_atomically(target: Path, fill: Callable[[Path], None]) -> None:
+    """Fill a fresh folder beside ``target``, fsync it, rename it to ``target`` (an
+    existing one is moved aside first: rename(2) replaces empty directories only)."""
+    tmp = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex}"
+    try:
+        tmp.mkdir()
+        fill(tmp)
+        for entry in tmp.iterdir():
+            if entry.is_file() and not entry.is_symlink():
+                fsync(entry)
+        fsync(tmp)
+        if target.is_dir() and any(target.iterdir()):
+            old = target.parent / f".{target.name}.old-{uuid.uuid4().hex}"
+            os.replace(target, old)
+            os.replace(tmp, target)
+            fsync(target.parent)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, target)
+            fsync(target.parent)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
