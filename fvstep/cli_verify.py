@@ -58,10 +58,10 @@ def add_verify_parsers(sub: Any) -> None:
         "factory", help="MODULE:FACTORY; FACTORY() returns (module, args) or (module, args, kwargs)"
     )
     compiled.add_argument(
-        "--rtol",
+        "--threshold",
         type=float,
         default=None,
-        help="relative tolerance (default by precision: 1e-3 fp32, 1e-2 TF32, 0.1 bf16/fp16)",
+        help="largest ratio of a compiled gradient's error to eager's rounding noise (default 100)",
     )
     compiled.add_argument(
         "--backend",
@@ -184,17 +184,17 @@ def run_verify_compile(args: argparse.Namespace) -> int:
 
     Returns:
         The exit code: 0 when every block's compiled gradients match the eager ones within
-        the tolerance, else 1 (the mismatches are printed).
+        the threshold, else 1 (the mismatches are printed).
 
     Raises:
-        CLIError: ``--rtol`` is not positive, or the factory cannot be imported or returns
+        CLIError: ``--threshold`` is not positive, or the factory cannot be imported or returns
             something other than ``(module, args)`` or ``(module, args, kwargs)``.
 
     Example:
-        $ fvstep verify-compile my_model:factory --rtol 1e-3
+        $ fvstep verify-compile my_model:factory --threshold 30
     """
-    if args.rtol is not None and not args.rtol > 0:
-        raise CLIError(f"fvstep: --rtol must be positive, got {args.rtol}")
+    if args.threshold is not None and not args.threshold > 0:
+        raise CLIError(f"fvstep: --threshold must be positive, got {args.threshold}")
     made = _load_factory(args.factory)()
     if not (isinstance(made, tuple) and len(made) in (2, 3)):
         raise CLIError(
@@ -212,10 +212,11 @@ def run_verify_compile(args: argparse.Namespace) -> int:
     if not isinstance(inputs, (tuple, list)) or not isinstance(kwargs, dict):
         raise CLIError(f"fvstep: {args.factory}'s args must be a tuple and kwargs a dict")
     compiled = None if args.backend is None else {"backend": args.backend}
+    options: dict[str, Any] = {"seed": args.seed}
+    if args.threshold is not None:
+        options["threshold"] = args.threshold
     try:
-        reports = check_compiled_gradients(
-            module, *inputs, compiled=compiled, rtol=args.rtol, seed=args.seed, **kwargs
-        )
+        reports = check_compiled_gradients(module, *inputs, compiled=compiled, **options, **kwargs)
     except CompiledGradientError as e:
         print(f"compiled gradients are WRONG: {args.factory}")
         for line in str(e).splitlines():
@@ -223,7 +224,15 @@ def run_verify_compile(args: argparse.Namespace) -> int:
         return 1
     for r in reports:
         worst = r.worst
-        what = f"{worst.name} {worst.relative_error:.2g}" if worst else "nothing requires grad"
-        print(f"  {r.block}: worst {what} (tolerance {r.rtol:g}, {r.precision}, {r.seconds:.2f} s)")
+        what = (
+            f"{worst.name} {worst.ratio:.2g} x noise (error {worst.relative_error:.2g}, "
+            f"noise {worst.relative_noise:.2g})"
+            if worst
+            else "nothing requires grad"
+        )
+        print(
+            f"  {r.block}: worst {what} (threshold {r.threshold:g}, {r.precision}, "
+            f"{r.seconds:.2f} s)"
+        )
     print(f"compiled gradients match eager ones: {args.factory} ({len(reports)} block(s))")
     return 0

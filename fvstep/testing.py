@@ -30,7 +30,11 @@ import torch
 
 from fvstep.core.layout import Parallelism
 from fvstep.executor import run
-from fvstep.parallel.compile_check import CompiledGradientError, CompiledGradientReport
+from fvstep.parallel.compile_check import (
+    DEFAULT_THRESHOLD,
+    CompiledGradientError,
+    CompiledGradientReport,
+)
 from fvstep.parallel.compile_check_hooks import (
     block_parameters,
     install_compile_check,
@@ -228,18 +232,19 @@ def check_compiled_gradients(
     module: torch.nn.Module,
     *args: Any,
     compiled: Callable[..., Any] | Mapping[str, Any] | None = None,
-    rtol: float | None = None,
+    threshold: float = DEFAULT_THRESHOLD,
     seed: int = 0,
     **kwargs: Any,
 ) -> list[CompiledGradientReport]:
     """Check that ``module``'s compiled gradients match its eager ones on one input.
 
-    What :func:`fvstep.parallel.prepare`'s ``verify_compile`` does on the first real
-    micro-batch, on a probe of yours: each compiled block's forward and backward, eager
-    and compiled, on the inputs it receives when ``module(*args, **kwargs)`` runs, pulled
-    back with one fixed cotangent (:mod:`fvstep.parallel.compile_check`). Nothing is
-    left behind: no ``.grad``, the RNG state and ``requires_grad`` as they were, the
-    module as compiled as before.
+    What :func:`fvstep.parallel.prepare`'s ``verify_compile`` does on the first call of
+    each compiled graph, on a probe of yours: each compiled block's forward and backward,
+    eager and compiled (and below fp32 the fp32 reference and probe), on the inputs it
+    receives when ``module(*args, **kwargs)`` runs, pulled back with one fixed cotangent
+    and judged against eager's rounding noise (:mod:`fvstep.parallel.compile_check`).
+    Nothing is left behind: no ``.grad``, the RNG state, dtypes and ``requires_grad`` as
+    they were, the module as compiled as before.
 
     Args:
         module: The module to run on the probe. Its blocks compiled in place (a prepared
@@ -251,8 +256,8 @@ def check_compiled_gradients(
             compile ``module`` with (``{"backend": "aot_eager"}``); or a callable, a
             compiled version of ``module`` (``torch.compile(module)``) to compare with
             ``module`` called eagerly.
-        rtol: The tolerance (default: by precision; 1e-3 fp32, 1e-2 TF32, 0.1 bf16/fp16,
-            :data:`fvstep.parallel.compile_check.DEFAULT_RTOLS`).
+        threshold: The largest ratio of a compiled gradient's error to eager's rounding
+            noise that passes (:data:`fvstep.parallel.compile_check.DEFAULT_THRESHOLD`).
         seed: The cotangent's seed.
         **kwargs: The probe's keyword inputs.
 
@@ -261,8 +266,9 @@ def check_compiled_gradients(
         checked, in the order the blocks ran.
 
     Raises:
-        CompiledGradientError: Naming the block, the parameter (or input), the relative
-            error and the tolerance, for the first block whose gradients differ.
+        CompiledGradientError: Naming the block, the parameter (or input), its error,
+            eager's rounding noise and the threshold, for the first block whose gradients
+            differ.
         ValueError: If ``module`` is sharded (FSDP2: use ``prepare(...,
             verify_compile=True)``, which checks on every rank inside FSDP2's call), or if
             ``compiled`` asks to compile a module whose blocks are compiled already.
@@ -289,7 +295,7 @@ def check_compiled_gradients(
             kwargs,
             params=block_parameters(module),
             block=type(module).__name__,
-            rtol=rtol,
+            threshold=threshold,
             seed=seed,
         )
         if not report.passed:
@@ -307,7 +313,9 @@ def check_compiled_gradients(
 
         module.compile(**(resolve_compile_options(True if compiled is None else compiled) or {}))
         blocks = {type(module).__name__: module}
-    checks = [install_compile_check(m, name=n, rtol=rtol, seed=seed) for n, m in blocks.items()]
+    checks = [
+        install_compile_check(m, name=n, threshold=threshold, seed=seed) for n, m in blocks.items()
+    ]
     devices = sorted({p.device.index or 0 for p in module.parameters() if p.is_cuda})
     try:
         with torch.random.fork_rng(devices=devices), torch.enable_grad():

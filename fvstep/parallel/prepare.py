@@ -55,7 +55,7 @@ from fvstep.parallel.activation_offload import (
     resolve_offloading,
 )
 from fvstep.parallel.block_compile import apply_compile, resolve_compile_options
-from fvstep.parallel.compile_check import resolve_rtol
+from fvstep.parallel.compile_check import resolve_threshold
 from fvstep.parallel.compile_check_hooks import install_compile_check
 from fvstep.parallel.flash_attention import flash_attention_4_enabled
 from fvstep.parallel.mesh import ShardPolicy, blocks_policy, is_sharded, shard_module
@@ -215,12 +215,15 @@ def prepare(
             code object, so the default (8) is too few for DMD2 over a LoRA base.
         verify_compile: Check every compiled block's gradients against its eager ones
             before training on them (:mod:`fvstep.parallel.compile_check`): the first
-            grad-enabled call of each ``requires_grad`` pattern compares them on its real
-            inputs and raises :class:`~fvstep.parallel.compile_check.CompiledGradientError`
-            (block, parameter, error, tolerance) when they differ. ``True`` for the
-            default tolerance by precision (1e-3 fp32, 1e-2 TF32, 0.1 bf16/fp16), or a
-            relative tolerance. It costs one eager and one compiled forward and backward
-            of each block, once, and no compile; off by default.
+            grad-enabled call of each graph a block compiles (each new input shape,
+            ``requires_grad`` pattern or autocast state) compares them on its real inputs
+            and raises :class:`~fvstep.parallel.compile_check.CompiledGradientError`
+            (block, parameter, error, eager's rounding noise, their ratio, the threshold)
+            when a compiled gradient's error is more than the threshold times eager's own
+            rounding noise (below fp32 measured against an eager fp32 run). ``True`` for
+            the default threshold (100), or a threshold. It costs one eager and one
+            compiled forward and backward of each block, and below fp32 one eager fp32
+            forward and backward more, once per graph, and no compile; off by default.
         param_dtype: The compute dtype over the stored (master) parameters, e.g.
             ``torch.bfloat16`` over fp32. With ``mesh``, FSDP2's
             ``MixedPrecisionPolicy.param_dtype``: activations are cast to it at the root
@@ -295,7 +298,7 @@ def prepare(
     ac = resolve_checkpointing(checkpointing)
     offloading = resolve_offloading(offload_activations)
     compile_kwargs = resolve_compile_options(compile)
-    verify_rtol = resolve_rtol(verify_compile)
+    verify_threshold = resolve_threshold(verify_compile)
     if verify_compile is not False and compile_kwargs is None:
         raise ValueError("verify_compile checks compiled blocks: it needs compile")
     names = block_names(module, policy)
@@ -345,7 +348,9 @@ def prepare(
         apply_compile([blocks[name] for name in names], compile_kwargs)
         if verify_compile is not False:  # a pre-hook: runs after FSDP2's (it prepends)
             for name in names:
-                install_compile_check(blocks[name], name=name, rtol=verify_rtol, mesh=mesh)
+                install_compile_check(
+                    blocks[name], name=name, threshold=verify_threshold, mesh=mesh
+                )
     if mesh is not None and param_dtype is not None and trainable:
         cast_at_boundary(module, param_dtype, full_precision_inputs=keep)
     if mesh is None and param_dtype is not None:  # one process: autocast, as FSDP2 casts
