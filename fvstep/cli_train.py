@@ -1,6 +1,7 @@
 """``fvstep train RECIPE [--config F] [--key value ...]``: run a recipe.
 
-``RECIPE`` is a shipped recipe (``finetune``, the default; ``dmd2``; ``lora_dmd2``) or
+``RECIPE`` is a shipped recipe (``finetune``, the default; ``dmd2``; ``lora_dmd2``;
+``self_forcing``; ``streaming``; ``diffusion_nft``) or
 ``package.module:ATTRIBUTE`` naming a :class:`fvstep.recipes.Recipe`. Its options come from
 ``--config`` files (YAML, or TOML) and ``--dotted.key value`` flags
 (:mod:`fvstep.recipes.config`). Besides them: ``--nproc N`` launches N local ranks
@@ -29,7 +30,8 @@ EXIT_INTERRUPTED = 75
 
 _OWN_FLAGS = """
 options of fvstep train itself:
-  RECIPE                finetune (default), dmd2, lora_dmd2, or package.module:ATTRIBUTE
+  RECIPE                finetune (default), dmd2, lora_dmd2, self_forcing, streaming,
+                        diffusion_nft, or package.module:ATTRIBUTE
   --nproc N             launch N local ranks (default 1; under torchrun: in place)
   --dry-run             print the resolved config and the plan of the first steps
   --debug               show tracebacks

@@ -299,3 +299,25 @@ def test_the_recipes_batches_arrive_on_the_runs_device(tmp_path):
     assert {v.device for v in batch.values()} == {meta}
     plain = parts.make_data(o.data).batch(0, rank=0, world_size=1)
     assert {v.device.type for v in plain.values()} == {"cpu"}
+
+
+# -- found by the review of issue 34 ----------------------------------------------------
+
+
+def test_a_resumes_config_keeps_the_init_from_the_run_started_from(tmp_path):
+    source = tmp_path / "source"
+    train(FINETUNE, options(source, "--run.num_steps", "2"), log=lambda line: None)
+    run = tmp_path / "run"
+    start = ("--init_from.path", str(source), "--init_from.weights", "ema")
+    train(FINETUNE, options(run, "--run.num_steps", "2", *start), log=lambda line: None)
+    assert read_config(run)["options"]["init_from"]["weights"] == "ema"
+    other = ("--init_from.path", str(source), "--init_from.weights", "params")
+    train(FINETUNE, options(run, "--run.num_steps", "4", *other), log=lambda line: None)
+    kept = read_config(run)["options"]["init_from"]  # the resume ignored init_from
+    assert kept["weights"] == "ema" and kept["path"] == str(source)
+
+
+def test_the_compile_check_may_be_switched_on_at_a_resume(tmp_path):
+    saved = {"recipe": "finetune", "options": {"prepare": {"verify_compile": False}}}
+    new = {"recipe": "finetune", "options": {"prepare": {"verify_compile": True}}}
+    assert check_config_change(saved, new) == ["prepare.verify_compile: False -> True"]

@@ -70,6 +70,7 @@ MAY_CHANGE = (
     "validation",
     "trackers",
     "init_from",
+    "prepare.verify_compile",
 )
 """Keys (and groups) that a resumed run may change: none of them alters the math of a
 step. Any key whose last part is ``lr`` may change too (a learning rate applies from the
@@ -402,10 +403,13 @@ def write_config(
     world_size: int,
     precision: str | None = None,
     data_digest: str | None = None,
+    started_from: dict[str, Any] | None = None,
 ) -> Path:
     """Write the resolved config of a run as ``<run_dir>/config.yaml`` (atomically), with
     the world size it runs on and ``data_digest`` (:func:`dataset_digest`) when there is
-    one (:func:`describe_run`).
+    one (:func:`describe_run`). A resumed run passes ``started_from``, the ``init_from``
+    group of the config it resumes: a resume ignores ``init_from``, so the file keeps the
+    one the run started from.
 
     Returns:
         The file written.
@@ -421,6 +425,8 @@ def write_config(
     config = describe_run(
         recipe, options, world_size=world_size, precision=precision, data_digest=data_digest
     )
+    if started_from is not None:  # a resumed run: its init_from is the first run's
+        config["options"]["init_from"] = started_from
     text = yaml.safe_dump(config, sort_keys=False)
     tmp = path.with_name(f".{CONFIG_NAME}.tmp")
     tmp.write_text("# The resolved config of this run (fvstep train). Resuming checks it.\n" + text)

@@ -202,7 +202,9 @@ class RunOptions:
         num_steps: The step to reach (a resumed run may raise it).
         every: Save a checkpoint every ``every`` steps (and at the end).
         keep: Keep the newest ``keep`` checkpoints (``None``: all).
-        log_every: Write metrics every ``log_every`` steps.
+        log_every: Hand the metrics to ``metrics.jsonl`` and the trackers every
+            ``log_every`` steps (every step gets its line; this is how often they are
+            flushed, each flush one transfer from the device).
         microbatches: Gradient accumulation: micro-batches a step.
         seed: Seeds the training key (noise, timesteps).
         device: ``"auto"`` (CUDA when available, else the CPU), ``"cpu"`` or ``"cuda"``.

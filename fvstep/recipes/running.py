@@ -165,6 +165,8 @@ def prepare_run(
             if rank == 0:
                 try:
                     digest = dataset_digest(options.data.path)
+                    # a resume ignores init_from: the config keeps where the run started
+                    saved = read_config(out) if resumed_from is not None else None
                     write_config(
                         out,
                         recipe.name,
@@ -172,6 +174,7 @@ def prepare_run(
                         world_size=world,
                         precision=_precision(options),
                         data_digest=digest,
+                        started_from=None if saved is None else saved["options"].get("init_from"),
                     )
                 except Exception as e:
                     error = e
