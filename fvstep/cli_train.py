@@ -140,7 +140,7 @@ def _check_before_launch(recipe: Any, options: Any, nproc: int) -> None:
     from pathlib import Path
 
     from fvstep.checkpoint import CheckpointLockedError, lock_dir
-    from fvstep.checkpoint.layout import LOCK_NAME
+    from fvstep.checkpoint.directories import LOCK_NAME
     from fvstep.recipes.config import ConfigChangeError
     from fvstep.recipes.running import check_resume
 

@@ -12,7 +12,7 @@ from typing import Any
 import attrs
 
 from fvstep import checkpoint as ckpt
-from fvstep.checkpoint import layout
+from fvstep.checkpoint import directories
 from fvstep.checkpoint.manifest import (
     CheckpointError,
     CheckpointSkippedWarning,
@@ -64,7 +64,7 @@ class Checkpoints:
     async_save: bool = False
     on_damaged: str = "skip"
     reset: tuple[str, ...] = attrs.field(default=(), converter=_paths)
-    lock: layout.DirectoryLock | None = attrs.field(default=None, eq=False, repr=False)
+    lock: directories.DirectoryLock | None = attrs.field(default=None, eq=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
         if not all(isinstance(p, str) and p for p in self.reset):
@@ -80,18 +80,18 @@ class Checkpoints:
 
 
 def lock_run_dir(
-    root: Path, rank: int, held: layout.DirectoryLock | None = None
-) -> layout.DirectoryLock | None:
+    root: Path, rank: int, held: directories.DirectoryLock | None = None
+) -> directories.DirectoryLock | None:
     """Collective: rank 0 locks ``root``, unless it passes ``held``, a lock of ``root`` it
     holds already (then it takes none and returns ``None``); every rank raises rank 0's
     error, if any."""
-    lock: layout.DirectoryLock | None = None
+    lock: directories.DirectoryLock | None = None
     error: Exception | None = None
     if rank == 0:
         try:
             if held is None:
-                lock = layout.lock_dir(root)
-            elif Path(held.path).resolve() != (root / layout.LOCK_NAME).resolve():
+                lock = directories.lock_dir(root)
+            elif Path(held.path).resolve() != (root / directories.LOCK_NAME).resolve():
                 error = ValueError(
                     f"Checkpoints.lock is the lock {str(held.path)!r}, not the one of "
                     f"Checkpoints.dir {str(root)!r}: pass lock_dir(dir), or no lock"
@@ -115,7 +115,7 @@ def resume(
     """
     root = checkpoints.dir
     listed = broadcast_object(
-        (layout.list_step_dirs(root), layout.list_complete(root)) if rank == 0 else None
+        (directories.list_step_dirs(root), directories.list_complete(root)) if rank == 0 else None
     )
     assert listed is not None
     candidates, complete = listed
@@ -157,7 +157,7 @@ def _set_aside(skipped: list[tuple[Path, DamagedCheckpointError]], used: Path, r
         where = ""
         if rank == 0:
             try:
-                where = f"; it was renamed {layout.set_aside(path).name!r}"
+                where = f"; it was renamed {directories.set_aside(path).name!r}"
             except OSError as e:
                 where = f"; it could not be renamed aside ({e})"
         warnings.warn(

@@ -45,8 +45,8 @@ from fvstep import tree
 from fvstep.checkpoint import (
     CheckpointError,
     checkpoint_dir,
+    directories,
     latest,
-    layout,
     list_complete,
     load,
     save,
@@ -436,7 +436,7 @@ def make_entry(root: Path, step: int, kind: str, source: Path) -> None:
     if kind == "file":
         final.write_text("not a directory")
         return
-    target = layout.temp_dir(root, step) if kind == "tmp" else final
+    target = directories.temp_dir(root, step) if kind == "tmp" else final
     shutil.copytree(source, target)  # a .tmp-* dir is complete apart from its name
     manifest = target / MANIFEST_NAME
     if kind == "no_manifest":
@@ -477,7 +477,7 @@ def test_prune_keeps_the_newest_n_and_never_the_newest_complete(one_checkpoint, 
         root = Path(tmp)
         for step, kind in entries.items():
             make_entry(root, step, kind, one_checkpoint)
-        in_flight = layout.temp_dir(root, 99)
+        in_flight = directories.temp_dir(root, 99)
         shutil.copytree(one_checkpoint, in_flight)
         complete = sorted(s for s, k in entries.items() if k == "complete")
         ckpt.prune(root, keep, keep_temp=in_flight)
@@ -520,7 +520,7 @@ def test_a_crash_while_pruning_leaves_only_loadable_checkpoints(tmp_path, monkey
     for step in (1, 2, 3):
         save(small_state(seed=step), checkpoint_dir(tmp_path, step))
     with monkeypatch.context() as m, contextlib.suppress(SimulatedKill):
-        m.setattr(layout.shutil, "rmtree", rmtree_killed_midway)
+        m.setattr(directories.shutil, "rmtree", rmtree_killed_midway)
         ckpt.prune(tmp_path, keep=1)
     assert latest(tmp_path) == checkpoint_dir(tmp_path, 3)
     for step, path in list_complete(tmp_path):
@@ -540,7 +540,7 @@ def test_a_crash_while_overwriting_leaves_a_loadable_latest(tmp_path, monkeypatc
 
 def test_leftovers_of_a_crashed_save_do_not_block_the_next_save(tmp_path):
     path = checkpoint_dir(tmp_path, 4)
-    stale = layout.temp_dir(tmp_path, 4)
+    stale = directories.temp_dir(tmp_path, 4)
     stale.mkdir()
     (stale / "__0_0.distcp").write_bytes(b"half a shard")
     assert latest(tmp_path) is None

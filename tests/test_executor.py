@@ -554,7 +554,7 @@ def test_run_does_not_start_over_when_every_checkpoint_is_damaged(tmp_path):
         damage(ckpt.checkpoint_dir(tmp_path, s), "deleted_shard")
     with pytest.raises(ckpt.CheckpointError, match="no checkpoint .* can be loaded"):
         run_to(tmp_path, 4, every=1)
-    assert [s for s, _ in ckpt.layout.list_step_dirs(tmp_path)] == [1, 2]  # nothing renamed
+    assert [s for s, _ in ckpt.directories.list_step_dirs(tmp_path)] == [1, 2]  # nothing renamed
 
 
 def run_sharded_resume(rank: int, world_size: int, root: str, num_steps: int, damage_at):

@@ -20,7 +20,7 @@ import torch
 import fvstep
 from fvstep import parallel as fsp
 from fvstep.checkpoint import saving
-from fvstep.checkpoint.layout import checkpoint_dir, fsync
+from fvstep.checkpoint.directories import checkpoint_dir, fsync
 from fvstep.checkpoint.manifest import read_manifest
 
 PACKAGE = Path(fvstep.__file__).parent

@@ -20,8 +20,8 @@
 """
 
 from fvstep.checkpoint.async_saving import AsyncSaver
+from fvstep.checkpoint.directories import checkpoint_dir, latest, list_complete, lock_dir, prune
 from fvstep.checkpoint.exporting import export, gather_weights
-from fvstep.checkpoint.layout import checkpoint_dir, latest, list_complete, lock_dir, prune
 from fvstep.checkpoint.loading import load
 from fvstep.checkpoint.manifest import (
     FORMAT_VERSION,

@@ -40,7 +40,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from fvstep._optional import needs_extra
-from fvstep.checkpoint.layout import fsync
+from fvstep.checkpoint.directories import fsync
 from fvstep.parallel.ranks import gather_objects, rank_and_world
 from fvstep.state import RoleState, TrainState
 from fvstep.weights import Weights, roles_holding_other_weights, select_weights

@@ -19,9 +19,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from fvstep.checkpoint.directories import list_complete
 from fvstep.checkpoint.fingerprint import fingerprint
 from fvstep.checkpoint.frozen import _check_frozen
-from fvstep.checkpoint.layout import list_complete
 from fvstep.checkpoint.manifest import (
     CheckpointError,
     DamagedCheckpointError,

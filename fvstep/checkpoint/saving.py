@@ -32,9 +32,9 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
 from fvstep._checks import check_int
+from fvstep.checkpoint.directories import commit, discard
 from fvstep.checkpoint.fingerprint import fingerprint, local_checks
 from fvstep.checkpoint.frozen import _split_frozen
-from fvstep.checkpoint.layout import commit, discard
 from fvstep.checkpoint.manifest import CheckpointError, Manifest
 from fvstep.parallel.ranks import broadcast_object, min_over_ranks, rank_and_world
 from fvstep.tree import flatten_with_paths, is_dtensor
@@ -343,7 +343,7 @@ def save(
 
     Args:
         state: The state to save; it is not consumed or changed.
-        path: The checkpoint directory to create (e.g. ``layout.checkpoint_dir(root, step)``).
+        path: The checkpoint directory to create (e.g. ``directories.checkpoint_dir(root, step)``).
         overwrite: Replace an existing checkpoint at ``path``.
         group: The process group (default: the world).
         allow_nonfinite: Save a state with NaN or Inf values anyway (for inspection).

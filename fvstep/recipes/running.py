@@ -34,7 +34,7 @@ import attrs
 
 import fvstep as fs
 from fvstep import checkpoint as ckpt
-from fvstep.checkpoint.layout import DirectoryLock
+from fvstep.checkpoint.directories import DirectoryLock
 from fvstep.parallel import broadcast_object, rank_and_world
 from fvstep.recipes import Recipe, RunSpec
 from fvstep.recipes import init as init_
