@@ -506,7 +506,7 @@ def check_tie_across_fsdp2_groups_is_refused(rank: int, world_size: int) -> str:
         return name == "dec"
 
     module = fsp.shard_module(
-        TiedAutoencoder(0), mesh=fsp.make_mesh(device_type="cpu"), policy=own_group_for_dec
+        TiedAutoencoder(0), mesh=fsp.make_mesh(device_type="cpu"), blocks=own_group_for_dec
     )
     # fully_shard has already split the tie into two DTensors: the state sees two tensors.
     state = make_state(module)

@@ -3,7 +3,7 @@
 Split by concern (as torchtitan's ``distributed/`` folder):
 
 - :mod:`fvstep.parallel.mesh`: device meshes and FSDP2 sharding of a role's module
-  (:func:`make_mesh`, :func:`shard_module`, :func:`blocks_policy`, :func:`is_sharded`);
+  (:func:`make_mesh`, :func:`shard_module`, :func:`is_block`, :func:`is_sharded`);
 - :mod:`fvstep.parallel.layout`: :class:`Layout`, the process layout a step is called
   with on several ranks (``step(state, batch, parallelism=Layout())``): data-parallel
   replicas, context-parallel groups and FSDP2's handling, behind the core's
@@ -86,9 +86,9 @@ from fvstep.parallel.gradient_comparison import compare_compiled_gradients
 from fvstep.parallel.launcher import destroy, init_from_env, launch
 from fvstep.parallel.layout import Layout, default_layout
 from fvstep.parallel.mesh import (
-    ShardPolicy,
-    blocks_policy,
+    BlockFilter,
     data_parallel_rank_and_size,
+    is_block,
     is_sharded,
     make_context_mesh,
     make_mesh,
@@ -110,6 +110,7 @@ __all__ = [
     "FULL_PRECISION_INPUTS",
     "ActivationCheckpointing",
     "ActivationOffloading",
+    "BlockFilter",
     "CollectiveCounter",
     "CompiledGradientError",
     "CompiledGradientReport",
@@ -118,11 +119,9 @@ __all__ = [
     "Layout",
     "MixedPrecisionPolicy",
     "Preparation",
-    "ShardPolicy",
     "applied_context_group",
     "apply_context_parallel",
     "barrier",
-    "blocks_policy",
     "broadcast_object",
     "check_roles_are_data_parallel",
     "collective_device",
@@ -139,6 +138,7 @@ __all__ = [
     "gather_objects",
     "grad_sync_for",
     "init_from_env",
+    "is_block",
     "is_sharded",
     "launch",
     "make_context_mesh",

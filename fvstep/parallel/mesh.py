@@ -2,8 +2,8 @@
 
 - :func:`make_mesh`: a 1-D ``("shard",)`` mesh (FSDP2) or a 2-D ``("replicate", "shard")``
   one (HSDP) over every rank.
-- :func:`shard_module`: ``fully_shard`` each block a policy picks (default
-  :func:`blocks_policy`), then the root. Parameter names, and so checkpoint keys, do not
+- :func:`shard_module`: ``fully_shard`` each block a filter picks (default
+  :func:`is_block`), then the root. Parameter names, and so checkpoint keys, do not
   change.
 - :func:`is_sharded`: whether ``fully_shard`` was applied to a module.
 
@@ -26,16 +26,16 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPoli
 from fvstep.parallel.ranks import rank_and_world
 
 __all__ = [
-    "ShardPolicy",
-    "blocks_policy",
+    "BlockFilter",
     "data_parallel_rank_and_size",
+    "is_block",
     "is_sharded",
     "make_context_mesh",
     "make_mesh",
     "shard_module",
 ]
 
-ShardPolicy = Callable[[str, nn.Module, nn.Module | None], bool]
+BlockFilter = Callable[[str, nn.Module, nn.Module | None], bool]
 """``(qualified_name, submodule, parent) -> bool``: whether a submodule is its own FSDP2 group."""
 
 
@@ -81,8 +81,8 @@ def make_mesh(
     return init_device_mesh(device_type, (replicate, shard), mesh_dim_names=("replicate", "shard"))
 
 
-def blocks_policy(name: str, module: nn.Module, parent: nn.Module | None) -> bool:
-    """The default wrapping policy: the blocks of the root's ``nn.ModuleList`` attributes.
+def is_block(name: str, module: nn.Module, parent: nn.Module | None) -> bool:
+    """The default :data:`BlockFilter`: the blocks of the root's ``nn.ModuleList`` attributes.
 
     ``blocks.0``, ``blocks.1``, ... of a Wan transformer (``layers.*`` of a Llama-style
     model); lists nested inside blocks (an attention's ``to_out``) are not wrapped.
@@ -94,17 +94,17 @@ def shard_module(
     module: nn.Module,
     *,
     mesh: DeviceMesh,
-    policy: ShardPolicy = blocks_policy,
+    blocks: BlockFilter = is_block,
     mp_policy: MixedPrecisionPolicy | None = None,
     reshard_after_forward: bool = True,
     offload_policy: OffloadPolicy | None = None,
 ) -> nn.Module:
-    """Shard ``module`` with FSDP2: ``fully_shard`` each block the policy picks, then the root.
+    """Shard ``module`` with FSDP2: ``fully_shard`` each block ``blocks`` picks, then the root.
 
     Args:
         module: The role's module (parameters on the mesh's device type).
         mesh: From :func:`make_mesh`; a 2-D mesh gives HSDP.
-        policy: ``(qualified_name, submodule, parent) -> bool``: which submodules become
+        blocks: ``(qualified_name, submodule, parent) -> bool``: which submodules become
             their own FSDP2 groups (default: the blocks of every ``nn.ModuleList``).
         mp_policy: e.g. ``MixedPrecisionPolicy(param_dtype=torch.bfloat16,
             reduce_dtype=torch.float32)``.
@@ -130,7 +130,7 @@ def shard_module(
         "offload_policy": offload_policy or OffloadPolicy(),
     }
     parents = {id(child): parent for parent in module.modules() for child in parent.children()}
-    chosen = [m for n, m in module.named_modules() if n and policy(n, m, parents.get(id(m)))]
+    chosen = [m for n, m in module.named_modules() if n and blocks(n, m, parents.get(id(m)))]
     for block in reversed(chosen):  # inner groups before outer ones
         fully_shard(block, **options)
     fully_shard(module, **options)

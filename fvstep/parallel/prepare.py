@@ -58,7 +58,7 @@ from fvstep.parallel.block_compile import apply_compile, resolve_compile_options
 from fvstep.parallel.compile_check import resolve_threshold
 from fvstep.parallel.compile_check_hooks import install_compile_check
 from fvstep.parallel.flash_attention import flash_attention_4_enabled
-from fvstep.parallel.mesh import ShardPolicy, blocks_policy, is_sharded, shard_module
+from fvstep.parallel.mesh import BlockFilter, is_block, is_sharded, shard_module
 from fvstep.parallel.precision import (
     FULL_PRECISION_INPUTS,
     autocast_forward,
@@ -136,15 +136,15 @@ class Preparation:
 _PREPARATION_ATTR = "_fvstep_preparation"
 
 
-def block_names(module: nn.Module, policy: ShardPolicy = blocks_policy) -> list[str]:
-    """The qualified names of the blocks ``policy`` picks, in module order.
+def block_names(module: nn.Module, blocks: BlockFilter = is_block) -> list[str]:
+    """The qualified names of the blocks ``blocks`` picks, in module order.
 
     Examples:
         >>> block_names(tiny_wan(num_layers=2))
         ['blocks.0', 'blocks.1']
     """
     parents = {id(child): parent for parent in module.modules() for child in parent.children()}
-    return [n for n, m in module.named_modules() if n and policy(n, m, parents.get(id(m)))]
+    return [n for n, m in module.named_modules() if n and blocks(n, m, parents.get(id(m)))]
 
 
 def prepare(
@@ -162,7 +162,7 @@ def prepare(
     offload: bool = False,
     frozen_dtype: torch.dtype | None = torch.bfloat16,
     attention_backend: str | None = None,
-    policy: ShardPolicy = blocks_policy,
+    blocks: BlockFilter = is_block,
     checkpoint_context: Callable[[Callable[[], Any] | None], Callable[[], Any]] | None = None,
     context_mesh: DeviceMesh | None = None,
     context_mode: Literal["ulysses", "ring"] = "ulysses",
@@ -243,7 +243,7 @@ def prepare(
             ``module.set_attention_backend``. ``"_native_flash"`` runs FlashAttention-4
             once :func:`~fvstep.parallel.enable_flash_attention_4` has been called (the
             fastest measured on Hopper; PyTorch's FlashAttention-2 otherwise).
-        policy: Which submodules are blocks (default: the items of the root's
+        blocks: Which submodules are blocks (default: the items of the root's
             ``nn.ModuleList`` attributes, e.g. a Wan transformer's ``blocks.*``).
         checkpoint_context: ``context_fn -> context_fn``: wraps the checkpointing
             context of every checkpointed block (``None`` for full checkpointing,
@@ -301,17 +301,17 @@ def prepare(
     verify_threshold = resolve_threshold(verify_compile)
     if verify_compile is not False and compile_kwargs is None:
         raise ValueError("verify_compile checks compiled blocks: it needs compile")
-    names = block_names(module, policy)
+    names = block_names(module, blocks)
     if (ac.mode != "none" or offloading is not None or compile_kwargs is not None) and not names:
         raise ValueError(
-            "the module has no blocks to checkpoint, offload or compile (the policy picked none)"
+            "the module has no blocks to checkpoint, offload or compile (the blocks filter picked none)"
         )
     if context_mesh is not None and compile_kwargs is not None:
         raise ValueError(
             "compile with context parallel is not supported: diffusers' attention "
             "backward under context parallel cannot be traced (docs/concepts/context-parallel.md)"
         )
-    blocks = dict(module.named_modules())
+    submodules = dict(module.named_modules())
     if attention_backend is not None:
         setter = getattr(module, "set_attention_backend", None)
         if setter is None:
@@ -339,17 +339,19 @@ def prepare(
     if checkpoint_context is None:
         checkpoint_context = module.__dict__.get("_fvstep_checkpoint_context")
     checkpointed = apply_activation_checkpointing(
-        {name: blocks[name] for name in names}, ac, checkpoint_context=checkpoint_context
+        {name: submodules[name] for name in names}, ac, checkpoint_context=checkpoint_context
     )
     offloaded: tuple[str, ...] = ()
     if offloading is not None:
-        offloaded = apply_activation_offloading({name: blocks[name] for name in names}, offloading)
+        offloaded = apply_activation_offloading(
+            {name: submodules[name] for name in names}, offloading
+        )
     if compile_kwargs is not None:
-        apply_compile([blocks[name] for name in names], compile_kwargs)
+        apply_compile([submodules[name] for name in names], compile_kwargs)
         if verify_compile is not False:  # a pre-hook: runs after FSDP2's (it prepends)
             for name in names:
                 install_compile_check(
-                    blocks[name], name=name, threshold=verify_threshold, mesh=mesh
+                    submodules[name], name=name, threshold=verify_threshold, mesh=mesh
                 )
     if mesh is not None and param_dtype is not None and trainable:
         cast_at_boundary(module, param_dtype, full_precision_inputs=keep)
@@ -360,7 +362,7 @@ def prepare(
         shard_module(
             module,
             mesh=mesh,
-            policy=policy,
+            blocks=blocks,
             mp_policy=MixedPrecisionPolicy(
                 param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False
             ),
