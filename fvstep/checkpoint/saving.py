@@ -348,10 +348,9 @@ def save(
         group: The process group (default: the world).
         allow_nonfinite: Save a state with NaN or Inf values anyway (for inspection).
         writer_threads: Files each rank writes at once (default :data:`WRITER_THREADS`,
-            1; DCP's ``thread_count``). With 4, a save on the H200 host took 0.94x of
-            DCP's own instead of 1.09x from CUDA, 0.62x instead of 0.99x from the CPU;
-            a failed write on a helper thread is refused all the same, but that thread
-            prints its own traceback. Loading reads any number of files.
+            1; DCP's ``thread_count``; ``docs/benchmarks.md`` measures 4). A failed
+            write on a helper thread is refused all the same, but that thread prints
+            its own traceback. Loading reads any number of files.
 
     Returns:
         ``path`` as a ``Path``.

@@ -205,11 +205,9 @@ def prepare(
             "aot_eager"}``) merged over those. With Inductor, the Inductor ``options``
             (a ``mode`` is turned into its options) default to
             :data:`~fvstep.parallel.block_compile.SAFE_INDUCTOR_OPTIONS`, which turn off
-            a pass that computes wrong gradients for Wan's blocks (pytorch/pytorch#193061);
-            an ``options`` mapping given here is merged over them (``{"options":
-            {"coordinate_descent_tuning": True}}`` tunes Inductor's kernels: -1 % of a
-            fine-tune step on an H200 at 480x832x81 for minutes more of compile,
-            ``docs/benchmarks.md``). Dynamo's recompile
+            a pass that computes wrong gradients for Wan's blocks; an ``options``
+            mapping given here is merged over them (``{"options":
+            {"coordinate_descent_tuning": True}}``). Dynamo's recompile
             limit is raised to :data:`~fvstep.parallel.block_compile.RECOMPILE_LIMIT` at
             least (a process-wide setting): every block of every compiled role shares one
             code object, so the default (8) is too few for DMD2 over a LoRA base.

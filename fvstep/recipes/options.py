@@ -118,9 +118,8 @@ class OptimOptions:
         ema: The decay of an EMA of the trained weights (``None``: no EMA).
         fused: torch's fused AdamW kernel (one pass over each parameter, on CPU and
             CUDA); ``False``: torch's default implementation for the device (foreach on
-            CUDA). The fused kernel is the faster: on one H200 at 480x832x81 it takes a
-            fine-tune step's optimizer from 35 to 16 ms (``docs/benchmarks.md``). The
-            two round differently, so a resumed run may not change it.
+            CUDA). The fused kernel is the faster (``docs/benchmarks.md``). The two round
+            differently, so a resumed run may not change it.
     """
 
     lr: float = 1e-4
