@@ -22,8 +22,8 @@ import torch
 import fvstep as fs
 from fvstep import checkpoint as ckpt
 from fvstep.cli import main
-from fvstep.cli_export import _load_run
-from fvstep.cli_train import EXIT_INTERRUPTED
+from fvstep.cli.export import _load_run
+from fvstep.cli.train import EXIT_INTERRUPTED
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "finetune_tiny.yaml"

@@ -366,7 +366,7 @@ def test_the_progress_bar_takes_a_thread_lock_not_a_semaphore() -> None:
 def test_the_demo_summary_explains_a_rising_validation_loss(tmp_path) -> None:
     import json
 
-    from fvstep.cli_demo import _validation_line
+    from fvstep.cli.demo import _validation_line
     from fvstep.demo import VAL_LOSS_NOTE, plot_losses
 
     for run in ("uninterrupted", "interrupted"):

@@ -13,7 +13,7 @@ import pytest
 
 import fvstep as fs
 from fvstep.cli import main
-from fvstep.cli_export import _load_run
+from fvstep.cli.export import _load_run
 from fvstep.methods.causal_rollout import shifted_steps
 from fvstep.recipes import get_recipe
 from fvstep.recipes.config import parse_options

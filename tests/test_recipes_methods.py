@@ -12,7 +12,7 @@ import torch
 
 import fvstep as fs
 from fvstep import checkpoint as ckpt
-from fvstep.cli_train import run_train_command
+from fvstep.cli.train import run_train_command
 from fvstep.recipes import get_recipe
 from fvstep.recipes.config import parse_options
 from fvstep.recipes.running import prepare_run, train

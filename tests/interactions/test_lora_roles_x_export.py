@@ -27,7 +27,7 @@ from safetensors.torch import load_file
 
 import fvstep as fs
 from fvstep.cli import main
-from fvstep.cli_export import _load_run
+from fvstep.cli.export import _load_run
 from tests.interactions.cells import velocity
 
 diffusers = pytest.importorskip("diffusers")

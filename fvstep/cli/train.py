@@ -21,7 +21,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from fvstep.cli_common import CLIError, check_positive, run_on_ranks, under_launcher
+from fvstep.cli.common import CLIError, check_positive, run_on_ranks, under_launcher
 
 __all__ = ["EXIT_INTERRUPTED", "add_train_parser", "run_train_command", "split_train_args"]
 

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fvstep.cli_common import CLIError, check_positive, from_rank0, run_on_ranks
+from fvstep.cli.common import CLIError, check_positive, from_rank0, run_on_ranks
 
 __all__ = ["add_demo_parser", "run_demo_command"]
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fvstep.cli_common import CLIError
+from fvstep.cli.common import CLIError
 
 __all__ = ["add_plan_parser", "run_plan_command", "split_plan_args"]
 

@@ -2,9 +2,9 @@
 ``verify-compile``, ``data``.
 
 This module is the parser and the dispatch; each command lives in its own module
-(:mod:`fvstep.cli_train`, :mod:`fvstep.cli_plan`, :mod:`fvstep.cli_export`, :mod:`fvstep.cli_demo`,
-:mod:`fvstep.cli_verify`, :mod:`fvstep.latents.cli`), and what
-they share in :mod:`fvstep.cli_common`. ``fvstep demo`` and ``fvstep verify-resume``
+(:mod:`fvstep.cli.train`, :mod:`fvstep.cli.plan`, :mod:`fvstep.cli.export`, :mod:`fvstep.cli.demo`,
+:mod:`fvstep.cli.verify`, :mod:`fvstep.latents.cli`), and what
+they share in :mod:`fvstep.cli.common`. ``fvstep demo`` and ``fvstep verify-resume``
 launch their ranks themselves through torch.distributed's elastic launcher when
 ``--nproc`` > 1, and run in place when started under ``torchrun`` (which sets
 ``WORLD_SIZE``); so does ``fvstep train`` (which parses its own arguments: a recipe's
@@ -22,12 +22,12 @@ import argparse
 import sys
 from typing import Any, NoReturn
 
-from fvstep.cli_common import CLIError
-from fvstep.cli_demo import add_demo_parser, run_demo_command
-from fvstep.cli_export import add_export_parser, run_export_command
-from fvstep.cli_plan import add_plan_parser, run_plan_command
-from fvstep.cli_train import add_train_parser, run_train_command
-from fvstep.cli_verify import add_verify_parsers, run_verify_compile, run_verify_resume
+from fvstep.cli.common import CLIError
+from fvstep.cli.demo import add_demo_parser, run_demo_command
+from fvstep.cli.export import add_export_parser, run_export_command
+from fvstep.cli.plan import add_plan_parser, run_plan_command
+from fvstep.cli.train import add_train_parser, run_train_command
+from fvstep.cli.verify import add_verify_parsers, run_verify_compile, run_verify_resume
 
 __all__ = ["main"]
 

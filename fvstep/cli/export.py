@@ -29,7 +29,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from fvstep.cli_common import CLIError
+from fvstep.cli.common import CLIError
 
 __all__ = ["add_export_parser", "run_export_command"]
 

@@ -16,7 +16,7 @@ import sys
 import tempfile
 from typing import Any
 
-from fvstep.cli_common import CLIError, check_positive, from_rank0, run_on_ranks
+from fvstep.cli.common import CLIError, check_positive, from_rank0, run_on_ranks
 
 __all__ = ["add_verify_parsers", "run_verify_compile", "run_verify_resume"]
 
