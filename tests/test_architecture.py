@@ -54,7 +54,6 @@ APPLICATIONS = (
     "fvstep.cli.train",
     "fvstep.cli.verify",
     "fvstep.demo",
-    "fvstep.planning",
     "fvstep.recipes",
 )
 """The package's own users, at the top: they may import the face, nothing imports them."""

@@ -1,4 +1,4 @@
-"""``fvstep.planning``: the plan's bytes against a built state and measured activations,
+"""``fvstep.recipes.planning``: the plan's bytes against a built state and measured activations,
 its predictions against the measured H200 rows, and its suggestions."""
 
 from __future__ import annotations
@@ -14,9 +14,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from fvstep import parallel as fsp
-from fvstep import planning
 from fvstep.models import tiny_wan
-from fvstep.recipes import get_recipe
+from fvstep.recipes import get_recipe, planning
 from fvstep.recipes.config import parse_options
 
 GIB = 2**30

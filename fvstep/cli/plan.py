@@ -2,8 +2,8 @@
 
 It reads the recipe's options as ``fvstep train`` does (``--config`` files and
 ``--dotted.key value`` flags), builds the model on the ``meta`` device and prints
-:func:`fvstep.planning.plan_run`'s plan; when the run does not fit, the changes that make
-it fit, fastest first (:func:`fvstep.planning.suggest_changes`). ``--calibrate FILE``
+:func:`fvstep.recipes.planning.plan_run`'s plan; when the run does not fit, the changes that make
+it fit, fastest first (:func:`fvstep.recipes.planning.suggest_changes`). ``--calibrate FILE``
 measures this machine's kernels and writes them as a table for ``--kernels FILE``.
 """
 
@@ -117,7 +117,7 @@ def run_plan_command(argv: list[str]) -> int:
         options = parse_options(recipe, rest)
     except ValueError as e:
         raise CLIError(f"fvstep plan {name}: {e} (see fvstep plan {name} --help)") from None
-    from fvstep import planning
+    from fvstep.recipes import planning
 
     if own["calibrate"] is not None:
         import torch
