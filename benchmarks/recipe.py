@@ -22,10 +22,9 @@ from typing import Any
 
 import torch
 
-import fvstep as fs
 from fvstep.recipes import get_recipe
 from fvstep.recipes.config import parse_options
-from fvstep.recipes.running import compile_memory_budget, prepare_run
+from fvstep.recipes.running import prepare_run, run_prepared
 
 
 def _sync(device: torch.device) -> None:
@@ -64,8 +63,7 @@ def time_recipe(name: str, argv: list[str], *, warmup: int) -> dict[str, Any]:
     try:
         _sync(device)
         last[0] = time.perf_counter()
-        with compile_memory_budget(options):  # as fvstep train runs it
-            fs.run(spec.step, spec.state, spec.data, **spec.run_options, on_metrics=on_metrics)
+        run_prepared(spec, options, on_metrics=on_metrics)  # what fvstep train runs
     finally:
         spec.close()
     timed = times[warmup:] or times

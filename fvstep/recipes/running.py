@@ -49,7 +49,14 @@ from fvstep.recipes.config import (
 from fvstep.recipes.parts import check_paths, device_for, precision_name
 from fvstep.recipes.samples import check_samples
 
-__all__ = ["check_resume", "compile_memory_budget", "describe_plan", "prepare_run", "train"]
+__all__ = [
+    "check_resume",
+    "compile_memory_budget",
+    "describe_plan",
+    "prepare_run",
+    "run_prepared",
+    "train",
+]
 
 
 def _say(rank: int, log: Callable[[str], None]) -> Callable[[str], None]:
@@ -77,6 +84,21 @@ def compile_memory_budget(options: Any) -> contextlib.AbstractContextManager[Any
     from fvstep._compat import activation_memory_budget
 
     return activation_memory_budget(budget)
+
+
+def run_prepared(spec: RunSpec, options: Any, **extra: Any) -> Any:
+    """Train a prepared run (:func:`prepare_run`) to ``options.run.num_steps`` as
+    ``fvstep train`` does: :func:`fvstep.run` with the spec's options (and ``extra``, e.g.
+    ``on_metrics``) under the run's compile memory budget. It does not close ``spec``.
+
+    Returns:
+        The final state.
+
+    Raises:
+        fvstep.Interrupted: If SIGTERM or Ctrl-C stopped the run (after it saved).
+    """
+    with compile_memory_budget(options):
+        return fs.run(spec.step, spec.state, spec.data, **spec.run_options, **extra)
 
 
 def check_resume(recipe: Recipe, options: Any, *, world_size: int) -> tuple[Path | None, list[str]]:
@@ -294,8 +316,7 @@ def _train(recipe: Recipe, options: Any, *, dry_run: bool, log: Callable[[str], 
             f"fvstep train: recipe {recipe.name}, {world} rank(s), to step "
             f"{options.run.num_steps}; run folder {options.run.out}"
         )
-        with compile_memory_budget(options):
-            state = fs.run(spec.step, spec.state, spec.data, **spec.run_options)
+        state = run_prepared(spec, options)
         say(
             f"fvstep train: done at step {int(state.step)}; run folder {options.run.out} "
             f"(checkpoints, metrics.jsonl, {CONFIG_NAME})"
