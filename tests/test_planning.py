@@ -39,9 +39,15 @@ def _tensor_bytes(x: Any) -> int:
     return 0
 
 
-@pytest.mark.parametrize("recipe", ["finetune", "dmd2", "lora_dmd2"])
-def test_the_plans_bytes_per_role_equal_the_built_states_after_a_step(recipe: str) -> None:
-    options = _options(recipe)
+@pytest.mark.parametrize(
+    ("recipe", "argv"),
+    [("finetune", ()), ("finetune", ("--lora.rank", "4")), ("dmd2", ()), ("lora_dmd2", ())],
+    ids=["finetune", "finetune-lora", "dmd2", "lora_dmd2"],
+)
+def test_the_plans_bytes_per_role_equal_the_built_states_after_a_step(
+    recipe: str, argv: tuple[str, ...]
+) -> None:
+    options = _options(recipe, *argv)
     spec = get_recipe(recipe).build(options, fresh=True)
     state, _ = spec.step(spec.state, spec.data.batch(0))
     plan = planning.plan_run(recipe, options)

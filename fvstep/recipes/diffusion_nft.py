@@ -158,7 +158,7 @@ def build(options: DiffusionNFTOptions, *, fresh: bool = True) -> RunSpec:
         rollout=euler_rollout(options.rollout_steps),
         policy="student",
     )
-    student = parts.load_transformer(options.model)
+    student = parts.load_transformer(options.model, device=device)
     if fresh and options.init_from.path is not None and options.init_from.kind == "weights":
         init_.init_from(options.init_from, {"student": student})
     frozen = {"old": copy.deepcopy(student)}  # copies of the starting student

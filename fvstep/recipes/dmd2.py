@@ -75,7 +75,7 @@ def build(options: DMD2Options, *, fresh: bool = True) -> RunSpec:
         (['critic', 'student', 'teacher'], ('student', 'critic'))
     """
     device = parts.device_for(options.run)
-    teacher = parts.load_transformer(options.model)
+    teacher = parts.load_transformer(options.model, device=device)
     student, critic = copy.deepcopy(teacher), copy.deepcopy(teacher)
     if fresh and options.init_from.path is not None and options.init_from.kind == "weights":
         init_.init_from(options.init_from, {"student": student, "critic": critic})

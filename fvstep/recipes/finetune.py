@@ -1,13 +1,17 @@
 """The ``finetune`` recipe: flow-matching fine-tuning of one transformer (the student).
 
-Roles: ``student`` (trained, AdamW, an EMA when ``optim.ema`` is set). The method is
-:func:`fvstep.methods.finetune`; the step accumulates ``run.microbatches`` micro-batches
-and clips at ``optim.clip``. With no options it trains the embedded tiny Wan on synthetic
-latents on the CPU, in a few seconds.
+Roles: ``student`` (trained, AdamW, an EMA when ``optim.ema`` is set). With
+``lora.rank`` above 0 the student is a peft LoRA adapter over a frozen ``base`` role (left
+out of checkpoints by its digest, as in ``lora_dmd2``), and only the adapter trains. The
+method is :func:`fvstep.methods.finetune`; the step accumulates ``run.microbatches``
+micro-batches and clips at ``optim.clip``. With no options it trains the embedded tiny Wan
+on synthetic latents on the CPU, in a few seconds.
 
 Examples:
     $ fvstep train finetune --model.path Wan2.1-T2V-1.3B-Diffusers \\
           --data.path latents/ --optim.lr 1e-5 --run.num_steps 2000 --run.out runs/ft
+    $ fvstep train finetune --model.path Wan2.1-T2V-14B-Diffusers --data.path latents/ \\
+          --lora.rank 64 --optim.lr 1e-4 --run.out runs/lora_ft
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from fvstep.recipes import init as init_
 from fvstep.recipes.options import (
     DataOptions,
     InitFrom,
+    LoRAOptions,
     ModelOptions,
     OptimOptions,
     ParallelOptions,
@@ -40,6 +45,7 @@ class FinetuneOptions:
 
     Attributes:
         t_sampling: How flow-matching times are drawn: ``"uniform"`` or ``"logit_normal"``.
+        lora: LoRA adapters trained over a frozen base; ``rank: 0`` trains the whole model.
     """
 
     model: ModelOptions = field(default_factory=ModelOptions)
@@ -54,6 +60,7 @@ class FinetuneOptions:
     trackers: TrackerOptions = field(default_factory=TrackerOptions)
     init_from: InitFrom = field(default_factory=InitFrom)
     t_sampling: Literal["uniform", "logit_normal"] = "uniform"
+    lora: LoRAOptions = field(default_factory=lambda: LoRAOptions(rank=0))
 
 
 def build(options: FinetuneOptions, *, fresh: bool = True) -> RunSpec:
@@ -73,16 +80,28 @@ def build(options: FinetuneOptions, *, fresh: bool = True) -> RunSpec:
         (0, ('student',))
     """
     device = parts.device_for(options.run)
-    student = parts.load_transformer(options.model)
-    if fresh and options.init_from.path is not None and options.init_from.kind == "weights":
-        init_.init_from(options.init_from, {"student": student})
+    model = parts.load_transformer(options.model, device=device)
+    source = options.init_from
+    init_weights = fresh and source.path is not None and source.kind == "weights"
     mesh = parts.make_mesh(device)
-    student = parts.prepare_role(student.to(device), options.prepare, mesh, trainable=True)
     ema = fs.EMA(options.optim.ema) if options.optim.ema is not None else None
-    state = fs.TrainState.create(
-        {"student": fs.Role(student, optimizer=parts.make_optimizer(options.optim), ema=ema)},
-        key=fs.random.key(options.run.seed),
-    )
+    roles: dict[str, fs.Role] = {}
+    if options.lora.rank:  # an adapter over a frozen base, as lora_dmd2's
+        base = model.to(device)
+        student = parts.add_lora(base, options.lora, ("student",))["student"]
+        base = parts.prepare_role(base, options.prepare, mesh, trainable=False)
+        if init_weights:
+            init_.check_base_digest(source.path, base, base_role="base")
+            init_.init_from(source, {"student": student})
+        if mesh is not None:
+            fs.parallel.shard_module(student, mesh=mesh)
+        roles["base"] = fs.Role(base, save_frozen=False)
+    else:
+        if init_weights:
+            init_.init_from(source, {"student": model})
+        student = parts.prepare_role(model.to(device), options.prepare, mesh, trainable=True)
+    roles["student"] = fs.Role(student, optimizer=parts.make_optimizer(options.optim), ema=ema)
+    state = fs.TrainState.create(roles, key=fs.random.key(options.run.seed))
     return parts.run_spec(
         options, state, finetune(t_sampling=options.t_sampling), trained=("student",), device=device
     )

@@ -24,6 +24,7 @@ from fvstep.recipes import init as init_
 from fvstep.recipes.options import (
     DataOptions,
     InitFrom,
+    LoRAOptions,
     ModelOptions,
     OptimOptions,
     ParallelOptions,
@@ -34,24 +35,7 @@ from fvstep.recipes.options import (
 )
 from fvstep.sampling import FewStepSampler
 
-__all__ = ["RECIPE", "LoRADMD2Options", "LoRAOptions", "build"]
-
-
-@dataclass(frozen=True)
-class LoRAOptions:
-    """The adapters (``peft.LoraConfig``).
-
-    Attributes:
-        rank: ``r``.
-        alpha: ``lora_alpha``.
-        targets: The target modules.
-        seed: Seeds the adapters' initialisation.
-    """
-
-    rank: int = 4
-    alpha: int = 8
-    targets: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
-    seed: int = 0
+__all__ = ["RECIPE", "LoRADMD2Options", "build"]
 
 
 @dataclass(frozen=True)
@@ -90,18 +74,9 @@ def build(options: LoRADMD2Options, *, fresh: bool = True) -> RunSpec:
         >>> spec.trained
         ('student', 'critic')
     """
-    import peft
-
-    from fvstep.lora import add_adapters
-
     device = parts.device_for(options.run)
-    base = parts.load_transformer(options.model).to(device)
-    config = peft.LoraConfig(
-        r=options.lora.rank,
-        lora_alpha=options.lora.alpha,
-        target_modules=list(options.lora.targets),
-    )
-    lora = add_adapters(base, {"student": config, "critic": config}, seed=options.lora.seed)
+    base = parts.load_transformer(options.model, device=device).to(device)
+    lora = parts.add_lora(base, options.lora, ("student", "critic"))
     mesh = parts.make_mesh(device)
     base = parts.prepare_role(base, options.prepare, mesh, trainable=False)
     source = options.init_from

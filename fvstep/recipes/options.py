@@ -23,6 +23,7 @@ from typing import Any, Literal
 __all__ = [
     "DataOptions",
     "InitFrom",
+    "LoRAOptions",
     "ModelOptions",
     "OptimOptions",
     "ParallelOptions",
@@ -294,3 +295,20 @@ class InitFrom:
     kind: Literal["weights", "state"] = "weights"
     weights: Literal["params", "ema"] = "params"
     roles: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class LoRAOptions:
+    """The LoRA adapters (``peft.LoraConfig``) of the trained roles.
+
+    Attributes:
+        rank: ``r``. In ``finetune``, ``0`` (its default) trains the whole model instead.
+        alpha: ``lora_alpha``.
+        targets: The target modules.
+        seed: Seeds the adapters' initialisation.
+    """
+
+    rank: int = 4
+    alpha: int = 8
+    targets: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
+    seed: int = 0

@@ -23,6 +23,7 @@ from fvstep.parallel.activation_checkpoint import resolve_checkpointing
 from fvstep.recipes import RunSpec
 from fvstep.recipes.options import (
     DataOptions,
+    LoRAOptions,
     ModelOptions,
     OptimOptions,
     ParallelOptions,
@@ -33,6 +34,7 @@ from fvstep.recipes.options import (
 )
 
 __all__ = [
+    "add_lora",
     "check_paths",
     "close_data",
     "compute_dtype",
@@ -77,9 +79,13 @@ def _model_folder(path: Path) -> tuple[Path, str | None]:
     )
 
 
-def load_transformer(model: ModelOptions) -> nn.Module:
+def load_transformer(model: ModelOptions, *, device: torch.device | None = None) -> nn.Module:
     """The transformer of ``model``: a diffusers folder's weights, or a random init of a
     config (``model.config``, else the tiny Wan of ``model.tiny``) seeded by ``model.seed``.
+
+    A config's random init is drawn on ``device`` (a 14B model is then not built in host
+    memory first, once per rank); the folder's weights and the tiny Wan are loaded on the
+    CPU. The caller moves the module to its device either way.
 
     Raises:
         ValueError: If ``model.path`` is not a diffusers folder, or holds a causal Wan
@@ -101,7 +107,9 @@ def load_transformer(model: ModelOptions) -> nn.Module:
     if model.config is not None:
         config = json.loads(Path(model.config).read_text())
         cls = getattr(diffusers, config.get("_class_name", "WanTransformer3DModel"))
-        with torch.random.fork_rng(devices=[]):
+        device = device or torch.device("cpu")
+        on_gpu = [device] if device.type == "cuda" else []
+        with torch.random.fork_rng(devices=on_gpu), device:
             torch.manual_seed(model.seed)
             module = cls.from_config(config)
         return _to_dtype(module, dtype).train()
@@ -138,6 +146,22 @@ def _refuse_causal(module: nn.Module, path: Any) -> None:
 def _to_dtype(module: nn.Module, dtype: torch.dtype | None) -> nn.Module:
     """Cast a freshly built fp32 module only when another dtype is asked for."""
     return module if dtype in (None, torch.float32) else module.to(dtype)
+
+
+def add_lora(base: nn.Module, lora: LoRAOptions, roles: tuple[str, ...]) -> dict[str, nn.Module]:
+    """One peft LoRA adapter of ``lora`` per role over ``base`` (:func:`fvstep.lora.add_adapters`).
+
+    Raises:
+        ValueError: If ``lora.rank`` is below 1.
+    """
+    import peft
+
+    from fvstep.lora import add_adapters
+
+    if lora.rank < 1:
+        raise ValueError(f"lora.rank must be >= 1, got {lora.rank}")
+    config = peft.LoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=list(lora.targets))
+    return add_adapters(base, dict.fromkeys(roles, config), seed=lora.seed)
 
 
 def make_mesh(device: torch.device) -> Any:

@@ -556,6 +556,11 @@ critic's fake score (no grad), then trains the critic. In the ``fused`` ordering
 trained calls' activations are alive together (one backward)."""
 
 
+def _is_lora(recipe: str, options: Any) -> bool:
+    """Whether the trained roles are LoRA adapters over one frozen base."""
+    return recipe == "lora_dmd2" or (recipe == "finetune" and options.lora.rank > 0)
+
+
 def _step_kinds(recipe: str, options: Any) -> dict[str, tuple[_Call, ...]]:
     """The kinds of step of the recipe's method, keyed as :func:`fvstep.plan` names them."""
     from fvstep.core.steps import plan as step_plan
@@ -579,7 +584,7 @@ def _step_kinds(recipe: str, options: Any) -> dict[str, tuple[_Call, ...]]:
             else ("student+critic" if "student" in roles else "critic-only")
         )
         calls = table[key]
-        if recipe == "lora_dmd2":  # the base runs under grad for the adapters: frozen
+        if _is_lora(recipe, options):  # the base runs under grad for the adapters: frozen
             calls = tuple(_Call(c.role, "frozen" if c.kind == "trained" else c.kind) for c in calls)
         kinds.setdefault(key, calls)
     return kinds
@@ -632,7 +637,7 @@ def _roles(
 
     master = f"{'fp32' if model_bytes == 4 else options.model.dtype} masters, AdamW"
     frozen_note = f"frozen, {'bf16' if frozen_bytes == 2 else 'fp32'}"
-    if recipe == "finetune":
+    if recipe == "finetune" and not _is_lora(recipe, options):
         return [trained("student", shape.numel, ema, master + (", EMA" if ema else ""))]
     if recipe == "dmd2":
         return [
@@ -655,6 +660,8 @@ def _roles(
             numel * 4 / world + 1 if with_ema else 0.0, note + (", EMA" if with_ema else ""),
         )  # fmt: skip
 
+    if recipe == "finetune":
+        return [adapter("student", ema), frozen("base", frozen_note)]
     return [
         adapter("student", ema),
         frozen("teacher", frozen_note + " (the one base)"),
@@ -861,9 +868,10 @@ def plan_run(
     tokens = video * batch
     roles = _roles(recipe, options, shape, module, world)
     by_name = {r.name: r for r in roles}
+    lora = _is_lora(recipe, options)
 
     # activations of one block of a trained (or frozen-under-grad) call
-    fp32_weights = world == 1 and options.model.dtype == "float32" and recipe != "lora_dmd2"
+    fp32_weights = world == 1 and options.model.dtype == "float32" and not lora
     block = block_saved_bytes(
         shape, tokens, checkpointing=prepare.checkpointing, compute=compute,
         compiled=prepare.compile, memory_budget=prepare.compile_memory_budget,
@@ -878,7 +886,7 @@ def plan_run(
         chosen = math.ceil(shape.num_layers / every)
         block = (chosen * block + (shape.num_layers - chosen) * plain) / shape.num_layers
     lora_extra = lora_transient = 0.0
-    if recipe == "lora_dmd2":  # peft casts each adapted layer's input to the fp32 adapter
+    if lora:  # peft casts each adapted layer's input to the fp32 adapter
         _, layers, fan_in = _lora_numel(module, options.lora.rank, options.lora.targets)
         lora_transient = tokens * (4.0 * fan_in + 4.0 * layers * options.lora.rank)
         if prepare.checkpointing == "none":  # checkpointed blocks recompute the casts
@@ -914,10 +922,7 @@ def plan_run(
     steps = []
     for name, calls in _step_kinds(recipe, options).items():
         grad_calls = [c for c in calls if c.kind != "no_grad"]
-        acts = sum(
-            block_frozen if c.kind == "frozen" or recipe == "lora_dmd2" else block
-            for c in grad_calls
-        )
+        acts = sum(block_frozen if c.kind == "frozen" or lora else block for c in grad_calls)
         acts *= on_gpu
         grads = sum(by_name[c.role].gradients for c in grad_calls)
         # one backward over the trained calls: the activations go as the gradients come
@@ -987,7 +992,8 @@ def suggest_changes(
     limit: int = 5,
 ) -> list[Suggestion]:
     """Changes that make a run fit, fastest first: checkpointing and offloading, LoRA
-    (``dmd2`` -> ``lora_dmd2``), more GPUs; each re-planned with :func:`plan_run`.
+    (``--lora.rank 64`` of ``finetune``, ``dmd2`` -> ``lora_dmd2``), more GPUs; each
+    re-planned with :func:`plan_run`.
 
     Args:
         recipe: The recipe.
@@ -1039,6 +1045,9 @@ def suggest_changes(
                     **{"prepare.checkpointing": mode, "prepare.offload_activations_every": offload},
                 )
                 consider(" ".join(flags), recipe, opts, n, m, len(flags))
+    if recipe == "finetune" and not options.lora.rank:
+        opts = _options_with(options, **{"lora.rank": 64, "lora.alpha": 64})
+        consider("--lora.rank 64 --lora.alpha 64", recipe, opts, nproc, nodes, 2)
     if recipe == "dmd2":
         from fvstep.recipes.lora_dmd2 import LoRADMD2Options
 

@@ -132,7 +132,7 @@ def causal_roles(options: Any, *, fresh: bool, device: torch.device) -> dict[str
         >>> sorted(roles)
         ['critic', 'student', 'teacher']
     """
-    teacher = parts.load_transformer(options.model)
+    teacher = parts.load_transformer(options.model, device=device)
     student = make_causal(copy.deepcopy(teacher), chunk_frames=options.chunk_frames)
     critic = copy.deepcopy(teacher)
     if fresh and options.init_from.path is not None and options.init_from.kind == "weights":
