@@ -46,7 +46,7 @@ from fvstep.checkpoint.saving import (
     _publish,
     _refuse_nonfinite,
 )
-from fvstep.tree import flatten_with_paths
+from fvstep.core.tree import flatten_with_paths
 
 
 def build_state(mib: int) -> fs.TrainState:

@@ -45,7 +45,7 @@ from fvstep import checkpoint as ckpt
 from fvstep import parallel as fsd
 from fvstep.checkpoint.fingerprint import fingerprint
 from fvstep.checkpoint.saving import WRITER_THREADS
-from fvstep.tree import flatten_with_paths
+from fvstep.core.tree import flatten_with_paths
 
 __all__ = ["main", "write_with_fsync"]
 

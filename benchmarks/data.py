@@ -1,4 +1,4 @@
-"""Loader benchmark: samples/s of :class:`fvstep.latents.WorkerSource`, and the time a
+"""Loader benchmark: samples/s of :class:`fvstep.executor.latents.WorkerSource`, and the time a
 step waits on its next batch.
 
 It writes a synthetic dataset in fvstep's format (random latents and text embeddings of
@@ -69,7 +69,7 @@ def write_synthetic(
         >>> write_synthetic(tempfile.mkdtemp(), num_samples=2, shape=(1,), text_shape=(1,)).is_dir()
         True
     """
-    from fvstep.latents import shard_name, write_index, write_shard
+    from fvstep.executor.latents import shard_name, write_index, write_shard
 
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
@@ -101,7 +101,7 @@ def measure(
     prefetch: int = 2,
     device: str = "cpu",
 ) -> dict[str, Any]:
-    """Ask a :class:`~fvstep.latents.WorkerSource` for ``steps`` batches in step order.
+    """Ask a :class:`~fvstep.executor.latents.WorkerSource` for ``steps`` batches in step order.
 
     Args:
         root: The dataset directory.
@@ -126,8 +126,8 @@ def measure(
         >>> measure(root, num_workers=0, steps=3)["workers"]
         0
     """
-    from fvstep import random as fr
-    from fvstep.latents import latent_source
+    from fvstep.core import random as fr
+    from fvstep.executor.latents import latent_source
 
     if steps < 2:
         raise ValueError(f"steps must be >= 2, got {steps}")

@@ -23,7 +23,7 @@ import torch
 from benchmarks import common as c
 from benchmarks.presets import PRESETS, build_model, make_batch
 from fvstep import parallel as fsp
-from fvstep.models import predict
+from fvstep.methods.models import predict
 
 __all__ = ["build_parser", "main"]
 

@@ -2,7 +2,7 @@
 
 Both sides train their own copy of the same model (same seed, same sharding, same
 precision policy) on the same batch with the same method — flow matching, K
-micro-batches under one sync policy, ``clip_grad_norm_``, AdamW (``fvstep.optim.adamw``
+micro-batches under one sync policy, ``clip_grad_norm_``, AdamW (``fvstep.core.optim.adamw``
 against ``torch.optim.AdamW`` with the same ``--impl``: foreach/fused/single-tensor).
 The hand-written side is :func:`benchmarks.reference.finetune_step`, the loop the
 equality tests hold fvstep to bitwise: FSDP2 flags set by hand per micro-batch,

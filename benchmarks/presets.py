@@ -1,6 +1,6 @@
 """Model presets of the benchmarks: a ``WanTransformer3DModel`` config and a sample's shape.
 
-- ``tiny-wan``: :func:`fvstep.models.tiny_wan`'s config, for CPU smoke runs;
+- ``tiny-wan``: :func:`fvstep.methods.models.tiny_wan`'s config, for CPU smoke runs;
 - ``small-wan``: 4 blocks of dim 128, for CPU runs with some arithmetic;
 - ``wan-1.3b``: the Wan2.1-1.3B shape (random init), 3549 video tokens and 512 text
   tokens a sample, for GPUs;
@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import fvstep as fs
-from fvstep.models import synthetic_batch
+from fvstep.methods.models import synthetic_batch
 
 __all__ = ["PRESETS", "Preset", "build_model", "make_batch"]
 
@@ -83,7 +83,7 @@ PRESETS: dict[str, Preset] = {
         },
         latent_shape=(4, 2, 4, 4),
         text_len=3,
-        note="fvstep.models.tiny_wan (10k params, 8 tokens): CPU smoke runs",
+        note="fvstep.methods.models.tiny_wan (10k params, 8 tokens): CPU smoke runs",
     ),
     "small-wan": Preset(
         "small-wan",

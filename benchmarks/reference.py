@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fvstep.random import fold_in, fold_in_name, generator, split
+from fvstep.core.random import fold_in, fold_in_name, generator, split
 
 __all__ = [
     "dmd2_loop",
@@ -106,7 +106,7 @@ def flow_matching_by_hand(
 
     ``split(key, 2)`` gives ``t ~ U[0, 1)`` and ``eps ~ N(0, I)`` (generators on ``x0``'s
     device); ``x_t = (1 - t) x0 + t eps``; the loss is ``MSE(v(x_t, 1000 t), eps - x0)`` in
-    fp32, ``v`` read through the forward contract of :mod:`fvstep.models`.
+    fp32, ``v`` read through the forward contract of :mod:`fvstep.methods.models`.
     """
     k_t, k_eps = split(key, 2)
     device = x0.device

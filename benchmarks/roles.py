@@ -11,7 +11,7 @@ from torch import nn
 from benchmarks import common as c
 from benchmarks.presets import Preset, build_model
 from fvstep import parallel as fsp
-from fvstep._compat import checkpoint_wrapper
+from fvstep.core._compat import checkpoint_wrapper
 from fvstep.lora import add_adapters
 from fvstep.parallel.activation_checkpoint import resolve_checkpointing
 

@@ -14,7 +14,7 @@ import optree
 import torch
 
 import fvstep as fs
-from fvstep.tree import NAMESPACE
+from fvstep.core.tree import NAMESPACE
 
 
 def build_state(num_params: int) -> fs.TrainState:

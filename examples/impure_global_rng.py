@@ -9,7 +9,7 @@ import torch
 
 import fvstep as fs
 from fvstep.methods import flow_matching_loss
-from fvstep.models import tiny_wan
+from fvstep.methods.models import tiny_wan
 
 
 def factory():

@@ -6,7 +6,7 @@ The factory builds everything anew on each call, as a restarted process would.
 import fvstep as fs
 from fvstep import parallel as fsp
 from fvstep.methods import flow_matching_loss
-from fvstep.models import synthetic_batch, tiny_wan
+from fvstep.methods.models import synthetic_batch, tiny_wan
 
 
 def factory():

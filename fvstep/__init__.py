@@ -22,45 +22,56 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # what type checkers see; at run time __getattr__ imports on first use
-    from fvstep import checkpoint, data, optim, random, schedules, tree
-    from fvstep.accumulation import Accumulation
+    from fvstep import checkpoint
+    from fvstep.core import optim, random, schedules, tree
+    from fvstep.core.accumulation import Accumulation
     from fvstep.core.engine import Step
+    from fvstep.core.grads import NonFiniteGradientError, clip_grad_norm
     from fvstep.core.managed import managed
     from fvstep.core.policy import StepFailedError
+    from fvstep.core.state import EMA, ConsumedStateError, Role, TrainState
     from fvstep.core.steps import compile, cond, every, plan, sequence, update
-    from fvstep.executor import Interrupted, RunResult, run, run_until
-    from fvstep.grads import NonFiniteGradientError, clip_grad_norm
-    from fvstep.reporting import Validation
-    from fvstep.run_checkpoints import Checkpoints
-    from fvstep.state import EMA, ConsumedStateError, Role, TrainState
+    from fvstep.executor import data
+    from fvstep.executor.checkpoints import Checkpoints
+    from fvstep.executor.loop import Interrupted, RunResult, run, run_until
+    from fvstep.executor.reporting import Validation
 
 __version__ = "0.1.0.dev0"
 
 _NAMES = {
-    "Accumulation": "fvstep.accumulation",
-    "Checkpoints": "fvstep.run_checkpoints",
-    "ConsumedStateError": "fvstep.state",
-    "EMA": "fvstep.state",
-    "Interrupted": "fvstep.executor",
-    "NonFiniteGradientError": "fvstep.grads",
-    "Role": "fvstep.state",
-    "RunResult": "fvstep.executor",
+    "Accumulation": "fvstep.core.accumulation",
+    "Checkpoints": "fvstep.executor.checkpoints",
+    "ConsumedStateError": "fvstep.core.state",
+    "EMA": "fvstep.core.state",
+    "Interrupted": "fvstep.executor.loop",
+    "NonFiniteGradientError": "fvstep.core.grads",
+    "Role": "fvstep.core.state",
+    "RunResult": "fvstep.executor.loop",
     "Step": "fvstep.core.engine",
     "StepFailedError": "fvstep.core.policy",
-    "TrainState": "fvstep.state",
-    "Validation": "fvstep.reporting",
-    "clip_grad_norm": "fvstep.grads",
+    "TrainState": "fvstep.core.state",
+    "Validation": "fvstep.executor.reporting",
+    "clip_grad_norm": "fvstep.core.grads",
     "compile": "fvstep.core.steps",
     "cond": "fvstep.core.steps",
     "every": "fvstep.core.steps",
     "managed": "fvstep.core.managed",
     "plan": "fvstep.core.steps",
-    "run": "fvstep.executor",
-    "run_until": "fvstep.executor",
+    "run": "fvstep.executor.loop",
+    "run_until": "fvstep.executor.loop",
     "sequence": "fvstep.core.steps",
     "update": "fvstep.core.steps",
 }
 """Each public name and the module that defines it, imported on first read."""
+
+_MODULES = {
+    "data": "fvstep.executor.data",
+    "optim": "fvstep.core.optim",
+    "random": "fvstep.core.random",
+    "schedules": "fvstep.core.schedules",
+    "tree": "fvstep.core.tree",
+}
+"""The public modules that live in a layer's folder (``fvstep.tree`` is ``fvstep.core.tree``)."""
 
 __all__ = [
     "EMA",
@@ -110,6 +121,10 @@ def __getattr__(name: str) -> Any:
         value = getattr(importlib.import_module(_NAMES[name]), name)
         globals()[name] = value
         return value
+    if name in _MODULES:
+        module = importlib.import_module(_MODULES[name])
+        globals()[name] = module
+        return module
     if not name.startswith("__"):
         try:  # a submodule (fvstep.checkpoint, fvstep.parallel, ...): importing binds it
             return importlib.import_module(f"{__name__}.{name}")

@@ -6,7 +6,7 @@
 - Multi-rank checks: run them with ``fvstep.parallel.launch(fn, ..., nproc=2)`` (or
   ``fvstep verify-resume --nproc 2``); every rank calls :func:`assert_resume_exact`.
 - :mod:`hypothesis` strategies: :func:`resume_scenarios` and :func:`train_states`.
-- :func:`assert_trees_equal` (from :mod:`fvstep.tree`).
+- :func:`assert_trees_equal` (from :mod:`fvstep.core.tree`).
 - :func:`check_compiled_gradients`: your module's compiled gradients against its eager
   ones, block by block, on an input you give (``fvstep verify-compile`` runs it).
 
@@ -29,7 +29,10 @@ import attrs
 import torch
 
 from fvstep.core.layout import Parallelism
-from fvstep.executor import run
+from fvstep.core.state import TrainState
+from fvstep.core.tree import assert_trees_equal
+from fvstep.executor.checkpoints import Checkpoints
+from fvstep.executor.loop import run
 from fvstep.parallel.compile_check import (
     DEFAULT_THRESHOLD,
     CompiledGradientError,
@@ -42,9 +45,6 @@ from fvstep.parallel.compile_check_hooks import (
 )
 from fvstep.parallel.gradient_comparison import compare_compiled_gradients
 from fvstep.parallel.mesh import is_sharded
-from fvstep.run_checkpoints import Checkpoints
-from fvstep.state import TrainState
-from fvstep.tree import assert_trees_equal
 
 __all__ = [
     "ResumeScenario",
@@ -189,9 +189,9 @@ def train_states(*, max_roles: int = 3) -> Any:
     state; the leaves are filled with drawn bits."""
     from hypothesis import strategies as st
 
-    from fvstep import optim
-    from fvstep import random as fsrandom
-    from fvstep.state import EMA, Role
+    from fvstep.core import optim
+    from fvstep.core import random as fsrandom
+    from fvstep.core.state import EMA, Role
 
     @st.composite
     def draw(d: Any) -> TrainState:
@@ -339,6 +339,6 @@ def _outermost_compiled(module: torch.nn.Module) -> dict[str, torch.nn.Module]:
 
 
 def _float_leaves(state: TrainState) -> list[torch.Tensor]:
-    from fvstep.tree import leaves
+    from fvstep.core.tree import leaves
 
     return [x for x in leaves(state) if x.is_floating_point()]

@@ -50,7 +50,7 @@ torch.nn.utils.clip_grads_with_norm_ = timed(torch.nn.utils.clip_grads_with_norm
 
 import fvstep as fs
 from fvstep.methods.finetune import flow_matching_loss
-from fvstep.models import synthetic_batch, tiny_wan
+from fvstep.methods.models import synthetic_batch, tiny_wan
 
 steps, warmup = int(sys.argv[1]), int(sys.argv[2])
 state = fs.TrainState.create(

@@ -2,7 +2,7 @@
 
 One fine-tune step (a tiny Wan, 2 micro-batches, clipping, EMA, called directly) runs
 under ``sys.setprofile``; every call into a function defined under ``fvstep/`` is
-counted, except the loss function's own code (``fvstep/methods/``, ``fvstep/models.py``:
+counted, except the loss function's own code (``fvstep/methods/``, the models included:
 the model math a user writes) and what they call. Also: the nested fvstep frames between
 ``fvstep.run`` and the optimizer's kernel call, and the files they cross.
 
@@ -24,10 +24,10 @@ import torch
 
 import fvstep as fs
 from fvstep.methods.finetune import finetune
-from fvstep.models import synthetic_batch, tiny_wan
+from fvstep.methods.models import synthetic_batch, tiny_wan
 
 PACKAGE = Path(fs.__file__).resolve().parent
-LEFT_OUT = (PACKAGE / "methods", PACKAGE / "models.py")  # the loss function's own code
+LEFT_OUT = (PACKAGE / "methods",)  # the loss function's own code (the models are in methods/)
 
 
 def _build() -> tuple[fs.TrainState, Any, Any]:

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-from fvstep.tree import is_dtensor
+from fvstep.core.tree import is_dtensor
 
 DEFAULT_TIMEOUT_S = 420.0
 

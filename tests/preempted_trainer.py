@@ -1,7 +1,7 @@
 """A trainer over the worker loader that a test preempts: the subject of ``test_preemption.py``.
 
 ``python tests/preempted_trainer.py train <dataset> <ckpt> <marker>`` trains a tiny model on
-the latent dataset at ``<dataset>`` (read by :func:`fvstep.latents.latent_source` with its
+the latent dataset at ``<dataset>`` (read by :func:`fvstep.executor.latents.latent_source` with its
 default two worker processes) towards step ``NUM_STEPS``, saving into ``<ckpt>`` only every
 1000 steps (so the only checkpoint it can leave is the one a signal makes it save). After
 step ``HOLD_AT`` it writes ``<marker>.rank<r>`` (JSON: its pid and its loader workers'
@@ -12,7 +12,7 @@ boundary and saves ``step_{HOLD_AT + 1}``. It prints ``returned <step> <why> <ch
 ``python tests/preempted_trainer.py resume <dataset> <ckpt> <reference>`` resumes from
 ``<ckpt>`` to ``NUM_STEPS``, runs the same training uninterrupted into ``<reference>``, and
 prints ``resumed from <checkpoint>`` and ``resume is bitwise`` when the final states are
-equal (``fvstep.tree.assert_trees_equal``; it raises otherwise).
+equal (``fvstep.core.tree.assert_trees_equal``; it raises otherwise).
 
 Both run on one process, or on several under ``torchrun`` (gloo, the model FSDP2-sharded).
 Run it from the repository root with ``PYTHONPATH=.`` (the test sets it).
@@ -34,7 +34,7 @@ from torch import nn
 
 import fvstep as fs
 from fvstep import parallel as fsp
-from fvstep.latents import latent_source
+from fvstep.executor.latents import latent_source
 from tests.crash_saver import report  # one atomic write a line: two ranks share stdout
 
 HOLD_AT = 2

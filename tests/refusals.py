@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from fvstep import tree
-from fvstep.state import is_consumed
+from fvstep.core import tree
+from fvstep.core.state import is_consumed
 
 
 def assert_refused_before_any_change(

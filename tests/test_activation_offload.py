@@ -17,9 +17,9 @@ import pytest
 import torch
 
 import fvstep as fs
-from fvstep import tree
+from fvstep.core import tree
 from fvstep.methods import finetune
-from fvstep.models import synthetic_batch, tiny_wan
+from fvstep.methods.models import synthetic_batch, tiny_wan
 from fvstep.parallel import ActivationOffloading
 from fvstep.parallel.activation_offload import (
     apply_activation_offloading,

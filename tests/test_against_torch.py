@@ -17,10 +17,10 @@ import pytest
 
 import fvstep as fs
 from benchmarks.reference import finetune_loop
-from fvstep import tree
+from fvstep.core import tree
+from fvstep.core.random import fold_in
 from fvstep.methods.finetune import flow_matching_loss
-from fvstep.models import synthetic_batch, tiny_wan
-from fvstep.random import fold_in
+from fvstep.methods.models import synthetic_batch, tiny_wan
 
 NUM_STEPS = 10
 LR = fs.schedules.warmup_cosine(1e-3, warmup_steps=3, total_steps=NUM_STEPS)

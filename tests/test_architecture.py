@@ -7,7 +7,7 @@
 - No library module imports the package face (``fvstep/__init__.py``); only the
   applications at the top (the command line, the demo) may, and no library
   module imports them.
-- Private torch APIs are reached through ``fvstep/_compat.py`` alone, where the
+- Private torch APIs are reached through ``fvstep/core/_compat.py`` alone, where the
   ``torch.distributed`` ones are imported lazily (inside the function that needs them).
 - No import cycle between fvstep's modules (imports inside functions count; those under
   ``if TYPE_CHECKING:`` do not), and no new import of another module's private name (the
@@ -26,36 +26,15 @@ import pytest
 # layering holds for what is shipped; scripts/check_dist.sh --full runs these on it).
 PACKAGE = Path(importlib.util.find_spec("fvstep").submodule_search_locations[0]).resolve()  # type: ignore[union-attr,index]
 
-CORE = (
-    "fvstep.accumulation",
-    "fvstep.core",
-    "fvstep.grads",
-    "fvstep.optim",
-    "fvstep.random",
-    "fvstep.schedules",
-    "fvstep.state",
-    "fvstep.tree",
-    "fvstep.weights",
-)
-"""The core: what a state and a step are made of (``fvstep.core``: the steps and the
-engine; the modules of the state, its optimizers and schedules beside it). ``fvstep.core.layout``
-is the protocol a call is given."""
+CORE = "fvstep.core"
+"""The core: what a state and a step are made of (the state, its keys, optimizers and
+schedules, the steps and the engine). ``fvstep.core.layout`` is the protocol a call is
+given."""
 
-CORE_HELPERS = ("fvstep._checks", "fvstep._compat", "fvstep._optional", "fvstep._role_tensors")
-"""Private modules the core may use besides itself."""
+COMPAT = "fvstep.core._compat"
+"""The one door to private torch APIs and to ``torch.distributed`` (imported lazily)."""
 
-APPLICATIONS = (
-    "fvstep.__main__",
-    "fvstep.cli",
-    "fvstep.cli.common",
-    "fvstep.cli.demo",
-    "fvstep.cli.export",
-    "fvstep.cli.plan",
-    "fvstep.cli.train",
-    "fvstep.cli.verify",
-    "fvstep.demo",
-    "fvstep.recipes",
-)
+APPLICATIONS = ("fvstep.__main__", "fvstep.cli", "fvstep.recipes")
 """The package's own users, at the top: they may import the face, nothing imports them."""
 
 FORBIDDEN_IN_CORE = ("torch.distributed", "fvstep.parallel")
@@ -117,7 +96,7 @@ def _assert_none(violations: list[str]) -> None:
 
 
 def test_the_layer_lists_name_existing_modules() -> None:
-    for module in (*CORE, *CORE_HELPERS, *APPLICATIONS):
+    for module in (COMPAT, *(p for prefixes in LAYERS.values() for p in prefixes)):
         assert module in MODULES, f"{module} is not a module"
 
 
@@ -128,32 +107,25 @@ def test_the_core_imports_nothing_from_torch_distributed_fsdp2_or_the_parallel_l
             return f"imports {imported} (the core is given a sync policy)"
         return None
 
-    core = [m for m in MODULES if _is_within(m, CORE)]
+    # the compat module reaches torch.distributed lazily, for the layers above the core
+    core = [m for m in MODULES if _is_within(m, CORE) and m != COMPAT]
     _assert_none(_violations(core, bad))
 
 
 LAYERS = {
-    "core": (*CORE, *CORE_HELPERS),
+    "core": (CORE,),
     "parallel": ("fvstep.parallel",),
     "checkpoint": ("fvstep.checkpoint",),
-    "executor": (
-        "fvstep.executor",
-        "fvstep.data",
-        "fvstep.testing",
-        "fvstep.latents",
-        "fvstep.trackers",
-        "fvstep.media",
-        "fvstep.reporting",
-        "fvstep.run_checkpoints",
-        "fvstep.schedule_check",
-    ),
-    "methods": ("fvstep.methods", "fvstep.models"),
-    "observe": ("fvstep.validation", "fvstep.sampling"),
+    "executor": ("fvstep.executor", "fvstep.testing"),
+    "methods": ("fvstep.methods",),
+    "observe": ("fvstep.observe",),
     "lora": ("fvstep.lora",),
     "face": ("fvstep",),
     "applications": APPLICATIONS,
 }
-"""Every module of the package, by layer (docs/architecture.md)."""
+"""Every module of the package, by layer (docs/architecture.md): one folder a layer, but
+``fvstep.testing``, the resume law for users' own methods, whose import path is public
+(as ``torch.testing``'s), and the applications' two folders and ``python -m fvstep``."""
 
 MAY_IMPORT = {
     "core": {"core"},
@@ -184,6 +156,24 @@ def _layer(module: str) -> str:
 def test_every_module_belongs_to_a_layer() -> None:
     for module in MODULES:
         _layer(module)
+
+
+TOP_LEVEL_MAX = 12
+"""Entries of ``fvstep/`` (folders and modules): the layers' folders, the face, ``__main__``
+and ``testing``. A new concept goes into the folder of its layer."""
+
+
+def test_the_top_level_of_the_package_is_the_layers_folders() -> None:
+    entries = sorted(p.name for p in PACKAGE.iterdir() if p.name != "__pycache__")
+    assert len(entries) <= TOP_LEVEL_MAX, (
+        f"fvstep/ has {len(entries)} entries (at most {TOP_LEVEL_MAX}): put a new module "
+        f"into the folder of its layer (docs/architecture.md): {entries}"
+    )
+    folders = {f"fvstep.{p.name}" for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
+    loose = {_module_name(p) for p in PACKAGE.glob("*.py")}
+    assert loose == {"fvstep", "fvstep.__main__", "fvstep.testing"}, sorted(loose)
+    layered = {p for prefixes in LAYERS.values() for p in prefixes}
+    assert folders <= layered, f"folders in no layer: {sorted(folders - layered)}"
 
 
 def test_each_layer_imports_only_itself_and_the_layers_it_builds_on() -> None:
@@ -259,8 +249,8 @@ def _is_private_torch(imported: str) -> bool:
 
 def test_private_torch_apis_are_reached_through_the_compat_module_only() -> None:
     def bad(module: str, imported: str, at_top: bool) -> str | None:
-        if module != "fvstep._compat" and _is_private_torch(imported):
-            return f"imports the private {imported}: add a shim to fvstep/_compat.py"
+        if module != COMPAT and _is_private_torch(imported):
+            return f"imports the private {imported}: add a shim to fvstep/core/_compat.py"
         return None
 
     _assert_none(_violations(list(MODULES), bad))
@@ -273,13 +263,13 @@ PRIVATE_TORCH_ATTRIBUTES = ("_get_fsdp_state", "_is_root", "_version")
 def test_private_torch_attributes_are_read_through_the_compat_module_only() -> None:
     found = []
     for module, path in MODULES.items():
-        if module == "fvstep._compat":
+        if module == COMPAT:
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Attribute) and node.attr in PRIVATE_TORCH_ATTRIBUTES:
                 found.append(
                     f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: reads .{node.attr}: "
-                    "use fvstep._compat"
+                    "use fvstep.core._compat"
                 )
     _assert_none(found)
 
@@ -290,7 +280,7 @@ def test_the_compat_module_imports_torch_distributed_lazily() -> None:
             return f"imports {imported} at module level (the core imports this module)"
         return None
 
-    _assert_none(_violations(["fvstep._compat"], bad))
+    _assert_none(_violations([COMPAT], bad))
 
 
 @pytest.mark.parametrize(
@@ -310,7 +300,7 @@ def test_the_scan_sees_module_level_and_nested_imports(tmp_path, monkeypatch, so
 
 def _private_imports() -> list[str]:
     """``module:line imports target._name`` for every import of a ``_name`` defined in
-    another fvstep module (the package's private modules, ``fvstep._compat`` and the like,
+    another fvstep module (the package's private modules, ``fvstep.core._compat`` and the like,
     are the package's shared internals: importing them is their purpose)."""
     found = []
     for module in MODULES:
@@ -397,8 +387,11 @@ def test_there_is_no_import_cycle() -> None:
 def test_the_cycle_search_finds_a_cycle_and_ignores_a_package_reexport() -> None:
     assert find_import_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_import_cycle({"a": {"b"}, "b": set()}) is None
-    # fvstep.optim re-exports fvstep.optim.base, which imports fvstep.optim: no cycle
-    graph = {"fvstep.optim": {"fvstep.optim.base"}, "fvstep.optim.base": {"fvstep.optim"}}
+    # fvstep.core.optim re-exports fvstep.core.optim.base, which imports fvstep.core.optim: no cycle
+    graph = {
+        "fvstep.core.optim": {"fvstep.core.optim.base"},
+        "fvstep.core.optim.base": {"fvstep.core.optim"},
+    }
     assert find_import_cycle(graph) is None
 
 
@@ -440,15 +433,15 @@ def test_the_code_cites_no_document_outside_the_repository() -> None:
 
 
 DTENSOR_PROBES = ('"to_local")', '"device_mesh", None)', '"full_tensor", None)')
-"""The duck-typed "is this a DTensor?" tests: written once, in ``fvstep.tree``."""
+"""The duck-typed "is this a DTensor?" tests: written once, in ``fvstep.core.tree``."""
 
 
 def test_the_dtensor_vocabulary_is_the_only_dtensor_probe() -> None:
     found = [
-        f"{path.relative_to(PACKAGE.parent)}:{i}: {line.strip()} (use fvstep.tree.is_dtensor, "
+        f"{path.relative_to(PACKAGE.parent)}:{i}: {line.strip()} (use fvstep.core.tree.is_dtensor, "
         "any_dtensor, local_tensor, local_tensors or full_tensor)"
         for module, path in MODULES.items()
-        if module != "fvstep.tree"
+        if module != "fvstep.core.tree"
         for i, line in enumerate(path.read_text().splitlines(), 1)
         if any(probe in line for probe in DTENSOR_PROBES)
     ]

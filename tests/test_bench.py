@@ -117,7 +117,7 @@ def test_the_floor_charges_each_call_what_its_kernels_cost():
     frozen.requires_grad_(False)
     counter = CallCounter({"a": trained, "b": frozen}, frames=PRESETS["tiny-wan"].latent_shape[1])
     from benchmarks.presets import make_batch
-    from fvstep.models import predict
+    from fvstep.methods.models import predict
 
     batch = make_batch(PRESETS["tiny-wan"], 2, device=torch.device("cpu"), seed=0)
     x, t = batch["latents"], torch.full((2,), 0.5)

@@ -4,7 +4,7 @@
   ``load_causal`` restores the causal model, bitwise the role's module; a plain
   ``from_pretrained`` of it is bidirectional, and fvstep refuses to compute with such a
   model where it can see it (sampling, export, ``chunk_frames_of``, the recipes' loaders).
-- Sampling: ``fvstep.sampling.sample`` of a causal Wan generates chunk by chunk with its
+- Sampling: ``fvstep.observe.sampling.sample`` of a causal Wan generates chunk by chunk with its
   KV cache: bitwise ``causal_rollout.rollout`` with every chunk exiting at the last step.
 """
 
@@ -17,9 +17,9 @@ import pytest
 import torch
 
 import fvstep as fs
-from fvstep import random as fsrandom
 from fvstep.checkpoint import export
 from fvstep.checkpoint.exporting import CAUSAL_METADATA_KEY
+from fvstep.core import random as fsrandom
 from fvstep.methods import self_forcing
 from fvstep.methods.causal_rollout import rollout
 from fvstep.methods.causal_wan import (
@@ -30,9 +30,9 @@ from fvstep.methods.causal_wan import (
     make_causal,
     recorded_chunk_frames,
 )
-from fvstep.models import predict, synthetic_batch, tiny_wan
-from fvstep.sampling import EulerSampler, FewStepSampler, sample
-from fvstep.validation import role_module
+from fvstep.methods.models import predict, synthetic_batch, tiny_wan
+from fvstep.observe.sampling import EulerSampler, FewStepSampler, sample
+from fvstep.observe.validation import role_module
 
 
 @pytest.fixture(scope="module")

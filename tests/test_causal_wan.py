@@ -12,7 +12,7 @@ import torch
 
 import fvstep as fs
 from fvstep import parallel as fsp
-from fvstep import tree
+from fvstep.core import tree
 from fvstep.methods.causal_wan import (
     CausalWanAttnProcessor,
     KVCache,
@@ -21,7 +21,7 @@ from fvstep.methods.causal_wan import (
     init_cache,
     make_causal,
 )
-from fvstep.models import tiny_wan
+from fvstep.methods.models import tiny_wan
 from fvstep.parallel.prepare import prepare
 
 CPU_COMPILE = {"backend": "aot_eager"}
@@ -230,7 +230,7 @@ def test_a_rollouts_contexts_are_views_of_one_buffer_and_regenerate_its_frames()
     final cache; with eviction a window of the start's and the new frames), and the exit
     steps regenerated from them are the rollout's frames, bitwise."""
     from fvstep.methods.causal_rollout import regenerate, rollout
-    from fvstep.models import synthetic_batch
+    from fvstep.methods.models import synthetic_batch
 
     student = make_causal(tiny_wan(seed=0), chunk_frames=1)
     batch = synthetic_batch(fs.random.key(0), batch_size=2, frames=3)

@@ -41,7 +41,6 @@ from torch import nn
 import fvstep as fs
 from fvstep import checkpoint as ckpt
 from fvstep import parallel as fsp
-from fvstep import tree
 from fvstep.checkpoint import (
     CheckpointError,
     checkpoint_dir,
@@ -53,6 +52,7 @@ from fvstep.checkpoint import (
     saving,
 )
 from fvstep.checkpoint.manifest import FORMAT_VERSION, MANIFEST_NAME, read_manifest
+from fvstep.core import tree
 from fvstep.testing import train_states
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -189,7 +189,7 @@ def test_save_load_round_trip_is_bitwise_heavy(state):
 def wan_state(rank: int, *, sharded: bool, seed: int = 0, extra=None, fill: int | None = 0):
     """tiny_wan student (AdamW + EMA) and frozen teacher, sharded with FSDP2 on a CPU mesh
     or plain; float leaves filled with values drawn from ``fill`` (None: left as built)."""
-    from fvstep.models import tiny_wan
+    from fvstep.methods.models import tiny_wan
 
     mesh = fsp.make_mesh(device_type="cpu") if sharded else None
 
@@ -376,7 +376,7 @@ def test_reset_leaves_are_copies_of_likes_and_skip_the_checks_of_the_checkpoint(
     reset frozen role saved by checksum is not checked against the checkpoint's weights;
     ``fvstep.run`` resumes with ``Checkpoints(reset=...)``."""
     from fvstep.methods import finetune
-    from fvstep.models import synthetic_batch, tiny_wan
+    from fvstep.methods.models import synthetic_batch, tiny_wan
 
     def state_of(seed: int, teacher_seed: int) -> fs.TrainState:
         return fs.TrainState.create(

@@ -31,7 +31,6 @@ from torch.distributed.checkpoint import filesystem as dcp_filesystem
 from torch.futures import Future
 
 from fvstep import checkpoint as ckpt
-from fvstep import tree
 from fvstep.checkpoint import (
     CheckpointError,
     DamagedCheckpointError,
@@ -43,6 +42,7 @@ from fvstep.checkpoint import (
 )
 from fvstep.checkpoint import fingerprint as fp
 from fvstep.checkpoint.manifest import MANIFEST_NAME, Manifest, NewerFormatError, read_manifest
+from fvstep.core import tree
 from tests.test_checkpoint import (
     corrupt_leaf_bytes,
     disk_snapshot,

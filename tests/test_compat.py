@@ -1,4 +1,4 @@
-"""fvstep._compat: each private torch API it wraps resolves, and means what fvstep assumes,
+"""fvstep.core._compat: each private torch API it wraps resolves, and means what fvstep assumes,
 on the installed torch (CI installs the torch pinned in pyproject.toml).
 
 One test per shim; the multi-rank ones run on the 2-rank gloo pool (tests/multirank.py).
@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from fvstep import _compat
+from fvstep.core import _compat
 
 
 def test_fused_kernel_devices_are_the_device_types_torch_checks_fused_against() -> None:
@@ -126,7 +126,7 @@ def test_fsdp_root_and_dtensor_shard_geometry_on_two_ranks(ranks) -> None:
 
 
 def test_inductor_has_option_finds_the_option_prepare_turns_off():
-    from fvstep._compat import inductor_has_option
+    from fvstep.core._compat import inductor_has_option
 
     assert inductor_has_option("triton.mix_order_reduction")
     assert not inductor_has_option("triton.no_such_option_at_all")
@@ -135,7 +135,7 @@ def test_inductor_has_option_finds_the_option_prepare_turns_off():
 def test_dynamo_counters_count_a_compiled_graph():
     import torch
 
-    from fvstep._compat import dynamo_counters
+    from fvstep.core._compat import dynamo_counters
 
     torch._dynamo.reset()
     before = dynamo_counters().get("stats", {}).get("unique_graphs", 0)
@@ -144,7 +144,7 @@ def test_dynamo_counters_count_a_compiled_graph():
 
 
 def test_inductor_mode_options_name_what_a_mode_turns_on():
-    from fvstep._compat import inductor_mode_options
+    from fvstep.core._compat import inductor_mode_options
 
     assert inductor_mode_options("max-autotune")["max_autotune"] is True
     assert inductor_mode_options("default") == {}
@@ -153,7 +153,7 @@ def test_inductor_mode_options_name_what_a_mode_turns_on():
 def test_the_recompile_limit_is_only_ever_raised():
     import torch._dynamo.config as config
 
-    from fvstep._compat import raise_recompile_limit
+    from fvstep.core._compat import raise_recompile_limit
 
     # config.patch, not monkeypatch: pytest's undo deletes an attribute that was not in
     # the module's __dict__, and a deleted dynamo option is gone for the whole process.

@@ -34,10 +34,11 @@ from torch._dynamo.backends.common import aot_autograd
 
 import fvstep as fs
 from fvstep import parallel as fsp
-from fvstep import tree
 from fvstep.cli import main
+from fvstep.core import tree
+from fvstep.core.random import fold_in
 from fvstep.methods import dmd2, finetune
-from fvstep.models import synthetic_batch, tiny_wan
+from fvstep.methods.models import synthetic_batch, tiny_wan
 from fvstep.parallel.block_compile import compile_counts
 from fvstep.parallel.compile_check import DEFAULT_THRESHOLD, ROUNDING_FLOOR, CompiledGradientError
 from fvstep.parallel.compile_check_hooks import (
@@ -47,7 +48,6 @@ from fvstep.parallel.compile_check_hooks import (
 )
 from fvstep.parallel.gradient_comparison import compare_compiled_gradients
 from fvstep.parallel.prepare import prepare
-from fvstep.random import fold_in
 from fvstep.testing import check_compiled_gradients
 
 CPU_COMPILE = {"backend": "aot_eager"}

@@ -13,10 +13,10 @@ from hypothesis import strategies as st
 from torch import nn
 
 import fvstep as fs
-from fvstep import tree
+from fvstep.core import tree
+from fvstep.core.random import fold_in, fold_in_name, generator
+from fvstep.core.state import is_consumed
 from fvstep.core.steps import Chain
-from fvstep.random import fold_in, fold_in_name, generator
-from fvstep.state import is_consumed
 
 ROLES = ("a", "b", "c", "d")
 
@@ -368,7 +368,7 @@ def test_the_step_uses_the_layout_it_is_called_with():
 
 
 CORE = (
-    "state",
+    "core/state",
     "core/engine",
     "core/steps",
     "core/unit",
@@ -376,11 +376,11 @@ CORE = (
     "core/layout",
     "core/managed",
     "core/finite",
-    "optim",
-    "random",
-    "tree",
-    "grads",
-    "accumulation",
+    "core/optim",
+    "core/random",
+    "core/tree",
+    "core/grads",
+    "core/accumulation",
 )
 
 

@@ -23,10 +23,11 @@ from torch.utils.checkpoint import checkpoint
 
 import fvstep as fs
 from fvstep import parallel as fsp
-from fvstep._compat import checkpoint_wrapper
-from fvstep.data import ShuffledSource, SyntheticLatents
+from fvstep.core._compat import checkpoint_wrapper
+from fvstep.core.random import generator
+from fvstep.executor.data import ShuffledSource, SyntheticLatents
 from fvstep.methods.finetune import finetune
-from fvstep.models import predict, synthetic_batch, tiny_wan
+from fvstep.methods.models import predict, synthetic_batch, tiny_wan
 from fvstep.parallel import (
     Layout,
     apply_context_parallel,
@@ -34,7 +35,6 @@ from fvstep.parallel import (
     data_parallel_rank_and_size,
     make_context_mesh,
 )
-from fvstep.random import generator
 from fvstep.testing import assert_resume_exact
 from tests.multirank import OneRankReference
 

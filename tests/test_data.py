@@ -1,4 +1,4 @@
-"""Laws of fvstep.data: the batch is a pure function of (step, rank, world_size)."""
+"""Laws of fvstep.executor.data: the batch is a pure function of (step, rank, world_size)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fvstep import data as fd
-from fvstep import random as fr
+from fvstep.core import random as fr
+from fvstep.executor import data as fd
 
 
 @st.composite

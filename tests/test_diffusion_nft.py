@@ -13,10 +13,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fvstep as fs
-from fvstep import tree
+from fvstep.core import tree
+from fvstep.core.random import fold_in, fold_in_name, generator, split
+from fvstep.core.state import is_consumed
 from fvstep.methods import SoftUpdate, diffusion_nft
 from fvstep.methods.diffusion_nft import euler_rollout
 from fvstep.methods.diffusion_nft_loss import nft_loss
+from fvstep.methods.models import predict, synthetic_batch, tiny_wan
 from fvstep.methods.rewards import (
     check_rewards,
     colorfulness,
@@ -24,9 +27,6 @@ from fvstep.methods.rewards import (
     latent_mse_reward,
     optimality_probabilities,
 )
-from fvstep.models import predict, synthetic_batch, tiny_wan
-from fvstep.random import fold_in, fold_in_name, generator, split
-from fvstep.state import is_consumed
 
 pytest.importorskip("diffusers")
 
@@ -434,7 +434,7 @@ def tiny_vae():
 
 
 def test_a_step_trains_on_the_colourfulness_of_decoded_videos() -> None:
-    from fvstep.sampling import decode_latents
+    from fvstep.observe.sampling import decode_latents
 
     vae = tiny_vae()
     reward = decoded(colorfulness, functools.partial(decode_latents, vae))

@@ -15,10 +15,10 @@ import torch
 import fvstep as fs
 from benchmarks.reference import finetune_loop, shard_by_hand
 from fvstep import parallel as fsd
-from fvstep import tree
+from fvstep.core import tree
+from fvstep.core.random import fold_in, generator
 from fvstep.methods.finetune import flow_matching_loss
-from fvstep.models import synthetic_batch, tiny_wan
-from fvstep.random import fold_in, generator
+from fvstep.methods.models import synthetic_batch, tiny_wan
 
 pytestmark = pytest.mark.multirank
 
@@ -345,7 +345,7 @@ def test_dmd2_no_sync_is_refused_for_a_role_without_opt_in(ranks):
 
 
 def check_joint_clip_on_shards(rank: int, world_size: int):
-    from fvstep.models import predict
+    from fvstep.methods.models import predict
 
     mesh = fsd.make_mesh(device_type="cpu")
     a, b = tiny_wan(seed=0), tiny_wan(seed=1)

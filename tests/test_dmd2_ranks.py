@@ -13,11 +13,11 @@ import torch
 import fvstep as fs
 from benchmarks.reference import microbatches, reshard_all, run_unit, unit_key
 from fvstep import parallel as fsp
-from fvstep import tree
+from fvstep.core import tree
+from fvstep.core.random import fold_in
 from fvstep.methods import dmd2, dmd2_losses
 from fvstep.methods.dmd2 import rollout, target_step
-from fvstep.models import synthetic_batch, tiny_wan
-from fvstep.random import fold_in
+from fvstep.methods.models import synthetic_batch, tiny_wan
 
 STEPS = (1.0, 0.5)
 SEED = fs.random.key(3)

@@ -16,8 +16,8 @@ import torch
 
 import fvstep as fs
 from fvstep import checkpoint as ckpt
-from fvstep import tree
-from fvstep.data import ShuffledSource, SyntheticLatents
+from fvstep.core import tree
+from fvstep.executor.data import ShuffledSource, SyntheticLatents
 
 
 def tiny_setup(seed: int = 0):

@@ -13,10 +13,10 @@ from safetensors.torch import load_file
 from torch import nn
 
 import fvstep as fs
-from fvstep import tree
 from fvstep.checkpoint.exporting import export, gather_weights
+from fvstep.core import tree
 from fvstep.methods.finetune import flow_matching_loss
-from fvstep.models import predict, synthetic_batch, tiny_wan
+from fvstep.methods.models import predict, synthetic_batch, tiny_wan
 
 diffusers = pytest.importorskip("diffusers")
 WanTransformer3DModel = diffusers.WanTransformer3DModel
@@ -339,7 +339,7 @@ def tiny_base_pipeline(path: Path) -> Path:
 
 
 def test_export_pipeline_loads_and_reproduces_the_in_training_sampler(tmp_path):
-    from fvstep.sampling import EulerSampler, decode_latents, sample
+    from fvstep.observe.sampling import EulerSampler, decode_latents, sample
 
     base = tiny_base_pipeline(tmp_path / "base")
     state = trained_state()
@@ -379,7 +379,7 @@ def test_export_pipeline_loads_and_reproduces_the_in_training_sampler(tmp_path):
     with torch.no_grad():
         latents = pipe(**kwargs, output_type="latent").frames
         frames = pipe(**kwargs, output_type="np").frames
-    from fvstep.validation import role_module
+    from fvstep.observe.validation import role_module
 
     with role_module(state, "student", weights="ema") as module:
         ours = sample(module, noise, text, sampler=sampler)

@@ -19,11 +19,11 @@ from torch import nn
 
 import fvstep as fs
 from fvstep import parallel as fsp
-from fvstep import tree
+from fvstep.core import tree
+from fvstep.core.random import fold_in
+from fvstep.core.state import is_consumed
 from fvstep.methods.finetune import flow_matching_loss
-from fvstep.models import predict, synthetic_batch, tiny_wan
-from fvstep.random import fold_in
-from fvstep.state import is_consumed
+from fvstep.methods.models import predict, synthetic_batch, tiny_wan
 
 # ---------------------------------------------------------------------------------------
 # helpers

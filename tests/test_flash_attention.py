@@ -18,8 +18,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fvstep._optional import MissingExtraError
-from fvstep.models import tiny_wan
+from fvstep.core._optional import MissingExtraError
+from fvstep.methods.models import tiny_wan
 from fvstep.parallel import (
     disable_flash_attention_4,
     enable_flash_attention_4,

@@ -1,4 +1,4 @@
-"""Laws of fvstep.latents' format, shape buckets and worker loader (encoding: test_latents_encode)."""
+"""Laws of fvstep.executor.latents' format, shape buckets and worker loader (encoding: test_latents_encode)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 from torch import nn
 
 import fvstep as fs
-from fvstep import random as fr
-from fvstep.data import ShuffledSource
-from fvstep.latents import (
+from fvstep.core import random as fr
+from fvstep.executor.data import ShuffledSource
+from fvstep.executor.latents import (
     BucketedOrder,
     LatentDataset,
     ShardError,
@@ -461,7 +461,7 @@ def test_tensor_bytes_are_read_from_an_arrow_buffer_without_its_buffer_protocol_
     # object"); the reader goes through a memoryview. Run under the oldest pyarrow by .ci/run.
     import pyarrow as pa
 
-    from fvstep.latents.dataset import _tensor
+    from fvstep.executor.latents.dataset import _tensor
 
     data = torch.arange(6, dtype=torch.float32)
     buffer = pa.table({"x": [data.numpy().tobytes()]}).column("x")[0].as_buffer()

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from fvstep.latents import LatentDataset, encode_clips, find_clips, shard_name
-from fvstep.latents.clips import fit_frames, read_frames
+from fvstep.executor.latents import LatentDataset, encode_clips, find_clips, shard_name
+from fvstep.executor.latents.clips import fit_frames, read_frames
 
 MAX_TOKENS = 32
 # name: (frames, height, width, kind)
@@ -276,7 +276,7 @@ def test_the_refusal_names_each_difference_with_both_values(reference, clips, mo
 def test_of_two_ranks_starting_at_once_with_other_settings_one_is_refused(tmp_path, monkeypatch):
     from pathlib import Path
 
-    from fvstep.latents.encode_identity import agree_on_settings
+    from fvstep.executor.latents.encode_identity import agree_on_settings
 
     agree_on_settings(tmp_path, {"dtype": "float32"})  # the first rank
     # The second looked before the first had published, and found no encode.json.
@@ -309,7 +309,7 @@ def test_an_identical_rerun_with_reloaded_models_is_accepted_and_bitwise(
 
 
 def test_the_weights_digest_covers_every_byte_once_in_name_order(monkeypatch):
-    from fvstep.latents import encode_identity
+    from fvstep.executor.latents import encode_identity
 
     monkeypatch.setattr(encode_identity, "_CHUNK_BYTES", 48)  # several pieces a tensor
     digest = encode_identity._weights_digest

@@ -61,14 +61,14 @@ def test_import_fvstep_imports_no_torch():
 
 def test_every_public_name_is_importable_listed_and_the_one_its_module_defines():
     code = (
-        "import fvstep\nimport fvstep.executor\n"
+        "import fvstep\nimport fvstep.executor.loop\n"
         "from fvstep import *\n"
         "missing = [n for n in fvstep.__all__ if n not in globals()]\n"
         "assert not missing, missing\n"
         "assert set(fvstep.__all__) <= set(dir(fvstep)), set(fvstep.__all__) - set(dir(fvstep))\n"
         "from fvstep import Validation, checkpoint, update\n"
         "assert checkpoint is fvstep.checkpoint and fvstep.Validation is Validation\n"
-        "assert fvstep.state.TrainState is fvstep.TrainState  # a submodule, read as an attribute\n"
+        "assert fvstep.core.state.TrainState is fvstep.TrainState  # a submodule, read as an attribute\n"
         "import fvstep.core.steps as steps\n"
         "assert update is fvstep.update is steps.update  # one object, no wrapper\n"
         "assert fvstep.compile is steps.compile and fvstep.sequence is steps.sequence\n"

@@ -12,6 +12,8 @@ import torch
 import fvstep as fs
 from fvstep import parallel as fsp
 from fvstep.checkpoint import CheckpointError, DamagedCheckpointError, export, read_manifest
+from fvstep.core.random import fold_in
+from fvstep.core.state import adopt
 from fvstep.lora import (
     LoRAModule,
     add_adapters,
@@ -19,8 +21,7 @@ from fvstep.lora import (
     merge_weights,
 )
 from fvstep.methods import dmd2
-from fvstep.models import predict, synthetic_batch, tiny_wan
-from fvstep.random import fold_in
+from fvstep.methods.models import predict, synthetic_batch, tiny_wan
 from fvstep.testing import assert_resume_exact
 
 peft = pytest.importorskip("peft")
@@ -230,7 +231,7 @@ def test_diffusers_lora_export_loads_and_matches_the_role(trained, weights):
     expected_module = state.module("student")
     if weights == "ema":  # the role computing with its EMA weights
         ema = fs.tree.clone(state.roles["student"].ema.params)
-        expected_module = fs.state.adopt(
+        expected_module = adopt(
             fs.tree.replace(fs.tree.clone(state.roles["student"]), params=ema)
         ).role.module
     expected = velocity(expected_module)

@@ -15,10 +15,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import fvstep as fs
+from fvstep.core.state import RoleState
 from fvstep.methods import dmd2, dmd2_losses, finetune, flow_matching_loss, rl
+from fvstep.methods.models import predict, synthetic_batch, tiny_wan
 from fvstep.methods.rewards import group_advantages
-from fvstep.models import predict, synthetic_batch, tiny_wan
-from fvstep.state import RoleState
 
 needs_diffusers = pytest.mark.skipif(
     importlib.util.find_spec("diffusers") is None, reason="needs diffusers"
@@ -32,7 +32,7 @@ ACCUMULATION = fs.Accumulation(microbatches=2)
 
 
 class TinyConvVelocity(nn.Module):
-    """A non-diffusers module with the forward contract of :mod:`fvstep.models`."""
+    """A non-diffusers module with the forward contract of :mod:`fvstep.methods.models`."""
 
     def __init__(self, channels: int = 4, text_dim: int = 16, hidden: int = 8) -> None:
         super().__init__()

@@ -24,9 +24,9 @@ from benchmarks.reference import (
     unit_key,
 )
 from fvstep import parallel as fsp
-from fvstep import tree
-from fvstep.models import predict, synthetic_batch, tiny_wan
-from fvstep.random import fold_in
+from fvstep.core import tree
+from fvstep.core.random import fold_in
+from fvstep.methods.models import predict, synthetic_batch, tiny_wan
 
 pytestmark = pytest.mark.multirank
 

@@ -1,4 +1,4 @@
-"""Laws of fvstep.optim: AdamW and SGD are bitwise torch.optim.AdamW / torch.optim.SGD."""
+"""Laws of fvstep.core.optim: AdamW and SGD are bitwise torch.optim.AdamW / torch.optim.SGD."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fvstep import optim
-from fvstep.tree import NAMESPACE, assert_trees_equal, clone, flatten_with_paths
+from fvstep.core import optim
+from fvstep.core.tree import NAMESPACE, assert_trees_equal, clone, flatten_with_paths
 
 LAW = settings(deadline=None, max_examples=25, suppress_health_check=[HealthCheck.too_slow])
 SMALL = settings(deadline=None, max_examples=10, suppress_health_check=[HealthCheck.too_slow])
@@ -872,7 +872,7 @@ def test_each_factory_returns_its_small_class_and_the_class_checks_its_fields() 
     ],
 )
 def test_optimizers_and_schedules_reject_the_same_learning_rates_alike(lr, error, message) -> None:
-    from fvstep import schedules
+    from fvstep.core import schedules
 
     for build in (optim.adamw, optim.sgd, schedules.constant):
         with pytest.raises(error, match=message):
@@ -881,6 +881,6 @@ def test_optimizers_and_schedules_reject_the_same_learning_rates_alike(lr, error
 
 def test_optimizers_have_a_repr():
     # attrs-generated methods read a module global named `_compat`: a module that imports
-    # fvstep._compat under that name breaks them (it did, in optim.py).
+    # fvstep.core._compat under that name breaks them (it did, in optim.py).
     assert repr(optim.adamw(lr=1e-3)).startswith("AdamW(")
     assert repr(optim.sgd(lr=1e-3)).startswith("SGD(")

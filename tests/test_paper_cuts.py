@@ -11,9 +11,10 @@ import pytest
 import torch
 
 import fvstep as fs
+from fvstep.executor import latents, media, trackers
 from fvstep.methods import dmd2_losses, finetune, flow_matching_loss
 from fvstep.methods._checks import check_batch
-from fvstep.models import synthetic_batch, tiny_wan
+from fvstep.methods.models import synthetic_batch, tiny_wan
 
 
 def _student_state(module: torch.nn.Module | None = None) -> fs.TrainState:
@@ -122,7 +123,7 @@ def _every_second_step(total_steps: int) -> tuple[fs.TrainState, fs.Step]:
 
 
 def test_run_warns_when_a_schedule_counts_steps_where_the_role_makes_fewer_updates() -> None:
-    from fvstep.schedule_check import ScheduleLengthWarning
+    from fvstep.executor.schedule_check import ScheduleLengthWarning
 
     state, step = _every_second_step(total_steps=8)
     with pytest.warns(ScheduleLengthWarning, match=r"total_steps=8 .* made 4 .*total_steps=4"):
@@ -136,7 +137,7 @@ def test_run_is_silent_when_the_schedule_counts_the_role_updates() -> None:
 
 
 def test_the_decaying_schedules_carry_their_length() -> None:
-    from fvstep.schedule_check import schedule_length
+    from fvstep.executor.schedule_check import schedule_length
 
     s = fs.schedules
     for schedule in (
@@ -271,10 +272,10 @@ def _missing(monkeypatch: pytest.MonkeyPatch, *packages: str) -> None:
 @pytest.mark.parametrize(
     ("packages", "call", "extra"),
     [
-        (("pyarrow",), lambda tmp: fs.latents.write_shard(tmp / "s", [{"x": 1}]), "data"),
+        (("pyarrow",), lambda tmp: latents.write_shard(tmp / "s", [{"x": 1}]), "data"),
         (("diffusers",), lambda tmp: tiny_wan(seed=0), "models"),
-        (("wandb",), lambda tmp: fs.trackers.WandbTracker(project="p").start(0), "tracking"),
-        (("imageio",), lambda tmp: fs.media.write_gif(torch.zeros(1, 3, 8, 8), tmp / "a"), "media"),
+        (("wandb",), lambda tmp: trackers.WandbTracker(project="p").start(0), "tracking"),
+        (("imageio",), lambda tmp: media.write_gif(torch.zeros(1, 3, 8, 8), tmp / "a"), "media"),
         (("peft",), lambda tmp: fs.lora.add_adapters(torch.nn.Linear(2, 2), {}), "lora"),
     ],
 )
@@ -331,7 +332,7 @@ def test_every_optional_import_of_the_library_names_its_extra() -> None:
 
 
 def test_a_console_line_is_not_glued_to_the_progress_bar(capsys) -> None:
-    from fvstep.reporting import console_line, progress_bar
+    from fvstep.executor.reporting import console_line, progress_bar
 
     bar = progress_bar(True, 0, 4)
     assert bar is not None
@@ -348,7 +349,7 @@ def test_the_progress_bar_takes_a_thread_lock_not_a_semaphore() -> None:
 
     from tqdm.auto import tqdm
 
-    from fvstep.reporting import progress_bar
+    from fvstep.executor.reporting import progress_bar
 
     bar = progress_bar(True, 0, 1)
     try:
@@ -367,7 +368,7 @@ def test_the_demo_summary_explains_a_rising_validation_loss(tmp_path) -> None:
     import json
 
     from fvstep.cli.demo import _validation_line
-    from fvstep.demo import VAL_LOSS_NOTE, plot_losses
+    from fvstep.cli.demo_runs import VAL_LOSS_NOTE, plot_losses
 
     for run in ("uninterrupted", "interrupted"):
         (tmp_path / run).mkdir()

@@ -105,7 +105,7 @@ def _imports(path: Path) -> list[tuple[str, list[str]]]:
 
 
 def test_the_executor_calls_no_torch_distributed():
-    source = PACKAGE / "executor.py"
+    source = PACKAGE / "executor" / "loop.py"
     assert not [m for m, _ in _imports(source) if m.startswith("torch.distributed")]
     assert "dist." not in source.read_text()
 

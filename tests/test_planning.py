@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from fvstep import parallel as fsp
-from fvstep.models import tiny_wan
+from fvstep.methods.models import tiny_wan
 from fvstep.recipes import get_recipe, planning
 from fvstep.recipes.config import parse_options
 

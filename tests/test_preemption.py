@@ -23,8 +23,8 @@ import pytest
 import torch
 
 from fvstep import checkpoint as ckpt
-from fvstep import random as fr
-from fvstep.latents import latent_source
+from fvstep.core import random as fr
+from fvstep.executor.latents import latent_source
 from tests.preempted_trainer import HOLD_AT, NUM_STEPS
 from tests.test_latents import make_dataset
 
@@ -147,8 +147,8 @@ def test_the_workers_end_with_a_trainer_that_is_killed(dataset, tmp_path):
 
 EXIT_SCRIPT = """
 import json, multiprocessing, sys
-from fvstep import random as fr
-from fvstep.latents import latent_source
+from fvstep.core import random as fr
+from fvstep.executor.latents import latent_source
 
 class FailsAtStep6:  # raises inside the DataLoader, which asks for steps ahead
     def __init__(self, order):

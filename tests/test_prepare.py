@@ -23,10 +23,11 @@ import torch
 import fvstep as fs
 from benchmarks.reference import dmd2_loop, shard_by_hand
 from fvstep import parallel as fsp
-from fvstep import tree
-from fvstep._compat import TorchDispatchMode
+from fvstep.core import tree
+from fvstep.core._compat import TorchDispatchMode
+from fvstep.core.random import fold_in
 from fvstep.methods import dmd2, finetune
-from fvstep.models import predict, synthetic_batch, tiny_wan
+from fvstep.methods.models import predict, synthetic_batch, tiny_wan
 from fvstep.parallel.activation_checkpoint import (
     ATTENTION_SAVE_OPS,
     ActivationCheckpointing,
@@ -35,7 +36,6 @@ from fvstep.parallel.activation_checkpoint import (
 )
 from fvstep.parallel.block_compile import compile_counts
 from fvstep.parallel.prepare import block_names, preparation, prepare
-from fvstep.random import fold_in
 
 CPU_COMPILE = {"backend": "aot_eager"}  # dynamo + AOTAutograd, no C++ toolchain needed
 

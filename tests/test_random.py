@@ -1,4 +1,4 @@
-"""Laws of fvstep.random: determinism, independence, generators, the global-RNG scope."""
+"""Laws of fvstep.core.random: determinism, independence, generators, the global-RNG scope."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fvstep import random as fr
+from fvstep.core import random as fr
 
 seeds = st.integers(-(2**70), 2**70)
 

@@ -15,9 +15,9 @@ import fvstep as fs
 from fvstep.cli import main
 from fvstep.cli.export import _load_run
 from fvstep.methods.causal_rollout import shifted_steps
+from fvstep.observe.sampling import EulerSampler, FewStepSampler
 from fvstep.recipes import get_recipe
 from fvstep.recipes.config import parse_options
-from fvstep.sampling import EulerSampler, FewStepSampler
 
 # tiny-wan's VAE: 4x in time (1 + 4 (F - 1) frames), 8x in space; the synthetic latents
 # are (4, 2, 4, 4)

@@ -241,7 +241,7 @@ def test_a_recipes_adamw_is_torchs_fused_kernel_unless_told_otherwise(fused):
 def test_the_recipes_flash_attention_4_option_enables_it_or_refuses(monkeypatch):
     import sys
 
-    from fvstep.models import tiny_wan
+    from fvstep.methods.models import tiny_wan
     from fvstep.parallel import preparation
     from fvstep.recipes.options import PrepareOptions
     from fvstep.recipes.parts import prepare_role

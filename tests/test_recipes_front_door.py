@@ -159,7 +159,7 @@ def test_a_train_refused_for_a_wrong_path_exits_2_and_leaves_no_folder(tmp_path,
 
 
 def write_latents(root: Path, num: int) -> None:
-    from fvstep.latents import write_dataset
+    from fvstep.executor.latents import write_dataset
 
     g = torch.Generator().manual_seed(0)
     rows = [
@@ -179,8 +179,8 @@ def drawn(spec, num_steps: int, world_size: int = 1) -> list[int]:
 
 
 def test_the_validation_items_of_a_dataset_are_never_drawn_for_training(tmp_path):
-    from fvstep.latents import LatentDataset
-    from fvstep.validation import validation_loss
+    from fvstep.executor.latents import LatentDataset
+    from fvstep.observe.validation import validation_loss
 
     write_latents(tmp_path / "latents", 10)
     data = ["--data.path", str(tmp_path / "latents"), "--validation.num_samples", "2"]

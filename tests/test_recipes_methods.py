@@ -168,7 +168,7 @@ def test_a_misconfigured_method_recipe_is_refused_before_it_trains(recipe, argv,
 def test_diffusion_nft_takes_its_reward_by_name(tmp_path):
     import diffusers
 
-    from fvstep.models import tiny_wan
+    from fvstep.methods.models import tiny_wan
 
     pipeline = tmp_path / "pipe"  # a transformer and a tiny VAE are all the recipe reads
     tiny_wan(seed=0, num_layers=1).save_pretrained(pipeline / "transformer")
@@ -197,7 +197,7 @@ def test_diffusion_nft_takes_its_reward_by_name(tmp_path):
 def test_a_dataset_streams_from_its_first_batch_and_its_frames_are_checked_against_the_chunk(
     tmp_path,
 ):
-    from fvstep.latents import write_dataset
+    from fvstep.executor.latents import write_dataset
 
     gen = fs.random.generator(fs.random.key(3))
     rows = [

@@ -19,9 +19,9 @@ from hypothesis import strategies as st
 import fvstep as fs
 import fvstep.methods
 from fvstep import parallel as fsp
+from fvstep.core.random import fold_in
 from fvstep.methods import dmd2, finetune, rl
-from fvstep.models import synthetic_batch, tiny_wan
-from fvstep.random import fold_in
+from fvstep.methods.models import synthetic_batch, tiny_wan
 from fvstep.testing import assert_resume_exact, resume_scenarios
 
 METHODS = ["finetune", "dmd2", "rl"]

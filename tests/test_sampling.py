@@ -8,11 +8,17 @@ import torch
 from torch import nn
 
 import fvstep as fs
-from fvstep import tree
+from fvstep.core import tree
+from fvstep.executor.reporting import Validation
 from fvstep.methods.finetune import finetune
-from fvstep.models import synthetic_batch, tiny_wan
-from fvstep.reporting import Validation
-from fvstep.sampling import EulerSampler, FewStepSampler, decode_latents, sample, sample_videos
+from fvstep.methods.models import synthetic_batch, tiny_wan
+from fvstep.observe.sampling import (
+    EulerSampler,
+    FewStepSampler,
+    decode_latents,
+    sample,
+    sample_videos,
+)
 
 diffusers = pytest.importorskip("diffusers")
 

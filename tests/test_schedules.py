@@ -1,4 +1,4 @@
-"""Laws for fvstep.schedules: bit-identity with diffusers / torch schedulers, join, purity, validation.
+"""Laws for fvstep.core.schedules: bit-identity with diffusers / torch schedulers, join, purity, validation.
 
 Reference values are read the way a training loop sees them: ``optimizer.param_groups[0]["lr"]``
 before each ``scheduler.step()``, for 1,000 steps.
@@ -26,7 +26,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.optim.lr_scheduler import ConstantLR, CosineAnnealingLR, LinearLR, LRScheduler
 
-from fvstep import schedules
+from fvstep.core import schedules
 
 N_STEPS = 1000
 LAW = settings(max_examples=10, deadline=None)

@@ -12,18 +12,18 @@ import torch
 import fvstep as fs
 from benchmarks.reference import reshard_all, run_unit, shard_by_hand, unit_key
 from fvstep import parallel as fsp
-from fvstep import tree
+from fvstep.core import tree
+from fvstep.core.random import fold_in, split
 from fvstep.methods.causal_rollout import exit_steps, regenerate, rollout, shifted_steps
 from fvstep.methods.causal_wan import init_cache, make_causal
 from fvstep.methods.dmd2 import critic_denoising_loss, distribution_matching_loss, score_time
+from fvstep.methods.models import predict, synthetic_batch, tiny_wan
 from fvstep.methods.self_forcing import (
     critic_loss_on,
     dmd_loss_on,
     self_forcing,
     self_forcing_losses,
 )
-from fvstep.models import predict, synthetic_batch, tiny_wan
-from fvstep.random import fold_in, split
 from fvstep.testing import assert_resume_exact
 from tests.refusals import assert_refused_before_any_change
 

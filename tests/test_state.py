@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 import fvstep as fs
-from fvstep import tree
-from fvstep.state import is_consumed, mark_consumed
+from fvstep.core import tree
+from fvstep.core.state import is_consumed, mark_consumed
 
 
 def net(seed: int = 0, dtype: torch.dtype = torch.float32) -> nn.Module:

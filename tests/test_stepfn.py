@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 import fvstep as fs
-from fvstep import tree
-from fvstep.random import generator
+from fvstep.core import tree
+from fvstep.core.random import generator
 
 
 def mlp(seed: int) -> nn.Module:

@@ -17,15 +17,15 @@ import torch
 
 import fvstep as fs
 from fvstep import parallel as fsp
-from fvstep import tree
 from fvstep.checkpoint import CheckpointError
+from fvstep.core import tree
+from fvstep.core.random import fold_in, fold_in_name, split
+from fvstep.core.state import is_consumed
 from fvstep.methods.causal_rollout import exit_steps, regenerate, rollout
 from fvstep.methods.causal_wan import make_causal
+from fvstep.methods.models import synthetic_batch, tiny_wan
 from fvstep.methods.self_forcing import critic_loss_on, dmd_loss_on
 from fvstep.methods.streaming import StreamState, init_stream, streaming
-from fvstep.models import synthetic_batch, tiny_wan
-from fvstep.random import fold_in, fold_in_name, split
-from fvstep.state import is_consumed
 from fvstep.testing import assert_resume_exact
 from tests.refusals import assert_refused_before_any_change
 

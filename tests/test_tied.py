@@ -23,9 +23,10 @@ from torch import nn
 
 import fvstep as fs
 from fvstep import parallel as fsp
-from fvstep import tree
 from fvstep.checkpoint import checkpoint_dir, load, save
 from fvstep.checkpoint.exporting import export, gather_weights
+from fvstep.core import tree
+from fvstep.core.state import adopt
 from fvstep.testing import assert_resume_exact
 
 WIDTH = 4
@@ -140,7 +141,7 @@ def test_a_buffer_that_is_a_parameter_is_tied_to_the_parameter():
     role = make_state(module).role("ae")
     assert role.tied == (("weight_copy", "weight"),) and role.buffers == {}
     clone = tree.clone(role)
-    live = fs.state.adopt(clone).role.module
+    live = adopt(clone).role.module
     assert live.weight_copy is live.weight is clone.params["weight"]
 
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import fvstep as fs
-from fvstep.media import Video, strip, write_gif, write_mp4, write_png_strip
-from fvstep.trackers import JsonlTracker, MetricsQueue, TensorBoardTracker, WandbTracker
+from fvstep.executor.media import Video, strip, write_gif, write_mp4, write_png_strip
+from fvstep.executor.trackers import JsonlTracker, MetricsQueue, TensorBoardTracker, WandbTracker
 
 imageio = pytest.importorskip("imageio.v3")
 

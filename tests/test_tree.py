@@ -1,4 +1,4 @@
-"""Laws of fvstep.tree: clone, assert_trees_equal, tree_digest."""
+"""Laws of fvstep.core.tree: clone, assert_trees_equal, tree_digest."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fvstep import tree
+from fvstep.core import tree
 from tests.strategies import tensors, trees
 
 

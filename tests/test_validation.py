@@ -16,12 +16,12 @@ import pytest
 import torch
 
 import fvstep as fs
-from fvstep import tree
+from fvstep.core import tree
+from fvstep.executor.reporting import Validation
 from fvstep.methods.finetune import add_noise, finetune
-from fvstep.models import predict, synthetic_batch, tiny_wan
-from fvstep.reporting import Validation
+from fvstep.methods.models import predict, synthetic_batch, tiny_wan
+from fvstep.observe.validation import role_module, validation_loss
 from fvstep.testing import SimulatedCrash, _CrashAt
-from fvstep.validation import role_module, validation_loss
 
 pytest.importorskip("diffusers")
 

@@ -7,7 +7,7 @@ link syntax):
 
 - an ``Example:`` section title becomes ``Examples:``, the title Griffe parses into
   highlighted ``>>>`` code blocks;
-- Sphinx roles (``:class:`~fvstep.state.TrainState```) become code spans (``TrainState``);
+- Sphinx roles (``:class:`~fvstep.core.state.TrainState```) become code spans (``TrainState``);
 - a paragraph ending in ``::`` and a ``.. math::`` directive introduce a code block;
 - simple reST tables (``====  ====`` rules) become Markdown tables.
 

@@ -30,8 +30,8 @@ from fvstep.checkpoint.saving import (
     _refuse_nonfinite,
     _write,
 )
+from fvstep.core.tree import flatten_with_paths
 from fvstep.parallel.ranks import rank_and_world
-from fvstep.tree import flatten_with_paths
 
 __all__ = ["AsyncSaver"]
 

@@ -39,11 +39,11 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from fvstep._optional import needs_extra
 from fvstep.checkpoint.directories import fsync
+from fvstep.core._optional import needs_extra
+from fvstep.core.state import RoleState, TrainState
+from fvstep.core.weights import Weights, roles_holding_other_weights, select_weights
 from fvstep.parallel.ranks import gather_objects, rank_and_world
-from fvstep.state import RoleState, TrainState
-from fvstep.weights import Weights, roles_holding_other_weights, select_weights
 
 __all__ = [
     "CAUSAL_METADATA_KEY",
@@ -225,12 +225,12 @@ def gather_weights(
     """The full (unsharded) weights of one role, on the CPU, keyed like its ``state_dict``.
 
     The keys are the parameter and persistent buffer names, a tied tensor
-    (:attr:`~fvstep.state.RoleState.tied`) under each of its names, gathered once and
+    (:attr:`~fvstep.core.state.RoleState.tied`) under each of its names, gathered once and
     copied; no two tensors share storage. DTensor leaves are gathered with
     ``full_tensor()``, a collective: call this on every rank. ``weights="ema"`` is the
     fp32 moving average of the trainable parameters (the rest keep their live values),
     or, before the EMA's ``start_step``, the live values, as validation computes with
-    (:func:`fvstep.weights.select_weights`, the one rule). ``dtype`` casts the
+    (:func:`fvstep.core.weights.select_weights`, the one rule). ``dtype`` casts the
     floating-point tensors (``None`` keeps each one's). With ``rank0_only`` (the
     default), the other ranks drop each gathered tensor at once and return ``None``.
 
@@ -453,7 +453,7 @@ def _check(state: TrainState, role: str, weights: str, dtype: torch.dtype | None
     if role in roles_holding_other_weights(state):
         raise ValueError(
             f"role {role!r} holds its EMA in its parameters here (inside "
-            "fvstep.validation.role_module(weights='ema')): an export would take them for "
+            "fvstep.observe.validation.role_module(weights='ema')): an export would take them for "
             "the live weights; export after the with block"
         )
     if weights not in ("params", "ema"):

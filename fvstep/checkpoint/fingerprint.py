@@ -40,9 +40,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from fvstep._compat import local_shape_and_global_offset
+from fvstep.core._compat import local_shape_and_global_offset
+from fvstep.core.tree import is_dtensor, local_tensor
 from fvstep.parallel.ranks import collective_device, rank_and_world
-from fvstep.tree import is_dtensor, local_tensor
 
 __all__ = ["fingerprint", "leaf_checksum", "local_checks", "local_sums"]
 

@@ -29,9 +29,9 @@ from fvstep.checkpoint.manifest import (
     read_manifest,
 )
 from fvstep.checkpoint.saving import _exc_text, _failure_text, _quiet_single_process, _rank_key
+from fvstep.core.state import TrainState
+from fvstep.core.tree import flatten_with_paths
 from fvstep.parallel.ranks import min_over_ranks, rank_and_world
-from fvstep.state import TrainState
-from fvstep.tree import flatten_with_paths
 
 __all__ = ["load"]
 
@@ -137,7 +137,7 @@ def load(
     is not changed. The loaded leaves are fresh tensors: if anything fails — a missing
     or truncated shard, a checksum mismatch — no state is returned and ``like`` and the
     files are untouched. The returned state computes with the loaded values from its
-    first step on (``fvstep.state.adopt``). Loading on another world size reshards.
+    first step on (``fvstep.core.state.adopt``). Loading on another world size reshards.
 
     Frozen parameters that the checkpoint holds by checksum only (roles with
     ``Role(save_frozen=False)``, :attr:`Manifest.frozen`) are not read: ``like``'s own

@@ -31,14 +31,14 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
-from fvstep._checks import check_int
 from fvstep.checkpoint.directories import commit, discard
 from fvstep.checkpoint.fingerprint import fingerprint, local_checks
 from fvstep.checkpoint.frozen import _split_frozen
 from fvstep.checkpoint.manifest import CheckpointError, Manifest
+from fvstep.core._checks import check_int
+from fvstep.core.tree import flatten_with_paths, is_dtensor
+from fvstep.core.weights import roles_holding_other_weights
 from fvstep.parallel.ranks import broadcast_object, min_over_ranks, rank_and_world
-from fvstep.tree import flatten_with_paths, is_dtensor
-from fvstep.weights import roles_holding_other_weights
 
 __all__ = ["WRITER_THREADS", "save"]
 
@@ -371,7 +371,7 @@ def save(
     if swapped:
         raise CheckpointError(
             f"roles {swapped} hold their EMA in their parameters here (inside "
-            "fvstep.validation.role_module(weights='ema')): a checkpoint would save it as "
+            "fvstep.observe.validation.role_module(weights='ema')): a checkpoint would save it as "
             "the live parameters; save after the with block"
         )
     final = Path(path)

@@ -3,7 +3,7 @@
 
 This module is the parser and the dispatch; each command lives in its own module
 (:mod:`fvstep.cli.train`, :mod:`fvstep.cli.plan`, :mod:`fvstep.cli.export`, :mod:`fvstep.cli.demo`,
-:mod:`fvstep.cli.verify`, :mod:`fvstep.latents.cli`), and what
+:mod:`fvstep.cli.verify`, :mod:`fvstep.executor.latents.cli`), and what
 they share in :mod:`fvstep.cli.common`. ``fvstep demo`` and ``fvstep verify-resume``
 launch their ranks themselves through torch.distributed's elastic launcher when
 ``--nproc`` > 1, and run in place when started under ``torchrun`` (which sets
@@ -53,10 +53,10 @@ def _build_parser(command: str | None = None) -> argparse.ArgumentParser:
     add_demo_parser(sub)
     add_verify_parsers(sub)
     if command == "data":
-        from fvstep.latents.cli import add_parser as add_data_parser
+        from fvstep.executor.latents.cli import add_parser as add_data_parser
 
         add_data_parser(sub)
-    else:  # importing fvstep.latents imports torch: only listed, unless it is the command
+    else:  # importing fvstep.executor.latents imports torch: only listed, unless it is the command
         sub.add_parser("data", help="datasets of precomputed latents: encode")
     return parser
 
@@ -88,7 +88,7 @@ def _version() -> str:
 
 
 def _data(args: argparse.Namespace) -> int:
-    from fvstep.latents.cli import UsageError, run_data
+    from fvstep.executor.latents.cli import UsageError, run_data
 
     try:
         return run_data(args)

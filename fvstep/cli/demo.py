@@ -2,8 +2,9 @@
 
 The demo runs twice (uninterrupted, then crashed and resumed from its newest checkpoint)
 on every rank, compares the two runs leaf by leaf, plots the losses and prints a summary
-in which every number was observed on the runs. Its work is :mod:`fvstep.demo`; this
-module is its command: options, output directory, ranks, summary.
+in which every number was observed on the runs. Its work is :mod:`fvstep.cli.demo_runs`
+(which imports torch; this module must not, for ``fvstep --help``); this module is its
+command: options, output directory, ranks, summary.
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ def _check_out_dir(path: str) -> Path:
 
 
 def _demo_rank(config: Any) -> dict[str, Any]:
-    from fvstep.demo import run_demo
+    from fvstep.cli.demo_runs import run_demo
 
     return run_demo(config)
 
@@ -89,7 +90,7 @@ _DEMO_OUTPUTS = ("uninterrupted", "interrupted", "losses.png")
 
 
 def _check_demo_options(args: argparse.Namespace) -> None:
-    from fvstep.demo import min_steps
+    from fvstep.cli.demo_runs import min_steps
 
     check_positive(nproc=args.nproc, microbatches=args.microbatches, every=args.every)
     if args.steps < min_steps(args.every):
@@ -139,7 +140,7 @@ def run_demo_command(args: argparse.Namespace) -> int:
         $ fvstep demo --nproc 2 --steps 24 --every 4 --out fvstep-demo
     """
     _check_demo_options(args)
-    from fvstep.demo import DemoConfig, plot_losses
+    from fvstep.cli.demo_runs import DemoConfig, plot_losses
 
     out = _demo_out_dir(args)
     config = DemoConfig(
@@ -245,7 +246,7 @@ def _validation_line(out: Path) -> str:
     """``val/loss`` from its first to its last value, and why it need not fall."""
     import json
 
-    from fvstep.demo import VAL_LOSS_NOTE
+    from fvstep.cli.demo_runs import VAL_LOSS_NOTE
 
     lines = (out / "interrupted" / "metrics.jsonl").read_text().splitlines()
     values = [row["val/loss"] for row in map(json.loads, lines) if "val/loss" in row]

@@ -89,7 +89,7 @@ def _load_factory(spec: str) -> Any:
 
 
 def _checked_factory(spec: str) -> Any:
-    from fvstep.state import TrainState
+    from fvstep.core.state import TrainState
 
     factory = _load_factory(spec)
 

@@ -48,13 +48,13 @@ from typing import Any, ClassVar
 import attrs
 import torch
 
-from fvstep import random as fsrandom
-from fvstep._compat import tensor_version, world_size_of_default_group
+from fvstep.core import random as fsrandom
 from fvstep.core import unit
+from fvstep.core._compat import tensor_version, world_size_of_default_group
 from fvstep.core.layout import Parallelism
 from fvstep.core.policy import UNSET, PlanEntry, Policy, StepFailedError
-from fvstep.state import TrainState, adopt, is_consumed, mark_consumed
-from fvstep.tree import any_dtensor, flatten_with_paths
+from fvstep.core.state import TrainState, adopt, is_consumed, mark_consumed
+from fvstep.core.tree import any_dtensor, flatten_with_paths
 
 __all__ = ["Gate", "Leaf", "Route", "Step", "run_step", "run_unit", "scheduled"]
 

@@ -2,7 +2,7 @@
 
 Reached only when a unit's non-finite verdict failed: it finds the first non-finite loss
 (role and micro-batch) or gradient (role and parameter) and raises
-:class:`~fvstep.grads.NonFiniteGradientError` saying what to look for.
+:class:`~fvstep.core.grads.NonFiniteGradientError` saying what to look for.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, NoReturn
 
 import torch
 
-from fvstep.grads import NonFiniteGradientError, first_non_finite
-from fvstep.tree import any_dtensor, local_tensor
+from fvstep.core.grads import NonFiniteGradientError, first_non_finite
+from fvstep.core.tree import any_dtensor, local_tensor
 
 if TYPE_CHECKING:
     from fvstep.core.unit import Group
@@ -36,7 +36,7 @@ def raise_non_finite(
     groups: list[Group],
     verdict: list[float],
 ) -> NoReturn:
-    """Raise the :class:`~fvstep.grads.NonFiniteGradientError` of a failed verdict.
+    """Raise the :class:`~fvstep.core.grads.NonFiniteGradientError` of a failed verdict.
 
     Args:
         step: The step counter.

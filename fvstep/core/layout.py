@@ -23,8 +23,8 @@ from typing import Any, Protocol
 
 import torch
 
-from fvstep.accumulation import Accumulation
-from fvstep.state import RoleState, TrainState
+from fvstep.core.accumulation import Accumulation
+from fvstep.core.state import RoleState, TrainState
 
 __all__ = ["CollectiveCounting", "GradSync", "Parallelism"]
 

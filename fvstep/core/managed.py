@@ -13,14 +13,14 @@ from typing import Any, ClassVar
 import attrs
 import torch
 
-from fvstep import random as fsrandom
-from fvstep.accumulation import Accumulation
+from fvstep.core import random as fsrandom
 from fvstep.core import unit
+from fvstep.core.accumulation import Accumulation
 from fvstep.core.engine import Leaf, Route, own_routes, run_unit
+from fvstep.core.grads import ClipGradNorm, Sanitize
 from fvstep.core.layout import Parallelism
 from fvstep.core.policy import UNSET, Policy, Unset, check_clip, check_sanitize
-from fvstep.grads import ClipGradNorm, Sanitize
-from fvstep.state import TrainState
+from fvstep.core.state import TrainState
 
 __all__ = ["Managed", "ManagedContext", "ManagedFn", "managed"]
 

@@ -13,8 +13,8 @@ from typing import Final
 
 import attrs
 
-from fvstep.accumulation import Accumulation
-from fvstep.grads import SANITIZE_POLICIES, ClipGradNorm, Sanitize
+from fvstep.core.accumulation import Accumulation
+from fvstep.core.grads import SANITIZE_POLICIES, ClipGradNorm, Sanitize
 
 __all__ = [
     "UNSET",

@@ -18,11 +18,11 @@ from typing import ClassVar
 
 import attrs
 
-from fvstep.accumulation import Accumulation
+from fvstep.core.accumulation import Accumulation
 from fvstep.core.engine import Gate, Leaf, Route, Step, own_routes
+from fvstep.core.grads import ClipGradNorm, Sanitize
 from fvstep.core.policy import UNSET, PlanEntry, Policy, Unset, check_clip, check_sanitize
 from fvstep.core.unit import LossFn
-from fvstep.grads import ClipGradNorm, Sanitize
 
 __all__ = [
     "Chain",
@@ -136,7 +136,7 @@ def update(
         sanitize: What to do with a NaN or infinite gradient, or left out for the
             enclosing setting (whose default is ``"error"``):
 
-            - ``"error"``: raise :class:`~fvstep.grads.NonFiniteGradientError` (naming the
+            - ``"error"``: raise :class:`~fvstep.core.grads.NonFiniteGradientError` (naming the
               step, unit, role and the first non-finite parameter, or the role and
               micro-batch of a non-finite loss) before any leaf of the unit changes;
               costs one device sync per unit, and reuses the clipping norm;

@@ -28,12 +28,12 @@ import attrs
 import optree
 import torch
 
-from fvstep import random as fsrandom
+from fvstep.core import random as fsrandom
 from fvstep.core.finite import raise_non_finite
+from fvstep.core.grads import ClipGradNorm, Sanitize, nan_to_num_
 from fvstep.core.layout import GradSync, Parallelism
-from fvstep.grads import ClipGradNorm, Sanitize, nan_to_num_
-from fvstep.state import RoleState, TrainState
-from fvstep.tree import full_tensor, local_tensors
+from fvstep.core.state import RoleState, TrainState
+from fvstep.core.tree import full_tensor, local_tensors
 
 __all__ = ["Gradients", "LossFn", "apply", "backward", "split_microbatches"]
 

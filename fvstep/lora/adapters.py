@@ -23,7 +23,7 @@ Which adapter the base computes with is switched per call by :class:`LoRAModule`
 would change ``requires_grad``): between calls every adapter is disabled.
 
 Examples:
-    >>> base = fvstep.models.tiny_wan(seed=0)
+    >>> base = fvstep.methods.models.tiny_wan(seed=0)
     >>> config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["to_q", "to_v"])
     >>> lora = add_adapters(base, {"student": config, "critic": config}, seed=0)
     >>> state = fvstep.TrainState.create({
@@ -45,8 +45,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from fvstep._optional import needs_extra
-from fvstep.tree import any_dtensor
+from fvstep.core._optional import needs_extra
+from fvstep.core.tree import any_dtensor
 
 if TYPE_CHECKING:
     from peft import LoraConfig

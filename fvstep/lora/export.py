@@ -23,11 +23,11 @@ from typing import Any
 
 import torch
 
-from fvstep._optional import needs_extra
 from fvstep.checkpoint.exporting import FORMATS, ExportJob, Writer, gather_weights
+from fvstep.core._optional import needs_extra
+from fvstep.core.state import TrainState
+from fvstep.core.weights import Weights
 from fvstep.lora.adapters import LoRAModule, lora_layers
-from fvstep.state import TrainState
-from fvstep.weights import Weights
 
 __all__ = ["MERGED_DTYPE", "merge_weights"]
 

@@ -1,7 +1,7 @@
 """Reference training methods, written against fvstep's public API.
 
 Every method calls its roles' modules through the forward contract of
-:mod:`fvstep.models` (``module(hidden_states=x, timestep=1000 t,
+:mod:`fvstep.methods.models` (``module(hidden_states=x, timestep=1000 t,
 encoder_hidden_states=text, return_dict=False)[0]`` is the flow-matching velocity), so
 any ``nn.Module`` with that signature works, not only ``diffusers`` models.
 

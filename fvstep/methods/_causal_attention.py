@@ -15,7 +15,7 @@ from typing import Any
 import attrs
 import torch
 
-from fvstep._optional import needs_extra
+from fvstep.core._optional import needs_extra
 
 __all__ = [
     "CAUSAL_ATTR",

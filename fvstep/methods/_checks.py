@@ -40,9 +40,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from fvstep._compat import forward_pre_hooks, fsdp_casts_inputs
+from fvstep.core._compat import forward_pre_hooks, fsdp_casts_inputs
+from fvstep.core.state import TrainState
 from fvstep.methods.causal_wan import is_causal
-from fvstep.state import TrainState
 
 __all__ = [
     "cast_batch",

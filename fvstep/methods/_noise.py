@@ -1,7 +1,7 @@
 """Keyed draws: how the reference methods turn a key into noise and times (private).
 
 Every random tensor of :mod:`fvstep.methods` comes from here, drawn from a
-``torch.Generator`` made from one key by :func:`fvstep.random.generator` on the device the
+``torch.Generator`` made from one key by :func:`fvstep.core.random.generator` on the device the
 tensor lives on; the global RNG is never touched. One key, one draw: a caller that needs
 two tensors splits its key first.
 
@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from fvstep import random as fsrandom
+from fvstep.core import random as fsrandom
 
 __all__ = ["rand", "randn", "randn_like"]
 

@@ -23,7 +23,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from fvstep import random as fsrandom
+from fvstep.core import random as fsrandom
 from fvstep.methods import _noise
 from fvstep.methods._checks import check_cache_fits
 from fvstep.methods.causal_wan import KVCache, causal_forward, chunk_frames_of, init_cache

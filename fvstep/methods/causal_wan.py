@@ -10,7 +10,7 @@ The latent frames are grouped in chunks of ``chunk_frames`` (3, as Self-Forcing 
 Wan2.1-1.3B). A token of chunk ``i`` attends to every token of chunks ``<= i``:
 
 - **Teacher forcing.** A plain call (``model(hidden_states=x, ...)``, e.g. through
-  :func:`fvstep.models.predict`) runs the whole sequence in one forward, block-causal:
+  :func:`fvstep.methods.models.predict`) runs the whole sequence in one forward, block-causal:
   each chunk's queries attend in one call to the keys up to their chunk's end (no
   tokens x tokens mask).
 - **Cached rollout.** :func:`causal_forward` with a :class:`KVCache` runs frames that
@@ -63,7 +63,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from fvstep._optional import needs_extra
+from fvstep.core._optional import needs_extra
+from fvstep.core.tree import field, frozen
 from fvstep.methods._causal_attention import (
     CAUSAL_ATTR,
     Call,
@@ -72,7 +73,6 @@ from fvstep.methods._causal_attention import (
     rope_check,
     rope_hook,
 )
-from fvstep.tree import field, frozen
 
 __all__ = [
     "CAUSAL_CONFIG_KEY",

@@ -51,12 +51,13 @@ import attrs
 import torch
 from torch import nn
 
-from fvstep import random as fsrandom
-from fvstep.accumulation import Accumulation
+from fvstep.core import random as fsrandom
+from fvstep.core.accumulation import Accumulation
+from fvstep.core.grads import ClipGradNorm, Sanitize
 from fvstep.core.managed import Managed, ManagedContext, managed
 from fvstep.core.policy import UNSET, Unset
+from fvstep.core.state import TrainState
 from fvstep.core.steps import update
-from fvstep.grads import ClipGradNorm, Sanitize
 from fvstep.methods import _noise
 from fvstep.methods._checks import cast_batch, check_batch
 from fvstep.methods.diffusion_nft_loss import Weighting, nft_loss
@@ -69,7 +70,6 @@ from fvstep.methods.rewards import (
     check_rewards,
     optimality_probabilities,
 )
-from fvstep.state import TrainState
 
 __all__ = [
     "RolloutFn",
@@ -81,7 +81,7 @@ __all__ = [
 RolloutFn = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 """``rollout(module, noise, text, key) -> x0``: any sampler, run under ``torch.no_grad()``.
 
-``functools.partial`` of :func:`fvstep.sampling.sample` fits after a lambda:
+``functools.partial`` of :func:`fvstep.observe.sampling.sample` fits after a lambda:
 ``lambda m, noise, text, key: sample(m, noise, text, sampler=EulerSampler(10, shift=3.0),
 key=key)``."""
 

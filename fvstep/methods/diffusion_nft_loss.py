@@ -16,7 +16,8 @@ from typing import Any, Literal
 
 import torch
 
-from fvstep import random as fsrandom
+from fvstep.core import random as fsrandom
+from fvstep.core.state import TrainState
 from fvstep.methods import _noise
 from fvstep.methods.finetune import (
     RoleLossFn,
@@ -26,8 +27,7 @@ from fvstep.methods.finetune import (
     broadcast_time,
     sample_time,
 )
-from fvstep.models import predict
-from fvstep.state import TrainState
+from fvstep.methods.models import predict
 
 __all__ = ["Weighting", "nft_loss"]
 

@@ -54,13 +54,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fvstep import random as fsrandom
+from fvstep.core import random as fsrandom
+from fvstep.core.state import TrainState
 from fvstep.core.steps import Chain, Cond, cond, every, sequence, update
 from fvstep.methods import _noise
 from fvstep.methods._checks import check_batch, check_denoising_steps, check_score_options
 from fvstep.methods.finetune import RoleLossFn, add_noise, x0_from_velocity
-from fvstep.models import predict
-from fvstep.state import TrainState
+from fvstep.methods.models import predict
 
 __all__ = [
     "DMD2Losses",
@@ -276,7 +276,7 @@ def rollout(
     last evaluation follows the caller's grad mode.
 
     Args:
-        student: A module with the forward contract of :mod:`fvstep.models`.
+        student: A module with the forward contract of :mod:`fvstep.methods.models`.
         like: A tensor giving the shape, dtype and device of the samples.
         text: Text embeddings ``(B, L, D)``.
         key: The rollout key.

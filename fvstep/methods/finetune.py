@@ -2,7 +2,7 @@
 
 The flow-matching path is ``x_t = (1 - t) * x0 + t * eps`` for ``t`` in ``[0, 1]``; a
 module predicts the velocity ``eps - x0`` (see the forward contract in
-:mod:`fvstep.models`), so ``x0 = x_t - t * v``.
+:mod:`fvstep.methods.models`), so ``x0 = x_t - t * v``.
 
 Examples:
     >>> step = fvstep.compile(finetune(t_sampling="logit_normal"),
@@ -18,12 +18,12 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
-from fvstep import random as fsrandom
+from fvstep.core import random as fsrandom
+from fvstep.core.state import TrainState
 from fvstep.core.steps import Unit, update
 from fvstep.methods import _noise
 from fvstep.methods._checks import check_batch
-from fvstep.models import predict
-from fvstep.state import TrainState
+from fvstep.methods.models import predict
 
 __all__ = [
     "RoleLossFn",

@@ -24,7 +24,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from fvstep.models import predict
+from fvstep.methods.models import predict
 
 __all__ = ["blend_", "euler_sample"]
 
@@ -38,7 +38,7 @@ def euler_sample(
     step this is ``x0 = noise - v(noise, 1)``. Runs in the caller's grad mode.
 
     Args:
-        module: Called through the forward contract of :mod:`fvstep.models`.
+        module: Called through the forward contract of :mod:`fvstep.methods.models`.
         noise: ``x`` at ``t = 1``.
         text: The text embeddings, ``(B, L, D)``.
         num_steps: Euler steps (>= 1).

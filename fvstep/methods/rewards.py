@@ -8,7 +8,7 @@ A reward function scores generated samples, one number a sample::
 ``group_size`` samples see their prompt's rows), so a reward can read the prompt's text
 embedding or a target. A reward over pixels is a latent reward through a decoder:
 :func:`decoded` turns ``pixel_reward(pixels, batch)`` into a latent one, with any
-``decode(latents) -> pixels`` (``functools.partial(fvstep.sampling.decode_latents, vae)``
+``decode(latents) -> pixels`` (``functools.partial(fvstep.observe.sampling.decode_latents, vae)``
 decodes as ``WanPipeline`` does).
 
 - :class:`RewardFn`: the protocol.

@@ -37,15 +37,17 @@ from typing import Any
 
 import torch
 
-from fvstep import random as fsrandom
-from fvstep.accumulation import Accumulation
+from fvstep.core import random as fsrandom
+from fvstep.core.accumulation import Accumulation
+from fvstep.core.grads import ClipGradNorm, Sanitize
 from fvstep.core.managed import Managed, ManagedContext, managed
 from fvstep.core.policy import UNSET, Unset
+from fvstep.core.state import TrainState
 from fvstep.core.steps import update
-from fvstep.grads import ClipGradNorm, Sanitize
 from fvstep.methods import _noise
 from fvstep.methods._checks import check_batch
 from fvstep.methods.finetune import RoleLossFn, add_noise, sample_time
+from fvstep.methods.models import predict
 from fvstep.methods.old_policy import blend_, euler_sample
 from fvstep.methods.rewards import (
     RewardFn,
@@ -54,8 +56,6 @@ from fvstep.methods.rewards import (
     group_advantages,
     latent_mse_reward,
 )
-from fvstep.models import predict
-from fvstep.state import TrainState
 
 __all__ = ["rl", "rl_inner_loss"]
 

@@ -60,7 +60,8 @@ from typing import Any, NamedTuple
 import attrs
 import torch
 
-from fvstep import random as fsrandom
+from fvstep.core import random as fsrandom
+from fvstep.core.state import TrainState
 from fvstep.core.steps import Cond, cond, update
 from fvstep.methods._checks import (
     check_batch,
@@ -72,7 +73,6 @@ from fvstep.methods.causal_rollout import exit_steps, regenerate, rollout, shift
 from fvstep.methods.causal_wan import chunk_frames_of
 from fvstep.methods.dmd2 import FusedLossFn, critic_denoising_loss, distribution_matching_loss
 from fvstep.methods.finetune import RoleLossFn
-from fvstep.state import TrainState
 
 __all__ = [
     "SelfForcingLosses",

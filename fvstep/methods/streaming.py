@@ -58,10 +58,12 @@ import attrs
 import torch
 from torch import nn
 
-from fvstep import random as fsrandom
-from fvstep.accumulation import Accumulation
+from fvstep.core import random as fsrandom
+from fvstep.core.accumulation import Accumulation
 from fvstep.core.managed import Managed, managed
+from fvstep.core.state import TrainState
 from fvstep.core.steps import update
+from fvstep.core.tree import frozen
 from fvstep.methods._checks import (
     check_batch,
     check_bidirectional,
@@ -73,8 +75,6 @@ from fvstep.methods._checks import (
 from fvstep.methods.causal_rollout import exit_steps, regenerate, rollout, shifted_steps
 from fvstep.methods.causal_wan import KVCache, chunk_frames_of, init_cache
 from fvstep.methods.self_forcing import critic_loss_on, dmd_loss_on
-from fvstep.state import TrainState
-from fvstep.tree import frozen
 
 __all__ = ["StreamState", "init_stream", "streaming"]
 

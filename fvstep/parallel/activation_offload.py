@@ -47,8 +47,8 @@ import optree
 import torch
 from torch import nn
 
-from fvstep._checks import check_int
-from fvstep._compat import tensor_version
+from fvstep.core._checks import check_int
+from fvstep.core._compat import tensor_version
 from fvstep.parallel.offload_copies import CudaCopies
 
 __all__ = [

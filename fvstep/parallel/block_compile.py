@@ -25,7 +25,7 @@ from typing import Any
 
 from torch import nn
 
-from fvstep import _compat as torch_compat
+from fvstep.core import _compat as torch_compat
 
 __all__ = [
     "RECOMPILE_LIMIT",

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from fvstep._compat import TorchDispatchMode
+from fvstep.core._compat import TorchDispatchMode
 
 __all__ = ["CollectiveCounter"]
 

@@ -47,11 +47,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
-from fvstep._optional import needs_extra
+from fvstep.core._optional import needs_extra
+from fvstep.core.tree import is_dtensor
 from fvstep.parallel.context_checks import _check_backends, _check_plan_signatures, _forward_params
 from fvstep.parallel.mesh import _check_axis
 from fvstep.parallel.ranks import rank_and_world
-from fvstep.tree import is_dtensor
 
 __all__ = [
     "ContextParallelMode",

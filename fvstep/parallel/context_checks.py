@@ -12,7 +12,7 @@ from typing import Any
 
 from torch import nn
 
-from fvstep._optional import needs_extra
+from fvstep.core._optional import needs_extra
 
 
 def _attention_backends(module: nn.Module) -> set[str]:

@@ -55,8 +55,8 @@ from typing import Any
 
 import torch
 
-from fvstep import _compat
-from fvstep._optional import needs_extra
+from fvstep.core import _compat
+from fvstep.core._optional import needs_extra
 
 __all__ = [
     "FLASH_ATTENTION_4",

@@ -1,6 +1,6 @@
 """The FSDP2 gradient-sync policy of accumulation, and FSDP2 modules returned to rest.
 
-- :class:`FSDPGradSync` applies an :class:`~fvstep.accumulation.Accumulation` policy per
+- :class:`FSDPGradSync` applies an :class:`~fvstep.core.accumulation.Accumulation` policy per
   micro-batch to the FSDP2 roots of the roles a unit trains, and restores FSDP2's
   defaults afterwards, whatever happens.
 - :func:`release_modules` reshards every FSDP2 group of a state's roles;
@@ -21,11 +21,11 @@ from typing import Any, cast
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from fvstep._compat import fsdp_lazy_init, is_fsdp_root
-from fvstep.accumulation import Accumulation
+from fvstep.core._compat import fsdp_lazy_init, is_fsdp_root
+from fvstep.core.accumulation import Accumulation
+from fvstep.core.state import RoleState, TrainState
 from fvstep.parallel.mesh import is_sharded
 from fvstep.parallel.ranks import rank_and_world
-from fvstep.state import RoleState, TrainState
 
 __all__ = [
     "FSDPGradSync",

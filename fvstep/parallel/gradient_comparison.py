@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fvstep import random as fsrandom
+from fvstep.core import random as fsrandom
 from fvstep.parallel.compile_check import (
     DEFAULT_THRESHOLD,
     GRADIENT_FLOOR,

@@ -19,15 +19,15 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
-from fvstep.accumulation import Accumulation
+from fvstep.core.accumulation import Accumulation
 from fvstep.core.layout import GradSync
+from fvstep.core.state import TrainState
+from fvstep.core.tree import any_dtensor, is_dtensor
 from fvstep.parallel.collectives import CollectiveCounter
 from fvstep.parallel.context import applied_context_group
 from fvstep.parallel.grad_sync import check_roles_are_data_parallel, grad_sync_for
 from fvstep.parallel.mesh import data_parallel_rank_and_size
 from fvstep.parallel.ranks import rank_and_world
-from fvstep.state import TrainState
-from fvstep.tree import any_dtensor, is_dtensor
 
 __all__ = ["Layout", "default_layout"]
 

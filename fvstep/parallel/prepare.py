@@ -42,7 +42,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
-from fvstep._optional import needs_extra
+from fvstep.core._optional import needs_extra
 from fvstep.parallel.activation_checkpoint import (
     ActivationCheckpointing,
     CheckpointName,

@@ -82,7 +82,7 @@ class ConfigChangeError(ValueError):
 
 
 def _parser(recipe: Recipe) -> Any:
-    from fvstep._optional import needs_extra
+    from fvstep.core._optional import needs_extra
 
     with needs_extra("train", "fvstep train (its options' parser)"):
         from jsonargparse import ActionConfigFile, ArgumentParser

@@ -19,6 +19,7 @@ from typing import Literal
 
 import fvstep as fs
 from fvstep.methods import dmd2
+from fvstep.observe.sampling import FewStepSampler
 from fvstep.recipes import Recipe, RunSpec, parts
 from fvstep.recipes import init as init_
 from fvstep.recipes.options import (
@@ -33,7 +34,6 @@ from fvstep.recipes.options import (
     TrackerOptions,
     ValidationOptions,
 )
-from fvstep.sampling import FewStepSampler
 
 __all__ = ["RECIPE", "LoRADMD2Options", "build"]
 

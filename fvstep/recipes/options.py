@@ -40,7 +40,7 @@ Dtype = Literal["float32", "bfloat16", "float16"]
 @dataclass(frozen=True)
 class TinyWan:
     """The bare config of the embedded default: a tiny ``WanTransformer3DModel``
-    (:func:`fvstep.models.tiny_wan`), randomly initialised from ``ModelOptions.seed``.
+    (:func:`fvstep.methods.models.tiny_wan`), randomly initialised from ``ModelOptions.seed``.
 
     Attributes:
         num_layers: Transformer blocks.
@@ -87,8 +87,8 @@ class DataOptions:
 
     Attributes:
         path: A latent dataset made by ``fvstep data encode`` (read by
-            :func:`fvstep.latents.latent_source`); ``None``: synthetic latents
-            (:class:`fvstep.data.SyntheticLatents`).
+            :func:`fvstep.executor.latents.latent_source`); ``None``: synthetic latents
+            (:class:`fvstep.executor.data.SyntheticLatents`).
         batch_size: The per-rank batch size.
         num_workers: Loader worker processes (a dataset only; does not change the batches).
         seed: Seeds the order (and the synthetic latents).
@@ -227,7 +227,7 @@ class RunOptions:
 @dataclass(frozen=True)
 class ValidationOptions:
     """The flow-matching loss of the trained role on held-out latents
-    (:func:`fvstep.validation.validation_loss`), and sample videos of it
+    (:func:`fvstep.observe.validation.validation_loss`), and sample videos of it
     (:func:`fvstep.recipes.samples.sample_validation`).
 
     Attributes:

@@ -19,6 +19,7 @@ from torch import nn
 
 import fvstep as fs
 from fvstep import parallel as fsp
+from fvstep.executor.trackers import TensorBoardTracker, WandbTracker
 from fvstep.parallel.activation_checkpoint import resolve_checkpointing
 from fvstep.recipes import RunSpec
 from fvstep.recipes.options import (
@@ -91,7 +92,7 @@ def load_transformer(model: ModelOptions, *, device: torch.device | None = None)
         ValueError: If ``model.path`` is not a diffusers folder, or holds a causal Wan
             (an fvstep export of one: the recipes build bidirectional models).
     """
-    from fvstep._optional import needs_extra
+    from fvstep.core._optional import needs_extra
 
     with needs_extra("models", "the recipes' transformer"):
         import diffusers
@@ -113,7 +114,7 @@ def load_transformer(model: ModelOptions, *, device: torch.device | None = None)
             torch.manual_seed(model.seed)
             module = cls.from_config(config)
         return _to_dtype(module, dtype).train()
-    from fvstep.models import tiny_wan
+    from fvstep.methods.models import tiny_wan
 
     tiny = model.tiny
     built: Any = tiny_wan(
@@ -318,7 +319,7 @@ def make_data(data: DataOptions, *, held_out: int = 0, device: torch.device | No
     """
     key = fs.random.key(data.seed)
     if data.path is not None:
-        from fvstep.latents import BucketedOrder, LatentDataset, WorkerSource
+        from fvstep.executor.latents import BucketedOrder, LatentDataset, WorkerSource
 
         dataset = LatentDataset(data.path, fields=("latents", "text"))
         held = set(held_out_indices(dataset.shapes, held_out))
@@ -338,7 +339,7 @@ def make_data(data: DataOptions, *, held_out: int = 0, device: torch.device | No
         return WorkerSource(
             dataset, _Kept(order, kept), num_workers=data.num_workers, device=device
         )
-    from fvstep.data import ShuffledSource, SyntheticLatents
+    from fvstep.executor.data import ShuffledSource, SyntheticLatents
 
     items = SyntheticLatents(
         data.synthetic_size,
@@ -361,12 +362,12 @@ def held_out_items(data: DataOptions, num: int) -> dict[str, torch.Tensor]:
     (:func:`held_out_indices`, never trained on: :func:`make_data`), or synthetic ones of
     another key."""
     if data.path is not None:
-        from fvstep.latents import LatentDataset
+        from fvstep.executor.latents import LatentDataset
 
         ds = LatentDataset(data.path, fields=("latents", "text"))
         items = [ds[i] for i in held_out_indices(ds.shapes, num)]
         return {k: torch.stack([item[k] for item in items]).float() for k in ("latents", "text")}
-    from fvstep.data import SyntheticLatents
+    from fvstep.executor.data import SyntheticLatents
 
     synthetic = SyntheticLatents(
         num,
@@ -390,8 +391,8 @@ def make_run_options(
 ) -> dict[str, Any]:
     """The keyword arguments of :func:`fvstep.run`: checkpoints in ``run.out``, cadences,
     validation of ``role``, trackers and the layout on several ranks."""
-    from fvstep.reporting import Validation
-    from fvstep.validation import validation_loss
+    from fvstep.executor.reporting import Validation
+    from fvstep.observe.validation import validation_loss
 
     out = Path(run.out)
     options: dict[str, Any] = {
@@ -415,9 +416,9 @@ def make_run_options(
         options["validation"] = Validation(loss, every=validation.every)
     chosen: list[Any] = []
     if trackers.tensorboard:
-        chosen.append(fs.trackers.TensorBoardTracker(out / "tensorboard"))
+        chosen.append(TensorBoardTracker(out / "tensorboard"))
     if trackers.wandb_project:
-        chosen.append(fs.trackers.WandbTracker(project=trackers.wandb_project, dir=out))
+        chosen.append(WandbTracker(project=trackers.wandb_project, dir=out))
     if chosen:
         options["trackers"] = chosen
     if fsp.rank_and_world()[1] > 1:

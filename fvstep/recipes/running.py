@@ -81,7 +81,7 @@ def compile_memory_budget(options: Any) -> contextlib.AbstractContextManager[Any
         return contextlib.nullcontext()
     if not 0.0 <= budget <= 1.0:
         raise ValueError(f"prepare.compile_memory_budget must be in [0, 1], got {budget}")
-    from fvstep._compat import activation_memory_budget
+    from fvstep.core._compat import activation_memory_budget
 
     return activation_memory_budget(budget)
 

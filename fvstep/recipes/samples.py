@@ -1,7 +1,7 @@
 """Sample videos of a recipe's student at a cadence (``validation.sample_every``).
 
 :func:`sample_validation` turns the ``validation`` options into a
-:class:`fvstep.Validation` of :func:`fvstep.sampling.sample_videos`: the student (its EMA
+:class:`fvstep.Validation` of :func:`fvstep.observe.sampling.sample_videos`: the student (its EMA
 when the run keeps one, by default) samples one video for each of the first
 ``validation.num_videos`` held-out items' prompt embeddings (the split the validation loss
 uses, never trained on), from fixed noise at the held-out latents' shape, and the VAE of
@@ -11,7 +11,7 @@ side), so they can be watched with no TensorBoard or W&B; a resumed run writes t
 its start step again, the same bit for bit.
 
 Sampling never changes the training: it runs as every validation does (no autograd, the
-global RNG scoped, the state's leaves untouched; :func:`fvstep.reporting.observe`).
+global RNG scoped, the state's leaves untouched; :func:`fvstep.executor.reporting.observe`).
 
 Examples:
     >>> held = held_out_items(options.data, options.validation.num_samples)
@@ -30,11 +30,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from fvstep._optional import needs_extra
+from fvstep.core._optional import needs_extra
+from fvstep.core.state import TrainState
+from fvstep.executor.reporting import Validation
+from fvstep.observe.sampling import EulerSampler, Sampler, sample_videos
 from fvstep.parallel import rank_and_world
-from fvstep.reporting import Validation
-from fvstep.sampling import EulerSampler, Sampler, sample_videos
-from fvstep.state import TrainState
 
 __all__ = ["SAMPLES_PREFIX", "check_samples", "sample_validation"]
 
@@ -61,7 +61,7 @@ def check_samples(options: Any) -> None:
         ValueError: For a negative cadence, ``num_videos`` outside ``1 ..
             num_samples``, no VAE (``model.path`` not a pipeline folder with a ``vae/``),
             or ``sample_weights="ema"`` in a run without an EMA (``optim.ema``).
-        fvstep._optional.MissingExtraError: Without ``imageio-ffmpeg`` (the MP4 files).
+        fvstep.core._optional.MissingExtraError: Without ``imageio-ffmpeg`` (the MP4 files).
 
     Examples:
         >>> check_samples(FinetuneOptions())  # sample_every 0: nothing to check
@@ -131,7 +131,7 @@ def sample_validation(
     Every rank samples (a sharded role needs all of them); rank 0 alone loads the VAE,
     decodes and returns the videos, which the run's trackers write (the JSONL tracker as
     ``<run.out>/media/step_<n>/samples_sample_<i>.mp4`` and ``.png``). The noise is fixed
-    (:func:`fvstep.sampling.sample_videos`' key), so the videos of two validations differ
+    (:func:`fvstep.observe.sampling.sample_videos`' key), so the videos of two validations differ
     by the weights alone, and a resumed run's equal an uninterrupted run's.
 
     Args:
@@ -141,7 +141,7 @@ def sample_validation(
             are the first ``validation.num_videos`` texts, their shape the latents'.
         device: The rank's device (where the VAE decodes).
         role: The role to sample.
-        sampler: The student's sampler: a :class:`~fvstep.sampling.FewStepSampler` of
+        sampler: The student's sampler: a :class:`~fvstep.observe.sampling.FewStepSampler` of
             its schedule for a distilled student (a causal one samples chunk by chunk);
             ``None``: ``validation.sample_steps`` Euler steps with the shift of the
             pipeline's scheduler.

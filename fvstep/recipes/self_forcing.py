@@ -27,6 +27,7 @@ import torch
 import fvstep as fs
 from fvstep.methods import make_causal, self_forcing
 from fvstep.methods.causal_rollout import shifted_steps
+from fvstep.observe.sampling import FewStepSampler
 from fvstep.recipes import Recipe, RunSpec, parts
 from fvstep.recipes import init as init_
 from fvstep.recipes.options import (
@@ -40,7 +41,6 @@ from fvstep.recipes.options import (
     TrackerOptions,
     ValidationOptions,
 )
-from fvstep.sampling import FewStepSampler
 
 __all__ = ["RECIPE", "SelfForcingOptions", "build", "causal_roles", "check_latent_frames"]
 
@@ -98,7 +98,7 @@ def check_latent_frames(data: DataOptions, chunk_frames: int) -> None:
     if data.path is None:
         frames, where = {data.latent_shape[1]}, f"data.latent_shape {data.latent_shape}"
     else:
-        from fvstep.latents import LatentDataset
+        from fvstep.executor.latents import LatentDataset
 
         shapes = LatentDataset(data.path, fields=("latents",)).shapes
         frames, where = {s["latents"][1] for s in shapes}, f"the dataset at {data.path!r}"

@@ -29,6 +29,7 @@ import fvstep as fs
 from fvstep import parallel as fsp
 from fvstep.methods import init_stream, streaming
 from fvstep.methods.causal_rollout import shifted_steps
+from fvstep.observe.sampling import FewStepSampler
 from fvstep.recipes import Recipe, RunSpec, parts
 from fvstep.recipes.options import (
     DataOptions,
@@ -42,7 +43,6 @@ from fvstep.recipes.options import (
     ValidationOptions,
 )
 from fvstep.recipes.self_forcing import causal_roles, check_latent_frames
-from fvstep.sampling import FewStepSampler
 
 __all__ = ["RECIPE", "StreamingOptions", "build"]
 

@@ -3,7 +3,7 @@ whole path without a download: ``fvstep data encode --model`` reads its VAE, tex
 and tokenizer, ``fvstep train --model.path`` its transformer, and ``fvstep export
 --format pipeline --base`` copies its other parts.
 
-The parts: the tiny Wan of :func:`fvstep.models.tiny_wan` (4 latent channels, 16 text
+The parts: the tiny Wan of :func:`fvstep.methods.models.tiny_wan` (4 latent channels, 16 text
 features), an ``AutoencoderKLWan`` with ``z_dim=4`` (frames ``4k+1``, 8x spatial), a
 one-layer ``UMT5EncoderModel`` with ``d_model=16``, transformers' ``ByT5Tokenizer`` (bytes:
 no vocabulary file) and a ``FlowMatchEulerDiscreteScheduler``. Weights are random and a
@@ -44,7 +44,7 @@ def save_tiny_pipeline(path: str | os.PathLike[str], *, seed: int = 0) -> Path:
     from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline
     from transformers import ByT5Tokenizer, UMT5Config, UMT5EncoderModel
 
-    from fvstep.models import tiny_wan
+    from fvstep.methods.models import tiny_wan
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

@@ -33,7 +33,7 @@ from benchmarks import common as c
 from benchmarks.checkpoint import build_state
 from fvstep.checkpoint import saving
 from fvstep.checkpoint.fingerprint import fingerprint, local_checks
-from fvstep.tree import flatten_with_paths
+from fvstep.core.tree import flatten_with_paths
 
 
 def timed(fn, *args) -> float:

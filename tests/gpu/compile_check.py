@@ -46,7 +46,7 @@ if not __package__:  # run as a file: fvstep and benchmarks from this checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.presets import PRESETS, build_model, make_batch
-from fvstep.models import predict
+from fvstep.methods.models import predict
 from fvstep.parallel.compile_check import DEFAULT_THRESHOLD, CompiledGradientError
 from fvstep.parallel.compile_check_hooks import compile_check_reports
 from fvstep.parallel.prepare import prepare

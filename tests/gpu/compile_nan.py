@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from benchmarks.presets import PRESETS, build_model, make_batch
-from fvstep.models import predict
+from fvstep.methods.models import predict
 from fvstep.parallel.prepare import prepare
 
 BACKEND = "inductor"

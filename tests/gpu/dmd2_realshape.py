@@ -39,9 +39,9 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 import fvstep as fs
 from benchmarks.presets import PRESETS, build_model
 from fvstep import parallel as fsd
-from fvstep import tree
+from fvstep.core import tree
 from fvstep.methods import dmd2
-from fvstep.models import synthetic_batch
+from fvstep.methods.models import synthetic_batch
 
 MP = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 

@@ -34,10 +34,10 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 import fvstep as fs
 from benchmarks.reference import finetune_loop, shard_by_hand
 from fvstep import parallel as fsd
-from fvstep import tree
+from fvstep.core import tree
+from fvstep.core.random import fold_in
 from fvstep.methods.finetune import flow_matching_loss
-from fvstep.models import synthetic_batch, tiny_wan
-from fvstep.random import fold_in
+from fvstep.methods.models import synthetic_batch, tiny_wan
 
 NUM_STEPS = 5
 K = 2
@@ -116,7 +116,7 @@ def dmd2_equality(rank: int, device: torch.device, ordering: str) -> dict:
         plain = {"student": copy.deepcopy(teacher), "teacher": teacher, "critic": tiny_wan(seed=2)}
     ref = {r: shard_by_hand(copy.deepcopy(m), mesh, mp_policy=MP) for r, m in plain.items()}
     ref["teacher"].requires_grad_(False)
-    from fvstep._compat import fsdp_lazy_init
+    from fvstep.core._compat import fsdp_lazy_init
 
     for module in ref.values():  # as fvstep does at rest: bf16 grad dtypes need it (docs/gpu.md)
         fsdp_lazy_init(module)

@@ -22,7 +22,7 @@ import torch
 
 import fvstep as fs
 from fvstep.methods.finetune import flow_matching_loss
-from fvstep.models import synthetic_batch, tiny_wan
+from fvstep.methods.models import synthetic_batch, tiny_wan
 
 POLICIES = {"error": "error", "skip": "skip", "none": None}
 

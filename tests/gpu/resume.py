@@ -50,11 +50,11 @@ import torch.distributed as dist
 import fvstep as fs
 from benchmarks.presets import PRESETS, Preset, build_model
 from fvstep import parallel as fsp
-from fvstep import tree
+from fvstep.core import tree
+from fvstep.core.random import fold_in
 from fvstep.methods import dmd2
-from fvstep.models import synthetic_batch
+from fvstep.methods.models import synthetic_batch
 from fvstep.parallel.prepare import prepare
-from fvstep.random import fold_in
 
 CONFIGS = {
     "none": {"checkpointing": "none", "compile": False},

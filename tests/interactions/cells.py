@@ -6,7 +6,7 @@ weights are held), a :class:`Preparation` (how its module is prepared), or an ob
 
 Every reference value here is computed *independently* of the code under test: the
 expected EMA weights are read from the state's leaves by the rule written out in
-:func:`expected_weights`, never through ``fvstep.weights.select_weights``.
+:func:`expected_weights`, never through ``fvstep.core.weights.select_weights``.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from torch import nn
 import fvstep as fs
 from fvstep import parallel as fsp
 from fvstep.methods.finetune import flow_matching_loss
-from fvstep.models import predict, synthetic_batch, tiny_wan
+from fvstep.methods.models import predict, synthetic_batch, tiny_wan
 
 NUM_STEPS = 3
 """Steps each case trains: the EMA of ``ema_after`` starts at step 1, so it has moved
@@ -54,7 +54,7 @@ class WeightsCase:
         ema_start: ``None`` for no EMA, else the EMA's ``start_step``.
         lora: The student is a LoRA adapter over a frozen base (role ``"base"``).
         tied: The student is a tiny Wan whose two blocks share one ``norm2.weight``
-            (one leaf under two names, :attr:`fvstep.state.RoleState.tied`).
+            (one leaf under two names, :attr:`fvstep.core.state.RoleState.tied`).
     """
 
     name: str

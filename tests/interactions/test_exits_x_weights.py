@@ -5,7 +5,7 @@ starts between the crash and the end, or before it), and exports the same files.
 
 Weights: live, an EMA that starts after the resume point (step 4 of 6; the crash is
 before step 3), one that starts before it (step 1), LoRA over a frozen base, tied
-weights. Data: a step-indexed function and a :class:`fvstep.data.ShuffledSource`.
+weights. Data: a step-indexed function and a :class:`fvstep.executor.data.ShuffledSource`.
 """
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ import torch
 from safetensors.torch import load_file
 
 import fvstep as fs
-from fvstep import tree
-from fvstep.data import ShuffledSource, SyntheticLatents
+from fvstep.core import tree
+from fvstep.executor.data import ShuffledSource, SyntheticLatents
+from fvstep.executor.reporting import Validation
 from fvstep.methods.finetune import flow_matching_loss
-from fvstep.reporting import Validation
+from fvstep.observe.validation import validation_loss
 from fvstep.testing import SimulatedCrash, _CrashAt
-from fvstep.validation import validation_loss
 from tests.interactions.cells import PROBE, WeightsCase, build_state, data
 
 pytest.importorskip("peft")

@@ -30,7 +30,7 @@ CASES = ("ema_before_start", "ema_after_start", "lora_ema_after_start")
 
 def validation_pair(state):
     """Live loss, then the EMA loss: what a user's validation function does."""
-    from fvstep.validation import validation_loss
+    from fvstep.observe.validation import validation_loss
 
     live = validation_loss(PROBE["latents"], PROBE["text"])(state, None)["loss"]
     ema = validation_loss(PROBE["latents"], PROBE["text"], weights="ema")(state, None)["loss"]
@@ -39,7 +39,7 @@ def validation_pair(state):
 
 def reference_losses(state, case):
     import fvstep as fs
-    from fvstep.validation import validation_loss
+    from fvstep.observe.validation import validation_loss
     from tests.interactions.cells import reference_module
 
     out = []
@@ -110,7 +110,7 @@ def check_compute_dtype_cast(rank: int, world_size: int) -> list[str]:
     """``prepare(mesh, param_dtype=bf16)``: the timestep reaches the model in fp32, by
     keyword (a Wan) and by position (a LoRA role over a frozen base)."""
     from fvstep import parallel as fsp
-    from fvstep.models import tiny_wan
+    from fvstep.methods.models import tiny_wan
 
     mesh = fsp.make_mesh(device_type="cpu")
     seen = []

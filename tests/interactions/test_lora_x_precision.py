@@ -16,7 +16,7 @@ import fvstep as fs
 import fvstep.lora
 from fvstep import parallel as fsp
 from fvstep.methods.finetune import flow_matching_loss
-from fvstep.models import tiny_wan
+from fvstep.methods.models import tiny_wan
 from tests.interactions.cells import data, full, velocity
 
 peft = pytest.importorskip("peft")

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from fvstep import parallel as fsp
-from fvstep.models import synthetic_batch, tiny_wan
-from fvstep.random import key
+from fvstep.core.random import key
+from fvstep.methods.models import synthetic_batch, tiny_wan
 
 BATCH = synthetic_batch(key(3), batch_size=2)
 TOKENS = 2 * 2 * 2  # frames × (H / 2) × (W / 2): the tiny Wan's patch is (1, 2, 2)

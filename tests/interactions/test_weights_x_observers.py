@@ -20,8 +20,8 @@ from safetensors.torch import load_file
 
 import fvstep as fs
 from fvstep.checkpoint.exporting import export, gather_weights
-from fvstep.models import tiny_wan
-from fvstep.validation import role_module, validation_loss
+from fvstep.methods.models import tiny_wan
+from fvstep.observe.validation import role_module, validation_loss
 from tests.interactions.cells import (
     PREPARATIONS,
     PROBE,

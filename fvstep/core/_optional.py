@@ -1,0 +1,51 @@
+"""Optional packages: a missing one names the extra that installs it (private).
+
+Every import of a package that is not a core dependency (diffusers, peft, pyarrow, av,
+imageio, matplotlib, tqdm, tensorboard, wandb, safetensors, transformers) sits in a
+``with needs_extra(...)`` block, so that a user without it reads which ``pip install``
+brings it rather than a bare ``ModuleNotFoundError``.
+
+Examples:
+    >>> with needs_extra("data", "fvstep.executor.latents"):
+    ...     import pyarrow.parquet as pq
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+__all__ = ["MissingExtraError", "needs_extra"]
+
+
+class MissingExtraError(ModuleNotFoundError):
+    """An optional package is not installed; the message names the extra to install."""
+
+
+@contextlib.contextmanager
+def needs_extra(extra: str, feature: str) -> Iterator[None]:
+    """Turn an ``ImportError`` inside the block into one naming ``fvstep[extra]``.
+
+    Args:
+        extra: The extra of ``pyproject.toml`` that installs the package (``"data"``).
+        feature: What needs it, for the message (``"fvstep data encode"``).
+
+    Raises:
+        MissingExtraError: If an import in the block fails (a ``ModuleNotFoundError``
+            too); it names the module, ``feature`` and ``pip install 'fvstep[extra]'``.
+
+    Examples:
+        >>> with needs_extra("tracking", "TensorBoardTracker"):
+        ...     from torch.utils.tensorboard import SummaryWriter
+    """
+    try:
+        yield
+    except ImportError as e:
+        if isinstance(e, MissingExtraError):
+            raise
+        what = repr(e.name) if e.name else "a package"
+        raise MissingExtraError(
+            f"{feature} needs {what}, which cannot be imported ({e}): "
+            f"pip install 'fvstep[{extra}]'",
+            name=e.name,
+        ) from e

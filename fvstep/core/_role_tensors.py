@@ -1,0 +1,205 @@
+"""The tensors a role's module holds, and the checks of the tensors a state is made of (private).
+
+A module may hold one tensor under several names (tied weights): :func:`_distinct_tensors`
+keeps it once, under its first name, and records the other names as ties. Different
+tensors that share storage (a view of another), or storage shared between roles or with a
+non-persistent buffer, would come back from a checkpoint as independent tensors:
+:func:`_check_no_partial_aliasing` and :func:`_check_no_aliasing` refuse them at
+``TrainState.create``, which also takes a trainable role's parameters from here
+(:func:`_trainable_names`) and checks that the method-owned leaves are tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from fvstep.core.tree import local_tensor
+
+if TYPE_CHECKING:
+    from fvstep.core.state import Role
+
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def _named_buffers(
+    module: nn.Module, *, persistent: bool = True
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every name of the module's persistent (or non-persistent) buffers, in
+    ``state_dict`` order: a buffer held under several names appears under each."""
+    for mod_name, mod in module.named_modules(remove_duplicate=False):
+        for buf_name, buf in mod._buffers.items():
+            if buf is not None and (buf_name not in mod._non_persistent_buffers_set) == persistent:
+                yield (f"{mod_name}.{buf_name}" if mod_name else buf_name), buf
+
+
+def _named_persistent_buffers(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    return _named_buffers(module, persistent=True)
+
+
+def _distinct_tensors(
+    module: nn.Module,
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], tuple[tuple[str, str], ...]]:
+    """The module's distinct parameters and persistent buffers, each under its first name,
+    and the ``(alias, canonical)`` pairs of the other names of the same tensors."""
+    first_name: dict[int, str] = {}  # id() is safe: the module keeps every tensor alive
+    tied: list[tuple[str, str]] = []
+    slots: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]] = ({}, {})
+    named = (module.named_parameters(remove_duplicate=False), _named_persistent_buffers(module))
+    for distinct, tensors in zip(slots, named, strict=True):
+        for name, tensor in tensors:
+            canonical = first_name.setdefault(id(tensor), name)
+            if canonical == name:
+                distinct[name] = tensor
+            else:
+                tied.append((name, canonical))
+    return slots[0], slots[1], tuple(tied)
+
+
+def _storage_key(tensor: torch.Tensor) -> tuple[str, int] | None:
+    local = local_tensor(tensor)
+    if local.numel() == 0 or local.device.type == "meta":
+        return None
+    return str(local.device), local.untyped_storage().data_ptr()
+
+
+def _check_no_partial_aliasing(
+    role_name: str, module: nn.Module, tensors: Mapping[str, torch.Tensor]
+) -> None:
+    """Refuse different tensors of one role that share storage: a checkpoint restores
+    them as independent tensors, so a resumed run would silently differ."""
+    seen: dict[tuple[str, int], str] = {}
+    for name, tensor in tensors.items():
+        where = _storage_key(tensor)
+        if where is None:
+            continue
+        other = seen.setdefault(where, name)
+        if other != name:
+            raise ValueError(
+                f"role {role_name!r}: {other!r} and {name!r} are different tensors that share "
+                "storage (one is a view of the other), which a checkpoint would restore as "
+                "independent tensors. Tie them by holding one tensor under both names "
+                f"(e.g. decoder.weight = encoder.weight), or give {name!r} its own storage "
+                "(.clone())"
+            )
+    held = {id(t) for t in tensors.values()}
+    for name, buf in _named_buffers(module, persistent=False):
+        where = _storage_key(buf)
+        if where is not None and where in seen:
+            raise ValueError(
+                f"role {role_name!r}: the non-persistent buffer {name!r} "
+                f"{'is' if id(buf) in held else 'shares storage with'} {seen[where]!r}, which "
+                "the state holds: after a checkpoint load or a clone the buffer would keep "
+                "the old values. Register it as a persistent buffer, or recompute it from "
+                f"{seen[where]!r} in forward"
+            )
+
+
+def _check_no_aliasing(roles: Mapping[str, Role]) -> None:
+    seen_modules: dict[int, tuple[str, str]] = {}
+    seen_storage: dict[tuple[str, int], tuple[str, str]] = {}
+    for role_name, role in roles.items():
+        for mod_name, mod in role.module.named_modules():
+            other = seen_modules.get(id(mod))
+            if other is not None and other[0] != role_name:
+                raise ValueError(
+                    f"roles {other[0]!r} and {role_name!r} share a module "
+                    f"({other[1] or '<root>'!r} / {mod_name or '<root>'!r}); give each role its "
+                    "own copy (e.g. copy.deepcopy(module)), even when both start from one checkpoint"
+                )
+            seen_modules.setdefault(id(mod), (role_name, mod_name))
+        tensors: list[tuple[str, torch.Tensor]] = [
+            *role.module.named_parameters(remove_duplicate=False),
+            *role.module.named_buffers(remove_duplicate=False),
+        ]
+        for t_name, t in tensors:
+            where = _storage_key(t)
+            if where is None:
+                continue
+            other = seen_storage.get(where)
+            if other is not None and other[0] != role_name:
+                raise ValueError(
+                    f"roles {other[0]!r} and {role_name!r} share the tensor storage of "
+                    f"{other[1]!r} / {t_name!r}; give each role its own copy "
+                    "(e.g. copy.deepcopy(module))"
+                )
+            seen_storage.setdefault(where, (role_name, t_name))
+
+
+def _trainable_names(name: str, role: Role, params: Mapping[str, torch.Tensor]) -> tuple[str, ...]:
+    """The parameters a trainable role's optimizer updates (those with ``requires_grad``),
+    refused in bf16/fp16 when the optimizer needs fp32 master weights and the role did not
+    opt in."""
+    assert role.optimizer is not None
+    trainable = tuple(n for n, p in params.items() if p.requires_grad)
+    if not trainable:
+        raise ValueError(f"trainable role {name!r} has no parameter with requires_grad=True")
+    low = [n for n in trainable if params[n].dtype in _LOW_PRECISION]
+    if low and role.optimizer.needs_fp32_master and not role.allow_low_precision:
+        raise ValueError(
+            f"role {name!r} is trainable with {params[low[0]].dtype} parameters "
+            f"({len(low)} of them, e.g. {low[0]!r}), and its optimizer needs fp32 master "
+            "weights: small updates would round away. Keep the parameters in fp32 (use "
+            "MixedPrecisionPolicy for bf16 compute) or pass Role(..., "
+            "allow_low_precision=True)"
+        )
+    return trainable
+
+
+def _check_tensor_leaves(tree: Any, what: str) -> None:
+    from fvstep.core.tree import flatten_with_paths
+
+    paths, flat, _ = flatten_with_paths(tree)
+    for path, leaf in zip(paths, flat, strict=False):
+        if not isinstance(leaf, torch.Tensor):
+            raise TypeError(
+                f"{what}.{path} must be a tensor, got {type(leaf).__name__} ({leaf!r}); "
+                "state leaves are tensors only (wrap counters as torch.tensor(...))"
+            )
+
+
+def _locate(module: nn.Module, name: str) -> tuple[nn.Module, str]:
+    prefix, _, leaf = name.rpartition(".")
+    return (module.get_submodule(prefix) if prefix else module), leaf
+
+
+def _live_tensors(
+    module: nn.Module,
+    params: Mapping[str, torch.Tensor],
+    buffers: Mapping[str, torch.Tensor],
+    tied: tuple[tuple[str, str], ...],
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The module's parameters and persistent buffers under every name, refused unless the
+    names are those of the state (``params``, ``buffers`` and the aliases of ``tied``)."""
+    live_params: dict[str, torch.Tensor] = dict(module.named_parameters(remove_duplicate=False))
+    live_buffers = dict(_named_persistent_buffers(module))
+    if (
+        set(live_params) | set(live_buffers) != set(params) | set(buffers) | set(dict(tied))
+        or not set(params) <= set(live_params)
+        or not set(buffers) <= set(live_buffers)
+    ):
+        raise ValueError(
+            f"the module of this role has parameters/buffers {sorted(live_params)[:3]}..., "
+            f"which do not match the state's {sorted(params)[:3]}...: was the module "
+            "re-wrapped or changed after TrainState.create?"
+        )
+    return live_params, live_buffers
+
+
+def _bind_tensors(
+    module: nn.Module,
+    live_params: Mapping[str, torch.Tensor],
+    live: Mapping[str, torch.Tensor],
+    mine: Mapping[str, torch.Tensor],
+    aliases: Mapping[str, str],
+) -> None:
+    """Put the state's tensors (``mine``) into every slot of ``module`` (``live``'s names),
+    an alias's slot getting its canonical tensor."""
+    for name in live:
+        owner, leaf = _locate(module, name)
+        # the state's own tensor, bound as is (a leaf may be a plain tensor or DTensor)
+        slot: dict[str, Any] = owner._parameters if name in live_params else owner._buffers
+        slot[leaf] = mine[aliases.get(name, name)]

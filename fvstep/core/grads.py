@@ -1,0 +1,165 @@
+"""Gradient hygiene: non-finite handling and clipping by global norm.
+
+Both are configuration objects that the update unit applies, in this order, after the
+last micro-batch's backward: sanitize, then clip, then the optimizer. The norm and the
+clipping are torch's own (``torch.nn.utils.get_total_norm`` and
+``clip_grads_with_norm_``), so a step is bitwise equal to a loop that calls
+``clip_grad_norm_``; on DTensor gradients they compute the global norm over all shards.
+
+The sanitize policies (:data:`SANITIZE_POLICIES`):
+
+- ``"error"`` (the default of ``fvstep.compile``): raise :class:`NonFiniteGradientError`
+  before any leaf changes when a loss or a gradient is NaN or infinite;
+- ``"skip"``: leave the role bit-unchanged for this update (metric ``<role>/skipped``);
+- ``"nan_to_num"``: zero the non-finite gradient entries and step;
+- ``None``: no check at all. Unsafe: one NaN gradient turns every parameter and
+  optimizer moment into NaN without an error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+import attrs
+import torch
+
+from fvstep.core.tree import local_tensor
+
+__all__ = [
+    "SANITIZE_POLICIES",
+    "ClipGradNorm",
+    "NonFiniteGradientError",
+    "Sanitize",
+    "clip_grad_norm",
+    "first_non_finite",
+    "nan_to_num_",
+]
+
+Sanitize = Literal["error", "nan_to_num", "skip"] | None
+SANITIZE_POLICIES: tuple[str | None, ...] = ("error", "skip", "nan_to_num", None)
+
+
+class NonFiniteGradientError(FloatingPointError):
+    """A unit's loss or gradient was NaN or infinite under ``sanitize="error"``.
+
+    Raised after the last micro-batch's backward and before the unit changes any leaf
+    (no optimizer step, no EMA, no clipping). On several ranks every rank raises: the
+    decision comes from the global gradient norm (and every rank's losses).
+
+    Attributes:
+        step: The step counter of the state the unit ran on.
+        unit: The unit's name.
+        role: The role whose loss or gradient is not finite (``None`` when it is so on
+            another rank only).
+        parameter: The first parameter of ``role`` with a non-finite gradient entry on
+            this rank, or ``None`` (a loss, or another rank's shard).
+        microbatch: The micro-batch of a non-finite loss, else ``None``.
+        kind: ``"NaN"``, ``"Inf"``, or ``None`` when not known on this rank.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        step: int | None = None,
+        unit: str | None = None,
+        role: str | None = None,
+        parameter: str | None = None,
+        microbatch: int | None = None,
+        kind: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.step = step
+        self.unit = unit
+        self.role = role
+        self.parameter = parameter
+        self.microbatch = microbatch
+        self.kind = kind
+
+    def __reduce__(self) -> tuple:
+        # Keep the attributes when the error crosses a process boundary (pickled).
+        details = {
+            "step": self.step,
+            "unit": self.unit,
+            "role": self.role,
+            "parameter": self.parameter,
+            "microbatch": self.microbatch,
+            "kind": self.kind,
+        }
+        return (_rebuild_error, (type(self), self.args, details))
+
+
+def _rebuild_error(cls: type, args: tuple, details: dict) -> NonFiniteGradientError:
+    return cls(*args, **details)
+
+
+@attrs.frozen
+class ClipGradNorm:
+    """Clip gradients to a maximum global norm (see :func:`clip_grad_norm`)."""
+
+    max_norm: float
+    norm_type: float = 2.0
+    foreach: bool | None = None
+    joint: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        if not self.max_norm > 0:
+            raise ValueError(f"max_norm must be > 0, got {self.max_norm}")
+
+    def apply(self, params: Sequence[torch.Tensor], norm: torch.Tensor) -> None:
+        """Scale the ``.grad`` of ``params`` in place given their global ``norm``."""
+        torch.nn.utils.clip_grads_with_norm_(params, self.max_norm, norm, foreach=self.foreach)
+
+
+def clip_grad_norm(
+    max_norm: float, *, norm_type: float = 2.0, foreach: bool | None = None, joint: bool = False
+) -> ClipGradNorm:
+    """Clip each trained role's gradients by their global norm, as ``clip_grad_norm_`` does.
+
+    The norm is over every shard of every parameter (DTensor gradients of FSDP2 roles
+    included). By default each role of a unit is clipped by its own norm; with
+    ``joint=True`` the roles a unit trains together are clipped by one norm over all of
+    them (metric ``<role>+<role>/grad_norm``), like one ``clip_grad_norm_`` call over the
+    parameters of several modules.
+
+    Args:
+        max_norm: The maximum norm (> 0).
+        norm_type: The p of the p-norm (``float("inf")`` allowed).
+        foreach: torch's foreach switch (``None``: torch's default).
+        joint: Clip the roles of a multi-role unit together.
+
+    Returns:
+        A :class:`ClipGradNorm` to pass as ``clip=`` to ``fvstep.compile`` or ``fvstep.update``.
+
+    Examples:
+        >>> step = fvstep.compile(method, clip=clip_grad_norm(1.0))
+    """
+    return ClipGradNorm(max_norm=max_norm, norm_type=norm_type, foreach=foreach, joint=joint)
+
+
+def _non_finite_kind(x: torch.Tensor) -> str | None:
+    """``"NaN"`` or ``"Inf"`` if ``x`` (a local tensor) has such an entry, else ``None``."""
+    if bool(torch.isfinite(x).all()):
+        return None
+    return "NaN" if bool(torch.isnan(x).any()) else "Inf"
+
+
+def first_non_finite(named: Sequence[tuple[str, torch.Tensor]]) -> tuple[str, str] | None:
+    """The first ``(name, kind)`` of ``named`` tensors with a NaN or infinite entry.
+
+    DTensors are checked on their local shard (no communication). One host sync per
+    tensor: for error messages, not for the hot path.
+    """
+    for name, x in named:
+        local = local_tensor(x)
+        kind = _non_finite_kind(local.detach())
+        if kind is not None:
+            return name, kind
+    return None
+
+
+def nan_to_num_(grads: Sequence[torch.Tensor]) -> None:
+    """Replace NaN and ±inf entries of ``grads`` by 0, in place."""
+    for g in grads:
+        torch.nan_to_num_(g, nan=0.0, posinf=0.0, neginf=0.0)

@@ -1,0 +1,191 @@
+"""Counter-based random keys, split and folded like JAX keys.
+
+A key is a CPU ``int64`` tensor of shape ``(2,)``: two 64-bit words (stored as signed
+integers). Deriving keys is a pure function of the key and the data folded in (a
+SplitMix64-based mix), so randomness is reproducible from the step counter alone and a
+key checkpoints as an ordinary tensor leaf.
+
+Draw random numbers from a key with :func:`generator`; code that uses the *global* RNG
+(dropout, some samplers) runs deterministically inside :func:`rng_scope`.
+
+Examples:
+    >>> k = key(0)
+    >>> k_noise, k_t = split(fold_in(k, 7), 2)
+    >>> noise = torch.randn(4, generator=generator(k_noise))
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from collections.abc import Iterator
+
+import torch
+
+__all__ = ["fold_in", "fold_in_name", "generator", "is_key", "key", "rng_scope", "seed_of", "split"]
+
+_MASK = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+
+
+def _mix(z: int) -> int:
+    """SplitMix64's finaliser: a bijective avalanche mix of one 64-bit word."""
+    z = (z + _GOLDEN) & _MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+    return z ^ (z >> 31)
+
+
+def _words(k: torch.Tensor) -> tuple[int, int]:
+    if not is_key(k):
+        raise TypeError(
+            "expected an fvstep key (a CPU int64 tensor of shape (2,), from fvstep.core.random.key), "
+            f"got {type(k).__name__}"
+            + (
+                f" of shape {tuple(k.shape)} and dtype {k.dtype}"
+                if isinstance(k, torch.Tensor)
+                else ""
+            )
+        )
+    a, b = k.tolist()
+    return a & _MASK, b & _MASK
+
+
+def _make(a: int, b: int) -> torch.Tensor:
+    # the two words as signed int64 (inline: every fold_in comes through here)
+    top = 1 << 63
+    return torch.tensor(
+        [a - 2 * top if a >= top else a, b - 2 * top if b >= top else b], dtype=torch.int64
+    )
+
+
+def is_key(x: object) -> bool:
+    """Whether ``x`` is an fvstep key: a CPU int64 tensor of shape ``(2,)``."""
+    return (
+        isinstance(x, torch.Tensor)
+        and x.dtype == torch.int64
+        and tuple(x.shape) == (2,)
+        and x.device.type == "cpu"
+    )
+
+
+def key(seed: int) -> torch.Tensor:
+    """Make a key from an integer seed (any Python int; reduced modulo 2**64).
+
+    Args:
+        seed: The seed.
+
+    Returns:
+        A key: a CPU int64 tensor of shape ``(2,)``.
+
+    Raises:
+        TypeError: If ``seed`` is not an integer.
+    """
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+    s = seed & _MASK
+    return _make(_mix(s), _mix(s ^ 0xD1B54A32D192ED03))
+
+
+def fold_in(k: torch.Tensor, data: int) -> torch.Tensor:
+    """Derive a new key from ``k`` and an integer (a step, a rank, a micro-batch index).
+
+    Different ``data`` give independent keys; the same ``(k, data)`` always gives the same key.
+
+    Args:
+        k: A key.
+        data: Any Python int (reduced modulo 2**64).
+
+    Returns:
+        A new key; ``k`` is not modified.
+    """
+    if isinstance(data, torch.Tensor):
+        data = int(data.item())
+    if isinstance(data, bool) or not isinstance(data, int):
+        raise TypeError(f"fold_in data must be an int, got {type(data).__name__}")
+    a, b = _words(k)
+    d = _mix(data & _MASK)
+    return _make(_mix(a ^ d), _mix(b ^ _mix(d ^ 0x632BE59BD9B4E019)))
+
+
+def fold_in_name(k: torch.Tensor, name: str) -> torch.Tensor:
+    """Derive a new key from ``k`` and a name (a unit's name, a role's name).
+
+    ``fold_in(k, d)`` with ``d`` the first 8 bytes of the name's SHA-256 (UTF-8), so the
+    key depends on the name alone: stable across processes, Python versions and the
+    position of whatever carries the name.
+
+    Examples:
+        >>> unit_key = fold_in_name(step_key, "dmd2_critic")
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"fold_in_name needs a str, got {type(name).__name__}")
+    digest = hashlib.sha256(name.encode("utf-8")).digest()
+    return fold_in(k, int.from_bytes(digest[:8], "little"))
+
+
+def split(k: torch.Tensor, num: int = 2) -> tuple[torch.Tensor, ...]:
+    """Split ``k`` into ``num`` independent keys.
+
+    Args:
+        k: A key.
+        num: How many keys (at least 1).
+
+    Returns:
+        A tuple of ``num`` new keys.
+    """
+    if num < 1:
+        raise ValueError(f"split needs num >= 1, got {num}")
+    a, b = _words(k)
+    return tuple(_make(_mix(a ^ _mix(2 * i + 1)), _mix(b ^ _mix(2 * i + 2))) for i in range(num))
+
+
+def seed_of(k: torch.Tensor) -> int:
+    """A non-negative 63-bit integer seed derived from ``k`` (for ``manual_seed``)."""
+    a, b = _words(k)
+    return _mix(a ^ _mix(b)) >> 1
+
+
+def generator(k: torch.Tensor, device: torch.device | str = "cpu") -> torch.Generator:
+    """A fresh ``torch.Generator`` on ``device`` seeded from ``k``.
+
+    Args:
+        k: A key.
+        device: Any device with a generator (``"cpu"``, ``"cuda:0"``, ...).
+
+    Returns:
+        A new generator; drawing from it never touches the global RNG.
+    """
+    g = torch.Generator(device=device)
+    g.manual_seed(seed_of(k))
+    return g
+
+
+@contextlib.contextmanager
+def rng_scope(k: torch.Tensor) -> Iterator[None]:
+    """Seed the global CPU (and every CUDA device's) RNG from ``k``; restore it on exit.
+
+    Use it around modules that draw from the global RNG (dropout), so that they are
+    deterministic functions of the key. The previous global state comes back on exit,
+    also when the body raises.
+
+    Examples:
+        >>> with rng_scope(k):
+        ...     y = torch.nn.functional.dropout(x, 0.1)
+    """
+    seed = seed_of(k)
+    cpu_state = torch.get_rng_state()
+    # Reading the CUDA states initialises CUDA, so a lazily queued seed cannot leak out.
+    cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    try:
+        # The CPU and CUDA generators directly: torch.manual_seed would also seed other
+        # backends (and build a stack trace each call), which this scope does not restore.
+        torch.default_generator.manual_seed(seed)
+        if cuda_states is not None:
+            for generator in torch.cuda.default_generators:
+                generator.manual_seed(seed)
+        yield
+    finally:
+        torch.set_rng_state(cpu_state)
+        if cuda_states is not None:
+            torch.cuda.set_rng_state_all(cuda_states)

@@ -1,0 +1,87 @@
+"""What a schedule is, and the argument checks and wrapper every schedule factory shares.
+
+:data:`Schedule` is a pure function from a step count to a learning rate. The private
+helpers check steps, ratios and boundaries with the messages the package documents, and
+wrap a multiplier exactly as ``torch.optim.lr_scheduler.LambdaLR`` applies it.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Sequence
+from typing import SupportsIndex
+
+from fvstep.core._checks import check_int, check_real
+
+__all__ = ["Schedule"]
+
+Schedule = Callable[[int], float]
+"""A learning-rate schedule: a pure function from a step count ``>= 0`` to a learning rate."""
+
+
+# --------------------------------------------------------------------------------------
+# Validation helpers
+# --------------------------------------------------------------------------------------
+
+
+def _as_step(step: SupportsIndex) -> int:
+    """Convert a step (a Python int, NumPy integer or 0-d integer tensor) to a non-negative int."""
+    try:
+        s = operator.index(step)
+    except TypeError:
+        raise TypeError(
+            f"step must be an integer (int, NumPy integer or 0-d integer tensor), "
+            f"got {type(step).__name__}: {step!r}"
+        ) from None
+    if s < 0:
+        raise ValueError(f"step must be >= 0, got {s}")
+    return s
+
+
+def _check_ratio(value: float, name: str) -> float:
+    v = check_real(value, name)
+    if not 0.0 <= v <= 1.0:
+        raise ValueError(f"{name} must lie in [0, 1], got {v}")
+    return v
+
+
+def _check_warmup_total(warmup_steps: SupportsIndex, total_steps: SupportsIndex) -> tuple[int, int]:
+    warmup = check_int(warmup_steps, "warmup_steps")
+    total = check_int(total_steps, "total_steps", minimum=1)
+    if warmup > total:
+        raise ValueError(f"warmup_steps ({warmup}) must not exceed total_steps ({total})")
+    return warmup, total
+
+
+def _check_boundaries(
+    boundaries: Sequence[SupportsIndex], n_pieces: int, what: str
+) -> tuple[int, ...]:
+    bounds = tuple(check_int(b, f"boundaries[{i}]") for i, b in enumerate(boundaries))
+    if len(bounds) != n_pieces - 1:
+        raise ValueError(
+            f"need exactly one boundary fewer than {what}: got {n_pieces} {what} "
+            f"and {len(bounds)} boundaries"
+        )
+    for i in range(1, len(bounds)):
+        if bounds[i] <= bounds[i - 1]:
+            raise ValueError(f"boundaries must be strictly increasing, got {list(bounds)}")
+    return bounds
+
+
+def _lambda_lr(
+    lr: float, factor: Callable[[int], float], name: str, total_steps: int | None = None
+) -> Schedule:
+    """Wrap a multiplier ``factor(step)`` as ``torch.optim.lr_scheduler.LambdaLR`` applies it.
+
+    A schedule laid out over ``total_steps`` updates carries them as ``schedule.total_steps``
+    (what :func:`fvstep.run` compares with the updates a run makes)."""
+
+    def schedule(step: SupportsIndex) -> float:
+        # LambdaLR.get_lr computes `base_lr * lmbda(last_epoch)`; same operands, same order.
+        return lr * factor(_as_step(step))
+
+    schedule.__name__ = name
+    schedule.__qualname__ = name
+    if total_steps is not None:
+        schedule.__dict__["total_steps"] = total_steps
+    return schedule

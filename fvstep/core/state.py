@@ -1,0 +1,447 @@
+"""The training state: roles, their parameters, optimizer state and EMA, the step and the key.
+
+``TrainState`` is a frozen attrs pytree (namespace :data:`fvstep.core.tree.NAMESPACE`) whose
+leaves are tensors: every role's parameters and persistent buffers (the module's live
+tensors), eager optimizer state, optional EMA, the step counter, the RNG key and any
+method-owned state. Modules, optimizers and hyper-parameters are static metadata, so the
+optree paths of the leaves are the checkpoint keys.
+
+A tensor that a module holds under several names (tied weights, ``dec.weight =
+enc.weight``, or a submodule used twice) is one leaf, under its first name in
+``named_parameters()`` (or persistent-buffer) order; the other names are recorded as
+static aliases (:attr:`RoleState.tied`) and :func:`adopt` puts the one tensor into every
+aliased slot.
+
+A step uses its input state's buffers in place and returns a new state; it marks the
+input *consumed* (:func:`mark_consumed`), after which any attribute read of the old
+state raises :class:`ConsumedStateError`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+import torch
+from torch import nn
+
+from fvstep.core import random as fsrandom
+from fvstep.core._role_tensors import (
+    _bind_tensors,
+    _check_no_aliasing,
+    _check_no_partial_aliasing,
+    _check_tensor_leaves,
+    _distinct_tensors,
+    _live_tensors,
+    _trainable_names,
+)
+from fvstep.core.optim import Optimizer
+from fvstep.core.tree import any_dtensor, field, frozen, replace
+
+__all__ = [
+    "EMA",
+    "ConsumedStateError",
+    "EMAState",
+    "Role",
+    "RoleState",
+    "TrainState",
+    "adopt",
+    "bind_module",
+    "is_consumed",
+    "mark_consumed",
+]
+
+
+class ConsumedStateError(RuntimeError):
+    """A consumed (donated) state was used after a step took it."""
+
+
+@attrs.frozen
+class EMA:
+    """Exponential moving average of a role's trainable parameters (static configuration).
+
+    After each optimizer update of the role at global step ``>= start_step``:
+    ``ema = decay * ema + (1 - decay) * param``, held in fp32. The first active update
+    re-initialises the average from the live weights.
+
+    Attributes:
+        decay: In ``[0, 1)``.
+        start_step: The first global step at which the average is updated.
+    """
+
+    decay: float = attrs.field(default=0.999)
+    start_step: int = 0
+
+    @decay.validator
+    def _check_decay(self, _: attrs.Attribute, value: float) -> None:
+        if not 0.0 <= value < 1.0:
+            raise ValueError(f"EMA decay must be in [0, 1), got {value}")
+
+
+@attrs.frozen(eq=False)
+class Role:
+    """A role of a training method: a module, and how (or whether) it is trained.
+
+    Attributes:
+        module: The role's ``nn.Module``. Its parameters become the state's leaves.
+        optimizer: A functional optimizer (``fvstep.optim.adamw(...)``) for a trained
+            role; ``None`` for a frozen role.
+        trainable: Defaults to ``optimizer is not None``. ``trainable=False`` with an
+            optimizer, or ``trainable=True`` without one, is a ``ValueError``.
+        ema: An :class:`EMA` of the trainable parameters, or ``None``.
+        allow_low_precision: Opt in to bf16/fp16 trainable parameters with an optimizer
+            that needs fp32 master weights (updates smaller than an ulp are lost).
+        allow_no_sync: Opt in to the ``no_sync`` accumulation policy for this role
+            (it holds a full unsharded gradient between micro-batches).
+        save_frozen: Whether a checkpoint holds the values of this role's frozen
+            parameters (those the optimizer does not update: all of a frozen role's).
+            ``False``: it holds their checksums instead (a digest of the frozen weights,
+            :attr:`fvstep.checkpoint.Manifest.frozen_digests`), and
+            ``fvstep.checkpoint.load`` verifies that the state it loads into has those
+            same weights, keeping them as they are. For a large frozen base (a teacher,
+            or the base of LoRA roles, :mod:`fvstep.lora`) that every checkpoint would
+            otherwise duplicate.
+
+    Raises:
+        ValueError: For an inconsistent combination, as above.
+
+    Examples:
+        >>> Role(student, optimizer=fvstep.optim.adamw(lr=1e-4), ema=EMA(0.999))
+    """
+
+    module: nn.Module
+    optimizer: Optimizer | None = None
+    trainable: bool | None = None
+    ema: EMA | None = None
+    allow_low_precision: bool = False
+    allow_no_sync: bool = False
+    save_frozen: bool = True
+
+    def __attrs_post_init__(self) -> None:
+        if not isinstance(self.module, nn.Module):
+            raise TypeError(f"Role.module must be an nn.Module, got {type(self.module).__name__}")
+        if self.trainable is None:
+            object.__setattr__(self, "trainable", self.optimizer is not None)
+        if self.trainable and self.optimizer is None:
+            raise ValueError("a trainable role needs an optimizer (Role(module, optimizer=...))")
+        if not self.trainable and self.optimizer is not None:
+            raise ValueError(
+                "an optimizer was given for a frozen role (trainable=False); "
+                "drop the optimizer or make the role trainable"
+            )
+        if self.ema is not None and not self.trainable:
+            raise ValueError("an EMA needs a trainable role")
+
+
+@frozen
+class EMAState:
+    """The fp32 moving average of a role's trainable parameters.
+
+    Attributes:
+        params: fp32 copies, keyed like the role's parameters.
+        initialized: 0-d bool tensor; false until the first active update.
+    """
+
+    params: dict[str, torch.Tensor]
+    initialized: torch.Tensor
+
+
+@frozen
+class RoleState:
+    """One role's leaves and its static description.
+
+    Attributes:
+        params: Every parameter of the module, by qualified name (the live tensors).
+        buffers: The module's persistent buffers, by qualified name.
+        opt_state: The optimizer's state (``None`` for a frozen role).
+        ema: The :class:`EMAState`, or ``None``.
+        role: The :class:`Role` (static).
+        trainable_names: Names of the parameters the optimizer updates (static).
+        tied: ``(alias, canonical)`` pairs (static): the module holds the tensor of
+            ``params[canonical]`` (or ``buffers[canonical]``) under the name ``alias``
+            too, as with tied weights. Only canonical names are leaves (and checkpoint
+            keys), so a tied tensor has one optimizer state and one EMA;
+            :func:`adopt` puts it into every aliased slot.
+    """
+
+    params: dict[str, torch.Tensor]
+    buffers: dict[str, torch.Tensor]
+    opt_state: Any
+    ema: EMAState | None
+    role: Role = field(pytree_node=False)
+    trainable_names: tuple[str, ...] = field(pytree_node=False, default=())
+    tied: tuple[tuple[str, str], ...] = field(pytree_node=False, default=())
+
+    @property
+    def module(self) -> nn.Module:
+        """The role's module, bound to this state's tensors."""
+        return bind_module(self)
+
+    def trainable_params(self) -> dict[str, torch.Tensor]:
+        """The parameters the optimizer updates, by name."""
+        return {n: self.params[n] for n in self.trainable_names}
+
+
+@attrs.define
+class _Lease:
+    """Mutable bookkeeping that is not part of the pytree: who consumed the state."""
+
+    consumed_by: str | None = None
+
+
+_GUARDED = frozenset({"step", "key", "roles", "extra", "module", "role", "replace"})
+
+
+@frozen
+class TrainState:
+    """Every bit a step reads: step counter, RNG key, roles and method-owned state.
+
+    Attributes:
+        step: 0-d int64 CPU tensor, the number of steps taken.
+        key: The base RNG key (``fvstep.core.random.key``); steps fold the step counter in.
+        roles: :class:`RoleState` by role name.
+        extra: Method-owned state (any pytree of tensors; e.g. a stream's cache).
+
+    Use :meth:`create` to build one.
+    """
+
+    step: torch.Tensor
+    key: torch.Tensor
+    roles: dict[str, RoleState]
+    extra: dict[str, Any] = attrs.field(factory=dict)
+    _lease: _Lease = field(init=False, pytree_node=False, factory=_Lease, eq=False, repr=False)
+
+    def __getattribute__(self, name: str) -> Any:
+        if name in _GUARDED:
+            lease = object.__getattribute__(self, "_lease")
+            if lease.consumed_by is not None:
+                raise ConsumedStateError(
+                    f"TrainState.{name} was read after the state was consumed by "
+                    f"{lease.consumed_by}. A step updates its input's tensors in place and "
+                    "returns the new state: use the returned state, or take "
+                    "fvstep.tree.clone(state) before the step to keep a copy."
+                )
+        return object.__getattribute__(self, name)
+
+    def __repr__(self) -> str:
+        lease = object.__getattribute__(self, "_lease")
+        if lease.consumed_by is not None:
+            return f"TrainState(<consumed by {lease.consumed_by}>)"
+        roles = ", ".join(self.roles)
+        return f"TrainState(step={int(self.step)}, roles=[{roles}], extra={list(self.extra)})"
+
+    @classmethod
+    def create(
+        cls,
+        roles: Mapping[str, Role],
+        *,
+        key: torch.Tensor,
+        extra: Mapping[str, Any] | None = None,
+    ) -> TrainState:
+        """Build the initial state from roles and a key.
+
+        Trainable roles get their optimizer state allocated eagerly (and an fp32 EMA if
+        configured); frozen roles have ``requires_grad`` turned off.
+
+        A tensor that a module holds under several names (tied weights such as
+        ``dec.weight = enc.weight``, or a submodule used twice) becomes one leaf under
+        its first name in ``named_parameters()`` order (persistent-buffer order for
+        buffers), with one optimizer state, as ``torch.optim`` keeps one per tensor;
+        the other names are recorded in :attr:`RoleState.tied`. This also holds for
+        FSDP2-sharded modules, where ``fully_shard`` keeps a tied parameter as one
+        DTensor as long as both of its modules are in one FSDP2 group.
+
+        Args:
+            roles: Role name to :class:`Role`.
+            key: The base key (``fvstep.random.key(seed)``).
+            extra: Method-owned initial state: a pytree whose leaves are tensors.
+
+        Returns:
+            A new state at step 0.
+
+        Raises:
+            ValueError: If two roles share a module or a parameter (give each role its
+                own copy), if two different tensors of one role share storage (one a
+                view of the other: tie by sharing one tensor instead), if a
+                non-persistent buffer shares storage with a parameter or persistent
+                buffer, if a trainable role has bf16/fp16 parameters and an optimizer
+                that needs fp32 master weights without ``allow_low_precision=True``, or
+                if ``roles`` is empty.
+            TypeError: If a role is not a :class:`Role`, the key is not a key, or a
+                leaf of ``extra`` is not a tensor.
+
+        Examples:
+            >>> state = TrainState.create(
+            ...     {"student": Role(net, optimizer=fvstep.optim.adamw(lr=1e-4))},
+            ...     key=fvstep.random.key(0),
+            ... )
+        """
+        if not roles:
+            raise ValueError("TrainState.create needs at least one role")
+        for name, role in roles.items():
+            if not isinstance(name, str) or not name.isidentifier():
+                raise ValueError(f"role names must be identifiers, got {name!r}")
+            if not isinstance(role, Role):
+                raise TypeError(f"role {name!r} must be a fvstep.Role, got {type(role).__name__}")
+        if not fsrandom.is_key(key):
+            raise TypeError("key must be an fvstep key: use fvstep.random.key(seed)")
+        _check_no_aliasing(roles)
+        extra = dict(extra or {})
+        _check_tensor_leaves(extra, "extra")
+        role_states = {name: _create_role_state(name, role) for name, role in roles.items()}
+        return cls(
+            step=torch.zeros((), dtype=torch.int64),
+            key=key.clone(),
+            roles=role_states,
+            extra=extra,
+        )
+
+    def module(self, name: str) -> nn.Module:
+        """The module of role ``name``, bound to this state's tensors.
+
+        Raises:
+            KeyError: If there is no such role.
+        """
+        return bind_module(self.role(name))
+
+    def role(self, name: str) -> RoleState:
+        """The :class:`RoleState` of role ``name``.
+
+        Raises:
+            KeyError: Naming the roles that exist.
+        """
+        try:
+            return self.roles[name]
+        except KeyError:
+            raise KeyError(f"no role {name!r}; the state has roles {sorted(self.roles)}") from None
+
+    def replace(self, **changes: Any) -> TrainState:
+        """A new state with ``changes`` applied (``attrs.evolve``), not consumed."""
+        return attrs.evolve(self, **changes)  # type: ignore[misc]
+
+
+def mark_consumed(state: TrainState, by: str) -> None:
+    """Mark ``state`` consumed by ``by`` (e.g. ``"the step at step 3"``).
+
+    Any later read of its fields raises :class:`ConsumedStateError` naming ``by``.
+
+    Raises:
+        ConsumedStateError: If the state was already consumed.
+    """
+    lease = object.__getattribute__(state, "_lease")
+    if lease.consumed_by is not None:
+        raise ConsumedStateError(
+            f"this TrainState was already consumed by {lease.consumed_by}; "
+            "a state can be used by one step only (clone it to run it twice)"
+        )
+    lease.consumed_by = by
+
+
+def is_consumed(state: TrainState) -> bool:
+    """Whether ``state`` has been consumed by a step."""
+    return object.__getattribute__(state, "_lease").consumed_by is not None
+
+
+def _create_role_state(name: str, role: Role) -> RoleState:
+    module = role.module
+    params, buffers, tied = _distinct_tensors(module)
+    _check_no_partial_aliasing(name, module, {**params, **buffers})
+    if role.trainable:
+        assert role.optimizer is not None
+        trainable = _trainable_names(name, role, params)
+        trainable_params = {n: params[n] for n in trainable}
+        opt_state = role.optimizer.init(trainable_params)
+        # the one structure check (update relies on it); a loaded state needs it too
+        role.optimizer.check_state(trainable_params, opt_state)
+        ema = None
+        if role.ema is not None:
+            ema = EMAState(
+                params={
+                    n: p.detach().to(torch.float32, copy=True) for n, p in trainable_params.items()
+                },
+                initialized=torch.zeros((), dtype=torch.bool),
+            )
+    else:
+        for p in params.values():
+            p.requires_grad_(False)
+        trainable, opt_state, ema = (), None, None
+    state = RoleState(
+        params=params,
+        buffers=buffers,
+        opt_state=opt_state,
+        ema=ema,
+        role=role,
+        trainable_names=trainable,
+        tied=tied,
+    )
+    module.__dict__["_fvstep_bound"] = (params, buffers)
+    return state
+
+
+def adopt(role_state: RoleState) -> RoleState:
+    """Make the role's module compute with ``role_state``'s values; return the role state
+    whose tensors are the ones the module now holds.
+
+    A no-op when the module already holds the state's tensors (the common case: a state
+    and its module share their live tensors). Otherwise, e.g. after
+    ``fvstep.core.tree.clone`` or ``fvstep.checkpoint.load``: plain tensors are put into the
+    module, each into its own slot and into the slots of its aliases
+    (:attr:`RoleState.tied`), so tied weights are one tensor again (the module then uses
+    the state's own tensors, and the returned role state is ``role_state``). DTensor
+    parameters of an FSDP2-sharded module cannot be swapped, so their values are copied
+    into the live shards (``fully_shard`` keeps a tied parameter as one DTensor in every
+    slot) and the returned role state holds the live tensors. Another state that held
+    those live tensors then sees the copied values: keep clones of sharded states as
+    snapshots and run steps on one lineage at a time.
+
+    Args:
+        role_state: The role state whose values the module should compute with.
+
+    Returns:
+        The role state whose tensors the module holds.
+
+    Raises:
+        ValueError: If the module's parameter or buffer names no longer match the state's
+            (the module was changed after ``TrainState.create``), or a sharded module no
+            longer holds one tensor under the names the state records as tied.
+
+    Examples:
+        >>> snapshot = fvstep.tree.clone(state)
+        >>> module = adopt(snapshot.role("student")).role.module  # computes with the copy
+    """
+    module = role_state.role.module
+    bound = module.__dict__.get("_fvstep_bound")
+    if bound is not None and bound[0] is role_state.params and bound[1] is role_state.buffers:
+        return role_state
+    live_params, live_buffers = _live_tensors(
+        module, role_state.params, role_state.buffers, role_state.tied
+    )
+    mine = {**role_state.params, **role_state.buffers}
+    live = {**live_params, **live_buffers}
+    if any_dtensor(live_params.values()):
+        for alias, canonical in role_state.tied:
+            if live[alias] is not live[canonical]:
+                raise ValueError(
+                    f"the sharded module holds different tensors under {canonical!r} and "
+                    f"{alias!r}, which were one tied tensor at TrainState.create: was the "
+                    "module re-wrapped or the tie broken after TrainState.create?"
+                )
+        with torch.no_grad():
+            for name, tensor in mine.items():
+                if tensor is not live[name]:
+                    live[name].copy_(tensor)
+        role_state = replace(
+            role_state,
+            params={n: live_params[n] for n in role_state.params},
+            buffers={n: live_buffers[n] for n in role_state.buffers},
+        )
+    else:
+        _bind_tensors(module, live_params, live, mine, dict(role_state.tied))
+    module.__dict__["_fvstep_bound"] = (role_state.params, role_state.buffers)
+    return role_state
+
+
+def bind_module(role_state: RoleState) -> nn.Module:
+    """The role's module, computing with ``role_state``'s values (see :func:`adopt`)."""
+    return adopt(role_state).role.module

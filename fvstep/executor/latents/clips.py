@@ -1,0 +1,226 @@
+"""The inputs of an encode: clips found in a folder, their frames read and fitted.
+
+**Clips.** A folder whose clips are video files (``.mp4``, ``.webm``, ``.mov``,
+``.mkv``, ``.avi``, ``.gif``) or *frame folders* (a
+directory holding images, in name order), found recursively. A clip's caption is the
+text file beside it with the same stem (``a/b.mp4`` -> ``a/b.txt``; frame folder ``a/c/``
+-> ``a/c.txt`` or ``a/c/caption.txt``), or an entry of a ``captions`` mapping (a JSONL
+file of ``{"file": ..., "caption": ...}`` lines in the CLI). A clip's *key* is its path
+relative to the folder; clips are sorted by key.
+
+**Frames.** The first ``num_frames`` (default all), cut to the largest count of the form
+``k * t + 1`` (``t`` the VAE's temporal factor, 4 for Wan). Pixels: resized to cover
+``height x width`` and centre-cropped, or (without a size) centre-cropped to a multiple
+of ``multiple`` (16: the VAE's 8 times Wan's 2 x 2 patch). :mod:`fvstep.executor.latents.encode`
+encodes them.
+
+Examples:
+    >>> from fvstep.executor.latents.clips import fit_frames
+    >>> fit_frames(torch.zeros(11, 30, 40, 3, dtype=torch.uint8), multiple=16).shape
+    torch.Size([9, 16, 32, 3])
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from fvstep.core._optional import needs_extra
+
+__all__ = ["IMAGE_SUFFIXES", "VIDEO_SUFFIXES", "Clip", "find_clips", "fit_frames", "read_frames"]
+
+VIDEO_SUFFIXES = (".mp4", ".webm", ".mov", ".mkv", ".avi", ".gif")
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
+
+
+@dataclass(frozen=True)
+class Clip:
+    """One input clip: its key (path relative to the folder), path, kind and caption."""
+
+    key: str
+    path: Path
+    kind: str  # "video" or "frames"
+    caption: str
+
+
+def _images(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
+
+
+def find_clips(
+    root: str | os.PathLike[str], *, captions: Mapping[str, str] | None = None
+) -> list[Clip]:
+    """The clips under ``root`` with their captions, sorted by key.
+
+    Args:
+        root: The input folder.
+        captions: Captions by clip key (relative path, ``/``-separated); these win over
+            caption files.
+
+    Returns:
+        The clips.
+
+    Raises:
+        FileNotFoundError: If ``root`` is not a directory.
+        ValueError: If there are no clips, or some have no caption (the first few named).
+
+    Examples:
+        >>> import tempfile
+        >>> from pathlib import Path
+        >>> root = Path(tempfile.mkdtemp())
+        >>> (root / "a.mp4").write_bytes(b""); (root / "a.txt").write_text("a cat")
+        0
+        5
+        >>> [(c.key, c.caption) for c in find_clips(root)]
+        [('a.mp4', 'a cat')]
+    """
+    root = Path(root)
+    if not root.is_dir():
+        raise FileNotFoundError(f"the clips folder {str(root)!r} does not exist")
+    found: list[tuple[Path, str]] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        here = Path(dirpath)
+        dirnames.sort()
+        if here != root and any(Path(f).suffix.lower() in IMAGE_SUFFIXES for f in filenames):
+            found.append((here, "frames"))
+            dirnames.clear()  # a frame folder is one clip
+            continue
+        found += [
+            (here / f, "video") for f in filenames if Path(f).suffix.lower() in VIDEO_SUFFIXES
+        ]
+    clips, missing = [], []
+    for path, kind in found:
+        key = path.relative_to(root).as_posix()
+        caption = None if captions is None else captions.get(key)
+        if caption is None:
+            for candidate in (
+                path.with_suffix(".txt") if kind == "video" else path.parent / f"{path.name}.txt",
+                path / "caption.txt",
+            ):
+                if candidate.is_file():
+                    caption = candidate.read_text().strip()
+                    break
+        if caption is None:
+            missing.append(key)
+        else:
+            clips.append(Clip(key, path, kind, caption))
+    if missing:
+        shown = ", ".join(repr(k) for k in missing[:5])
+        raise ValueError(
+            f"{len(missing)} clip(s) under {str(root)!r} have no caption ({shown}"
+            f"{', ...' if len(missing) > 5 else ''}): add NAME.txt beside each, or a captions file"
+        )
+    if not clips:
+        raise ValueError(
+            f"no clips under {str(root)!r}: expected video files ({', '.join(VIDEO_SUFFIXES)}) "
+            "or folders of images"
+        )
+    return sorted(clips, key=lambda c: c.key)
+
+
+def read_frames(clip: Clip, *, max_frames: int | None = None) -> torch.Tensor:
+    """A clip's frames as a ``uint8`` tensor of shape ``(frames, height, width, 3)``.
+
+    Args:
+        clip: The clip (a video file or a frame folder).
+        max_frames: Read at most this many frames from the start (default all).
+
+    Returns:
+        The frames.
+
+    Raises:
+        ValueError: If the clip cannot be read or has no frames (naming the file).
+
+    Examples:
+        >>> import tempfile, numpy as np, imageio.v3 as iio
+        >>> from pathlib import Path
+        >>> folder = Path(tempfile.mkdtemp()) / "clip"; folder.mkdir()
+        >>> for i in range(2): iio.imwrite(folder / f"{i}.png", np.zeros((8, 8, 3), np.uint8))
+        >>> read_frames(Clip("clip", folder, "frames", "x")).shape
+        torch.Size([2, 8, 8, 3])
+    """
+    with needs_extra("data", "reading clips"):
+        import imageio.v3 as iio
+    import numpy as np
+
+    frames: list[Any] = []
+    try:
+        if clip.kind == "frames":
+            for p in _images(clip.path)[:max_frames]:
+                frames.append(iio.imread(p))
+        else:
+            # PyAV itself: imageio's PyAV plugin runs a full gc.collect() on every close.
+            with needs_extra("data", "reading video files"):
+                import av
+
+            with av.open(str(clip.path)) as container:
+                for frame in container.decode(video=0):
+                    frames.append(frame.to_ndarray(format="rgb24"))
+                    if max_frames is not None and len(frames) >= max_frames:
+                        break
+    except Exception as e:
+        raise ValueError(f"cannot read clip {str(clip.path)!r}: {e}") from e
+    if not frames:
+        raise ValueError(f"clip {str(clip.path)!r} has no frames")
+    rgb = [f[..., :3] if f.ndim == 3 else np.repeat(f[..., None], 3, axis=-1) for f in frames]
+    if len({f.shape for f in rgb}) != 1:
+        raise ValueError(f"clip {str(clip.path)!r} has frames of different sizes")
+    return torch.from_numpy(np.stack(rgb).astype(np.uint8))
+
+
+def fit_frames(
+    frames: torch.Tensor,
+    *,
+    num_frames: int | None = None,
+    height: int | None = None,
+    width: int | None = None,
+    temporal_factor: int = 4,
+    multiple: int = 16,
+) -> torch.Tensor:
+    """Cut frames to ``k * temporal_factor + 1`` and fit them to the size (see the module).
+
+    Args:
+        frames: ``uint8`` frames ``(T, H, W, 3)``.
+        num_frames: At most this many frames (default all).
+        height: The output height (with ``width``): resize to cover, then centre-crop.
+        width: The output width.
+        temporal_factor: The VAE's temporal compression.
+        multiple: Without a size: centre-crop height and width to a multiple of this.
+
+    Returns:
+        ``uint8`` frames ``(T', H', W', 3)``.
+
+    Raises:
+        ValueError: If only one of ``height``/``width`` is given, or the frames are smaller
+            than ``multiple``.
+
+    Examples:
+        >>> fit_frames(torch.zeros(6, 20, 30, 3, dtype=torch.uint8), height=8, width=8).shape
+        torch.Size([5, 8, 8, 3])
+    """
+    if (height is None) != (width is None):
+        raise ValueError("give both height and width, or neither")
+    t = frames.shape[0] if num_frames is None else min(frames.shape[0], num_frames)
+    t = (t - 1) // temporal_factor * temporal_factor + 1
+    x = frames[:t]
+    h, w = x.shape[1], x.shape[2]
+    if height is not None and width is not None:
+        scale = max(height / h, width / w)
+        size = (max(height, round(h * scale)), max(width, round(w * scale)))
+        if size != (h, w):
+            y = x.permute(0, 3, 1, 2).float()
+            y = F.interpolate(y, size=size, mode="bilinear", antialias=True, align_corners=False)
+            x = y.round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1)
+        th, tw = height, width
+    else:
+        th, tw = h // multiple * multiple, w // multiple * multiple
+        if th == 0 or tw == 0:
+            raise ValueError(f"frames of {h}x{w} are smaller than the multiple {multiple}")
+    top, left = (x.shape[1] - th) // 2, (x.shape[2] - tw) // 2
+    return x[:, top : top + th, left : left + tw].contiguous()

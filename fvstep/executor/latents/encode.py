@@ -1,0 +1,305 @@
+"""Encoding clips into the on-disk format: :func:`encode_clips` (``fvstep data encode``).
+
+**Per clip.** Frames are read and fitted as :mod:`fvstep.executor.latents.clips` says. Latents: the
+VAE posterior's mean (``latent_dist.mode()``; nothing random: the models run in eval mode,
+whatever mode they come in, and get theirs back), normalised as Wan's
+pipelines expect, ``(z - latents_mean) / latents_std``. Text: the caption tokenised to
+``max_tokens`` (padded, truncated), encoded, positions past its length set to zero (as
+``WanPipeline`` does), stored with ``text_length``. Clips of different sizes give
+different latent shapes: the loader's shape buckets keep them apart.
+
+**Shards, ranks, resume.** Clip ``i`` goes to shard ``i // shard_size``, and rank ``r``
+of ``world_size`` encodes the shards ``k`` with ``k % world_size == r``: the output does
+not depend on the number of ranks (nor need the ranks talk to each other). A finished
+shard is renamed into place, so a killed run loses only the shards in progress; a rerun
+(with any number of ranks) skips the finished ones. ``encode.json`` records the
+encode's identity (settings, clip list, models: :mod:`fvstep.executor.latents.encode_identity`),
+and every rank checks it before it writes anything: a rerun that differs is refused,
+naming each key that differs with both values, instead of mixing two encodings in one
+dataset. The rank that finds every shard finished writes ``index.json``; until then the
+dataset is not readable.
+
+Examples:
+    >>> # vae, text_encoder, tokenizer: see docs/concepts/data.md for tiny ones
+    >>> # encode_clips("clips/", "latents/", vae=vae, text_encoder=te, tokenizer=tok)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fvstep.core._checks import check_int
+from fvstep.executor.latents.clips import Clip, find_clips, fit_frames, read_frames
+from fvstep.executor.latents.encode_identity import agree_on_settings, describe_encode
+from fvstep.executor.latents.format import INDEX_FILE, ShardError, ShardInfo, dtype_name, shard_name
+from fvstep.executor.latents.index import write_index
+from fvstep.executor.latents.shards import describe_shard, open_shard, write_shard
+
+__all__ = ["EncodeResult", "encode_clips"]
+
+
+@dataclass
+class EncodeResult:
+    """What one call of :func:`encode_clips` did on this rank.
+
+    Attributes:
+        num_clips: Clips in the whole folder.
+        num_shards: Shards of the whole dataset.
+        written: The shards this call encoded.
+        skipped: This rank's shards that were already finished.
+        index: The index path if this call wrote it (every shard finished), else ``None``.
+    """
+
+    num_clips: int
+    num_shards: int
+    written: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    index: Path | None = None
+
+
+def _temporal_factor(vae: Any) -> int:
+    return int(2 ** sum(bool(d) for d in vae.config.temperal_downsample))
+
+
+def _encode_video(vae: Any, clips: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """Normalised posterior means of same-shape ``uint8`` clips ``(T, H, W, 3)``."""
+    x = torch.stack(clips).to(device).permute(0, 4, 1, 2, 3)  # (B, 3, T, H, W)
+    x = x.to(vae.dtype) / 127.5 - 1.0
+    z = vae.encode(x).latent_dist.mode().float()
+    mean = torch.tensor(vae.config.latents_mean, device=z.device).view(1, -1, 1, 1, 1)
+    std = torch.tensor(vae.config.latents_std, device=z.device).view(1, -1, 1, 1, 1)
+    if mean.shape[1] != z.shape[1] or std.shape[1] != z.shape[1]:
+        raise ValueError(
+            f"the VAE's latents_mean/latents_std have {mean.shape[1]}/{std.shape[1]} entries, "
+            f"its latents {z.shape[1]} channels"
+        )
+    return list(((z - mean) / std).cpu().unbind(0))
+
+
+def _encode_text(
+    text_encoder: Any, tokenizer: Any, captions: list[str], max_tokens: int, device: torch.device
+) -> tuple[list[torch.Tensor], list[int]]:
+    tokens = tokenizer(
+        captions,
+        padding="max_length",
+        max_length=max_tokens,
+        truncation=True,
+        add_special_tokens=True,
+        return_attention_mask=True,
+        return_tensors="pt",
+    )
+    ids, mask = tokens.input_ids.to(device), tokens.attention_mask.to(device)
+    hidden = text_encoder(ids, attention_mask=mask).last_hidden_state.float()
+    hidden = hidden * mask.unsqueeze(-1).to(hidden.dtype)  # zero past each caption's length
+    return list(hidden.cpu().unbind(0)), mask.sum(dim=1).tolist()
+
+
+@contextmanager
+def _evaluating(*modules: Any) -> Iterator[None]:
+    """Run ``modules`` in eval mode (dropout off: nothing random), then give each submodule
+    its mode back (a model built from a config, not loaded, starts in training mode)."""
+    modes = [(m, m.training) for module in modules for m in module.modules()]
+    for module in modules:
+        module.eval()
+    try:
+        yield
+    finally:
+        for m, training in modes:  # parents first: a child's own mode is set after
+            m.train(training)
+
+
+def _finished(path: Path, clips: Sequence[Clip]) -> bool:
+    """Whether ``path`` is a whole shard of exactly ``clips`` (a damaged one is redone)."""
+    if not path.exists():
+        return False
+    try:
+        pf, _ = open_shard(path)
+        keys = pf.read(columns=["key"]).column("key").to_pylist()
+    except (ShardError, OSError, ValueError, KeyError) as e:
+        print(f"fvstep: re-encoding {str(path)!r}: {e}", file=sys.stderr, flush=True)
+        return False
+    return bool(keys == [c.key for c in clips])
+
+
+def encode_clips(
+    source: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    *,
+    vae: Any,
+    text_encoder: Any,
+    tokenizer: Any,
+    num_frames: int | None = None,
+    height: int | None = None,
+    width: int | None = None,
+    multiple: int = 16,
+    max_tokens: int = 512,
+    shard_size: int = 64,
+    batch_size: int = 1,
+    dtype: torch.dtype = torch.bfloat16,
+    rank: int = 0,
+    world_size: int = 1,
+    captions: Mapping[str, str] | None = None,
+    log: Callable[[str], None] | None = None,
+) -> EncodeResult:
+    """Encode the clips under ``source`` into a dataset in ``out`` (see the module).
+
+    Args:
+        source: The clips folder.
+        out: The dataset folder (created if needed).
+        vae: A diffusers ``AutoencoderKLWan`` (or a VAE with its ``encode`` and config).
+        text_encoder: A transformers encoder (``UMT5EncoderModel``, ``T5EncoderModel``...):
+            ``text_encoder(ids, attention_mask=mask).last_hidden_state``.
+        tokenizer: Its tokenizer.
+        num_frames: At most this many frames a clip (default all); ``k * t + 1`` frames
+            are kept (``t`` the VAE's temporal factor).
+        height: Output height (with ``width``); default: each clip's own, cropped.
+        width: Output width.
+        multiple: Without a size, crop to a multiple of this (default 16).
+        max_tokens: Text tokens a caption is padded or truncated to (Wan: 512).
+        shard_size: Clips a shard, ``>= 1``.
+        batch_size: Clips a model call, ``>= 1`` (clips of one shape share a VAE call).
+        dtype: The stored dtype of latents and text embeddings (default ``bfloat16``).
+        rank: This rank, ``0 <= rank < world_size``: it encodes shards ``k`` with
+            ``k % world_size == rank``.
+        world_size: The number of ranks sharing the work, ``>= 1``.
+        captions: Captions by clip key, over caption files.
+        log: Called with one line per shard (e.g. ``print``).
+
+    Returns:
+        What this call did: an :class:`EncodeResult`.
+
+    Raises:
+        ValueError: If a clip has no caption or cannot be read (naming it), ``out`` holds
+            an encode with other settings or models (naming each key that differs, e.g.
+            ``models.vae.weights_sha256``), or an argument is out of range.
+
+    Examples:
+        >>> # vae, text_encoder, tokenizer: see docs/concepts/data.md for tiny ones
+        >>> # encode_clips("clips/", "latents/", vae=vae, text_encoder=te, tokenizer=tok)
+    """
+    shard_size = check_int(shard_size, "shard_size", minimum=1)
+    batch_size = check_int(batch_size, "batch_size", minimum=1)
+    max_tokens = check_int(max_tokens, "max_tokens", minimum=1)
+    world_size = check_int(world_size, "world_size", minimum=1)
+    rank = check_int(rank, "rank", minimum=0)
+    if rank >= world_size:
+        raise ValueError(f"rank must lie in [0, world_size) = [0, {world_size}), got {rank}")
+    factor = _temporal_factor(vae)
+    if num_frames is not None and (num_frames < 1 or (num_frames - 1) % factor):
+        raise ValueError(f"num_frames must be k * {factor} + 1 (e.g. 81), got {num_frames}")
+    clips = find_clips(source, captions=captions)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    options = {
+        "num_frames": num_frames,
+        "height": height,
+        "width": width,
+        "multiple": multiple,
+        "max_tokens": max_tokens,
+        "shard_size": shard_size,
+        "dtype": dtype_name(dtype),
+    }
+    settings = describe_encode(
+        clips, options, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer
+    )
+    agree_on_settings(out, settings)
+    num_shards = -(-len(clips) // shard_size)
+    result = EncodeResult(len(clips), num_shards)
+    device = next(vae.parameters()).device
+    text_device = next(text_encoder.parameters()).device
+    with _evaluating(vae, text_encoder), torch.no_grad():
+        for k in range(rank, num_shards, world_size):
+            name = shard_name(k)
+            for stale in out.glob(f"{name}.tmp-*"):  # left by a killed run (temporary_path)
+                stale.unlink(missing_ok=True)
+            part = clips[k * shard_size : (k + 1) * shard_size]
+            if _finished(out / name, part):
+                result.skipped.append(name)
+                continue
+            rows: list[dict[str, Any]] = []
+            for i in range(0, len(part), batch_size):
+                rows += _encode_batch(
+                    part[i : i + batch_size],
+                    vae=vae,
+                    text_encoder=text_encoder,
+                    tokenizer=tokenizer,
+                    fit={
+                        "num_frames": num_frames,
+                        "height": height,
+                        "width": width,
+                        "temporal_factor": factor,
+                        "multiple": multiple,
+                    },
+                    max_tokens=max_tokens,
+                    dtype=dtype,
+                    devices=(device, text_device),
+                )
+            write_shard(out / name, rows)
+            result.written.append(name)
+            if log is not None:
+                log(f"rank {rank}: wrote {name} ({len(rows)} clips)")
+    result.index = _write_index_if_complete(out, num_shards, settings)
+    return result
+
+
+def _encode_batch(
+    clips: list[Clip],
+    *,
+    vae: Any,
+    text_encoder: Any,
+    tokenizer: Any,
+    fit: dict[str, Any],
+    max_tokens: int,
+    dtype: torch.dtype,
+    devices: tuple[torch.device, torch.device],
+) -> list[dict[str, Any]]:
+    pixels = []
+    for clip in clips:
+        frames = read_frames(clip, max_frames=fit["num_frames"])
+        try:
+            pixels.append(fit_frames(frames, **fit))
+        except ValueError as e:
+            raise ValueError(f"clip {str(clip.path)!r}: {e}") from e
+    latents: list[torch.Tensor | None] = [None] * len(clips)
+    for shape in dict.fromkeys(p.shape for p in pixels):  # one VAE call a shape, in order
+        where = [i for i, p in enumerate(pixels) if p.shape == shape]
+        for i, z in zip(where, _encode_video(vae, [pixels[i] for i in where], devices[0])):
+            latents[i] = z
+    text, lengths = _encode_text(
+        text_encoder, tokenizer, [c.caption for c in clips], max_tokens, devices[1]
+    )
+    return [
+        {
+            "key": clip.key,
+            "caption": clip.caption,
+            "latents": z.to(dtype),
+            "text": t.to(dtype),
+            "text_length": n,
+        }
+        for clip, z, t, n in zip(clips, latents, text, lengths, strict=True)
+        if z is not None
+    ]
+
+
+def _write_index_if_complete(out: Path, num_shards: int, settings: dict[str, Any]) -> Path | None:
+    paths = [out / shard_name(k) for k in range(num_shards)]
+    if not all(p.exists() for p in paths):
+        return None
+    infos: list[ShardInfo] = [describe_shard(p) for p in paths]
+    if (out / INDEX_FILE).exists():
+        try:
+            current = json.loads((out / INDEX_FILE).read_text())
+            if current.get("shards") == [i.to_json() for i in infos]:
+                return out / INDEX_FILE
+        except ValueError:
+            pass
+    return write_index(out, infos, extra={"encode": settings})

@@ -1,0 +1,363 @@
+"""Worker loading in step order: :class:`WorkerSource`, a data source backed by a DataLoader.
+
+The executor asks its data for ``data.batch(step, rank=, world_size=)`` once a step, in
+step order, from the step it started or resumed at. :class:`WorkerSource` answers the
+same question as :class:`fvstep.executor.data.ShuffledSource` (the *order* object decides which
+items make the batch of ``(step, rank, world_size)``), but reads and collates in worker
+processes of a ``torch.utils.data.DataLoader``, ``prefetch`` steps ahead, into pinned
+memory when a GPU is present:
+
+- Its batch sampler yields the index lists of steps ``s, s + 1, s + 2, ...`` (from
+  ``order.indices``). Asked for a step other than the next one (the first call, a resume,
+  another rank or world size), it shuts the workers down and starts a new DataLoader at
+  that step. So the batch of step ``s`` does not depend on where the run started, and
+  world size 2 -> 1 re-partitions exactly as the order does.
+- Errors are raised in the main process, by the call that asks for the failing step, and
+  name the rank, the step and (for a shard) the file and row: a worker catches what its
+  dataset raises and hands it back in place of the batch. A worker that *dies* (killed,
+  out of memory) is a ``RuntimeError`` in the main process too: torch's DataLoader raises
+  ``DataLoader worker (pid N) is killed by signal: ...`` as soon as it notices, which may
+  be outside :meth:`WorkerSource.batch`; inside it, the error reads ``rank r of w, step
+  s: the data loader failed: ...``. On several ranks, each rank reads only its own items, so an error
+  surfaces on one rank: that rank raises and exits; under ``torchrun`` the launcher then
+  stops the others; with a bare process group they wait in the next collective until its
+  timeout. To make that visible, a failing rank also prints one line with its rank to
+  stderr at once.
+- Preemption: the workers ignore SIGINT and SIGTERM, so that a signal to the whole process
+  group (what torchrun, ``kill -- -PGID``, SLURM and Ctrl-C in a terminal deliver) is
+  handled by the trainer alone, which saves at the next step boundary (:func:`fvstep.run`)
+  with its loader intact. They end when their trainer does, at the latest at interpreter
+  exit (:mod:`fvstep.executor.latents.workers` says how).
+- :meth:`WorkerSource.close` (or ``with WorkerSource(...) as data:``) shuts the workers
+  down; so does garbage collection, and the end of the interpreter.
+
+Examples:
+    >>> import tempfile, torch
+    >>> from fvstep import random as fr
+    >>> from fvstep.executor.latents import BucketedOrder, LatentDataset, WorkerSource, write_dataset
+    >>> root = tempfile.mkdtemp()
+    >>> _ = write_dataset(root, [[{"x": torch.full((2,), float(i))} for i in range(8)]])
+    >>> ds = LatentDataset(root)
+    >>> order = BucketedOrder(ds.shapes, key=fr.key(0), batch_size=2)
+    >>> with WorkerSource(ds, order, num_workers=0) as data:
+    ...     data.batch(3)["x"].shape
+    torch.Size([2, 2])
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Protocol, SupportsIndex
+
+import torch
+from torch.utils.data import DataLoader, default_collate
+
+from fvstep.core._checks import check_int
+from fvstep.executor.data import MapDataset
+from fvstep.executor.latents.format import ShardError
+from fvstep.executor.latents.workers import (
+    StepCollate,
+    StepIndices,
+    StepItems,
+    WorkerFailure,
+    WorkerInit,
+    forget_workers,
+    start_workers,
+)
+
+__all__ = ["Order", "WorkerSource", "latent_source"]
+
+
+class Order(Protocol):
+    """What decides the items of a batch: :class:`fvstep.executor.data.ShuffledSource`,
+    :class:`fvstep.executor.latents.BucketedOrder`, or any object with this method."""
+
+    def indices(
+        self, step: SupportsIndex, *, rank: SupportsIndex = 0, world_size: SupportsIndex = 1
+    ) -> list[int]: ...
+
+
+class _Steps:
+    """The batch sampler: the index lists of steps ``start, start + 1, ...``, forever."""
+
+    def __init__(self, order: Order, start: int, rank: int, world: int) -> None:
+        self.order, self.start, self.rank, self.world = order, start, rank, world
+
+    def __iter__(self) -> Iterator[StepIndices]:
+        s = self.start
+        while True:
+            yield StepIndices(s, self.order.indices(s, rank=self.rank, world_size=self.world))
+            s += 1
+
+
+def _to_device(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, dict):
+        return {k: _to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)) and not hasattr(batch, "_fields"):
+        return type(batch)(_to_device(v, device) for v in batch)
+    return batch
+
+
+class WorkerSource:
+    """A data source that reads ``order``'s batches of ``dataset`` in worker processes.
+
+    Args:
+        dataset: A map-style dataset (:class:`fvstep.executor.latents.LatentDataset`, ...). With
+            workers it must pickle (it is sent to them or inherited by fork).
+        order: Decides the items of each ``(step, rank, world_size)``: a
+            :class:`fvstep.executor.latents.BucketedOrder` (shape buckets), a
+            :class:`fvstep.executor.data.ShuffledSource`, or any :class:`Order`.
+        num_workers: Worker processes (``0``: read in the calling process, no prefetch).
+        prefetch: Batches each worker prepares ahead (``prefetch_factor``), ``>= 1``.
+        pin_memory: Copy batches into pinned memory (default: when CUDA is available).
+        collate: Turns a step's items into a batch (default ``default_collate``: stacks
+            tensors, lists strings).
+        multiprocessing_context: The workers' start method (``"fork"``, ``"spawn"``,
+            ``"forkserver"``; default: the platform's).
+        timeout_s: Give up waiting for a batch after this many seconds (``0``: never).
+        device: Move each batch's tensors there (``non_blocking``: from pinned memory the
+            copy to a GPU overlaps the step); default: leave them in host memory.
+        worker_init_fn: Called with the worker's id in each worker process as it starts,
+            after fvstep has made the worker ignore preemption signals (as
+            ``DataLoader``'s option; it must pickle for ``spawn``).
+
+    Raises:
+        ValueError: If ``num_workers < 0`` or ``prefetch < 1``.
+
+    Examples:
+        >>> from fvstep import random as fr
+        >>> from fvstep.executor.data import ShuffledSource
+        >>> items = [{"x": torch.tensor([i])} for i in range(6)]
+        >>> order = ShuffledSource(items, key=fr.key(0), batch_size=2)
+        >>> with WorkerSource(items, order, num_workers=0) as data:
+        ...     torch.equal(data.batch(4)["x"], order.batch(4)["x"])
+        True
+    """
+
+    def __init__(
+        self,
+        dataset: MapDataset,
+        order: Order,
+        *,
+        num_workers: int = 2,
+        prefetch: int = 2,
+        pin_memory: bool | None = None,
+        collate: Callable[[list[Any]], Any] | None = None,
+        multiprocessing_context: str | None = None,
+        timeout_s: float = 0.0,
+        device: torch.device | str | None = None,
+        worker_init_fn: Callable[[int], None] | None = None,
+    ) -> None:
+        self._dataset = dataset
+        self._order = order
+        self._num_workers = check_int(num_workers, "num_workers", minimum=0)
+        self._prefetch = check_int(prefetch, "prefetch", minimum=1)
+        self._pin = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
+        self._collate = default_collate if collate is None else collate
+        self._context = multiprocessing_context
+        self._timeout = float(timeout_s)
+        self._device = None if device is None else torch.device(device)
+        self._worker_init = worker_init_fn
+        self._iter: Iterator[Any] | None = None
+        self._next: tuple[int, int, int] | None = None
+        self.restarts = 0  # how many DataLoaders were started (tests and benchmarks read it)
+
+    @property
+    def order(self) -> Order:
+        """The object that decides each batch's items."""
+        return self._order
+
+    @property
+    def dataset(self) -> MapDataset:
+        """The dataset."""
+        return self._dataset
+
+    def indices(
+        self, step: SupportsIndex, *, rank: SupportsIndex = 0, world_size: SupportsIndex = 1
+    ) -> list[int]:
+        """The items of ``rank``'s batch at ``step``: ``order.indices(...)``.
+
+        Args:
+            step: The step, ``>= 0``.
+            rank: This rank.
+            world_size: The number of data-parallel ranks.
+
+        Returns:
+            The dataset indices of the batch.
+
+        Raises:
+            ValueError: As ``order.indices``.
+
+        Examples:
+            >>> from fvstep import random as fr
+            >>> from fvstep.executor.data import ShuffledSource
+            >>> order = ShuffledSource(list(range(4)), key=fr.key(0), batch_size=2)
+            >>> WorkerSource(list(range(4)), order).indices(1) == order.indices(1)
+            True
+        """
+        return self._order.indices(step, rank=rank, world_size=world_size)
+
+    def _start(self, step: int, rank: int, world: int) -> None:
+        self._stop()
+        workers = self._num_workers
+        loader: DataLoader[Any] = DataLoader(
+            StepItems(self._dataset),  # type: ignore[arg-type]
+            batch_sampler=_Steps(self._order, step, rank, world),
+            num_workers=workers,
+            collate_fn=StepCollate(self._collate),
+            pin_memory=self._pin,
+            prefetch_factor=self._prefetch if workers else None,
+            multiprocessing_context=self._context if workers else None,
+            timeout=self._timeout if workers else 0,
+            worker_init_fn=WorkerInit(self._worker_init) if workers else None,
+        )
+        self._iter = start_workers(loader, self) if workers else iter(loader)
+        self._next = (step, rank, world)
+        self.restarts += 1
+
+    def _stop(self) -> None:
+        # Dropping the DataLoader's iterator shuts its workers down (its __del__ joins them).
+        self._iter, self._next = None, None
+        forget_workers(self)
+
+    def batch(
+        self, step: SupportsIndex, *, rank: SupportsIndex = 0, world_size: SupportsIndex = 1
+    ) -> Any:
+        """``rank``'s batch at ``step``, prefetched when the calls come in step order.
+
+        Args:
+            step: The step, ``>= 0``.
+            rank: This rank, ``0 <= rank < world_size``.
+            world_size: The number of data-parallel ranks, ``>= 1``.
+
+        Returns:
+            The collated batch (in pinned memory when pinning is on, on ``device`` if
+            one was given).
+
+        Raises:
+            ShardError: If a shard of the batch is missing or damaged; the message names
+                the rank, the step, the file and the row.
+            RuntimeError: If reading or collating raised anything else (the message names
+                the rank and the step and holds the worker's traceback), or a worker died
+                (torch's message; see the module docstring).
+            ValueError: As ``order.indices``.
+        """
+        s = check_int(step, "step", minimum=0)
+        r = check_int(rank, "rank", minimum=0)
+        w = check_int(world_size, "world_size", minimum=1)
+        self._order.indices(s, rank=r, world_size=w)  # argument errors, in the caller's words
+        if self._iter is None or self._next != (s, r, w):
+            self._start(s, r, w)
+        assert self._iter is not None
+        where = f"rank {r} of {w}, step {s}"
+        try:
+            got, payload = next(self._iter)
+        except Exception as e:  # a worker died, timed out, or the sampler raised
+            self._stop()
+            raise self._report(RuntimeError(f"{where}: the data loader failed: {e}"), w) from e
+        self._next = (s + 1, r, w)
+        if isinstance(payload, WorkerFailure):
+            self._stop()
+            items = f"items {payload.indices}"
+            if payload.is_shard:
+                raise self._report(ShardError(f"{where} ({items}): {payload.message}"), w)
+            raise self._report(
+                RuntimeError(
+                    f"{where} ({items}): {payload.kind}: {payload.message}\n"
+                    f"in the data loader (traceback there):\n{payload.trace}"
+                ),
+                w,
+            )
+        assert got == s, f"the loader yielded step {got} for step {s}"
+        return payload if self._device is None else _to_device(payload, self._device)
+
+    @staticmethod
+    def _report(error: Exception, world: int) -> Exception:
+        if world > 1:  # the other ranks may only see a collective time out: say it here
+            print(f"fvstep: data error: {str(error).splitlines()[0]}", file=sys.stderr, flush=True)
+        return error
+
+    def __call__(self, step: SupportsIndex) -> Any:
+        """The single-process batch at ``step``: ``batch(step)`` with one rank."""
+        return self.batch(step)
+
+    def close(self) -> None:
+        """Shut the worker processes down; a later :meth:`batch` starts new ones.
+
+        Examples:
+            >>> from fvstep import random as fr
+            >>> from fvstep.executor.data import ShuffledSource
+            >>> items = [torch.tensor(i) for i in range(4)]
+            >>> data = WorkerSource(items, ShuffledSource(items, key=fr.key(0), batch_size=2))
+            >>> data.close()
+        """
+        self._stop()
+
+    def __enter__(self) -> WorkerSource:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"WorkerSource({self._dataset!r}, order={self._order!r}, "
+            f"num_workers={self._num_workers}, prefetch={self._prefetch}, pin_memory={self._pin})"
+        )
+
+
+def latent_source(
+    root: str | os.PathLike[str],
+    *,
+    key: torch.Tensor,
+    batch_size: int,
+    num_workers: int = 2,
+    fields: Sequence[str] | None = None,
+    drop_last: bool = True,
+    verify: bool = True,
+    **loader_options: Any,
+) -> WorkerSource:
+    """The usual data of a run: a dataset directory, shape-bucketed, read by workers.
+
+    ``WorkerSource(LatentDataset(root, fields=fields, verify=verify), BucketedOrder(dataset.shapes,
+    key=key, batch_size=batch_size, drop_last=drop_last), num_workers=num_workers,
+    **loader_options)``.
+
+    Args:
+        root: The dataset directory (``fvstep data encode``'s output).
+        key: An fvstep key; it alone decides the order.
+        batch_size: The per-rank batch size.
+        num_workers: Worker processes (``0``: read in the calling process).
+        fields: The fields to read (default all).
+        drop_last: As :class:`BucketedOrder`.
+        verify: Check the shards' page checksums on read (as :class:`LatentDataset`).
+        **loader_options: More options of :class:`WorkerSource` (``prefetch``,
+            ``pin_memory``, ``multiprocessing_context``, ``timeout_s``, ``collate``,
+            ``device``, ``worker_init_fn``).
+
+    Returns:
+        A :class:`WorkerSource`; close it (or use it in a ``with``) when done.
+
+    Raises:
+        FileNotFoundError: If ``root`` has no index.
+        ShardError: If the index is malformed or lists a missing shard.
+
+    Examples:
+        >>> import tempfile
+        >>> from fvstep import random as fr
+        >>> from fvstep.executor.latents import write_dataset
+        >>> root = tempfile.mkdtemp()
+        >>> _ = write_dataset(root, [[{"x": torch.ones(1)}] * 2])
+        >>> latent_source(root, key=fr.key(0), batch_size=1, num_workers=0).batch(1)["x"]
+        tensor([[1.]])
+    """
+    from fvstep.executor.latents.dataset import LatentDataset
+    from fvstep.executor.latents.order import BucketedOrder
+
+    dataset = LatentDataset(root, fields=fields, verify=verify)
+    order = BucketedOrder(dataset.shapes, key=key, batch_size=batch_size, drop_last=drop_last)
+    return WorkerSource(dataset, order, num_workers=num_workers, **loader_options)

@@ -1,0 +1,269 @@
+"""Shape buckets as a pure function of the step: :class:`BucketedOrder`.
+
+A batch stacks only if its samples have equal shapes, and a video dataset mixes shapes
+(clip lengths, resolutions). :class:`BucketedOrder` groups the items by their shapes
+(a *bucket* per distinct shape, buckets sorted by shape) and keeps
+:class:`fvstep.executor.data.ShuffledSource`'s laws:
+
+- Bucket ``b``, of ``n_b`` items, is a :class:`~fvstep.executor.data.ShuffledSource` over its
+  members (in dataset order) with the key ``fold_in(key, b)``; it yields
+  ``d_b = n_b // global_batch`` steps an epoch (``ceil`` with ``drop_last=False``), and a
+  bucket smaller than the global batch is never drawn.
+- Epoch ``e`` of the whole order is ``E = sum(d_b)`` steps. Which bucket step ``s`` draws
+  from is entry ``s mod E`` of a permutation, seeded by ``fold_in(fold_in_name(key,
+  "buckets"), e)``, of the multiset holding each ``b`` ``d_b`` times; the step is then
+  the ``j``-th draw of ``b`` in the order (counting earlier epochs), and its items are
+  step ``j`` of bucket ``b``'s source.
+
+So the batch of ``(step, rank, world_size)`` is a pure function of the three; every
+rank of a step draws from the same bucket; and since ``d_b`` depends on the *global*
+batch only, world size ``W`` with ``batch_size=B`` and world size 1 with
+``batch_size=B * W`` see the same global batch at every step, in rank order (the
+resharding law of :class:`~fvstep.executor.data.ShuffledSource`). With a single shape the order
+*is* ``ShuffledSource(range(n), key=key, ...)``'s.
+
+Examples:
+    >>> from fvstep import random as fr
+    >>> from fvstep.executor.latents import BucketedOrder
+    >>> shapes = [{"x": (2,)}, {"x": (3,)}] * 4           # two buckets of 4 items
+    >>> order = BucketedOrder(shapes, key=fr.key(0), batch_size=2)
+    >>> order.steps_per_epoch(), len({shapes[i]["x"] for i in order.indices(5)})
+    (4, 1)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping, Sequence
+from typing import Any, SupportsIndex
+
+import torch
+
+from fvstep.core._checks import check_int
+from fvstep.core.random import fold_in, fold_in_name, generator, is_key
+from fvstep.executor.data import ShuffledSource
+
+__all__ = ["BucketedOrder", "bucket_key"]
+
+
+def bucket_key(shapes: Any) -> Hashable:
+    """The bucket of an item with these ``shapes``: a hashable, sortable form of them.
+
+    Args:
+        shapes: A mapping ``{field: shape}`` (as :attr:`LatentDataset.shapes` gives), a
+            shape, or any hashable value.
+
+    Returns:
+        ``tuple(sorted((field, tuple(shape)), ...))`` for a mapping, ``tuple(shape)`` for a
+        sequence, ``shapes`` itself otherwise.
+
+    Examples:
+        >>> bucket_key({"text": [3, 8], "latents": (4, 1, 2, 2)})
+        (('latents', (4, 1, 2, 2)), ('text', (3, 8)))
+    """
+    if isinstance(shapes, Mapping):
+        return tuple(sorted((str(k), tuple(int(d) for d in v)) for k, v in shapes.items()))
+    if isinstance(shapes, Sequence) and not isinstance(shapes, str):
+        return tuple(int(d) for d in shapes)
+    return shapes
+
+
+class BucketedOrder:
+    """A step-indexed order over a dataset whose items fall into shape buckets.
+
+    Args:
+        shapes: One entry per item: its shapes (``{field: shape}``, a shape, or any
+            hashable bucket label; see :func:`bucket_key`).
+        key: An fvstep key; it alone decides the order.
+        batch_size: The per-rank batch size, ``>= 1``.
+        drop_last: As :class:`fvstep.executor.data.ShuffledSource` (default true).
+
+    Raises:
+        TypeError: If ``key`` is not an fvstep key.
+        ValueError: If ``shapes`` is empty or ``batch_size < 1``.
+
+    Examples:
+        >>> from fvstep import random as fr
+        >>> order = BucketedOrder([(1,), (1,), (2,)], key=fr.key(0), batch_size=1)
+        >>> order.buckets
+        [(1,), (2,)]
+        >>> sorted(order.indices(s)[0] for s in range(3))
+        [0, 1, 2]
+    """
+
+    def __init__(
+        self,
+        shapes: Sequence[Any],
+        *,
+        key: torch.Tensor,
+        batch_size: int,
+        drop_last: bool = True,
+    ) -> None:
+        if not is_key(key):
+            raise TypeError(f"key must be an fvstep key, got {type(key).__name__}")
+        if len(shapes) == 0:
+            raise ValueError("shapes is empty: a BucketedOrder needs at least one item")
+        self._batch_size = check_int(batch_size, "batch_size", minimum=1)
+        self._drop_last = bool(drop_last)
+        self._key = key.clone()
+        labels = [bucket_key(s) for s in shapes]
+        self._buckets: list[Hashable] = sorted(set(labels))  # type: ignore[type-var]
+        where = {b: i for i, b in enumerate(self._buckets)}
+        self._members: list[list[int]] = [[] for _ in self._buckets]
+        for item, label in enumerate(labels):
+            self._members[where[label]].append(item)
+        self._sources: dict[int, ShuffledSource] = {}
+        # Per (world-free) global batch size: {epoch: (bucket of each step, its local step)}.
+        self._schedules: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
+
+    @property
+    def buckets(self) -> list[Hashable]:
+        """The bucket labels, sorted; bucket ``b`` is ``buckets[b]``."""
+        return list(self._buckets)
+
+    @property
+    def batch_size(self) -> int:
+        """The per-rank batch size."""
+        return self._batch_size
+
+    def members(self, bucket: int) -> list[int]:
+        """The items of bucket ``bucket``, in dataset order.
+
+        Args:
+            bucket: An index into :attr:`buckets`.
+
+        Returns:
+            The item indices.
+
+        Raises:
+            IndexError: If there is no such bucket.
+
+        Examples:
+            >>> from fvstep import random as fr
+            >>> BucketedOrder([(2,), (1,), (2,)], key=fr.key(0), batch_size=1).members(1)
+            [0, 2]
+        """
+        return list(self._members[bucket])
+
+    def __len__(self) -> int:
+        return sum(len(m) for m in self._members)
+
+    def __repr__(self) -> str:
+        sizes = [len(m) for m in self._members]
+        return (
+            f"BucketedOrder({len(self)} items in buckets of {sizes}, batch_size={self._batch_size})"
+        )
+
+    def _draws(self, g: int) -> list[int]:
+        """Steps an epoch of each bucket for a global batch of ``g``."""
+        if self._drop_last:
+            return [len(m) // g for m in self._members]
+        return [-(-len(m) // g) if len(m) >= g else 0 for m in self._members]
+
+    def steps_per_epoch(self, world_size: int = 1) -> int:
+        """Steps of one epoch: the sum over buckets of their steps.
+
+        Args:
+            world_size: The number of data-parallel ranks, ``>= 1``.
+
+        Returns:
+            The number of steps, ``>= 1``.
+
+        Raises:
+            ValueError: If no bucket holds a global batch.
+
+        Examples:
+            >>> from fvstep import random as fr
+            >>> order = BucketedOrder([(1,)] * 5 + [(2,)] * 3, key=fr.key(0), batch_size=2)
+            >>> order.steps_per_epoch(), order.steps_per_epoch(world_size=2)
+            (3, 1)
+        """
+        g = self._batch_size * check_int(world_size, "world_size", minimum=1)
+        total = sum(self._draws(g))
+        if total == 0:
+            raise ValueError(
+                f"no shape bucket holds a global batch of {g} (batch_size {self._batch_size} "
+                f"x world_size {world_size}); the largest has {max(len(m) for m in self._members)} items"
+            )
+        return total
+
+    def _source(self, bucket: int) -> ShuffledSource:
+        src = self._sources.get(bucket)
+        if src is None:
+            k = self._key if len(self._buckets) == 1 else fold_in(self._key, bucket)
+            src = ShuffledSource(
+                list(range(len(self._members[bucket]))),
+                key=k,
+                batch_size=self._batch_size,
+                drop_last=self._drop_last,
+            )
+            self._sources[bucket] = src
+        return src
+
+    def _schedule(self, g: int, epoch: int) -> tuple[list[int], list[int]]:
+        cached = self._schedules.get((g, epoch))
+        if cached is None:
+            draws = self._draws(g)
+            multiset = torch.tensor([b for b, d in enumerate(draws) for _ in range(d)])
+            if len(self._buckets) > 1:
+                k = fold_in(fold_in_name(self._key, "buckets"), epoch)
+                multiset = multiset[torch.randperm(len(multiset), generator=generator(k))]
+            buckets = multiset.tolist()
+            seen = [epoch * d for d in draws]
+            local = []
+            for b in buckets:
+                local.append(seen[b])
+                seen[b] += 1
+            if len(self._schedules) >= 4:
+                self._schedules.pop(next(iter(self._schedules)))
+            cached = self._schedules[(g, epoch)] = (buckets, local)
+        return cached
+
+    def bucket_of(self, step: SupportsIndex, *, world_size: SupportsIndex = 1) -> int:
+        """The bucket that every rank draws from at ``step``.
+
+        Args:
+            step: The step, ``>= 0``.
+            world_size: The number of data-parallel ranks, ``>= 1``.
+
+        Returns:
+            An index into :attr:`buckets`.
+
+        Raises:
+            ValueError: If ``step < 0`` or no bucket holds a global batch.
+
+        Examples:
+            >>> from fvstep import random as fr
+            >>> order = BucketedOrder([(1,), (2,)], key=fr.key(0), batch_size=1)
+            >>> sorted(order.bucket_of(s) for s in range(2))
+            [0, 1]
+        """
+        return self._locate(step, world_size)[0]
+
+    def _locate(self, step: SupportsIndex, world_size: SupportsIndex) -> tuple[int, int]:
+        s = check_int(step, "step", minimum=0)
+        w = check_int(world_size, "world_size", minimum=1)
+        epoch, offset = divmod(s, self.steps_per_epoch(w))
+        buckets, local = self._schedule(self._batch_size * w, epoch)
+        return buckets[offset], local[offset]
+
+    def indices(
+        self, step: SupportsIndex, *, rank: SupportsIndex = 0, world_size: SupportsIndex = 1
+    ) -> list[int]:
+        """The dataset indices of ``rank``'s batch at ``step``: all from one bucket.
+
+        Args:
+            step: The step, ``>= 0``.
+            rank: This rank, ``0 <= rank < world_size``.
+            world_size: The number of data-parallel ranks, ``>= 1``.
+
+        Returns:
+            ``batch_size`` item indices of equal shapes.
+
+        Raises:
+            ValueError: If ``step < 0``, ``rank`` is out of range, or no bucket holds a
+                global batch.
+        """
+        bucket, local = self._locate(step, world_size)
+        members = self._members[bucket]
+        positions = self._source(bucket).indices(local, rank=rank, world_size=world_size)
+        return [members[p] for p in positions]

@@ -1,0 +1,250 @@
+"""The worker processes of :class:`~fvstep.executor.latents.WorkerSource`: what runs in them, how
+they take signals, and how they end.
+
+- What the workers run: :class:`StepItems` reads a step's items (the batch sampler sends
+  :class:`StepIndices`, a step's indices tagged with the step) and :class:`StepCollate`
+  collates them. Either catches what the dataset or the collate function raises and hands
+  a :class:`WorkerFailure` back in place of the batch, so that the main process raises it,
+  in the call that asks for that step.
+- Preemption: the workers ignore SIGINT and SIGTERM (a handler that does nothing, so that
+  processes a dataset starts get the default disposition back at exec), so that a signal to the whole process
+  group (what torchrun, ``kill -- -PGID``, SLURM and Ctrl-C in a terminal deliver) is
+  handled by the trainer alone, which saves at the next step boundary (:func:`fvstep.run`)
+  with its loader intact; before, the workers died and torch raised ``DataLoader worker
+  ... killed by signal: Terminated`` in the trainer, in the middle of that save
+  (:class:`WorkerInit`; :func:`start_workers` holds the two signals while it forks). With
+  the ``spawn`` or ``forkserver`` start methods a signal that reaches a worker while it is
+  still starting can end it.
+- The end: the workers end when their trainer does: a DataLoader's workers exit within
+  seconds of their parent's death (torch's workers watch it), and at interpreter exit the
+  workers of every :class:`~fvstep.executor.latents.WorkerSource` still open are shut down (the
+  DataLoader's own shutdown, then ``SIGKILL`` for any that does not end).
+
+Examples:
+    >>> items = StepItems([10, 11, 12])
+    >>> step, got, indices = items.__getitems__(StepIndices(4, [2, 0]))
+    >>> step, got, StepCollate(sum)((step, got, indices))
+    (4, [12, 10], (4, 22))
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import multiprocessing
+import os
+import signal
+import traceback
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
+
+# Imported before the exit hook below is registered: torch's and multiprocessing's hooks
+# must be registered first, so that ours runs first (see _stop_all_workers).
+from torch.utils.data import DataLoader
+
+from fvstep.executor.data import MapDataset
+from fvstep.executor.latents.format import ShardError
+
+__all__ = [
+    "StepCollate",
+    "StepIndices",
+    "StepItems",
+    "WorkerFailure",
+    "WorkerInit",
+    "forget_workers",
+    "start_workers",
+]
+
+
+class StepIndices(list[int]):
+    """A batch's indices, tagged with its step (travels to the worker and back)."""
+
+    def __init__(self, step: int, indices: list[int]) -> None:
+        super().__init__(indices)
+        self.step = step
+
+    def __reduce__(self) -> Any:
+        return (StepIndices, (self.step, list(self)))
+
+
+class WorkerFailure:
+    """What a worker hands back instead of a batch when reading or collating raised."""
+
+    def __init__(self, error: BaseException, indices: list[int]) -> None:
+        self.kind = type(error).__name__
+        self.message = str(error)
+        self.is_shard = isinstance(error, ShardError)
+        self.indices = indices
+        self.trace = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+
+
+class StepItems:
+    """The dataset as the DataLoader sees it: a step's items, or the failure to read them."""
+
+    def __init__(self, dataset: MapDataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> Any:  # pragma: no cover - __getitems__ is used
+        return self.dataset[index]
+
+    def __getitems__(self, indices: StepIndices) -> Any:
+        try:
+            return indices.step, [self.dataset[i] for i in indices], list(indices)
+        except Exception as e:
+            return indices.step, WorkerFailure(e, list(indices)), list(indices)
+
+
+class StepCollate:
+    """The DataLoader's ``collate_fn``: ``(step, batch)``, or the failure to collate it."""
+
+    def __init__(self, collate: Callable[[list[Any]], Any]) -> None:
+        self.collate = collate
+
+    def __call__(self, fetched: Any) -> tuple[int, Any]:
+        step, items, indices = fetched
+        if isinstance(items, WorkerFailure):
+            return step, items
+        try:
+            return step, self.collate(items)
+        except Exception as e:
+            return step, WorkerFailure(e, indices)
+
+
+_PREEMPTION_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+
+
+@contextlib.contextmanager
+def _preemption_signals_held() -> Iterator[None]:
+    """Hold SIGINT and SIGTERM in this thread while it forks workers.
+
+    A forked child starts with its parent's signal mask, so a signal to the process group
+    that arrives before :class:`WorkerInit` runs stays pending in the worker (which then
+    discards it) instead of killing it; here it is delivered once the workers are up.
+    """
+    if not hasattr(signal, "pthread_sigmask"):  # Windows: no process groups to fear
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, _PREEMPTION_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def _discard_preemption_signal(signum: int, frame: Any) -> None:
+    """A worker's SIGINT/SIGTERM handler: nothing; the trainer handles the preemption."""
+
+
+class WorkerInit:
+    """The workers' ``worker_init_fn``: ignore SIGINT and SIGTERM (see the module
+    docstring), then run the user's ``worker_init_fn``, if any."""
+
+    def __init__(self, user: Callable[[int], None] | None) -> None:
+        self.user = user
+
+    def __call__(self, worker_id: int) -> None:
+        # A disposition holds for every thread of the process (a mask would not: importing
+        # torch starts a thread of its own). A handler that does nothing rather than
+        # SIG_IGN: an ignored signal stays ignored across exec, so a helper process the
+        # dataset starts (ffmpeg) would ignore terminate(); a handler is reset to the
+        # default at exec. siginterrupt(False): system calls it interrupts restart
+        # (SA_RESTART), so no read of a C extension sees EINTR.
+        for signum in _PREEMPTION_SIGNALS:
+            signal.signal(signum, _discard_preemption_signal)
+            signal.siginterrupt(signum, False)
+        if hasattr(signal, "pthread_sigmask"):
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, _PREEMPTION_SIGNALS)
+        if self.user is not None:
+            self.user(worker_id)
+
+
+class _Closable(Protocol):
+    def close(self) -> None: ...
+
+
+_open_sources: weakref.WeakKeyDictionary[_Closable, int] = weakref.WeakKeyDictionary()
+"""Every source with workers running, and the pid of the trainer that started them."""
+_started_workers: list[tuple[int, multiprocessing.process.BaseProcess]] = []
+"""``(pid of the trainer, worker)`` for every worker started and not yet seen ended: a
+DataLoader kept alive by a traceback never shuts its workers down, and they ignore SIGTERM,
+so the exit hook must know them."""
+
+
+def _stop_all_workers() -> None:
+    """At interpreter exit, end the workers of every :class:`~fvstep.executor.latents.WorkerSource` left open.
+
+    Registered after torch's and multiprocessing's exit hooks, so it runs first: after
+    torch's, a DataLoader no longer shuts its workers down, and multiprocessing's
+    terminates daemonic children with SIGTERM (which our workers ignore), then joins them
+    without a timeout: a worker still running would hang the exit.
+    """
+    me = os.getpid()  # a process forked from the trainer inherits this hook, not its workers
+    for source, trainer in list(_open_sources.items()):
+        if trainer == me:
+            source.close()  # the DataLoader's own shutdown: the workers exit and are joined
+    # Any left is hung, or its DataLoader is still referenced and never told it to stop.
+    stuck = [w for trainer, w in _started_workers if trainer == me and w.is_alive()]
+    if stuck:
+        # torch's SIGCHLD handler would report the kill below as a worker failure.
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        for w in stuck:
+            w.kill()
+            w.join()
+
+
+atexit.register(_stop_all_workers)
+
+
+def start_workers(loader: DataLoader[Any], owner: _Closable) -> Iterator[Any]:
+    """Start ``loader``'s worker processes, and end them at interpreter exit if need be.
+
+    SIGINT and SIGTERM are held while the workers fork (see the module). At interpreter
+    exit, ``owner.close()`` is called unless :func:`forget_workers` was called for it
+    first, and any of these workers still alive after it is killed.
+
+    Args:
+        loader: A DataLoader with workers, whose ``worker_init_fn`` is a :class:`WorkerInit`.
+        owner: What shuts the workers down (a :class:`~fvstep.executor.latents.WorkerSource`).
+
+    Returns:
+        The loader's iterator, its workers started.
+
+    Examples:
+        >>> loader = DataLoader(StepItems(list(range(4))), batch_sampler=[StepIndices(0, [1])],
+        ...                     collate_fn=StepCollate(list), num_workers=1,
+        ...                     worker_init_fn=WorkerInit(None))
+        >>> class Owner:
+        ...     def close(self): pass
+        >>> owner = Owner(); batches = start_workers(loader, owner)
+        >>> next(batches)
+        (0, [1])
+        >>> forget_workers(owner)
+    """
+    before = {p.pid for p in multiprocessing.active_children()}
+    with _preemption_signals_held():
+        iterator = iter(loader)  # starts the workers
+    started = [p for p in multiprocessing.active_children() if p.pid not in before]
+    trainer = os.getpid()
+    _started_workers[:] = [(t, p) for t, p in _started_workers if t != trainer or p.is_alive()] + [
+        (trainer, p) for p in started
+    ]
+    _open_sources[owner] = trainer
+    return iterator
+
+
+def forget_workers(owner: _Closable) -> None:
+    """Do not close ``owner`` at interpreter exit: its workers are shut down already.
+
+    Args:
+        owner: What :func:`start_workers` was given (nothing happens if it was not).
+
+    Examples:
+        >>> class Owner:
+        ...     def close(self): pass
+        >>> forget_workers(Owner())  # never started: nothing to forget
+    """
+    _open_sources.pop(owner, None)

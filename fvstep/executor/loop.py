@@ -1,0 +1,464 @@
+"""The executor: loop a step over data, log metrics, save and resume checkpoints.
+
+``run(step, state, data, num_steps=..., checkpoints=Checkpoints(dir, every, keep))``
+locks ``dir`` for the run, resumes from the newest checkpoint under ``dir`` that loads
+(skipping damaged ones, with a warning), runs steps ``state.step .. num_steps - 1``,
+saves every ``every`` steps and at the end, and on SIGTERM or a first Ctrl-C saves at the
+next step boundary and raises :class:`Interrupted` (so that a script cannot go on as if
+the run had completed). :func:`run_until` returns a :class:`RunResult` instead, which says
+why the loop ended and where the state was saved.
+Data is a function of the step, so resuming at step ``s`` needs nothing but ``s``.
+
+``validation=Validation(fn, every=n)`` runs ``fn(state, key)`` between steps without
+changing the state or the training key stream (:class:`Validation`), and ``trackers=``
+(:mod:`fvstep.executor.trackers`) receive metrics in batches, with no GPU sync per step, and
+validation media.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import attrs
+import torch
+
+from fvstep import checkpoint as ckpt
+from fvstep.core.engine import Step
+from fvstep.core.layout import Parallelism
+from fvstep.core.state import TrainState
+from fvstep.executor.checkpoints import Checkpoints, lock_run_dir, resume, save_run_state
+from fvstep.executor.reporting import (
+    Sinks,
+    Validation,
+    console_line,
+    observe,
+    open_trackers,
+    progress_bar,
+    validations,
+)
+from fvstep.executor.schedule_check import check_schedule_lengths
+from fvstep.executor.trackers import Tracker
+from fvstep.parallel.layout import default_layout
+from fvstep.parallel.ranks import host_group, max_over_ranks, rank_and_world
+
+__all__ = ["Checkpoints", "Interrupted", "RunResult", "run", "run_until"]
+
+
+StopReason = Literal["completed", "SIGTERM", "SIGINT"]
+
+
+@attrs.frozen
+class RunResult:
+    """How :func:`run_until` ended.
+
+    Attributes:
+        state: The final state (at ``num_steps``, or earlier when stopped by a signal).
+        stopped_by: ``"completed"`` when the state reached ``num_steps``; ``"SIGTERM"`` or
+            ``"SIGINT"`` (Ctrl-C) when a signal stopped the run early, after saving.
+        checkpoint: The checkpoint that holds ``state`` (``None`` without checkpoints).
+        resumed_from: The checkpoint the run resumed from (``None``: it started from the
+            ``state`` it was given).
+
+    Examples:
+        >>> result = run_until(step_fn, state, source, num_steps=1000,
+        ...                    checkpoints=Checkpoints("ckpt", every=100))
+        >>> if not result.completed:  # preempted: the job scheduler will restart us
+        ...     sys.exit(143)
+    """
+
+    state: TrainState
+    stopped_by: StopReason
+    checkpoint: Path | None
+    resumed_from: Path | None = None
+
+    @property
+    def completed(self) -> bool:
+        """Whether the run reached ``num_steps``."""
+        return self.stopped_by == "completed"
+
+
+class Interrupted(Exception):
+    """:func:`run` was stopped by a signal before ``num_steps``, after saving its state.
+
+    Raised after the state was saved and the lock of the run's folder released, so that
+    the same command run again resumes from :attr:`checkpoint`.
+
+    Attributes:
+        signal: ``"SIGTERM"`` or ``"SIGINT"`` (a first Ctrl-C).
+        step: The step the state reached (and was saved at).
+        num_steps: The step the run was asked to reach.
+        checkpoint: The checkpoint that holds the state (``None`` without checkpoints).
+        state: The state at ``step``.
+
+    Examples:
+        >>> try:
+        ...     state = fs.run(step_fn, state, source, num_steps=1000,
+        ...                    checkpoints=fs.Checkpoints("ckpt", every=100))
+        ... except fs.Interrupted as e:  # preempted: the job scheduler will restart us
+        ...     sys.exit(143)
+    """
+
+    def __init__(
+        self,
+        signal: str,
+        step: int,
+        num_steps: int,
+        checkpoint: Path | None,
+        state: TrainState | None = None,
+    ) -> None:
+        where = f"saved {str(checkpoint)!r}" if checkpoint is not None else "nothing saved"
+        super().__init__(
+            f"stopped by {signal} at step {step} of {num_steps}; {where}: run the same "
+            "command again to resume"
+        )
+        self.signal = signal
+        self.step = step
+        self.num_steps = num_steps
+        self.checkpoint = checkpoint
+        self.state = state
+
+    def __reduce__(self) -> Any:  # picklable (a launched rank hands it to its launcher)
+        return (type(self), (self.signal, self.step, self.num_steps, self.checkpoint))
+
+
+def _batch(data: Any, step: int, rank: int, world: int) -> Any:
+    if hasattr(data, "batch"):
+        return data.batch(step, rank=rank, world_size=world)
+    if callable(data):
+        return data(step)
+    raise TypeError("data must be a function of the step, or have .batch(step, rank=, world_size=)")
+
+
+_REASONS: tuple[StopReason, ...] = ("completed", "SIGTERM", "SIGINT")
+
+
+@contextlib.contextmanager
+def _stop_signals(rank: int, *, enabled: bool) -> Iterator[dict[str, int]]:
+    """SIGTERM and a first SIGINT (Ctrl-C) ask the loop to stop at the next step boundary
+    (``flag["stop"]`` becomes the index of the reason in ``_REASONS``); a second SIGINT
+    raises ``KeyboardInterrupt`` at once. Handlers are installed in the main thread only,
+    and SIGINT's only over Python's default handler: a caller's own handling is kept."""
+    flag = {"stop": 0, "sigints": 0}
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        flag["stop"] = flag["stop"] or _REASONS.index("SIGTERM")
+
+    def on_sigint(signum: int, frame: Any) -> None:
+        flag["sigints"] += 1
+        if flag["sigints"] > 1:
+            raise KeyboardInterrupt
+        flag["stop"] = flag["stop"] or _REASONS.index("SIGINT")
+        if rank == 0:
+            console_line(
+                "fvstep: Ctrl-C: saving at the end of this step (Ctrl-C again to abort now)"
+            )
+
+    previous: dict[int, Any] = {}
+    if enabled and threading.current_thread() is threading.main_thread():
+        previous[signal.SIGTERM] = signal.signal(signal.SIGTERM, on_sigterm)
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            previous[signal.SIGINT] = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield flag
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def _agree_to_stop(local: int, group: Any) -> int:
+    """A signal may reach only some ranks: stop when any rank was told to (the reason of
+    the highest index in ``_REASONS``, so that all ranks agree on it too)."""
+    return int(max_over_ranks([local], device=torch.device("cpu"), group=group)[0])
+
+
+def run(
+    step: Callable[..., tuple[TrainState, dict[str, Any]]],
+    state: TrainState,
+    data: Any,
+    *,
+    num_steps: int,
+    checkpoints: Checkpoints | None = None,
+    metrics_path: str | os.PathLike[str] | None = None,
+    progress: bool = True,
+    on_metrics: Callable[[int, dict[str, Any]], None] | None = None,
+    handle_signals: bool = True,
+    validation: Validation | Sequence[Validation] | None = None,
+    trackers: Sequence[Tracker] | None = None,
+    log_every: int = 10,
+    parallelism: Parallelism | None = None,
+) -> TrainState:
+    """Run ``step`` until the state's step counter reaches ``num_steps``; return the state.
+
+    As :func:`run_until` (the same options; see it for each and for the errors), but a run that a signal
+    stops early raises: on SIGTERM or a first Ctrl-C it finishes the step in progress,
+    saves, releases the lock of ``checkpoints.dir`` and raises :class:`Interrupted`
+    (naming the signal, the step and the checkpoint). So a script never goes on to
+    export or evaluate a half-trained state as if the run had completed; running it
+    again resumes from that checkpoint. A caller that would rather look at why the loop
+    ended calls :func:`run_until`, which returns a :class:`RunResult`.
+
+    Returns:
+        The state at ``num_steps``.
+
+    Raises:
+        Interrupted: If SIGTERM or a first Ctrl-C stopped the run before ``num_steps``
+            (after the state was saved).
+
+    Examples:
+        >>> state = run(step_fn, state, source, num_steps=1000,
+        ...             checkpoints=Checkpoints("ckpt", every=100, keep=3))
+    """
+    result = run_until(
+        step,
+        state,
+        data,
+        num_steps=num_steps,
+        checkpoints=checkpoints,
+        metrics_path=metrics_path,
+        progress=progress,
+        on_metrics=on_metrics,
+        handle_signals=handle_signals,
+        validation=validation,
+        trackers=trackers,
+        log_every=log_every,
+        parallelism=parallelism,
+    )
+    if not result.completed:
+        raise Interrupted(
+            result.stopped_by,
+            int(result.state.step),
+            num_steps,
+            result.checkpoint,
+            result.state,
+        )
+    return result.state
+
+
+def run_until(
+    step: Callable[..., tuple[TrainState, dict[str, Any]]],
+    state: TrainState,
+    data: Any,
+    *,
+    num_steps: int,
+    checkpoints: Checkpoints | None = None,
+    metrics_path: str | os.PathLike[str] | None = None,
+    progress: bool = True,
+    on_metrics: Callable[[int, dict[str, Any]], None] | None = None,
+    handle_signals: bool = True,
+    validation: Validation | Sequence[Validation] | None = None,
+    trackers: Sequence[Tracker] | None = None,
+    log_every: int = 10,
+    parallelism: Parallelism | None = None,
+) -> RunResult:
+    """Run ``step`` until the state's step counter reaches ``num_steps``, or a signal.
+
+    With ``checkpoints``, it first takes the lock of ``checkpoints.dir``
+    (:func:`fvstep.checkpoint.lock_dir`, held until it returns; or uses
+    ``checkpoints.lock``, one its caller holds and keeps), so a second run on the
+    same directory fails at once (an ``flock``, which a network filesystem may not
+    honour). It resumes from the newest checkpoint under
+    ``checkpoints.dir`` that loads (the loaded state replaces ``state``, which only
+    supplies the structure); a newer one that is damaged is skipped with a
+    :class:`~fvstep.checkpoint.CheckpointSkippedWarning` and renamed
+    ``step_<n>.damaged`` (see ``Checkpoints.on_damaged``). It saves after every
+    ``checkpoints.every`` steps and at the end, keeping the newest ``checkpoints.keep``.
+    It never saves a state with a NaN or infinite leaf.
+
+    On SIGTERM (a job scheduler's preemption) or a first Ctrl-C (SIGINT) it finishes the
+    step in progress, saves, prints one line on rank 0's stderr naming the checkpoint,
+    and returns early with ``stopped_by`` saying which signal (:func:`run` raises
+    :class:`Interrupted` instead); a second Ctrl-C raises
+    ``KeyboardInterrupt`` at once, without saving. A signal that reaches only some ranks
+    stops all of them at the same step. The handlers are installed in the main thread
+    only, and the SIGINT one only when Python's default handler is in place (a caller
+    that handles or ignores SIGINT keeps its own handling).
+
+    Metrics are written as strict JSON, one object per line: a NaN or infinite metric is
+    written as ``null``; only scalars are logged; a step that trained nothing (no
+    metrics) writes no line. The progress bar shows the latest losses. Metrics reach the
+    file and the trackers every ``log_every`` steps, before each checkpoint and at the
+    end, read from the device with one transfer per flush (no GPU sync per step).
+
+    Each :class:`Validation` runs when it is due (see :meth:`Validation.due`), on every
+    rank, between steps and before a save; it never changes the state, the training key
+    stream or a checkpoint, so a resumed run equals an uninterrupted one with validation
+    on. Its scalars are logged at the validated step under ``<prefix>/<name>``, its
+    videos through the trackers' ``log_media``. A run stopped by a signal skips the
+    validation of its last step (the resumed run computes it at its start).
+
+    Args:
+        step: A compiled step (``fvstep.compile``) or any ``(state, batch) -> (state, metrics)``.
+        state: The initial state (consumed).
+        data: ``data(step) -> batch``, or an object with ``.batch(step, rank=, world_size=)``
+            such as :class:`fvstep.executor.data.ShuffledSource`.
+        num_steps: The step count to reach.
+        checkpoints: Where and how often to save; ``None`` for no checkpoints.
+        metrics_path: A JSONL file for metrics (rank 0); default
+            ``<checkpoints.dir>/metrics.jsonl`` when checkpointing. Lines of steps that a
+            resume recomputes are dropped. NaN and infinities are written as ``null``.
+        progress: Show a progress bar on rank 0 (tqdm, when installed).
+        on_metrics: Called with ``(step, metrics)`` after every step, on every rank.
+        handle_signals: Stop at the next step boundary on SIGTERM and a first SIGINT, as
+            above; ``False`` leaves both signals to the caller.
+        validation: A :class:`Validation`, or several.
+        trackers: Where metrics and media go besides the JSONL file (rank 0):
+            :class:`fvstep.executor.trackers.Tracker` objects such as
+            :class:`~fvstep.executor.trackers.TensorBoardTracker` or
+            :class:`~fvstep.executor.trackers.WandbTracker`; ``None``: only the JSONL file.
+            Validation media go to ``<metrics file's folder>/media`` (MP4 and PNG strip)
+            and to every tracker.
+        log_every: Hand metrics to the file and the trackers every ``log_every`` steps.
+        parallelism: The process layout every step is called with
+            (:class:`fvstep.parallel.Layout`); it also maps this rank to the data it reads
+            (``data.batch(step, rank=replica, world_size=replicas)``: the ranks of one
+            context-parallel group read the same batch). Default
+            :func:`fvstep.parallel.default_layout`: ``Layout()`` on several ranks or for
+            a state with sharded roles, else one process.
+
+    Returns:
+        A :class:`RunResult`: the final state, why the loop ended, and the checkpoint
+        that holds the state.
+
+    Raises:
+        CheckpointLockedError: (a ``CheckpointError``) If another run holds the lock of
+            ``checkpoints.dir``; the message names its host and pid.
+        CheckpointError: If the newest checkpoint does not fit ``state`` or is of a newer
+            format; if a checkpoint is damaged and ``on_damaged="error"``, or every
+            checkpoint is damaged; if a save fails or the state to save holds NaN or Inf.
+        ValueError: If the checkpoint to resume from (or ``state``) is past ``num_steps``,
+            or ``log_every < 1``.
+
+    Examples:
+        >>> result = run_until(step_fn, state, source, num_steps=1000,
+        ...                    checkpoints=Checkpoints("ckpt", every=100, keep=3))
+        >>> result.stopped_by, result.checkpoint
+        ('completed', PosixPath('ckpt/step_000001000'))
+    """
+    if isinstance(log_every, bool) or not isinstance(log_every, int) or log_every < 1:
+        raise ValueError(f"log_every must be an int >= 1, got {log_every!r}")
+    rank, _ = rank_and_world()
+    lock = lock_run_dir(checkpoints.dir, rank, checkpoints.lock) if checkpoints else None
+    resumed_from = None
+    try:
+        if checkpoints is not None:
+            state, resumed_from = resume(state, checkpoints, num_steps, rank)
+        if int(state.step) > num_steps:
+            raise ValueError(
+                f"the state is at step {int(state.step)}, past num_steps={num_steps}: "
+                "run counts steps from 0, so num_steps is the step to reach, not a number "
+                "of steps to add"
+            )
+        check_schedule_lengths(step, state, num_steps=num_steps)
+        if parallelism is None:
+            parallelism = default_layout(state)
+        result = _loop(
+            step,
+            state,
+            data,
+            num_steps,
+            checkpoints,
+            metrics_path,
+            progress,
+            on_metrics,
+            handle_signals,
+            validations(validation),
+            trackers,
+            log_every,
+            parallelism,
+        )
+        return attrs.evolve(result, resumed_from=resumed_from)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _loop(
+    step: Callable[[TrainState, Any], tuple[TrainState, dict[str, Any]]],
+    state: TrainState,
+    data: Any,
+    num_steps: int,
+    checkpoints: Checkpoints | None,
+    metrics_path: str | os.PathLike[str] | None,
+    progress: bool,
+    on_metrics: Callable[[int, dict[str, Any]], None] | None,
+    handle_signals: bool,
+    validations: tuple[Validation, ...],
+    trackers: Sequence[Tracker] | None,
+    log_every: int,
+    parallelism: Parallelism | None,
+) -> RunResult:
+    rank, _ = rank_and_world()
+    replica, replicas = parallelism.data_parallel_rank_and_size() if parallelism else (0, 1)
+    layout = {"parallelism": parallelism} if isinstance(step, Step) and parallelism else {}
+    start = int(state.step)
+    if metrics_path is None and checkpoints is not None:
+        metrics_path = checkpoints.dir / "metrics.jsonl"
+    saver = ckpt.AsyncSaver() if checkpoints is not None and checkpoints.async_save else None
+    bar = progress_bar(progress and rank == 0, start, num_steps)
+    sinks = Sinks(
+        open_trackers(Path(metrics_path) if metrics_path else None, trackers, start, rank), bar
+    )
+    last_saved = start
+    stop = 0
+
+    def validate(at: int) -> None:
+        for v in validations:
+            if v.due(at, start=start, num_steps=num_steps):
+                sinks.put_validation(at, v.prefix, observe(v, state, at))
+
+    try:
+        validate(start)
+        with _stop_signals(rank, enabled=handle_signals) as flag, host_group() as control:
+            for s in range(start, num_steps):
+                state, metrics = step(state, _batch(data, s, replica, replicas), **layout)
+                sinks.put(s, metrics)
+                if on_metrics is not None:
+                    on_metrics(s, metrics)
+                if bar is not None:
+                    bar.update(1)
+                if (s + 1) % log_every == 0:
+                    sinks.flush()
+                stop = _agree_to_stop(flag["stop"], control)  # on the CPU: no GPU sync
+                if not stop:
+                    validate(s + 1)
+                done = s + 1 == num_steps
+                if checkpoints is not None and ((s + 1) % checkpoints.every == 0 or done or stop):
+                    sinks.flush()  # the lines of the steps a checkpoint holds are written first
+                    save_run_state(state, checkpoints, saver)
+                    last_saved = s + 1
+                if stop:
+                    break
+        sinks.flush()
+        if checkpoints is not None and last_saved != int(state.step):
+            save_run_state(state, checkpoints, saver)
+        if saver is not None and checkpoints is not None:
+            saver.wait()
+            # The last save was in flight when _save pruned: prune again now that it is
+            # committed, so that exactly `keep` remain.
+            if rank == 0:
+                ckpt.prune(checkpoints.dir, checkpoints.keep)
+    finally:
+        try:
+            if saver is not None:
+                saver.close()
+        finally:
+            sinks.close()
+            if bar is not None:
+                bar.close()
+    stopped_by: StopReason = "completed" if int(state.step) >= num_steps else _REASONS[stop]
+    saved = ckpt.checkpoint_dir(checkpoints.dir, int(state.step)) if checkpoints else None
+    if stopped_by != "completed" and rank == 0:
+        where = f"saved {str(saved)!r}" if saved is not None else "no checkpoints: nothing saved"
+        print(
+            f"fvstep: stopped by {stopped_by} at step {int(state.step)} of {num_steps}; {where}",
+            file=sys.stderr,
+            flush=True,
+        )
+    return RunResult(state, stopped_by, saved if saved is not None and saved.exists() else None)

@@ -1,0 +1,192 @@
+"""Tiny models and data for examples and tests, and the forward contract of the methods.
+
+FORWARD CONTRACT. The reference methods (:mod:`fvstep.methods`) call a role's module as
+a flow-matching velocity predictor, through :func:`predict`::
+
+    velocity = module(
+        hidden_states=x,                # (B, C, F, H, W) noisy latents x_t
+        timestep=t,                     # (B,) float, flow-matching time t in [0, 1] times 1000
+        encoder_hidden_states=text,     # (B, L, D) text embeddings
+        return_dict=False,
+    )[0]                                # (B, C, F, H, W), the velocity eps - x0
+
+with the flow-matching path ``x_t = (1 - t) * x0 + t * eps``, so that
+``x0 = x_t - t * velocity``. ``diffusers.WanTransformer3DModel`` has this signature; so
+can any ``nn.Module`` (a user's own network works with every reference method as long
+as its ``forward`` accepts these keyword arguments and returns a tuple whose first item
+is the velocity).
+
+Batches are dicts with ``"latents"`` (clean latents ``x0``, ``(B, C, F, H, W)``) and
+``"text"`` (text embeddings, ``(B, L, D)``).
+
+Examples:
+    >>> net = tiny_wan(seed=0)
+    >>> batch = synthetic_batch(fvstep.random.key(0), batch_size=2)
+    >>> t = torch.full((2,), 500.0)
+    >>> predict(net, batch["latents"], t, batch["text"]).shape
+    torch.Size([2, 4, 2, 4, 4])
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from fvstep.core import random as fsrandom
+from fvstep.core._optional import needs_extra
+
+if TYPE_CHECKING:
+    from diffusers import WanTransformer3DModel
+
+__all__ = ["predict", "synthetic_batch", "tiny_wan"]
+
+
+def tiny_wan(
+    *,
+    seed: int = 0,
+    num_layers: int = 2,
+    in_channels: int = 4,
+    dim_per_head: int = 8,
+    num_heads: int = 2,
+    text_dim: int = 16,
+    ffn_dim: int = 32,
+    freq_dim: int = 16,
+    patch_size: tuple[int, int, int] = (1, 2, 2),
+    rope_max_seq_len: int = 32,
+) -> WanTransformer3DModel:
+    """A tiny ``diffusers.WanTransformer3DModel``, built from a config on the CPU.
+
+    No download. The weights are a pure function of ``seed``: construction runs inside
+    ``torch.random.fork_rng`` seeded with ``seed``, so the global RNG is left untouched.
+    The output has as many channels as the input (a velocity).
+
+    Args:
+        seed: The initialisation seed.
+        num_layers: Transformer blocks.
+        in_channels: Latent channels (also the output channels).
+        dim_per_head: Attention head dimension (``attention_head_dim``).
+        num_heads: Attention heads.
+        text_dim: Dimension of the text embeddings (``D`` of ``batch["text"]``).
+        ffn_dim: Feed-forward hidden dimension.
+        freq_dim: Dimension of the sinusoidal timestep embedding.
+        patch_size: ``(frames, height, width)`` patch size; latents' ``F, H, W`` must be
+            divisible by it.
+        rope_max_seq_len: Rotary embedding table length.
+
+    Returns:
+        The model (in training mode, fp32, on the CPU).
+
+    Raises:
+        ImportError: If diffusers is not installed (``pip install fvstep[models]``).
+
+    Examples:
+        >>> teacher = tiny_wan(seed=0)
+        >>> student = copy.deepcopy(teacher)
+    """
+    with needs_extra("models", "tiny_wan"):
+        from diffusers import WanTransformer3DModel
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return WanTransformer3DModel(
+            patch_size=patch_size,
+            num_attention_heads=num_heads,
+            attention_head_dim=dim_per_head,
+            in_channels=in_channels,
+            out_channels=in_channels,
+            text_dim=text_dim,
+            freq_dim=freq_dim,
+            ffn_dim=ffn_dim,
+            num_layers=num_layers,
+            cross_attn_norm=True,
+            qk_norm="rms_norm_across_heads",
+            rope_max_seq_len=rope_max_seq_len,
+        )
+
+
+def synthetic_batch(
+    key: torch.Tensor,
+    *,
+    batch_size: int = 4,
+    channels: int = 4,
+    frames: int = 2,
+    height: int = 4,
+    width: int = 4,
+    text_len: int = 3,
+    text_dim: int = 16,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> dict[str, torch.Tensor]:
+    """A random batch in the methods' format: a pure function of ``key``.
+
+    Args:
+        key: An fvstep key (e.g. ``fold_in(data_key, step)``).
+        batch_size: ``B``.
+        channels: ``C`` of the latents.
+        frames: ``F`` of the latents.
+        height: ``H`` of the latents.
+        width: ``W`` of the latents.
+        text_len: ``L`` of the text embeddings.
+        text_dim: ``D`` of the text embeddings.
+        device: Where the tensors are drawn.
+        dtype: Their floating dtype.
+
+    Returns:
+        ``{"latents": (B, C, F, H, W), "text": (B, L, D)}``, standard normal entries.
+
+    Examples:
+        >>> batch = synthetic_batch(fvstep.random.fold_in(data_key, step), batch_size=2)
+    """
+    k_latents, k_text = fsrandom.split(key, 2)
+    latents = torch.randn(
+        (batch_size, channels, frames, height, width),
+        generator=fsrandom.generator(k_latents, device),
+        device=device,
+        dtype=dtype,
+    )
+    text = torch.randn(
+        (batch_size, text_len, text_dim),
+        generator=fsrandom.generator(k_text, device),
+        device=device,
+        dtype=dtype,
+    )
+    return {"latents": latents, "text": text}
+
+
+def predict(
+    module: nn.Module, x: torch.Tensor, t: torch.Tensor, text: torch.Tensor
+) -> torch.Tensor:
+    """The velocity that ``module`` predicts at ``x``, through the forward contract.
+
+    Args:
+        module: Any module with the forward contract (see the module docstring).
+        x: Noisy latents ``(B, C, F, H, W)``.
+        t: ``(B,)`` float timesteps in ``[0, 1000]`` (flow-matching time times 1000).
+        text: Text embeddings ``(B, L, D)``.
+
+    Returns:
+        The predicted velocity, of ``x``'s shape.
+
+    Raises:
+        ValueError: If ``t`` is not of shape ``(B,)`` or the output's shape is not ``x``'s.
+
+    Examples:
+        >>> v = predict(state.module("student"), x_t, t * 1000, batch["text"])
+    """
+    if t.dim() != 1 or t.shape[0] != x.shape[0]:
+        raise ValueError(
+            f"timestep must have shape (batch,) = ({x.shape[0]},), got {tuple(t.shape)}"
+        )
+    out: Any = module(hidden_states=x, timestep=t, encoder_hidden_states=text, return_dict=False)
+    velocity = out[0]
+    if not isinstance(velocity, torch.Tensor) or velocity.shape != x.shape:
+        got = (
+            tuple(velocity.shape) if isinstance(velocity, torch.Tensor) else type(velocity).__name__
+        )
+        raise ValueError(
+            f"the module's output[0] must be a velocity of the input's shape {tuple(x.shape)}, "
+            f"got {got}; see the forward contract in fvstep.methods.models"
+        )
+    return velocity

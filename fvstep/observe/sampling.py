@@ -1,0 +1,416 @@
+"""Sampling from a role: flow-matching samplers, VAE decoding, sample videos for validation.
+
+- :class:`EulerSampler`: ``N``-step flow-matching Euler with the times of diffusers'
+  ``FlowMatchEulerDiscreteScheduler`` (and its ``step``), optionally classifier-free
+  guided: the sampler a ``WanPipeline`` with that scheduler runs, so an exported pipeline
+  (``fvstep.checkpoint.export(..., format="pipeline")``) reproduces it.
+- :class:`FewStepSampler`: a few-step student's sampler (DMD2's ``denoising_steps``):
+  predict ``x0 = x - t v`` at each step, re-noise it to the next step with fresh keyed
+  noise, return the last ``x0``.
+- :func:`sample`: run a sampler with a module (a causal Wan autoregressively, chunk by
+  chunk with its KV cache, as :func:`fvstep.methods.causal_rollout.rollout` generates);
+  :func:`decode_latents`: latents to pixels with a diffusers VAE (``AutoencoderKLWan``),
+  as ``WanPipeline`` decodes them;
+- :func:`sample_videos`: a validation function that samples a role (or its EMA) for
+  each prompt embedding and returns :class:`fvstep.executor.media.Video` values, which the
+  trackers write as MP4 and PNG strip.
+
+Examples:
+    >>> fn = sample_videos(prompts, latent_shape=(16, 21, 60, 104), vae=vae,
+    ...                    sampler=FewStepSampler((1.0, 0.75, 0.5, 0.25)))
+    >>> fvstep.run(step, state, data, num_steps=1000,
+    ...            validation=fvstep.Validation(fn, every=500))
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import torch
+from torch import nn
+
+from fvstep.core import random as fsrandom
+from fvstep.core._optional import needs_extra
+from fvstep.core.state import TrainState
+from fvstep.executor.media import Video, frames_from_pixels
+from fvstep.methods.causal_wan import (
+    causal_forward,
+    chunk_frames_of,
+    init_cache,
+    is_causal,
+    recorded_chunk_frames,
+)
+from fvstep.methods.finetune import add_noise, x0_from_velocity
+from fvstep.methods.models import predict
+from fvstep.observe.validation import Weights, module_device, role_module
+from fvstep.parallel.ranks import rank_and_world
+
+if TYPE_CHECKING:
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+__all__ = [
+    "EulerSampler",
+    "FewStepSampler",
+    "Sampler",
+    "decode_latents",
+    "sample",
+    "sample_videos",
+]
+
+
+def _positive_int(_: object, attribute: attrs.Attribute, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{attribute.name} must be an int >= 1, got {value!r}")
+
+
+@attrs.frozen
+class EulerSampler:
+    """``num_steps`` flow-matching Euler steps from ``t = 1`` to ``0``.
+
+    The times are those of ``FlowMatchEulerDiscreteScheduler(shift=shift)`` after
+    ``set_timesteps(num_steps)``, and each step is its ``step`` (``x += (t' - t) v`` in
+    fp32): exactly what ``WanPipeline`` runs with that scheduler. With
+    ``guidance_scale > 1`` the velocity is classifier-free guided,
+    ``v = v_neg + s (v - v_neg)``, on the negative text (zeros unless given).
+
+    Attributes:
+        num_steps: Model evaluations (twice as many forwards with guidance).
+        shift: The scheduler's time shift (``1``: none; Wan uses 3 to 5).
+        guidance_scale: ``s``; ``<= 1`` is unguided.
+
+    Examples:
+        >>> EulerSampler(50, shift=3.0, guidance_scale=5.0)
+    """
+
+    num_steps: int = attrs.field(default=50, validator=_positive_int)
+    shift: float = 1.0
+    guidance_scale: float = 1.0
+
+    def scheduler(self) -> FlowMatchEulerDiscreteScheduler:
+        """A fresh diffusers scheduler with this sampler's times (for a pipeline, too).
+
+        Returns:
+            ``FlowMatchEulerDiscreteScheduler(shift=self.shift)``.
+
+        Raises:
+            ImportError: If diffusers is not installed.
+
+        Examples:
+            >>> EulerSampler(4).scheduler().config.shift
+            1.0
+        """
+        with needs_extra("models", "EulerSampler"):
+            from diffusers import FlowMatchEulerDiscreteScheduler
+
+        return FlowMatchEulerDiscreteScheduler(shift=self.shift)
+
+
+@attrs.frozen
+class FewStepSampler:
+    """A few-step student's sampler (DMD2's ``denoising_steps``).
+
+    From noise at ``t_0``: ``x0 = x - t_i v(x, t_i)``; then ``x = (1 - t_{i+1}) x0 +
+    t_{i+1} eps_i`` with fresh noise ``eps_i`` (keyed); the last ``x0`` is the sample.
+    This is :func:`fvstep.methods.dmd2.rollout` run to its last step.
+
+    Attributes:
+        denoising_steps: Decreasing times in ``(0, 1]``.
+
+    Examples:
+        >>> FewStepSampler((1.0, 0.75, 0.5, 0.25))
+    """
+
+    denoising_steps: tuple[float, ...] = attrs.field(
+        default=(1.0,), converter=lambda s: tuple(float(x) for x in s)
+    )
+
+    def __attrs_post_init__(self) -> None:
+        steps = self.denoising_steps
+        if not steps or any(not 0.0 < s <= 1.0 for s in steps):
+            raise ValueError(f"denoising_steps must be non-empty times in (0, 1], got {steps}")
+        if any(a <= b for a, b in itertools.pairwise(steps)):
+            raise ValueError(f"denoising_steps must be strictly decreasing, got {steps}")
+
+
+Sampler = EulerSampler | FewStepSampler
+
+
+def _guided(
+    module: nn.Module,
+    x: torch.Tensor,
+    timestep: torch.Tensor,
+    text: torch.Tensor,
+    negative_text: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:
+    v = predict(module, x, timestep, text)
+    if scale > 1.0:
+        negative = torch.zeros_like(text) if negative_text is None else negative_text
+        v_neg = predict(module, x, timestep, negative)
+        v = v_neg + scale * (v - v_neg)
+    return v
+
+
+def sample(
+    module: nn.Module,
+    noise: torch.Tensor,
+    text: torch.Tensor,
+    *,
+    sampler: Sampler,
+    key: torch.Tensor | None = None,
+    negative_text: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Generate clean latents from ``noise`` with ``module`` (the forward contract).
+
+    Runs under ``torch.no_grad()``. A causal Wan (:func:`fvstep.methods.make_causal`)
+    generates as at inference: chunk by chunk, each chunk's frames (from their slice of
+    ``noise``) run through the whole sampler attending to the KV cache of the chunks
+    before, then the clean chunk (``t = 0``) is appended to the cache. With a
+    :class:`FewStepSampler`, chunk ``c`` re-noises before step ``i + 1`` with
+    ``fold_in(split(fold_in(key, c), 3)[1], i)``: the keys of
+    :func:`fvstep.methods.causal_rollout.rollout`, so that ``sample`` is bitwise the
+    rollout whose every chunk exits at the last step, given the rollout's noise. A
+    guided :class:`EulerSampler` keeps a second cache for the negative text.
+
+    Args:
+        module: A velocity predictor (:mod:`fvstep.methods.models`' forward contract).
+        noise: The starting noise ``(B, C, F, H, W)``, on the module's device.
+        text: Text embeddings ``(B, L, D)``.
+        sampler: An :class:`EulerSampler` or a :class:`FewStepSampler`.
+        key: The re-noising key of a :class:`FewStepSampler` (needed with more than one
+            step).
+        negative_text: The negative text of a guided :class:`EulerSampler` (default
+            zeros, as DMD2's teacher).
+
+    Returns:
+        The latents, shaped like ``noise``.
+
+    Raises:
+        ValueError: If a multi-step :class:`FewStepSampler` has no ``key``, a causal
+            model's frames are not a multiple of its chunk, or the module's config
+            records a causal Wan that it is not (a causal export loaded with a plain
+            ``from_pretrained``: :func:`fvstep.methods.causal_wan.load_causal` loads it).
+
+    Examples:
+        >>> x0 = sample(net, noise, text, sampler=EulerSampler(4))
+    """
+    if is_causal(module):
+        return _sample_causal(module, noise, text, sampler, key, negative_text)
+    if recorded_chunk_frames(module) is not None:
+        chunk_frames_of(module)  # raises: the record of a causal model that is not causal
+    _check_key(sampler, key)
+    if isinstance(sampler, EulerSampler):
+        scale = sampler.guidance_scale
+
+        def velocity(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+            return _guided(module, x, t, text, negative_text, scale)
+    else:
+
+        def velocity(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+            return predict(module, x, t, text)
+
+    with torch.no_grad():
+        return _run(velocity, noise, sampler, key)
+
+
+def _check_key(sampler: Sampler, key: torch.Tensor | None) -> None:
+    if isinstance(sampler, FewStepSampler) and len(sampler.denoising_steps) > 1 and key is None:
+        raise ValueError("a FewStepSampler with more than one step needs a key")
+
+
+def _run(
+    velocity: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    x: torch.Tensor,
+    sampler: Sampler,
+    key: torch.Tensor | None,
+) -> torch.Tensor:
+    """The sampler's loop from ``x`` with ``velocity(x, timestep)`` (timesteps x 1000);
+    a few-step sampler re-noises before step ``i + 1`` from ``fold_in(key, i)``."""
+    batch = x.shape[0]
+    if isinstance(sampler, EulerSampler):
+        scheduler: Any = sampler.scheduler()
+        scheduler.set_timesteps(sampler.num_steps, device=x.device)
+        for t in scheduler.timesteps:
+            x = scheduler.step(velocity(x, t.expand(batch)), t, x, return_dict=False)[0]
+        return x
+    steps = sampler.denoising_steps
+    x0 = x
+    for i, s in enumerate(steps):
+        t = torch.full((batch,), s, device=x.device)
+        x0 = x0_from_velocity(x, t, velocity(x, t * 1000))
+        if i + 1 < len(steps):
+            assert key is not None
+            eps = torch.randn(
+                x0.shape,
+                generator=fsrandom.generator(fsrandom.fold_in(key, i), x0.device),
+                device=x0.device,
+                dtype=x0.dtype,
+            )
+            x = add_noise(x0, eps, torch.full((batch,), steps[i + 1], device=x.device))
+    return x0
+
+
+def _sample_causal(
+    module: nn.Module,
+    noise: torch.Tensor,
+    text: torch.Tensor,
+    sampler: Sampler,
+    key: torch.Tensor | None,
+    negative_text: torch.Tensor | None,
+) -> torch.Tensor:
+    """:func:`sample` of a causal Wan: chunk by chunk with its KV cache (one per text)."""
+    chunk = chunk_frames_of(module)
+    batch, _, frames, _, _ = noise.shape
+    if frames % chunk:
+        raise ValueError(f"the noise's {frames} frames are not a multiple of the chunk ({chunk})")
+    _check_key(sampler, key)
+    texts = [text]
+    if isinstance(sampler, EulerSampler) and sampler.guidance_scale > 1.0:
+        texts.append(torch.zeros_like(text) if negative_text is None else negative_text)
+    caches = [init_cache(module, noise, capacity_frames=frames) for _ in texts]
+
+    def velocity(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        vs = [causal_forward(module, x, t, c, cache=k)[0] for c, k in zip(texts, caches)]
+        if len(vs) == 1:
+            return vs[0]
+        assert isinstance(sampler, EulerSampler)
+        return vs[1] + sampler.guidance_scale * (vs[0] - vs[1])
+
+    out = []
+    with torch.no_grad():
+        for c in range(frames // chunk):
+            x = noise[:, :, c * chunk : (c + 1) * chunk].contiguous()
+            # the rollout's re-noising keys of chunk c (causal_rollout.rollout)
+            k_renoise = None if key is None else fsrandom.split(fsrandom.fold_in(key, c), 3)[1]
+            x = _run(velocity, x, sampler, k_renoise)
+            out.append(x)
+            t_clean = torch.zeros((batch,), device=noise.device)
+            caches = [
+                causal_forward(module, x, t_clean, c, cache=k, update_cache=True)[1]  # type: ignore[misc]
+                for c, k in zip(texts, caches)
+            ]
+    return torch.cat(out, 2)
+
+
+def decode_latents(vae: nn.Module, latents: torch.Tensor) -> torch.Tensor:
+    """Pixels ``(B, F, H, W, 3)`` in ``[0, 1]`` from latents, as ``WanPipeline`` decodes.
+
+    ``latents * std + mean`` with the VAE config's ``latents_mean``/``latents_std``, then
+    ``vae.decode``, then diffusers' ``VideoProcessor.postprocess_video``; the latents are
+    cast to the VAE's device and dtype. Runs under ``torch.no_grad()``.
+
+    Args:
+        vae: A diffusers ``AutoencoderKLWan`` (or any VAE with that config and ``decode``).
+        latents: ``(B, C, F, H, W)``.
+
+    Returns:
+        Float pixels, channels last.
+
+    Examples:
+        >>> video = decode_latents(vae, sample(net, noise, text, sampler=EulerSampler(4)))
+    """
+    with needs_extra("models", "decode_latents"):
+        from diffusers.video_processor import VideoProcessor
+
+    config: Any = getattr(vae, "config")  # noqa: B009 - a diffusers FrozenDict
+    param = next(vae.parameters())
+    with torch.no_grad():
+        latents = latents.to(param.device, param.dtype)
+        z = config.z_dim
+        mean = (
+            torch.tensor(config.latents_mean).view(1, z, 1, 1, 1).to(latents.device, latents.dtype)
+        )
+        inv_std = 1.0 / torch.tensor(config.latents_std).view(1, z, 1, 1, 1).to(
+            latents.device, latents.dtype
+        )
+        video = vae.decode(latents / inv_std + mean, return_dict=False)[0]  # type: ignore[operator]
+        processor = VideoProcessor(vae_scale_factor=config.scale_factor_spatial)
+        pixels = processor.postprocess_video(video, output_type="pt")
+    return pixels.permute(0, 1, 3, 4, 2)  # (B, F, C, H, W) -> channels last
+
+
+def sample_videos(
+    text: torch.Tensor,
+    *,
+    latent_shape: Sequence[int],
+    vae: nn.Module,
+    role: str = "student",
+    sampler: Sampler | None = None,
+    weights: Weights = "params",
+    key: torch.Tensor | None = None,
+    negative_text: torch.Tensor | None = None,
+    captions: Sequence[str] | None = None,
+    fps: int = 16,
+) -> Callable[[TrainState, torch.Tensor], Mapping[str, Any]]:
+    """A validation function that samples ``role`` once per prompt embedding.
+
+    Prompt ``i`` starts from noise drawn from ``fold_in(key, i)`` (and a
+    :class:`FewStepSampler` re-noises from keys split from it): fixed noise, so the
+    videos of successive validations differ only by the weights. Every rank samples
+    (sharded roles need all of them); global rank 0 decodes with ``vae`` and returns
+    ``{"sample_<i>": Video}`` (the others ``{}``); the run's trackers then write each as
+    MP4 and PNG strip.
+
+    Args:
+        text: Prompt embeddings ``(P, L, D)``, one per video.
+        latent_shape: ``(C, F, H, W)`` of one video's latents.
+        vae: The VAE that decodes them (``AutoencoderKLWan``), on the device to decode on.
+        role: The role to sample.
+        sampler: Default ``EulerSampler(50)``; a DMD2 student's is
+            ``FewStepSampler(denoising_steps)``.
+        weights: ``"params"`` or ``"ema"`` (:func:`fvstep.observe.validation.role_module`).
+        key: The noise key (default ``fvstep.random.key(0)``).
+        negative_text: Negative prompt embeddings ``(P, L, D)`` for a guided sampler.
+        captions: One caption per video (e.g. the prompts).
+        fps: Frames per second of the videos.
+
+    Returns:
+        ``fn(state, key) -> {"sample_<i>": Video}`` for :class:`fvstep.Validation`.
+
+    Raises:
+        ValueError: For a ``text`` that is not ``(P, L, D)``, a ``latent_shape`` that is
+            not 4 sizes, or captions that do not match the prompts.
+
+    Examples:
+        >>> fn = sample_videos(prompts, latent_shape=(16, 21, 60, 104), vae=vae,
+        ...                    sampler=FewStepSampler((1.0, 0.75, 0.5, 0.25)), weights="ema")
+    """
+    if text.dim() != 3:
+        raise ValueError(f"text must be (P, L, D), got {tuple(text.shape)}")
+    shape = tuple(int(s) for s in latent_shape)
+    if len(shape) != 4:
+        raise ValueError(f"latent_shape must be (C, F, H, W), got {shape}")
+    num = text.shape[0]
+    if captions is not None and len(captions) != num:
+        raise ValueError(f"{len(captions)} captions for {num} prompts")
+    chosen: Sampler = EulerSampler() if sampler is None else sampler
+    base_key = fsrandom.key(0) if key is None else key
+    prompts = text.detach().clone()
+    negatives = None if negative_text is None else negative_text.detach().clone()
+
+    def fn(state: TrainState, key: torch.Tensor) -> Mapping[str, Any]:
+        out: dict[str, Any] = {}
+        decodes = rank_and_world()[0] == 0
+        with torch.no_grad(), role_module(state, role, weights=weights) as module:
+            device = module_device(module)
+            for i in range(num):
+                k_noise, k_renoise = fsrandom.split(fsrandom.fold_in(base_key, i), 2)
+                noise = torch.randn((1, *shape), generator=fsrandom.generator(k_noise)).to(device)
+                latents = sample(
+                    module,
+                    noise,
+                    prompts[i : i + 1].to(device),
+                    sampler=chosen,
+                    key=k_renoise,
+                    negative_text=None if negatives is None else negatives[i : i + 1].to(device),
+                )
+                if decodes:
+                    pixels = decode_latents(vae, latents)[0]
+                    caption = "" if captions is None else captions[i]
+                    out[f"sample_{i}"] = Video(frames_from_pixels(pixels), fps=fps, caption=caption)
+        return out
+
+    return fn

@@ -1,0 +1,227 @@
+"""Validation functions: ``(state, key) -> metrics``, for :class:`fvstep.Validation`.
+
+- :func:`validation_loss`: the flow-matching loss of a role on fixed held-out latents at
+  fixed timesteps with fixed noise: a deterministic number, the same at the same step in
+  an uninterrupted and a resumed run, comparable from step to step.
+- :func:`role_module`: a role's module computing with its live weights or, chosen
+  explicitly, its EMA weights, for any validation function.
+
+Samples (videos) come from :func:`fvstep.observe.sampling.sample_videos`.
+
+Examples:
+    >>> held_out = synthetic_batch(fvstep.random.key(123), batch_size=4)
+    >>> fvstep.run(step, state, data, num_steps=1000, validation=fvstep.Validation(
+    ...     validation_loss(held_out["latents"], held_out["text"]), every=100))
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fvstep.core import random as fsrandom
+from fvstep.core.state import TrainState, adopt
+from fvstep.core.weights import (
+    Weights,
+    holding_other_weights,
+    roles_holding_other_weights,
+    select_weights,
+)
+from fvstep.methods.finetune import add_noise
+from fvstep.methods.models import predict
+from fvstep.parallel.grad_sync import release_modules
+
+__all__ = ["Weights", "module_device", "role_module", "validation_loss"]
+
+_DEFAULT_TIMESTEPS = (0.1, 0.3, 0.5, 0.7, 0.9)
+
+
+@contextlib.contextmanager
+def role_module(
+    state: TrainState, role: str, *, weights: Weights = "params"
+) -> Iterator[nn.Module]:
+    """The module of ``role``, computing with its live weights or its EMA weights.
+
+    With ``weights="ema"`` the role's trainable parameters hold the EMA values (cast to
+    their dtype) inside the ``with`` block and their own values again after it (also
+    when the block raises), bit for bit: the live values are kept aside in a copy of the
+    role's (local shards of its) trainable parameters. Which weights are the EMA weights
+    is :func:`fvstep.core.weights.select_weights`'s rule, the one every export follows: an EMA
+    that has not started yet (before its ``start_step``) stands for the live weights, as
+    the EMA restarts from them. For FSDP2-sharded roles every rank must enter it (the
+    copies are local; the module's forward gathers): every FSDP2 group of the state is
+    resharded before the swap and after the block (:func:`fvstep.parallel.release_modules`;
+    after the block also without a swap), so no forward inside the block reads a copy
+    gathered before it, nor one after it a copy gathered inside. Inside the block the
+    parameters *are* the EMA: ``fvstep.checkpoint.save``, the exports and a nested
+    ``role_module(weights="params")`` of the role refuse there (they would take the EMA
+    for the live weights); save and export after the block.
+
+    Args:
+        state: The state (not changed).
+        role: The role's name.
+        weights: ``"params"`` or ``"ema"``.
+
+    Yields:
+        The role's module.
+
+    Raises:
+        ValueError: For an unknown ``weights``, ``"ema"`` for a role without an EMA, or
+            ``"params"`` inside a block that holds the role's EMA.
+        KeyError: For an unknown role.
+
+    Examples:
+        >>> with torch.no_grad(), role_module(state, "student", weights="ema") as net:
+        ...     v = predict(net, x_t, t * 1000, text)
+    """
+    live = adopt(state.role(role))
+    sources = select_weights(live, weights, role=role)  # the one rule, as every export
+    module = live.role.module
+    if weights == "params" and role in roles_holding_other_weights(state):
+        raise ValueError(
+            f"role_module(state, {role!r}, weights='params') inside a role_module block that "
+            f"holds {role!r}'s EMA: its parameters hold the EMA there; read the live weights "
+            "outside that block"
+        )
+    swapped = {n: t for n, t in sources.items() if t is not live.params[n]}
+    if not swapped:
+        try:
+            yield module
+        finally:
+            release_modules(state)  # at rest after the block, as after a swap
+        return
+    # FSDP2 keeps a group unsharded after a forward under no_grad (always the root; every
+    # group with reshard_after_forward=False): such a group computes with its gathered
+    # copy, not with the shards written here. Every module is returned to rest before
+    # each swap and after it, so the next forward gathers what the shards hold.
+    release_modules(state)
+    with torch.no_grad():
+        kept = {n: live.params[n].detach().clone() for n in swapped}
+    try:
+        with torch.no_grad():
+            for n, average in swapped.items():
+                live.params[n].copy_(average)
+        with holding_other_weights(module):
+            yield module
+    finally:
+        release_modules(state)
+        with torch.no_grad():
+            for n, value in kept.items():
+                live.params[n].copy_(value)
+
+
+def module_device(module: nn.Module) -> torch.device:
+    """The device of a module's first parameter or buffer (CPU for an empty module).
+
+    Args:
+        module: The module (a DTensor parameter gives its local device).
+
+    Returns:
+        The device.
+
+    Examples:
+        >>> module_device(torch.nn.Linear(2, 2))
+        device(type='cpu')
+    """
+    for t in (*module.parameters(), *module.buffers()):
+        return t.device
+    return torch.device("cpu")
+
+
+def validation_loss(
+    latents: torch.Tensor,
+    text: torch.Tensor,
+    *,
+    role: str = "student",
+    timesteps: Sequence[float] = _DEFAULT_TIMESTEPS,
+    key: torch.Tensor | None = None,
+    weights: Weights = "params",
+    batch_size: int | None = None,
+) -> Callable[[TrainState, torch.Tensor], Mapping[str, Any]]:
+    """The flow-matching loss of ``role`` on fixed held-out latents at fixed timesteps.
+
+    For every ``t`` in ``timesteps``: ``x_t = (1 - t) x0 + t eps`` with ``eps`` drawn
+    once, here, from ``key`` (the same noise at every validation), and
+    ``MSE(v(x_t, 1000 t, text), eps - x0)`` in fp32. The returned function reports
+    ``{"loss": mean over timesteps, "loss_t0.50": loss at t = 0.5, ...}`` as 0-d tensors
+    (read later, with no sync of its own); it ignores the key it is given, so the number
+    depends on the weights alone: the same at the same step in any run.
+
+    Args:
+        latents: Held-out clean latents ``x0`` ``(N, C, F, H, W)`` (moved to the role's
+            device when used).
+        text: Their text embeddings ``(N, L, D)``.
+        role: The role to validate.
+        timesteps: Flow-matching times in ``[0, 1]``.
+        key: The noise key (default ``fvstep.random.key(0)``).
+        weights: ``"params"`` or ``"ema"`` (:func:`role_module`).
+        batch_size: Evaluate this many samples at a time (``None``: all at once).
+
+    Returns:
+        ``fn(state, key) -> metrics`` for :class:`fvstep.Validation`.
+
+    Raises:
+        ValueError: For mismatched ``latents``/``text``, an empty or out-of-range
+            ``timesteps``, a ``batch_size < 1`` or an unknown ``weights``.
+
+    Examples:
+        >>> fn = validation_loss(held["latents"], held["text"], timesteps=(0.25, 0.75))
+        >>> fvstep.Validation(fn, every=50)
+    """
+    if latents.dim() != 5 or text.dim() != 3 or latents.shape[0] != text.shape[0]:
+        raise ValueError(
+            f"need latents (N, C, F, H, W) and text (N, L, D) with the same N, got "
+            f"{tuple(latents.shape)} and {tuple(text.shape)}"
+        )
+    times = tuple(float(t) for t in timesteps)
+    if not times or any(not 0.0 <= t <= 1.0 for t in times):
+        raise ValueError(f"timesteps must be non-empty times in [0, 1], got {times}")
+    if batch_size is not None and batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1 or None, got {batch_size}")
+    if weights not in ("params", "ema"):
+        raise ValueError(f"weights must be 'params' or 'ema', got {weights!r}")
+    x0_all = latents.detach().clone()
+    text_all = text.detach().clone()
+    noise_key = fsrandom.key(0) if key is None else key
+    eps_all = torch.stack(
+        [
+            torch.randn(
+                x0_all.shape,
+                generator=fsrandom.generator(fsrandom.fold_in(noise_key, i)),
+                dtype=x0_all.dtype,
+            )
+            for i in range(len(times))
+        ]
+    )
+    n = x0_all.shape[0]
+    chunk = n if batch_size is None else batch_size
+
+    def fn(state: TrainState, key: torch.Tensor) -> Mapping[str, Any]:
+        with torch.no_grad(), role_module(state, role, weights=weights) as module:
+            device = module_device(module)
+            per_t = []
+            for i, t in enumerate(times):
+                total = torch.zeros((), device=device)
+                for lo in range(0, n, chunk):
+                    x0 = x0_all[lo : lo + chunk].to(device)
+                    eps = eps_all[i, lo : lo + chunk].to(device)
+                    tt = torch.full((x0.shape[0],), t, device=device)
+                    v = predict(
+                        module,
+                        add_noise(x0, eps, tt),
+                        tt * 1000,
+                        text_all[lo : lo + chunk].to(device),
+                    )
+                    total = total + F.mse_loss(v.float(), (eps - x0).float(), reduction="sum")
+                per_t.append(total / x0_all[0].numel() / n)
+        losses = torch.stack(per_t)
+        out: dict[str, Any] = {"loss": losses.mean()}
+        out.update({f"loss_t{t:.2f}": losses[i] for i, t in enumerate(times)})
+        return out
+
+    return fn
