@@ -58,7 +58,7 @@ def _run(prog: str, commands: dict[str, Any], argv: list[str]) -> int:
         parser.add_argument("--version", action="version", version=f"fvstep {_version()}")
     subcommands = parser.add_subcommands(dest="command")
     for name, command in commands.items():
-        about = inspect.getdoc(command) if callable(command) else _ABOUT[f"{prog} {name}"]
+        about = (inspect.getdoc(command) or "") if callable(command) else _ABOUT[f"{prog} {name}"]
         subcommands.add_subcommand(name, Parser(f"{prog} {name}"), help=about.split("\n\n")[0])
     at = next((i for i, word in enumerate(argv) if not word.startswith("-")), len(argv))
     parse(parser, argv[: at + 1])

@@ -25,6 +25,7 @@ __all__ = [
     "Parser",
     "check_positive",
     "command_parser",
+    "did_you_mean",
     "from_rank0",
     "parse",
     "run_on_ranks",
@@ -43,7 +44,8 @@ class Parser(ArgumentParser):
     Other options, a recipe's keys among them, keep jsonargparse's (``--run.num_steps 8``).
 
     Example:
-        >>> parser = Parser("fvstep demo")
+        >>> Parser("fvstep demo", "Run a tiny DMD2 distillation.").prog
+        'fvstep demo'
     """
 
     def __init__(self, prog: str, description: str | None = None) -> None:
@@ -102,9 +104,8 @@ def parse(parser: ArgumentParser, argv: Sequence[str]) -> Any:
 
     Example:
         >>> from fvstep.cli.demo import run_demo
-        >>> parse(command_parser(run_demo, "fvstep demo"), ["--stpes", "8"])
-        Traceback (most recent call last):
-        fvstep.cli.common.CLIError: fvstep demo: unrecognized arguments: --stpes 8: did you mean --steps? (see fvstep demo --help)
+        >>> parse(command_parser(run_demo, "fvstep demo"), ["--steps", "8"]).steps
+        8
     """
     try:
         namespace = parser.instantiate(parser.parse_args(list(argv)))

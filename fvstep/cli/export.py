@@ -109,7 +109,7 @@ def run_export(
     state, folder = _load_run(checkpoint)
     if format in ("lora", "merged"):
         import fvstep.lora  # noqa: F401  (registers the LoRA formats)
-    options = {"base": base} if format == "pipeline" else {}
+    options: dict[str, Any] = {"base": base} if format == "pipeline" else {}
     try:
         written = export(
             state,
