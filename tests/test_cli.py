@@ -1,8 +1,11 @@
 """The command line: the demo's verdict and a summary of what it ran, verify-resume on a
-pure and an impure example, one-line errors for bad input, Ctrl-C, help and version."""
+pure and an impure example, one-line errors for bad input, Ctrl-C, help and version; each
+command's parser made from its function (every option in ``--help`` with its description,
+a misspelt option answered with the closest one, argparse's spellings kept)."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import signal
@@ -12,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from fvstep.cli import main
+from fvstep.cli import COMMANDS, main
+from fvstep.cli.common import command_parser, parse
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -111,10 +115,10 @@ def test_version_and_help_texts():
     version = run_cli("--version")
     assert version.returncode == 0 and version.stdout.startswith("fvstep 0.")
     demo_help = " ".join(run_cli("demo", "--help").stdout.split())  # unwrapped
-    assert "changes communication, not results (default deferred" in demo_help
+    assert "changes communication, not results" in demo_help and "default: deferred)" in demo_help
     assert "--overwrite" in demo_help
     verify_help = " ".join(run_cli("verify-resume", "--help").stdout.split())
-    assert "steps of each run (default 6)" in verify_help
+    assert "steps of each run (type: int, default: 6)" in verify_help
     assert "ranks to launch" in verify_help
 
 
@@ -192,3 +196,63 @@ def test_verify_resume_runs_under_torchrun_on_two_ranks():
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "resume is exact" in result.stdout and "2 rank(s)" in result.stdout
+
+
+LEAVES = {
+    f"{name} {sub}".strip(): fn
+    for name, command in COMMANDS.items()
+    for sub, fn in (command.items() if isinstance(command, dict) else [("", command)])
+}
+"""Every command that runs (``demo``, ``data encode``, ...) and its function."""
+
+POSITIONALS = {"verify-resume": ["m:f"], "verify-compile": ["m:f"], "export": ["c", "--out", "o"]}
+POSITIONALS["data encode"] = ["clips", "out"]
+
+
+def options_and_descriptions(fn) -> dict[str, str]:
+    """A command's options (its function's parameters; of ``train`` and ``plan``, the
+    keyword-only ones) and their descriptions (the docstring's ``Args``)."""
+    import docstring_parser
+
+    docs = {p.arg_name: p.description for p in docstring_parser.parse(fn.__doc__).params}
+    params = inspect.signature(fn).parameters.values()
+    if fn in (COMMANDS["train"], COMMANDS["plan"]):
+        params = [p for p in params if p.kind == p.KEYWORD_ONLY]
+    return {
+        f"--{p.name.replace('_', '-')}" if p.kind == p.KEYWORD_ONLY else p.name: docs[p.name]
+        for p in params
+    }
+
+
+@pytest.mark.parametrize("command", sorted(LEAVES))
+def test_each_commands_help_lists_each_option_with_its_description(capsys, command):
+    assert main([*command.split(), "--help"]) == 0
+    out = capsys.readouterr().out
+    options = options_and_descriptions(LEAVES[command])
+    assert options
+    for option, description in options.items():
+        assert f"  {option}" in out, option
+        assert "".join(description.split()) in "".join(out.split()), (option, description)
+
+
+@pytest.mark.parametrize("command", sorted(LEAVES))
+def test_a_misspelt_option_of_each_command_exits_2_naming_the_closest(capsys, command):
+    options = [o for o in options_and_descriptions(LEAVES[command]) if o.startswith("--")]
+    assert options
+    for option in options:
+        typo = option + option[-1]  # --nprocc
+        assert main([*command.split(), *POSITIONALS.get(command, []), typo, "1"]) == 2
+        err = capsys.readouterr().err
+        assert f"unrecognized arguments: {typo} 1: did you mean {option}?" in err, err
+        assert err.count("\n") == 1, err
+
+
+def test_a_commands_options_keep_argparse_spellings_dashes_bare_flags_and_lists():
+    verify = command_parser(COMMANDS["verify-resume"], "fvstep verify-resume")
+    assert parse(verify, ["m:f", "--interrupt", "3", "6"]).interrupt == [3, 6]
+    export = command_parser(COMMANDS["export"], "fvstep export")
+    assert parse(export, ["c", "--out", "o", "--overwrite"]).overwrite is True
+    assert parse(export, ["c", "--out", "o"]).overwrite is False
+    encode = command_parser(COMMANDS["data"]["encode"], "fvstep data encode")
+    parsed = parse(encode, ["clips", "out", "--num-frames", "9", "--world-size", "2"])
+    assert (parsed.num_frames, parsed.world_size, parsed.model_dtype) == (9, 2, "float32")

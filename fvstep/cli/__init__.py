@@ -1,81 +1,74 @@
 """The ``fvstep`` command line: ``train``, ``plan``, ``export``, ``demo``, ``verify-resume``,
 ``verify-compile``, ``data``.
 
-This module is the parser and the dispatch; each command lives in its own module
-(:mod:`fvstep.cli.train`, :mod:`fvstep.cli.plan`, :mod:`fvstep.cli.export`, :mod:`fvstep.cli.demo`,
-:mod:`fvstep.cli.verify`, :mod:`fvstep.executor.latents.cli`), and what
-they share in :mod:`fvstep.cli.common`. ``fvstep demo`` and ``fvstep verify-resume``
-launch their ranks themselves through torch.distributed's elastic launcher when
-``--nproc`` > 1, and run in place when started under ``torchrun`` (which sets
-``WORLD_SIZE``); so does ``fvstep train`` (which parses its own arguments: a recipe's
-``--dotted.key value`` options). Errors are one line on stderr and a non-zero exit; ``--debug`` shows the
-traceback. Ctrl-C exits 130 with one line.
-
-Only the standard library is imported up front; each command imports what it needs.
-The benchmarks are not part of the package: ``python -m benchmarks.<name>`` from a
-checkout.
+A command is a function whose signature is its options: jsonargparse builds its parser
+and ``--help`` from it (:func:`fvstep.cli.common.command_parser`); ``train`` and ``plan``
+add the recipe's options. Each lives in its own module (:mod:`fvstep.cli.train`,
+:mod:`fvstep.cli.plan`, :mod:`fvstep.cli.export`, :mod:`fvstep.cli.demo`,
+:mod:`fvstep.cli.verify`, :mod:`fvstep.executor.latents.cli`); this one is the table and the
+dispatch. Errors are one line on stderr and a non-zero exit; ``--debug`` shows the
+traceback. Ctrl-C exits 130 with one line. Each command imports what it needs
+(``fvstep --help`` imports no torch).
 """
 
 from __future__ import annotations
 
-import argparse
+import inspect
 import sys
-from typing import Any, NoReturn
+from typing import Any
 
-from fvstep.cli.common import CLIError
-from fvstep.cli.demo import add_demo_parser, run_demo_command
-from fvstep.cli.export import add_export_parser, run_export_command
-from fvstep.cli.plan import add_plan_parser, run_plan_command
-from fvstep.cli.train import add_train_parser, run_train_command
-from fvstep.cli.verify import add_verify_parsers, run_verify_compile, run_verify_resume
+from fvstep.cli.common import CLIError, Parser, command_parser, parse
+from fvstep.cli.demo import run_demo
+from fvstep.cli.export import run_export
+from fvstep.cli.plan import run_plan, run_plan_command
+from fvstep.cli.train import run_train, run_train_command
+from fvstep.cli.verify import run_verify_compile, run_verify_resume
+from fvstep.executor.latents.cli import UsageError, run_encode
 
-__all__ = ["main"]
+__all__ = ["COMMANDS", "main"]
 
+COMMANDS: dict[str, Any] = {
+    "train": run_train,
+    "plan": run_plan,
+    "export": run_export,
+    "demo": run_demo,
+    "verify-resume": run_verify_resume,
+    "verify-compile": run_verify_compile,
+    "data": {"encode": run_encode},
+}
+"""The commands by name: a function of its options (its signature is its parser), or a
+table of commands (``fvstep data encode``)."""
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        raise CLIError(f"{self.prog}: {message} (see {self.prog} --help)")
+_ABOUT = {
+    "fvstep": "Training methods as pure steps, with exact resume.",
+    "fvstep data": "Datasets of precomputed latents.",
+}
 
-
-def _build_parser(command: str | None = None) -> argparse.ArgumentParser:
-    """The parser of the ``fvstep`` command; the ``data`` subcommand is built in full only
-    when it is the ``command`` being run (its module imports torch)."""
-    parser = _Parser(
-        prog="fvstep", description="Training methods as pure steps, with exact resume."
-    )
-    parser.add_argument("--debug", action="store_true", help="show tracebacks")
-    parser.add_argument("--version", action=_Version, help="show the version and exit")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-
-    add_train_parser(sub)
-    add_plan_parser(sub)
-    add_export_parser(sub)
-    add_demo_parser(sub)
-    add_verify_parsers(sub)
-    if command == "data":
-        from fvstep.executor.latents.cli import add_parser as add_data_parser
-
-        add_data_parser(sub)
-    else:  # importing fvstep.executor.latents imports torch: only listed, unless it is the command
-        sub.add_parser("data", help="datasets of precomputed latents: encode")
-    return parser
+_OF_WORDS = {run_train: run_train_command, run_plan: run_plan_command}
+"""The commands that parse their words themselves: their parser depends on the recipe."""
 
 
-def _command(argv: list[str]) -> str | None:
-    """The subcommand ``argv`` names: its first word that is not an option (the top-level
-    options take no values), or None."""
-    return next((word for word in argv if not word.startswith("-")), None)
-
-
-class _Version(argparse.Action):
-    """``--version``: looks the version up only when asked (importlib.metadata is slow)."""
-
-    def __init__(self, option_strings: list[str], dest: str, help: str | None = None) -> None:
-        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=help)
-
-    def __call__(self, parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
-        print(f"fvstep {_version()}")
-        parser.exit()
+def _run(prog: str, commands: dict[str, Any], argv: list[str]) -> int:
+    """Run the command that ``argv`` names (its first word that is not an option) on the
+    words after it. The words up to it are parsed by a parser that lists the commands
+    (``--help``, ``--version``, an unknown or missing command)."""
+    parser = Parser(prog, _ABOUT[prog])
+    if prog == "fvstep":
+        parser.add_argument("--debug", action="store_true", help="show tracebacks")
+        parser.add_argument("--version", action="version", version=f"fvstep {_version()}")
+    subcommands = parser.add_subcommands(dest="command")
+    for name, command in commands.items():
+        about = (inspect.getdoc(command) or "") if callable(command) else _ABOUT[f"{prog} {name}"]
+        subcommands.add_subcommand(name, Parser(f"{prog} {name}"), help=about.split("\n\n")[0])
+    at = next((i for i, word in enumerate(argv) if not word.startswith("-")), len(argv))
+    parse(parser, argv[: at + 1])
+    name, words = argv[at], argv[at + 1 :]
+    command = commands[name]
+    if isinstance(command, dict):
+        return _run(f"{prog} {name}", command, words)
+    if command in _OF_WORDS:
+        return _OF_WORDS[command](words)
+    return command(**parse(command_parser(command, f"{prog} {name}"), words).as_dict())
 
 
 def _version() -> str:
@@ -85,15 +78,6 @@ def _version() -> str:
         return version("fvstep")
     except PackageNotFoundError:  # a source tree that is not installed
         return "unknown (not installed)"
-
-
-def _data(args: argparse.Namespace) -> int:
-    from fvstep.executor.latents.cli import UsageError, run_data
-
-    try:
-        return run_data(args)
-    except UsageError as e:
-        raise CLIError(str(e)) from None
 
 
 def _close_process_group() -> None:
@@ -127,26 +111,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
     try:
-        command_name = _command(argv)
-        if command_name == "train":  # a recipe's options are the recipe's to parse
-            code = run_train_command(argv[argv.index("train") + 1 :])
-            _close_process_group()
-            return code
-        if command_name == "plan":  # so are plan's (the same options, then its own flags)
-            return run_plan_command(argv[argv.index("plan") + 1 :])
-        args = _build_parser(command_name).parse_args(argv)
-        handlers = {
-            "export": run_export_command,
-            "demo": run_demo_command,
-            "verify-resume": run_verify_resume,
-            "verify-compile": run_verify_compile,
-            "data": _data,
-        }
-        command = handlers[args.command]
-        code = command(args)
+        code = _run("fvstep", COMMANDS, argv)
         _close_process_group()
         return code
-    except CLIError as e:
+    except SystemExit as e:  # --help, --version
+        return int(e.code or 0)
+    except (CLIError, UsageError) as e:
         if debug:
             raise
         print(str(e), file=sys.stderr)

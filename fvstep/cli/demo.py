@@ -2,68 +2,20 @@
 
 The demo runs twice (uninterrupted, then crashed and resumed from its newest checkpoint)
 on every rank, compares the two runs leaf by leaf, plots the losses and prints a summary
-in which every number was observed on the runs. Its work is :mod:`fvstep.cli.demo_runs`
-(which imports torch; this module must not, for ``fvstep --help``); this module is its
-command: options, output directory, ranks, summary.
+in which every number was observed on the runs. Its work is :mod:`fvstep.cli.demo_runs`; this
+module is its command: options, output directory, ranks, summary.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from fvstep.cli.common import CLIError, check_positive, from_rank0, run_on_ranks
 
-__all__ = ["add_demo_parser", "run_demo_command"]
-
-
-def add_demo_parser(sub: Any) -> None:
-    """Add the ``demo`` subcommand and its options.
-
-    Args:
-        sub: the subparsers of the ``fvstep`` parser (``add_subparsers()``).
-
-    Example:
-        >>> parser = argparse.ArgumentParser(prog="fvstep")
-        >>> add_demo_parser(parser.add_subparsers(dest="command"))
-        >>> parser.parse_args(["demo", "--nproc", "1"]).nproc
-        1
-    """
-    demo = sub.add_parser(
-        "demo", help="tiny DMD2 distillation that interrupts itself, resumes and proves it"
-    )
-    demo.add_argument(
-        "--steps",
-        type=int,
-        default=24,
-        help="steps per run (default 24; the minimum depends on --every: the crash falls "
-        "after the first checkpoint and before the last step)",
-    )
-    demo.add_argument("--nproc", type=int, default=2, help="ranks (gloo on CPU; default 2)")
-    demo.add_argument(
-        "--policy",
-        choices=["every", "no_sync", "deferred"],
-        default="deferred",
-        help="FSDP2 gradient sync under accumulation: when gradients are reduced between "
-        "micro-batches; changes communication, not results (default deferred; no effect "
-        "with --nproc 1)",
-    )
-    demo.add_argument(
-        "--microbatches", type=int, default=2, help="K, micro-batches per step (default 2)"
-    )
-    demo.add_argument("--every", type=int, default=4, help="checkpoint interval (default 4)")
-    demo.add_argument(
-        "--out", default="fvstep-demo", help="output directory (default ./fvstep-demo)"
-    )
-    demo.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="replace the output of an earlier demo in --out (else the demo refuses)",
-    )
-    demo.add_argument("--debug", action="store_true", help="show tracebacks")
+__all__ = ["run_demo"]
 
 
 def _check_out_dir(path: str) -> Path:
@@ -81,34 +33,22 @@ def _check_out_dir(path: str) -> Path:
 
 
 def _demo_rank(config: Any) -> dict[str, Any]:
-    from fvstep.cli.demo_runs import run_demo
+    from fvstep.cli.demo_runs import run_demo as run
 
-    return run_demo(config)
+    return run(config)
 
 
 _DEMO_OUTPUTS = ("uninterrupted", "interrupted", "losses.png")
 
 
-def _check_demo_options(args: argparse.Namespace) -> None:
-    from fvstep.cli.demo_runs import min_steps
-
-    check_positive(nproc=args.nproc, microbatches=args.microbatches, every=args.every)
-    if args.steps < min_steps(args.every):
-        raise CLIError(
-            f"fvstep: --steps must be >= {min_steps(args.every)} with --every {args.every} "
-            f"(the demo crashes after its first checkpoint and before its last step), got "
-            f"{args.steps}: use more steps or a smaller --every"
-        )
-
-
-def _demo_out_dir(args: argparse.Namespace) -> Path:
+def _demo_out_dir(path: str, overwrite: bool) -> Path:
     """``--out``, checked writable; an earlier demo's output in it is refused, or removed
     with ``--overwrite`` (by rank 0, the other ranks waiting)."""
-    out = _check_out_dir(args.out)
+    out = _check_out_dir(path)
     earlier = [name for name in _DEMO_OUTPUTS if (out / name).exists()]
-    if earlier and not args.overwrite:
+    if earlier and not overwrite:
         raise CLIError(
-            f"fvstep: {args.out!r} holds an earlier demo's output ({', '.join(earlier)}): "
+            f"fvstep: {path!r} holds an earlier demo's output ({', '.join(earlier)}): "
             "pass --overwrite to replace it, or another --out"
         )
     if earlier and int(os.environ.get("RANK", "0")) == 0:
@@ -123,11 +63,31 @@ def _demo_out_dir(args: argparse.Namespace) -> Path:
     return out
 
 
-def run_demo_command(args: argparse.Namespace) -> int:
-    """Run ``fvstep demo``: both runs on every rank, then (rank 0) the plot and the summary.
+def run_demo(
+    *,
+    steps: int = 24,
+    nproc: int = 2,
+    policy: Literal["every", "no_sync", "deferred"] = "deferred",
+    microbatches: int = 2,
+    every: int = 4,
+    out: str = "fvstep-demo",
+    overwrite: bool = False,
+) -> int:
+    """Run a tiny DMD2 distillation that interrupts itself, resumes and proves it.
+
+    Both runs run on every rank; then rank 0 plots the losses and prints the summary.
 
     Args:
-        args: the parsed options of :func:`add_demo_parser`.
+        steps: steps per run (the crash falls after the first checkpoint and before the
+            last step: the minimum depends on --every)
+        nproc: ranks (gloo on CPU)
+        policy: FSDP2 gradient sync under accumulation: when gradients are reduced
+            between micro-batches; changes communication, not results (no effect with
+            --nproc 1)
+        microbatches: K, micro-batches per step
+        every: checkpoint interval
+        out: output directory
+        overwrite: replace the output of an earlier demo in --out (else the demo refuses)
 
     Returns:
         The exit code: 0 when the resumed run equals the uninterrupted one bitwise, else 1.
@@ -139,39 +99,42 @@ def run_demo_command(args: argparse.Namespace) -> int:
     Example:
         $ fvstep demo --nproc 2 --steps 24 --every 4 --out fvstep-demo
     """
-    _check_demo_options(args)
-    from fvstep.cli.demo_runs import DemoConfig, plot_losses
+    from fvstep.cli.demo_runs import DemoConfig, min_steps, plot_losses
 
-    out = _demo_out_dir(args)
+    check_positive(nproc=nproc, microbatches=microbatches, every=every)
+    if steps < min_steps(every):
+        raise CLIError(
+            f"fvstep: --steps must be >= {min_steps(every)} with --every {every} (the demo "
+            f"crashes after its first checkpoint and before its last step), got {steps}: "
+            "use more steps or a smaller --every"
+        )
+    folder = _demo_out_dir(out, overwrite)
     config = DemoConfig(
-        out=str(out),
-        num_steps=args.steps,
-        microbatches=args.microbatches,
-        sync=args.policy,
-        every=args.every,
+        out=str(folder), num_steps=steps, microbatches=microbatches, sync=policy, every=every
     )
     start = time.perf_counter()
-    summary = run_on_ranks(_demo_rank, config, args.nproc)[0]
+    summary = run_on_ranks(_demo_rank, config, nproc)[0]
     elapsed = time.perf_counter() - start
     if int(os.environ.get("RANK", "0")) != 0:
         return 0 if summary["equal"] else 1
     png = plot_losses(
-        out, resumed_from=summary["resumed_from"], crashed_before=summary["crashed_before"]
+        folder, resumed_from=summary["resumed_from"], crashed_before=summary["crashed_before"]
     )
-    for line in _demo_summary(args, out, summary, png, elapsed):
+    for line in _demo_summary(config, summary, png, elapsed):
         print(line)
     return 0 if summary["equal"] else 1
 
 
 def _demo_summary(
-    args: argparse.Namespace, out: Path, summary: dict[str, Any], png: Path | None, elapsed: float
+    config: Any, summary: dict[str, Any], png: Path | None, elapsed: float
 ) -> list[str]:
     """The summary's lines: every number in it was observed on the runs, not planned."""
+    out = Path(config.out)
     world = summary["world_size"]
     rows = [
         ("ranks", f"{world} (gloo, FSDP2)" if world > 1 else "1 (no sharding)"),
-        ("steps", f"{args.steps} per run, K={args.microbatches} micro-batches"),
-        ("sync policy", _policy_line(args.policy, world)),
+        ("steps", f"{config.num_steps} per run, K={config.microbatches} micro-batches"),
+        ("sync policy", _policy_line(config.sync, world)),
         ("collectives", _collectives_line(summary["collectives"])),
         (
             "interruption",
@@ -182,7 +145,7 @@ def _demo_summary(
         ("resumed from", summary["resumed_from_path"]),
         (
             "checkpoints",
-            f"every {args.every} steps, all kept: uninterrupted/ "
+            f"every {config.every} steps, all kept: uninterrupted/ "
             f"{_steps_text(summary['checkpoints_uninterrupted'])}; interrupted/ "
             f"{_steps_text(summary['checkpoints_final'])}",
         ),

@@ -1,75 +1,23 @@
 """``fvstep export CHECKPOINT --out DIR``: a trained role of a ``fvstep train`` run, for
 inference.
 
-``CHECKPOINT`` is a ``step_<n>`` folder of a run, or the run's folder (its newest
-checkpoint). The run's ``config.yaml`` (written by ``fvstep train``) rebuilds the state's
-structure (its ``model.path``, relative to where the run was started, must still be
-there: a frozen base saved by digest is verified against it; the dataset is not read),
-the checkpoint is loaded into it, and one role is written by the library's
-:func:`fvstep.checkpoint.export`, in one of its formats:
-
-- ``--format model`` (default): a diffusers model folder (``format="diffusers"``);
-- ``--format pipeline --base DIR``: a whole diffusers pipeline folder, the role in place
-  of the base pipeline's transformer;
-- ``--format lora``: a LoRA role's adapter in diffusers' LoRA format;
-- ``--format merged``: the base with a LoRA role's adapter merged in;
-- ``--format safetensors``: one safetensors file.
-
-Of a LoRA run (``lora_dmd2``): a LoRA role (student, critic) is written as ``lora``,
+The run's ``config.yaml`` (written by ``fvstep train``) rebuilds the state's structure (its
+``model.path``, relative to where the run was started, must still be there: a frozen base
+saved by digest is verified against it; the dataset is not read), the checkpoint is loaded
+into it, and one role is written by :func:`fvstep.checkpoint.export` in one of its formats
+(:func:`run_export`). Of a LoRA run, a LoRA role (student, critic) is written as ``lora``,
 ``merged`` or ``safetensors`` (its adapter), its base (the teacher) as ``model``,
-``pipeline`` or ``safetensors``, under the plain model's names; another format is refused,
-naming one that applies.
-
-``--weights params`` (live, the default) or ``ema``; ``--dtype`` casts. Run it on one
-process (a checkpoint saved on several ranks reshards on load), or under ``torchrun``.
+``pipeline`` or ``safetensors``; another format is refused, naming one that applies. Run it
+on one process (a checkpoint saved on several ranks reshards on load), or under ``torchrun``.
 """
 
 from __future__ import annotations
 
-import argparse
-from typing import Any
+from typing import Any, Literal
 
 from fvstep.cli.common import CLIError
 
-__all__ = ["add_export_parser", "run_export_command"]
-
-FORMATS = ("model", "pipeline", "lora", "merged", "safetensors")
-
-
-def add_export_parser(sub: Any) -> None:
-    """Add the ``export`` subcommand and its options.
-
-    Example:
-        >>> parser = argparse.ArgumentParser(prog="fvstep")
-        >>> add_export_parser(parser.add_subparsers(dest="command"))
-        >>> parser.parse_args(["export", "runs/a", "--out", "x"]).format
-        'model'
-    """
-    export = sub.add_parser(
-        "export", help="write a trained role of a fvstep train run for inference (diffusers)"
-    )
-    export.add_argument(
-        "checkpoint", help="a step_<n> folder of a run, or the run folder (its newest)"
-    )
-    export.add_argument("--out", required=True, help="the folder (or file) to write")
-    export.add_argument("--role", default="student", help="the role to export (default student)")
-    export.add_argument(
-        "--format",
-        choices=FORMATS,
-        default="model",
-        help="model: a diffusers model folder (default); pipeline: a whole pipeline (needs "
-        "--base); lora: the LoRA adapter; merged: the base with the adapter merged; "
-        "safetensors: one file",
-    )
-    export.add_argument(
-        "--weights", choices=["params", "ema"], default="params", help="live (default) or EMA"
-    )
-    export.add_argument("--base", help="the base diffusers pipeline folder (--format pipeline)")
-    export.add_argument(
-        "--dtype", choices=["float32", "bfloat16", "float16"], help="cast the weights written"
-    )
-    export.add_argument("--overwrite", action="store_true", help="replace an existing export")
-    export.add_argument("--debug", action="store_true", help="show tracebacks")
+__all__ = ["run_export"]
 
 
 def _load_run(checkpoint: str) -> tuple[Any, Any]:
@@ -116,8 +64,30 @@ def _options_from(recipe: Any, tree: dict[str, Any]) -> Any:
     return parse_options(recipe, ["--config", json.dumps(tree)])
 
 
-def run_export_command(args: argparse.Namespace) -> int:
-    """Run ``fvstep export``: load the checkpoint, write the role, print where.
+def run_export(
+    checkpoint: str,
+    *,
+    out: str,
+    role: str = "student",
+    format: Literal["model", "pipeline", "lora", "merged", "safetensors"] = "model",
+    weights: Literal["params", "ema"] = "params",
+    base: str | None = None,
+    dtype: Literal["float32", "bfloat16", "float16"] | None = None,
+    overwrite: bool = False,
+) -> int:
+    """Write a trained role of a fvstep train run for inference (diffusers).
+
+    Args:
+        checkpoint: a step_<n> folder of a run, or the run folder (its newest)
+        out: the folder (or file) to write
+        role: the role to export
+        format: model: a diffusers model folder; pipeline: a whole pipeline (needs
+            --base); lora: the LoRA adapter; merged: the base with the adapter merged;
+            safetensors: one file
+        weights: live (params) or EMA
+        base: the base diffusers pipeline folder (--format pipeline)
+        dtype: cast the weights written (default: as trained)
+        overwrite: replace an existing export
 
     Returns:
         0 once written.
@@ -134,27 +104,25 @@ def run_export_command(args: argparse.Namespace) -> int:
 
     from fvstep.checkpoint import export
 
-    if args.format == "pipeline" and not args.base:
+    if format == "pipeline" and not base:
         raise CLIError("fvstep export: --format pipeline needs --base (a pipeline folder)")
-    state, folder = _load_run(args.checkpoint)
-    if args.format in ("lora", "merged"):
+    state, folder = _load_run(checkpoint)
+    if format in ("lora", "merged"):
         import fvstep.lora  # noqa: F401  (registers the LoRA formats)
-    options = {"base": args.base} if args.format == "pipeline" else {}
+    options: dict[str, Any] = {"base": base} if format == "pipeline" else {}
     try:
         written = export(
             state,
-            args.role,
-            args.out,
-            format="diffusers" if args.format == "model" else args.format,
-            weights=args.weights,
-            dtype=getattr(torch, args.dtype) if args.dtype else None,
-            overwrite=args.overwrite,
+            role,
+            out,
+            format="diffusers" if format == "model" else format,
+            weights=weights,
+            dtype=getattr(torch, dtype) if dtype else None,
+            overwrite=overwrite,
             **options,
         )
     except ValueError as e:
         raise CLIError(f"fvstep export: {e}") from None
     if written is not None:
-        print(
-            f"fvstep export: {args.role} ({args.weights}) of {folder} -> {written} ({args.format})"
-        )
+        print(f"fvstep export: {role} ({weights}) of {folder} -> {written} ({format})")
     return 0

@@ -1,13 +1,10 @@
 """``fvstep train RECIPE [--config F] [--key value ...]``: run a recipe.
 
-``RECIPE`` is a shipped recipe (``finetune``, the default; ``dmd2``; ``lora_dmd2``;
-``self_forcing``; ``streaming``; ``diffusion_nft``) or
-``package.module:ATTRIBUTE`` naming a :class:`fvstep.recipes.Recipe`. Its options come from
-``--config`` files (YAML, or TOML) and ``--dotted.key value`` flags
-(:mod:`fvstep.recipes.config`). Besides them: ``--nproc N`` launches N local ranks
-(torch's elastic launcher; under ``torchrun`` the command runs in place on each rank),
-``--dry-run`` prints the resolved config and the plan of the first steps, ``--help``
-lists every key of the recipe.
+One parser reads the recipe's options (``--config`` files, YAML or TOML, and
+``--dotted.key value`` flags: :mod:`fvstep.recipes.config`) and the command's own, the
+keyword parameters of :func:`run_train` (:func:`recipe_parser`; ``fvstep plan`` reads its
+words so too). With ``--nproc N`` it launches N local ranks (torch's elastic launcher),
+each parsing the words again; under ``torchrun`` it runs in place on each rank.
 
 Exit codes: 0 when ``run.num_steps`` was reached; :data:`EXIT_INTERRUPTED` (75) when
 SIGTERM or Ctrl-C stopped the run after it saved (run the same command again to resume);
@@ -18,107 +15,99 @@ another ``--nproc`` than the run's); 1 for any other error.
 
 from __future__ import annotations
 
+import inspect
 import sys
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from fvstep.cli.common import CLIError, check_positive, run_on_ranks, under_launcher
+from fvstep.cli.common import (
+    CLIError,
+    Parser,
+    check_positive,
+    command_parser,
+    parse,
+    run_on_ranks,
+    under_launcher,
+)
+from fvstep.recipes import Recipe
 
-__all__ = ["EXIT_INTERRUPTED", "add_train_parser", "run_train_command", "split_train_args"]
+__all__ = [
+    "EXIT_INTERRUPTED",
+    "parse_recipe_args",
+    "recipe_name",
+    "recipe_parser",
+    "run_train",
+    "run_train_command",
+]
 
 EXIT_INTERRUPTED = 75
 """The exit code of a run stopped by a signal after saving (``EX_TEMPFAIL``: try again)."""
 
-_OWN_FLAGS = """
-options of fvstep train itself:
-  RECIPE                finetune (default), dmd2, lora_dmd2, self_forcing, streaming,
-                        diffusion_nft, or package.module:ATTRIBUTE
-  --nproc N             launch N local ranks (default 1; under torchrun: in place)
-  --dry-run             print the resolved config and the plan of the first steps
-  --debug               show tracebacks
-exit codes: 0 done; 75 stopped by SIGTERM or Ctrl-C after saving (rerun to resume);
-  2 a user error; 1 another error
-"""
 
-
-def add_train_parser(sub: Any) -> None:
-    """Add the ``train`` subcommand to the ``fvstep`` parser (for ``fvstep --help``; the
-    command parses its own arguments: :func:`split_train_args`).
+def recipe_name(argv: Sequence[str]) -> str:
+    """The recipe that the words after ``fvstep train`` (or ``plan``) name: the first,
+    unless it is an option; else ``finetune``.
 
     Example:
-        >>> import argparse
-        >>> parser = argparse.ArgumentParser(prog="fvstep")
-        >>> add_train_parser(parser.add_subparsers(dest="command"))
+        >>> recipe_name(["--run.num_steps", "8"])
+        'finetune'
     """
-    train = sub.add_parser(
-        "train",
-        help="run a recipe: fvstep train RECIPE [--config F] [--key value ...] "
-        "(no arguments: a tiny Wan fine-tune on the CPU)",
-        add_help=False,
-    )
-    train.add_argument("recipe", nargs="?", default="finetune")
-    train.add_argument("--config", action="append", help="a YAML or TOML file of options")
-    train.add_argument("--nproc", type=int, default=1, help="local ranks to launch")
-    train.add_argument("--dry-run", action="store_true", help="print the config and the plan")
-    train.add_argument("--debug", action="store_true", help="show tracebacks")
+    return argv[0] if argv and not argv[0].startswith("-") else "finetune"
 
 
-def split_train_args(argv: list[str]) -> tuple[str, list[str], dict[str, Any]]:
-    """``argv`` (after ``train``) -> the recipe, its options' arguments, and the command's
-    own flags (``nproc``, ``dry_run``, ``help``).
+def recipe_parser(
+    command: str, fn: Callable[..., Any], argv: Sequence[str]
+) -> tuple[Recipe, Parser, list[str]]:
+    """The recipe that ``argv`` (the words after ``fvstep COMMAND``) names, the parser of
+    the command for it, and the words it parses (those after the recipe's name). The
+    parser reads the command's own options (the keyword-only parameters of ``fn``),
+    ``--config`` and the recipe's keys.
 
     Raises:
-        CLIError: For ``--nproc`` without a number.
+        CLIError: For an unknown recipe.
 
     Example:
-        >>> split_train_args(["dmd2", "--nproc", "2", "--optim.lr", "1e-4"])
-        ('dmd2', ['--optim.lr', '1e-4'], {'nproc': 2, 'dry_run': False, 'help': False})
+        >>> recipe, parser, words = recipe_parser("train", run_train, ["dmd2", "--nproc", "2"])
+        >>> recipe.name, parser.prog, words
+        ('dmd2', 'fvstep train dmd2', ['--nproc', '2'])
     """
-    words = list(argv)
-    recipe = words.pop(0) if words and not words[0].startswith("-") else "finetune"
-    own: dict[str, Any] = {"nproc": 1, "dry_run": False, "help": False}
-    rest: list[str] = []
-    i = 0
-    while i < len(words):
-        word = words[i]
-        if word in ("-h", "--help"):
-            own["help"] = True
-        elif word == "--dry-run":
-            own["dry_run"] = True
-        elif word == "--debug":
-            pass
-        elif word == "--nproc" or word.startswith("--nproc="):
-            value = word.partition("=")[2] if "=" in word else None
-            if value is None:
-                i += 1
-                value = words[i] if i < len(words) else ""
-            try:
-                own["nproc"] = int(value)
-            except ValueError:
-                raise CLIError(f"fvstep train: --nproc needs a number, got {value!r}") from None
-        else:
-            rest.append(word)
-        i += 1
-    return recipe, rest, own
-
-
-def _recipe(name: str) -> Any:
     from fvstep.recipes import get_recipe
+    from fvstep.recipes.config import add_options
 
+    name = recipe_name(argv)
     try:
-        return get_recipe(name)
+        recipe = get_recipe(name)
     except ValueError as e:
-        raise CLIError(f"fvstep train: {e}") from None
+        raise CLIError(f"fvstep {command}: {e}") from None
+    parameters = inspect.signature(fn).parameters.values()
+    skip = [p.name for p in parameters if p.kind != p.KEYWORD_ONLY]
+    parser = command_parser(fn, f"fvstep {command} {recipe.name}", skip=skip)
+    parser.description = f"{recipe.summary} {parser.description}"
+    add_options(parser, recipe)
+    return recipe, parser, list(argv[1:] if argv and argv[0] == name else argv)
 
 
-def _options(recipe: Any, argv: list[str]) -> Any:
-    from fvstep.recipes.config import parse_options
+def parse_recipe_args(
+    command: str, fn: Callable[..., Any], argv: Sequence[str]
+) -> tuple[Recipe, Any, dict[str, Any]]:
+    """``argv`` (the words after ``fvstep COMMAND``) parsed by :func:`recipe_parser`'s
+    parser: the recipe, its options, and the command's own options (by name).
 
-    try:
-        return parse_options(recipe, argv)
-    except ValueError as e:
-        raise CLIError(
-            f"fvstep train {recipe.name}: {e} (see fvstep train {recipe.name} --help)"
-        ) from None
+    Raises:
+        CLIError: For an unknown recipe, key or value (naming the closest key).
+
+    Example:
+        >>> recipe, options, own = parse_recipe_args("train", run_train, ["dmd2", "--nproc", "2"])
+        >>> options.critic_lr, own
+        (0.0004, {'nproc': 2, 'dry_run': False})
+    """
+    from fvstep.recipes.config import options_from
+
+    recipe, parser, words = recipe_parser(command, fn, argv)
+    namespace = parse(parser, words)
+    parameters = inspect.signature(fn).parameters.values()
+    own = {p.name: namespace[p.name] for p in parameters if p.kind == p.KEYWORD_ONLY}
+    return recipe, options_from(recipe, namespace), own
 
 
 def _check_options(options: Any) -> None:
@@ -155,16 +144,13 @@ def _check_before_launch(recipe: Any, options: Any, nproc: int) -> None:
         raise CLIError(f"fvstep train {recipe.name}: {e}") from None
 
 
-def _train_rank(job: tuple[str, list[str], bool]) -> dict[str, Any]:
+def _train(recipe: Recipe, options: Any, dry_run: bool) -> dict[str, Any]:
     """One rank's run; what it ended with, as plain data (a launched rank returns it)."""
     import fvstep as fs
     from fvstep.checkpoint import CheckpointLockedError
     from fvstep.recipes.config import ConfigChangeError
     from fvstep.recipes.running import train
 
-    name, argv, dry_run = job
-    recipe = _recipe(name)
-    options = _options(recipe, argv)
     try:
         _check_options(options)
     except ValueError as e:
@@ -178,6 +164,12 @@ def _train_rank(job: tuple[str, list[str], bool]) -> dict[str, Any]:
     return {"step": None if state is None else int(state.step), "out": options.run.out}
 
 
+def _train_rank(argv: Sequence[str]) -> dict[str, Any]:
+    """A launched rank's run: the words after ``train``, parsed again."""
+    recipe, options, own = parse_recipe_args("train", run_train, argv)
+    return _train(recipe, options, own["dry_run"])
+
+
 def _newest(out: str) -> str:
     from fvstep.checkpoint import latest
 
@@ -185,40 +177,62 @@ def _newest(out: str) -> str:
     return str(newest) if newest is not None else "none"
 
 
-def run_train_command(argv: list[str]) -> int:
-    """Run ``fvstep train`` with ``argv`` (the words after ``train``).
+def run_train_command(argv: Sequence[str]) -> int:
+    """Run ``fvstep train`` with ``argv`` (the words after ``train``): :func:`run_train`
+    with what :func:`parse_recipe_args` read.
+
+    Example:
+        $ fvstep train finetune --config examples/finetune_tiny.yaml --run.num_steps 8
+    """
+    recipe, options, own = parse_recipe_args("train", run_train, argv)
+    return run_train(recipe, options, argv, **own)
+
+
+def run_train(
+    recipe: Recipe,
+    options: Any,
+    argv: Sequence[str] = (),
+    *,
+    nproc: int = 1,
+    dry_run: bool = False,
+) -> int:
+    """Run a recipe (no arguments: a tiny Wan fine-tune on the CPU); run again, it resumes.
+
+    RECIPE (the first word) is finetune (the default), dmd2, lora_dmd2, self_forcing,
+    streaming, diffusion_nft, or package.module:ATTRIBUTE naming a fvstep.recipes.Recipe.
+    Exit codes: 0 done; 75 stopped by SIGTERM or Ctrl-C after saving (run it again to
+    resume); 2 a user error; 1 another error.
+
+    Args:
+        recipe: the recipe
+        options: its options
+        argv: the words after ``train``, which each launched rank parses again
+        nproc: local ranks to launch (under torchrun: in place on each)
+        dry_run: print the resolved config and the plan of the first steps
 
     Returns:
         0 when the run reached ``run.num_steps`` (or a dry run), :data:`EXIT_INTERRUPTED`
         when a signal stopped it after saving.
 
     Raises:
-        CLIError: For an unknown recipe, key or value, a wrong path, a run folder another
-            run holds, or a refused config change (another world size included).
+        CLIError: For a wrong path, a run folder another run holds, or a refused config
+            change (another world size included).
 
     Example:
-        $ fvstep train finetune --config examples/finetune_tiny.yaml --run.num_steps 8
+        >>> run_train(get_recipe("finetune"), options, dry_run=True)  # doctest: +SKIP
+        0
     """
-    name, rest, own = split_train_args(argv)
-    recipe = _recipe(name)
-    if own["help"]:
-        from fvstep.recipes.config import help_text
-
-        print(help_text(recipe).rstrip() + "\n" + _OWN_FLAGS)
-        return 0
-    check_positive(nproc=own["nproc"])
-    options = _options(recipe, rest)  # a bad key fails here, before any rank starts
-    job = (name, rest, own["dry_run"])
-    if under_launcher() or own["nproc"] == 1:
+    check_positive(nproc=nproc)
+    if under_launcher() or nproc == 1:
         if under_launcher():
             from fvstep.parallel import init_from_env
 
             init_from_env()
-        results = [_train_rank(job)]
+        results = [_train(recipe, options, dry_run)]
     else:
-        _check_before_launch(recipe, options, own["nproc"])
+        _check_before_launch(recipe, options, nproc)
         try:
-            results = run_on_ranks(_train_rank, job, own["nproc"])
+            results = run_on_ranks(_train_rank, list(argv), nproc)
         except Exception as e:
             import signal
 

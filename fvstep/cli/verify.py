@@ -9,7 +9,6 @@ on ``(module, args)`` or ``(module, args, kwargs)``.
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import os
 import sys
@@ -18,59 +17,7 @@ from typing import Any
 
 from fvstep.cli.common import CLIError, check_positive, from_rank0, run_on_ranks
 
-__all__ = ["add_verify_parsers", "run_verify_compile", "run_verify_resume"]
-
-
-def add_verify_parsers(sub: Any) -> None:
-    """Add the ``verify-resume`` and ``verify-compile`` subcommands and their options.
-
-    Args:
-        sub: the subparsers of the ``fvstep`` parser (``add_subparsers()``).
-
-    Example:
-        >>> parser = argparse.ArgumentParser(prog="fvstep")
-        >>> add_verify_parsers(parser.add_subparsers(dest="command"))
-        >>> parser.parse_args(["verify-resume", "my_method:factory"]).steps
-        6
-    """
-    verify = sub.add_parser("verify-resume", help="prove the resume law for MODULE:FACTORY")
-    verify.add_argument("factory", help="MODULE:FACTORY; FACTORY() returns (state, step_fn, data)")
-    verify.add_argument("--steps", type=int, default=6, help="steps of each run (default 6)")
-    verify.add_argument(
-        "--interrupt", type=int, nargs="+", default=None, help="steps to crash before"
-    )
-    verify.add_argument("--every", type=int, default=2, help="checkpoint interval (default 2)")
-    verify.add_argument(
-        "--nproc",
-        type=int,
-        default=1,
-        help="ranks to launch, gloo on CPU (default 1; under torchrun: its ranks)",
-    )
-    verify.add_argument(
-        "--workdir", default=None, help="checkpoint directory (default: a temp dir)"
-    )
-    verify.add_argument("--debug", action="store_true", help="show tracebacks")
-
-    compiled = sub.add_parser(
-        "verify-compile", help="check compiled gradients against eager ones for MODULE:FACTORY"
-    )
-    compiled.add_argument(
-        "factory", help="MODULE:FACTORY; FACTORY() returns (module, args) or (module, args, kwargs)"
-    )
-    compiled.add_argument(
-        "--threshold",
-        type=float,
-        default=None,
-        help="largest ratio of a compiled gradient's error to eager's rounding noise (default 100)",
-    )
-    compiled.add_argument(
-        "--backend",
-        default=None,
-        help="torch.compile backend for a module not compiled in place (default: inductor, "
-        "with prepare's options)",
-    )
-    compiled.add_argument("--seed", type=int, default=0, help="the cotangent's seed (default 0)")
-    compiled.add_argument("--debug", action="store_true", help="show tracebacks")
+__all__ = ["run_verify_compile", "run_verify_resume"]
 
 
 def _load_factory(spec: str) -> Any:
@@ -128,11 +75,24 @@ def _verify_rank(job: dict[str, Any]) -> str | None:
     return None
 
 
-def run_verify_resume(args: argparse.Namespace) -> int:
-    """Run ``fvstep verify-resume``: the resume law for ``args.factory``, on every rank.
+def run_verify_resume(
+    factory: str,
+    *,
+    steps: int = 6,
+    interrupt: list[int] | None = None,
+    every: int = 2,
+    nproc: int = 1,
+    workdir: str | None = None,
+) -> int:
+    """Prove the resume law for MODULE:FACTORY, on every rank.
 
     Args:
-        args: the parsed options of ``verify-resume`` (:func:`add_verify_parsers`).
+        factory: MODULE:FACTORY; FACTORY() returns (state, step_fn, data)
+        steps: steps of each run
+        interrupt: steps to crash before (default: steps // 2)
+        every: checkpoint interval
+        nproc: ranks to launch, gloo on CPU (under torchrun: its ranks)
+        workdir: checkpoint directory (default: a temp dir)
 
     Returns:
         The exit code: 0 when every interrupted run resumes to the uninterrupted one
@@ -145,29 +105,31 @@ def run_verify_resume(args: argparse.Namespace) -> int:
     Example:
         $ fvstep verify-resume my_method:factory --steps 6 --interrupt 2 4 --nproc 2
     """
-    check_positive(steps=args.steps, nproc=args.nproc, every=args.every)
-    _checked_factory(args.factory)  # fail fast on an import error, before launching ranks
-    interrupt = args.interrupt or [args.steps // 2]
-    if any(not 0 <= s < args.steps for s in interrupt):
-        raise CLIError(f"fvstep: --interrupt steps must lie in [0, {args.steps}), got {interrupt}")
+    check_positive(steps=steps, nproc=nproc, every=every)
+    _checked_factory(factory)  # fail fast on an import error, before launching ranks
+    interrupt = interrupt or [steps // 2]
+    if any(not 0 <= s < steps for s in interrupt):
+        raise CLIError(f"fvstep: --interrupt steps must lie in [0, {steps}), got {interrupt}")
     with tempfile.TemporaryDirectory(prefix="fvstep-verify-") as tmp:
         job = {
-            "factory": args.factory,
-            "steps": args.steps,
+            "factory": factory,
+            "steps": steps,
             "interrupt": interrupt,
-            "every": args.every,
-            "workdir": from_rank0(args.workdir or tmp),  # one directory for all ranks
+            "every": every,
+            "workdir": from_rank0(workdir or tmp),  # one directory for all ranks
         }
-        failures = run_on_ranks(_verify_rank, job, args.nproc)
+        failures = run_on_ranks(_verify_rank, job, nproc)
     failure = next((f for f in failures if f is not None), None)
     if int(os.environ.get("RANK", "0")) != 0:
         return 0 if failure is None else 1
-    num_ranks = int(os.environ.get("WORLD_SIZE", "0")) or args.nproc
-    where = f"{args.steps} steps, crashes before {interrupt}, checkpoints every {args.every}, {num_ranks} rank(s)"
+    num_ranks = int(os.environ.get("WORLD_SIZE", "0")) or nproc
+    where = (
+        f"{steps} steps, crashes before {interrupt}, checkpoints every {every}, {num_ranks} rank(s)"
+    )
     if failure is None:
-        print(f"resume is exact: {args.factory} ({where})")
+        print(f"resume is exact: {factory} ({where})")
         return 0
-    print(f"resume is NOT exact: {args.factory} ({where})")
+    print(f"resume is NOT exact: {factory} ({where})")
     print(f"  {failure}")
     print(
         "  Look for state the step reads that is not in the TrainState: a global RNG draw outside"
@@ -176,11 +138,18 @@ def run_verify_resume(args: argparse.Namespace) -> int:
     return 1
 
 
-def run_verify_compile(args: argparse.Namespace) -> int:
-    """Run ``fvstep verify-compile``: compiled gradients against eager ones for ``args.factory``.
+def run_verify_compile(
+    factory: str, *, threshold: float | None = None, backend: str | None = None, seed: int = 0
+) -> int:
+    """Check compiled gradients against eager ones for MODULE:FACTORY.
 
     Args:
-        args: the parsed options of ``verify-compile`` (:func:`add_verify_parsers`).
+        factory: MODULE:FACTORY; FACTORY() returns (module, args) or (module, args, kwargs)
+        threshold: largest ratio of a compiled gradient's error to eager's rounding noise
+            (default 20)
+        backend: torch.compile backend for a module not compiled in place (default:
+            inductor, with prepare's options)
+        seed: the cotangent's seed
 
     Returns:
         The exit code: 0 when every block's compiled gradients match the eager ones within
@@ -193,12 +162,12 @@ def run_verify_compile(args: argparse.Namespace) -> int:
     Example:
         $ fvstep verify-compile my_model:factory --threshold 30
     """
-    if args.threshold is not None and not args.threshold > 0:
-        raise CLIError(f"fvstep: --threshold must be positive, got {args.threshold}")
-    made = _load_factory(args.factory)()
+    if threshold is not None and not threshold > 0:
+        raise CLIError(f"fvstep: --threshold must be positive, got {threshold}")
+    made = _load_factory(factory)()
     if not (isinstance(made, tuple) and len(made) in (2, 3)):
         raise CLIError(
-            f"fvstep: {args.factory} must return (module, args) or (module, args, kwargs), "
+            f"fvstep: {factory} must return (module, args) or (module, args, kwargs), "
             f"got {type(made).__name__}"
         )
     import torch
@@ -208,17 +177,17 @@ def run_verify_compile(args: argparse.Namespace) -> int:
 
     module, inputs, kwargs = (*made, {}) if len(made) == 2 else made
     if not isinstance(module, torch.nn.Module):
-        raise CLIError(f"fvstep: {args.factory} returned {type(module).__name__}, not a module")
+        raise CLIError(f"fvstep: {factory} returned {type(module).__name__}, not a module")
     if not isinstance(inputs, (tuple, list)) or not isinstance(kwargs, dict):
-        raise CLIError(f"fvstep: {args.factory}'s args must be a tuple and kwargs a dict")
-    compiled = None if args.backend is None else {"backend": args.backend}
-    options: dict[str, Any] = {"seed": args.seed}
-    if args.threshold is not None:
-        options["threshold"] = args.threshold
+        raise CLIError(f"fvstep: {factory}'s args must be a tuple and kwargs a dict")
+    compiled = None if backend is None else {"backend": backend}
+    options: dict[str, Any] = {"seed": seed}
+    if threshold is not None:
+        options["threshold"] = threshold
     try:
         reports = check_compiled_gradients(module, *inputs, compiled=compiled, **options, **kwargs)
     except CompiledGradientError as e:
-        print(f"compiled gradients are WRONG: {args.factory}")
+        print(f"compiled gradients are WRONG: {factory}")
         for line in str(e).splitlines():
             print(f"  {line}")
         return 1
@@ -234,5 +203,5 @@ def run_verify_compile(args: argparse.Namespace) -> int:
             f"  {r.block}: worst {what} (threshold {r.threshold:g}, {r.precision}, "
             f"{r.seconds:.2f} s)"
         )
-    print(f"compiled gradients match eager ones: {args.factory} ({len(reports)} block(s))")
+    print(f"compiled gradients match eager ones: {factory} ({len(reports)} block(s))")
     return 0

@@ -37,6 +37,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from jsonargparse import ActionConfigFile, ArgumentParser
+
 if TYPE_CHECKING:
     from fvstep.recipes import Recipe
 
@@ -44,11 +46,12 @@ __all__ = [
     "CONFIG_NAME",
     "MAY_CHANGE",
     "ConfigChangeError",
+    "add_options",
     "check_config_change",
     "dataset_digest",
     "describe_run",
     "flatten_config",
-    "help_text",
+    "options_from",
     "options_to_dict",
     "parse_options",
     "read_config",
@@ -81,45 +84,46 @@ class ConfigChangeError(ValueError):
     """A resumed run was given options that alter the math of the run it continues."""
 
 
-def _parser(recipe: Recipe) -> Any:
-    from fvstep.core._optional import needs_extra
+class _ConfigFile(ActionConfigFile):
+    """``--config F``: YAML, or TOML by its ``.toml`` suffix (read here and handed to
+    jsonargparse as JSON text, which YAML reads)."""
 
-    with needs_extra("train", "fvstep train (its options' parser)"):
-        from jsonargparse import ActionConfigFile, ArgumentParser
-
-    parser = ArgumentParser(
-        prog=f"fvstep train {recipe.name}",
-        description=recipe.summary,
-        exit_on_error=False,
-        default_meta=False,
-    )
-    parser.add_argument("--config", action=ActionConfigFile, help="a YAML or TOML file")
-    parser.add_class_arguments(recipe.options, as_group=True)
-    return parser
-
-
-def _toml_to_json(argv: Sequence[str]) -> list[str]:
-    """``--config F.toml``: the file's content as JSON text (YAML reads it), which
-    jsonargparse takes in place of a path."""
-    out = list(argv)
-    for i, word in enumerate(out):
-        value = None
-        if word == "--config" and i + 1 < len(out):
-            value, at = out[i + 1], i + 1
-        elif word.startswith("--config="):
-            value, at = word.removeprefix("--config="), i
-        if value is not None and value.endswith(".toml"):
+    def __call__(self, parser: Any, cfg: Any, values: Any, option_string: Any = None) -> None:
+        if isinstance(values, str) and values.endswith(".toml"):
             if sys.version_info >= (3, 11):
                 import tomllib
             else:  # pragma: no cover - Python 3.10
                 import tomli as tomllib
             try:
-                content = tomllib.loads(Path(value).read_text())
+                values = json.dumps(tomllib.loads(Path(values).read_text()))
             except (OSError, ValueError) as e:
-                raise ValueError(f"cannot read the config file {value!r}: {e}") from None
-            text = json.dumps(content)
-            out[at] = text if at == i + 1 else f"--config={text}"
-    return out
+                raise TypeError(f"cannot read the config file {values!r}: {e}") from None
+        super().__call__(parser, cfg, values, option_string)
+
+
+def add_options(parser: ArgumentParser, recipe: Recipe) -> None:
+    """Add ``--config`` and the keys of ``recipe``'s options (``--optim.lr``, ...) to
+    ``parser``, as ``fvstep train RECIPE`` takes them.
+
+    Examples:
+        >>> parser = ArgumentParser()
+        >>> add_options(parser, get_recipe("finetune"))
+    """
+    parser.add_argument(
+        "--config", action=_ConfigFile, help="a YAML or TOML file of options (repeatable)"
+    )
+    parser.add_class_arguments(recipe.options, as_group=True)
+
+
+def options_from(recipe: Recipe, namespace: Any) -> Any:
+    """The options object of ``recipe`` in a namespace parsed (and instantiated) by a
+    parser that :func:`add_options` filled.
+
+    Examples:
+        >>> options_from(get_recipe("finetune"), parser.instantiate(namespace)).optim.lr
+        0.0001
+    """
+    return recipe.options(**{f.name: namespace[f.name] for f in dataclasses.fields(recipe.options)})
 
 
 def parse_options(recipe: Recipe, argv: Sequence[str]) -> Any:
@@ -134,68 +138,21 @@ def parse_options(recipe: Recipe, argv: Sequence[str]) -> Any:
         An instance of ``recipe.options``.
 
     Raises:
-        ValueError: For an unknown key, a value of the wrong type, or an unreadable file
-            (the message names the key or the file).
+        ValueError: For an unknown key (with the closest key), a value of the wrong type,
+            or an unreadable file (the message names the key or the file).
 
     Examples:
         >>> parse_options(get_recipe("finetune"), ["--run.num_steps", "8"]).run.num_steps
         8
     """
-    import argparse
+    from fvstep.cli.common import CLIError, Parser, parse
 
-    parser = _parser(recipe)
+    parser = Parser(f"fvstep train {recipe.name}", recipe.summary)
+    add_options(parser, recipe)
     try:
-        namespace = parser.parse_args(_toml_to_json(argv))
-        init = parser.instantiate(namespace)
-        values = {f.name: init[f.name] for f in dataclasses.fields(recipe.options)}
-        return recipe.options(**values)
-    except (argparse.ArgumentError, TypeError, ValueError) as e:
-        raise ValueError(" ".join(str(e).split()) + _did_you_mean(recipe, argv)) from None
-
-
-def _option_keys(options: type, prefix: str = "") -> list[str]:
-    """Every dotted key of an options dataclass (``optim.lr``, ``model.tiny.num_layers``)."""
-    keys = []
-    for f in dataclasses.fields(options):
-        nested = f.default_factory if f.default_factory is not dataclasses.MISSING else None
-        value = nested() if nested is not None else f.default
-        if dataclasses.is_dataclass(value):
-            keys.extend(_option_keys(type(value), f"{prefix}{f.name}."))
-        else:
-            keys.append(prefix + f.name)
-    return keys
-
-
-def _did_you_mean(recipe: Recipe, argv: Sequence[str]) -> str:
-    """``": did you mean --optim.lr?"`` for each flag of ``argv`` that is no key of the
-    recipe but close to one (difflib over the dotted keys, then over their last parts)."""
-    import difflib
-
-    keys = _option_keys(recipe.options)
-    groups = {k.rsplit(".", 1)[0] for k in keys if "." in k}
-    known = {*keys, *groups, "config"}
-    hints = []
-    for word in argv:
-        if not word.startswith("--"):
-            continue
-        key = word[2:].partition("=")[0]
-        if key in known:
-            continue
-        close = difflib.get_close_matches(key, keys, n=1)
-        if not close:  # `--lr`: the key of that last part
-            last = key.rsplit(".", 1)[-1]
-            close = [k for k in keys if k.rsplit(".", 1)[-1] == last][:1]
-        if close:
-            hints.append((key, close[0]))
-    if len(hints) == 1:
-        return f": did you mean --{hints[0][1]}?"
-    pairs = ", ".join(f"--{k} for --{typo}" for typo, k in hints)
-    return f": did you mean {pairs}?" if hints else ""
-
-
-def help_text(recipe: Recipe) -> str:
-    """The help of ``fvstep train RECIPE``: every key, its type and its default."""
-    return str(_parser(recipe).format_help())
+        return options_from(recipe, parse(parser, argv))
+    except CLIError as e:
+        raise ValueError(str(e)) from None
 
 
 def options_to_dict(options: Any) -> dict[str, Any]:

@@ -1,8 +1,8 @@
 """``fvstep data``: the command line of :mod:`fvstep.executor.latents` (``fvstep data encode``).
 
-Registered by :mod:`fvstep.cli` through :func:`add_parser`; :func:`run_data` runs the
-parsed command. Only the standard library is imported here; the handler imports the
-models' libraries.
+:func:`run_encode` is ``fvstep data encode``: its signature is the command's options
+(:mod:`fvstep.cli` builds the parser from it). Only the standard library is imported
+here; the function imports the models' libraries.
 
 Examples:
     $ fvstep data encode clips/ latents/ --model Wan2.1-T2V-1.3B-Diffusers \\
@@ -12,103 +12,17 @@ Examples:
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from fvstep.core._optional import needs_extra
 
-__all__ = ["UsageError", "add_parser", "run_data"]
+__all__ = ["UsageError", "run_encode"]
 
-
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Add ``data`` (with ``encode``) to the ``fvstep`` command's subparsers.
-
-    Args:
-        subparsers: What ``ArgumentParser.add_subparsers`` returned.
-
-    Returns:
-        The ``data`` parser.
-
-    Examples:
-        >>> import argparse
-        >>> parser = argparse.ArgumentParser(prog="fvstep")
-        >>> _ = add_parser(parser.add_subparsers(dest="command"))
-        >>> parser.parse_args(["data", "encode", "clips", "out", "--model", "m"]).data_command
-        'encode'
-    """
-    data = subparsers.add_parser("data", help="datasets of precomputed latents: encode")
-    sub = data.add_subparsers(dest="data_command", required=True)
-    enc = sub.add_parser(
-        "encode",
-        help="videos or frame folders + captions -> Parquet shards of VAE latents and text "
-        "embeddings (resumable; rank r of N encodes shards k with k %% N == r)",
-    )
-    enc.add_argument(
-        "source", help="folder of clips (videos or frame folders) with NAME.txt captions"
-    )
-    enc.add_argument(
-        "out",
-        help="dataset folder to write (a rerun continues it; one with other settings, "
-        "models, model dtype or device is refused: see its encode.json)",
-    )
-    enc.add_argument(
-        "--model",
-        help="diffusers pipeline folder or id with vae/, text_encoder/, tokenizer/ "
-        "(e.g. Wan-AI/Wan2.1-T2V-1.3B-Diffusers)",
-    )
-    enc.add_argument("--vae", help="VAE folder (AutoencoderKLWan; default MODEL/vae)")
-    enc.add_argument("--text-encoder", help="text encoder folder (default MODEL/text_encoder)")
-    enc.add_argument("--tokenizer", help="tokenizer folder (default MODEL/tokenizer)")
-    enc.add_argument("--captions", help='JSONL of {"file": KEY, "caption": TEXT} (over NAME.txt)')
-    enc.add_argument(
-        "--num-frames",
-        type=int,
-        default=None,
-        help="at most this many frames a clip, cut to the largest 4k+1 (default all)",
-    )
-    enc.add_argument(
-        "--height", type=int, default=None, help="output height, a multiple of --multiple"
-    )
-    enc.add_argument(
-        "--width", type=int, default=None, help="output width, a multiple of --multiple"
-    )
-    enc.add_argument(
-        "--multiple",
-        type=int,
-        default=16,
-        help="height and width are multiples of it; without a size, crop to it (default 16)",
-    )
-    enc.add_argument("--max-tokens", type=int, default=512, help="text tokens (default 512)")
-    enc.add_argument("--shard-size", type=int, default=64, help="clips a shard (default 64)")
-    enc.add_argument("--batch-size", type=int, default=1, help="clips a model call (default 1)")
-    enc.add_argument(
-        "--dtype",
-        default="bfloat16",
-        choices=["bfloat16", "float16", "float32"],
-        help="stored dtype (default bfloat16)",
-    )
-    enc.add_argument(
-        "--model-dtype",
-        default="float32",
-        choices=["bfloat16", "float16", "float32"],
-        help="dtype the models run in (default float32)",
-    )
-    enc.add_argument(
-        "--device", default="cpu", help="cpu or cuda (under torchrun: cuda:LOCAL_RANK)"
-    )
-    enc.add_argument("--rank", type=int, default=None, help="this rank (default $RANK or 0)")
-    enc.add_argument(
-        "--world-size",
-        type=int,
-        default=None,
-        help="ranks sharing the work (default $WORLD_SIZE or 1)",
-    )
-    enc.add_argument("--debug", action="store_true", help="show tracebacks")
-    return data
+Dtype = Literal["bfloat16", "float16", "float32"]
 
 
 class UsageError(ValueError):
@@ -135,31 +49,32 @@ def _check_size(height: int | None, width: int | None, multiple: int) -> None:
         )
 
 
-def _load_models(args: argparse.Namespace) -> tuple[Any, Any, Any]:
+def _load_models(
+    model: str | None, vae: str | None, text_encoder: str | None, tokenizer: str | None, dtype: str
+) -> tuple[Any, Any, Any]:
     import torch
 
     with needs_extra("data", "fvstep data encode"):
         import transformers
         from diffusers import AutoencoderKLWan
 
-    dtype = getattr(torch, args.model_dtype)
+    torch_dtype = getattr(torch, dtype)
 
     def where(explicit: str | None, sub: str) -> tuple[str, dict[str, str]]:
         if explicit:
             return explicit, {}
-        if not args.model:
+        if not model:
             raise _user_error(f"give --model, or --{sub.replace('_', '-')}")
-        return args.model, {"subfolder": sub}
+        return model, {"subfolder": sub}
 
-    path, kw = where(args.vae, "vae")
-    vae = AutoencoderKLWan.from_pretrained(path, torch_dtype=dtype, **kw)
-    path, kw = where(args.text_encoder, "text_encoder")
+    path, kw = where(vae, "vae")
+    vae_model = AutoencoderKLWan.from_pretrained(path, torch_dtype=torch_dtype, **kw)
+    path, kw = where(text_encoder, "text_encoder")
     config = transformers.AutoConfig.from_pretrained(path, **kw)
     arch = (getattr(config, "architectures", None) or ["UMT5EncoderModel"])[0]
-    text_encoder = getattr(transformers, arch).from_pretrained(path, torch_dtype=dtype, **kw)
-    path, kw = where(args.tokenizer, "tokenizer")
-    tokenizer = transformers.AutoTokenizer.from_pretrained(path, **kw)
-    return vae.eval(), text_encoder.eval(), tokenizer
+    encoder = getattr(transformers, arch).from_pretrained(path, torch_dtype=torch_dtype, **kw)
+    path, kw = where(tokenizer, "tokenizer")
+    return vae_model.eval(), encoder.eval(), transformers.AutoTokenizer.from_pretrained(path, **kw)
 
 
 def _read_captions(path: str | None) -> dict[str, str] | None:
@@ -178,11 +93,53 @@ def _read_captions(path: str | None) -> dict[str, str] | None:
     return captions
 
 
-def run_data(args: argparse.Namespace) -> int:
-    """Run a parsed ``fvstep data`` command.
+def run_encode(
+    source: str,
+    out: str,
+    *,
+    model: str | None = None,
+    vae: str | None = None,
+    text_encoder: str | None = None,
+    tokenizer: str | None = None,
+    captions: str | None = None,
+    num_frames: int | None = None,
+    height: int | None = None,
+    width: int | None = None,
+    multiple: int = 16,
+    max_tokens: int = 512,
+    shard_size: int = 64,
+    batch_size: int = 1,
+    dtype: Dtype = "bfloat16",
+    model_dtype: Dtype = "float32",
+    device: str = "cpu",
+    rank: int | None = None,
+    world_size: int | None = None,
+) -> int:
+    """Encode videos or frame folders + captions into Parquet shards of VAE latents and
+    text embeddings (resumable; rank r of N encodes shards k with k % N == r).
 
     Args:
-        args: The parsed arguments (``add_parser``'s).
+        source: folder of clips (videos or frame folders) with NAME.txt captions
+        out: dataset folder to write (a rerun continues it; one with other settings,
+            models, model dtype or device is refused: see its encode.json)
+        model: diffusers pipeline folder or id with vae/, text_encoder/, tokenizer/
+            (e.g. Wan-AI/Wan2.1-T2V-1.3B-Diffusers)
+        vae: VAE folder (AutoencoderKLWan; default MODEL/vae)
+        text_encoder: text encoder folder (default MODEL/text_encoder)
+        tokenizer: tokenizer folder (default MODEL/tokenizer)
+        captions: JSONL of {"file": KEY, "caption": TEXT} (over NAME.txt)
+        num_frames: at most this many frames a clip, cut to the largest 4k+1 (default all)
+        height: output height, a multiple of --multiple
+        width: output width, a multiple of --multiple
+        multiple: height and width are multiples of it; without a size, crop to it
+        max_tokens: text tokens
+        shard_size: clips a shard
+        batch_size: clips a model call
+        dtype: stored dtype
+        model_dtype: dtype the models run in
+        device: cpu or cuda (under torchrun: cuda:LOCAL_RANK)
+        rank: this rank (default $RANK or 0)
+        world_size: ranks sharing the work (default $WORLD_SIZE or 1)
 
     Returns:
         The exit code (0).
@@ -192,54 +149,54 @@ def run_data(args: argparse.Namespace) -> int:
         ValueError: As :func:`fvstep.executor.latents.encode_clips`.
 
     Examples:
-        >>> # run_data(parser.parse_args(["data", "encode", "clips", "out", "--model", "m"]))
+        >>> run_encode("clips", "latents", model="tiny-wan", max_tokens=16)  # doctest: +SKIP
+        0
     """
     import torch
 
     from fvstep.executor.latents.encode import encode_clips
 
-    rank = args.rank if args.rank is not None else int(os.environ.get("RANK", "0"))
-    world = (
-        args.world_size if args.world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
-    )
+    rank = rank if rank is not None else int(os.environ.get("RANK", "0"))
+    world = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
     if world < 1 or not 0 <= rank < world:
         raise _user_error(f"need 0 <= --rank < --world-size, got rank {rank} of {world}")
-    for name in ("shard_size", "batch_size", "max_tokens", "multiple"):
-        if getattr(args, name) < 1:
-            raise _user_error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if (args.height is None) != (args.width is None):
+    counts = {"shard-size": shard_size, "batch-size": batch_size, "max-tokens": max_tokens}
+    for name, value in {**counts, "multiple": multiple}.items():
+        if value < 1:
+            raise _user_error(f"--{name} must be >= 1, got {value}")
+    if (height is None) != (width is None):
         raise _user_error("give both --height and --width, or neither")
-    _check_size(args.height, args.width, args.multiple)
-    if not Path(args.source).is_dir():
-        raise _user_error(f"the clips folder {args.source!r} does not exist")
-    device = torch.device(args.device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    captions = _read_captions(args.captions)
-    vae, text_encoder, tokenizer = _load_models(args)
-    vae.to(device)
-    text_encoder.to(device)
+    _check_size(height, width, multiple)
+    if not Path(source).is_dir():
+        raise _user_error(f"the clips folder {source!r} does not exist")
+    where = torch.device(device)
+    if where.type == "cuda" and where.index is None:
+        where = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    by_file = _read_captions(captions)
+    models = _load_models(model, vae, text_encoder, tokenizer, model_dtype)
+    models[0].to(where)
+    models[1].to(where)
 
     def log(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
     result = encode_clips(
-        args.source,
-        args.out,
-        vae=vae,
-        text_encoder=text_encoder,
-        tokenizer=tokenizer,
-        num_frames=args.num_frames,
-        height=args.height,
-        width=args.width,
-        multiple=args.multiple,
-        max_tokens=args.max_tokens,
-        shard_size=args.shard_size,
-        batch_size=args.batch_size,
-        dtype=getattr(torch, args.dtype),
+        source,
+        out,
+        vae=models[0],
+        text_encoder=models[1],
+        tokenizer=models[2],
+        num_frames=num_frames,
+        height=height,
+        width=width,
+        multiple=multiple,
+        max_tokens=max_tokens,
+        shard_size=shard_size,
+        batch_size=batch_size,
+        dtype=getattr(torch, dtype),
         rank=rank,
         world_size=world,
-        captions=captions,
+        captions=by_file,
         log=log,
     )
     mine = len(result.written) + len(result.skipped)
