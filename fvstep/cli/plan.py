@@ -3,8 +3,10 @@
 It reads the recipe's options as ``fvstep train`` does (``--config`` files and
 ``--dotted.key value`` flags), builds the model on the ``meta`` device and prints
 :func:`fvstep.recipes.planning.plan_run`'s plan; when the run does not fit, the changes that make
-it fit, fastest first (:func:`fvstep.recipes.planning.suggest_changes`). ``--calibrate FILE``
-measures this machine's kernels and writes them as a table for ``--kernels FILE``.
+it fit, fastest first (:func:`fvstep.recipes.planning.suggest_changes`). ``--nproc``,
+``--nodes`` and ``--context`` give the layout (FSDP2 over every GPU; each sample's tokens
+over ``--context`` of them). ``--calibrate FILE`` measures this machine's kernels and writes
+them as a table for ``--kernels FILE``.
 """
 
 from __future__ import annotations
@@ -15,7 +17,13 @@ from fvstep.cli.common import CLIError
 
 __all__ = ["add_plan_parser", "run_plan_command", "split_plan_args"]
 
-_OWN = {"--nproc": "nproc", "--nodes": "nodes", "--kernels": "kernels", "--calibrate": "calibrate"}
+_OWN = {
+    "--nproc": "nproc",
+    "--nodes": "nodes",
+    "--context": "context",
+    "--kernels": "kernels",
+    "--calibrate": "calibrate",
+}
 
 
 def add_plan_parser(sub: Any) -> None:
@@ -37,6 +45,9 @@ def add_plan_parser(sub: Any) -> None:
     plan.add_argument("--config", action="append", help="a YAML or TOML file of options")
     plan.add_argument("--nproc", type=int, default=1, help="GPUs a node")
     plan.add_argument("--nodes", type=int, default=1, help="nodes")
+    plan.add_argument(
+        "--context", type=int, help="context-parallel degree: each sample over this many GPUs"
+    )
     plan.add_argument("--kernels", help="h200, h100 or a table from --calibrate")
     plan.add_argument("--calibrate", metavar="FILE", help="measure this GPU's kernels into FILE")
     plan.add_argument("--debug", action="store_true", help="show tracebacks")
@@ -46,8 +57,8 @@ def split_plan_args(argv: list[str]) -> tuple[str, list[str], dict[str, Any]]:
     """``argv`` (after ``plan``) -> the recipe, its options' arguments, the command's flags.
 
     Raises:
-        CLIError: For a flag of its own without a value, or ``--nproc``/``--nodes`` not a
-            number.
+        CLIError: For a flag of its own without a value, or ``--nproc``, ``--nodes`` or
+            ``--context`` not a number.
 
     Example:
         >>> split_plan_args(["dmd2", "--nproc", "8", "--optim.lr", "1e-4"])[2]["nproc"]
@@ -55,7 +66,9 @@ def split_plan_args(argv: list[str]) -> tuple[str, list[str], dict[str, Any]]:
     """
     words = list(argv)
     recipe = words.pop(0) if words and not words[0].startswith("-") else "finetune"
-    own: dict[str, Any] = {"nproc": 1, "nodes": 1, "kernels": None, "calibrate": None}
+    own: dict[str, Any] = {
+        "nproc": 1, "nodes": 1, "context": None, "kernels": None, "calibrate": None,
+    }  # fmt: skip
     own["help"] = False
     rest: list[str] = []
     i = 0
@@ -72,7 +85,7 @@ def split_plan_args(argv: list[str]) -> tuple[str, list[str], dict[str, Any]]:
                 if i >= len(words):
                     raise CLIError(f"fvstep plan: {flag} needs a value")
                 value = words[i]
-            if flag in ("--nproc", "--nodes"):
+            if flag in ("--nproc", "--nodes", "--context"):
                 try:
                     own[_OWN[flag]] = int(value)
                 except ValueError:
@@ -108,8 +121,8 @@ def run_plan_command(argv: list[str]) -> int:
         raise CLIError(f"fvstep plan: {e}") from None
     if own["help"]:
         print(
-            f"fvstep plan {name} [--nproc N] [--nodes M] [--kernels h200|h100|FILE] "
-            "[--calibrate FILE] and the recipe's options:\n"
+            f"fvstep plan {name} [--nproc N] [--nodes M] [--context C] "
+            "[--kernels h200|h100|FILE] [--calibrate FILE] and the recipe's options:\n"
         )
         print(help_text(recipe))
         return 0
@@ -132,16 +145,18 @@ def run_plan_command(argv: list[str]) -> int:
         return 0
     try:
         plan = planning.plan_run(
-            name, options, nproc=own["nproc"], nodes=own["nodes"], kernels=own["kernels"]
-        )
+            name, options, nproc=own["nproc"], nodes=own["nodes"], kernels=own["kernels"],
+            context=own["context"],
+        )  # fmt: skip
     except ValueError as e:
         raise CLIError(f"fvstep plan: {e}") from None
     print(plan.format())
     if plan.fits:
         return 0
     found = planning.suggest_changes(
-        name, options, nproc=own["nproc"], nodes=own["nodes"], kernels=own["kernels"]
-    )
+        name, options, nproc=own["nproc"], nodes=own["nodes"], kernels=own["kernels"],
+        context=own["context"],
+    )  # fmt: skip
     if not found:
         print("\nno change tried makes it fit (docs/plan.md lists what is tried)")
         return 1

@@ -137,8 +137,8 @@ class KernelTable:
     interconnect: float = 350.0
     network: float = 40.0
     elementwise: float = 0.15
-    masked_attention_forward: float = 353.0
-    masked_attention_forward_backward: float = 334.0
+    masked_attention_forward: float = 352.0
+    masked_attention_forward_backward: float = 331.0
     elementwise_eager: float = 0.37
     source: str = ""
 
@@ -156,7 +156,7 @@ KERNEL_TABLES: dict[str, KernelTable] = {
         gemm=700.0,
         source="one H200, torch 2.11, at 32,760 tokens (docs/benchmarks.md: cuDNN "
         "538 TFLOP/s forward+backward, FA4 645, the model's bf16 GEMMs 647-729; a causal "
-        "chunk's masked attention over its cache 353 forward, 334 forward+backward, from "
+        "chunk's masked attention over its cache 352 forward, 331 forward+backward, from "
         "the streaming kernel profile)",
     ),
     "h100": KernelTable(
@@ -331,6 +331,9 @@ class ModelShape:
         tensors: Parameter tensors of the whole model (AdamW keeps a step count a tensor).
         convs: The names in ``linears`` that are convolutions (not ``nn.Linear``: LoRA
             targets only linear layers).
+        fp32_numel: Parameters a frozen role keeps in fp32 whatever its dtype (diffusers'
+            ``_keep_in_fp32_modules``: Wan's time embedder, ``scale_shift_table`` and
+            norms; :func:`fvstep.parallel.precision.store_in_dtype`).
     """
 
     num_layers: int
@@ -345,6 +348,7 @@ class ModelShape:
     linears: tuple[tuple[str, int, int], ...]
     tensors: int = 0
     convs: tuple[str, ...] = ()
+    fp32_numel: int = 0
 
     @classmethod
     def of(cls, module: nn.Module) -> ModelShape:
@@ -358,6 +362,12 @@ class ModelShape:
                 if not isinstance(m, nn.Linear):
                     convs.append(name)
         params = list(module.parameters())
+        keep = tuple(getattr(module, "_keep_in_fp32_modules", None) or ())
+        fp32_numel = sum(
+            p.numel()
+            for name, p in module.named_parameters()
+            if any(k in name.split(".") for k in keep)
+        )
         return cls(
             num_layers=cfg.num_layers,
             dim=cfg.num_attention_heads * cfg.attention_head_dim,
@@ -373,6 +383,7 @@ class ModelShape:
             linears=tuple(linears),
             tensors=len(params),
             convs=tuple(convs),
+            fp32_numel=fp32_numel,
         )
 
 
@@ -437,6 +448,9 @@ def _wan_shape(config: dict[str, Any]) -> ModelShape | None:
     tensors += layers * block_tensors + 2
     outside = sum(i * o + o for n, i, o in linears if not n.startswith("blocks."))
     numel = 2 * dim + outside + layers * block_numel
+    # kept in fp32 by a frozen role: the time embedder, the scale-shift tables, norm2
+    time = sum(i * o + o for n, i, o in linears if ".time_embedder." in n)
+    fp32_numel = time + 2 * dim + layers * (6 * dim + norm2)
     return ModelShape(
         num_layers=layers,
         dim=dim,
@@ -450,6 +464,7 @@ def _wan_shape(config: dict[str, Any]) -> ModelShape | None:
         linears=tuple(linears),
         tensors=tensors,
         convs=("patch_embedding",),
+        fp32_numel=fp32_numel,
     )
 
 
@@ -776,6 +791,13 @@ def _lora_numel(shape: ModelShape, rank: int, targets: Sequence[str]) -> tuple[i
     return numel, layers, fan_in
 
 
+def _stored_bytes(shape: ModelShape, nbytes: int) -> float:
+    """A frozen model's bytes stored in a dtype of ``nbytes`` (diffusers' fp32 modules stay
+    fp32)."""
+    kept = shape.fp32_numel if nbytes < 4 else 0
+    return (shape.numel - kept) * nbytes + kept * 4.0
+
+
 def _roles(recipe: str, options: Any, shape: ModelShape, world: int) -> list[RolePlan]:
     prepare = options.prepare
     bf16 = _compute(options) == "bf16"
@@ -802,7 +824,8 @@ def _roles(recipe: str, options: Any, shape: ModelShape, world: int) -> list[Rol
         )  # fmt: skip
 
     def frozen(name: str, note: str, nbytes: int = frozen_bytes) -> RolePlan:
-        return RolePlan(name, False, shape.numel, shape.numel * nbytes / world, 0, 0, 0, note)
+        stored = _stored_bytes(shape, nbytes)
+        return RolePlan(name, False, shape.numel, stored / world, 0, 0, 0, note)
 
     master = f"{'fp32' if model_bytes == 4 else options.model.dtype} masters, AdamW"
     frozen_note = f"frozen, {'bf16' if frozen_bytes == 2 else 'fp32'}"
@@ -1112,8 +1135,8 @@ class StepPlan:
         recompute: Seconds the checkpointing recomputes.
         seconds: The predicted step time.
         share: The fraction of the method's steps of this kind.
-        held: Bytes beyond the static ones held at the peak (KV caches, a stream's
-            contexts, DiffusionNFT's rollouts).
+        held: Bytes beyond the static ones held at most in the step (KV caches, a
+            stream's contexts, DiffusionNFT's rollouts).
     """
 
     name: str
@@ -1540,7 +1563,7 @@ def plan_run(
     if _benchmark and recipe == "diffusion_nft":  # benchmarks.realshape: the old policy frozen
         nbytes = 2 if compute == "bf16" else 4
         roles = [
-            attrs.evolve(r, weights=r.numel * nbytes / world, note="frozen (the benchmark's)")
+            attrs.evolve(r, weights=_stored_bytes(shape, nbytes) / world, note="frozen (the benchmark's)")
             if r.name == "old" else r
             for r in roles
         ]  # fmt: skip
@@ -1584,7 +1607,7 @@ def plan_run(
                 total["recompute"],
                 seconds,
                 kind.share,
-                kind.phases[top].held,
+                max(phase.held for phase in kind.phases),
             )
         )
     settings = {
