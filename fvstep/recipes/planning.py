@@ -1020,13 +1020,10 @@ def _step_kinds(
         calls = (_Call("old", "no_grad"), _Call("student", "trained"))
         if options.kl_weight > 0:
             calls += (_Call("reference", "no_grad"),)
-        # the rollouts (samples, text, probabilities) are held through the inner updates
-        _, channels, frames, height, width = (0, *options.data.latent_shape)
-        kept = (
-            group
-            * 4.0
-            * (channels * frames * height * width + math.prod(options.data.text_shape) + 1)
-        )
+        # held through the inner updates, fp32: the grouped batch's latents and text, the
+        # rollouts' noise and samples, the samples and text shuffled for a pass
+        latents, text = math.prod(options.data.latent_shape), math.prod(options.data.text_shape)
+        kept = group * 4.0 * (4 * latents + 2 * text)
         update = _Phase(
             "inner", calls, inner, options.num_inner * options.minibatches * m, held=kept,
             accumulates=("student",) if m > 1 else (),
