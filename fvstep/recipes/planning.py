@@ -1033,6 +1033,14 @@ def _step_kinds(
     # the causal recipes: a rollout of chunks with a KV cache, then the DMD updates
     chunk = options.chunk_frames
     chunks = g.frames // chunk
+    if g.frames % chunk:  # as the recipe refuses them (check_latent_frames)
+        raise ValueError(
+            f"{recipe}: the latents' {g.frames} frames are not a multiple of chunk_frames={chunk}"
+        )
+    if recipe == "streaming" and g.frames > options.window_frames:  # as init_stream does
+        raise ValueError(
+            f"streaming: window_frames={options.window_frames} must hold a step's {g.frames} frames"
+        )
     if exit_mean is None:
         exit_mean = (len(options.denoising_steps) - 1) / 2  # exit steps drawn uniformly
     chunk_bytes = chunk * g.cache_frame
