@@ -3,8 +3,10 @@
 It reads the recipe's options as ``fvstep train`` does (``--config`` files and
 ``--dotted.key value`` flags), builds the model on the ``meta`` device and prints
 :func:`fvstep.recipes.planning.plan_run`'s plan; when the run does not fit, the changes that make
-it fit, fastest first (:func:`fvstep.recipes.planning.suggest_changes`). ``--calibrate FILE``
-measures this machine's kernels and writes them as a table for ``--kernels FILE``.
+it fit, fastest first (:func:`fvstep.recipes.planning.suggest_changes`). ``--nproc``,
+``--nodes`` and ``--context`` give the layout (FSDP2 over every GPU; each sample's tokens
+over ``--context`` of them). ``--calibrate FILE`` measures this machine's kernels and writes
+them as a table for ``--kernels FILE``.
 """
 
 from __future__ import annotations
@@ -36,19 +38,21 @@ def run_plan(
     *,
     nproc: int = 1,
     nodes: int = 1,
+    context: int | None = None,
     kernels: str | None = None,
     calibrate: str | None = None,
 ) -> int:
     """Plan a run's memory and step time per GPU, on the meta device, before it allocates.
 
-    RECIPE (the first word) is finetune (the default), dmd2 or lora_dmd2. When the run
-    does not fit, the changes that make it fit are listed, fastest first.
+    RECIPE (the first word) is any shipped recipe (default finetune). When the run does not
+    fit, the changes that make it fit are listed, fastest first.
 
     Args:
-        name: the recipe's name (finetune, dmd2 or lora_dmd2)
+        name: the recipe's name
         options: its options
         nproc: GPUs a node
         nodes: nodes
+        context: context-parallel degree: each sample's tokens over this many GPUs
         kernels: h200, h100 or a table from --calibrate (default h200)
         calibrate: measure this GPU's kernels into this file, and exit
 
@@ -75,13 +79,17 @@ def run_plan(
         print(f"fvstep plan: wrote the kernel table of {table.name} to {calibrate}")
         return 0
     try:
-        plan = planning.plan_run(name, options, nproc=nproc, nodes=nodes, kernels=kernels)
+        plan = planning.plan_run(
+            name, options, nproc=nproc, nodes=nodes, kernels=kernels, context=context
+        )
     except ValueError as e:
         raise CLIError(f"fvstep plan: {e}") from None
     print(plan.format())
     if plan.fits:
         return 0
-    found = planning.suggest_changes(name, options, nproc=nproc, nodes=nodes, kernels=kernels)
+    found = planning.suggest_changes(
+        name, options, nproc=nproc, nodes=nodes, kernels=kernels, context=context
+    )
     if not found:
         print("\nno change tried makes it fit (docs/plan.md lists what is tried)")
         return 1

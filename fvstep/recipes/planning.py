@@ -1,33 +1,42 @@
 """Plan before you allocate: a run's memory and step time from its config, on the meta device.
 
-:func:`plan_run` takes a recipe's resolved options (``finetune``, ``dmd2``, ``lora_dmd2``)
-and the process layout, builds the transformer on the ``meta`` device (no weights, no
-GPU), and says, per GPU:
+:func:`plan_run` takes a shipped recipe's resolved options (every recipe: ``finetune``,
+``dmd2``, ``lora_dmd2``, ``self_forcing``, ``streaming``, ``diffusion_nft``) and the
+process layout, reads the transformer's shape from its config (no weights, no GPU), and
+says, per GPU:
 
 - **static** memory per role: the stored weights (fp32 masters of a trained role, the
-  frozen dtype of a frozen one, LoRA adapters in fp32), AdamW's two fp32 moments, an
-  fp32 EMA copy, and the fp32 gradients of each trained parameter; FSDP2 divides all of
-  them by the world size;
+  frozen dtype of a frozen one, LoRA adapters in fp32, DiffusionNFT's old policy in the
+  student's dtype), AdamW's two fp32 moments, an fp32 EMA copy, and the fp32 gradients of
+  each trained parameter; FSDP2 divides all of them by the world size;
 - **saved activations** per block under the chosen checkpointing, a model of bytes per
   token (:data:`SAVED_BYTES_PER_TOKEN`, measured on a CPU Wan block op by op,
   ``tests/test_planning.py``) with Inductor's partitioner folded in for compiled
   blocks without checkpointing (:data:`COMPILED_NONE_FRACTION`, from the measured H200
   rows); offloading removes every n-th block's from the GPU (one block in flight back);
+  context parallel divides them by its degree;
+- the **KV caches** of the causal recipes (``self_forcing``: one of the video's frames;
+  ``streaming``: the stream's, the rollout's and its contexts' one buffer), in the dtype
+  the recipe's code gives them (:func:`_cache_dtype_bytes`);
 - the **largest transient** of a backward (a block's gradient buffers, the gathered
-  parameters of FSDP2's two blocks in flight) and the **predicted peak** (what
-  ``torch.cuda.max_memory_allocated`` reports), walked pass by pass for each kind of
-  step of the method;
-- the **step time**: the model FLOPs of each call (attention and every linear layer),
-  times the method's calls (no grad, frozen under grad, trained), plus what the
-  checkpointing recomputes, at the kernel rates of a :class:`KernelTable` (shipped for
-  the H200 from ``docs/benchmarks.md``; ``fvstep plan --calibrate`` measures one), plus
-  the element-wise work the floor counts as free (:attr:`KernelTable.elementwise`) and
-  the optimizer; and the fraction of the floor that is.
+  parameters of FSDP2's two blocks in flight, a cached call's keys) and the **predicted
+  peak** (what ``torch.cuda.max_memory_allocated`` reports), walked phase by phase (a
+  rollout without grad, each backward) for each kind of step of the method;
+- the **step time**: the model FLOPs of each call (attention and every linear layer;
+  a causal chunk's self-attention over its cache's whole capacity, masked, at
+  :attr:`KernelTable.masked_attention_forward`), times the method's calls (no grad, frozen
+  under grad, trained), plus what the checkpointing recomputes, at the kernel rates of a
+  :class:`KernelTable` (shipped for the H200 from ``docs/benchmarks.md``; ``fvstep plan
+  --calibrate`` measures one), plus the element-wise work the floor counts as free
+  (:attr:`KernelTable.elementwise`, :attr:`KernelTable.elementwise_eager` for eager
+  calls), a cached call's pass over its cache's keys (:data:`CACHE_PASS_BYTES`), the
+  cache appends' copies, context parallel's all-to-alls and the optimizer; and the
+  fraction of the floor that is.
 
 :func:`suggest_changes` re-plans a run that does not fit under cheaper settings
-(checkpointing, offloading, LoRA, more GPUs) and ranks those that fit by step time.
-``docs/plan.md`` says what the model leaves out; ``docs/benchmarks.md`` compares it with
-the measured rows.
+(checkpointing, offloading, LoRA, context parallel, more GPUs) and ranks those that fit by
+step time. ``docs/plan.md`` says what the model leaves out; ``docs/benchmarks.md`` compares
+it with the measured rows.
 
 Examples:
     >>> from fvstep.recipes import get_recipe
@@ -41,6 +50,7 @@ Examples:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import time
@@ -53,6 +63,7 @@ import torch
 from torch import nn
 
 __all__ = [
+    "CACHE_PASS_BYTES",
     "COMPILED_NONE_FRACTION",
     "KERNEL_TABLES",
     "SAVED_BYTES_PER_TOKEN",
@@ -72,8 +83,17 @@ __all__ = [
 ]
 
 GIB = 2**30
-PLANNED_RECIPES = ("finetune", "dmd2", "lora_dmd2")
-"""The recipes :func:`plan_run` knows the roles and calls of."""
+PLANNED_RECIPES = (
+    "finetune",
+    "dmd2",
+    "lora_dmd2",
+    "self_forcing",
+    "streaming",
+    "diffusion_nft",
+)
+"""The recipes :func:`plan_run` knows the roles and calls of (every shipped one)."""
+CAUSAL_RECIPES = ("self_forcing", "streaming")
+"""The recipes whose student is a causal Wan with a KV cache (no context parallel)."""
 
 
 # ------------------------------------------------------------------ kernels
@@ -93,10 +113,17 @@ class KernelTable:
         gemm: bf16 GEMMs at the model's shapes, TFLOP/s.
         memory_bandwidth: HBM GB/s an element-wise kernel (the fused AdamW) reaches.
         host_bandwidth: Host <-> GPU GB/s of pinned copies (activation offloading).
-        interconnect: GB/s per GPU of collectives within a node (FSDP2).
+        interconnect: GB/s per GPU of collectives within a node (FSDP2, context
+            parallel's all-to-alls).
         network: GB/s per GPU of collectives across nodes.
         elementwise: The step time beyond the kernel floor, as a fraction of it (norms,
-            modulation, rotary, GELU: what the floor counts as free).
+            modulation, rotary, GELU: what the floor counts as free), for compiled blocks.
+        masked_attention_forward: A causal chunk's self-attention over its KV cache, with
+            the boolean mask of the filled slots, TFLOP/s (its FLOPs counted over the
+            cache's whole capacity: the masked slots are computed too).
+        masked_attention_forward_backward: The same, forward + backward.
+        elementwise_eager: :attr:`elementwise` for blocks that run eagerly (not compiled,
+            and every causal cache-filling pass).
         source: Where the numbers come from.
     """
 
@@ -110,6 +137,9 @@ class KernelTable:
     interconnect: float = 350.0
     network: float = 40.0
     elementwise: float = 0.15
+    masked_attention_forward: float = 352.0
+    masked_attention_forward_backward: float = 331.0
+    elementwise_eager: float = 0.37
     source: str = ""
 
     def to_json(self) -> str:
@@ -125,7 +155,9 @@ KERNEL_TABLES: dict[str, KernelTable] = {
         attention_forward_backward={"cudnn": 538.0, "fa4": 645.0},
         gemm=700.0,
         source="one H200, torch 2.11, at 32,760 tokens (docs/benchmarks.md: cuDNN "
-        "538 TFLOP/s forward+backward, FA4 645, the model's bf16 GEMMs 647-729)",
+        "538 TFLOP/s forward+backward, FA4 645, the model's bf16 GEMMs 647-729; a causal "
+        "chunk's masked attention over its cache 352 forward, 331 forward+backward, from "
+        "the streaming kernel profile)",
     ),
     "h100": KernelTable(
         name="h100",
@@ -143,6 +175,8 @@ KERNEL_TABLES: dict[str, KernelTable] = {
 
 def load_kernel_table(name_or_path: str | None) -> KernelTable:
     """A shipped kernel table by name, or one written by ``fvstep plan --calibrate``.
+
+    A table written before a field existed gets the field's default (the H200's).
 
     Args:
         name_or_path: ``"h200"``, ``"h100"``, a JSON file, or ``None`` (the H200's).
@@ -184,6 +218,35 @@ def _median_seconds(fn: Any, device: torch.device, repeats: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def _attention_rates(
+    h: int, d: int, queries: int, keys: int, device: torch.device, dtype: torch.dtype,
+    repeats: int, *, masked: bool,
+) -> tuple[float, float]:  # fmt: skip
+    """SDPA's forward and forward + backward TFLOP/s at ``queries x keys``; ``masked``:
+    with a boolean ``(1, keys)`` mask of filled slots, as a causal chunk's cached call."""
+    q = torch.randn(1, h, queries, d, device=device, dtype=dtype, requires_grad=True)
+    k, v = (
+        torch.randn(1, h, keys, d, device=device, dtype=dtype, requires_grad=True) for _ in "kv"
+    )
+    mask = None
+    if masked:
+        mask = (torch.arange(keys, device=device) < keys - queries // 2)[None]
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def forward() -> None:
+        with torch.no_grad():
+            sdpa(q, k, v, attn_mask=mask)
+
+    def both() -> None:
+        out = sdpa(q, k, v, attn_mask=mask)
+        torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+
+    flops = 4.0 * queries * keys * h * d
+    f = flops / _median_seconds(forward, device, repeats) / 1e12
+    fb = 3.5 * flops / _median_seconds(both, device, repeats) / 1e12
+    return f, fb
+
+
 def calibrate_kernels(
     shape: ModelShape,
     *,
@@ -194,10 +257,12 @@ def calibrate_kernels(
     """Measure this machine's attention and GEMM rates at ``shape``'s sizes.
 
     Self-attention (``scaled_dot_product_attention``, PyTorch's default backend choice,
-    bf16 on CUDA, fp32 elsewhere) forward and forward + backward, and the feed-forward
-    up-projection's GEMM, each the median of ``repeats`` calls after a warm-up.
-    FlashAttention-4's rate is not measured (it is the H200 table's, scaled by the
-    measured PyTorch rate); the other fields are the H200 table's.
+    bf16 on CUDA, fp32 elsewhere) forward and forward + backward; the masked attention of
+    a causal chunk (a seventh of the tokens as queries over all of them and the chunk's
+    own, with a boolean mask); and the feed-forward up-projection's GEMM, each the median
+    of ``repeats`` calls after a warm-up. FlashAttention-4's rate is not measured (it is
+    the H200 table's, scaled by the measured PyTorch rate); the other fields are the H200
+    table's.
 
     Args:
         shape: The model (its heads, head dim and FFN width).
@@ -216,22 +281,11 @@ def calibrate_kernels(
     dtype = torch.bfloat16 if cuda else torch.float32
     t = tokens or (32760 if cuda else 512)
     h, d = shape.num_heads, shape.head_dim
-    q, k, v = (
-        torch.randn(1, h, t, d, device=device, dtype=dtype, requires_grad=True) for _ in "qkv"
+    attention_f, attention_fb = _attention_rates(h, d, t, t, device, dtype, repeats, masked=False)
+    chunk = max(1, t // 7)
+    masked_f, masked_fb = _attention_rates(
+        h, d, chunk, t + chunk, device, dtype, repeats, masked=True
     )
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-
-    def forward() -> None:
-        with torch.no_grad():
-            sdpa(q, k, v)
-
-    def both() -> None:
-        out = sdpa(q, k, v)
-        torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
-
-    flops = 4.0 * t * t * h * d
-    attention_f = flops / _median_seconds(forward, device, repeats) / 1e12
-    attention_fb = 3.5 * flops / _median_seconds(both, device, repeats) / 1e12
     x = torch.randn(t, shape.dim, device=device, dtype=dtype)
     w = torch.randn(shape.ffn_dim, shape.dim, device=device, dtype=dtype)
     gemm = 2.0 * t * shape.dim * shape.ffn_dim / _median_seconds(lambda: x @ w.t(), device, 3)
@@ -249,6 +303,8 @@ def calibrate_kernels(
             "fa4": base.attention_forward_backward["fa4"] * scale,
         },
         gemm=gemm / 1e12,
+        masked_attention_forward=masked_f,
+        masked_attention_forward_backward=masked_fb,
         source=f"measured by fvstep plan --calibrate on {name} at {t} tokens",
     )
 
@@ -272,6 +328,12 @@ class ModelShape:
         block_linear_numel: Weights of one block's linear layers.
         linears: ``(name, fan_in, fan_out)`` of every linear layer (and the patch
             embedding, a linear map per token).
+        tensors: Parameter tensors of the whole model (AdamW keeps a step count a tensor).
+        convs: The names in ``linears`` that are convolutions (not ``nn.Linear``: LoRA
+            targets only linear layers).
+        fp32_numel: Parameters a frozen role keeps in fp32 whatever its dtype (diffusers'
+            ``_keep_in_fp32_modules``: Wan's time embedder, ``scale_shift_table`` and
+            norms; :func:`fvstep.parallel.precision.store_in_dtype`).
     """
 
     num_layers: int
@@ -284,16 +346,27 @@ class ModelShape:
     block_numel: int
     block_linear_numel: int
     linears: tuple[tuple[str, int, int], ...]
+    tensors: int = 0
+    convs: tuple[str, ...] = ()
+    fp32_numel: int = 0
 
     @classmethod
     def of(cls, module: nn.Module) -> ModelShape:
         """The shape of a (meta or real) ``WanTransformer3DModel``."""
         cfg: Any = module.config
         block: Any = module.blocks[0]  # type: ignore[index]
-        linears = tuple(
-            (name, m.weight[0].numel(), m.weight.shape[0])
-            for name, m in module.named_modules()
-            if isinstance(m, (nn.Linear, nn.Conv3d))
+        linears, convs = [], []
+        for name, m in module.named_modules():
+            if isinstance(m, (nn.Linear, nn.Conv3d)):
+                linears.append((name, m.weight[0].numel(), m.weight.shape[0]))
+                if not isinstance(m, nn.Linear):
+                    convs.append(name)
+        params = list(module.parameters())
+        keep = tuple(getattr(module, "_keep_in_fp32_modules", None) or ())
+        fp32_numel = sum(
+            p.numel()
+            for name, p in module.named_parameters()
+            if any(k in name.split(".") for k in keep)
         )
         return cls(
             num_layers=cfg.num_layers,
@@ -302,13 +375,129 @@ class ModelShape:
             head_dim=cfg.attention_head_dim,
             ffn_dim=cfg.ffn_dim,
             patch=tuple(cfg.patch_size),
-            numel=sum(p.numel() for p in module.parameters()),
+            numel=sum(p.numel() for p in params),
             block_numel=sum(p.numel() for p in block.parameters()),
             block_linear_numel=sum(
                 m.weight.numel() for m in block.modules() if isinstance(m, nn.Linear)
             ),
-            linears=linears,
+            linears=tuple(linears),
+            tensors=len(params),
+            convs=tuple(convs),
+            fp32_numel=fp32_numel,
         )
+
+
+_WAN_DEFAULTS: dict[str, Any] = {
+    "patch_size": (1, 2, 2),
+    "num_attention_heads": 40,
+    "attention_head_dim": 128,
+    "in_channels": 16,
+    "out_channels": 16,
+    "text_dim": 4096,
+    "freq_dim": 256,
+    "ffn_dim": 13824,
+    "num_layers": 40,
+    "cross_attn_norm": True,
+}
+"""``diffusers.WanTransformer3DModel``'s defaults for the keys a config may leave out."""
+
+
+def _wan_shape(config: dict[str, Any]) -> ModelShape | None:
+    """The :class:`ModelShape` of a text-to-video ``WanTransformer3DModel`` config, counted
+    from its layers (diffusers' ``transformer_wan``: the patch embedding, the time and text
+    embedders, the blocks' attentions with their RMS norms, the cross-attention's norm,
+    the feed-forward, the output projection) without importing diffusers, which takes
+    seconds; ``tests/test_planning.py`` checks it against the module diffusers builds.
+    ``None`` for another class or an image-conditioned config (the plan builds those)."""
+    if config.get("_class_name", "WanTransformer3DModel") != "WanTransformer3DModel":
+        return None
+    if any(
+        config.get(k) is not None for k in ("image_dim", "added_kv_proj_dim", "pos_embed_seq_len")
+    ):
+        return None
+    c = {**_WAN_DEFAULTS, **{k: v for k, v in config.items() if not k.startswith("_")}}
+    heads, head_dim, layers = c["num_attention_heads"], c["attention_head_dim"], c["num_layers"]
+    dim, ffn, patch = heads * head_dim, c["ffn_dim"], tuple(c["patch_size"])
+    in_channels = c["in_channels"]
+    out_channels = (c["out_channels"] or in_channels) * math.prod(patch)
+    linears: list[tuple[str, int, int]] = [("patch_embedding", in_channels * math.prod(patch), dim)]
+    tensors = 1 + 2  # the output's scale_shift_table, the patch embedding
+    for name, fan_in, fan_out in (
+        ("time_embedder.linear_1", c["freq_dim"], dim),
+        ("time_embedder.linear_2", dim, dim),
+        ("time_proj", dim, 6 * dim),
+        ("text_embedder.linear_1", c["text_dim"], dim),
+        ("text_embedder.linear_2", dim, dim),
+    ):
+        linears.append((f"condition_embedder.{name}", fan_in, fan_out))
+        tensors += 2
+    block_linears = [
+        *((f"{attn}.{p}", dim, dim) for attn in ("attn1", "attn2") for p in ("to_q", "to_k", "to_v", "to_out.0")),
+        ("ffn.net.0.proj", dim, ffn),
+        ("ffn.net.2", ffn, dim),
+    ]  # fmt: skip
+    # a block: its scale_shift_table (6 x dim), each linear's weight and bias, the two
+    # attentions' norm_q and norm_k (dim each), the cross-attention norm's weight and bias
+    norm2 = 2 * dim if c["cross_attn_norm"] else 0
+    block_linear_numel = sum(i * o for _, i, o in block_linears)
+    block_numel = 6 * dim + sum(i * o + o for _, i, o in block_linears) + 4 * dim + norm2
+    block_tensors = 1 + 2 * len(block_linears) + 4 + (2 if norm2 else 0)
+    for i in range(layers):
+        linears += [(f"blocks.{i}.{n}", fan_in, fan_out) for n, fan_in, fan_out in block_linears]
+    linears.append(("proj_out", dim, out_channels))
+    tensors += layers * block_tensors + 2
+    outside = sum(i * o + o for n, i, o in linears if not n.startswith("blocks."))
+    numel = 2 * dim + outside + layers * block_numel
+    # kept in fp32 by a frozen role: the time embedder, the scale-shift tables, norm2
+    time = sum(i * o + o for n, i, o in linears if ".time_embedder." in n)
+    fp32_numel = time + 2 * dim + layers * (6 * dim + norm2)
+    return ModelShape(
+        num_layers=layers,
+        dim=dim,
+        num_heads=heads,
+        head_dim=head_dim,
+        ffn_dim=ffn,
+        patch=patch,  # type: ignore[arg-type]
+        numel=numel,
+        block_numel=block_numel,
+        block_linear_numel=block_linear_numel,
+        linears=tuple(linears),
+        tensors=tensors,
+        convs=("patch_embedding",),
+        fp32_numel=fp32_numel,
+    )
+
+
+def _model_config(model: Any) -> dict[str, Any]:
+    """The transformer config of a ``ModelOptions``: ``model.path``'s (a transformer
+    folder, or a pipeline's ``transformer/``), else ``model.config``'s, else the tiny Wan's."""
+    if model.path is not None:
+        folder = Path(model.path)
+        config_file = folder / "transformer" / "config.json"
+        if not config_file.is_file():
+            config_file = folder / "config.json"
+        if not config_file.is_file():
+            raise ValueError(f"model.path {model.path!r} holds no transformer config.json")
+        config: dict[str, Any] = json.loads(config_file.read_text())
+        return config
+    if model.config is not None:
+        config = json.loads(Path(model.config).read_text())
+        return config
+    tiny = model.tiny
+    return {
+        "patch_size": (1, 2, 2),
+        "num_attention_heads": tiny.num_heads,
+        "attention_head_dim": tiny.dim_per_head,
+        "in_channels": tiny.in_channels,
+        "out_channels": tiny.in_channels,
+        "text_dim": tiny.text_dim,
+        "freq_dim": 16,
+        "ffn_dim": tiny.ffn_dim,
+        "num_layers": tiny.num_layers,
+        "cross_attn_norm": True,
+        "qk_norm": "rms_norm_across_heads",
+        "rope_max_seq_len": 32,
+    }
 
 
 def meta_transformer(model: Any) -> nn.Module:
@@ -333,39 +522,32 @@ def meta_transformer(model: Any) -> nn.Module:
     """
     import diffusers
 
-    if model.path is not None:
-        folder = Path(model.path)
-        config_file = folder / "transformer" / "config.json"
-        if not config_file.is_file():
-            config_file = folder / "config.json"
-        if not config_file.is_file():
-            raise ValueError(f"model.path {model.path!r} holds no transformer config.json")
-        config = json.loads(config_file.read_text())
-    elif model.config is not None:
-        config = json.loads(Path(model.config).read_text())
-    else:
-        tiny = model.tiny
-        config = {
-            "patch_size": (1, 2, 2),
-            "num_attention_heads": tiny.num_heads,
-            "attention_head_dim": tiny.dim_per_head,
-            "in_channels": tiny.in_channels,
-            "out_channels": tiny.in_channels,
-            "text_dim": tiny.text_dim,
-            "freq_dim": 16,
-            "ffn_dim": tiny.ffn_dim,
-            "num_layers": tiny.num_layers,
-            "cross_attn_norm": True,
-            "qk_norm": "rms_norm_across_heads",
-            "rope_max_seq_len": 32,
-        }
+    config = _model_config(model)
     cls = getattr(diffusers, config.get("_class_name", "WanTransformer3DModel"))
     with torch.device("meta"):
         built: nn.Module = cls.from_config(config)
         return built
 
 
-def _tokens_of(name: str, video: int, text: int) -> int:
+@functools.lru_cache(maxsize=16)
+def _shape_of_config(text: str) -> ModelShape:
+    config = json.loads(text)
+    shape = _wan_shape(config)
+    if shape is None:  # another class: diffusers builds it on the meta device
+        import diffusers
+
+        cls = getattr(diffusers, config.get("_class_name", "WanTransformer3DModel"))
+        with torch.device("meta"):
+            shape = ModelShape.of(cls.from_config(config))
+    return shape
+
+
+def _shape_for(model: Any) -> ModelShape:
+    """The :class:`ModelShape` of a ``ModelOptions``, once a config (cached)."""
+    return _shape_of_config(json.dumps(_model_config(model), sort_keys=True))
+
+
+def _tokens_of(name: str, video: float, text: int) -> float:
     """How many tokens per sample a linear layer of a Wan transformer acts on."""
     if name.startswith("condition_embedder.text_embedder"):
         return text
@@ -497,7 +679,60 @@ def _forward_transient_bytes(shape: ModelShape, tokens: int) -> float:
     return 4.0 * tokens * shape.ffn_dim + 8.0 * tokens * shape.dim
 
 
-# ------------------------------------------------------------------ roles and calls
+CACHE_PASS_BYTES: dict[str, float] = {"compiled": 8.0, "eager": 46.0}
+"""Bytes a causal chunk's cached call moves per element of the keys it reads (the cache's
+capacity and its own tokens, times ``dim``, every layer) besides its attention and GEMM
+kernels: picking its layer of the cache, concatenating its own keys and values, rotating
+every key (the rotary embedding is applied at attention time, by slot). Counted from
+``fvstep.methods._causal_attention``'s ops: a compiled block fuses them into one pass that
+reads the cached keys and values and writes the rotated keys and the values (2 + 2 + 2 +
+2 bytes); an eager one (every cache-filling pass runs eagerly) runs them as separate
+kernels, the rotation in fp32 (index_select and cat of keys and values, 16; the rotation's
+products, sums and strided stores, 30). A call under grad makes the pass three times
+(forward, the checkpoint's recomputation, backward), twice without checkpointing."""
+
+APPEND_COPIES: dict[str, float] = {"grows": 3.5, "evicts": 6.0}
+"""Cache-sized copies (read + write, in the cache's bytes) of one cache-filling pass's
+append (``causal_wan._append``): two concatenations (the filled slots and the new frames,
+then the zero padding) when the cache grows, three when it evicts (the sink and the
+latest frames); counted from the code, times the cache's bytes."""
+
+CACHED_TRANSIENT_BYTES = 14.0
+"""A cached call's backward's short-lived bytes per key element (keys x ``dim``), beyond a
+block's own (:func:`_transient_bytes` at its queries): the cache's keys and values
+concatenated with the chunk's (2 + 2), the keys rotated in fp32 and back (4 + 2), the
+attention's gradients of every key and value (2 + 2); counted from the ops."""
+
+ROTARY_SAVED_BYTES = 16.0
+"""Bytes a cached call under grad keeps per key and head dimension: its rotary tables,
+cosine and sine over the cache's slots and its own (fp32, 4 + 4), and the whole table they
+are sliced from (4 + 4), held by the checkpoint's saved ``rotary_emb`` argument."""
+
+
+def _cache_frame_bytes(shape: ModelShape, frame_tokens: int, dtype_bytes: int) -> float:
+    """Bytes of one sample's KV cache per latent frame: keys and values of every layer."""
+    return 2.0 * shape.num_layers * frame_tokens * shape.dim * dtype_bytes
+
+
+def _cache_dtype_bytes(recipe: str, options: Any, *, benchmark: bool = False) -> int:
+    """The KV cache's bytes per element, as the recipe's code makes it.
+
+    ``streaming`` keeps the stream's cache in the student's compute dtype
+    (``init_stream(cache_dtype=preparation.param_dtype)``: bf16 under bf16 compute).
+    ``self_forcing``'s rollout makes its cache with ``init_cache``'s default, the dtype of
+    the latents (the student's) unless autocast is on where it is made, and a prepared
+    role's autocast is entered inside its forward only: an fp32 cache for an fp32 student.
+    ``benchmark``: as ``benchmarks.realshape`` runs it, the whole step under autocast (a
+    bf16 cache under bf16 compute).
+    """
+    model_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}[options.model.dtype]
+    bf16 = _compute(options) == "bf16"
+    if recipe == "streaming" or benchmark:
+        return 2 if bf16 else model_bytes
+    return model_bytes
+
+
+# ------------------------------------------------------------------ roles
 
 
 @attrs.frozen
@@ -530,82 +765,40 @@ class RolePlan:
         return self.weights + self.optimizer + self.ema
 
 
-@attrs.frozen
-class _Call:
-    role: str
-    kind: str  # "no_grad", "frozen" (gradient to its input only), "trained"
-
-
-_CALLS: dict[str, dict[str, tuple[_Call, ...]]] = {
-    "finetune": {"student": (_Call("student", "trained"),)},
-    "dmd2": {
-        "critic-only": (_Call("student", "no_grad"), _Call("critic", "trained")),
-        "student+critic": (
-            _Call("student", "trained"),
-            _Call("teacher", "no_grad"),
-            _Call("teacher", "no_grad"),
-            _Call("critic", "no_grad"),
-            _Call("critic", "trained"),
-        ),
-    },
-}
-"""Each method's model calls per kind of step (``benchmarks/floor.py``'s ``STEPS``): DMD2's
-critic-only step rolls the student out without grad and trains the critic; its
-student+critic step trains the student through the teacher's two guidance calls and the
-critic's fake score (no grad), then trains the critic. In the ``fused`` ordering both
-trained calls' activations are alive together (one backward)."""
-
-
 def _is_lora(recipe: str, options: Any) -> bool:
     """Whether the trained roles are LoRA adapters over one frozen base."""
     return recipe == "lora_dmd2" or (recipe == "finetune" and options.lora.rank > 0)
 
 
-def _step_kinds(recipe: str, options: Any) -> dict[str, tuple[_Call, ...]]:
-    """The kinds of step of the recipe's method, keyed as :func:`fvstep.plan` names them."""
-    from fvstep.core.steps import plan as step_plan
-
-    if recipe == "finetune":
-        from fvstep.methods import finetune
-
-        method: Any = finetune()
-    else:
-        from fvstep.methods import dmd2
-
-        method = dmd2(generator_update_interval=options.generator_update_interval)
-    interval = getattr(options, "generator_update_interval", 1)
-    kinds: dict[str, tuple[_Call, ...]] = {}
-    table = _CALLS["finetune" if recipe == "finetune" else "dmd2"]
-    for i in range(interval):
-        roles = {r for entry in step_plan(method, i) for r in entry.roles}
-        key = (
-            "student"
-            if recipe == "finetune"
-            else ("student+critic" if "student" in roles else "critic-only")
-        )
-        calls = table[key]
-        if _is_lora(recipe, options):  # the base runs under grad for the adapters: frozen
-            calls = tuple(_Call(c.role, "frozen" if c.kind == "trained" else c.kind) for c in calls)
-        kinds.setdefault(key, calls)
-    return kinds
+def _lora_layers(shape: ModelShape, targets: Sequence[str]) -> list[tuple[str, int, int]]:
+    """The linear layers a LoRA adapter wraps (peft's rule: a module whose name is a
+    target or ends with ``.target``; convolutions are not adapted here)."""
+    return [
+        (name, i, o)
+        for name, i, o in shape.linears
+        if name not in shape.convs and any(name == t or name.endswith("." + t) for t in targets)
+    ]
 
 
-def _lora_numel(module: nn.Module, rank: int, targets: Sequence[str]) -> tuple[int, int, int]:
+def _lora_numel(shape: ModelShape, rank: int, targets: Sequence[str]) -> tuple[int, int, int]:
     """``(adapter parameters, adapted layers on video tokens a block, their fan-in a
-    block)`` of one adapter (peft's rule: a module whose name is a target or ends with
-    ``.target``; blocks 0's layers stand for every block's)."""
+    block)`` of one adapter (blocks 0's layers stand for every block's)."""
     numel, layers, fan_in = 0, 0, 0
-    for name, m in module.named_modules():
-        if isinstance(m, nn.Linear) and any(name == t or name.endswith("." + t) for t in targets):
-            numel += rank * (m.in_features + m.out_features)
-            if name.startswith("blocks.0.") and _tokens_of(name, 1, 0):
-                layers, fan_in = layers + 1, fan_in + m.in_features
+    for name, i, o in _lora_layers(shape, targets):
+        numel += rank * (i + o)
+        if name.startswith("blocks.0.") and _tokens_of(name, 1, 0):
+            layers, fan_in = layers + 1, fan_in + i
     return numel, layers, fan_in
 
 
-def _roles(
-    recipe: str, options: Any, shape: ModelShape, module: nn.Module, world: int
-) -> list[RolePlan]:
+def _stored_bytes(shape: ModelShape, nbytes: int) -> float:
+    """A frozen model's bytes stored in a dtype of ``nbytes`` (diffusers' fp32 modules stay
+    fp32)."""
+    kept = shape.fp32_numel if nbytes < 4 else 0
+    return (shape.numel - kept) * nbytes + kept * 4.0
+
+
+def _roles(recipe: str, options: Any, shape: ModelShape, world: int) -> list[RolePlan]:
     prepare = options.prepare
     bf16 = _compute(options) == "bf16"
     frozen_bytes = (
@@ -618,9 +811,7 @@ def _roles(
     )
     model_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}[options.model.dtype]
     ema = options.optim.ema is not None
-
-    tensors = len(list(module.parameters()))
-    counters = 4.0 * tensors + 8.0  # AdamW's fp32 step a tensor and its int64 count
+    counters = 4.0 * shape.tensors + 8.0  # AdamW's fp32 step a tensor and its int64 count
 
     def trained(name: str, numel: int, with_ema: bool, note: str) -> RolePlan:
         return RolePlan(
@@ -632,25 +823,32 @@ def _roles(
             note=note,
         )  # fmt: skip
 
-    def frozen(name: str, note: str) -> RolePlan:
-        return RolePlan(name, False, shape.numel, shape.numel * frozen_bytes / world, 0, 0, 0, note)
+    def frozen(name: str, note: str, nbytes: int = frozen_bytes) -> RolePlan:
+        stored = _stored_bytes(shape, nbytes)
+        return RolePlan(name, False, shape.numel, stored / world, 0, 0, 0, note)
 
     master = f"{'fp32' if model_bytes == 4 else options.model.dtype} masters, AdamW"
     frozen_note = f"frozen, {'bf16' if frozen_bytes == 2 else 'fp32'}"
+    student = trained("student", shape.numel, ema, master + (", EMA" if ema else ""))
     if recipe == "finetune" and not _is_lora(recipe, options):
-        return [trained("student", shape.numel, ema, master + (", EMA" if ema else ""))]
-    if recipe == "dmd2":
+        return [student]
+    if recipe in ("dmd2", *CAUSAL_RECIPES):
+        if recipe in CAUSAL_RECIPES:
+            student = attrs.evolve(student, note=student.note + ", causal")
         return [
-            trained("student", shape.numel, ema, master + (", EMA" if ema else "")),
+            student,
             frozen("teacher", frozen_note),
             trained("critic", shape.numel, False, master),
         ]
+    if recipe == "diffusion_nft":
+        old_note = f"frozen, {'fp32' if model_bytes == 4 else options.model.dtype} (blended)"
+        roles = [student, frozen("old", old_note, model_bytes)]
+        if options.kl_weight > 0:
+            roles.append(frozen("reference", frozen_note))
+        return roles
     lora = options.lora
-    numel, _, _ = _lora_numel(module, lora.rank, lora.targets)
-    adapted = sum(
-        1 for n, m in module.named_modules()
-        if isinstance(m, nn.Linear) and any(n == t or n.endswith("." + t) for t in lora.targets)
-    )  # fmt: skip
+    numel, _, _ = _lora_numel(shape, lora.rank, lora.targets)
+    adapted = len(_lora_layers(shape, lora.targets))
     note = f"LoRA rank {lora.rank} on {', '.join(lora.targets)}, fp32, AdamW"
 
     def adapter(name: str, with_ema: bool) -> RolePlan:
@@ -676,6 +874,252 @@ def _compute(options: Any) -> str:
     return precision
 
 
+# ------------------------------------------------------------------ calls
+
+
+@attrs.frozen
+class _Call:
+    """Calls of one role's model alike in a pass of a phase.
+
+    ``kind``: ``"no_grad"``, ``"frozen"`` (under grad, the gradient to its input only) or
+    ``"trained"``; ``count``: how many (an expectation where the method draws them: a
+    causal rollout's exit steps); ``frames``: the latent frames of its queries (``None``:
+    the sample's whole video); ``keys``: the frames its self-attention reads from a KV
+    cache and itself, masked (``None``: dense over its own); ``fills``: a cache-filling
+    pass, run eagerly whatever the preparation, whose append copies the cache
+    (``"grows"`` or ``"evicts"``: :data:`APPEND_COPIES`).
+    """
+
+    role: str
+    kind: str
+    count: float = 1.0
+    frames: float | None = None
+    keys: float | None = None
+    fills: str | None = None
+
+
+@attrs.frozen
+class _Phase:
+    """A stretch of a step with one memory picture: a rollout without grad, or one
+    backward's calls. ``samples``: samples a call; ``repeat``: passes a step (micro-batches,
+    inner updates); ``held``: bytes beyond the static ones alive through it (caches, a
+    stream's contexts); ``transient``: its own short-lived bytes (a cache's append);
+    ``accumulates``: the roles whose gradients of earlier passes it holds (accumulation
+    over micro-batches)."""
+
+    name: str
+    calls: tuple[_Call, ...]
+    samples: float
+    repeat: float = 1.0
+    held: float = 0.0
+    transient: float = 0.0
+    accumulates: tuple[str, ...] = ()
+
+
+@attrs.frozen
+class _Kind:
+    """A kind of step: its phases, its optimizer steps per role, its share of the steps."""
+
+    phases: tuple[_Phase, ...]
+    updates: tuple[tuple[str, float], ...]
+    share: float = 1.0
+
+
+_DMD2_CALLS: dict[str, tuple[_Call, ...]] = {
+    "critic-only": (_Call("student", "no_grad"), _Call("critic", "trained")),
+    "student+critic": (
+        _Call("student", "trained"),
+        _Call("teacher", "no_grad"),
+        _Call("teacher", "no_grad"),
+        _Call("critic", "no_grad"),
+        _Call("critic", "trained"),
+    ),
+}
+"""DMD2's model calls per kind of step (``benchmarks/floor.py``'s ``STEPS``): the
+critic-only step rolls the student out without grad and trains the critic; the
+student+critic step trains the student through the teacher's two guidance calls and the
+critic's fake score (no grad), then trains the critic. In the ``fused`` ordering both
+trained calls' activations are alive together (one backward)."""
+
+
+@functools.lru_cache(maxsize=8)
+def _dmd2_schedule(interval: int) -> tuple[str, ...]:
+    """The kind of each step of DMD2's cycle of ``interval`` steps (:func:`fvstep.plan`)."""
+    from fvstep.core.steps import plan as step_plan
+    from fvstep.methods import dmd2
+
+    method: Any = dmd2(generator_update_interval=interval)
+    return tuple(
+        "student+critic"
+        if "student" in {r for entry in step_plan(method, i) for r in entry.roles}
+        else "critic-only"
+        for i in range(interval)
+    )
+
+
+def _cycle(kinds: Sequence[str]) -> dict[str, float]:
+    """Each kind's share of a cycle of steps, in the cycle's order of first appearance."""
+    shares: dict[str, float] = {}
+    for k in kinds:
+        shares[k] = shares.get(k, 0.0) + 1.0 / len(kinds)
+    return shares
+
+
+def _every_nth(interval: int) -> tuple[str, ...]:
+    """The kinds of a cycle where the student trains at ``i % interval == 0``."""
+    return tuple("student+critic" if i % interval == 0 else "critic-only" for i in range(interval))
+
+
+@attrs.frozen
+class _Geometry:
+    """What the kinds of step are laid out from: the video, the batch, the caches."""
+
+    frames: int
+    frame_tokens: int
+    batch: int
+    microbatches: int
+    cache_frame: float  # one sample's KV cache bytes a latent frame
+
+
+def _step_kinds(
+    recipe: str, options: Any, g: _Geometry, *, exit_mean: float | None = None
+) -> dict[str, _Kind]:
+    """The kinds of step of the recipe's method, keyed as :func:`fvstep.plan` names them.
+
+    A causal rollout's chunks exit at a step drawn uniformly from the schedule's: each
+    chunk runs ``exit_mean`` denoising steps before its exit step (default: the draw's
+    mean, ``(steps - 1) / 2``)."""
+    m, b = g.microbatches, g.batch
+    per = b / m  # samples a micro-batch
+    if recipe == "finetune":
+        calls: tuple[_Call, ...] = (_Call("student", "trained"),)
+        if _is_lora(recipe, options):
+            calls = (_Call("student", "frozen"),)
+        phase = _Phase("update", calls, per, m, accumulates=("student",) if m > 1 else ())
+        return {"student": _Kind((phase,), (("student", 1.0),))}
+    if recipe in ("dmd2", "lora_dmd2"):
+        kinds = {}
+        for name, share in _cycle(_dmd2_schedule(options.generator_update_interval)).items():
+            calls = _DMD2_CALLS[name]
+            if _is_lora(recipe, options):  # the base runs under grad for the adapters
+                calls = tuple(
+                    attrs.evolve(c, kind="frozen") if c.kind == "trained" else c for c in calls
+                )
+            trained = tuple(
+                r
+                for r in ("student", "critic")
+                if any(c.role == r and c.kind != "no_grad" for c in calls)
+            )
+            phase = _Phase("update", calls, per, m, accumulates=trained if m > 1 else ())
+            kinds[name] = _Kind((phase,), tuple((r, 1.0) for r in trained), share)
+        return kinds
+    if recipe == "diffusion_nft":
+        group = b * options.group_size  # rollouts a step
+        inner = group / options.minibatches / m  # samples a micro-batch of an inner update
+        rollout = _Phase("rollout", (_Call("old", "no_grad", options.rollout_steps),), group)
+        calls = (_Call("old", "no_grad"), _Call("student", "trained"))
+        if options.kl_weight > 0:
+            calls += (_Call("reference", "no_grad"),)
+        # held through the inner updates, fp32: the grouped batch's latents and text, the
+        # rollouts' noise and samples, the samples and text shuffled for a pass
+        latents, text = math.prod(options.data.latent_shape), math.prod(options.data.text_shape)
+        kept = group * 4.0 * (4 * latents + 2 * text)
+        update = _Phase(
+            "inner", calls, inner, options.num_inner * options.minibatches * m, held=kept,
+            accumulates=("student",) if m > 1 else (),
+        )  # fmt: skip
+        steps = float(options.num_inner * options.minibatches)
+        return {"student": _Kind((rollout, update), (("student", steps),))}
+    # the causal recipes: a rollout of chunks with a KV cache, then the DMD updates
+    chunk = options.chunk_frames
+    chunks = g.frames // chunk
+    if g.frames % chunk:  # as the recipe refuses them (check_latent_frames)
+        raise ValueError(
+            f"{recipe}: the latents' {g.frames} frames are not a multiple of chunk_frames={chunk}"
+        )
+    if recipe == "streaming" and g.frames > options.window_frames:  # as init_stream does
+        raise ValueError(
+            f"streaming: window_frames={options.window_frames} must hold a step's {g.frames} frames"
+        )
+    if exit_mean is None:
+        exit_mean = (len(options.denoising_steps) - 1) / 2  # exit steps drawn uniformly
+    chunk_bytes = chunk * g.cache_frame
+    if recipe == "self_forcing":
+        capacity = g.frames  # init_cache(capacity_frames=F): the whole video
+        sample_cache = capacity * g.cache_frame
+        keys = capacity + chunk
+        rollout_calls = (
+            _Call("student", "no_grad", chunks * (exit_mean + 1), chunk, keys),  # steps, exit
+            _Call("student", "no_grad", chunks, chunk, keys, fills="grows"),  # context passes
+        )
+        kinds = {}
+        for name, share in _cycle(_every_nth(options.generator_update_interval)).items():
+            trains = ("student", "critic") if name == "student+critic" else ("critic",)
+            held_grads = trains if m > 1 else ()
+            rollout = _Phase(
+                "rollout", rollout_calls, per, m, held=per * sample_cache,
+                transient=per * (1.5 * sample_cache + 2 * chunk_bytes), accumulates=held_grads,
+            )  # fmt: skip
+            if name == "student+critic":  # the exit steps regenerated under grad, one cache
+                calls = (
+                    _Call("student", "trained", chunks, chunk, keys),
+                    _Call("teacher", "no_grad", 2),
+                    _Call("critic", "no_grad"),
+                    _Call("critic", "trained"),
+                )
+                update = _Phase(
+                    "update", calls, per, m, held=per * sample_cache, accumulates=held_grads
+                )
+            else:  # the rollout's cache is gone before the critic's call
+                update = _Phase(
+                    "update", (_Call("critic", "trained"),), per, m, accumulates=held_grads
+                )
+            kinds[name] = _Kind((rollout, update), tuple((r, 1.0) for r in trains), share)
+        return kinds
+    # streaming: the rollout runs on the rank's whole batch from the stream's cache; the
+    # generator and the critic are two updates, each over the micro-batches
+    capacity = options.window_frames + options.sink_frames
+    keys = capacity + chunk
+    sample_cache = capacity * g.cache_frame
+    evicts = options.steps_per_stream * g.frames > capacity  # some step's rollout evicts
+    window = (capacity + g.frames) * g.cache_frame if evicts else 0.0  # the contexts' buffer
+    new = g.frames * g.cache_frame if evicts else 0.0  # the new frames, kept for the buffer
+    rollout_calls = (
+        _Call("student", "no_grad", chunks * (exit_mean + 1), chunk, keys),
+        _Call("student", "no_grad", chunks, chunk, keys, fills="evicts" if evicts else "grows"),
+    )
+    # the stream's cache and the one being appended to (and the new frames), then the
+    # append's copies, the contexts' buffer, or a new stream's zeroed cache
+    rollout = _Phase(
+        "rollout", rollout_calls, b, 1, held=b * (2 * sample_cache + new),
+        transient=b * max(1.5 * sample_cache + 2 * chunk_bytes, window or sample_cache),
+    )  # fmt: skip
+    # the stream's cache, the rollout's, and its contexts' buffer (or a new stream's cache)
+    held = b * (2 * sample_cache + (window or sample_cache))
+    generator = _Phase(
+        "generator",
+        (
+            _Call("student", "trained", chunks, chunk, keys),
+            _Call("teacher", "no_grad", 2),
+            _Call("critic", "no_grad"),
+        ),
+        per, m, held=held, accumulates=("student",) if m > 1 else (),
+    )  # fmt: skip
+    critic = _Phase(
+        "critic", (_Call("critic", "trained"),), per, m, held=held,
+        accumulates=("critic",) if m > 1 else (),
+    )  # fmt: skip
+    kinds = {}
+    for name, share in _cycle(_every_nth(options.generator_update_interval)).items():
+        if name == "student+critic":
+            kinds[name] = _Kind(
+                (rollout, generator, critic), (("student", 1.0), ("critic", 1.0)), share
+            )
+        else:
+            kinds[name] = _Kind((rollout, critic), (("critic", 1.0),), share)
+    return kinds
+
+
 # ------------------------------------------------------------------ the plan
 
 
@@ -684,14 +1128,20 @@ class StepPlan:
     """One kind of step of the method: its peak and its time.
 
     Attributes:
-        name: ``"student"`` (fine-tune), ``"critic-only"``, ``"student+critic"``.
-        calls: ``(role, kind)`` of each model call, in order.
+        name: ``"student"`` (fine-tune, DiffusionNFT), ``"critic-only"``,
+            ``"student+critic"``.
+        calls: ``(role, kind)`` of each model call (each alike group of calls once), in
+            order.
         activations: The saved activations at the step's peak, bytes per GPU.
         transient: The largest transient at the peak, bytes.
         peak: Predicted ``max_memory_allocated``, bytes.
-        floor: Seconds of the attention and GEMM kernels, no recomputation.
+        floor: Seconds of the attention and GEMM kernels, no recomputation (a causal
+            chunk's attention over its cache's capacity at the masked rate).
         recompute: Seconds the checkpointing recomputes.
         seconds: The predicted step time.
+        share: The fraction of the method's steps of this kind.
+        held: Bytes beyond the static ones held at most in the step (KV caches, a
+            stream's contexts, DiffusionNFT's rollouts).
     """
 
     name: str
@@ -702,6 +1152,8 @@ class StepPlan:
     floor: float
     recompute: float
     seconds: float
+    share: float = 1.0
+    held: float = 0.0
 
 
 @attrs.frozen
@@ -723,6 +1175,10 @@ class RunPlan:
         capacity: The GPU's memory, bytes.
         margin: Bytes kept free for the allocator's fragmentation.
         settings: The preparation planned (checkpointing, offload, compile, budget).
+        context: The context-parallel degree (each sample's tokens split over this many
+            GPUs).
+        cache: For the causal recipes, ``(bytes of one KV cache per GPU, its capacity in
+            latent frames, bytes per element)``; ``None`` otherwise.
     """
 
     recipe: str
@@ -739,6 +1195,8 @@ class RunPlan:
     capacity: float
     margin: float
     settings: dict[str, Any]
+    context: int = 1
+    cache: tuple[float, int, int] | None = None
 
     @property
     def peak(self) -> float:
@@ -753,17 +1211,20 @@ class RunPlan:
     @property
     def mean_seconds(self) -> float:
         """The step time averaged over the method's cycle of steps."""
-        return sum(s.seconds for s in self.steps) / len(self.steps)
+        return sum(s.seconds * s.share for s in self.steps) / sum(s.share for s in self.steps)
 
     def format(self) -> str:
         """The plan as the text ``fvstep plan`` prints."""
         gib = lambda b: f"{b / GIB:8.2f}"  # noqa: E731
         s = self.settings
+        parallel = f"{self.world} GPU(s)"
+        if self.context > 1:
+            parallel += f", {self.context}-way context parallel"
         lines = [
             f"fvstep plan: {self.recipe}, {self.shape.numel / 1e9:.2f} B parameters "
             f"({self.shape.num_layers} blocks, dim {self.shape.dim}, ffn {self.shape.ffn_dim}), "
             f"{self.video_tokens:,} video + {self.text_tokens} text tokens a sample, "
-            f"batch {s['batch']} x {s['microbatches']} micro-batch(es), {self.world} GPU(s)",
+            f"batch {s['batch']} x {s['microbatches']} micro-batch(es), {parallel}",
             f"  preparation: {s['compute']} compute, checkpointing {s['checkpointing']}"
             f"{'' if s['checkpoint_every'] == 1 else ' every ' + str(s['checkpoint_every'])}, "
             f"offload every {s['offload'] or '-'}, compile {s['compile']}"
@@ -782,9 +1243,19 @@ class RunPlan:
             for k in ("weights", "optimizer", "ema", "gradients")
         ]
         lines.append(f"  {'total':<23} {gib(tot[0])} {gib(tot[1])} {gib(tot[2])} {gib(tot[3])}")
-        lines += [
+        lines.append(
             f"  saved activations: {self.block_activations / GIB:.3f} GiB a block a trained call, "
-            f"{self.blocks_on_gpu} of {self.shape.num_layers} blocks kept on the GPU",
+            f"{self.blocks_on_gpu} of {self.shape.num_layers} blocks kept on the GPU"
+        )
+        if self.cache is not None:
+            size, frames, nbytes = self.cache
+            held = max(st.held for st in self.steps)
+            lines.append(
+                f"  KV cache: {size / GIB:.2f} GiB ({'bf16' if nbytes == 2 else 'fp32'}, "
+                f"{frames} latent frames), {held / GIB:.2f} GiB of caches and contexts "
+                "held at most"
+            )
+        lines += [
             "",
             "step              activations  transient     peak   floor s  recompute s   step s  of floor",
         ]
@@ -816,6 +1287,212 @@ def _options_with(options: Any, **changes: Any) -> Any:
     return options
 
 
+@functools.lru_cache(maxsize=16)
+def _linear_flops(shape: ModelShape, text: int) -> tuple[float, float, float, float]:
+    """``(per video token, per call, the blocks' per video token, the blocks' per call)``
+    linear FLOPs of one sample's forward (the text and time projections act on the text
+    and on one token, whatever the call's video tokens)."""
+    token = fixed = block_token = block_fixed = 0.0
+    for name, i, o in shape.linears:
+        tokens = _tokens_of(name, -1, text)
+        flops = 2.0 * i * o
+        inside = name.startswith("blocks.")
+        if tokens == -1:
+            token += flops
+            block_token += flops if inside else 0.0
+        else:
+            fixed += flops * tokens
+            block_fixed += flops * tokens if inside else 0.0
+    return token, fixed, block_token, block_fixed
+
+
+@attrs.frozen
+class _Cost:
+    """One phase's share of a step: its time and its memory picture."""
+
+    floor: float = 0.0
+    recompute: float = 0.0
+    compute: float = 0.0  # kernels, element-wise work, cache passes and copies
+    offload: float = 0.0  # host copies of offloaded activations
+    comm: float = 0.0  # FSDP2's collectives (overlapped with compute)
+    all_to_all: float = 0.0  # context parallel's (in the attention's way)
+    peak: float = 0.0
+    activations: float = 0.0
+    transient: float = 0.0
+
+
+@attrs.frozen
+class _Planner:
+    """One run's settings, and the cost of its calls and phases (:func:`plan_run`)."""
+
+    shape: ModelShape
+    table: KernelTable
+    prepare: Any
+    compute: str
+    roles: dict[str, RolePlan]
+    world: int
+    nodes: int
+    context: int
+    video: int
+    frames: int
+    text: int
+    cache_frame: float
+    fp32_weights: bool
+    lora: tuple[int, int, int] | None  # (adapted layers a block, their fan-in, rank)
+
+    @property
+    def backend(self) -> str:
+        return "fa4" if self.prepare.flash_attention_4 else "cudnn"
+
+    @property
+    def offloaded(self) -> int:
+        every = self.prepare.offload_activations_every
+        return len(range(0, self.shape.num_layers, every)) if every else 0
+
+    @property
+    def on_gpu(self) -> int:
+        """Blocks whose saved activations stay on the GPU (one offloaded block in flight)."""
+        return self.shape.num_layers - self.offloaded + (1 if self.offloaded else 0)
+
+    @property
+    def gathered(self) -> float:
+        """FSDP2: two blocks' bf16 parameters gathered, one block's fp32 gradients."""
+        return 8.0 * self.shape.block_numel if self.world > 1 else 0.0
+
+    def saved(self, tokens: float) -> float:
+        """Saved bytes of one block of a call under grad on ``tokens`` tokens of this GPU."""
+        p, s = self.prepare, self.shape
+        kw: dict[str, Any] = dict(
+            compute=self.compute, compiled=p.compile, memory_budget=p.compile_memory_budget,
+            fp32_weights=self.fp32_weights,
+        )  # fmt: skip
+        block = block_saved_bytes(s, tokens, checkpointing=p.checkpointing, **kw)
+        if p.checkpointing != "none" and p.checkpoint_every > 1:  # the others keep everything
+            plain = block_saved_bytes(s, tokens, checkpointing="none", **kw)
+            chosen = math.ceil(s.num_layers / p.checkpoint_every)
+            block = (chosen * block + (s.num_layers - chosen) * plain) / s.num_layers
+        if self.lora is not None and p.checkpointing == "none":  # checkpointing recomputes them
+            block += self.lora_casts(tokens)
+        return block
+
+    def lora_casts(self, tokens: float) -> float:
+        """peft casts each adapted layer's input to the fp32 adapter."""
+        if self.lora is None:
+            return 0.0
+        layers, fan_in, rank = self.lora
+        return tokens * (4.0 * fan_in + 4.0 * layers * rank)
+
+    def tokens(self, call: _Call) -> tuple[float, float]:
+        """``(queries on this GPU, keys)`` of one sample's call."""
+        q = self.video if call.frames is None else self.video * call.frames / self.frames
+        k = q if call.keys is None else self.video * call.keys / self.frames
+        return q / self.context, k
+
+    def seconds(self, call: _Call) -> tuple[float, float]:
+        """``(floor, recompute)`` seconds of one sample's call."""
+        s, t = self.shape, self.table
+        q, k = self.tokens(call)
+        token, fixed, block_token, block_fixed = _linear_flops(s, self.text)
+        gemm = t.gemm * 1e12
+        lin = (token * q + fixed) / gemm
+        self_flops = 4.0 * s.num_layers * q * k * s.dim  # Ulysses: the heads split
+        cross_flops = 4.0 * s.num_layers * q * self.text * s.dim
+        if call.keys is None:
+            both = self_flops + cross_flops
+            att_f = both / (t.attention_forward[self.backend] * 1e12)
+            att_fb = 3.5 * both / (t.attention_forward_backward[self.backend] * 1e12)
+        else:  # a cached call: masked, over the cache's whole capacity (no FA4: a mask)
+            att_f = self_flops / (t.masked_attention_forward * 1e12)
+            att_f += cross_flops / (t.attention_forward["cudnn"] * 1e12)
+            att_fb = 3.5 * self_flops / (t.masked_attention_forward_backward * 1e12)
+            att_fb += 3.5 * cross_flops / (t.attention_forward_backward["cudnn"] * 1e12)
+        if call.kind == "no_grad":
+            return att_f + lin, 0.0
+        floor = att_fb + (2 if call.kind == "frozen" else 3) * lin
+        mode, every = self.prepare.checkpointing, self.prepare.checkpoint_every
+        block = (block_token * q + block_fixed) / gemm
+        again = {
+            "full": att_f + block,
+            "attention": block,
+            "narrow": 2.0 * s.num_layers * q * s.dim * s.ffn_dim / gemm,  # the up-projections
+        }.get(mode, 0.0)
+        return floor, again * math.ceil(s.num_layers / every) / s.num_layers
+
+    def phase(self, phase: _Phase, static: float) -> _Cost:
+        """A phase's time (all its passes) and its peak (the largest pass)."""
+        s, t, p = self.shape, self.table, self.prepare
+        bandwidth = t.memory_bandwidth * 1e9
+        comm_bw = (t.network if self.nodes > 1 else t.interconnect) * 1e9
+        floor = recompute = compute = offload = comm = all_to_all = 0.0
+        acts = transient = forward = 0.0
+        trained: set[str] = set()
+        n = phase.samples
+        for c in phase.calls:
+            q, k = self.tokens(c)
+            f, r = self.seconds(c)
+            grad = c.kind != "no_grad"
+            eager = c.fills is not None or not p.compile
+            times = c.count * phase.repeat
+            floor += times * n * f
+            recompute += times * n * r
+            compute += times * n * (f + r) * (1 + (t.elementwise_eager if eager else t.elementwise))
+            tokens = n * q
+            cached = 0.0
+            if c.keys is not None:  # its pass over the cache's keys; a filling pass's append
+                cached = n * k * s.dim  # key elements a layer
+                passes = 1 if not grad else (2 if p.checkpointing == "none" else 3)
+                per_byte = CACHE_PASS_BYTES["eager" if eager else "compiled"]
+                compute += times * passes * per_byte * cached * s.num_layers / bandwidth
+                if c.fills is not None:
+                    filled = (c.keys - (c.frames or 0)) * self.cache_frame * n
+                    compute += times * APPEND_COPIES[c.fills] * filled / bandwidth
+            if self.world > 1:  # all-gathers (forward, backward) and reduce-scatters
+                comm += (
+                    times
+                    * s.numel
+                    * 2
+                    * (self.world - 1)
+                    / self.world
+                    / comm_bw
+                    * (3 if grad else 1)
+                )
+            if self.context > 1:  # Ulysses: q, k, v and the output, (tokens, dim) bf16 a layer
+                sent = 4 * s.num_layers * tokens * s.dim * 2 * (self.context - 1) / self.context
+                again = 1 if not grad else (2 if p.checkpointing == "none" else 3)
+                all_to_all += times * again * sent / comm_bw
+            # a cached call's forward also concatenates and rotates the keys (2 + 2 + 6 bytes)
+            forward = max(forward, _forward_transient_bytes(s, tokens) + 10.0 * cached)
+            if not grad:
+                continue
+            block = self.saved(tokens)
+            acts += c.count * block * self.on_gpu
+            if c.keys is not None:  # the rotary tables its checkpoint keeps
+                acts += c.count * ROTARY_SAVED_BYTES * n * k * s.head_dim
+            offload += times * 2 * self.offloaded * block / (t.host_bandwidth * 1e9)
+            transient = max(
+                transient,
+                _transient_bytes(s, tokens) + CACHED_TRANSIENT_BYTES * cached + self.lora_casts(tokens),
+            )  # fmt: skip
+            if self.roles[c.role].trained:
+                trained.add(c.role)
+        held_grads = 0.0
+        if phase.repeat > 1:  # earlier micro-batches' gradients, accumulated
+            held_grads = sum(self.roles[r].gradients for r in phase.accumulates)
+        base = static + phase.held + held_grads + self.gathered
+        peak = base + acts + forward + phase.transient
+        peak_transient = forward
+        if trained:  # one backward: the activations go as the gradients come (unless the
+            # gradients are held from earlier micro-batches already)
+            grads = sum(self.roles[r].gradients for r in trained)
+            backward = base + (acts if held_grads else max(acts, grads)) + transient
+            if backward >= peak:
+                peak, peak_transient = backward, transient
+        return _Cost(
+            floor, recompute, compute, offload, comm, all_to_all, peak, acts,
+            peak_transient + self.gathered,
+        )  # fmt: skip
+
+
 def plan_run(
     recipe: str,
     options: Any,
@@ -824,24 +1501,34 @@ def plan_run(
     nodes: int = 1,
     kernels: KernelTable | str | None = None,
     margin_gib: float = 2.0,
+    context: int | None = None,
     _module: nn.Module | None = None,
+    _shape: ModelShape | None = None,
+    _benchmark: bool = False,
+    _exit_mean: float | None = None,
 ) -> RunPlan:
     """Plan a run: its memory and step time per GPU, without allocating it.
 
     Args:
-        recipe: ``"finetune"``, ``"dmd2"`` or ``"lora_dmd2"``.
+        recipe: A shipped recipe's name (:data:`PLANNED_RECIPES`).
         options: The recipe's resolved options (:func:`fvstep.recipes.config.parse_options`).
         nproc: GPUs a node (FSDP2 over all of them when more than one).
         nodes: Nodes.
         kernels: A :class:`KernelTable`, a shipped table's name or a calibrated table's
             file (default: the H200's).
         margin_gib: Memory kept free for the caching allocator's fragmentation.
+        context: The context-parallel degree: each sample's tokens split over this many
+            GPUs of the world (Ulysses: the attention's heads split, four all-to-alls a
+            self-attention), the rest data parallel (default: ``options.parallel.context``
+            where the options have it, else 1).
 
     Returns:
         The :class:`RunPlan`.
 
     Raises:
-        ValueError: For a recipe it does not know, or a world size below 1.
+        ValueError: For a recipe it does not know, a world size below 1, a context degree
+            that does not divide the world, or context parallel where the run cannot have
+            it (a causal student; compiled blocks).
 
     Examples:
         >>> plan = plan_run("finetune", FinetuneOptions())
@@ -854,115 +1541,97 @@ def plan_run(
         )
     if nproc < 1 or nodes < 1:
         raise ValueError(f"--nproc and --nodes must be >= 1, got {nproc} and {nodes}")
-    table = kernels if isinstance(kernels, KernelTable) else load_kernel_table(kernels)
-    module = _module if _module is not None else meta_transformer(options.model)
-    shape = ModelShape.of(module)
     world = nproc * nodes
+    cp = context if context is not None else getattr(options.parallel, "context", 1)
+    if cp < 1 or world % cp:
+        raise ValueError(f"the context-parallel degree {cp} must divide the {world} GPU(s)")
+    if cp > 1 and recipe in CAUSAL_RECIPES:
+        raise ValueError(
+            f"{recipe}'s causal student cannot be context-parallel (fvstep.methods.causal_wan "
+            "refuses it: its KV cache follows the whole sequence)"
+        )
+    if cp > 1 and options.prepare.compile:
+        raise ValueError(
+            "context parallel runs eagerly (fvstep.parallel.prepare refuses compile with a "
+            "context mesh): plan it with --prepare.compile false"
+        )
+    table = kernels if isinstance(kernels, KernelTable) else load_kernel_table(kernels)
+    shape = _shape or (ModelShape.of(_module) if _module is not None else _shape_for(options.model))
     prepare, data = options.prepare, options.data
     compute = _compute(options)
-    batch = data.batch_size
+    batch, micro = data.batch_size, options.run.microbatches
     _, frames, height, width = data.latent_shape
     pf, ph, pw = shape.patch
-    video = (frames // pf) * (height // ph) * (width // pw)
-    text = data.text_shape[0]
-    tokens = video * batch
-    roles = _roles(recipe, options, shape, module, world)
-    by_name = {r.name: r for r in roles}
-    lora = _is_lora(recipe, options)
-
-    # activations of one block of a trained (or frozen-under-grad) call
-    fp32_weights = world == 1 and options.model.dtype == "float32" and not lora
-    block = block_saved_bytes(
-        shape, tokens, checkpointing=prepare.checkpointing, compute=compute,
-        compiled=prepare.compile, memory_budget=prepare.compile_memory_budget,
-        fp32_weights=fp32_weights,
+    frame_tokens = (height // ph) * (width // pw)
+    video = (frames // pf) * frame_tokens
+    roles = _roles(recipe, options, shape, world)
+    if _benchmark and recipe == "diffusion_nft":  # benchmarks.realshape: the old policy frozen
+        nbytes = 2 if compute == "bf16" else 4
+        roles = [
+            attrs.evolve(r, weights=_stored_bytes(shape, nbytes) / world, note="frozen (the benchmark's)")
+            if r.name == "old" else r
+            for r in roles
+        ]  # fmt: skip
+    lora = None
+    if _is_lora(recipe, options):
+        _, layers, fan_in = _lora_numel(shape, options.lora.rank, options.lora.targets)
+        lora = (layers, fan_in, options.lora.rank)
+    cache_dtype = _cache_dtype_bytes(recipe, options, benchmark=_benchmark)
+    planner = _Planner(
+        shape, table, prepare, compute, {r.name: r for r in roles}, world, nodes, cp, video,
+        frames // pf, data.text_shape[0], _cache_frame_bytes(shape, frame_tokens, cache_dtype),
+        fp32_weights=world == 1 and options.model.dtype == "float32" and lora is None,
+        lora=lora,
     )  # fmt: skip
-    every = prepare.checkpoint_every
-    if prepare.checkpointing != "none" and every > 1:  # the others keep everything
-        plain = block_saved_bytes(
-            shape, tokens, checkpointing="none", compute=compute, compiled=prepare.compile,
-            memory_budget=prepare.compile_memory_budget, fp32_weights=fp32_weights,
-        )  # fmt: skip
-        chosen = math.ceil(shape.num_layers / every)
-        block = (chosen * block + (shape.num_layers - chosen) * plain) / shape.num_layers
-    lora_extra = lora_transient = 0.0
-    if lora:  # peft casts each adapted layer's input to the fp32 adapter
-        _, layers, fan_in = _lora_numel(module, options.lora.rank, options.lora.targets)
-        lora_transient = tokens * (4.0 * fan_in + 4.0 * layers * options.lora.rank)
-        if prepare.checkpointing == "none":  # checkpointed blocks recompute the casts
-            lora_extra = lora_transient
-    block_frozen = block + lora_extra
-    offload = prepare.offload_activations_every
-    offloaded = len(range(0, shape.num_layers, offload)) if offload else 0
-    on_gpu = shape.num_layers - offloaded + (1 if offloaded else 0)  # one block in flight
-
-    # time of one sample's calls
-    self_f, cross_f, linear_f = forward_flops(shape, video, text)
-    backend = "fa4" if prepare.flash_attention_4 else "cudnn"
-    att_f = (self_f + cross_f) / (table.attention_forward[backend] * 1e12)
-    att_fb = 3.5 * (self_f + cross_f) / (table.attention_forward_backward[backend] * 1e12)
-    lin = linear_f / (table.gemm * 1e12)
-    cost = {"no_grad": att_f + lin, "frozen": att_fb + 2 * lin, "trained": att_fb + 3 * lin}
-    block_linear_f = sum(
-        2.0 * i * o * _tokens_of(n, video, text)
-        for n, i, o in shape.linears
-        if n.startswith("blocks.")
-    ) / (table.gemm * 1e12)
-    up = 2.0 * shape.num_layers * video * shape.dim * shape.ffn_dim / (table.gemm * 1e12)
-    recompute_one = {
-        "none": 0.0, "selective": 0.0, "full": att_f + block_linear_f,
-        "attention": block_linear_f, "narrow": up,
-    }[prepare.checkpointing] * math.ceil(shape.num_layers / every) / shape.num_layers  # fmt: skip
-    comm_bw = (table.network if nodes > 1 else table.interconnect) * 1e9
-
-    transient = _transient_bytes(shape, tokens) + lora_transient
-    gathered = 0.0
-    if world > 1:  # FSDP2: two blocks' bf16 parameters gathered, one block's fp32 grads
-        gathered = 2 * shape.block_numel * 2 + shape.block_numel * 4
+    geometry = _Geometry(frames // pf, frame_tokens, batch, micro, planner.cache_frame)
+    static = sum(r.static for r in roles)
+    bandwidth = table.memory_bandwidth * 1e9
     steps = []
-    for name, calls in _step_kinds(recipe, options).items():
-        grad_calls = [c for c in calls if c.kind != "no_grad"]
-        acts = sum(block_frozen if c.kind == "frozen" or lora else block for c in grad_calls)
-        acts *= on_gpu
-        grads = sum(by_name[c.role].gradients for c in grad_calls)
-        # one backward over the trained calls: the activations go as the gradients come
-        peak_grad = max(acts, grads) + transient + gathered
-        peak_fwd = acts + _forward_transient_bytes(shape, tokens) + gathered
-        static = sum(r.static for r in roles)
-        peak = static + max(peak_grad, peak_fwd)
-        floor = batch * sum(cost[c.kind] for c in calls)
-        recompute = batch * len(grad_calls) * recompute_one
-        trained_numel = sum(by_name[c.role].numel for c in calls if c.kind != "no_grad")
-        optimizer = trained_numel * 36.0 / world / (table.memory_bandwidth * 1e9)
-        offload_bytes = 2 * offloaded * block * len(grad_calls)
-        compute_s = (floor + recompute) * (1 + table.elementwise)
-        copies = offload_bytes / (table.host_bandwidth * 1e9)
-        comm = 0.0
-        if world > 1:  # all-gathers (forward, backward) and reduce-scatters, overlapped
-            per_call = shape.numel * 2 * (world - 1) / world / comm_bw
-            comm = sum(per_call * (1 if c.kind == "no_grad" else 3) for c in calls)
-        seconds = (max(compute_s, copies, comm) + optimizer) * options.run.microbatches
+    for name, kind in _step_kinds(recipe, options, geometry, exit_mean=_exit_mean).items():
+        costs = [planner.phase(phase, static) for phase in kind.phases]
+        top = max(range(len(costs)), key=lambda i: costs[i].peak)
+        total = {f: sum(getattr(c, f) for c in costs) for f in attrs.fields_dict(_Cost)}
+        optimizer = sum(  # the fused AdamW: 36 bytes a parameter, each optimizer step
+            count * planner.roles[role].numel * 36.0 / world / bandwidth
+            for role, count in kind.updates
+        )
+        if recipe == "diffusion_nft":  # the soft update: old = eta old + (1 - eta) student
+            optimizer += (
+                4 * planner.roles["old"].weights + planner.roles["student"].weights
+            ) / bandwidth
+        seconds = max(total["compute"], total["offload"], total["comm"])
+        seconds += total["all_to_all"] + optimizer
         steps.append(
             StepPlan(
                 name,
-                tuple((c.role, c.kind) for c in calls),
-                acts,
-                transient + gathered,
-                peak,
-                floor * options.run.microbatches,
-                recompute * options.run.microbatches,
+                tuple((c.role, c.kind) for p in kind.phases for c in p.calls),
+                costs[top].activations,
+                costs[top].transient,
+                costs[top].peak,
+                total["floor"],
+                total["recompute"],
                 seconds,
+                kind.share,
+                max(phase.held for phase in kind.phases),
             )
         )
     settings = {
         "compute": compute, "checkpointing": prepare.checkpointing,
-        "checkpoint_every": every, "offload": offload, "compile": prepare.compile,
-        "budget": prepare.compile_memory_budget, "batch": batch,
-        "microbatches": options.run.microbatches,
+        "checkpoint_every": prepare.checkpoint_every,
+        "offload": prepare.offload_activations_every, "compile": prepare.compile,
+        "budget": prepare.compile_memory_budget, "batch": batch, "microbatches": micro,
     }  # fmt: skip
+    cache = None
+    if recipe in CAUSAL_RECIPES:
+        if recipe == "self_forcing":  # a micro-batch's rollout, over the whole video
+            capacity, samples = geometry.frames, batch / micro
+        else:  # the stream's, over the rank's batch
+            capacity, samples = options.window_frames + options.sink_frames, batch
+        cache = (samples * capacity * geometry.cache_frame, capacity, cache_dtype)
     return RunPlan(
-        recipe, world, shape, video, text, tuple(roles), block, on_gpu, tuple(steps), table,
-        backend, table.memory_gib * GIB, margin_gib * GIB, settings,
+        recipe, world, shape, video, data.text_shape[0], tuple(roles),
+        planner.saved(batch / micro * video / cp), planner.on_gpu, tuple(steps), table,
+        planner.backend, table.memory_gib * GIB, margin_gib * GIB, settings, cp, cache,
     )  # fmt: skip
 
 
@@ -990,10 +1659,12 @@ def suggest_changes(
     nodes: int = 1,
     kernels: KernelTable | str | None = None,
     limit: int = 5,
+    context: int | None = None,
 ) -> list[Suggestion]:
     """Changes that make a run fit, fastest first: checkpointing and offloading, LoRA
-    (``--lora.rank 64`` of ``finetune``, ``dmd2`` -> ``lora_dmd2``), more GPUs; each
-    re-planned with :func:`plan_run`.
+    (``--lora.rank 64`` of ``finetune``, ``dmd2`` -> ``lora_dmd2``), context parallel over
+    2, 4 or 8 of a node's GPUs (``--context N``, eager: compile refuses a context mesh; not
+    for the causal recipes), more GPUs; each re-planned with :func:`plan_run`.
 
     Args:
         recipe: The recipe.
@@ -1002,25 +1673,30 @@ def suggest_changes(
         nodes: Nodes.
         kernels: The kernel table.
         limit: At most this many.
+        context: The run's context-parallel degree (:func:`plan_run`'s).
 
     Returns:
-        The changes that fit: those on the same GPUs first, then by predicted step time,
-        then by fewer changed settings.
+        The changes that fit: those on the same GPUs first, then by predicted step time
+        (with context parallel, times its degree: its GPUs share a sample, so that a
+        sample costs as many GPU-seconds as the other layouts' steps), then by fewer
+        changed settings.
 
     Examples:
         >>> for s in suggest_changes("dmd2", options):  # doctest: +SKIP
         ...     print(f"{s.plan.mean_seconds:.2f} s  {s.change}")
     """
-    module = meta_transformer(options.model)
+    table = kernels if isinstance(kernels, KernelTable) else load_kernel_table(kernels)
+    shape = _shape_for(options.model)  # once: every plan below reuses it
     found: list[tuple[float, int, Suggestion]] = []
+    cp_now = context if context is not None else getattr(options.parallel, "context", 1)
 
-    def consider(change: str, rec: str, opts: Any, n: int, m: int, cost: int) -> None:
+    def consider(change: str, rec: str, opts: Any, n: int, m: int, cost: int, cp: int) -> None:
         try:
-            plan = plan_run(rec, opts, nproc=n, nodes=m, kernels=kernels, _module=module)
+            plan = plan_run(rec, opts, nproc=n, nodes=m, kernels=table, context=cp, _shape=shape)
         except ValueError:
             return
-        if plan.fits:
-            found.append((plan.mean_seconds, cost, Suggestion(change, plan)))
+        if plan.fits:  # a context group's GPUs share its samples: its time a sample
+            found.append((plan.mean_seconds * plan.context, cost, Suggestion(change, plan)))
 
     layouts = [(nproc, nodes)]
     for more in (2, 4, 8):
@@ -1029,30 +1705,42 @@ def suggest_changes(
             layouts.append((n, m))
     prepare = options.prepare
     for n, m in layouts:
-        for mode in ("none", "selective", "narrow", "attention", "full"):
-            for offload in (0, 4, 2, 1):
-                flags = []
-                if mode != prepare.checkpointing:
-                    flags.append(f"--prepare.checkpointing {mode}")
-                if offload != prepare.offload_activations_every:
-                    flags.append(f"--prepare.offload_activations_every {offload}")
-                if (n, m) != (nproc, nodes):
-                    flags.append(f"--nproc {n}" + (f" --nodes {m}" if m > 1 else ""))
-                if not flags:
-                    continue
-                opts = _options_with(
-                    options,
-                    **{"prepare.checkpointing": mode, "prepare.offload_activations_every": offload},
-                )
-                consider(" ".join(flags), recipe, opts, n, m, len(flags))
+        degrees = [cp_now]
+        if recipe not in CAUSAL_RECIPES:  # a causal student cannot be context-parallel
+            degrees += [d for d in (2, 4, 8) if d != cp_now and d <= n and n % d == 0]
+        for cp in degrees:
+            for mode in ("none", "selective", "narrow", "attention", "full"):
+                for offload in (0, 4, 2, 1):
+                    flags = []
+                    if mode != prepare.checkpointing:
+                        flags.append(f"--prepare.checkpointing {mode}")
+                    if offload != prepare.offload_activations_every:
+                        flags.append(f"--prepare.offload_activations_every {offload}")
+                    if (n, m) != (nproc, nodes):
+                        flags.append(f"--nproc {n}" + (f" --nodes {m}" if m > 1 else ""))
+                    changes: dict[str, Any] = {
+                        "prepare.checkpointing": mode,
+                        "prepare.offload_activations_every": offload,
+                    }
+                    if cp != cp_now:
+                        flags.append(f"--context {cp} (each sample over {cp} GPUs)")
+                        if cp > 1 and prepare.compile:  # context parallel runs eagerly
+                            flags.append("--prepare.compile false")
+                            changes["prepare.compile"] = False
+                    if not flags:
+                        continue
+                    opts = _options_with(options, **changes)
+                    consider(" ".join(flags), recipe, opts, n, m, len(flags), cp)
     if recipe == "finetune" and not options.lora.rank:
         opts = _options_with(options, **{"lora.rank": 64, "lora.alpha": 64})
-        consider("--lora.rank 64 --lora.alpha 64", recipe, opts, nproc, nodes, 2)
+        consider("--lora.rank 64 --lora.alpha 64", recipe, opts, nproc, nodes, 2, cp_now)
     if recipe == "dmd2":
         from fvstep.recipes.lora_dmd2 import LoRADMD2Options
 
         fields = {f.name for f in dataclasses.fields(LoRADMD2Options)}
         lora = LoRADMD2Options(**{k: v for k, v in vars(options).items() if k in fields})
-        consider("fvstep train lora_dmd2 (the same options)", "lora_dmd2", lora, nproc, nodes, 3)
+        consider(
+            "fvstep train lora_dmd2 (the same options)", "lora_dmd2", lora, nproc, nodes, 3, cp_now
+        )
     found.sort(key=lambda x: (x[2].plan.world, round(x[0], 2), x[1]))  # GPUs cost most
     return [s for _, _, s in found[:limit]]
