@@ -174,21 +174,45 @@ def test_the_kv_cache_is_what_the_self_forcing_rollout_allocates(benchmark: bool
     batch = spec.data.batch(0)
     student = spec.state.module("student")
     like = batch["latents"].float()  # the method's batch, cast to the student's dtype
-    # the recipe's rollout is not under autocast (a prepared role enters it in its forward:
-    # an fp32 cache); benchmarks.realshape wraps the whole step in it (a bf16 cache)
+    # the recipe's rollout makes its cache in the student's compute dtype (bf16);
+    # benchmarks.realshape wraps the whole step in autocast (init_cache's default: bf16)
     scope = torch.autocast("cpu", dtype=torch.bfloat16) if benchmark else contextlib.nullcontext()
     live = _LiveBytes(_state_tensors(spec.state, batch))
     with scope, torch.no_grad(), live:  # the method rolls out without grad
         ro = rollout(
             student, like, batch["text"], torch.tensor([0, 1]), exits=(1, 0),
             denoising_steps=(1.0, 0.5),
+            cache_dtype=None if benchmark else fsp.preparation(student).param_dtype,
         )  # fmt: skip
     measured = live.alive(larger_than=8) - _tensor_bytes((ro.video, ro.exit_inputs))
     plan = planning.plan_run("self_forcing", options, _benchmark=benchmark)
     assert plan.cache is not None
-    assert ro.cache.keys.element_size() == plan.cache[2]
+    assert ro.cache.keys.element_size() == plan.cache[2] == 2
     assert measured == plan.cache[0]
     assert {s.held for s in plan.steps} == {plan.cache[0]}  # one cache alive in each step
+
+
+def test_the_self_forcing_recipes_rollout_keeps_its_cache_in_the_compute_dtype(
+    monkeypatch: Any,
+) -> None:
+    import fvstep.methods.causal_rollout as rollouts
+
+    made: list[torch.dtype] = []
+    real = rollouts.init_cache
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        cache = real(*args, **kwargs)
+        made.append(cache.keys.dtype)
+        return cache
+
+    monkeypatch.setattr(rollouts, "init_cache", recorded)
+    for precision, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        made.clear()
+        spec = get_recipe("self_forcing").build(
+            _options("self_forcing", "--prepare.precision", precision), fresh=True
+        )
+        spec.step(spec.state, spec.data.batch(0))
+        assert made and set(made) == {dtype}, (precision, made)
 
 
 def test_a_streams_caches_and_contexts_are_what_the_streaming_rollout_allocates() -> None:

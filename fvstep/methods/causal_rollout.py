@@ -125,6 +125,7 @@ def rollout(
     denoising_steps: Sequence[float],
     cache: KVCache | None = None,
     context_time: float = 0.0,
+    cache_dtype: torch.dtype | None = None,
 ) -> Rollout:
     """The causal student's video, chunk by chunk with its KV cache (see the module docstring).
 
@@ -138,6 +139,8 @@ def rollout(
         denoising_steps: Decreasing times in ``(0, 1]``.
         cache: The cache to continue from (a stream); default an empty one of ``F`` frames.
         context_time: The time at which the clean chunks are fed to the cache (0: clean).
+        cache_dtype: The new cache's dtype (without ``cache``; default
+            :func:`~fvstep.methods.causal_wan.init_cache`'s).
 
     Returns:
         A :class:`Rollout`; ``video`` has gradient through the exit steps when grad is on.
@@ -168,7 +171,9 @@ def rollout(
         )
     if cache is not None:
         check_cache_fits(student, cache)
-    current = cache if cache is not None else init_cache(student, like, capacity_frames=frames)
+    if cache is None:
+        cache = init_cache(student, like, capacity_frames=frames, dtype=cache_dtype)
+    current = cache
     # Without eviction every chunk's context is a prefix of the final cache: one buffer,
     # read by each chunk up to its fill level (the slots past it are masked, never used).
     grows = int(current.num_frames) + frames <= current.capacity_frames

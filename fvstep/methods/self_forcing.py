@@ -163,6 +163,7 @@ def self_forcing_losses(
     context_time: float = 0.0,
     same_step_across_chunks: bool = False,
     last_step_only: bool = False,
+    cache_dtype: torch.dtype | None = None,
     student: str = "student",
     teacher: str = "teacher",
     critic: str = "critic",
@@ -183,6 +184,10 @@ def self_forcing_losses(
         context_time: Time of the cache's context pass (0: clean chunks).
         same_step_across_chunks: One exit step for every chunk of a rollout.
         last_step_only: Always exit at the last step.
+        cache_dtype: The rollout's KV cache dtype; default
+            :func:`~fvstep.methods.causal_wan.init_cache`'s (autocast's, else the
+            latents'). Give the student's compute dtype when it computes in a lower one
+            than the latents (a prepared bf16 role): its keys are in it already.
         student: The causal student role's name.
         teacher: The teacher role's name.
         critic: The critic role's name.
@@ -229,7 +234,7 @@ def self_forcing_losses(
         with torch.no_grad():
             ro = rollout(
                 module, like, batch["text"], key, exits=exits, denoising_steps=steps,
-                context_time=context_time,
+                context_time=context_time, cache_dtype=cache_dtype,
             )  # fmt: skip
         if not torch.is_grad_enabled():
             return ro.video

@@ -715,21 +715,12 @@ def _cache_frame_bytes(shape: ModelShape, frame_tokens: int, dtype_bytes: int) -
 
 
 def _cache_dtype_bytes(recipe: str, options: Any, *, benchmark: bool = False) -> int:
-    """The KV cache's bytes per element, as the recipe's code makes it.
-
-    ``streaming`` keeps the stream's cache in the student's compute dtype
-    (``init_stream(cache_dtype=preparation.param_dtype)``: bf16 under bf16 compute).
-    ``self_forcing``'s rollout makes its cache with ``init_cache``'s default, the dtype of
-    the latents (the student's) unless autocast is on where it is made, and a prepared
-    role's autocast is entered inside its forward only: an fp32 cache for an fp32 student.
-    ``benchmark``: as ``benchmarks.realshape`` runs it, the whole step under autocast (a
-    bf16 cache under bf16 compute).
-    """
+    """The KV cache's bytes per element, as the recipe's code makes it: the student's
+    compute dtype (``streaming``'s ``init_stream(cache_dtype=)``, ``self_forcing``'s
+    ``self_forcing(cache_dtype=)``: bf16 under bf16 compute), as ``benchmarks.realshape``'s
+    step under autocast makes it too (``benchmark``)."""
     model_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}[options.model.dtype]
-    bf16 = _compute(options) == "bf16"
-    if recipe == "streaming" or benchmark:
-        return 2 if bf16 else model_bytes
-    return model_bytes
+    return 2 if _compute(options) == "bf16" else model_bytes
 
 
 # ------------------------------------------------------------------ roles

@@ -25,7 +25,8 @@ from typing import Any
 import torch
 
 import fvstep as fs
-from fvstep.methods import make_causal, self_forcing
+from fvstep import parallel as fsp
+from fvstep.methods import make_causal, self_forcing, self_forcing_losses
 from fvstep.methods.causal_rollout import shifted_steps
 from fvstep.observe.sampling import FewStepSampler
 from fvstep.recipes import Recipe, RunSpec, parts
@@ -167,16 +168,19 @@ def build(options: SelfForcingOptions, *, fresh: bool = True) -> RunSpec:
         (['critic', 'student', 'teacher'], ('student', 'critic'))
     """
     check_latent_frames(options.data, options.chunk_frames)
+    steps = shifted_steps(options.denoising_steps, options.denoising_shift)
+    self_forcing_losses(denoising_steps=steps, guidance_scale=options.guidance_scale)  # checks
+    device = parts.device_for(options.run)
+    roles = causal_roles(options, fresh=fresh, device=device)
+    prepared = fsp.preparation(roles["student"].module)
     method = self_forcing(
         generator_update_interval=options.generator_update_interval,
-        denoising_steps=shifted_steps(options.denoising_steps, options.denoising_shift),
+        denoising_steps=steps,
         guidance_scale=options.guidance_scale,
+        # the keys are computed in the student's compute dtype: keep the cache in it
+        cache_dtype=None if prepared is None else prepared.param_dtype,
     )
-    device = parts.device_for(options.run)
-    state = fs.TrainState.create(
-        causal_roles(options, fresh=fresh, device=device), key=fs.random.key(options.run.seed)
-    )
-    steps = shifted_steps(options.denoising_steps, options.denoising_shift)
+    state = fs.TrainState.create(roles, key=fs.random.key(options.run.seed))
     return parts.run_spec(
         options,
         state,
