@@ -4,7 +4,9 @@ One fine-tune step (a tiny Wan, 2 micro-batches, clipping, EMA, called directly)
 under ``sys.setprofile``; every call into a function defined under ``fvstep/`` is
 counted, except the loss function's own code (``fvstep/methods/``, ``fvstep/models.py``:
 the model math a user writes) and what they call. Also: the nested fvstep frames between
-``fvstep.run`` and the optimizer's kernel call, and the files they cross.
+``fvstep.run`` and the optimizer's kernel call, and the files they cross; and one
+checkpoint save (``fvstep.checkpoint.save`` of the same state through DCP, one process),
+where every fvstep frame counts, on every thread (the checksums run on a second one).
 
 Usage (from the repository root):
     python scripts/step_path.py            # a table
@@ -17,6 +19,7 @@ import argparse
 import collections
 import sys
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -132,6 +135,34 @@ def trace_run() -> Tracer:
     return tracers[0]
 
 
+def trace_save() -> collections.Counter[tuple[str, str]]:
+    """``fvstep.checkpoint.save`` of the state after one step (after one untraced save),
+    every thread traced: the calls of every fvstep function, whoever calls it."""
+    state, step, batch = _build()
+    state, _ = step(state, batch)
+    tracers: list[Tracer] = []
+
+    def tracer_of_thread(frame: Any, event: str, arg: Any) -> None:
+        tracer = Tracer()  # one per thread: its own stack
+        tracers.append(tracer)
+        sys.setprofile(tracer)
+        tracer(frame, event, arg)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        fs.checkpoint.save(state, Path(tmp) / "warm-up")  # imports, caches
+        threading.setprofile(tracer_of_thread)
+        sys.setprofile(tracer_of_thread)
+        try:
+            fs.checkpoint.save(state, Path(tmp) / "step_000000001")
+        finally:
+            sys.setprofile(None)
+            threading.setprofile(None)  # type: ignore[arg-type]
+    calls: collections.Counter[tuple[str, str]] = collections.Counter()
+    for tracer in tracers:
+        calls.update(tracer.calls)
+    return calls
+
+
 def main(argv: list[str] | None = None) -> None:
     """Print the figures of one step (and, with ``--list``, each function)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -149,11 +180,20 @@ def main(argv: list[str] | None = None) -> None:
     path = run.deepest_to_kernel or []
     print(f"| nested fvstep frames from fvstep.run to the optimizer kernel | {len(path)} |")
     print(f"| files on that path | {len({f for f, _ in path})} |")
+    save = trace_save()
+    save_files = sorted({f for f, _ in save})
+    print(f"| checkpoint save: distinct named fvstep functions | {len(save)} |")
+    print(f"| checkpoint save: files | {len(save_files)} |")
+    print(f"| checkpoint save: calls | {sum(save.values())} |")
     print()
     print("files:", ", ".join(files))
     print("path from run to the kernel:", " > ".join(q for _, q in path))
+    print("checkpoint save's files:", ", ".join(save_files))
     if args.list:
         for (f, q), n in sorted(one.calls.items()):
+            print(f"{n:5d}  {f}:{q}")
+        print("checkpoint save:")
+        for (f, q), n in sorted(save.items()):
             print(f"{n:5d}  {f}:{q}")
 
 
