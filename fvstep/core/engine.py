@@ -239,7 +239,9 @@ class Step(abc.ABC):
                 runs = scheduled(routes, step)
                 for _, route in runs:  # the leaves' input checks, before anything changes
                     if route.leaf.check is not None:
-                        route.leaf.check(work, batch, route.resolved.accumulation)
+                        accumulation = route.resolved.accumulation
+                        assert accumulation is not None  # resolved
+                        route.leaf.check(work, batch, accumulation)
                 for position, route in runs:
                     leaf = call.leaf = route.leaf
                     call.position = position
