@@ -4,8 +4,9 @@ One fine-tune step (a tiny Wan, 2 micro-batches, clipping, EMA, called directly)
 under ``sys.setprofile``; every call into a function defined under ``fvstep/`` is
 counted, except the loss function's own code (``fvstep/methods/``, ``fvstep/models.py``:
 the model math a user writes) and what they call. Also: the nested fvstep frames between
-``fvstep.run`` and the optimizer's kernel call, and the files they cross; and one
-checkpoint save (``fvstep.checkpoint.save`` of the same state through DCP, one process),
+``fvstep.run`` and the optimizer's kernel call, and the files they cross; the Python
+opcodes run in fvstep's frames during one step (``sys.settrace``; a count of its host
+work that does not depend on the machine's load); and one checkpoint save (``fvstep.checkpoint.save`` of the same state through DCP, one process),
 where every fvstep frame counts, on every thread (the checksums run on a second one).
 
 Usage (from the repository root):
@@ -108,6 +109,32 @@ def trace_step() -> Tracer:
     return tracer
 
 
+def count_opcodes() -> int:
+    """The opcodes run in fvstep's frames (the loss function's code left out) during one
+    step, called directly (after one untraced warm-up step)."""
+    state, step, batch = _build()
+    state, _ = step(state, batch)
+    count = [0]
+
+    def on_opcode(frame: Any, event: str, arg: Any) -> Any:
+        if event == "opcode":
+            count[0] += 1
+        return on_opcode
+
+    def on_call(frame: Any, event: str, arg: Any) -> Any:
+        if not _ours(frame.f_code.co_filename):
+            return None  # torch's frames, and the loss function's
+        frame.f_trace_opcodes = True
+        return on_opcode
+
+    sys.settrace(on_call)
+    try:
+        state, _ = step(state, batch)
+    finally:
+        sys.settrace(None)
+    return count[0]
+
+
 def trace_run() -> Tracer:
     """``fvstep.run`` for 2 steps, traced from the second batch on (the path from run to
     the kernel)."""
@@ -176,6 +203,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"| distinct named fvstep functions | {len(one.calls)} |")
     print(f"| files | {len(files)} |")
     print(f"| calls | {sum(one.calls.values())} |")
+    print(f"| Python opcodes run in fvstep's frames | {count_opcodes()} |")
     run = trace_run()
     path = run.deepest_to_kernel or []
     print(f"| nested fvstep frames from fvstep.run to the optimizer kernel | {len(path)} |")
