@@ -7,11 +7,14 @@ torch's AdamW kernel, the gradient norm and the clip (each wrapped with a timer 
 fvstep is imported, so both sides bind the same wrappers). Each round starts one fresh
 interpreter per side, in alternating order (drift cancels), that times ``--steps`` steps
 after ``--warmup`` untimed ones; the table gives medians, and the ratios are the median
-of the per-round ratios.
+of the per-round ratios. ``--clock cpu`` times with the process's CPU time instead of the
+wall clock: on a machine shared with other work, the time a process waits for a core
+then does not count.
 
 Usage (from the repository root):
     git worktree add /tmp/before <commit>
     python scripts/compare_overhead.py --before /tmp/before --rounds 7
+    python scripts/compare_overhead.py --before /tmp/before --rounds 9 --clock cpu
 """
 
 from __future__ import annotations
@@ -30,16 +33,17 @@ WORKER = r"""
 import json, statistics, sys, time
 import torch
 torch.set_num_threads(1)
+clock = time.process_time if sys.argv[3] == "cpu" else time.perf_counter
 
 # Time what is not fvstep's own work: patched before fvstep binds them at import.
 spent = [0.0]
 def timed(fn):
     def wrapper(*args, **kwargs):
-        start = time.perf_counter()
+        start = clock()
         try:
             return fn(*args, **kwargs)
         finally:
-            spent[0] += time.perf_counter() - start
+            spent[0] += clock() - start
     return wrapper
 torch.Tensor.backward = timed(torch.Tensor.backward)
 import importlib
@@ -66,9 +70,9 @@ batch = synthetic_batch(fs.random.key(1), batch_size=2)
 times, own = [], []
 for i in range(warmup + steps):
     spent[0] = 0.0
-    start = time.perf_counter()
+    start = clock()
     state, metrics = step(state, batch)
-    total = time.perf_counter() - start
+    total = clock() - start
     if i >= warmup:
         times.append(total)
         own.append(total - spent[0])
@@ -78,13 +82,13 @@ print(json.dumps({
 """
 
 
-def measure(path: Path, steps: int, warmup: int) -> tuple[float, float]:
+def measure(path: Path, steps: int, warmup: int, clock: str = "wall") -> tuple[float, float]:
     """One fresh interpreter importing fvstep from ``path``: its median step time, and
     the median of fvstep's own part of it (the step less the loss function, backward,
     the AdamW kernel, the norm and the clip)."""
     env = {**os.environ, "PYTHONPATH": str(path), "OMP_NUM_THREADS": "1"}
     out = subprocess.run(
-        [sys.executable, "-c", WORKER, str(steps), str(warmup)],
+        [sys.executable, "-c", WORKER, str(steps), str(warmup), clock],
         env=env,
         cwd=path,
         capture_output=True,
@@ -103,6 +107,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument(
+        "--clock", choices=("wall", "cpu"), default="wall", help="wall clock or process CPU time"
+    )
     args = parser.parse_args(argv)
     sides = {"before": args.before, "after": ROOT}
     step_s: dict[str, list[float]] = {name: [] for name in sides}
@@ -110,7 +117,7 @@ def main(argv: list[str] | None = None) -> None:
     for r in range(args.rounds):
         order = list(sides) if r % 2 == 0 else list(reversed(sides))
         for name in order:
-            total, own = measure(sides[name], args.steps, args.warmup)
+            total, own = measure(sides[name], args.steps, args.warmup, args.clock)
             step_s[name].append(total)
             own_s[name].append(own)
     print("| side | median step (ms) | fvstep's own part (ms) | own: min - max |")
@@ -127,7 +134,10 @@ def main(argv: list[str] | None = None) -> None:
             f"after / before, {label}: {statistics.median(ratios):.3f} (median of per-round "
             f"ratios; min {min(ratios):.3f}, max {max(ratios):.3f})"
         )
-    print(f"({args.rounds} rounds of {args.steps} steps after {args.warmup}, alternating)")
+    print(
+        f"({args.rounds} rounds of {args.steps} steps after {args.warmup}, alternating; "
+        f"{args.clock} clock)"
+    )
 
 
 if __name__ == "__main__":

@@ -4,7 +4,10 @@ One fine-tune step (a tiny Wan, 2 micro-batches, clipping, EMA, called directly)
 under ``sys.setprofile``; every call into a function defined under ``fvstep/`` is
 counted, except the loss function's own code (``fvstep/methods/``, the models included:
 the model math a user writes) and what they call. Also: the nested fvstep frames between
-``fvstep.run`` and the optimizer's kernel call, and the files they cross.
+``fvstep.run`` and the optimizer's kernel call, and the files they cross; the Python
+opcodes run in fvstep's frames during one step (``sys.settrace``; a count of its host
+work that does not depend on the machine's load); and one checkpoint save (``fvstep.checkpoint.save`` of the same state through DCP, one process),
+where every fvstep frame counts, on every thread (the checksums run on a second one).
 
 Usage (from the repository root):
     python scripts/step_path.py            # a table
@@ -17,6 +20,7 @@ import argparse
 import collections
 import sys
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -105,6 +109,32 @@ def trace_step() -> Tracer:
     return tracer
 
 
+def count_opcodes() -> int:
+    """The opcodes run in fvstep's frames (the loss function's code left out) during one
+    step, called directly (after one untraced warm-up step)."""
+    state, step, batch = _build()
+    state, _ = step(state, batch)
+    count = [0]
+
+    def on_opcode(frame: Any, event: str, arg: Any) -> Any:
+        if event == "opcode":
+            count[0] += 1
+        return on_opcode
+
+    def on_call(frame: Any, event: str, arg: Any) -> Any:
+        if not _ours(frame.f_code.co_filename):
+            return None  # torch's frames, and the loss function's
+        frame.f_trace_opcodes = True
+        return on_opcode
+
+    sys.settrace(on_call)
+    try:
+        state, _ = step(state, batch)
+    finally:
+        sys.settrace(None)
+    return count[0]
+
+
 def trace_run() -> Tracer:
     """``fvstep.run`` for 2 steps, traced from the second batch on (the path from run to
     the kernel)."""
@@ -132,6 +162,34 @@ def trace_run() -> Tracer:
     return tracers[0]
 
 
+def trace_save() -> collections.Counter[tuple[str, str]]:
+    """``fvstep.checkpoint.save`` of the state after one step (after one untraced save),
+    every thread traced: the calls of every fvstep function, whoever calls it."""
+    state, step, batch = _build()
+    state, _ = step(state, batch)
+    tracers: list[Tracer] = []
+
+    def tracer_of_thread(frame: Any, event: str, arg: Any) -> None:
+        tracer = Tracer()  # one per thread: its own stack
+        tracers.append(tracer)
+        sys.setprofile(tracer)
+        tracer(frame, event, arg)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        fs.checkpoint.save(state, Path(tmp) / "warm-up")  # imports, caches
+        threading.setprofile(tracer_of_thread)
+        sys.setprofile(tracer_of_thread)
+        try:
+            fs.checkpoint.save(state, Path(tmp) / "step_000000001")
+        finally:
+            sys.setprofile(None)
+            threading.setprofile(None)  # type: ignore[arg-type]
+    calls: collections.Counter[tuple[str, str]] = collections.Counter()
+    for tracer in tracers:
+        calls.update(tracer.calls)
+    return calls
+
+
 def main(argv: list[str] | None = None) -> None:
     """Print the figures of one step (and, with ``--list``, each function)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -145,15 +203,25 @@ def main(argv: list[str] | None = None) -> None:
     print(f"| distinct named fvstep functions | {len(one.calls)} |")
     print(f"| files | {len(files)} |")
     print(f"| calls | {sum(one.calls.values())} |")
+    print(f"| Python opcodes run in fvstep's frames | {count_opcodes()} |")
     run = trace_run()
     path = run.deepest_to_kernel or []
     print(f"| nested fvstep frames from fvstep.run to the optimizer kernel | {len(path)} |")
     print(f"| files on that path | {len({f for f, _ in path})} |")
+    save = trace_save()
+    save_files = sorted({f for f, _ in save})
+    print(f"| checkpoint save: distinct named fvstep functions | {len(save)} |")
+    print(f"| checkpoint save: files | {len(save_files)} |")
+    print(f"| checkpoint save: calls | {sum(save.values())} |")
     print()
     print("files:", ", ".join(files))
     print("path from run to the kernel:", " > ".join(q for _, q in path))
+    print("checkpoint save's files:", ", ".join(save_files))
     if args.list:
         for (f, q), n in sorted(one.calls.items()):
+            print(f"{n:5d}  {f}:{q}")
+        print("checkpoint save:")
+        for (f, q), n in sorted(save.items()):
             print(f"{n:5d}  {f}:{q}")
 
 

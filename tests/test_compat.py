@@ -28,13 +28,6 @@ def test_fused_kernel_devices_are_the_device_types_torch_checks_fused_against() 
     assert str(devices) in str(refused.value)
 
 
-def test_default_foreach_is_torch_optims_choice_for_the_params() -> None:
-    cpu = [torch.zeros(2)]
-    assert _compat.default_foreach(cpu) is False  # single-tensor loop on CPU
-    if torch.cuda.is_available():
-        assert _compat.default_foreach([torch.zeros(2, device="cuda")]) is True
-
-
 @pytest.mark.parametrize("fused", [False, True])
 def test_optimizer_step_dtype_is_the_dtype_of_torch_adamws_step(fused: bool) -> None:
     p = nn.Parameter(torch.zeros(3))

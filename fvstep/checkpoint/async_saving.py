@@ -25,11 +25,11 @@ from fvstep.checkpoint.fingerprint import fingerprint, local_checks
 from fvstep.checkpoint.frozen import _split_frozen
 from fvstep.checkpoint.saving import (
     WRITER_THREADS,
-    _check_writer_threads,
     _make_temp_dir,
     _refuse_nonfinite,
     _write,
 )
+from fvstep.core._checks import check_int
 from fvstep.core.tree import flatten_with_paths
 from fvstep.parallel.ranks import rank_and_world
 
@@ -144,7 +144,7 @@ class AsyncSaver:
             TypeError: If ``writer_threads`` is not an integer.
             ValueError: If ``writer_threads`` is smaller than 1.
         """
-        writer_threads = _check_writer_threads(writer_threads)
+        writer_threads = check_int(writer_threads, "writer_threads", minimum=1)
         self.wait()
         upload_group = self._uploads()
         final = Path(path)

@@ -266,7 +266,7 @@ def _rows_checks(
     if device.type != "cpu":
         return _segment_sum(ints, start, _DEVICE_CHUNK), finite
     per_thread = _CPU_CHUNK * _SEGMENT_CHUNKS
-    threads = min(_threads(), -(-ints.numel() // per_thread))
+    threads = min(_threads(), -(-ints.numel() // per_thread)) if ints.numel() > per_thread else 1
     if threads <= 1:
         pieces = [_segment_sum_cpu(ints, start, _CPU_CHUNK, nonfinite)]
     else:
@@ -398,11 +398,13 @@ def fingerprint(
         ``per_rank[path][rank]`` for leaves that differ between ranks.
     """
     sums = list(sums) if sums is not None else local_sums(leaves)
-    sharded = [i for i, x in enumerate(leaves) if is_dtensor(x)]
-    plain = [i for i, x in enumerate(leaves) if not is_dtensor(x)]
     world = rank_and_world(group)[1]
     per_rank: dict[str, list[int]] = {}
     if world > 1:
+        sharded: list[int] = []
+        plain: list[int] = []
+        for i, x in enumerate(leaves):
+            (sharded if is_dtensor(x) else plain).append(i)
         device = collective_device(group)
         if sharded:
             total = torch.stack([sums[i] for i in sharded]).to(device)

@@ -107,10 +107,6 @@ def _refuse_nonfinite(
         )
 
 
-def _temp_for(final: Path) -> Path:
-    return final.parent / f".tmp-{final.name}"
-
-
 def _rank_key(path: str, rank: int) -> str:
     return f"{path}@rank{rank}"
 
@@ -127,7 +123,7 @@ def _describe_leaf(x: torch.Tensor, per_rank: bool) -> dict[str, Any]:
 def _make_temp_dir(final: Path, overwrite: bool, group: Any) -> Path:
     """Collective: rank 0 checks ``final`` and makes a fresh temporary directory."""
     rank, _ = rank_and_world(group)
-    tmp = _temp_for(final)
+    tmp = final.parent / f".tmp-{final.name}"
     error: str | None = None
     if rank == 0:
         try:
@@ -143,10 +139,6 @@ def _make_temp_dir(final: Path, overwrite: bool, group: Any) -> Path:
     if error is not None:
         raise CheckpointError(error)
     return tmp
-
-
-def _check_writer_threads(writer_threads: int) -> int:
-    return check_int(writer_threads, "writer_threads", minimum=1)
 
 
 class _CheckedWriter(FileSystemWriter):
@@ -237,12 +229,16 @@ def _write_shards(
     early = [i for i, x in enumerate(leaves) if world > 1 and not is_dtensor(x)]
     early_set = set(early)
     late = [i for i in range(len(leaves)) if i not in early_set]
+    early_sums: list[torch.Tensor] = []
+    early_finite: list[bool] = []
+    per_rank = {}
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
         pending = pool.submit(local_checks, [leaves[i] for i in late], check_finite=check)
-        early_sums, early_finite = local_checks([leaves[i] for i in early], check_finite=check)
-        _, per_rank = fingerprint(
-            [paths[i] for i in early], [leaves[i] for i in early], group=group, sums=early_sums
-        )
+        if early:  # (one process: none)
+            early_sums, early_finite = local_checks([leaves[i] for i in early], check_finite=check)
+            _, per_rank = fingerprint(
+                [paths[i] for i in early], [leaves[i] for i in early], group=group, sums=early_sums
+            )
         flat = {
             (_rank_key(p, rank) if p in per_rank else p): x.detach() for p, x in zip(paths, leaves)
         }
@@ -366,7 +362,7 @@ def save(
     Examples:
         >>> save(state, "ckpt/step_000000100")
     """
-    writer_threads = _check_writer_threads(writer_threads)
+    writer_threads = check_int(writer_threads, "writer_threads", minimum=1)
     swapped = roles_holding_other_weights(state)
     if swapped:
         raise CheckpointError(

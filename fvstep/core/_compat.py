@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.optim.optimizer import _default_to_fused_or_foreach, _get_scalar_dtype
+from torch.optim.optimizer import _get_scalar_dtype
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -34,7 +34,6 @@ if TYPE_CHECKING:
 __all__ = [
     "TorchDispatchMode",
     "checkpoint_wrapper",
-    "default_foreach",
     "dynamo_counters",
     "flash_attention_registry",
     "forward_pre_hooks",
@@ -60,17 +59,6 @@ def fused_kernel_devices() -> list[str]:
     ``torch.optim`` checks ``fused=True`` against.
     """
     return list(_get_fused_kernels_supported_devices())
-
-
-def default_foreach(params: Sequence[torch.Tensor]) -> bool:
-    """Whether ``torch.optim`` picks its foreach implementation for ``params`` by default.
-
-    ``torch.optim.optimizer._default_to_fused_or_foreach(params, differentiable=False,
-    use_fused=False)[1]``: foreach on foreach-capable devices (CUDA), the single-tensor
-    loop elsewhere (CPU).
-    """
-    _, foreach = _default_to_fused_or_foreach(list(params), False, use_fused=False)
-    return bool(foreach)
 
 
 def optimizer_step_dtype(*, fused: bool = False) -> torch.dtype:

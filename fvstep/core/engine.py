@@ -2,14 +2,15 @@
 
 Every step is a :class:`Step`: ``step(state, batch, key=None, *, parallelism=None) ->
 (state, metrics)`` and ``step.plan(i) -> [PlanEntry]``. Units and managed steps are its
-leaves (:class:`Leaf`, plain data); ``sequence``, ``every``, ``cond`` and ``compile``
+leaves (:class:`Leaf`, each with its own ``run``); ``sequence``, ``every``, ``cond`` and ``compile``
 (:mod:`fvstep.core.steps`) take steps and return steps. A step is resolved when it is
 built: it holds its :class:`Route` s, one per leaf, each with the leaf's policy already
 merged over the enclosing ``compile``s' and the defaults, and the :class:`Gate` s
 (``every``, ``cond``) on the way to it. What runs at step ``i`` is the routes whose
-gates open at ``i`` (:func:`scheduled`), a pure function of ``i``.
+gates open at ``i`` (:func:`scheduled`), a pure function of ``i``. Which leaves report
+their metrics under their name is resolved when a step is built too (:attr:`Route.named`).
 
-A call (:func:`run_step`) reads nothing but its arguments, and:
+A call (:meth:`Step.__call__`) reads nothing but its arguments, and:
 
 1. checks once, before anything is consumed: every role that any leaf can ever run
    exists in the state (a typo names the close match), trained roles are trainable,
@@ -20,9 +21,11 @@ A call (:func:`run_step`) reads nothing but its arguments, and:
    share it); a leaf gets ``fold_in_name(step_key, leaf.name)`` (its stable name: adding
    a unit leaves the noise of the others unchanged), micro-batch ``m`` of a unit
    ``fold_in(unit_key, m)``; modules run inside ``rng_scope`` of their key;
-3. runs the scheduled routes in order: a unit's :func:`~fvstep.core.unit.backward`, then,
-   right before its first leaf changes, the input is consumed (like a donated buffer),
-   then :func:`~fvstep.core.unit.apply`; a managed step counts as changing from its start;
+3. runs the scheduled routes in order, each leaf by its own ``run`` (:meth:`Leaf.run`)
+   with the :class:`Call`: a unit (:func:`run_unit`) runs
+   :func:`~fvstep.core.unit.backward`, then, right before its first leaf changes, the
+   input is consumed (like a donated buffer), then :func:`~fvstep.core.unit.apply`; a
+   managed step counts as changing from its start;
 4. returns the state with ``step + 1``.
 
 A step that raises before its first change (a bad batch, an error in a loss, a
@@ -51,12 +54,13 @@ import torch
 from fvstep.core import random as fsrandom
 from fvstep.core import unit
 from fvstep.core._compat import tensor_version, world_size_of_default_group
+from fvstep.core.accumulation import Accumulation
 from fvstep.core.layout import Parallelism
 from fvstep.core.policy import UNSET, PlanEntry, Policy, StepFailedError
 from fvstep.core.state import TrainState, adopt, is_consumed, mark_consumed
 from fvstep.core.tree import any_dtensor, flatten_with_paths
 
-__all__ = ["Gate", "Leaf", "Route", "Step", "run_step", "run_unit", "scheduled"]
+__all__ = ["Call", "Gate", "Leaf", "Route", "Step", "name_routes", "run_unit", "scheduled"]
 
 
 @attrs.frozen(eq=False)
@@ -82,21 +86,48 @@ class Route:
         resolved: ``policy`` over the defaults: what runs.
         gates: The ``every`` and ``cond`` conditions between the step and the leaf,
             outermost first; the leaf runs at a step where all of them open.
+        named: Whether the leaf reports its metrics as ``<its name>/<key>``: it trains a
+            role an earlier leaf of the step trains too (see :func:`name_routes`).
     """
 
     leaf: Leaf
     policy: Policy
     resolved: Policy
     gates: tuple[Gate, ...] = ()
+    named: bool = False
 
     def under(self, outer: Policy) -> Route:
         """This route inside a ``compile`` of policy ``outer``."""
         policy = self.policy.over(outer)
-        return Route(self.leaf, policy, policy.resolve(), self.gates)
+        return Route(self.leaf, policy, policy.resolve(), self.gates, self.named)
 
     def behind(self, gate: Gate) -> Route:
         """This route behind ``gate`` (an enclosing ``every`` or ``cond`` branch)."""
-        return Route(self.leaf, self.policy, self.resolved, (gate, *self.gates))
+        return Route(self.leaf, self.policy, self.resolved, (gate, *self.gates), self.named)
+
+
+def name_routes(routes: Sequence[Route]) -> tuple[Route, ...]:
+    """``routes`` with :attr:`Route.named` resolved, for the step they are the routes of.
+
+    A leaf that trains a role an earlier leaf trains too, where both can run at one step
+    (not the two branches of one ``cond``), reports every metric as ``<its name>/<key>``,
+    at every step, whether or not the earlier one ran: a metric's key never depends on
+    the step. Called where routes are joined (``sequence``, ``cond``); an ``every`` or a
+    ``compile`` around a step changes no route's naming.
+    """
+    out = []
+    for position, route in enumerate(routes):
+        named = any(
+            set(earlier.leaf.trains) & set(route.leaf.trains)
+            and not any(
+                a.pred is not None and a.pred is b.pred and a.branch != b.branch
+                for a in earlier.gates
+                for b in route.gates
+            )
+            for earlier in routes[:position]
+        )
+        out.append(route if route.named == named else attrs.evolve(route, named=named))
+    return tuple(out)
 
 
 def scheduled(routes: Sequence[Route], step: int) -> list[tuple[int, Route]]:
@@ -185,12 +216,60 @@ class Step(abc.ABC):
                 (the original error is ``__cause__``); ``state`` is then consumed.
                 Any other error leaves ``state`` usable and bit-unchanged.
         """
-        return run_step(self, state, batch, key, parallelism)
+        if not isinstance(state, TrainState):
+            raise TypeError(f"a step takes a TrainState, got {type(state).__name__}")
+        if is_consumed(state):
+            mark_consumed(state, "")  # raises ConsumedStateError, naming who consumed it
+        step = int(state.step)
+        routes = self.routes
+        check_call(routes, state, parallelism)
+        if parallelism is None:
+            replica, counter = 0, None
+        else:
+            replica, _ = parallelism.data_parallel_rank_and_size()
+            counter = parallelism.collective_counter()
+        step_key = fsrandom.fold_in(
+            fsrandom.fold_in(state.key if key is None else key, step), replica
+        )
+        work = state.replace(roles={name: adopt(rs) for name, rs in state.roles.items()})
+        call = Call(state, step, batch, parallelism)
+        metrics: dict[str, Any] = {}
+        try:
+            with counter if counter is not None else contextlib.nullcontext():
+                runs = scheduled(routes, step)
+                for _, route in runs:  # the leaves' input checks, before anything changes
+                    if route.leaf.check is not None:
+                        accumulation = route.resolved.accumulation
+                        assert accumulation is not None  # resolved
+                        route.leaf.check(work, batch, accumulation)
+                for position, route in runs:
+                    leaf = call.leaf = route.leaf
+                    call.position = position
+                    leaf_key = fsrandom.fold_in_name(step_key, leaf.name)
+                    work, leaf_metrics = leaf.run(work, batch, leaf_key, route.resolved, call)
+                    # A named leaf's metrics, and a key an earlier leaf reported: under
+                    # <name>/<key>, so that none is lost.
+                    prefix = f"{leaf.name}/"
+                    for name, value in leaf_metrics.items():
+                        if (route.named or name in metrics) and not name.startswith(prefix):
+                            name = prefix + name
+                        metrics[name] = value
+        except Exception as error:
+            failure = call.failure(error)
+            if failure is None:
+                raise
+            raise failure from error
+        if not call.changed:  # a step that ran nothing still consumes its input
+            mark_consumed(state, f"the step function at step {step}")
+        if counter is not None:
+            metrics.update(counter.metrics())
+        return work.replace(step=torch.tensor(step + 1, dtype=torch.int64)), metrics
 
 
 class Leaf(Step):
-    """One leaf of a composition: a unit (``managed = False``: ``roles``, ``loss_fn``) or a
-    managed step (``managed = True``: ``fn``, and ``run``). Plain data: the engine runs it.
+    """One leaf of a composition: a unit (``fvstep.update``: ``roles``, ``loss_fn``) or a
+    managed step (``fvstep.managed``: ``fn``). It runs itself: the engine calls every leaf
+    the same way, ``leaf.run(state, batch, key, policy, call)``.
 
     Its ``name`` keys its randomness and labels its metrics, so the names of the leaves
     of a composed step are unique.
@@ -198,19 +277,33 @@ class Leaf(Step):
 
     kind: ClassVar[str] = "leaf"
     managed: ClassVar[bool] = False
+    trains_label: ClassVar[str] = "roles"  # what messages call ``trains``
     name: str
     policy: Policy  # its own clip and sanitize; unset fields are the enclosing ones
     trains: tuple[str, ...]  # the roles whose optimizers it steps
     mutates: tuple[str, ...] = ()  # frozen roles it changes in place (managed steps only)
-    # a managed leaf's runner, called by the engine (``fvstep.core.managed.Managed.run``)
-    run: Callable[..., tuple[TrainState, dict[str, Any]]]
+    # ``check(state, batch, accumulation)`` of the step's input, run before any leaf of the
+    # step runs (a managed step's ``check``); ``None``: none
+    check: Callable[[TrainState, Any, Accumulation], None] | None = None
 
-    def describe(self) -> str:
-        """``unit 'name'`` or ``managed step 'name'``, for messages."""
-        return f"{self.kind} {self.name!r}"
+    @abc.abstractmethod
+    def run(
+        self, state: TrainState, batch: Any, key: torch.Tensor, policy: Policy, call: Call
+    ) -> tuple[TrainState, dict[str, Any]]:
+        """Run this leaf once in ``call``: ``policy`` is its resolved policy, ``key`` its key
+        (``fold_in_name(step_key, name)``). It calls ``call.change()`` right before it first
+        changes ``state``. A unit: :func:`run_unit`; a managed step:
+        :meth:`fvstep.core.managed.Managed.run`."""
 
-    def check_input(self, state: TrainState, batch: Any, policy: Policy) -> None:
-        """A managed leaf's check of its input under its resolved ``policy`` (units: none)."""
+    def describe(self, position: int | None = None) -> str:
+        """``unit 'name'`` or ``managed step 'name'``, for messages; with the ``position``
+        it runs at, also that and the roles it trains."""
+        if position is None:
+            return f"{self.kind} {self.name!r}"
+        return (
+            f"{self.kind} {self.name!r} (position {position}, "
+            f"{self.trains_label} {list(self.trains)})"
+        )
 
 
 def own_routes(leaf: Leaf) -> tuple[Route, ...]:
@@ -218,21 +311,39 @@ def own_routes(leaf: Leaf) -> tuple[Route, ...]:
     return (Route(leaf, leaf.policy, leaf.policy.resolve()),)
 
 
-class Progress:
-    """What a running step has changed: it consumes the input at the first change.
+class Call:
+    """One call of a step as it runs: what its leaves read from it (the step, the layout,
+    the step's batch split once per number of micro-batches, the running leaf), and what
+    it has changed. It consumes the input at the first change.
 
     Loss functions may change buffers or ``extra`` tensors in place too (a BatchNorm
     forward in training mode), so the version counters of those leaves are watched, that
     a failed step never leaves as "unchanged" an input that is not (best effort: a kernel
     that writes behind autograd's back moves no counter). Parameters are not watched
     (only optimizers and managed steps change them).
+
+    Attributes:
+        step: The step being run.
+        batch: The step's batch.
+        parallelism: The process layout of the call (``None``: one process).
+        splits: The step's batch split into micro-batches, by their number: the units
+            of a step that split it alike share one split.
+        position: The running leaf's position among the step's leaves.
+        leaf: The running leaf (``None`` before the first).
+        changed: ``(position, leaf)`` of each leaf that has changed the state, in order.
     """
 
-    def __init__(self, state: TrainState, step: int) -> None:
+    def __init__(
+        self, state: TrainState, step: int, batch: Any, parallelism: Parallelism | None
+    ) -> None:
         self.state = state
         self.step = step
-        self.changed: list[str] = []
-        self.current = "the step"
+        self.batch = batch
+        self.parallelism = parallelism
+        self.splits: dict[int, list[Any]] = {}
+        self.position = 0
+        self.leaf: Leaf | None = None
+        self.changed: list[tuple[int, Leaf | None]] = []
         watched = {
             f"roles.{r}.buffers.{n}": b
             for r, rs in state.roles.items()
@@ -243,12 +354,16 @@ class Progress:
             watched.update({f"extra.{p}": x for p, x in zip(paths, leaves)})
         self.versions = {p: (x, tensor_version(x)) for p, x in watched.items()}
 
-    def change(self, what: str) -> None:
-        """``what`` is about to change the state: consume it first (once)."""
+    def change(self) -> None:
+        """The running leaf is about to change the state: consume it first (once)."""
         if not self.changed:
             mark_consumed(self.state, f"the step function at step {self.step}")
-        if what not in self.changed:
-            self.changed.append(what)
+        running = (self.position, self.leaf)
+        if running not in self.changed:
+            self.changed.append(running)
+
+    def _describe(self, position: int, leaf: Leaf | None) -> str:
+        return "the step" if leaf is None else leaf.describe(position)
 
     def failure(self, error: Exception) -> StepFailedError | None:
         """The error to raise for ``error``; ``None`` when nothing changed (the input is
@@ -260,17 +375,20 @@ class Progress:
             mark_consumed(self.state, f"the step function at step {self.step}")
         parts = []
         if self.changed:
-            parts.append("already changed by " + ", ".join(self.changed))
+            parts.append(
+                "already changed by " + ", ".join(self._describe(*c) for c in self.changed)
+            )
         if in_place:
             shown = ", ".join(in_place[:3]) + (", ..." if len(in_place) > 3 else "")
             parts.append(f"changed in place by a loss or managed function ({shown})")
         return StepFailedError(
-            f"step {self.step} failed in {self.current} after the step had changed its input "
-            f"state: the state was {'; '.join(parts)}. The input state is consumed and partly "
-            "updated: do not continue from it. To recover, reload the last checkpoint into a "
-            "state of the same structure: state = fvstep.checkpoint.load("
-            "fvstep.checkpoint.latest(ckpt_dir), like=fresh_state), with fresh_state built as "
-            "for the first step (fvstep.run does this when restarted with its Checkpoints). "
+            f"step {self.step} failed in {self._describe(self.position, self.leaf)} after the "
+            f"step had changed its input state: the state was {'; '.join(parts)}. The input "
+            "state is consumed and partly updated: do not continue from it. To recover, "
+            "reload the last checkpoint into a state of the same structure: state = "
+            "fvstep.checkpoint.load(fvstep.checkpoint.latest(ckpt_dir), like=fresh_state), "
+            "with fresh_state built as for the first step (fvstep.run does this when "
+            "restarted with its Checkpoints). "
             f"The error that stopped the step: {type(error).__name__}: {error}"
         )
 
@@ -281,46 +399,33 @@ def _unknown_role(role: str, state_roles: list[str]) -> str:
     return f"the state has no role {role!r} (it has roles {state_roles}){hint}"
 
 
-def _check_call(
-    routes: Sequence[Route], state: TrainState, parallelism: Parallelism | None
-) -> set[int]:
+def check_call(routes: Sequence[Route], state: TrainState, parallelism: Parallelism | None) -> None:
     """The checks of a call, before anything is consumed: every role any leaf can run
     exists in ``state`` and the trained ones are trainable; the layout accepts the state.
-    Returns the positions of the leaves that report their metrics under their name.
+    One pass over the leaves' roles, and (one process) over the parameters.
 
     The layout of one process (``parallelism=None``) refuses sharded roles and a process
-    that is one of several ranks: each rank would train its own copy. A leaf that trains
-    a role an earlier leaf of the step trains too, where both can run at one step (not the
-    two branches of one ``cond``), reports every metric as ``<its name>/<key>``, at every
-    step, whether or not the earlier one ran: a metric's key never depends on the step.
+    that is one of several ranks: each rank would train its own copy.
     """
-    named: set[int] = set()
-    for position, route in enumerate(routes):
+    roles = state.roles
+    for route in routes:
         leaf = route.leaf
-        for earlier in routes[:position]:
-            if set(earlier.leaf.trains) & set(leaf.trains) and not any(
-                a.pred is not None and a.pred is b.pred and a.branch != b.branch
-                for a in earlier.gates
-                for b in route.gates
-            ):
-                named.add(position)
-                break
         for role in (*leaf.trains, *leaf.mutates):
-            if role not in state.roles:
+            if role not in roles:
                 verb = "trains" if role in leaf.trains else "mutates"
                 raise ValueError(
                     f"{leaf.describe()} {verb} role {role!r}, but "
-                    f"{_unknown_role(role, sorted(state.roles))}"
+                    f"{_unknown_role(role, sorted(roles))}"
                 )
         for role in leaf.trains:
-            if not state.roles[role].role.trainable:
+            if not roles[role].role.trainable:
                 raise ValueError(
                     f"{leaf.describe()} trains role {role!r}, which is frozen (give it an "
                     "optimizer: Role(module, optimizer=...))"
                 )
     if parallelism is not None:
         parallelism.check(state)
-        return named
+        return
     world = world_size_of_default_group()
     if world > 1:
         raise ValueError(
@@ -329,29 +434,31 @@ def _check_call(
             "its own copy. Pass the layout: step(state, batch, "
             "parallelism=fvstep.parallel.Layout()) (fvstep.run passes it by itself)"
         )
-    for name, rs in state.roles.items():
+    for name, rs in roles.items():
         if any_dtensor(rs.params.values()):
             raise ValueError(
                 f"role {name!r} has sharded (DTensor) parameters, but the step runs with the "
                 "layout of one process, which does not return FSDP2 modules to rest between "
                 "units: pass parallelism=fvstep.parallel.Layout()"
             )
-    return named
 
 
 def run_unit(
-    state: TrainState,
-    leaf: Any,
-    microbatches: Any,
-    key: torch.Tensor,
-    policy: Policy,
-    parallelism: Parallelism | None,
-    progress: Progress | None,
+    leaf: Any, state: TrainState, batch: Any, key: torch.Tensor, policy: Policy, call: Call
 ) -> tuple[TrainState, dict[str, Any]]:
-    """One unit: backward, consume the input (``progress``: ``None`` inside a managed step,
-    which consumed it at its start), apply. ``policy`` is resolved."""
+    """How a unit runs itself (``Unit.run``; see :meth:`Leaf.run`): split ``batch`` into
+    micro-batches, backward, consume the input (``call.change()``: a no-op for the units a
+    managed step runs, which consumed it at its start), apply. ``policy`` is resolved."""
     accumulation, clip, sanitize = policy.accumulation, policy.clip, policy.sanitize
     assert accumulation is not None and clip is not UNSET and sanitize is not UNSET
+    num = accumulation.microbatches
+    if batch is call.batch:  # the step's own batch: split once per number of micro-batches
+        microbatches = call.splits.get(num)
+        if microbatches is None:
+            microbatches = call.splits[num] = unit.split_microbatches(batch, num)
+    else:
+        microbatches = unit.split_microbatches(batch, num)
+    parallelism = call.parallelism
     sync = None if parallelism is None else parallelism.grad_sync(state, accumulation)
     gradients = unit.backward(
         state,
@@ -365,86 +472,5 @@ def run_unit(
         sync=sync,
         parallelism=parallelism,
     )
-    if progress is not None:
-        progress.change(progress.current)
+    call.change()
     return unit.apply(state, gradients, clip=clip, sanitize=sanitize)
-
-
-def _merge_metrics(metrics: dict[str, Any], new: dict[str, Any], name: str, *, named: bool) -> None:
-    """Add a leaf's metrics: under ``<name>/<key>`` for a ``named`` leaf (one that trains a
-    role an earlier leaf trains too: see :func:`_check_call`), and for a key an earlier
-    leaf of the step reported, so that none is lost."""
-    for key, value in new.items():
-        if (named or key in metrics) and not key.startswith(f"{name}/"):
-            key = f"{name}/{key}"
-        metrics[key] = value
-
-
-def run_step(
-    root: Step,
-    state: TrainState,
-    batch: Any,
-    key: torch.Tensor | None,
-    parallelism: Parallelism | None,
-) -> tuple[TrainState, dict[str, Any]]:
-    """The outermost call of ``root``: checks, keys, consumption, the routes, the counter.
-
-    See :meth:`Step.__call__` for the arguments and errors.
-    """
-    if not isinstance(state, TrainState):
-        raise TypeError(f"a step takes a TrainState, got {type(state).__name__}")
-    if is_consumed(state):
-        mark_consumed(state, "")  # raises ConsumedStateError, naming who consumed it
-    step = int(state.step)
-    routes = root.routes
-    named = _check_call(routes, state, parallelism)
-    if parallelism is None:
-        replica, counter = 0, None
-    else:
-        replica, _ = parallelism.data_parallel_rank_and_size()
-        counter = parallelism.collective_counter()
-    step_key = fsrandom.fold_in(fsrandom.fold_in(state.key if key is None else key, step), replica)
-    work = state.replace(roles={name: adopt(rs) for name, rs in state.roles.items()})
-    progress = Progress(state, step)
-    splits: dict[int, list[Any]] = {}
-    metrics: dict[str, Any] = {}
-    try:
-        with counter if counter is not None else contextlib.nullcontext():
-            runs = scheduled(routes, step)
-            for _, route in runs:  # managed steps' input checks, before anything changes
-                if route.leaf.managed:
-                    route.leaf.check_input(work, batch, route.resolved)
-            for position, route in runs:
-                leaf, policy = route.leaf, route.resolved
-                leaf_key = fsrandom.fold_in_name(step_key, leaf.name)
-                if leaf.managed:
-                    progress.current = (
-                        f"managed step {leaf.name!r} (position {position}, "
-                        f"trains {list(leaf.trains)})"
-                    )
-                    progress.change(progress.current)  # it may change anything from its start
-                    work, leaf_metrics = leaf.run(
-                        work, batch, leaf_key, policy, parallelism, step, position
-                    )
-                else:
-                    progress.current = (
-                        f"unit {leaf.name!r} (position {position}, roles {list(leaf.trains)})"
-                    )
-                    assert policy.accumulation is not None
-                    num = policy.accumulation.microbatches
-                    if num not in splits:
-                        splits[num] = unit.split_microbatches(batch, num)
-                    work, leaf_metrics = run_unit(
-                        work, leaf, splits[num], leaf_key, policy, parallelism, progress
-                    )
-                _merge_metrics(metrics, leaf_metrics, leaf.name, named=position in named)
-    except Exception as error:
-        failure = progress.failure(error)
-        if failure is None:
-            raise
-        raise failure from error
-    if not progress.changed:  # a step that ran nothing still consumes its input
-        mark_consumed(state, f"the step function at step {step}")
-    if counter is not None:
-        metrics.update(counter.metrics())
-    return work.replace(step=torch.tensor(step + 1, dtype=torch.int64)), metrics

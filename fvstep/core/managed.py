@@ -1,8 +1,8 @@
 """Managed steps: methods that run their own inner loop (RL: sample, reward, several updates).
 
 :func:`managed` wraps ``fn(state, batch, key, ctx) -> (state, metrics)``; the engine
-calls :meth:`Managed.run`, which gives ``fn`` a :class:`ManagedContext` to run inner
-units with the engine's own unit runner (:func:`fvstep.core.engine.run_unit`).
+runs it as every leaf, by its ``run`` (:meth:`Managed.run`), which gives ``fn`` a
+:class:`ManagedContext` to run inner units the same way, by theirs.
 """
 
 from __future__ import annotations
@@ -14,11 +14,9 @@ import attrs
 import torch
 
 from fvstep.core import random as fsrandom
-from fvstep.core import unit
 from fvstep.core.accumulation import Accumulation
-from fvstep.core.engine import Leaf, Route, own_routes, run_unit
+from fvstep.core.engine import Call, Leaf, Route, own_routes
 from fvstep.core.grads import ClipGradNorm, Sanitize
-from fvstep.core.layout import Parallelism
 from fvstep.core.policy import UNSET, Policy, Unset, check_clip, check_sanitize
 from fvstep.core.state import TrainState
 
@@ -33,6 +31,7 @@ class Managed(Leaf):
 
     kind: ClassVar[str] = "managed step"
     managed: ClassVar[bool] = True
+    trains_label: ClassVar[str] = "trains"
 
     fn: ManagedFn
     trains: tuple[str, ...]  # a field where Leaf has a property
@@ -42,36 +41,23 @@ class Managed(Leaf):
     check: Callable[[TrainState, Any, Accumulation], None] | None = None
     routes: tuple[Route, ...] = attrs.field(init=False, repr=False, eq=False, default=ROUTES)
 
-    def check_input(self, state: TrainState, batch: Any, policy: Policy) -> None:
-        """Run ``check(state, batch, accumulation)`` on the step's input, before any leaf of
-        the step runs (its error leaves the input usable and unchanged); ``policy`` is the
-        resolved one its ``ctx`` will hold."""
-        if self.check is not None:
-            assert policy.accumulation is not None
-            self.check(state, batch, policy.accumulation)
-
     def run(
-        self,
-        state: TrainState,
-        batch: Any,
-        key: torch.Tensor,
-        policy: Policy,
-        parallelism: Parallelism | None,
-        step: int,
-        position: int,
+        self, state: TrainState, batch: Any, key: torch.Tensor, policy: Policy, call: Call
     ) -> tuple[TrainState, dict[str, Any]]:
-        """Run ``fn(state, batch, key, ctx)`` inside ``rng_scope(key)`` (the engine calls
-        this; ``policy`` is resolved)."""
-        assert policy.accumulation is not None
-        ctx = ManagedContext(step, position, policy.accumulation, policy, parallelism, self.trains)
+        """Run ``fn(state, batch, key, ctx)`` inside ``rng_scope(key)`` (see
+        :meth:`~fvstep.core.engine.Leaf.run`): it counts as changing the state from its
+        start. ``policy`` is resolved; the engine ran ``check`` before the step's first leaf."""
+        call.change()
+        accumulation = policy.accumulation
+        assert accumulation is not None
+        ctx = ManagedContext(call.step, call.position, accumulation, policy, call, self.trains)
         try:
             with fsrandom.rng_scope(key):
                 new_state, metrics = self.fn(state, batch, key, ctx)
         except Exception:
             # Its own module reads (outside ctx.update) may leave FSDP2 groups busy.
-            sync = (
-                None if parallelism is None else parallelism.grad_sync(state, policy.accumulation)
-            )
+            parallelism = call.parallelism
+            sync = None if parallelism is None else parallelism.grad_sync(state, accumulation)
             if sync is not None:
                 sync.release(state, after_error=True)
             raise
@@ -150,7 +136,7 @@ class ManagedContext:
     position: int
     accumulation: Accumulation
     _policy: Policy
-    _parallelism: Parallelism | None
+    _call: Call
     _trains: tuple[str, ...]
 
     def update(
@@ -191,9 +177,7 @@ class ManagedContext:
         policy = attrs.evolve(
             unit_.policy.over(self._policy), accumulation=accumulation or self.accumulation
         ).resolve()
-        assert policy.accumulation is not None
-        microbatches = unit.split_microbatches(batch, policy.accumulation.microbatches)
-        return run_unit(state, unit_, microbatches, key, policy, self._parallelism, None)
+        return unit_.run(state, batch, key, policy, self._call)
 
 
 ManagedFn = Callable[[TrainState, Any, torch.Tensor, ManagedContext], tuple[TrainState, dict]]

@@ -19,7 +19,7 @@ from typing import ClassVar
 import attrs
 
 from fvstep.core.accumulation import Accumulation
-from fvstep.core.engine import Gate, Leaf, Route, Step, own_routes
+from fvstep.core.engine import Gate, Leaf, Route, Step, name_routes, own_routes, run_unit
 from fvstep.core.grads import ClipGradNorm, Sanitize
 from fvstep.core.policy import UNSET, PlanEntry, Policy, Unset, check_clip, check_sanitize
 from fvstep.core.unit import LossFn
@@ -99,6 +99,7 @@ class Unit(Leaf):
     name: str = ""
     trains: tuple[str, ...] = attrs.field(init=False, repr=False)  # its roles, as a leaf
     routes: tuple[Route, ...] = attrs.field(init=False, repr=False, eq=False, default=ROUTES)
+    run = run_unit  # how a unit runs itself, beside the engine's call (fvstep.core.engine)
 
     @trains.default
     def _trains(self) -> tuple[str, ...]:
@@ -178,8 +179,8 @@ class Chain(Step):
 
     @routes.default
     def _build(self) -> tuple[Route, ...]:
-        """Each step's routes, in order."""
-        return tuple(route for s in self.steps for route in s.routes)
+        """Each step's routes, in order, their naming resolved over all of them."""
+        return name_routes([route for s in self.steps for route in s.routes])
 
 
 def sequence(*steps: Step) -> Chain:
@@ -259,7 +260,7 @@ class Cond(Step):
         routes = [route.behind(yes) for route in self.if_true.routes]
         if self.if_false is not None:
             routes += [route.behind(no) for route in self.if_false.routes]
-        return tuple(routes)
+        return name_routes(routes)
 
 
 def cond(pred: Callable[[int], bool], if_true: Step, if_false: Step | None = None) -> Cond:

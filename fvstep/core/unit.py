@@ -49,13 +49,9 @@ class Group:
     names: list[str]
     role_states: list[RoleState]
     params_by_role: list[dict[str, torch.Tensor]]
-    params: list[torch.Tensor] = attrs.field(init=False)  # every parameter, role by role
+    params: list[torch.Tensor]  # every parameter, role by role
     norm: torch.Tensor | None = None  # as computed: a DTensor for sharded gradients
     full_norm: torch.Tensor | None = None  # a plain tensor, the same on every rank
-
-    @params.default
-    def _all_params(self) -> list[torch.Tensor]:
-        return [p for params in self.params_by_role for p in params.values()]
 
 
 @attrs.define
@@ -146,10 +142,11 @@ def backward(
         sync.release(state)
     for p in silenced:
         p.requires_grad_(False)
-    groups = [
-        Group(g, [state.roles[r] for r in g], [trained[r] for r in g])
-        for g in ([list(roles)] if clip is not None and clip.joint else [[r] for r in roles])
-    ]
+    groups = []
+    for names in [list(roles)] if clip is not None and clip.joint else [[r] for r in roles]:
+        by_role = [trained[r] for r in names]
+        params = [p for role_params in by_role for p in role_params.values()]
+        groups.append(Group(names, [state.roles[r] for r in names], by_role, params))
     gradients = Gradients(groups, {})
     gradients.clear()
     loss_log: dict[str, list[torch.Tensor]] = {r: [] for r in roles}

@@ -143,15 +143,13 @@ class _KernelOptimizer(Generic[StateT]):
         names = _grad_names(params, grads, next(iter(dicts.items()), None), moments)
         lr = self.learning_rate(int(state.count))
         p_list = [params[n] for n in names]
-        foreach, fused = self.foreach, self.fused
-        if foreach is None and fused is None:  # torch's default for these params' device
-            foreach = torch_compat.default_foreach(p_list)
         with torch.no_grad():
             # No .detach(): under no_grad torch.optim hands the parameters to the same
             # kernels as they are, and detaching a DTensor costs ~17 µs of host time each.
             g_list: _Tensors = [grads[n] for n in names]  # type: ignore[misc]
             lists = {f: [d[n] for n in names] for f, d in dicts.items()}
-            self._apply(p_list, g_list, lists, lr, foreach=bool(foreach), fused=bool(fused))
+            # foreach=fused=None: torch's kernel picks its default for these params' device
+            self._apply(p_list, g_list, lists, lr, foreach=self.foreach, fused=self.fused)
             state.count.add_(1)
         return self._state_class(count=state.count, **{f: dict(getattr(state, f)) for f in slots})
 
@@ -239,7 +237,12 @@ class AdamW(_KernelOptimizer[AdamWState]):
         }
 
     def _apply(
-        self, params: _Tensors, grads: _Tensors, state: dict[str, _Tensors], lr: float, **impl: bool
+        self,
+        params: _Tensors,
+        grads: _Tensors,
+        state: dict[str, _Tensors],
+        lr: float,
+        **impl: bool | None,
     ) -> None:
         torch_adamw(
             params,
@@ -294,7 +297,12 @@ class SGD(_KernelOptimizer[SGDState]):
         return {"momentum_buffer": _MOMENT if on else None, "initialized": _FLAG if on else None}
 
     def _apply(
-        self, params: _Tensors, grads: _Tensors, state: dict[str, _Tensors], lr: float, **impl: bool
+        self,
+        params: _Tensors,
+        grads: _Tensors,
+        state: dict[str, _Tensors],
+        lr: float,
+        **impl: bool | None,
     ) -> None:
         # torch makes a buffer lazily as clone(grad) on a param's first step: pass None there
         # (and [] without momentum, as torch.optim.SGD does), then copy in what torch made.
