@@ -82,3 +82,34 @@ def test_lora_dmd2_refuses_rank_0(tmp_path):
     bad = parse_options(recipe, [*QUIET, "--lora.rank", "0", "--run.out", str(tmp_path / "r")])
     with pytest.raises(ValueError, match="lora.rank must be >= 1"):
         prepare_run(recipe, bad, log=quiet)
+
+
+@pytest.mark.parametrize("recipe", ["finetune", "lora_dmd2", "dmd2"])
+def test_export_rebuilds_a_gpu_runs_state_with_its_resolved_precision(recipe, tmp_path, capsys):
+    """A run on CUDA with ``precision: auto`` (and FlashAttention-4) computed in bf16: its
+    frozen role's checkpoint digest is of bf16 weights. ``fvstep export`` rebuilds the
+    state on the CPU, where ``auto`` is fp32 and FA4 cannot run: it must use the run's
+    resolved precision (found on the H200: every frozen-role export failed there)."""
+    import yaml
+
+    from fvstep.cli import main
+
+    extra = LORA if recipe == "finetune" else []
+    argv = [*QUIET, *extra, "--run.num_steps", "1", "--run.every", "1"]
+    out = tmp_path / "run"
+    train(
+        get_recipe(recipe),
+        parse_options(
+            get_recipe(recipe), [*argv, "--prepare.precision", "bf16", "--run.out", str(out)]
+        ),
+        log=quiet,
+    )
+    config = yaml.safe_load((out / "config.yaml").read_text())
+    assert config["precision"] == "bf16"
+    config["options"]["prepare"]["precision"] = "auto"  # as a CUDA run writes it
+    config["options"]["prepare"]["flash_attention_4"] = True
+    (out / "config.yaml").write_text(yaml.safe_dump(config))
+    role, fmt = ("student", "lora") if recipe != "dmd2" else ("student", "safetensors")
+    code = main(["export", str(out), "--role", role, "--format", fmt, "--out", str(tmp_path / "e")])
+    assert code == 0, capsys.readouterr()
+    assert any((tmp_path / "e").iterdir())

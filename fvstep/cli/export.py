@@ -42,11 +42,19 @@ def _load_run(checkpoint: str) -> tuple[Any, Any]:
         )
     recipe = get_recipe(saved["recipe"])
     options = _options_from(recipe, saved["options"])
-    options = dataclasses.replace(  # the state's structure only: no data, no validation
+    # The state's structure only, on the CPU: no data, no validation. The dtypes are the
+    # run's: its resolved precision ("auto" was bf16 on its GPUs, and a frozen role is
+    # checked against the digest of its bf16 weights); FlashAttention-4 changes no tensor
+    # and needs a GPU.
+    prepare = options.prepare
+    if saved.get("precision") in ("bf16", "fp32"):
+        prepare = dataclasses.replace(prepare, precision=saved["precision"])
+    options = dataclasses.replace(
         options,
         data=dataclasses.replace(options.data, path=None),
         run=dataclasses.replace(options.run, device="cpu", progress=False),
         validation=dataclasses.replace(options.validation, every=0),
+        prepare=dataclasses.replace(prepare, flash_attention_4=False, verify_compile=False),
     )
     spec = recipe.build(options, fresh=False)
     try:
