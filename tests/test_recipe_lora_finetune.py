@@ -5,6 +5,8 @@ are the built state's. Tiny Wans on synthetic latents, on the CPU."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -113,3 +115,36 @@ def test_export_rebuilds_a_gpu_runs_state_with_its_resolved_precision(recipe, tm
     code = main(["export", str(out), "--role", role, "--format", fmt, "--out", str(tmp_path / "e")])
     assert code == 0, capsys.readouterr()
     assert any((tmp_path / "e").iterdir())
+
+
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        (["--lora.targets", "[to_q, ffn.net.0.prj]"], r"\['ffn.net.0.prj'\] match no layer"),
+        (["--lora.targets", "[patch_embedding]"], "a Conv3d"),
+        (["--lora.alpha", "0"], "lora.alpha must be > 0"),
+        (["--lora.alpha", "-8"], "lora.alpha must be > 0"),
+        (["--lora.rank", "-3"], "lora.rank must be >= 0"),
+        (["--model.dtype", "bfloat16"], "adapters train in fp32"),
+    ],
+    ids=["misspelt-target", "conv-target", "alpha-0", "alpha-negative", "rank-negative", "bf16"],
+)
+def test_lora_options_that_would_train_nothing_or_else_are_refused_by_train_and_plan(
+    argv, match, tmp_path, capsys
+):
+    """Found by review: a misspelt target was dropped and alpha 0 trained nothing, with
+    exit 0; ``fvstep plan`` said "fits" for runs ``fvstep train`` refuses."""
+    from fvstep.cli import main
+    from fvstep.recipes import planning
+
+    words = [*QUIET, *LORA, *argv, "--run.num_steps", "1", "--run.out", str(tmp_path / "r")]
+    # the options' checks run before anything is written (exit 2); the targets need the
+    # model's layers and are checked when it is built (exit 1, before any step)
+    code = main(["train", "finetune", *words])
+    assert code == (1 if "target" in argv[0] else 2)
+    assert re.search(match, capsys.readouterr().err)
+    assert not list((tmp_path / "r").glob("step_*"))
+    with pytest.raises(ValueError, match=match):
+        planning.plan_run("finetune", parse_options(FINETUNE, words))
+    with pytest.raises(ValueError, match=match):  # the build refuses it too
+        FINETUNE.build(parse_options(FINETUNE, words), fresh=True)

@@ -110,15 +110,17 @@ def parse_recipe_args(
     return recipe, options_from(recipe, namespace), own
 
 
-def _check_options(options: Any) -> None:
+def _check_options(name: str, options: Any) -> None:
     """What a run would refuse before it starts, refused before it writes anything: a path
     that holds nothing, an ``init_from`` state past ``run.num_steps``, samples without a
-    VAE."""
+    VAE, LoRA options that would train nothing."""
     from fvstep.recipes.init import check_init_state
-    from fvstep.recipes.parts import check_paths
+    from fvstep.recipes.parts import check_lora, check_paths
     from fvstep.recipes.samples import check_samples
 
     check_paths(options)
+    if hasattr(options, "lora"):
+        check_lora(options, required=name != "finetune")
     check_init_state(options)
     check_samples(options)
 
@@ -134,7 +136,7 @@ def _check_before_launch(recipe: Any, options: Any, nproc: int) -> None:
     from fvstep.recipes.running import check_resume
 
     try:
-        _check_options(options)
+        _check_options(recipe.name, options)
         if (Path(options.run.out) / LOCK_NAME).is_file():  # creates nothing in a new folder
             lock_dir(options.run.out).release()
         check_resume(recipe, options, world_size=nproc)
@@ -152,7 +154,7 @@ def _train(recipe: Recipe, options: Any, dry_run: bool) -> dict[str, Any]:
     from fvstep.recipes.running import train
 
     try:
-        _check_options(options)
+        _check_options(recipe.name, options)
     except ValueError as e:
         raise CLIError(f"fvstep train {recipe.name}: {e}") from None
     try:

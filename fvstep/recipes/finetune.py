@@ -79,6 +79,7 @@ def build(options: FinetuneOptions, *, fresh: bool = True) -> RunSpec:
         >>> int(spec.state.step), spec.trained
         (0, ('student',))
     """
+    parts.check_lora(options, required=False)
     device = parts.device_for(options.run)
     model = parts.load_transformer(options.model, device=device)
     source = options.init_from

@@ -74,6 +74,7 @@ def build(options: LoRADMD2Options, *, fresh: bool = True) -> RunSpec:
         >>> spec.trained
         ('student', 'critic')
     """
+    parts.check_lora(options, required=True)
     device = parts.device_for(options.run)
     base = parts.load_transformer(options.model, device=device).to(device)
     lora = parts.add_lora(base, options.lora, ("student", "critic"))

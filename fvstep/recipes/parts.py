@@ -36,6 +36,8 @@ from fvstep.recipes.options import (
 
 __all__ = [
     "add_lora",
+    "check_lora",
+    "check_lora_targets",
     "check_paths",
     "close_data",
     "compute_dtype",
@@ -149,11 +151,68 @@ def _to_dtype(module: nn.Module, dtype: torch.dtype | None) -> nn.Module:
     return module if dtype in (None, torch.float32) else module.to(dtype)
 
 
+def check_lora(options: Any, *, required: bool) -> None:
+    """Refuse LoRA options that would train nothing or something else: a rank below 1
+    (below 0 where ``0``, a full fine-tune, is allowed), ``alpha <= 0``, or adapters over
+    a model of another dtype than fp32 (they would be bf16 masters).
+
+    Raises:
+        ValueError: Naming the option and the fix.
+    """
+    lora = options.lora
+    if lora.rank < (1 if required else 0):
+        least = "1" if required else "0 (0: a full fine-tune)"
+        raise ValueError(f"lora.rank must be >= {least}, got {lora.rank}")
+    if lora.rank == 0:
+        return
+    if not lora.alpha > 0:
+        raise ValueError(
+            f"lora.alpha must be > 0 (the adapter's scale is alpha/rank), got {lora.alpha}"
+        )
+    if not lora.targets:
+        raise ValueError("lora.targets is empty: name the layers to adapt (e.g. [to_q, to_v])")
+    if options.model.dtype != "float32":
+        raise ValueError(
+            f"model.dtype {options.model.dtype} with LoRA: the adapters train in fp32 over the "
+            "base; keep model.dtype float32 and set prepare.frozen_dtype for the base's dtype"
+        )
+
+
+def check_lora_targets(names: dict[str, str], targets: tuple[str, ...]) -> None:
+    """Refuse targets that match no layer, or match a layer that is not ``nn.Linear``
+    (peft's rule: a module whose name is the target or ends with ``.target``).
+
+    Args:
+        names: Each module's qualified name to its class name.
+        targets: ``lora.targets``.
+
+    Raises:
+        ValueError: Naming the targets that match nothing, or the non-linear layer.
+    """
+    missing = []
+    for target in targets:
+        hits = [n for n in names if n == target or n.endswith("." + target)]
+        if not hits:
+            missing.append(target)
+        other = [n for n in hits if names[n] != "Linear"]
+        if other:
+            raise ValueError(
+                f"lora.targets {target!r} matches {other[0]!r}, a {names[other[0]]}: fvstep's "
+                "LoRA adapts nn.Linear layers only"
+            )
+    if missing:
+        raise ValueError(
+            f"lora.targets {missing} match no layer of the model (a target is a layer's name "
+            "or its last parts, e.g. to_q or ffn.net.0.proj)"
+        )
+
+
 def add_lora(base: nn.Module, lora: LoRAOptions, roles: tuple[str, ...]) -> dict[str, nn.Module]:
     """One peft LoRA adapter of ``lora`` per role over ``base`` (:func:`fvstep.lora.add_adapters`).
 
     Raises:
-        ValueError: If ``lora.rank`` is below 1.
+        ValueError: If ``lora.rank`` is below 1, or a target matches no ``nn.Linear``
+            (:func:`check_lora_targets`).
     """
     import peft
 
@@ -161,6 +220,7 @@ def add_lora(base: nn.Module, lora: LoRAOptions, roles: tuple[str, ...]) -> dict
 
     if lora.rank < 1:
         raise ValueError(f"lora.rank must be >= 1, got {lora.rank}")
+    check_lora_targets({n: type(m).__name__ for n, m in base.named_modules()}, lora.targets)
     config = peft.LoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=list(lora.targets))
     return add_adapters(base, dict.fromkeys(roles, config), seed=lora.seed)
 

@@ -1548,6 +1548,13 @@ def plan_run(
         )
     table = kernels if isinstance(kernels, KernelTable) else load_kernel_table(kernels)
     shape = _shape or (ModelShape.of(_module) if _module is not None else _shape_for(options.model))
+    if recipe in ("finetune", "lora_dmd2"):  # what the build would refuse, refused here
+        from fvstep.recipes.parts import check_lora, check_lora_targets
+
+        check_lora(options, required=recipe != "finetune")
+        if _is_lora(recipe, options):
+            kinds = {n: "Conv3d" if n in shape.convs else "Linear" for n, _, _ in shape.linears}
+            check_lora_targets(kinds, options.lora.targets)
     prepare, data = options.prepare, options.data
     compute = _compute(options)
     batch, micro = data.batch_size, options.run.microbatches
