@@ -28,6 +28,7 @@ from typing import Any
 import attrs
 import torch
 
+from fvstep.core.errors import SimulatedCrash
 from fvstep.core.layout import Parallelism
 from fvstep.core.state import TrainState
 from fvstep.core.tree import assert_trees_equal
@@ -35,8 +36,8 @@ from fvstep.executor.checkpoints import Checkpoints
 from fvstep.executor.loop import run
 from fvstep.parallel.compile_check import (
     DEFAULT_THRESHOLD,
-    CompiledGradientError,
     CompiledGradientReport,
+    compiled_gradient_error,
 )
 from fvstep.parallel.compile_check_hooks import (
     block_parameters,
@@ -57,10 +58,6 @@ __all__ = [
 ]
 
 Factory = Callable[[], tuple[TrainState, Callable[..., Any], Any]]
-
-
-class SimulatedCrash(RuntimeError):
-    """Raised by the data of an interrupted run, at the step where it 'crashes'."""
 
 
 @attrs.frozen
@@ -299,7 +296,7 @@ def check_compiled_gradients(
             seed=seed,
         )
         if not report.passed:
-            raise CompiledGradientError.from_report(report)
+            raise compiled_gradient_error(report)
         return [report]
     blocks = _outermost_compiled(module)
     compiled_here = not blocks

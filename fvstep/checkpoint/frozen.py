@@ -16,7 +16,8 @@ from typing import Any
 import torch
 
 from fvstep.checkpoint.fingerprint import fingerprint
-from fvstep.checkpoint.manifest import CheckpointError, Manifest
+from fvstep.checkpoint.manifest import Manifest
+from fvstep.core.errors import CheckpointError
 
 __all__: list[str] = []
 

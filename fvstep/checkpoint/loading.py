@@ -22,13 +22,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from fvstep.checkpoint.directories import list_complete
 from fvstep.checkpoint.fingerprint import fingerprint
 from fvstep.checkpoint.frozen import _check_frozen
-from fvstep.checkpoint.manifest import (
-    CheckpointError,
-    DamagedCheckpointError,
-    Manifest,
-    read_manifest,
-)
+from fvstep.checkpoint.manifest import Manifest, read_manifest
 from fvstep.checkpoint.saving import _exc_text, _failure_text, _quiet_single_process, _rank_key
+from fvstep.core.errors import CheckpointError, DamagedCheckpointError
 from fvstep.core.state import TrainState
 from fvstep.core.tree import flatten_with_paths
 from fvstep.parallel.ranks import min_over_ranks, rank_and_world

@@ -34,8 +34,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from fvstep.checkpoint.directories import commit, discard
 from fvstep.checkpoint.fingerprint import fingerprint, local_checks
 from fvstep.checkpoint.frozen import _split_frozen
-from fvstep.checkpoint.manifest import CheckpointError, Manifest
+from fvstep.checkpoint.manifest import Manifest
 from fvstep.core._checks import check_int
+from fvstep.core.errors import CheckpointError
 from fvstep.core.tree import flatten_with_paths, is_dtensor
 from fvstep.core.weights import roles_holding_other_weights
 from fvstep.parallel.ranks import broadcast_object, min_over_ranks, rank_and_world

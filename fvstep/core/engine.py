@@ -55,8 +55,9 @@ from fvstep.core import random as fsrandom
 from fvstep.core import unit
 from fvstep.core._compat import tensor_version, world_size_of_default_group
 from fvstep.core.accumulation import Accumulation
+from fvstep.core.errors import StepFailedError
 from fvstep.core.layout import Parallelism
-from fvstep.core.policy import UNSET, PlanEntry, Policy, StepFailedError
+from fvstep.core.policy import UNSET, PlanEntry, Policy
 from fvstep.core.state import TrainState, adopt, is_consumed, mark_consumed
 from fvstep.core.tree import any_dtensor, flatten_with_paths
 

@@ -29,7 +29,6 @@ from fvstep.core.tree import local_tensor
 __all__ = [
     "SANITIZE_POLICIES",
     "ClipGradNorm",
-    "NonFiniteGradientError",
     "Sanitize",
     "clip_grad_norm",
     "first_non_finite",
@@ -38,60 +37,6 @@ __all__ = [
 
 Sanitize = Literal["error", "nan_to_num", "skip"] | None
 SANITIZE_POLICIES: tuple[str | None, ...] = ("error", "skip", "nan_to_num", None)
-
-
-class NonFiniteGradientError(FloatingPointError):
-    """A unit's loss or gradient was NaN or infinite under ``sanitize="error"``.
-
-    Raised after the last micro-batch's backward and before the unit changes any leaf
-    (no optimizer step, no EMA, no clipping). On several ranks every rank raises: the
-    decision comes from the global gradient norm (and every rank's losses).
-
-    Attributes:
-        step: The step counter of the state the unit ran on.
-        unit: The unit's name.
-        role: The role whose loss or gradient is not finite (``None`` when it is so on
-            another rank only).
-        parameter: The first parameter of ``role`` with a non-finite gradient entry on
-            this rank, or ``None`` (a loss, or another rank's shard).
-        microbatch: The micro-batch of a non-finite loss, else ``None``.
-        kind: ``"NaN"``, ``"Inf"``, or ``None`` when not known on this rank.
-    """
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        step: int | None = None,
-        unit: str | None = None,
-        role: str | None = None,
-        parameter: str | None = None,
-        microbatch: int | None = None,
-        kind: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.step = step
-        self.unit = unit
-        self.role = role
-        self.parameter = parameter
-        self.microbatch = microbatch
-        self.kind = kind
-
-    def __reduce__(self) -> tuple:
-        # Keep the attributes when the error crosses a process boundary (pickled).
-        details = {
-            "step": self.step,
-            "unit": self.unit,
-            "role": self.role,
-            "parameter": self.parameter,
-            "microbatch": self.microbatch,
-            "kind": self.kind,
-        }
-        return (_rebuild_error, (type(self), self.args, details))
-
-
-def _rebuild_error(cls: type, args: tuple, details: dict) -> NonFiniteGradientError:
-    return cls(*args, **details)
 
 
 @attrs.frozen

@@ -20,7 +20,6 @@ __all__ = [
     "UNSET",
     "PlanEntry",
     "Policy",
-    "StepFailedError",
     "Unset",
     "check_clip",
     "check_sanitize",
@@ -122,14 +121,3 @@ class PlanEntry:
     sanitize: Sanitize
     mutates: tuple[str, ...] = ()
     accumulation: Accumulation = attrs.Factory(Accumulation)
-
-
-class StepFailedError(RuntimeError):
-    """A step raised after it had changed some leaves of its input state in place.
-
-    The input state is consumed and partly updated (the units named in the message had
-    already changed it), so training cannot continue from it: reload the last checkpoint
-    (``fvstep.checkpoint.load(fvstep.checkpoint.latest(dir), like=...)``). The error
-    that stopped the step is ``__cause__``. A step that fails *before* changing a leaf
-    raises that error itself and leaves its input usable.
-    """

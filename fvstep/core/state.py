@@ -36,12 +36,12 @@ from fvstep.core._role_tensors import (
     _live_tensors,
     _trainable_names,
 )
+from fvstep.core.errors import ConsumedStateError
 from fvstep.core.optim import Optimizer
 from fvstep.core.tree import any_dtensor, field, frozen, replace
 
 __all__ = [
     "EMA",
-    "ConsumedStateError",
     "EMAState",
     "Role",
     "RoleState",
@@ -51,10 +51,6 @@ __all__ = [
     "is_consumed",
     "mark_consumed",
 ]
-
-
-class ConsumedStateError(RuntimeError):
-    """A consumed (donated) state was used after a step took it."""
 
 
 @attrs.frozen

@@ -33,10 +33,11 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from fvstep.core.errors import CompiledGradientError
 from fvstep.parallel.compile_check import (
     DEFAULT_THRESHOLD,
-    CompiledGradientError,
     CompiledGradientReport,
+    compiled_gradient_error,
 )
 from fvstep.parallel.gradient_comparison import (
     _Comparison,
@@ -188,7 +189,7 @@ class CompileCheck:
             self._checked.add(key)
             return
         if not report.passed:
-            raise CompiledGradientError.from_report(report)
+            raise compiled_gradient_error(report)
         mine = report.worst.describe() if report.worst else "none"
         raise CompiledGradientError(
             f"the compiled gradients of {self.name} differ from its eager ones on another "

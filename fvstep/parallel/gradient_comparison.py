@@ -35,10 +35,10 @@ import torch
 from torch import nn
 
 from fvstep.core import random as fsrandom
+from fvstep.core.errors import CompiledGradientError
 from fvstep.parallel.compile_check import (
     DEFAULT_THRESHOLD,
     GRADIENT_FLOOR,
-    CompiledGradientError,
     CompiledGradientReport,
     GradientDifference,
 )
