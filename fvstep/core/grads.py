@@ -6,7 +6,7 @@ clipping are torch's own (``torch.nn.utils.get_total_norm`` and
 ``clip_grads_with_norm_``), so a step is bitwise equal to a loop that calls
 ``clip_grad_norm_``; on DTensor gradients they compute the global norm over all shards.
 
-The sanitize policies (:data:`SANITIZE_POLICIES`):
+The sanitize modes (:data:`SANITIZE_MODES`):
 
 - ``"error"`` (the default of ``fvstep.compile``): raise :class:`NonFiniteGradientError`
   before any leaf changes when a loss or a gradient is NaN or infinite;
@@ -27,7 +27,7 @@ import torch
 from fvstep.core.tree import local_tensor
 
 __all__ = [
-    "SANITIZE_POLICIES",
+    "SANITIZE_MODES",
     "ClipGradNorm",
     "Sanitize",
     "clip_grad_norm",
@@ -36,7 +36,7 @@ __all__ = [
 ]
 
 Sanitize = Literal["error", "nan_to_num", "skip"] | None
-SANITIZE_POLICIES: tuple[str | None, ...] = ("error", "skip", "nan_to_num", None)
+SANITIZE_MODES: tuple[str | None, ...] = ("error", "skip", "nan_to_num", None)
 
 
 @attrs.frozen
