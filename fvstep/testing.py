@@ -48,6 +48,7 @@ from fvstep.parallel.gradient_comparison import compare_compiled_gradients
 from fvstep.parallel.mesh import is_sharded
 
 __all__ = [
+    "CrashAt",
     "ResumeScenario",
     "SimulatedCrash",
     "assert_resume_exact",
@@ -61,7 +62,9 @@ Factory = Callable[[], tuple[TrainState, Callable[..., Any], Any]]
 
 
 @attrs.frozen
-class _CrashAt:
+class CrashAt:
+    """Data (a source with ``batch`` or a function of the step) that raises :class:`SimulatedCrash` at ``step``."""
+
     data: Any
     step: int
 
@@ -127,7 +130,7 @@ def assert_resume_exact(
             run(
                 step_fn,
                 state,
-                _CrashAt(data, stop),
+                CrashAt(data, stop),
                 num_steps=num_steps,
                 checkpoints=checkpoints,
                 **options,
