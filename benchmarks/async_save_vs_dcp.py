@@ -37,14 +37,14 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 import fvstep as fs
 from fvstep import checkpoint as ckpt
 from fvstep.checkpoint.fingerprint import fingerprint, local_checks
-from fvstep.checkpoint.frozen import _split_frozen
+from fvstep.checkpoint.frozen import split_frozen
 from fvstep.checkpoint.manifest import Manifest
 from fvstep.checkpoint.saving import (
     _FVSTEP_VERSION,
     _describe_leaf,
-    _make_temp_dir,
     _publish,
-    _refuse_nonfinite,
+    make_temp_dir,
+    refuse_nonfinite,
 )
 from fvstep.core.tree import flatten_with_paths
 
@@ -69,11 +69,11 @@ class DcpAsyncSaver:
         self.wait()
         paths, leaves, _ = flatten_with_paths(state)
         step = int(state.step)
-        paths, leaves, frozen = _split_frozen(state, paths, leaves, path, None)
+        paths, leaves, frozen = split_frozen(state, paths, leaves, path, None)
         sums, finite = local_checks(leaves)  # before returning: the state may then change
-        _refuse_nonfinite(paths, finite, step, path, None)
+        refuse_nonfinite(paths, finite, step, path, None)
         checksums, per_rank = fingerprint(paths, leaves, sums=sums)
-        tmp = _make_temp_dir(path, False, None)
+        tmp = make_temp_dir(path, False, None)
         flat = {p: x.detach() for p, x in zip(paths, leaves)}
         future = dcp.async_save(flat, checkpoint_id=tmp, async_stager=self._stager, no_dist=True)
         manifest = Manifest(

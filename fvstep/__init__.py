@@ -26,14 +26,19 @@ if TYPE_CHECKING:  # what type checkers see; at run time __getattr__ imports on 
     from fvstep.core import optim, random, schedules, tree
     from fvstep.core.accumulation import Accumulation
     from fvstep.core.engine import Step
-    from fvstep.core.grads import NonFiniteGradientError, clip_grad_norm
+    from fvstep.core.errors import (
+        ConsumedStateError,
+        Interrupted,
+        NonFiniteGradientError,
+        StepFailedError,
+    )
+    from fvstep.core.grads import clip_grad_norm
     from fvstep.core.managed import managed
-    from fvstep.core.policy import StepFailedError
-    from fvstep.core.state import EMA, ConsumedStateError, Role, TrainState
+    from fvstep.core.state import EMA, Role, TrainState
     from fvstep.core.steps import compile, cond, every, plan, sequence, update
     from fvstep.executor import data
     from fvstep.executor.checkpoints import Checkpoints
-    from fvstep.executor.loop import Interrupted, RunResult, run, run_until
+    from fvstep.executor.loop import RunResult, run, run_until
     from fvstep.executor.reporting import Validation
 
 __version__ = "0.1.0.dev0"
@@ -41,14 +46,14 @@ __version__ = "0.1.0.dev0"
 _NAMES = {
     "Accumulation": "fvstep.core.accumulation",
     "Checkpoints": "fvstep.executor.checkpoints",
-    "ConsumedStateError": "fvstep.core.state",
+    "ConsumedStateError": "fvstep.core.errors",
     "EMA": "fvstep.core.state",
-    "Interrupted": "fvstep.executor.loop",
-    "NonFiniteGradientError": "fvstep.core.grads",
+    "Interrupted": "fvstep.core.errors",
+    "NonFiniteGradientError": "fvstep.core.errors",
     "Role": "fvstep.core.state",
     "RunResult": "fvstep.executor.loop",
     "Step": "fvstep.core.engine",
-    "StepFailedError": "fvstep.core.policy",
+    "StepFailedError": "fvstep.core.errors",
     "TrainState": "fvstep.core.state",
     "Validation": "fvstep.executor.reporting",
     "clip_grad_norm": "fvstep.core.grads",

@@ -28,6 +28,7 @@ from typing import Any
 import attrs
 import torch
 
+from fvstep.core.errors import SimulatedCrash
 from fvstep.core.layout import Parallelism
 from fvstep.core.state import TrainState
 from fvstep.core.tree import assert_trees_equal
@@ -35,8 +36,8 @@ from fvstep.executor.checkpoints import Checkpoints
 from fvstep.executor.loop import run
 from fvstep.parallel.compile_check import (
     DEFAULT_THRESHOLD,
-    CompiledGradientError,
     CompiledGradientReport,
+    compiled_gradient_error,
 )
 from fvstep.parallel.compile_check_hooks import (
     block_parameters,
@@ -47,6 +48,7 @@ from fvstep.parallel.gradient_comparison import compare_compiled_gradients
 from fvstep.parallel.mesh import is_sharded
 
 __all__ = [
+    "CrashAt",
     "ResumeScenario",
     "SimulatedCrash",
     "assert_resume_exact",
@@ -59,12 +61,10 @@ __all__ = [
 Factory = Callable[[], tuple[TrainState, Callable[..., Any], Any]]
 
 
-class SimulatedCrash(RuntimeError):
-    """Raised by the data of an interrupted run, at the step where it 'crashes'."""
-
-
 @attrs.frozen
-class _CrashAt:
+class CrashAt:
+    """Data (a source with ``batch`` or a function of the step) that raises :class:`SimulatedCrash` at ``step``."""
+
     data: Any
     step: int
 
@@ -130,7 +130,7 @@ def assert_resume_exact(
             run(
                 step_fn,
                 state,
-                _CrashAt(data, stop),
+                CrashAt(data, stop),
                 num_steps=num_steps,
                 checkpoints=checkpoints,
                 **options,
@@ -299,7 +299,7 @@ def check_compiled_gradients(
             seed=seed,
         )
         if not report.passed:
-            raise CompiledGradientError.from_report(report)
+            raise compiled_gradient_error(report)
         return [report]
     blocks = _outermost_compiled(module)
     compiled_here = not blocks

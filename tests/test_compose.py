@@ -372,7 +372,7 @@ CORE = (
     "core/engine",
     "core/steps",
     "core/unit",
-    "core/policy",
+    "core/settings",
     "core/layout",
     "core/managed",
     "core/finite",

@@ -21,7 +21,7 @@ from fvstep.executor.reporting import Validation
 from fvstep.methods.finetune import add_noise, finetune
 from fvstep.methods.models import predict, synthetic_batch, tiny_wan
 from fvstep.observe.validation import role_module, validation_loss
-from fvstep.testing import SimulatedCrash, _CrashAt
+from fvstep.testing import CrashAt, SimulatedCrash
 
 pytest.importorskip("diffusers")
 
@@ -95,7 +95,7 @@ def test_validation_changes_nothing_and_resume_is_bitwise_with_validation_on(tmp
         fs.run(
             step,
             state,
-            _CrashAt(data, 3),
+            CrashAt(data, 3),
             num_steps=4,
             checkpoints=ckpt_b,
             validation=validations(),

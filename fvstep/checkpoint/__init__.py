@@ -25,16 +25,18 @@ from fvstep.checkpoint.exporting import export, gather_weights
 from fvstep.checkpoint.loading import load
 from fvstep.checkpoint.manifest import (
     FORMAT_VERSION,
-    CheckpointError,
-    CheckpointLockedError,
     CheckpointSkippedWarning,
-    DamagedCheckpointError,
     Manifest,
-    NewerFormatError,
     frozen_digest,
     read_manifest,
 )
 from fvstep.checkpoint.saving import save
+from fvstep.core.errors import (
+    CheckpointError,
+    CheckpointLockedError,
+    DamagedCheckpointError,
+    NewerFormatError,
+)
 
 __all__ = [
     "FORMAT_VERSION",

@@ -22,12 +22,12 @@ import torch
 import torch.distributed as dist
 
 from fvstep.checkpoint.fingerprint import fingerprint, local_checks
-from fvstep.checkpoint.frozen import _split_frozen
+from fvstep.checkpoint.frozen import split_frozen
 from fvstep.checkpoint.saving import (
     WRITER_THREADS,
-    _make_temp_dir,
-    _refuse_nonfinite,
-    _write,
+    make_temp_dir,
+    refuse_nonfinite,
+    write_checkpoint,
 )
 from fvstep.core._checks import check_int
 from fvstep.core.tree import flatten_with_paths
@@ -150,14 +150,14 @@ class AsyncSaver:
         final = Path(path)
         paths, leaves, _ = flatten_with_paths(state)
         step = int(getattr(state, "step", 0))
-        paths, leaves, frozen = _split_frozen(state, paths, leaves, final, self._group)
+        paths, leaves, frozen = split_frozen(state, paths, leaves, final, self._group)
         prints = None
         if any(x.device.type == "cuda" for x in leaves):
             sums, finite = local_checks(leaves, check_finite=not allow_nonfinite)
             if not allow_nonfinite:
-                _refuse_nonfinite(paths, finite, step, final, self._group)
+                refuse_nonfinite(paths, finite, step, final, self._group)
             prints = fingerprint(paths, leaves, group=self._group, sums=sums)
-        tmp = _make_temp_dir(final, overwrite, self._group)
+        tmp = make_temp_dir(final, overwrite, self._group)
         try:
             staged = self._stager.stage(paths, leaves)
         except Exception:
@@ -165,7 +165,7 @@ class AsyncSaver:
                 shutil.rmtree(tmp, ignore_errors=True)
             raise
         self._pending = self._executor.submit(
-            _write,
+            write_checkpoint,
             paths,
             staged,
             step,

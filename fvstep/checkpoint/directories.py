@@ -24,12 +24,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from fvstep.checkpoint.manifest import (
-    CheckpointError,
-    CheckpointLockedError,
-    NewerFormatError,
-    read_manifest,
-)
+from fvstep.checkpoint.manifest import read_manifest
+from fvstep.core.errors import CheckpointError, CheckpointLockedError, NewerFormatError
 
 __all__ = [
     "LOCK_NAME",

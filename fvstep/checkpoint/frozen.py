@@ -16,9 +16,13 @@ from typing import Any
 import torch
 
 from fvstep.checkpoint.fingerprint import fingerprint
-from fvstep.checkpoint.manifest import CheckpointError, Manifest
+from fvstep.checkpoint.manifest import Manifest
+from fvstep.core.errors import CheckpointError
 
-__all__: list[str] = []
+__all__ = [
+    "check_frozen",
+    "split_frozen",
+]
 
 
 def _frozen_paths(state: Any) -> set[str]:
@@ -54,7 +58,7 @@ def _frozen_entries(
     return entries, sorted(per_rank)
 
 
-def _split_frozen(
+def split_frozen(
     state: Any, paths: list[str], leaves: list[torch.Tensor], final: Path, group: Any
 ) -> tuple[list[str], list[torch.Tensor], dict[str, dict[str, Any]]]:
     """Collective: the leaves to save by value, and the entries of those saved by checksum."""
@@ -75,7 +79,7 @@ def _split_frozen(
     return [paths[i] for i in keep], [leaves[i] for i in keep], entries
 
 
-def _check_frozen(
+def check_frozen(
     manifest: Manifest, path: Path, paths: list[str], leaves: list[Any], group: Any
 ) -> None:
     """Collective when the checkpoint has frozen entries: ``like``'s frozen parameters

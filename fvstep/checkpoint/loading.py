@@ -21,14 +21,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from fvstep.checkpoint.directories import list_complete
 from fvstep.checkpoint.fingerprint import fingerprint
-from fvstep.checkpoint.frozen import _check_frozen
-from fvstep.checkpoint.manifest import (
-    CheckpointError,
-    DamagedCheckpointError,
-    Manifest,
-    read_manifest,
-)
-from fvstep.checkpoint.saving import _exc_text, _failure_text, _quiet_single_process, _rank_key
+from fvstep.checkpoint.frozen import check_frozen
+from fvstep.checkpoint.manifest import Manifest, read_manifest
+from fvstep.checkpoint.saving import exception_text, failure_text, quiet_single_process, rank_key
+from fvstep.core.errors import CheckpointError, DamagedCheckpointError
 from fvstep.core.state import TrainState
 from fvstep.core.tree import flatten_with_paths
 from fvstep.parallel.ranks import min_over_ranks, rank_and_world
@@ -191,18 +187,18 @@ def load(
     if reset:
         pinned = {p: e for p, e in manifest.frozen.items() if not _under(p, reset)}
         manifest = attrs.evolve(manifest, frozen=pinned)
-    _check_frozen(manifest, path, all_paths, all_leaves, group)
+    check_frozen(manifest, path, all_paths, all_leaves, group)
     keep = [i for i, p in enumerate(all_paths) if p not in manifest.frozen and not _under(p, reset)]
     paths, leaves = [all_paths[i] for i in keep], [all_leaves[i] for i in keep]
     _check_fits(manifest, path, paths, leaves, world, reset)
     fresh = [_empty_like(x) for x in leaves]
-    flat = {(_rank_key(p, rank) if p in manifest.per_rank else p): x for p, x in zip(paths, fresh)}
+    flat = {(rank_key(p, rank) if p in manifest.per_rank else p): x for p, x in zip(paths, fresh)}
     try:
-        with _quiet_single_process(world):
+        with quiet_single_process(world):
             dcp.load(flat, checkpoint_id=path, process_group=group, no_dist=world == 1)
     except (Exception, CheckpointException) as e:  # DCP's exception is a BaseException
         detail = (
-            _failure_text(e) if getattr(e, "failures", None) else f"rank {rank}: {_exc_text(e)}"
+            failure_text(e) if getattr(e, "failures", None) else f"rank {rank}: {exception_text(e)}"
         )
         raise DamagedCheckpointError(
             f"could not read checkpoint {str(path)!r} (a shard missing or damaged?): {detail}"

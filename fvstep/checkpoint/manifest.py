@@ -11,16 +11,14 @@ from typing import Any
 import attrs
 import torch
 
+from fvstep.core.errors import DamagedCheckpointError, NewerFormatError
+
 __all__ = [
     "FORMAT",
     "FORMAT_VERSION",
     "MANIFEST_NAME",
-    "CheckpointError",
-    "CheckpointLockedError",
     "CheckpointSkippedWarning",
-    "DamagedCheckpointError",
     "Manifest",
-    "NewerFormatError",
     "frozen_digest",
     "read_manifest",
 ]
@@ -28,28 +26,6 @@ __all__ = [
 FORMAT = "fvstep-checkpoint"
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint is missing, incomplete, corrupt or does not fit the state."""
-
-
-class NewerFormatError(CheckpointError):
-    """A complete checkpoint written by a newer fvstep format than this one reads."""
-
-
-class DamagedCheckpointError(CheckpointError):
-    """A checkpoint's files are damaged: a manifest that is missing, unreadable or malformed,
-    a shard that is missing or truncated, or content that does not match its checksums.
-
-    Unlike a checkpoint that does not fit the state (the state changed) or one of a newer
-    format (fvstep is too old), an older checkpoint of the same run may still be good:
-    :func:`fvstep.run` skips damaged ones (see ``Checkpoints.on_damaged``).
-    """
-
-
-class CheckpointLockedError(CheckpointError):
-    """The directory of checkpoints is locked by another run (see ``fvstep.checkpoint.lock_dir``)."""
 
 
 class CheckpointSkippedWarning(UserWarning):

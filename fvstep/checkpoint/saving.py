@@ -33,14 +33,25 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from fvstep.checkpoint.directories import commit, discard
 from fvstep.checkpoint.fingerprint import fingerprint, local_checks
-from fvstep.checkpoint.frozen import _split_frozen
-from fvstep.checkpoint.manifest import CheckpointError, Manifest
+from fvstep.checkpoint.frozen import split_frozen
+from fvstep.checkpoint.manifest import Manifest
 from fvstep.core._checks import check_int
+from fvstep.core.errors import CheckpointError
 from fvstep.core.tree import flatten_with_paths, is_dtensor
 from fvstep.core.weights import roles_holding_other_weights
 from fvstep.parallel.ranks import broadcast_object, min_over_ranks, rank_and_world
 
-__all__ = ["WRITER_THREADS", "save"]
+__all__ = [
+    "WRITER_THREADS",
+    "exception_text",
+    "failure_text",
+    "make_temp_dir",
+    "quiet_single_process",
+    "rank_key",
+    "refuse_nonfinite",
+    "save",
+    "write_checkpoint",
+]
 
 
 def _installed_version() -> str:
@@ -67,7 +78,7 @@ WRITER_THREADS = 1
 
 
 @contextlib.contextmanager
-def _quiet_single_process(world: int) -> Iterator[None]:
+def quiet_single_process(world: int) -> Iterator[None]:
     """DCP warns that it runs without a process group; on one process that is the intent."""
     with warnings.catch_warnings():
         if world == 1:
@@ -75,21 +86,22 @@ def _quiet_single_process(world: int) -> Iterator[None]:
         yield
 
 
-def _exc_text(exc: Any) -> str:
+def exception_text(exc: Any) -> str:
+    """One line for an exception, or a DCP failure ``(exception, traceback)``: its type and message."""
     if isinstance(exc, tuple):  # DCP's failures are (exception, traceback summary)
         exc = exc[0]
     return f"{type(exc).__name__}: {exc}"
 
 
-def _failure_text(e: BaseException) -> str:
+def failure_text(e: BaseException) -> str:
     """One line per failing rank: the cause, without DCP's tracebacks."""
     failures = getattr(e, "failures", None)
     if not failures:
-        return _exc_text(e)
-    return "; ".join(f"rank {r}: {_exc_text(f)}" for r, f in sorted(failures.items()))
+        return exception_text(e)
+    return "; ".join(f"rank {r}: {exception_text(f)}" for r, f in sorted(failures.items()))
 
 
-def _refuse_nonfinite(
+def refuse_nonfinite(
     paths: list[str], finite: list[bool], step: int, final: Path, group: Any
 ) -> None:
     """Collective: raise on every rank if any rank holds a non-finite leaf (the first by path
@@ -107,7 +119,8 @@ def _refuse_nonfinite(
         )
 
 
-def _rank_key(path: str, rank: int) -> str:
+def rank_key(path: str, rank: int) -> str:
+    """The key of ``path``'s own copy on ``rank`` in a checkpoint (a per-rank leaf)."""
     return f"{path}@rank{rank}"
 
 
@@ -120,7 +133,7 @@ def _describe_leaf(x: torch.Tensor, per_rank: bool) -> dict[str, Any]:
     }
 
 
-def _make_temp_dir(final: Path, overwrite: bool, group: Any) -> Path:
+def make_temp_dir(final: Path, overwrite: bool, group: Any) -> Path:
     """Collective: rank 0 checks ``final`` and makes a fresh temporary directory."""
     rank, _ = rank_and_world(group)
     tmp = final.parent / f".tmp-{final.name}"
@@ -134,7 +147,7 @@ def _make_temp_dir(final: Path, overwrite: bool, group: Any) -> Path:
                     shutil.rmtree(tmp)
                 tmp.mkdir(parents=True)
         except OSError as e:
-            error = f"could not save checkpoint {str(final)!r}: {_exc_text(e)}"
+            error = f"could not save checkpoint {str(final)!r}: {exception_text(e)}"
     error = broadcast_object(error, group=group)
     if error is not None:
         raise CheckpointError(error)
@@ -171,7 +184,7 @@ class _CheckedWriter(FileSystemWriter):
         missing = len(plan.items) - len(written.wait())
         if missing:
             cause = self._failures[0] if self._failures else None
-            text = _exc_text(cause) if cause is not None else "no error was raised"
+            text = exception_text(cause) if cause is not None else "no error was raised"
             raise OSError(f"{missing} of {len(plan.items)} items were not written ({text})")
         return written
 
@@ -182,7 +195,7 @@ def _dcp_save(
     world = rank_and_world(group)[1]
     writer = _CheckedWriter(tmp, thread_count=writer_threads)
     try:
-        with _quiet_single_process(world):
+        with quiet_single_process(world):
             dcp.save(
                 flat,
                 checkpoint_id=tmp,
@@ -193,7 +206,7 @@ def _dcp_save(
     except (Exception, CheckpointException) as e:  # DCP's exception is a BaseException
         # DCP gathers every rank's failure and raises it on all of them.
         raise CheckpointError(
-            f"could not save checkpoint {str(final)!r}: {_failure_text(e)}"
+            f"could not save checkpoint {str(final)!r}: {failure_text(e)}"
         ) from None
 
 
@@ -221,7 +234,7 @@ def _write_shards(
     if prints is not None:
         checksums, per_rank = prints
         flat = {
-            (_rank_key(p, rank) if p in per_rank else p): x.detach() for p, x in zip(paths, leaves)
+            (rank_key(p, rank) if p in per_rank else p): x.detach() for p, x in zip(paths, leaves)
         }
         _dcp_save(flat, final, tmp, group, writer_threads)
         return checksums, per_rank
@@ -240,7 +253,7 @@ def _write_shards(
                 [paths[i] for i in early], [leaves[i] for i in early], group=group, sums=early_sums
             )
         flat = {
-            (_rank_key(p, rank) if p in per_rank else p): x.detach() for p, x in zip(paths, leaves)
+            (rank_key(p, rank) if p in per_rank else p): x.detach() for p, x in zip(paths, leaves)
         }
         _dcp_save(flat, final, tmp, group, writer_threads)
         late_sums, late_finite = pending.result()
@@ -253,11 +266,11 @@ def _write_shards(
         for i, v, ok in zip(indices, part_sums, part_finite):
             sums[i], finite[i] = v, ok
     if check:
-        _refuse_nonfinite(paths, finite, step, final, group)
+        refuse_nonfinite(paths, finite, step, final, group)
     return fingerprint(paths, leaves, group=group, sums=sums)
 
 
-def _write(
+def write_checkpoint(
     paths: list[str],
     leaves: list[torch.Tensor],
     step: int,
@@ -296,7 +309,9 @@ def _write(
             except CheckpointError as e:
                 error = e
             except Exception as e:  # a full disk, a read-only or vanished directory
-                error = CheckpointError(f"could not save checkpoint {str(final)!r}: {_exc_text(e)}")
+                error = CheckpointError(
+                    f"could not save checkpoint {str(final)!r}: {exception_text(e)}"
+                )
         error = broadcast_object(error, group=group)  # also: no rank returns before the commit
         if error is not None:
             raise error
@@ -371,16 +386,16 @@ def save(
             "the live parameters; save after the with block"
         )
     final = Path(path)
-    tmp = _make_temp_dir(final, overwrite, group)
+    tmp = make_temp_dir(final, overwrite, group)
     paths, leaves, _ = flatten_with_paths(state)
     step = int(getattr(state, "step", 0))
     try:
-        paths, leaves, frozen = _split_frozen(state, paths, leaves, final, group)
+        paths, leaves, frozen = split_frozen(state, paths, leaves, final, group)
     except Exception:
         if rank_and_world(group)[0] == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _write(
+    write_checkpoint(
         paths,
         leaves,
         step,

@@ -17,13 +17,14 @@ import inspect
 import sys
 from typing import Any
 
-from fvstep.cli.common import CLIError, Parser, command_parser, parse
+from fvstep.cli.common import Parser, command_parser, parse
 from fvstep.cli.demo import run_demo
 from fvstep.cli.export import run_export
 from fvstep.cli.plan import run_plan, run_plan_command
 from fvstep.cli.train import run_train, run_train_command
 from fvstep.cli.verify import run_verify_compile, run_verify_resume
-from fvstep.executor.latents.cli import UsageError, run_encode
+from fvstep.core.errors import CLIError, UsageError
+from fvstep.executor.latents.cli import run_encode
 
 __all__ = ["COMMANDS", "main"]
 

@@ -20,8 +20,9 @@ from typing import Any
 
 from jsonargparse import ArgumentError, ArgumentParser
 
+from fvstep.core.errors import CLIError
+
 __all__ = [
-    "CLIError",
     "Parser",
     "check_positive",
     "command_parser",
@@ -31,10 +32,6 @@ __all__ = [
     "run_on_ranks",
     "under_launcher",
 ]
-
-
-class CLIError(Exception):
-    """A user error: printed as one line, exit code 2."""
 
 
 class Parser(ArgumentParser):

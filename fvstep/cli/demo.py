@@ -13,7 +13,8 @@ import time
 from pathlib import Path
 from typing import Any, Literal
 
-from fvstep.cli.common import CLIError, check_positive, from_rank0, run_on_ranks
+from fvstep.cli.common import check_positive, from_rank0, run_on_ranks
+from fvstep.core.errors import CLIError
 
 __all__ = ["run_demo"]
 

@@ -38,13 +38,14 @@ import fvstep as fs
 from fvstep import parallel
 from fvstep.checkpoint import list_complete
 from fvstep.core._optional import needs_extra
+from fvstep.core.errors import SimulatedCrash
 from fvstep.executor.data import ShuffledSource, SyntheticLatents
 from fvstep.executor.reporting import Validation
 from fvstep.methods import dmd2
 from fvstep.methods.models import synthetic_batch, tiny_wan
 from fvstep.observe.sampling import FewStepSampler, sample_videos
 from fvstep.observe.validation import validation_loss
-from fvstep.testing import SimulatedCrash, _CrashAt
+from fvstep.testing import CrashAt
 
 __all__ = ["VAL_LOSS_NOTE", "DemoConfig", "min_steps", "plot_losses", "run_demo"]
 
@@ -249,7 +250,7 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
         fs.run_until(
             step,
             state,
-            _CrashAt(data, config.crash_at),
+            CrashAt(data, config.crash_at),
             checkpoints=checkpoints_b,
             **run_options,
         )

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from fvstep.cli.common import CLIError
+from fvstep.core.errors import CLIError
 
 __all__ = ["run_export"]
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from fvstep.cli.common import CLIError
 from fvstep.cli.train import parse_recipe_args, recipe_name
+from fvstep.core.errors import CLIError
 
 __all__ = ["run_plan", "run_plan_command"]
 

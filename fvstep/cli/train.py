@@ -21,7 +21,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from fvstep.cli.common import (
-    CLIError,
     Parser,
     check_positive,
     command_parser,
@@ -29,6 +28,7 @@ from fvstep.cli.common import (
     run_on_ranks,
     under_launcher,
 )
+from fvstep.core.errors import CLIError
 from fvstep.recipes import Recipe
 
 __all__ = [
@@ -130,9 +130,9 @@ def _check_before_launch(recipe: Any, options: Any, nproc: int) -> None:
     rank's 1): a wrong path, a folder another run holds, a refused config change."""
     from pathlib import Path
 
-    from fvstep.checkpoint import CheckpointLockedError, lock_dir
+    from fvstep.checkpoint import lock_dir
     from fvstep.checkpoint.directories import LOCK_NAME
-    from fvstep.recipes.config import ConfigChangeError
+    from fvstep.core.errors import CheckpointLockedError, ConfigChangeError
     from fvstep.recipes.running import check_resume
 
     try:
@@ -149,8 +149,7 @@ def _check_before_launch(recipe: Any, options: Any, nproc: int) -> None:
 def _train(recipe: Recipe, options: Any, dry_run: bool) -> dict[str, Any]:
     """One rank's run; what it ended with, as plain data (a launched rank returns it)."""
     import fvstep as fs
-    from fvstep.checkpoint import CheckpointLockedError
-    from fvstep.recipes.config import ConfigChangeError
+    from fvstep.core.errors import CheckpointLockedError, ConfigChangeError
     from fvstep.recipes.running import train
 
     try:

@@ -15,7 +15,8 @@ import sys
 import tempfile
 from typing import Any
 
-from fvstep.cli.common import CLIError, check_positive, from_rank0, run_on_ranks
+from fvstep.cli.common import check_positive, from_rank0, run_on_ranks
+from fvstep.core.errors import CLIError
 
 __all__ = ["run_verify_compile", "run_verify_resume"]
 
@@ -172,7 +173,7 @@ def run_verify_compile(
         )
     import torch
 
-    from fvstep.parallel.compile_check import CompiledGradientError
+    from fvstep.core.errors import CompiledGradientError
     from fvstep.testing import check_compiled_gradients
 
     module, inputs, kwargs = (*made, {}) if len(made) == 2 else made

@@ -15,11 +15,9 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-__all__ = ["MissingExtraError", "needs_extra"]
+from fvstep.core.errors import MissingExtraError
 
-
-class MissingExtraError(ModuleNotFoundError):
-    """An optional package is not installed; the message names the extra to install."""
+__all__ = ["needs_extra"]
 
 
 @contextlib.contextmanager

@@ -1,12 +1,12 @@
 """The tensors a role's module holds, and the checks of the tensors a state is made of (private).
 
-A module may hold one tensor under several names (tied weights): :func:`_distinct_tensors`
+A module may hold one tensor under several names (tied weights): :func:`distinct_tensors`
 keeps it once, under its first name, and records the other names as ties. Different
 tensors that share storage (a view of another), or storage shared between roles or with a
 non-persistent buffer, would come back from a checkpoint as independent tensors:
-:func:`_check_no_partial_aliasing` and :func:`_check_no_aliasing` refuse them at
+:func:`check_no_partial_aliasing` and :func:`check_no_aliasing` refuse them at
 ``TrainState.create``, which also takes a trainable role's parameters from here
-(:func:`_trainable_names`) and checks that the method-owned leaves are tensors.
+(:func:`resolve_trainable_names`) and checks that the method-owned leaves are tensors.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def _named_persistent_buffers(module: nn.Module) -> Iterator[tuple[str, torch.Te
     return _named_buffers(module, persistent=True)
 
 
-def _distinct_tensors(
+def distinct_tensors(
     module: nn.Module,
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], tuple[tuple[str, str], ...]]:
     """The module's distinct parameters and persistent buffers, each under its first name,
@@ -66,7 +66,7 @@ def _storage_key(tensor: torch.Tensor) -> tuple[str, int] | None:
     return str(local.device), local.untyped_storage().data_ptr()
 
 
-def _check_no_partial_aliasing(
+def check_no_partial_aliasing(
     role_name: str, module: nn.Module, tensors: Mapping[str, torch.Tensor]
 ) -> None:
     """Refuse different tensors of one role that share storage: a checkpoint restores
@@ -98,7 +98,8 @@ def _check_no_partial_aliasing(
             )
 
 
-def _check_no_aliasing(roles: Mapping[str, Role]) -> None:
+def check_no_aliasing(roles: Mapping[str, Role]) -> None:
+    """Refuse roles that share a module or a parameter's storage (a ``ValueError`` naming both)."""
     seen_modules: dict[int, tuple[str, str]] = {}
     seen_storage: dict[tuple[str, int], tuple[str, str]] = {}
     for role_name, role in roles.items():
@@ -129,7 +130,9 @@ def _check_no_aliasing(roles: Mapping[str, Role]) -> None:
             seen_storage.setdefault(where, (role_name, t_name))
 
 
-def _trainable_names(name: str, role: Role, params: Mapping[str, torch.Tensor]) -> tuple[str, ...]:
+def resolve_trainable_names(
+    name: str, role: Role, params: Mapping[str, torch.Tensor]
+) -> tuple[str, ...]:
     """The parameters a trainable role's optimizer updates (those with ``requires_grad``),
     refused in bf16/fp16 when the optimizer needs fp32 master weights and the role did not
     opt in."""
@@ -149,7 +152,8 @@ def _trainable_names(name: str, role: Role, params: Mapping[str, torch.Tensor]) 
     return trainable
 
 
-def _check_tensor_leaves(tree: Any, what: str) -> None:
+def check_tensor_leaves(tree: Any, what: str) -> None:
+    """Refuse a leaf of ``tree`` (``what``) that is not a tensor (a ``TypeError`` naming its path)."""
     from fvstep.core.tree import flatten_with_paths
 
     paths, flat, _ = flatten_with_paths(tree)
@@ -166,7 +170,7 @@ def _locate(module: nn.Module, name: str) -> tuple[nn.Module, str]:
     return (module.get_submodule(prefix) if prefix else module), leaf
 
 
-def _live_tensors(
+def live_tensors(
     module: nn.Module,
     params: Mapping[str, torch.Tensor],
     buffers: Mapping[str, torch.Tensor],
@@ -189,7 +193,7 @@ def _live_tensors(
     return live_params, live_buffers
 
 
-def _bind_tensors(
+def bind_tensors(
     module: nn.Module,
     live_params: Mapping[str, torch.Tensor],
     live: Mapping[str, torch.Tensor],

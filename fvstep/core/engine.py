@@ -4,7 +4,7 @@ Every step is a :class:`Step`: ``step(state, batch, key=None, *, parallelism=Non
 (state, metrics)`` and ``step.plan(i) -> [PlanEntry]``. Units and managed steps are its
 leaves (:class:`Leaf`, each with its own ``run``); ``sequence``, ``every``, ``cond`` and ``compile``
 (:mod:`fvstep.core.steps`) take steps and return steps. A step is resolved when it is
-built: it holds its :class:`Route` s, one per leaf, each with the leaf's policy already
+built: it holds its :class:`Route` s, one per leaf, each with the leaf's settings already
 merged over the enclosing ``compile``s' and the defaults, and the :class:`Gate` s
 (``every``, ``cond``) on the way to it. What runs at step ``i`` is the routes whose
 gates open at ``i`` (:func:`scheduled`), a pure function of ``i``. Which leaves report
@@ -31,7 +31,7 @@ A call (:meth:`Step.__call__`) reads nothing but its arguments, and:
 A step that raises before its first change (a bad batch, an error in a loss, a
 ``NonFiniteGradientError`` of its first unit, a managed step's ``check``) re-raises the
 error and leaves its input usable and bit-unchanged; one that raises later raises
-:class:`~fvstep.core.policy.StepFailedError` (``__cause__``: the error), saying what had run.
+:class:`~fvstep.core.errors.StepFailedError` (``__cause__``: the error), saying what had run.
 
 Metrics are means over micro-batches (losses, the loss function's metrics) and per
 update (``<role>/grad_norm``, ``<role>/lr``, ``<role>/skipped``), detached tensors or
@@ -55,8 +55,9 @@ from fvstep.core import random as fsrandom
 from fvstep.core import unit
 from fvstep.core._compat import tensor_version, world_size_of_default_group
 from fvstep.core.accumulation import Accumulation
+from fvstep.core.errors import StepFailedError
 from fvstep.core.layout import Parallelism
-from fvstep.core.policy import UNSET, PlanEntry, Policy, StepFailedError
+from fvstep.core.settings import UNSET, PlanEntry, UnitSettings
 from fvstep.core.state import TrainState, adopt, is_consumed, mark_consumed
 from fvstep.core.tree import any_dtensor, flatten_with_paths
 
@@ -81,9 +82,9 @@ class Route:
 
     Attributes:
         leaf: The unit or managed step.
-        policy: Its own policy merged over the enclosing ``compile``s' (fields still
+        settings: Its own settings merged over the enclosing ``compile``s' (fields still
             unset are left to a ``compile`` built around this step).
-        resolved: ``policy`` over the defaults: what runs.
+        resolved: ``settings`` over the defaults: what runs.
         gates: The ``every`` and ``cond`` conditions between the step and the leaf,
             outermost first; the leaf runs at a step where all of them open.
         named: Whether the leaf reports its metrics as ``<its name>/<key>``: it trains a
@@ -91,19 +92,19 @@ class Route:
     """
 
     leaf: Leaf
-    policy: Policy
-    resolved: Policy
+    settings: UnitSettings
+    resolved: UnitSettings
     gates: tuple[Gate, ...] = ()
     named: bool = False
 
-    def under(self, outer: Policy) -> Route:
-        """This route inside a ``compile`` of policy ``outer``."""
-        policy = self.policy.over(outer)
-        return Route(self.leaf, policy, policy.resolve(), self.gates, self.named)
+    def under(self, outer: UnitSettings) -> Route:
+        """This route inside a ``compile`` of settings ``outer``."""
+        settings = self.settings.over(outer)
+        return Route(self.leaf, settings, settings.resolve(), self.gates, self.named)
 
     def behind(self, gate: Gate) -> Route:
         """This route behind ``gate`` (an enclosing ``every`` or ``cond`` branch)."""
-        return Route(self.leaf, self.policy, self.resolved, (gate, *self.gates), self.named)
+        return Route(self.leaf, self.settings, self.resolved, (gate, *self.gates), self.named)
 
 
 def name_routes(routes: Sequence[Route]) -> tuple[Route, ...]:
@@ -269,7 +270,7 @@ class Step(abc.ABC):
 class Leaf(Step):
     """One leaf of a composition: a unit (``fvstep.update``: ``roles``, ``loss_fn``) or a
     managed step (``fvstep.managed``: ``fn``). It runs itself: the engine calls every leaf
-    the same way, ``leaf.run(state, batch, key, policy, call)``.
+    the same way, ``leaf.run(state, batch, key, settings, call)``.
 
     Its ``name`` keys its randomness and labels its metrics, so the names of the leaves
     of a composed step are unique.
@@ -279,7 +280,7 @@ class Leaf(Step):
     managed: ClassVar[bool] = False
     trains_label: ClassVar[str] = "roles"  # what messages call ``trains``
     name: str
-    policy: Policy  # its own clip and sanitize; unset fields are the enclosing ones
+    settings: UnitSettings  # its own clip and sanitize; unset fields are the enclosing ones
     trains: tuple[str, ...]  # the roles whose optimizers it steps
     mutates: tuple[str, ...] = ()  # frozen roles it changes in place (managed steps only)
     # ``check(state, batch, accumulation)`` of the step's input, run before any leaf of the
@@ -288,9 +289,9 @@ class Leaf(Step):
 
     @abc.abstractmethod
     def run(
-        self, state: TrainState, batch: Any, key: torch.Tensor, policy: Policy, call: Call
+        self, state: TrainState, batch: Any, key: torch.Tensor, settings: UnitSettings, call: Call
     ) -> tuple[TrainState, dict[str, Any]]:
-        """Run this leaf once in ``call``: ``policy`` is its resolved policy, ``key`` its key
+        """Run this leaf once in ``call``: ``settings`` are its resolved settings, ``key`` its key
         (``fold_in_name(step_key, name)``). It calls ``call.change()`` right before it first
         changes ``state``. A unit: :func:`run_unit`; a managed step:
         :meth:`fvstep.core.managed.Managed.run`."""
@@ -307,8 +308,8 @@ class Leaf(Step):
 
 
 def own_routes(leaf: Leaf) -> tuple[Route, ...]:
-    """A leaf's routes when it is called as a step by itself: itself, its own policy."""
-    return (Route(leaf, leaf.policy, leaf.policy.resolve()),)
+    """A leaf's routes when it is called as a step by itself: itself, its own settings."""
+    return (Route(leaf, leaf.settings, leaf.settings.resolve()),)
 
 
 class Call:
@@ -444,12 +445,12 @@ def check_call(routes: Sequence[Route], state: TrainState, parallelism: Parallel
 
 
 def run_unit(
-    leaf: Any, state: TrainState, batch: Any, key: torch.Tensor, policy: Policy, call: Call
+    leaf: Any, state: TrainState, batch: Any, key: torch.Tensor, settings: UnitSettings, call: Call
 ) -> tuple[TrainState, dict[str, Any]]:
     """How a unit runs itself (``Unit.run``; see :meth:`Leaf.run`): split ``batch`` into
     micro-batches, backward, consume the input (``call.change()``: a no-op for the units a
-    managed step runs, which consumed it at its start), apply. ``policy`` is resolved."""
-    accumulation, clip, sanitize = policy.accumulation, policy.clip, policy.sanitize
+    managed step runs, which consumed it at its start), apply. ``settings`` are resolved."""
+    accumulation, clip, sanitize = settings.accumulation, settings.clip, settings.sanitize
     assert accumulation is not None and clip is not UNSET and sanitize is not UNSET
     num = accumulation.microbatches
     if batch is call.batch:  # the step's own batch: split once per number of micro-batches

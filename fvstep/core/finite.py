@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, NoReturn
 
 import torch
 
-from fvstep.core.grads import NonFiniteGradientError, first_non_finite
+from fvstep.core.errors import NonFiniteGradientError
+from fvstep.core.grads import first_non_finite
 from fvstep.core.tree import any_dtensor, local_tensor
 
 if TYPE_CHECKING:

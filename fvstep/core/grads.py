@@ -6,7 +6,7 @@ clipping are torch's own (``torch.nn.utils.get_total_norm`` and
 ``clip_grads_with_norm_``), so a step is bitwise equal to a loop that calls
 ``clip_grad_norm_``; on DTensor gradients they compute the global norm over all shards.
 
-The sanitize policies (:data:`SANITIZE_POLICIES`):
+The sanitize modes (:data:`SANITIZE_MODES`):
 
 - ``"error"`` (the default of ``fvstep.compile``): raise :class:`NonFiniteGradientError`
   before any leaf changes when a loss or a gradient is NaN or infinite;
@@ -27,9 +27,8 @@ import torch
 from fvstep.core.tree import local_tensor
 
 __all__ = [
-    "SANITIZE_POLICIES",
+    "SANITIZE_MODES",
     "ClipGradNorm",
-    "NonFiniteGradientError",
     "Sanitize",
     "clip_grad_norm",
     "first_non_finite",
@@ -37,61 +36,7 @@ __all__ = [
 ]
 
 Sanitize = Literal["error", "nan_to_num", "skip"] | None
-SANITIZE_POLICIES: tuple[str | None, ...] = ("error", "skip", "nan_to_num", None)
-
-
-class NonFiniteGradientError(FloatingPointError):
-    """A unit's loss or gradient was NaN or infinite under ``sanitize="error"``.
-
-    Raised after the last micro-batch's backward and before the unit changes any leaf
-    (no optimizer step, no EMA, no clipping). On several ranks every rank raises: the
-    decision comes from the global gradient norm (and every rank's losses).
-
-    Attributes:
-        step: The step counter of the state the unit ran on.
-        unit: The unit's name.
-        role: The role whose loss or gradient is not finite (``None`` when it is so on
-            another rank only).
-        parameter: The first parameter of ``role`` with a non-finite gradient entry on
-            this rank, or ``None`` (a loss, or another rank's shard).
-        microbatch: The micro-batch of a non-finite loss, else ``None``.
-        kind: ``"NaN"``, ``"Inf"``, or ``None`` when not known on this rank.
-    """
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        step: int | None = None,
-        unit: str | None = None,
-        role: str | None = None,
-        parameter: str | None = None,
-        microbatch: int | None = None,
-        kind: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.step = step
-        self.unit = unit
-        self.role = role
-        self.parameter = parameter
-        self.microbatch = microbatch
-        self.kind = kind
-
-    def __reduce__(self) -> tuple:
-        # Keep the attributes when the error crosses a process boundary (pickled).
-        details = {
-            "step": self.step,
-            "unit": self.unit,
-            "role": self.role,
-            "parameter": self.parameter,
-            "microbatch": self.microbatch,
-            "kind": self.kind,
-        }
-        return (_rebuild_error, (type(self), self.args, details))
-
-
-def _rebuild_error(cls: type, args: tuple, details: dict) -> NonFiniteGradientError:
-    return cls(*args, **details)
+SANITIZE_MODES: tuple[str | None, ...] = ("error", "skip", "nan_to_num", None)
 
 
 @attrs.frozen

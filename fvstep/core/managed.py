@@ -17,7 +17,7 @@ from fvstep.core import random as fsrandom
 from fvstep.core.accumulation import Accumulation
 from fvstep.core.engine import Call, Leaf, Route, own_routes
 from fvstep.core.grads import ClipGradNorm, Sanitize
-from fvstep.core.policy import UNSET, Policy, Unset, check_clip, check_sanitize
+from fvstep.core.settings import UNSET, UnitSettings, Unset, check_clip, check_sanitize
 from fvstep.core.state import TrainState
 
 __all__ = ["Managed", "ManagedContext", "ManagedFn", "managed"]
@@ -36,21 +36,21 @@ class Managed(Leaf):
     fn: ManagedFn
     trains: tuple[str, ...]  # a field where Leaf has a property
     name: str = "managed"
-    policy: Policy = attrs.Factory(Policy)
+    settings: UnitSettings = attrs.Factory(UnitSettings)
     mutates: tuple[str, ...] = ()
     check: Callable[[TrainState, Any, Accumulation], None] | None = None
     routes: tuple[Route, ...] = attrs.field(init=False, repr=False, eq=False, default=ROUTES)
 
     def run(
-        self, state: TrainState, batch: Any, key: torch.Tensor, policy: Policy, call: Call
+        self, state: TrainState, batch: Any, key: torch.Tensor, settings: UnitSettings, call: Call
     ) -> tuple[TrainState, dict[str, Any]]:
         """Run ``fn(state, batch, key, ctx)`` inside ``rng_scope(key)`` (see
         :meth:`~fvstep.core.engine.Leaf.run`): it counts as changing the state from its
-        start. ``policy`` is resolved; the engine ran ``check`` before the step's first leaf."""
+        start. ``settings`` are resolved; the engine ran ``check`` before the step's first leaf."""
         call.change()
-        accumulation = policy.accumulation
+        accumulation = settings.accumulation
         assert accumulation is not None
-        ctx = ManagedContext(call.step, call.position, accumulation, policy, call, self.trains)
+        ctx = ManagedContext(call.step, call.position, accumulation, settings, call, self.trains)
         try:
             with fsrandom.rng_scope(key):
                 new_state, metrics = self.fn(state, batch, key, ctx)
@@ -90,7 +90,7 @@ def managed(
         trains: Roles whose optimizers it steps.
         mutates: Frozen roles it changes in place (e.g. ``"old"``).
         clip: Default clipping of its inner updates (else the enclosing ``compile``'s).
-        sanitize: Default non-finite policy of its inner updates.
+        sanitize: Default non-finite mode of its inner updates.
         name: Keys its randomness; a label for metrics and plans.
         check: ``check(state, batch, accumulation)``, run at the start of every step this
             managed step runs at, before any leaf of the step runs (so it sees the step's
@@ -118,7 +118,7 @@ def managed(
         )
     check_clip(clip)
     check_sanitize(sanitize)
-    return Managed(fn, trains_t, name, Policy(clip=clip, sanitize=sanitize), mutates_t, check)
+    return Managed(fn, trains_t, name, UnitSettings(clip=clip, sanitize=sanitize), mutates_t, check)
 
 
 @attrs.define
@@ -135,7 +135,7 @@ class ManagedContext:
     step: int
     position: int
     accumulation: Accumulation
-    _policy: Policy
+    _settings: UnitSettings
     _call: Call
     _trains: tuple[str, ...]
 
@@ -174,10 +174,10 @@ class ManagedContext:
                 f"trains={tuple(sorted({*self._trains, *undeclared}))!r}) so that plan() "
                 "and the checks before the step see them"
             )
-        policy = attrs.evolve(
-            unit_.policy.over(self._policy), accumulation=accumulation or self.accumulation
+        settings = attrs.evolve(
+            unit_.settings.over(self._settings), accumulation=accumulation or self.accumulation
         ).resolve()
-        return unit_.run(state, batch, key, policy, self._call)
+        return unit_.run(state, batch, key, settings, self._call)
 
 
 ManagedFn = Callable[[TrainState, Any, torch.Tensor, ManagedContext], tuple[TrainState, dict]]

@@ -28,20 +28,20 @@ from torch import nn
 
 from fvstep.core import random as fsrandom
 from fvstep.core._role_tensors import (
-    _bind_tensors,
-    _check_no_aliasing,
-    _check_no_partial_aliasing,
-    _check_tensor_leaves,
-    _distinct_tensors,
-    _live_tensors,
-    _trainable_names,
+    bind_tensors,
+    check_no_aliasing,
+    check_no_partial_aliasing,
+    check_tensor_leaves,
+    distinct_tensors,
+    live_tensors,
+    resolve_trainable_names,
 )
+from fvstep.core.errors import ConsumedStateError
 from fvstep.core.optim import Optimizer
 from fvstep.core.tree import any_dtensor, field, frozen, replace
 
 __all__ = [
     "EMA",
-    "ConsumedStateError",
     "EMAState",
     "Role",
     "RoleState",
@@ -51,10 +51,6 @@ __all__ = [
     "is_consumed",
     "mark_consumed",
 ]
-
-
-class ConsumedStateError(RuntimeError):
-    """A consumed (donated) state was used after a step took it."""
 
 
 @attrs.frozen
@@ -286,9 +282,9 @@ class TrainState:
                 raise TypeError(f"role {name!r} must be a fvstep.Role, got {type(role).__name__}")
         if not fsrandom.is_key(key):
             raise TypeError("key must be an fvstep key: use fvstep.random.key(seed)")
-        _check_no_aliasing(roles)
+        check_no_aliasing(roles)
         extra = dict(extra or {})
-        _check_tensor_leaves(extra, "extra")
+        check_tensor_leaves(extra, "extra")
         role_states = {name: _create_role_state(name, role) for name, role in roles.items()}
         return cls(
             step=torch.zeros((), dtype=torch.int64),
@@ -345,11 +341,11 @@ def is_consumed(state: TrainState) -> bool:
 
 def _create_role_state(name: str, role: Role) -> RoleState:
     module = role.module
-    params, buffers, tied = _distinct_tensors(module)
-    _check_no_partial_aliasing(name, module, {**params, **buffers})
+    params, buffers, tied = distinct_tensors(module)
+    check_no_partial_aliasing(name, module, {**params, **buffers})
     if role.trainable:
         assert role.optimizer is not None
-        trainable = _trainable_names(name, role, params)
+        trainable = resolve_trainable_names(name, role, params)
         trainable_params = {n: params[n] for n in trainable}
         opt_state = role.optimizer.init(trainable_params)
         # the one structure check (update relies on it); a loaded state needs it too
@@ -414,7 +410,7 @@ def adopt(role_state: RoleState) -> RoleState:
     bound = module.__dict__.get("_fvstep_bound")
     if bound is not None and bound[0] is role_state.params and bound[1] is role_state.buffers:
         return role_state
-    live_params, live_buffers = _live_tensors(
+    live_params, live_buffers = live_tensors(
         module, role_state.params, role_state.buffers, role_state.tied
     )
     mine = {**role_state.params, **role_state.buffers}
@@ -437,7 +433,7 @@ def adopt(role_state: RoleState) -> RoleState:
             buffers={n: live_buffers[n] for n in role_state.buffers},
         )
     else:
-        _bind_tensors(module, live_params, live, mine, dict(role_state.tied))
+        bind_tensors(module, live_params, live, mine, dict(role_state.tied))
     module.__dict__["_fvstep_bound"] = (role_state.params, role_state.buffers)
     return role_state
 

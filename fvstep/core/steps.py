@@ -4,7 +4,7 @@ A unit (:func:`update`) and a managed step (:func:`managed`) are leaves; :func:`
 :func:`every`, :func:`cond` and :func:`compile` take steps and return a
 :class:`~fvstep.core.engine.Step` with the same call signature, so combinations nest:
 ``sequence(compile(critic, accumulation=...), every(5, student))`` is a step like any
-other. :func:`compile` gives the units inside a step an execution policy (the innermost
+other. :func:`compile` gives the units inside a step execution settings (the innermost
 ``compile`` that sets a field wins). Every leaf is keyed by its name, so the names of a
 composition's leaves must be unique (checked here). What runs at a step is a pure
 function of the step, so :func:`plan` lists it without running anything.
@@ -21,7 +21,7 @@ import attrs
 from fvstep.core.accumulation import Accumulation
 from fvstep.core.engine import Gate, Leaf, Route, Step, name_routes, own_routes, run_unit
 from fvstep.core.grads import ClipGradNorm, Sanitize
-from fvstep.core.policy import UNSET, PlanEntry, Policy, Unset, check_clip, check_sanitize
+from fvstep.core.settings import UNSET, PlanEntry, UnitSettings, Unset, check_clip, check_sanitize
 from fvstep.core.unit import LossFn
 
 __all__ = [
@@ -77,7 +77,7 @@ def check_unique_names(leaves: tuple[Leaf, ...], where: str) -> None:
 
 
 ROUTES = attrs.Factory(own_routes, takes_self=True)
-"""A leaf's routes: itself, under its own policy (computed once: steps are frozen)."""
+"""A leaf's routes: itself, under its own settings (computed once: steps are frozen)."""
 
 
 @attrs.frozen(eq=False)
@@ -87,7 +87,7 @@ class Unit(Leaf):
     Attributes:
         roles: The roles it trains.
         loss_fn: ``(state, batch, key) -> loss | (loss, metrics) | ({role: loss}, metrics)``.
-        policy: Its own clip and sanitize (unset: the enclosing ones).
+        settings: Its own clip and sanitize (unset: the enclosing ones).
         name: Keys its randomness and labels its metrics.
     """
 
@@ -95,7 +95,7 @@ class Unit(Leaf):
 
     roles: tuple[str, ...]
     loss_fn: LossFn
-    policy: Policy = attrs.Factory(Policy)
+    settings: UnitSettings = attrs.Factory(UnitSettings)
     name: str = ""
     trains: tuple[str, ...] = attrs.field(init=False, repr=False)  # its roles, as a leaf
     routes: tuple[Route, ...] = attrs.field(init=False, repr=False, eq=False, default=ROUTES)
@@ -125,7 +125,7 @@ def update(
     at its schedule position, update its EMA. ``loss_fn`` may call any role's module
     through ``state.module(name)``; gradients reach only the trained roles' parameters.
 
-    The unit is a step: ``update(...)(state, batch)`` runs it with the default policy
+    The unit is a step: ``update(...)(state, batch)`` runs it with the default settings
     (one micro-batch, no clipping, ``sanitize="error"``). Its key is
     ``fold_in_name(step_key, name)``.
 
@@ -167,7 +167,9 @@ def update(
         raise ValueError(f"a unit's name must be a non-empty str, got {name!r}")
     check_clip(clip)
     check_sanitize(sanitize)
-    return Unit(roles_t, loss_fn, Policy(clip=clip, sanitize=sanitize), name or "+".join(roles_t))
+    return Unit(
+        roles_t, loss_fn, UnitSettings(clip=clip, sanitize=sanitize), name or "+".join(roles_t)
+    )
 
 
 @attrs.frozen(eq=False)
@@ -288,22 +290,22 @@ def cond(pred: Callable[[int], bool], if_true: Step, if_false: Step | None = Non
 
 @attrs.frozen(eq=False)
 class Compiled(Step):
-    """A step with an execution policy for its units (see :func:`compile`).
+    """A step with execution settings for its units (see :func:`compile`).
 
     Attributes:
         inner: The step it runs.
-        policy: Defaults for the units of ``inner`` that do not set their own (the
+        settings: Defaults for the units of ``inner`` that do not set their own (the
             innermost ``compile`` wins).
     """
 
     inner: Step
-    policy: Policy = attrs.Factory(Policy)
+    settings: UnitSettings = attrs.Factory(UnitSettings)
     routes: tuple[Route, ...] = attrs.field(init=False, repr=False, eq=False)
 
     @routes.default
     def _build(self) -> tuple[Route, ...]:
-        """The wrapped step's routes, with this policy under theirs."""
-        return tuple(route.under(self.policy) for route in self.inner.routes)
+        """The wrapped step's routes, with these settings under theirs."""
+        return tuple(route.under(self.settings) for route in self.inner.routes)
 
 
 def compile(
@@ -313,7 +315,7 @@ def compile(
     clip: ClipGradNorm | Unset | None = UNSET,
     sanitize: Sanitize | Unset = UNSET,
 ) -> Compiled:
-    """Give a step an execution policy; returns a step.
+    """Give a step execution settings; returns a step.
 
     Compiled steps compose: ``sequence(compile(critic, accumulation=Accumulation(4)),
     compile(student))`` runs the critic's unit over 4 micro-batches and the student's over
@@ -326,7 +328,7 @@ def compile(
             (the innermost ``compile`` that sets it wins); default one micro-batch.
         clip: Clipping of units that do not set their own (``None``: off); default the
             enclosing ``compile``'s, else off.
-        sanitize: Non-finite policy of units that do not set their own: ``"error"`` (the
+        sanitize: Non-finite mode of units that do not set their own: ``"error"`` (the
             final default), ``"skip"``, ``"nan_to_num"`` or ``None`` (see :func:`update`).
 
     Returns:
@@ -348,14 +350,14 @@ def compile(
         )
     check_clip(clip)
     check_sanitize(sanitize)
-    return Compiled(inner, Policy(accumulation, clip, sanitize))
+    return Compiled(inner, UnitSettings(accumulation, clip, sanitize))
 
 
 def plan(step_fn: Step, step: int) -> list[PlanEntry]:
     """What ``step_fn`` runs at ``step`` (a pure function of ``step``).
 
     Returns:
-        One :class:`~fvstep.core.policy.PlanEntry` per leaf that runs, in order.
+        One :class:`~fvstep.core.settings.PlanEntry` per leaf that runs, in order.
 
     Raises:
         TypeError: If ``step_fn`` is not a step.

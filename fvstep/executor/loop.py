@@ -31,6 +31,7 @@ import torch
 
 from fvstep import checkpoint as ckpt
 from fvstep.core.engine import Step
+from fvstep.core.errors import Interrupted
 from fvstep.core.layout import Parallelism
 from fvstep.core.state import TrainState
 from fvstep.executor.checkpoints import Checkpoints, lock_run_dir, resume, save_run_state
@@ -48,7 +49,7 @@ from fvstep.executor.trackers import Tracker
 from fvstep.parallel.layout import default_layout
 from fvstep.parallel.ranks import host_group, max_over_ranks, rank_and_world
 
-__all__ = ["Checkpoints", "Interrupted", "RunResult", "run", "run_until"]
+__all__ = ["Checkpoints", "RunResult", "run", "run_until"]
 
 
 StopReason = Literal["completed", "SIGTERM", "SIGINT"]
@@ -82,50 +83,6 @@ class RunResult:
     def completed(self) -> bool:
         """Whether the run reached ``num_steps``."""
         return self.stopped_by == "completed"
-
-
-class Interrupted(Exception):
-    """:func:`run` was stopped by a signal before ``num_steps``, after saving its state.
-
-    Raised after the state was saved and the lock of the run's folder released, so that
-    the same command run again resumes from :attr:`checkpoint`.
-
-    Attributes:
-        signal: ``"SIGTERM"`` or ``"SIGINT"`` (a first Ctrl-C).
-        step: The step the state reached (and was saved at).
-        num_steps: The step the run was asked to reach.
-        checkpoint: The checkpoint that holds the state (``None`` without checkpoints).
-        state: The state at ``step``.
-
-    Examples:
-        >>> try:
-        ...     state = fs.run(step_fn, state, source, num_steps=1000,
-        ...                    checkpoints=fs.Checkpoints("ckpt", every=100))
-        ... except fs.Interrupted as e:  # preempted: the job scheduler will restart us
-        ...     sys.exit(143)
-    """
-
-    def __init__(
-        self,
-        signal: str,
-        step: int,
-        num_steps: int,
-        checkpoint: Path | None,
-        state: TrainState | None = None,
-    ) -> None:
-        where = f"saved {str(checkpoint)!r}" if checkpoint is not None else "nothing saved"
-        super().__init__(
-            f"stopped by {signal} at step {step} of {num_steps}; {where}: run the same "
-            "command again to resume"
-        )
-        self.signal = signal
-        self.step = step
-        self.num_steps = num_steps
-        self.checkpoint = checkpoint
-        self.state = state
-
-    def __reduce__(self) -> Any:  # picklable (a launched rank hands it to its launcher)
-        return (type(self), (self.signal, self.step, self.num_steps, self.checkpoint))
 
 
 def _batch(data: Any, step: int, rank: int, world: int) -> Any:

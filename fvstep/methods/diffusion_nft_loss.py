@@ -22,9 +22,9 @@ from fvstep.methods import _noise
 from fvstep.methods.finetune import (
     RoleLossFn,
     TSampling,
-    _check_t_sampling,
     add_noise,
     broadcast_time,
+    check_t_sampling,
     sample_time,
 )
 from fvstep.methods.models import predict
@@ -111,7 +111,7 @@ def nft_loss(
         raise ValueError(f"weighting must be 'adaptive' or 'velocity', got {weighting!r}")
     if not kl_weight >= 0:
         raise ValueError(f"kl_weight must be >= 0, got {kl_weight}")
-    _check_t_sampling(t_sampling, 1.0)
+    check_t_sampling(t_sampling, 1.0)
     scale = clip_max / beta
 
     def loss_fn(

@@ -30,6 +30,7 @@ __all__ = [
     "TSampling",
     "add_noise",
     "broadcast_time",
+    "check_t_sampling",
     "finetune",
     "flow_matching_loss",
     "sample_time",
@@ -109,7 +110,8 @@ def sample_time(
     raise ValueError(f"unknown t_sampling {t_sampling!r}; choose one of {_T_SAMPLINGS}")
 
 
-def _check_t_sampling(t_sampling: str, logit_std: float) -> None:
+def check_t_sampling(t_sampling: str, logit_std: float) -> None:
+    """Refuse an unknown ``t_sampling`` or a ``logit_std`` that is not positive."""
     if t_sampling not in _T_SAMPLINGS:
         raise ValueError(f"unknown t_sampling {t_sampling!r}; choose one of {_T_SAMPLINGS}")
     if not logit_std > 0:
@@ -146,7 +148,7 @@ def flow_matching_loss(
     Examples:
         >>> unit = fvstep.update("student", flow_matching_loss(t_sampling="logit_normal"))
     """
-    _check_t_sampling(t_sampling, logit_std)
+    check_t_sampling(t_sampling, logit_std)
 
     def loss_fn(
         state: TrainState, batch: Any, key: torch.Tensor

@@ -41,7 +41,7 @@ from fvstep.core import random as fsrandom
 from fvstep.core.accumulation import Accumulation
 from fvstep.core.grads import ClipGradNorm, Sanitize
 from fvstep.core.managed import Managed, ManagedContext, managed
-from fvstep.core.policy import UNSET, Unset
+from fvstep.core.settings import UNSET, Unset
 from fvstep.core.state import TrainState
 from fvstep.core.steps import update
 from fvstep.methods import _noise

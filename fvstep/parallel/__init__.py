@@ -58,11 +58,12 @@ Examples:
 
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
+from fvstep.core.errors import CompiledGradientError
 from fvstep.parallel.activation_checkpoint import ActivationCheckpointing
 from fvstep.parallel.activation_offload import ActivationOffloading
 from fvstep.parallel.block_compile import compile_counts
 from fvstep.parallel.collectives import CollectiveCounter
-from fvstep.parallel.compile_check import CompiledGradientError, CompiledGradientReport
+from fvstep.parallel.compile_check import CompiledGradientReport
 from fvstep.parallel.compile_check_hooks import compile_check_reports
 from fvstep.parallel.context import (
     ContextParallelMode,

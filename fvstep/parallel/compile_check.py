@@ -73,13 +73,15 @@ from typing import Any
 
 import attrs
 
+from fvstep.core.errors import CompiledGradientError
+
 __all__ = [
     "DEFAULT_THRESHOLD",
     "GRADIENT_FLOOR",
     "ROUNDING_FLOOR",
-    "CompiledGradientError",
     "CompiledGradientReport",
     "GradientDifference",
+    "compiled_gradient_error",
     "resolve_threshold",
 ]
 
@@ -246,52 +248,39 @@ def _badness(d: GradientDifference) -> float:
     return d.ratio
 
 
-class CompiledGradientError(ValueError):
-    """A compiled block's gradients differ from its eager ones beyond the threshold.
-
-    Attributes:
-        report: The failing block's report (``None`` on a rank whose own comparison
-            passed while another rank's failed).
-    """
-
-    def __init__(self, message: str, report: CompiledGradientReport | None = None) -> None:
-        super().__init__(message)
-        self.report = report
-
-    @classmethod
-    def from_report(cls, report: CompiledGradientReport) -> CompiledGradientError:
-        """The error for a failed report: block, tensors, ratios, threshold, what to do."""
-        failures = report.failures
-        first = failures[0]
-        if first.graph_ratio >= first.fp32_ratio:
-            floor = ", the floor" if first.noise_is_floor else ""
-            what = (
-                f"{first.name} has relative error {first.relative_error:.3g}, "
-                f"{first.graph_ratio:.3g} x eager's rounding noise ({first._noise:.3g}{floor})"
-            )
-        else:
-            what = (
-                f"{first.name} has relative error {first.fp32_relative_error:.3g} compiled in "
-                f"fp32, {first.fp32_ratio:.3g} x the fp32 floor ({ROUNDING_FLOOR:g}; in "
-                f"{report.precision}: {first.relative_error:.3g}, {first.graph_ratio:.3g} x "
-                f"eager's rounding noise {first._noise:.3g})"
-            )
-        lines = [
-            f"the compiled gradients of {report.block} differ from its eager ones: {what} > "
-            f"threshold {report.threshold:g} ({report.precision}; eager norm "
-            f"{first.eager_norm:.3g}, compiled {first.compiled_norm:.3g})"
-        ]
-        if len(failures) > 1:
-            shown = "; ".join(d.describe() for d in failures[1:4])
-            more = f" and {len(failures) - 4} more" if len(failures) > 4 else ""
-            lines.append(f"also above it: {shown}{more}")
-        lines.append(
-            "Training on these gradients would learn the wrong thing. The compiler computed "
-            "them (pytorch/pytorch#193061 was one such bug): train without compile, or "
-            "compile with other options; if this is rounding, raise the threshold "
-            "(prepare(..., verify_compile=<threshold>)). See docs/concepts/prepare.md."
+def compiled_gradient_error(report: CompiledGradientReport) -> CompiledGradientError:
+    """The error for a failed report: block, tensors, ratios, threshold, what to do."""
+    failures = report.failures
+    first = failures[0]
+    if first.graph_ratio >= first.fp32_ratio:
+        floor = ", the floor" if first.noise_is_floor else ""
+        what = (
+            f"{first.name} has relative error {first.relative_error:.3g}, "
+            f"{first.graph_ratio:.3g} x eager's rounding noise ({first._noise:.3g}{floor})"
         )
-        return cls("\n".join(lines), report)
+    else:
+        what = (
+            f"{first.name} has relative error {first.fp32_relative_error:.3g} compiled in "
+            f"fp32, {first.fp32_ratio:.3g} x the fp32 floor ({ROUNDING_FLOOR:g}; in "
+            f"{report.precision}: {first.relative_error:.3g}, {first.graph_ratio:.3g} x "
+            f"eager's rounding noise {first._noise:.3g})"
+        )
+    lines = [
+        f"the compiled gradients of {report.block} differ from its eager ones: {what} > "
+        f"threshold {report.threshold:g} ({report.precision}; eager norm "
+        f"{first.eager_norm:.3g}, compiled {first.compiled_norm:.3g})"
+    ]
+    if len(failures) > 1:
+        shown = "; ".join(d.describe() for d in failures[1:4])
+        more = f" and {len(failures) - 4} more" if len(failures) > 4 else ""
+        lines.append(f"also above it: {shown}{more}")
+    lines.append(
+        "Training on these gradients would learn the wrong thing. The compiler computed "
+        "them (pytorch/pytorch#193061 was one such bug): train without compile, or "
+        "compile with other options; if this is rounding, raise the threshold "
+        "(prepare(..., verify_compile=<threshold>)). See docs/concepts/prepare.md."
+    )
+    return CompiledGradientError("\n".join(lines), report)
 
 
 def resolve_threshold(verify: bool | float) -> float:

@@ -33,15 +33,16 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from fvstep.core.errors import CompiledGradientError
 from fvstep.parallel.compile_check import (
     DEFAULT_THRESHOLD,
-    CompiledGradientError,
     CompiledGradientReport,
+    compiled_gradient_error,
 )
 from fvstep.parallel.gradient_comparison import (
-    _Comparison,
-    _input_names,
-    _positional_names,
+    Comparison,
+    input_names,
+    positional_names,
     run_compiled,
 )
 from fvstep.parallel.ranks import max_over_ranks
@@ -136,7 +137,7 @@ class CompileCheck:
         self._mesh = mesh
         self._seed = seed
         self._checked: set[Hashable] = set()  # the graph keys that passed
-        self._arg_names = _positional_names(type(block).forward)
+        self._arg_names = positional_names(type(block).forward)
         self._block = weakref.ref(block)
         # Skipped by dynamo, not disabled: the block's forward that it calls is compiled
         # by the compiled call the hook runs inside (see _pre_forward).
@@ -153,15 +154,15 @@ class CompileCheck:
 
     def _begin(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[_Comparison, Hashable] | None:
+    ) -> tuple[Comparison, Hashable] | None:
         params = block_parameters(module)  # under FSDP2: gathered, by their names
         key = graph_key(params, args, kwargs)
         if key in self._checked:
             return None
-        inputs = [t for _, t in _input_names(args, kwargs, None)]
+        inputs = [t for _, t in input_names(args, kwargs, None)]
         if not any(t.requires_grad for t in (*params.values(), *inputs)):
             return None
-        comparison = _Comparison(
+        comparison = Comparison(
             module.forward,
             args,
             kwargs,
@@ -188,7 +189,7 @@ class CompileCheck:
             self._checked.add(key)
             return
         if not report.passed:
-            raise CompiledGradientError.from_report(report)
+            raise compiled_gradient_error(report)
         mine = report.worst.describe() if report.worst else "none"
         raise CompiledGradientError(
             f"the compiled gradients of {self.name} differ from its eager ones on another "

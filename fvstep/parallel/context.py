@@ -49,8 +49,8 @@ from torch.distributed.fsdp import FSDPModule
 
 from fvstep.core._optional import needs_extra
 from fvstep.core.tree import is_dtensor
-from fvstep.parallel.context_checks import _check_backends, _check_plan_signatures, _forward_params
-from fvstep.parallel.mesh import _check_axis
+from fvstep.parallel.context_checks import check_backends, check_plan_signatures, forward_params
+from fvstep.parallel.mesh import check_axis
 from fvstep.parallel.ranks import rank_and_world
 
 __all__ = [
@@ -126,7 +126,7 @@ def _install_plan(module: nn.Module, plan: dict[str, Any], mesh: DeviceMesh) -> 
     for name, entry in plan.items():
         sub = module.get_submodule(name) if name else module
         if isinstance(entry, dict):
-            params = _forward_params(sub)
+            params = forward_params(sub)
             inputs = {
                 k: v
                 for k, v in entry.items()
@@ -349,7 +349,7 @@ def apply_context_parallel(
         )
     if getattr(module, "_parallel_config", None) is not None or hasattr(module, _APPLIED):
         raise ValueError(f"{type(module).__name__} is already prepared for parallelism")
-    dim = _check_axis(mesh, axis)
+    dim = check_axis(mesh, axis)
     degree = mesh.mesh.shape[dim]
     if degree < 2:
         raise ValueError(f"the mesh axis {axis!r} has {degree} rank; context parallel needs >= 2")
@@ -360,8 +360,8 @@ def apply_context_parallel(
             f"the heads must divide by the degree (use a degree dividing {heads}, or "
             "mode='ring')"
         )
-    _check_backends(module, mode)
-    _check_plan_signatures(module, plan)
+    check_backends(module, mode)
+    check_plan_signatures(module, plan)
 
     if mode == "ring":
         cp_config = ContextParallelConfig(ring_degree=degree)

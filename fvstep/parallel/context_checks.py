@@ -32,7 +32,8 @@ def _attention_backends(module: nn.Module) -> set[str]:
     return names
 
 
-def _check_backends(module: nn.Module, mode: str) -> None:
+def check_backends(module: nn.Module, mode: str) -> None:
+    """Refuse attention backends of ``module`` that diffusers cannot run context parallel (``mode``)."""
     with needs_extra("models", "context parallelism"):
         from diffusers.models.attention_dispatch import _AttentionBackendRegistry
 
@@ -56,12 +57,12 @@ def _check_backends(module: nn.Module, mode: str) -> None:
         )
 
 
-def _forward_params(sub: nn.Module) -> list[str]:
+def forward_params(sub: nn.Module) -> list[str]:
     """The parameter names of ``sub``'s class ``forward``, ``self`` left out."""
     return list(inspect.signature(type(sub).forward).parameters)[1:]
 
 
-def _check_plan_signatures(module: nn.Module, plan: dict[str, Any]) -> None:
+def check_plan_signatures(module: nn.Module, plan: dict[str, Any]) -> None:
     """Refuse a module whose planned submodules no longer take their inputs by name (a
     wrapper module such as torch's ``checkpoint_wrapper``, or ``torch.compile(module)``)."""
     with needs_extra("models", "context parallelism"):
@@ -71,7 +72,7 @@ def _check_plan_signatures(module: nn.Module, plan: dict[str, Any]) -> None:
         if not isinstance(entry, dict):
             continue
         sub = module.get_submodule(name) if name else module
-        params = _forward_params(sub)
+        params = forward_params(sub)
         for key, spec in entry.items():
             splits_input = not (isinstance(spec, ContextParallelInput) and spec.split_output)
             if isinstance(key, str) and splits_input and key not in params:

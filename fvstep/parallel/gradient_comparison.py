@@ -35,15 +35,20 @@ import torch
 from torch import nn
 
 from fvstep.core import random as fsrandom
+from fvstep.core.errors import CompiledGradientError
 from fvstep.parallel.compile_check import (
     DEFAULT_THRESHOLD,
     GRADIENT_FLOOR,
-    CompiledGradientError,
     CompiledGradientReport,
     GradientDifference,
 )
 
-__all__ = ["compare_compiled_gradients"]
+__all__ = [
+    "Comparison",
+    "compare_compiled_gradients",
+    "input_names",
+    "positional_names",
+]
 
 _TINY = torch.finfo(torch.float32).tiny
 _LOW = (torch.bfloat16, torch.float16)
@@ -69,7 +74,8 @@ def _map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], value: Any) -> Any:
     return value
 
 
-def _positional_names(forward: Callable[..., Any]) -> list[str]:
+def positional_names(forward: Callable[..., Any]) -> list[str]:
+    """The names of ``forward``'s positional parameters after ``self`` (``[]`` when it has no signature)."""
     try:
         parameters = list(inspect.signature(forward).parameters.values())[1:]  # self
     except (TypeError, ValueError):
@@ -78,9 +84,10 @@ def _positional_names(forward: Callable[..., Any]) -> list[str]:
     return [p.name for p in parameters if p.kind in positional]
 
 
-def _input_names(
+def input_names(
     args: Sequence[Any], kwargs: Mapping[str, Any], arg_names: Sequence[str] | None
 ) -> list[tuple[str, torch.Tensor]]:
+    """The tensor leaves of a call's inputs, each with its name (from ``arg_names``, else ``args[i]``, and the keywords)."""
     names = list(arg_names or ())
     found = []
     for i, a in enumerate(args):
@@ -215,7 +222,7 @@ def _gradients(
     )
 
 
-class _Comparison:
+class Comparison:
     """One comparison in steps, so that the compiled forward can be called from a frame
     that dynamo compiles (the hook's) while everything else runs eagerly: ``__init__``
     (eager, and below fp32 the fp32 reference), the compiled call, :meth:`take_compiled`,
@@ -239,7 +246,7 @@ class _Comparison:
         self.buffers = _BufferState(buffers)
         self.start = time.perf_counter()
         self.params = [(n, p) for n, p in params.items() if p.requires_grad]
-        named_inputs = _input_names(args, kwargs, arg_names)
+        named_inputs = input_names(args, kwargs, arg_names)
         self.names = [n for n, _ in self.params]
         self.names += [f"input {n}" for n, t in named_inputs if t.requires_grad]
         tensors = [p for _, p in self.params] + [t for _, t in named_inputs]
@@ -316,7 +323,7 @@ class _Comparison:
         return _gradients(outputs, self._targets(args, kwargs), self.cotangents)
 
     def _targets(self, args: Any, kwargs: Any) -> list[torch.Tensor]:
-        inputs = [t for _, t in _input_names(args, kwargs, None) if t.requires_grad]
+        inputs = [t for _, t in input_names(args, kwargs, None) if t.requires_grad]
         return [p for _, p in self.params] + inputs
 
     def _distances(
@@ -430,15 +437,15 @@ def _distance(a: torch.Tensor | None, b: torch.Tensor | None, like: torch.Tensor
 # When a hook runs a comparison inside a compiled block's call, dynamo compiles every frame
 # the hook calls: the comparison's own steps must not be traced (only the block's forward,
 # called between them, is compiled), so they are disabled.
-_start = torch.compiler.disable(_Comparison)
-_take_compiled = torch.compiler.disable(_Comparison.take_compiled)
-_enter_probe = torch.compiler.disable(_Comparison.enter_probe)
-_take_probe = torch.compiler.disable(_Comparison.take_probe)
-_report = torch.compiler.disable(_Comparison.report)
-_close = torch.compiler.disable(_Comparison.close)
+_start = torch.compiler.disable(Comparison)
+_take_compiled = torch.compiler.disable(Comparison.take_compiled)
+_enter_probe = torch.compiler.disable(Comparison.enter_probe)
+_take_probe = torch.compiler.disable(Comparison.take_probe)
+_report = torch.compiler.disable(Comparison.report)
+_close = torch.compiler.disable(Comparison.close)
 
 
-def _run_compiled(comparison: _Comparison, compiled: Callable[..., Any]) -> CompiledGradientReport:
+def _run_compiled(comparison: Comparison, compiled: Callable[..., Any]) -> CompiledGradientReport:
     """The compiled steps of ``comparison``: ``compiled`` on the real inputs, and in
     bf16/fp16 on their fp32 copies (the probe), then the report. Skipped by dynamo, not
     disabled: inside a compiled block's call (the hook's) the block's forward called from
@@ -514,7 +521,7 @@ def compare_compiled_gradients(
         True
     """
     if arg_names is None and isinstance(eager, nn.Module):
-        arg_names = _positional_names(type(eager).forward)
+        arg_names = positional_names(type(eager).forward)
     buffers = list(eager.buffers()) if isinstance(eager, nn.Module) else []
     # the fp32 reference casts every parameter the module computes with, compared or not
     more = list(eager.parameters()) if isinstance(eager, nn.Module) else []

@@ -27,6 +27,7 @@ from fvstep.parallel.ranks import rank_and_world
 
 __all__ = [
     "BlockFilter",
+    "check_axis",
     "data_parallel_rank_and_size",
     "is_block",
     "is_sharded",
@@ -175,7 +176,8 @@ def make_context_mesh(*, context: int, device_type: str | None = None) -> Device
     )
 
 
-def _check_axis(mesh: DeviceMesh, axis: str) -> int:
+def check_axis(mesh: DeviceMesh, axis: str) -> int:
+    """The dim of ``mesh`` named ``axis``, or a ``ValueError`` naming the mesh's axes."""
     names = mesh.mesh_dim_names or ()
     if axis not in names:
         raise ValueError(
@@ -205,7 +207,7 @@ def data_parallel_rank_and_size(mesh: DeviceMesh, *, axis: str = "context") -> t
         >>> data_parallel_rank_and_size(make_context_mesh(context=2))   # rank 3 of 4
         (1, 2)
     """
-    dim = _check_axis(mesh, axis)
+    dim = check_axis(mesh, axis)
     coordinate = mesh.get_coordinate()
     if coordinate is None:
         raise ValueError(f"rank {rank_and_world()[0]} is not on the mesh {mesh}")

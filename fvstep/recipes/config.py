@@ -42,10 +42,11 @@ from jsonargparse import ActionConfigFile, ArgumentParser
 if TYPE_CHECKING:
     from fvstep.recipes import Recipe
 
+from fvstep.core.errors import ConfigChangeError
+
 __all__ = [
     "CONFIG_NAME",
     "MAY_CHANGE",
-    "ConfigChangeError",
     "add_options",
     "check_config_change",
     "dataset_digest",
@@ -78,10 +79,6 @@ MAY_CHANGE = (
 """Keys (and groups) that a resumed run may change: none of them alters the math of a
 step. Any key whose last part is ``lr`` may change too (a learning rate applies from the
 first step of the resumed run, as it would in a script)."""
-
-
-class ConfigChangeError(ValueError):
-    """A resumed run was given options that alter the math of the run it continues."""
 
 
 class _ConfigFile(ActionConfigFile):
@@ -145,7 +142,8 @@ def parse_options(recipe: Recipe, argv: Sequence[str]) -> Any:
         >>> parse_options(get_recipe("finetune"), ["--run.num_steps", "8"]).run.num_steps
         8
     """
-    from fvstep.cli.common import CLIError, Parser, parse
+    from fvstep.cli.common import Parser, parse
+    from fvstep.core.errors import CLIError
 
     parser = Parser(f"fvstep train {recipe.name}", recipe.summary)
     add_options(parser, recipe)

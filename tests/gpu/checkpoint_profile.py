@@ -74,8 +74,8 @@ def main() -> None:
         sums, finite = local_checks(leaves)
         assert all(finite)
         prints = fingerprint(paths, leaves, sums=sums)
-        tmp = saving._make_temp_dir(d, False, None)
-        saving._write(paths, leaves, int(state.step), d, tmp, False, None, prints=prints)
+        tmp = saving.make_temp_dir(d, False, None)
+        saving.write_checkpoint(paths, leaves, int(state.step), d, tmp, False, None, prints=prints)
 
     variants = {
         "dcp": dcp_alone,

@@ -25,7 +25,7 @@ from fvstep.executor.data import ShuffledSource, SyntheticLatents
 from fvstep.executor.reporting import Validation
 from fvstep.methods.finetune import flow_matching_loss
 from fvstep.observe.validation import validation_loss
-from fvstep.testing import SimulatedCrash, _CrashAt
+from fvstep.testing import CrashAt, SimulatedCrash
 from tests.interactions.cells import PROBE, WeightsCase, build_state, data
 
 pytest.importorskip("peft")
@@ -62,7 +62,7 @@ def run(case, source, tmp: Path, *, crash: bool, async_save: bool) -> fs.TrainSt
     return fs.run(
         step,
         build_state(case),
-        _CrashAt(feed, CRASH_AT) if crash else feed,
+        CrashAt(feed, CRASH_AT) if crash else feed,
         num_steps=NUM_STEPS,
         checkpoints=checkpoints,
         validation=validations(case),

@@ -13,7 +13,14 @@ from typing import SupportsIndex
 
 from fvstep.core._checks import check_int, check_real
 
-__all__ = ["Schedule"]
+__all__ = [
+    "Schedule",
+    "as_step",
+    "check_boundaries",
+    "check_ratio",
+    "check_warmup_total",
+    "lambda_lr",
+]
 
 Schedule = Callable[[int], float]
 """A learning-rate schedule: a pure function from a step count ``>= 0`` to a learning rate."""
@@ -24,7 +31,7 @@ Schedule = Callable[[int], float]
 # --------------------------------------------------------------------------------------
 
 
-def _as_step(step: SupportsIndex) -> int:
+def as_step(step: SupportsIndex) -> int:
     """Convert a step (a Python int, NumPy integer or 0-d integer tensor) to a non-negative int."""
     try:
         s = operator.index(step)
@@ -38,14 +45,16 @@ def _as_step(step: SupportsIndex) -> int:
     return s
 
 
-def _check_ratio(value: float, name: str) -> float:
+def check_ratio(value: float, name: str) -> float:
+    """``value`` as a float in ``[0, 1]``, or a ``ValueError`` naming ``name``."""
     v = check_real(value, name)
     if not 0.0 <= v <= 1.0:
         raise ValueError(f"{name} must lie in [0, 1], got {v}")
     return v
 
 
-def _check_warmup_total(warmup_steps: SupportsIndex, total_steps: SupportsIndex) -> tuple[int, int]:
+def check_warmup_total(warmup_steps: SupportsIndex, total_steps: SupportsIndex) -> tuple[int, int]:
+    """The checked ``(warmup_steps, total_steps)``: integers, ``total >= 1``, warm-up no longer than the total."""
     warmup = check_int(warmup_steps, "warmup_steps")
     total = check_int(total_steps, "total_steps", minimum=1)
     if warmup > total:
@@ -53,9 +62,10 @@ def _check_warmup_total(warmup_steps: SupportsIndex, total_steps: SupportsIndex)
     return warmup, total
 
 
-def _check_boundaries(
+def check_boundaries(
     boundaries: Sequence[SupportsIndex], n_pieces: int, what: str
 ) -> tuple[int, ...]:
+    """The checked boundaries of ``n_pieces`` pieces (``what``): integers, one fewer than the pieces."""
     bounds = tuple(check_int(b, f"boundaries[{i}]") for i, b in enumerate(boundaries))
     if len(bounds) != n_pieces - 1:
         raise ValueError(
@@ -68,7 +78,7 @@ def _check_boundaries(
     return bounds
 
 
-def _lambda_lr(
+def lambda_lr(
     lr: float, factor: Callable[[int], float], name: str, total_steps: int | None = None
 ) -> Schedule:
     """Wrap a multiplier ``factor(step)`` as ``torch.optim.lr_scheduler.LambdaLR`` applies it.
@@ -78,7 +88,7 @@ def _lambda_lr(
 
     def schedule(step: SupportsIndex) -> float:
         # LambdaLR.get_lr computes `base_lr * lmbda(last_epoch)`; same operands, same order.
-        return lr * factor(_as_step(step))
+        return lr * factor(as_step(step))
 
     schedule.__name__ = name
     schedule.__qualname__ = name

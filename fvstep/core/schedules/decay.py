@@ -11,9 +11,9 @@ import math
 from fvstep.core._checks import check_int, check_learning_rate, check_real
 from fvstep.core.schedules.base import (
     Schedule,
-    _check_ratio,
-    _check_warmup_total,
-    _lambda_lr,
+    check_ratio,
+    check_warmup_total,
+    lambda_lr,
 )
 
 __all__ = [
@@ -79,8 +79,8 @@ def _warmup_cosine(
     name: str,
 ) -> Schedule:
     lr = check_learning_rate(lr)
-    warmup, total = _check_warmup_total(warmup_steps, total_steps)
-    floor = _check_ratio(min_ratio, "min_ratio")
+    warmup, total = check_warmup_total(warmup_steps, total_steps)
+    floor = check_ratio(min_ratio, "min_ratio")
     cycles = check_real(num_cycles, "num_cycles")
     if cycles <= 0.0:
         raise ValueError(f"num_cycles must be > 0, got {cycles}")
@@ -94,7 +94,7 @@ def _warmup_cosine(
         # ... rescaled to [min_ratio, 1]; for min_ratio == 0 this is `0.0 + 1.0 * c == c`.
         return floor + (1.0 - floor) * c
 
-    return _lambda_lr(lr, factor, name, total)
+    return lambda_lr(lr, factor, name, total)
 
 
 def cosine(
@@ -156,7 +156,7 @@ def warmup_cosine_restarts(
         [1.0, 0.5, 1.0, 0.5, 0.0]
     """
     lr = check_learning_rate(lr)
-    warmup, total = _check_warmup_total(warmup_steps, total_steps)
+    warmup, total = check_warmup_total(warmup_steps, total_steps)
     cycles = check_int(num_cycles, "num_cycles", minimum=1)
 
     def factor(step: int) -> float:
@@ -168,7 +168,7 @@ def warmup_cosine_restarts(
             return 0.0
         return max(0.0, 0.5 * (1.0 + math.cos(math.pi * ((float(cycles) * progress) % 1.0))))
 
-    return _lambda_lr(lr, factor, "warmup_cosine_restarts", total)
+    return lambda_lr(lr, factor, "warmup_cosine_restarts", total)
 
 
 def warmup_linear(
@@ -206,8 +206,8 @@ def _warmup_linear(
     lr: float, warmup_steps: int, total_steps: int, min_ratio: float, name: str
 ) -> Schedule:
     lr = check_learning_rate(lr)
-    warmup, total = _check_warmup_total(warmup_steps, total_steps)
-    f_min = _check_ratio(min_ratio, "min_ratio")
+    warmup, total = check_warmup_total(warmup_steps, total_steps)
+    f_min = check_ratio(min_ratio, "min_ratio")
     f_max = 1.0
 
     def factor(step: int) -> float:
@@ -217,7 +217,7 @@ def _warmup_linear(
         progress = float(total - step) / float(max(1, total - warmup))
         return f_min + (f_max - f_min) * max(0.0, progress)
 
-    return _lambda_lr(lr, factor, name, total)
+    return lambda_lr(lr, factor, name, total)
 
 
 def linear_decay(
@@ -287,7 +287,7 @@ def polynomial(
     lr_end = check_learning_rate(end_lr, "end_lr")
     if not lr_init > lr_end:
         raise ValueError(f"end_lr ({lr_end}) must be smaller than lr ({lr_init})")
-    warmup, total = _check_warmup_total(warmup_steps, total_steps)
+    warmup, total = check_warmup_total(warmup_steps, total_steps)
     if warmup == total:
         raise ValueError(
             f"warmup_steps ({warmup}) must be smaller than total_steps ({total}) "
@@ -310,4 +310,4 @@ def polynomial(
             decay = lr_range * pct_remaining**exponent + lr_end
             return decay / lr_init
 
-    return _lambda_lr(lr_init, factor, "polynomial", total)
+    return lambda_lr(lr_init, factor, "polynomial", total)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from fvstep.core._checks import check_int, check_learning_rate
-from fvstep.core.schedules.base import Schedule, _check_ratio, _lambda_lr
+from fvstep.core.schedules.base import Schedule, check_ratio, lambda_lr
 
 __all__ = ["constant", "constant_with_warmup"]
 
@@ -31,7 +31,7 @@ def constant(lr: float) -> Schedule:
     def factor(step: int) -> float:
         return 1.0
 
-    return _lambda_lr(lr, factor, "constant")
+    return lambda_lr(lr, factor, "constant")
 
 
 def constant_with_warmup(lr: float, *, warmup_steps: int, init_ratio: float = 0.0) -> Schedule:
@@ -68,7 +68,7 @@ def constant_with_warmup(lr: float, *, warmup_steps: int, init_ratio: float = 0.
     """
     lr = check_learning_rate(lr)
     warmup = check_int(warmup_steps, "warmup_steps")
-    init = _check_ratio(init_ratio, "init_ratio")
+    init = check_ratio(init_ratio, "init_ratio")
 
     def factor(step: int) -> float:
         if warmup == 0:
@@ -78,4 +78,4 @@ def constant_with_warmup(lr: float, *, warmup_steps: int, init_ratio: float = 0.
         # until warmup and 1.0 after: diffusers' get_constant_schedule_with_warmup.
         return init + (1.0 - init) * min(warmup, step) / warmup
 
-    return _lambda_lr(lr, factor, "constant_with_warmup")
+    return lambda_lr(lr, factor, "constant_with_warmup")

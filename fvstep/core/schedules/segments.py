@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import SupportsIndex
 
 from fvstep.core._checks import check_learning_rate
-from fvstep.core.schedules.base import Schedule, _as_step, _check_boundaries
+from fvstep.core.schedules.base import Schedule, as_step, check_boundaries
 
 __all__ = ["join", "piecewise_constant"]
 
@@ -44,11 +44,11 @@ def join(schedules: Sequence[Schedule], boundaries: Sequence[int]) -> Schedule:
     for i, s in enumerate(pieces):
         if not callable(s):
             raise TypeError(f"schedules[{i}] must be callable, got {type(s).__name__}")
-    bounds = _check_boundaries(boundaries, len(pieces), "schedules")
+    bounds = check_boundaries(boundaries, len(pieces), "schedules")
     offsets = (0, *bounds)
 
     def joined(step: SupportsIndex) -> float:
-        s = _as_step(step)
+        s = as_step(step)
         i = bisect.bisect_right(bounds, s)
         return pieces[i](s - offsets[i])
 
@@ -83,10 +83,10 @@ def piecewise_constant(values: Sequence[float], boundaries: Sequence[int]) -> Sc
     vals = tuple(check_learning_rate(v, f"values[{i}]") for i, v in enumerate(values))
     if not vals:
         raise ValueError("piecewise_constant needs at least one value")
-    bounds = _check_boundaries(boundaries, len(vals), "values")
+    bounds = check_boundaries(boundaries, len(vals), "values")
 
     def step_function(step: SupportsIndex) -> float:
-        return vals[bisect.bisect_right(bounds, _as_step(step))]
+        return vals[bisect.bisect_right(bounds, as_step(step))]
 
     step_function.__name__ = step_function.__qualname__ = "piecewise_constant"
     return step_function

@@ -35,6 +35,9 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # what type checkers see; at run time __getattr__ imports on first use
+    from fvstep.core.errors import (
+        ShardError as ShardError,
+    )
     from fvstep.executor.latents.clips import (
         find_clips as find_clips,
     )
@@ -44,9 +47,6 @@ if TYPE_CHECKING:  # what type checkers see; at run time __getattr__ imports on 
     )
     from fvstep.executor.latents.encode import (
         encode_clips as encode_clips,
-    )
-    from fvstep.executor.latents.format import (
-        ShardError as ShardError,
     )
     from fvstep.executor.latents.format import (
         ShardInfo as ShardInfo,
@@ -95,7 +95,7 @@ _WHERE = {
     "Order": "fvstep.executor.latents.loader",
     "read_index": "fvstep.executor.latents.index",
     "shard_name": "fvstep.executor.latents.format",
-    "ShardError": "fvstep.executor.latents.format",
+    "ShardError": "fvstep.core.errors",
     "ShardInfo": "fvstep.executor.latents.format",
     "WorkerSource": "fvstep.executor.latents.loader",
     "write_dataset": "fvstep.executor.latents.index",

@@ -19,15 +19,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 from fvstep.core._optional import needs_extra
+from fvstep.core.errors import UsageError
 
-__all__ = ["UsageError", "run_encode"]
+__all__ = ["run_encode"]
 
 Dtype = Literal["bfloat16", "float16", "float32"]
-
-
-class UsageError(ValueError):
-    """A user error of ``fvstep data``: the ``fvstep`` command prints it as one line and
-    exits 2."""
 
 
 def _user_error(message: str) -> Exception:

@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 
-from fvstep.executor.latents.format import Shapes, ShardError, ShardInfo, parse_dtype
+from fvstep.core.errors import ShardError
+from fvstep.executor.latents.format import Shapes, ShardInfo, parse_dtype
 from fvstep.executor.latents.index import read_index
 from fvstep.executor.latents.shards import open_shard
 

@@ -38,9 +38,10 @@ from typing import Any
 import torch
 
 from fvstep.core._checks import check_int
+from fvstep.core.errors import ShardError
 from fvstep.executor.latents.clips import Clip, find_clips, fit_frames, read_frames
 from fvstep.executor.latents.encode_identity import agree_on_settings, describe_encode
-from fvstep.executor.latents.format import INDEX_FILE, ShardError, ShardInfo, dtype_name, shard_name
+from fvstep.executor.latents.format import INDEX_FILE, ShardInfo, dtype_name, shard_name
 from fvstep.executor.latents.index import write_index
 from fvstep.executor.latents.shards import describe_shard, open_shard, write_shard
 

@@ -67,7 +67,6 @@ __all__ = [
     "INDEX_FILE",
     "VERSION",
     "Shapes",
-    "ShardError",
     "ShardInfo",
     "dtype_name",
     "parse_dtype",
@@ -81,11 +80,6 @@ INDEX_FILE = "index.json"
 
 # A row's shapes: {tensor field: shape}; a shard's: runs of equal shapes [(shapes, count)].
 Shapes = dict[str, tuple[int, ...]]
-
-
-class ShardError(Exception):
-    """A shard is missing, damaged, or does not match the index; the message names the file
-    and, where one is being read, the row (and, from a loader, the rank and step)."""
 
 
 def shard_name(index: int) -> str:

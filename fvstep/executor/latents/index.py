@@ -20,11 +20,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from fvstep.core.errors import ShardError
 from fvstep.executor.latents.format import (
     FORMAT,
     INDEX_FILE,
     VERSION,
-    ShardError,
     ShardInfo,
     shard_name,
     temporary_path,

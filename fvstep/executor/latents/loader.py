@@ -55,8 +55,8 @@ import torch
 from torch.utils.data import DataLoader, default_collate
 
 from fvstep.core._checks import check_int
+from fvstep.core.errors import ShardError
 from fvstep.executor.data import MapDataset
-from fvstep.executor.latents.format import ShardError
 from fvstep.executor.latents.workers import (
     StepCollate,
     StepIndices,

@@ -23,11 +23,11 @@ from typing import Any
 import torch
 
 from fvstep.core._optional import needs_extra
+from fvstep.core.errors import ShardError
 from fvstep.executor.latents.format import (
     FORMAT,
     VERSION,
     Shapes,
-    ShardError,
     ShardInfo,
     dtype_name,
     temporary_path,

@@ -43,8 +43,8 @@ from typing import Any, Protocol
 # must be registered first, so that ours runs first (see _stop_all_workers).
 from torch.utils.data import DataLoader
 
+from fvstep.core.errors import ShardError
 from fvstep.executor.data import MapDataset
-from fvstep.executor.latents.format import ShardError
 
 __all__ = [
     "StepCollate",

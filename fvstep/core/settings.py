@@ -1,9 +1,9 @@
-"""How a unit runs, as data: the execution policy, what a step's plan lists, the errors.
+"""How a unit runs, as data: its execution settings and what a step's plan lists.
 
 A unit's own ``clip``/``sanitize`` win; an enclosing ``compile`` (the innermost first)
 fills what a unit leaves unset, accumulation included; then the defaults (one
-micro-batch, no clipping, ``sanitize="error"``). :class:`Policy` is that merge, and
-:class:`PlanEntry` what ``plan(i)`` lists: one leaf of the step with its policy resolved.
+micro-batch, no clipping, ``sanitize="error"``). :class:`UnitSettings` is that merge, and
+:class:`PlanEntry` what ``plan(i)`` lists: one leaf of the step with its settings resolved.
 """
 
 from __future__ import annotations
@@ -14,13 +14,12 @@ from typing import Final
 import attrs
 
 from fvstep.core.accumulation import Accumulation
-from fvstep.core.grads import SANITIZE_POLICIES, ClipGradNorm, Sanitize
+from fvstep.core.grads import SANITIZE_MODES, ClipGradNorm, Sanitize
 
 __all__ = [
     "UNSET",
     "PlanEntry",
-    "Policy",
-    "StepFailedError",
+    "UnitSettings",
     "Unset",
     "check_clip",
     "check_sanitize",
@@ -52,48 +51,48 @@ def check_clip(clip: object) -> None:
 
 
 def check_sanitize(sanitize: object) -> None:
-    """Refuse an unknown non-finite policy.
+    """Refuse an unknown non-finite mode.
 
     Raises:
-        ValueError: Naming the policies there are.
+        ValueError: Naming the modes there are.
     """
-    if sanitize is not UNSET and sanitize not in SANITIZE_POLICIES:
-        raise ValueError(f"unknown sanitize policy {sanitize!r}; choose one of {SANITIZE_POLICIES}")
+    if sanitize is not UNSET and sanitize not in SANITIZE_MODES:
+        raise ValueError(f"unknown sanitize mode {sanitize!r}; choose one of {SANITIZE_MODES}")
 
 
 @attrs.frozen
-class Policy:
-    """How a unit runs: micro-batching and sync, clipping, the non-finite policy.
+class UnitSettings:
+    """How a unit runs: micro-batching and sync, clipping, the non-finite mode.
 
     A field left unset (``None`` for ``accumulation``, :data:`UNSET` for the others)
-    takes the enclosing setting: :meth:`over` merges a policy over an outer one, and
+    takes the enclosing setting: :meth:`over` merges these settings over outer ones, and
     :meth:`resolve` fills what is still unset with the defaults. The builders that take
-    these options (``update``, ``managed``, ``compile``) check them: a policy is merged
+    these options (``update``, ``managed``, ``compile``) check them: settings are merged
     on every call, and checked once.
 
     Examples:
-        >>> Policy(clip=None).over(Policy(Accumulation(4), sanitize="skip")).resolve()
-        Policy(accumulation=Accumulation(microbatches=4, ...), clip=None, sanitize='skip')
+        >>> UnitSettings(clip=None).over(UnitSettings(Accumulation(4), sanitize="skip")).resolve()
+        UnitSettings(accumulation=Accumulation(microbatches=4, ...), clip=None, sanitize='skip')
     """
 
     accumulation: Accumulation | None = None
     clip: ClipGradNorm | Unset | None = UNSET
     sanitize: Sanitize | Unset = UNSET
 
-    def over(self, outer: Policy) -> Policy:
-        """This policy, with its unset fields taken from ``outer``."""
-        return Policy(
+    def over(self, outer: UnitSettings) -> UnitSettings:
+        """These settings, with their unset fields taken from ``outer``."""
+        return UnitSettings(
             accumulation=outer.accumulation if self.accumulation is None else self.accumulation,
             clip=outer.clip if self.clip is UNSET else self.clip,
             sanitize=outer.sanitize if self.sanitize is UNSET else self.sanitize,
         )
 
-    def resolve(self) -> Policy:
-        """This policy over the defaults: every field set."""
-        return self.over(DEFAULT_POLICY)
+    def resolve(self) -> UnitSettings:
+        """These settings over the defaults: every field set."""
+        return self.over(DEFAULT_SETTINGS)
 
 
-DEFAULT_POLICY: Final = Policy(Accumulation(), None, "error")
+DEFAULT_SETTINGS: Final = UnitSettings(Accumulation(), None, "error")
 """One micro-batch (``sync="every"``), no clipping, ``sanitize="error"``."""
 
 
@@ -108,7 +107,7 @@ class PlanEntry:
         roles: The roles whose optimizers step.
         managed: Whether it runs its own inner loop.
         clip: The resolved clipping (``None``: none).
-        sanitize: The resolved non-finite policy.
+        sanitize: The resolved non-finite mode.
         mutates: Frozen roles it changes in place (managed steps only).
         accumulation: The resolved micro-batching (for a managed step, that of its inner
             updates unless they pass their own).
@@ -122,14 +121,3 @@ class PlanEntry:
     sanitize: Sanitize
     mutates: tuple[str, ...] = ()
     accumulation: Accumulation = attrs.Factory(Accumulation)
-
-
-class StepFailedError(RuntimeError):
-    """A step raised after it had changed some leaves of its input state in place.
-
-    The input state is consumed and partly updated (the units named in the message had
-    already changed it), so training cannot continue from it: reload the last checkpoint
-    (``fvstep.checkpoint.load(fvstep.checkpoint.latest(dir), like=...)``). The error
-    that stopped the step is ``__cause__``. A step that fails *before* changing a leaf
-    raises that error itself and leaves its input usable.
-    """

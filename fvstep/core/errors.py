@@ -1,0 +1,226 @@
+"""Every exception fvstep raises on purpose, in one module (the lowest layer: any may import it).
+
+Each is re-exported where its users find it: ``fvstep.StepFailedError``,
+``fvstep.checkpoint.CheckpointError``, ``fvstep.parallel.CompiledGradientError``, ... (the
+class objects are these, so ``isinstance`` and pickling do not depend on the path).
+
+- The core: :class:`ConsumedStateError`, :class:`NonFiniteGradientError`,
+  :class:`StepFailedError`, :class:`MissingExtraError`.
+- The parallel layer: :class:`CompiledGradientError`.
+- Checkpoints: :class:`CheckpointError` and its :class:`NewerFormatError`,
+  :class:`DamagedCheckpointError`, :class:`CheckpointLockedError`.
+- The executor: :class:`Interrupted`, :class:`ShardError`, :class:`UsageError`,
+  :class:`SimulatedCrash` (``fvstep.testing``).
+- The applications: :class:`ConfigChangeError` (``fvstep.recipes``), :class:`CLIError`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from fvstep.core.state import TrainState
+
+__all__ = [
+    "CLIError",
+    "CheckpointError",
+    "CheckpointLockedError",
+    "CompiledGradientError",
+    "ConfigChangeError",
+    "ConsumedStateError",
+    "DamagedCheckpointError",
+    "Interrupted",
+    "MissingExtraError",
+    "NewerFormatError",
+    "NonFiniteGradientError",
+    "ShardError",
+    "SimulatedCrash",
+    "StepFailedError",
+    "UsageError",
+]
+
+
+class ConsumedStateError(RuntimeError):
+    """A consumed (donated) state was used after a step took it: raised by the step, or
+    by any use of the state, that finds it consumed."""
+
+
+def _rebuild_error(cls: type, args: tuple, details: dict) -> NonFiniteGradientError:
+    """Rebuild an unpickled error with its attributes (``NonFiniteGradientError.__reduce__``)."""
+    return cls(*args, **details)
+
+
+class NonFiniteGradientError(FloatingPointError):
+    """A unit's loss or gradient was NaN or infinite under ``sanitize="error"``.
+
+    Raised after the last micro-batch's backward and before the unit changes any leaf
+    (no optimizer step, no EMA, no clipping). On several ranks every rank raises: the
+    decision comes from the global gradient norm (and every rank's losses).
+
+    Attributes:
+        step: The step counter of the state the unit ran on.
+        unit: The unit's name.
+        role: The role whose loss or gradient is not finite (``None`` when it is so on
+            another rank only).
+        parameter: The first parameter of ``role`` with a non-finite gradient entry on
+            this rank, or ``None`` (a loss, or another rank's shard).
+        microbatch: The micro-batch of a non-finite loss, else ``None``.
+        kind: ``"NaN"``, ``"Inf"``, or ``None`` when not known on this rank.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        step: int | None = None,
+        unit: str | None = None,
+        role: str | None = None,
+        parameter: str | None = None,
+        microbatch: int | None = None,
+        kind: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.step = step
+        self.unit = unit
+        self.role = role
+        self.parameter = parameter
+        self.microbatch = microbatch
+        self.kind = kind
+
+    def __reduce__(self) -> tuple:
+        # Keep the attributes when the error crosses a process boundary (pickled).
+        details = {
+            "step": self.step,
+            "unit": self.unit,
+            "role": self.role,
+            "parameter": self.parameter,
+            "microbatch": self.microbatch,
+            "kind": self.kind,
+        }
+        return (_rebuild_error, (type(self), self.args, details))
+
+
+class StepFailedError(RuntimeError):
+    """A step raised after it had changed some leaves of its input state in place.
+
+    The input state is consumed and partly updated (the units named in the message had
+    already changed it), so training cannot continue from it: reload the last checkpoint
+    (``fvstep.checkpoint.load(fvstep.checkpoint.latest(dir), like=...)``). The error
+    that stopped the step is ``__cause__``. A step that fails *before* changing a leaf
+    raises that error itself and leaves its input usable.
+    """
+
+
+class MissingExtraError(ModuleNotFoundError):
+    """An optional package is not installed; the message names the extra to install.
+    Raised by ``needs_extra`` blocks around the optional imports."""
+
+
+class CompiledGradientError(ValueError):
+    """A compiled block's gradients differ from its eager ones beyond the threshold.
+
+    Attributes:
+        report: The failing block's ``fvstep.parallel.CompiledGradientReport`` (``None`` on
+            a rank whose own comparison passed while another rank's failed).
+
+    Raised by ``prepare(..., verify_compile=...)`` and ``fvstep.testing.check_compiled_gradients``.
+    """
+
+    def __init__(self, message: str, report: Any = None) -> None:
+        super().__init__(message)
+        self.report = report
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, incomplete, corrupt or does not fit the state: raised by
+    ``fvstep.checkpoint.load`` and the functions that find or write checkpoints."""
+
+
+class NewerFormatError(CheckpointError):
+    """A complete checkpoint written by a newer fvstep format than this one reads (raised on
+    reading its manifest)."""
+
+
+class DamagedCheckpointError(CheckpointError):
+    """A checkpoint's files are damaged: a manifest that is missing, unreadable or malformed,
+    a shard that is missing or truncated, or content that does not match its checksums.
+
+    Unlike a checkpoint that does not fit the state (the state changed) or one of a newer
+    format (fvstep is too old), an older checkpoint of the same run may still be good:
+    :func:`fvstep.run` skips damaged ones (see ``Checkpoints.on_damaged``).
+    """
+
+
+class CheckpointLockedError(CheckpointError):
+    """The directory of checkpoints is locked by another run: raised by
+    ``fvstep.checkpoint.lock_dir`` (and so by ``fvstep.run``)."""
+
+
+class Interrupted(Exception):
+    """:func:`run` was stopped by a signal before ``num_steps``, after saving its state.
+
+    Raised after the state was saved and the lock of the run's folder released, so that
+    the same command run again resumes from :attr:`checkpoint`.
+
+    Attributes:
+        signal: ``"SIGTERM"`` or ``"SIGINT"`` (a first Ctrl-C).
+        step: The step the state reached (and was saved at).
+        num_steps: The step the run was asked to reach.
+        checkpoint: The checkpoint that holds the state (``None`` without checkpoints).
+        state: The state at ``step``.
+
+    Examples:
+        >>> try:
+        ...     state = fs.run(step_fn, state, source, num_steps=1000,
+        ...                    checkpoints=fs.Checkpoints("ckpt", every=100))
+        ... except fs.Interrupted as e:  # preempted: the job scheduler will restart us
+        ...     sys.exit(143)
+    """
+
+    def __init__(
+        self,
+        signal: str,
+        step: int,
+        num_steps: int,
+        checkpoint: Path | None,
+        state: TrainState | None = None,
+    ) -> None:
+        where = f"saved {str(checkpoint)!r}" if checkpoint is not None else "nothing saved"
+        super().__init__(
+            f"stopped by {signal} at step {step} of {num_steps}; {where}: run the same "
+            "command again to resume"
+        )
+        self.signal = signal
+        self.step = step
+        self.num_steps = num_steps
+        self.checkpoint = checkpoint
+        self.state = state
+
+    def __reduce__(self) -> Any:  # picklable (a launched rank hands it to its launcher)
+        return (type(self), (self.signal, self.step, self.num_steps, self.checkpoint))
+
+
+class ShardError(Exception):
+    """A shard is missing, damaged, or does not match the index; the message names the file
+    and, where one is being read, the row (and, from a loader, the rank and step)."""
+
+
+class UsageError(ValueError):
+    """A user error of ``fvstep data``: the ``fvstep`` command prints it as one line and
+    exits 2."""
+
+
+class SimulatedCrash(RuntimeError):
+    """Raised by the data of an interrupted run of ``fvstep.testing``, at the step where it
+    'crashes'."""
+
+
+class ConfigChangeError(ValueError):
+    """A resumed run was given options that alter the math of the run it continues: raised
+    by ``fvstep train`` when it resumes."""
+
+
+class CLIError(Exception):
+    """A user error of the ``fvstep`` command: printed as one line, exit code 2."""
