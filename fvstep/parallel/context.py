@@ -351,8 +351,8 @@ def apply_context_parallel(
     heads = getattr(getattr(module, "config", None), "num_attention_heads", None)
     if mode == "ulysses" and heads is not None and heads % degree:
         raise ValueError(
-            f"Ulysses context parallel splits the {heads} attention heads over "
-            f"{degree} ranks: use a degree dividing {heads}, or mode='ring'"
+            f"Ulysses context parallel splits the {heads} attention heads over {degree} ranks: "
+            f"the heads must divide by the degree; use a degree dividing {heads}, or mode='ring'"
         )
     _check_backends(module, mode)
     _check_plan_signatures(module, plan)

@@ -75,5 +75,5 @@ def _check_plan_signatures(module: nn.Module, plan: dict[str, Any]) -> None:
             if isinstance(key, str) and splits_input and key not in params:
                 raise ValueError(
                     f"submodule {name or '<root>'!r} ({type(sub).__name__}) takes no argument {key!r} that the plan "
-                    "splits: apply context parallel before wrapping blocks. See docs/concepts/context-parallel.md"
+                    "splits: apply context parallel before wrapping blocks in modules (docs/concepts/context-parallel.md)"
                 )

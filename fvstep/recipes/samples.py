@@ -84,7 +84,7 @@ def check_samples(options: Any) -> None:
     if _vae_folder(options) is None:
         raise ValueError(
             f"validation.sample_every {v.sample_every} needs a VAE, and model.path ({options.model.path!r}) "
-            "has no vae/: give a diffusers pipeline folder, or --validation.sample_every 0"
+            "is no pipeline folder with a vae/: give one, or --validation.sample_every 0"
         )
     if v.sample_weights == "ema" and getattr(options.optim, "ema", None) is None:
         raise ValueError(
