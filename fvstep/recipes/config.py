@@ -269,8 +269,8 @@ def _check_world_size(saved: dict[str, Any], new: dict[str, Any]) -> None:
         )
     if before != after:
         raise ConfigChangeError(
-            f"world size: the run being resumed was trained on {_ranks(before)} and is resumed on "
-            f"{_ranks(after)}: resume with --nproc {before}, or start a new run (another run.out; init_from)"
+            f"world size: the run being resumed was trained on {_ranks(before)} (--nproc {before}) and is "
+            f"resumed on {_ranks(after)} (--nproc {after}): resume with --nproc {before}, or start a new run"
         )
 
 

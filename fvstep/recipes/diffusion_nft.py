@@ -120,7 +120,7 @@ def _reward(options: DiffusionNFTOptions, device: torch.device) -> RewardFn:
     path = options.model.path
     if path is None or not (Path(path) / "vae" / "config.json").is_file():
         raise ValueError(
-            f"reward 'colorfulness' needs a VAE: model.path ({path!r}) must be a pipeline folder "
+            f"reward 'colorfulness' decodes videos and needs a VAE: model.path ({path!r}) must be a pipeline folder "
             "with a vae/ (save_tiny_pipeline writes a tiny one), or choose --reward latent_mse"
         )
     import diffusers
