@@ -122,10 +122,8 @@ def resume(
     if complete and complete[-1][0] > num_steps:
         newest = complete[-1][0]
         raise ValueError(
-            f"the newest checkpoint under {str(root)!r} is at step {newest}, past "
-            f"num_steps={num_steps}: resuming would return it without running a step. "
-            f"num_steps is the step to reach (not a number of steps to add): pass "
-            f"num_steps >= {newest}, or use another checkpoint directory for a new run"
+            f"the newest checkpoint under {str(root)!r} is at step {newest}, past num_steps={num_steps} "
+            f"(the step to reach, not a count to add): pass num_steps >= {newest}, or another directory"
         )
     skipped: list[tuple[Path, DamagedCheckpointError]] = []
     for _, path in reversed(candidates):
@@ -140,9 +138,9 @@ def resume(
         return loaded, path
     if skipped:
         raise CheckpointError(
-            f"no checkpoint under {str(root)!r} can be loaded; every one is damaged: "
+            f"no checkpoint under {str(root)!r} can be loaded, every one is damaged: "
             + "; ".join(f"{p.name}: {e}" for p, e in skipped)
-            + ". Move them away to start the run afresh"
+            + ". Move them away to start afresh"
         )
     return state, None
 

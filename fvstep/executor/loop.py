@@ -309,8 +309,7 @@ def run_until(
         if int(state.step) > num_steps:
             raise ValueError(
                 f"the state is at step {int(state.step)}, past num_steps={num_steps}: "
-                "run counts steps from 0, so num_steps is the step to reach, not a number "
-                "of steps to add"
+                "num_steps is the step to reach (counted from 0), not a number of steps to add"
             )
         check_schedule_lengths(step, state, num_steps=num_steps)
         if parallelism is None:

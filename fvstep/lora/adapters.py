@@ -183,9 +183,8 @@ class LoRAModule(nn.Module):
         """
         if "_fvstep_bound" in self.__dict__ and "_fvstep_bound" not in self.base.__dict__:
             raise ValueError(
-                f"the LoRA adapter {self.adapter!r} is a role of a TrainState, but its base "
-                "is not: add the base as a frozen role, e.g. "
-                "fvstep.Role(base, save_frozen=False) (the teacher of DMD2, or 'base')"
+                f"the LoRA adapter {self.adapter!r} is a role of a TrainState, but its base is not: add the "
+                "base as a frozen role, e.g. fvstep.Role(base, save_frozen=False). See docs/concepts/lora.md"
             )
         with self.active() as base:
             return base(*args, **kwargs)

@@ -49,9 +49,8 @@ def _lora_module(state: TrainState, role: str) -> LoRAModule:
     module = state.roles[role].role.module
     if not isinstance(module, LoRAModule):
         raise ValueError(
-            f"role {role!r} holds a {type(module).__name__}, not a fvstep.lora.LoRAModule "
-            "(made by fvstep.lora.add_adapters): it has no adapter to write; write its "
-            "weights as a diffusers model (format='diffusers'; fvstep export --format model)"
+            f"role {role!r} holds a {type(module).__name__}, not a fvstep.lora.LoRAModule: it has no "
+            "adapter to write; export its weights with format='diffusers' (fvstep export --format model)"
         )
     return module
 

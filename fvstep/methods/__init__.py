@@ -1,26 +1,12 @@
 """Reference training methods, written against fvstep's public API.
 
 Every method calls its roles' modules through the forward contract of
-:mod:`fvstep.methods.models` (``module(hidden_states=x, timestep=1000 t,
-encoder_hidden_states=text, return_dict=False)[0]`` is the flow-matching velocity), so
-any ``nn.Module`` with that signature works, not only ``diffusers`` models.
-
-- :func:`finetune` / :func:`flow_matching_loss`: flow-matching fine-tuning (one role).
-- :func:`dmd2` / :func:`dmd2_losses`: DMD2 distillation (student, teacher, critic).
-- :func:`rl` / :func:`rl_inner_loss`: an RL-style managed step (student, old, reference).
-- :func:`diffusion_nft`: DiffusionNFT (policy, old, optional reference).
-- Shared by the RL methods: rewards in :mod:`fvstep.methods.rewards`, the old policy's
-  rollout and soft update in :mod:`fvstep.methods.old_policy`.
-- :func:`make_causal` / :func:`causal_forward`: a block-causal Wan with a KV cache
-  (:class:`KVCache`, :func:`init_cache`).
-- :func:`self_forcing`: self-forcing over a causal student (student, teacher, critic).
-- :func:`streaming` / :func:`init_stream`: a self-forcing stream across steps, its state
-  (:class:`StreamState`) in ``TrainState.extra``.
-
-Examples:
-    >>> from fvstep.methods import dmd2
-    >>> step = fvstep.compile(dmd2(generator_update_interval=5),
-    ...                       accumulation=fvstep.Accumulation(microbatches=2))
+:mod:`fvstep.methods.models`, so any ``nn.Module`` with that signature works, not only
+``diffusers`` models. Methods: :func:`finetune`, :func:`dmd2`, :func:`rl`,
+:func:`diffusion_nft`, :func:`self_forcing` and :func:`streaming` (over
+:func:`make_causal`'s causal Wan); the RL methods share :mod:`fvstep.methods.rewards` and
+:mod:`fvstep.methods.old_policy`. Each has its page under ``docs/methods/`` or
+``docs/concepts/composition.md``.
 """
 
 from fvstep.methods.causal_wan import KVCache, causal_forward, init_cache, make_causal

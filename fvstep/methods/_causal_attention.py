@@ -110,10 +110,8 @@ def rope_check(module: Any, args: tuple[Any, ...]) -> None:
     if total > module.max_seq_len:
         capacity = call.cache.capacity_frames if call.cache is not None else 0
         raise ValueError(
-            f"the causal Wan attends over {total} latent frames (cached "
-            f"{call.cached_frames} + {frames}, cache capacity {capacity}), more than its "
-            f"rotary table (rope_max_seq_len={module.max_seq_len}); use a rolling cache "
-            "(sink_frames and a smaller capacity_frames) or a model with a longer table"
+            f"the causal Wan attends over {total} latent frames (cached {call.cached_frames} + {frames}, capacity "
+            f"{capacity}), past its rotary table ({module.max_seq_len}): use sink_frames and a smaller capacity_frames"
         )
 
 
@@ -193,10 +191,8 @@ class CausalWanAttnProcessor:
     def _parallel_config(self, value: Any) -> None:
         if value is not None:
             raise ValueError(
-                "context parallel is not supported by the causal Wan (fvstep.methods."
-                "causal_wan): its plan splits the rotary embedding that the causal model "
-                "extends over the KV cache, and shards the sequence a cache follows; prepare "
-                "the causal role without context_mesh"
+                "context parallel is not supported by the causal Wan (its rotary embedding and "
+                "KV cache follow the whole sequence): prepare the causal role without context_mesh"
             )
 
     def __call__(

@@ -158,10 +158,8 @@ def check_bidirectional(state: Any, roles: Iterable[str], *, method: str) -> Non
             continue  # a missing role is the engine's error, or the loss's
         if _computes_causally(state.module(role)):
             raise ValueError(
-                f"{method} needs a bidirectional {role!r}: its module is causal (made by "
-                "make_causal, or a copy.deepcopy of the causal student), so it would score "
-                "each chunk without the frames after it. Give it a model that was never "
-                "made causal (e.g. a fresh copy of the base model)"
+                f"{method} needs a bidirectional {role!r}, and its module is causal (make_causal, or a copy "
+                "of the causal student): give it a model never made causal, e.g. a fresh copy of the base"
             )
 
 
@@ -192,9 +190,8 @@ def check_cache_fits(student: nn.Module, cache: Any, *, what: str = "the cache")
     for label, want, have in zip(("layers", "heads", "head_dim"), expected, got, strict=True):
         if isinstance(want, int) and want != have:
             raise ValueError(
-                f"{what} has {have} {label} and the student {want} (cache layers, heads, "
-                f"head_dim {got}; the student's {expected}): it was made for another "
-                "model; build it with init_cache (or init_stream) from this student"
+                f"{what} has {have} {label} and the student {want} (layers, heads, head_dim {got}; the "
+                f"student's {expected}): build it with init_cache (or init_stream) from this student"
             )
 
 
@@ -259,24 +256,21 @@ def _check_shapes(
     channels, text_dim = config.get("in_channels"), config.get("text_dim")
     if isinstance(channels, int) and x.shape[1] != channels:
         raise ValueError(
-            f"batch[{video!r}] has {x.shape[1]} channels, shape {tuple(x.shape)}; role "
-            f"{role!r}'s module expects in_channels={channels}: (B, {channels}, F, H, W). "
-            "Were the latents encoded with another VAE?"
+            f"batch[{video!r}] has {x.shape[1]} channels, shape {tuple(x.shape)}; role {role!r} expects "
+            f"in_channels={channels}: (B, {channels}, F, H, W). Were the latents encoded with another VAE?"
         )
     if isinstance(text_dim, int) and emb.shape[-1] != text_dim:
         raise ValueError(
-            f"batch[{text!r}] has width {emb.shape[-1]}, shape {tuple(emb.shape)}; role "
-            f"{role!r}'s module expects text_dim={text_dim}: (B, L, {text_dim}). "
-            "Were the captions encoded with another text encoder?"
+            f"batch[{text!r}] has width {emb.shape[-1]}, shape {tuple(emb.shape)}; role {role!r} expects "
+            f"text_dim={text_dim}: (B, L, {text_dim}). Were the captions encoded with another text encoder?"
         )
     patch = config.get("patch_size")
     if isinstance(patch, Sequence) and len(patch) == 3:
         sizes = tuple(x.shape[2:])
         if any(int(p) > 0 and s % int(p) for s, p in zip(sizes, patch)):
             raise ValueError(
-                f"batch[{video!r}] has (frames, height, width) = {sizes}, which role "
-                f"{role!r}'s patch_size {tuple(patch)} does not divide: each must be a "
-                "multiple of its patch size"
+                f"batch[{video!r}] has (frames, height, width) = {sizes}, which role {role!r}'s "
+                f"patch_size {tuple(patch)} does not divide: make each a multiple of its patch size"
             )
 
 

@@ -1,56 +1,12 @@
 """A causal Wan: block-causal self-attention over chunks of latent frames, with a KV cache.
 
-:func:`make_causal` turns a diffusers ``WanTransformer3DModel`` into an autoregressive
-(frame-causal) model *in place*, through the model's attention-processor machinery: each
-block's self-attention gets a :class:`CausalWanAttnProcessor` and the rotary embedding a
-forward hook. No parameter is added, renamed or removed, so a bidirectional Wan checkpoint
-(a ``state_dict`` or a diffusers model directory) loads into the causal model and back.
-
-The latent frames are grouped in chunks of ``chunk_frames`` (3, as Self-Forcing trains
-Wan2.1-1.3B). A token of chunk ``i`` attends to every token of chunks ``<= i``:
-
-- **Teacher forcing.** A plain call (``model(hidden_states=x, ...)``, e.g. through
-  :func:`fvstep.methods.models.predict`) runs the whole sequence in one forward, block-causal:
-  each chunk's queries attend in one call to the keys up to their chunk's end (no
-  tokens x tokens mask).
-- **Cached rollout.** :func:`causal_forward` with a :class:`KVCache` runs frames that
-  follow the cached ones: their queries attend to the cached keys and values and,
-  block-causally, to their own. ``update_cache=True`` returns the cache with their keys
-  and values appended. Running the chunks one by one with the cache gives the frames of the
-  teacher-forcing forward (fp32: within ~1e-5; ``tests/test_causal_wan.py``).
-
-The cache is a value: a frozen pytree (:class:`KVCache`) that is passed in and returned,
-never held by a module between calls (a call's inputs reach the processors through a
-context that exists only during the call; activation checkpointing's recomputation gets
-them as the blocks' saved ``rotary_emb`` argument). Its buffers have a fixed capacity
-(``capacity_frames``), so that a cache kept in ``TrainState.extra`` has the same shapes at
-every step (a checkpoint loads into it). It holds keys *before* the rotary embedding:
-positions are given at attention time, by slot (cached frames ``0 .. m-1``, then the new
-ones), so a rolling cache (a window of the latest frames after ``sink_frames`` kept
-forever, an attention sink) never runs past the rotary table. Without eviction the slot
-is the frame's position in the video, as in teacher forcing. The cache has no gradient.
-
-Compiled blocks (``prepare(..., compile=...)``) see the same shapes and constants at every
-chunk of a rollout and at every layer, so the graphs do not grow with the video: a cached
-call attends over the cache's full capacity, its empty slots masked (so its attention
-costs the full capacity and, masked, does not use the flash kernel), and each block reads
-its layer of the cache through a tensor index.
-
-Preparation: call :func:`make_causal` before :func:`fvstep.parallel.prepare`
-(checkpointing, compile and FSDP2 work on the causal model). Context parallel is refused:
-its plan splits the rotary embedding this model extends and shards the sequence a cache
-follows (``ValueError`` from :func:`fvstep.parallel.apply_context_parallel`).
-
-Examples:
-    >>> model = make_causal(tiny_wan(), chunk_frames=1)
-    >>> x = torch.randn(1, 4, 2, 4, 4); text = torch.randn(1, 3, 16)
-    >>> t = torch.zeros(1, 2)
-    >>> whole, _ = causal_forward(model, x, t, text)             # teacher forcing
-    >>> cache = init_cache(model, x, capacity_frames=2)
-    >>> first, cache = causal_forward(model, x[:, :, :1], t[:, :1], text,
-    ...                               cache=cache, update_cache=True)
-    >>> second, cache = causal_forward(model, x[:, :, 1:], t[:, 1:], text, cache=cache)
-    >>> torch.testing.assert_close(torch.cat([first, second], 2), whole, rtol=0, atol=1e-5)
+:func:`make_causal` turns a diffusers ``WanTransformer3DModel`` into a frame-causal model
+*in place* (attention processors and a rotary hook; no parameter added or renamed, so a
+bidirectional checkpoint loads into it and back). A plain call is teacher forcing;
+:func:`causal_forward` with a :class:`KVCache` (a value, passed in and returned, of fixed
+capacity, keys before the rotary embedding) runs the frames after the cached ones, within
+~1e-5 of teacher forcing in fp32. Call it before :func:`fvstep.parallel.prepare`; context
+parallel is refused. The design, compiled blocks and the cache: ``docs/methods/self_forcing.md``.
 """
 
 from __future__ import annotations

@@ -1,47 +1,11 @@
 """DMD2 distillation: a few-step student, a frozen teacher and a trained critic ("fake score").
 
-Roles: ``student`` (trained), ``teacher`` (frozen), ``critic`` (trained). Each micro-batch:
-
-- **Student rollout.** From pure noise ``x`` (shaped like ``batch["latents"]``) at
-  ``t = denoising_steps[0]`` (1.0), a target step index ``j`` is drawn uniformly from the
-  ``denoising_steps`` list (:func:`target_step`: one per step, the same on every rank and
-  micro-batch); the student denoises without gradient through the steps before
-  ``j`` (``x0 = x - t v``, re-noised to the next step with fresh noise), then once more at
-  step ``j``: ``x0_hat = x - t_j * v_student(x, t_j)`` (with gradient for the generator).
-- **Score timestep.** ``t ~ U[0, 1)``, shifted ``t' = shift t / (1 + (shift - 1) t)`` and
-  clamped to ``[min_ratio, max_ratio]``; fresh noise ``eps`` for each score evaluation;
-  ``x_t = (1 - t') x0_hat + t' eps``.
-- **Critic loss** ``mean((v_critic(x_t, t') - (eps - x0_hat))^2)`` on a no-grad rollout.
-- **Generator loss** ``0.5 * MSE(x0_hat, sg(x0_hat - g))`` with
-  ``g = nan_to_num((x0_critic - x0_teacher_cfg) / mean|x0_hat - x0_teacher_cfg|)``, where
-  ``x0 = x_t - t' v`` and the teacher's velocity is classifier-free guided on a null
-  (all-zeros) text: ``v_cfg = v_uncond + s (v_cond - v_uncond)``; the mean is each
-  sample's own, as in the DMD2 and Self-Forcing code (a sample's gradient does not depend
-  on the other samples of its micro-batch). Critic and teacher run under ``no_grad``.
-
-The target step ``j`` decides how many student forwards a micro-batch runs, so it comes
-from the *shared* key ``fold_in(fold_in_name(state.key, "dmd2_target"), state.step)``
-(:func:`target_step`): on FSDP2 ranks every rank runs the same forwards, and their
-all-gathers pair (a per-rank draw ran different numbers of forwards and hung the ranks).
-Every other random draw comes from a generator made from a split of the loss function's
-(per-rank, per-micro-batch) key:
-``split(key, 5) = (rollout, generator_t, generator_noise, critic_t, critic_noise)``, and
-the rollout key splits into (noise, unused, re-noise). So :func:`dmd2_losses`'s
-``fused_loss`` on a state and key gives exactly ``generator_loss`` and ``critic_loss`` on
-them.
-
-The reference's schedule: the critic steps every iteration, the student only when
-``i % generator_update_interval == 0`` (:func:`dmd2`).
-
-Examples:
-    >>> state = fvstep.TrainState.create(roles={
-    ...     "student": fvstep.Role(student, optimizer=fvstep.optim.adamw(lr=1e-5)),
-    ...     "teacher": fvstep.Role(teacher),
-    ...     "critic": fvstep.Role(critic, optimizer=fvstep.optim.adamw(lr=1e-5)),
-    ... }, key=fvstep.random.key(0))
-    >>> step = fvstep.compile(dmd2(generator_update_interval=5, guidance_scale=3.5))
-    >>> [e.roles for e in fvstep.plan(step, 0)], [e.roles for e in fvstep.plan(step, 1)]
-    ([('student', 'critic')], [('critic',)])
+Roles: ``student`` (trained), ``teacher`` (frozen), ``critic`` (trained). The student
+rolls out to a target step drawn from the *shared* key (:func:`target_step`: every rank
+runs the same forwards, so FSDP2's all-gathers pair); the critic learns the student's
+score, the student follows the teacher's guided score minus the critic's. The critic steps
+every step, the student every ``generator_update_interval`` (:func:`dmd2`). The losses and
+draw rules: ``docs/methods/dmd2.md``.
 """
 
 from __future__ import annotations

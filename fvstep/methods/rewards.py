@@ -105,9 +105,8 @@ def check_rewards(rewards: object, num_samples: int, *, what: str = "reward_fn")
         )
     if rewards.requires_grad:
         raise ValueError(
-            f"{what} returned rewards that require grad: a reward is a constant of the "
-            "loss (the methods run it under torch.no_grad()); compute it without gradient "
-            "(torch.no_grad(), or .detach() what it returns)"
+            f"{what} returned rewards that require grad: a reward is a constant of "
+            "the loss; compute it under torch.no_grad(), or .detach() what it returns"
         )
     return rewards.detach()
 

@@ -1,55 +1,13 @@
 """Self-forcing: a causal student rolls out its own video chunk by chunk, trained by DMD.
 
-Huang et al. 2025, "Self Forcing: Bridging the Train-Test Gap in Autoregressive Video
-Diffusion" (arXiv 2506.08009). Roles: ``student`` (a causal Wan,
+Huang et al. 2025 (arXiv 2506.08009). Roles: ``student`` (a causal Wan,
 :func:`fvstep.methods.causal_wan.make_causal`; trained), ``teacher`` (bidirectional,
-frozen), ``critic`` (bidirectional, trained: the "fake score").
-
-**Rollout** (:func:`fvstep.methods.causal_rollout.rollout`). The video of ``F`` latent frames (``batch["latents"]``'s
-shape) is generated in chunks of the student's ``chunk_frames``. For chunk ``c``, from
-noise ``x = eps_c`` at ``t_0 = 1``, the few-step schedule ``t_0 > t_1 > ... > t_{S-1}``
-runs up to the chunk's exit step ``j_c``::
-
-    x0 = x - t_i v_student(x, t_i | cache)         i = 0 .. j_c   (no gradient for i < j_c)
-    x  = (1 - t_{i+1}) x0 + t_{i+1} eps_{c,i}       i < j_c         (re-noised)
-
-The exit-step output ``x0_hat_c`` is the chunk (its gradient follows the caller's grad
-mode: the only gradient path of the chunk). The student's unit rolls out without
-gradient and then recomputes each chunk's exit step with gradient
-(:func:`~fvstep.methods.causal_rollout.regenerate`, the same inputs and cache, so the same
-frames): one more chunk forward per chunk, and the backward holds one cache (each chunk
-reads its prefix of the final one) instead of one per chunk. The cache for the next chunk is computed from
-the generated clean chunk: one forward of ``sg(x0_hat_c)`` (re-noised to
-``context_time``, 0 by default) at timestep ``context_time`` that appends its keys and
-values, without gradient. The cache never carries gradient.
-
-**DMD loss** on the generated video ``x0_hat = [x0_hat_0, ..., x0_hat_{C-1}]`` (the
-formulas of :mod:`fvstep.methods.dmd2`, against the bidirectional teacher and critic):
-score time ``t' = clamp(shift t / (1 + (shift - 1) t), min_ratio, max_ratio)``,
-``x_t = (1 - t') x0_hat + t' eps``,
-``g = nan_to_num((x0_critic - x0_teacher_cfg) / mean_s|x0_hat - x0_teacher_cfg|)``
-(``mean_s``: each sample's own mean), generator loss ``0.5 MSE(x0_hat, sg(x0_hat - g))``;
-critic loss
-``mean((v_critic(x_t, t') - (eps - sg(x0_hat)))^2)``.
-
-**Draw rules.** The exit steps ``j_c`` are drawn from the *shared* key
-``fold_in(fold_in_name(state.key, "self_forcing_exit"), step)``: the same on every rank
-and micro-batch of a step (the authors draw them on rank 0 and broadcast them; a key
-needs no collective). Everything else is per rank and micro-batch, from the unit's key
-(the engine's ``fold_in(fold_in_name(fold_in(fold_in(key, step), rank), name), m)``):
-``split(key, 3) = (rollout, generator, critic)``, the last two each split into
-``(score time, noise)``; chunk ``c`` of the rollout draws from ``split(fold_in(rollout, c), 3) = (noise, re-noise,
-context noise)``, step ``i``'s re-noising from ``fold_in(re-noise, i)``. So a resumed run
-draws what the uninterrupted one drew: the state's key and step are all it needs.
-
-Schedule: the critic trains every step; student and critic train together (one rollout)
-every ``generator_update_interval`` steps (:func:`self_forcing`).
-
-Examples:
-    >>> student = make_causal(tiny_wan(seed=0), chunk_frames=1)
-    >>> step = fvstep.compile(self_forcing(generator_update_interval=2))
-    >>> [e.roles for e in fvstep.plan(step, 0)], [e.roles for e in fvstep.plan(step, 1)]
-    ([('student', 'critic')], [('critic',)])
+frozen), ``critic`` (bidirectional, trained). The rollout is
+:func:`fvstep.methods.causal_rollout.rollout`, the losses those of
+:mod:`fvstep.methods.dmd2`; the exit steps come from the shared key
+(:func:`~fvstep.methods.causal_rollout.exit_steps`), every other draw from the unit's key:
+``split(key, 3) = (rollout, generator, critic)``. The rollout, the formulas and the draw
+rules: ``docs/methods/self_forcing.md``.
 """
 
 from __future__ import annotations

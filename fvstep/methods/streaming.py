@@ -1,52 +1,11 @@
 """Streaming self-forcing: one long rollout spans several steps, its state in ``TrainState.extra``.
 
 Each step continues the stream of the step before: the causal student generates the next
-``F`` latent frames (``batch["latents"]``'s shape, a multiple of the chunk) chunk by chunk
-from the stream's KV cache (:func:`fvstep.methods.causal_rollout.rollout`), the student
-and critic train on them by the DMD losses of :mod:`fvstep.methods.self_forcing`, and the
-stream moves on. What the stream keeps between steps is a :class:`StreamState` under
-``state.extra[name]``, so it is checkpointed and restored like every other leaf; no
-module or Python object holds any of it:
-
-- ``cache``: a rolling :class:`~fvstep.methods.causal_wan.KVCache` of
-  ``sink_frames + window_frames`` frames: the stream's first ``sink_frames`` frames (an
-  attention sink, kept for the whole stream) and its latest ``window_frames``;
-- ``frames``: the latest ``window_frames`` generated latent frames, oldest first (zeros
-  before the stream has made them): the stream's tail, for validation and decoding;
-- ``text``: the stream's prompt (``batch["text"]`` of the step that started it);
-- ``num_frames``: 0-d int64, the frames the stream has generated.
-
-A stream starts (empty cache, the batch's text) at every step ``i`` with
-``i % steps_per_stream == 0``: a pure function of the step, so a resumed run restarts its
-streams where the uninterrupted one did. A stream that has generated no frame yet
-(``num_frames == 0``: :func:`init_stream`'s, or one reset by
-``fvstep.checkpoint.load(..., reset=("extra.stream",))`` mid-stream) starts at its first
-step, whatever the step: exactly as a new stream at a boundary would, so a reset stream
-never trains on ``init_stream``'s all-zero prompt. Within a step: the rollout runs without
-gradient on the whole per-rank batch; the generator unit recomputes the chunks from their
-exit steps with gradient (:func:`~fvstep.methods.causal_rollout.regenerate`: one more
-forward a chunk, the same frames) and trains the student by the DMD loss; the critic
-trains on the detached frames. Both units split their inputs (exit inputs, contexts,
-frames) into the step's micro-batches like any batch.
-
-**Per rank.** Each data-parallel rank runs its own stream (its own samples, noise and
-text), so the leaves of ``extra[name]`` differ between ranks and are saved per rank
-(:mod:`fvstep.checkpoint`). Such a checkpoint resumes on the same world size only: on
-another one, loading raises ``CheckpointError`` (the streams cannot be split or merged
-between ranks); start new streams instead:
-``fvstep.checkpoint.load(path, like=fresh_state, reset=("extra.stream",))``. Exit steps
-come from the shared key (the same on every rank,
-:func:`~fvstep.methods.causal_rollout.exit_steps`);
-every other draw from the managed step's key, per rank: ``split(key, 3) = (rollout,
-generator, critic)``.
-
-Examples:
-    >>> student = make_causal(tiny_wan(seed=0), chunk_frames=1)
-    >>> batch = synthetic_batch(fvstep.random.key(0), batch_size=2, frames=1)
-    >>> stream = init_stream(student, batch, window_frames=2, sink_frames=1)
-    >>> state = fvstep.TrainState.create(roles, key=fvstep.random.key(0),
-    ...                                  extra={"stream": stream})
-    >>> step = fvstep.compile(streaming(steps_per_stream=4, window_frames=2, sink_frames=1))
+frames from the stream's KV cache, student and critic train on them by the DMD losses of
+:mod:`fvstep.methods.self_forcing`, and the stream moves on. The stream is a
+:class:`StreamState` under ``state.extra[name]`` (checkpointed like every leaf, one per
+rank); a new one starts at every step ``i % steps_per_stream == 0`` and wherever
+``num_frames == 0``. The step, resets, world sizes and refusals: ``docs/methods/streaming.md``.
 """
 
 from __future__ import annotations
@@ -323,17 +282,15 @@ def streaming(
         frames = like.shape[2]
         if frames > window_frames or frames % chunk:
             raise ValueError(
-                f'batch["latents"] has {frames} frames: a step must generate a multiple of '
-                f"the student's chunk ({chunk}) and at most window_frames={window_frames} "
-                "frames (more would evict the step's own chunks from the cache)"
+                f'batch["latents"] has {frames} frames: give a multiple of the chunk ({chunk}) and at most '
+                f"window_frames={window_frames} (more would evict the step's own chunks from the cache)"
             )
         want = (stream.frames.shape[0], stream.frames.shape[1], *stream.frames.shape[3:])
         have = (like.shape[0], like.shape[1], *like.shape[3:])
         if have != want:
             raise ValueError(
-                f'batch["latents"] has (batch, channels, height, width) = {have}; the '
-                f"stream was made for {want} (init_stream's batch): the stream's samples "
-                "continue from step to step"
+                f'batch["latents"] has (batch, channels, height, width) = {have}; the stream was made for '
+                f"{want} (init_stream's batch): give batches of that shape, or start a new stream"
             )
         if like.shape[0] % accumulation.microbatches:
             raise ValueError(

@@ -85,8 +85,7 @@ def role_module(
     if weights == "params" and role in roles_holding_other_weights(state):
         raise ValueError(
             f"role_module(state, {role!r}, weights='params') inside a role_module block that "
-            f"holds {role!r}'s EMA: its parameters hold the EMA there; read the live weights "
-            "outside that block"
+            f"holds {role!r}'s EMA: read the live weights outside that block"
         )
     swapped = {n: t for n, t in sources.items() if t is not live.params[n]}
     if not swapped:

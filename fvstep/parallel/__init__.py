@@ -1,59 +1,12 @@
 """The parallel layer: everything of fvstep that knows about ranks, FSDP2 and collectives.
 
-Split by concern (as torchtitan's ``distributed/`` folder):
-
-- :mod:`fvstep.parallel.mesh`: device meshes and FSDP2 sharding of a role's module
-  (:func:`make_mesh`, :func:`shard_module`, :func:`is_block`, :func:`is_sharded`);
-- :mod:`fvstep.parallel.layout`: :class:`Layout`, the process layout a step is called
-  with on several ranks (``step(state, batch, parallelism=Layout())``): data-parallel
-  replicas, context-parallel groups and FSDP2's handling, behind the core's
-  :class:`~fvstep.core.layout.Parallelism`; :func:`default_layout`, what ``fvstep.run``
-  picks;
-- :mod:`fvstep.parallel.grad_sync`: the FSDP2 gradient-sync policy of accumulation and
-  modules returned to rest (:class:`FSDPGradSync`, :func:`release_modules`,
-  :func:`unrested_modules`, :func:`check_roles_are_data_parallel`,
-  :func:`grad_sync_for`);
-- :mod:`fvstep.parallel.prepare`: one call that prepares a role's module for real scale
-  (:func:`prepare`: activation checkpointing, ``torch.compile`` per block, FSDP2/HSDP
-  with mixed precision and offload, frozen roles in bf16, the attention backend), built
-  from one module per step:
-  :mod:`fvstep.parallel.activation_checkpoint` (:class:`ActivationCheckpointing`),
-  :mod:`fvstep.parallel.activation_offload` (:class:`ActivationOffloading`: saved
-  activations in pinned host memory),
-  :mod:`fvstep.parallel.block_compile` (compile options, the recompile limit,
-  :func:`compile_counts`) and :mod:`fvstep.parallel.precision` (casts at a role's
-  boundary, :data:`FULL_PRECISION_INPUTS`);
-- :mod:`fvstep.parallel.flash_attention`: FlashAttention-4 as the kernel of PyTorch's
-  flash SDPA backend, process-wide and opt-in (:func:`enable_flash_attention_4`,
-  :func:`disable_flash_attention_4`, :func:`flash_attention_4_enabled`); a role takes it
-  with ``prepare(..., attention_backend="_native_flash")``;
-- :mod:`fvstep.parallel.compile_check`: compiled gradients checked against eager ones,
-  block by block, before training on them (``prepare(..., verify_compile=True)``): the
-  verdict (:class:`CompiledGradientError`, :class:`CompiledGradientReport`, the
-  tolerances), the comparison of one block
-  (:mod:`fvstep.parallel.gradient_comparison`: :func:`compare_compiled_gradients`) and
-  the checks installed on compiled blocks (:mod:`fvstep.parallel.compile_check_hooks`:
-  :func:`compile_check_reports`);
-- :mod:`fvstep.parallel.context`: context (sequence) parallelism with diffusers' Ulysses
-  attention (:func:`make_context_mesh`, :func:`apply_context_parallel`,
-  :func:`data_parallel_rank_and_size`, :func:`applied_context_group`);
-- :mod:`fvstep.parallel.collectives`: :class:`CollectiveCounter`;
-- :mod:`fvstep.parallel.launcher`: :func:`launch`, :func:`init_from_env`, :func:`destroy`;
-- :mod:`fvstep.parallel.ranks`: the rank helpers every other module uses
-  (:func:`rank_and_world`, :func:`barrier`, :func:`gather_objects`,
-  :func:`broadcast_object`, :func:`max_over_ranks`, :func:`min_over_ranks`,
-  :func:`collective_device`).
-
-The core (``fvstep/core``, ``tree``, ``random``, ``state``, ``optim``, ...) imports
-nothing from here: a call is given its :class:`Layout`. The executor and
-``fvstep.checkpoint`` use the rank helpers instead of calling ``torch.distributed``
-themselves.
-
-Examples:
-    >>> from fvstep import parallel
-    >>> mesh = parallel.make_mesh()
-    >>> student = parallel.shard_module(student, mesh=mesh)
-    >>> critic = parallel.prepare(critic, mesh=mesh, checkpointing="selective", compile=True)
+One module a concern, as torchtitan's ``distributed/``: ``mesh`` (meshes, FSDP2 sharding),
+``layout`` (:class:`Layout`, what a call is given on several ranks), ``grad_sync``,
+``prepare`` with its steps (``activation_checkpoint``, ``activation_offload``,
+``block_compile``, ``precision``), ``flash_attention``, ``compile_check``, ``context``,
+``collectives``, ``launcher`` and ``ranks``. The core imports nothing from here; the
+executor and ``fvstep.checkpoint`` use the rank helpers. The table of modules:
+``docs/architecture.md``; the API: ``docs/api/parallel.md``.
 """
 
 from torch.distributed.fsdp import MixedPrecisionPolicy

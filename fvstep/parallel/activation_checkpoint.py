@@ -207,9 +207,8 @@ def resolve_checkpointing(
     if isinstance(value, str):
         return ActivationCheckpointing(value)
     raise TypeError(
-        f"checkpointing must be 'none', 'full', 'selective', 'attention' or an "
-        "ActivationCheckpointing, "
-        f"not {type(value).__name__}"
+        "checkpointing must be 'none', 'full', 'selective', 'attention' or an "
+        f"ActivationCheckpointing, not {type(value).__name__}"
     )
 
 

@@ -1,69 +1,13 @@
 """Compiled gradients checked against eager ones, block by block.
 
 Inductor once computed Wan's gradients ~10^4 times wrong without a word
-(pytorch/pytorch#193061: ``triton.mix_order_reduction``): the loss looked healthy and
-the run learned the wrong thing. The next such bug will look the same, so fvstep can
-compare, once per compiled graph, what a compiled block computes with what its eager
-forward computes, on the inputs it is really called with, before any gradient of it
-reaches a parameter:
-
-- :mod:`fvstep.parallel.gradient_comparison` is the pure comparison
-  (:func:`~fvstep.parallel.gradient_comparison.compare_compiled_gradients`): an eager
-  and a compiled forward of one block on the same inputs, and, when the block computes
-  below fp32, an eager fp32 reference, all pulled back with the same fixed cotangent,
-  give one :class:`CompiledGradientReport`: a :class:`GradientDifference` per parameter
-  and per input that requires grad;
-- :mod:`fvstep.parallel.compile_check_hooks` arms a block compiled in place
-  (:func:`~fvstep.parallel.compile_check_hooks.install_compile_check`): the first
-  grad-enabled call of each graph the block compiles (what dynamo specialises on: the
-  inputs' shapes, strides, dtypes and devices, ``requires_grad`` of parameters and
-  inputs, autocast) runs the comparison on its real inputs and raises
-  :class:`CompiledGradientError` before the block's real forward runs.
-  ``prepare(..., verify_compile=True)`` installs it on every compiled block;
-  :func:`fvstep.testing.check_compiled_gradients` and ``fvstep verify-compile`` run it
-  on a probe;
-- this module holds what a check concludes: the threshold (:data:`DEFAULT_THRESHOLD`),
-  the floors, :class:`GradientDifference`, :class:`CompiledGradientReport` and
-  :class:`CompiledGradientError`.
-
-**The verdict is relative to the block's own rounding.** For each tensor, with ``g_c``,
-``g_e`` the compiled and eager gradients and ``g_r`` the eager gradient computed in fp32
-(autocast off, parameters, buffers and inputs in fp32, TF32 off; for a block that computes
-in fp32 ``g_r`` is ``g_e``):
-
-- the *error* ``‖g_c − g_e‖ / s`` (how far the compiled gradient is from eager's);
-- the *noise* ``‖g_e − g_r‖ / s`` (how far eager's own rounding takes it from fp32);
-- the *graph ratio* ``error / max(noise, ROUNDING_FLOOR)``;
-- in bf16/fp16, the *fp32 ratio* ``‖g_p − g_r‖ / s / ROUNDING_FLOOR``, where ``g_p`` is
-  the same block compiled in fp32 (the *probe*, a graph of its own);
-- the *ratio*: the larger of the two.
-
-A block passes if every ratio is at most the threshold (:data:`DEFAULT_THRESHOLD`, or
-``verify_compile=<threshold>``). A correct compile rounds differently from eager, not
-more: its graph ratio is about 1 or below (0 where it is bitwise eager), while a compiler
-bug is an error far above the rounding. The probe is there for the margin: in bf16 a bug
-can be small against bf16's rounding (pytorch/pytorch#193061 at 32,760 tokens: 30–60 x
-eager's noise) while the same bug in fp32 is ~1e4 x the floor. ``s = max(‖g_e‖,
-floor)``: for a parameter the floor is ``GRADIENT_FLOOR · √n · R`` (``n`` its elements,
-``R`` the largest root-mean-square eager gradient of the block's parameters), so a
-gradient far below the block's scale (rounding noise around an exact zero) is measured
-against that scale. In fp32 the noise is 0 and :data:`ROUNDING_FLOOR` (1e-5) judges
-alone: the error may be ``threshold × 1e-5``.
-
-**Cost**, once per compiled graph and block: one eager and one compiled forward and
-backward; below fp32 one more eager forward and backward in fp32 (the reference); in
-bf16/fp16 one more compiled forward and backward in fp32 (the probe) and, for the first
-block of a graph, the probe's compile. The compiled run uses, and fills, the graph the
-real call then uses; no collective but one all-reduce of one number per check on a mesh
-(so that every rank raises, or none: a rank that raised alone would leave the others
-waiting).
-
-Examples:
-    >>> report = compare_compiled_gradients(
-    ...     block.forward, torch.compile(block.forward), (x, temb), params=dict(block.named_parameters())
-    ... )
-    >>> report.passed, report.threshold == DEFAULT_THRESHOLD
-    (True, True)
+(pytorch/pytorch#193061), so fvstep can compare, once per compiled graph, a compiled
+block's gradients with its eager ones on its real inputs, before any reaches a parameter.
+The comparison is :mod:`fvstep.parallel.gradient_comparison`, the hooks that arm a block
+:mod:`fvstep.parallel.compile_check_hooks`; this module holds the verdict: the threshold
+(:data:`DEFAULT_THRESHOLD`), the floors, :class:`GradientDifference`,
+:class:`CompiledGradientReport` and :class:`CompiledGradientError`. The ratios, the fp32
+probe and the cost: ``docs/concepts/prepare.md`` (Checking compiled gradients).
 """
 
 from __future__ import annotations

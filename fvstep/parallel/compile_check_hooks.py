@@ -192,9 +192,8 @@ class CompileCheck:
             raise compiled_gradient_error(report)
         mine = report.worst.describe() if report.worst else "none"
         raise CompiledGradientError(
-            f"the compiled gradients of {self.name} differ from its eager ones on another "
-            f"rank (up to {worst:.3g} x the threshold; this rank's worst: {mine}): that "
-            "rank's error names the parameter. See docs/concepts/prepare.md."
+            f"the compiled gradients of {self.name} differ from the eager ones on another rank (up to "
+            f"{worst:.3g} x the threshold; here {mine}): its error names the parameter. See docs/concepts/prepare.md"
         )
 
     def _pre_forward(

@@ -216,10 +216,8 @@ def _check_same_inputs(
     dist.all_gather(rows, mine, group=group)
     if not all(torch.equal(rows[0], r) for r in rows[1:]):  # every rank gets the same verdict
         raise ValueError(
-            f"the ranks {list(applied.group_ranks)} of one context group were given different "
-            "inputs; they must share the whole batch: the data-parallel index (keys and data) "
-            "must be the same for them: call the step with parallelism="
-            "fvstep.parallel.Layout(mesh) (fvstep.run passes it on to the data too)"
+            f"the ranks {list(applied.group_ranks)} of one context group were given different inputs: "
+            "call the step with parallelism=fvstep.parallel.Layout(mesh). See docs/concepts/context-parallel.md"
         )
 
 
@@ -238,9 +236,8 @@ def _set_grad_reduction(module: nn.Module, applied: _Applied) -> None:
     reduced = set(fsdp_mesh.mesh.reshape(-1).tolist())
     if not set(applied.group_ranks) <= reduced or len(reduced) % applied.degree:
         raise ValueError(
-            f"the FSDP2 mesh of {type(module).__name__} (ranks {sorted(reduced)}) does not span "
-            f"its context group (ranks {list(applied.group_ranks)}): the gradients of one "
-            "sample's tokens would never be summed. Shard over every rank (make_mesh())"
+            f"the FSDP2 mesh of {type(module).__name__} (ranks {sorted(reduced)}) does not span its "
+            f"context group (ranks {list(applied.group_ranks)}): shard over every rank (make_mesh())"
         )
     replicas = float(len(reduced) // applied.degree)
     for m in fsdp:
@@ -270,10 +267,8 @@ def _pre_forward(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
     tokens = _num_tokens(module, x)
     if tokens is not None and tokens % applied.degree:
         raise ValueError(
-            f"the sequence of {tokens} tokens (latents {tuple(x.shape)}, patch "
-            f"{tuple(getattr(module.config, 'patch_size', ()))}) does not divide by the "
-            f"context-parallel degree {applied.degree}; choose frames/height/width whose "
-            "token count does"
+            f"the sequence of {tokens} tokens (latents {tuple(x.shape)}, patch {tuple(getattr(module.config, 'patch_size', ()))}) "
+            f"does not divide by the context-parallel degree {applied.degree}: choose frames/height/width that do"
         )
     if torch.is_grad_enabled() and any(p.requires_grad for p in module.parameters()):
         _set_grad_reduction(module, applied)
@@ -357,8 +352,7 @@ def apply_context_parallel(
     if mode == "ulysses" and heads is not None and heads % degree:
         raise ValueError(
             f"Ulysses context parallel splits the {heads} attention heads over {degree} ranks: "
-            f"the heads must divide by the degree (use a degree dividing {heads}, or "
-            "mode='ring')"
+            f"the heads must divide by the degree; use a degree dividing {heads}, or mode='ring'"
         )
     check_backends(module, mode)
     check_plan_signatures(module, plan)

@@ -43,17 +43,15 @@ def check_backends(module: nn.Module, mode: str) -> None:
     )
     if unsupported:
         raise ValueError(
-            f"the attention backend(s) {unsupported} of {type(module).__name__} do not support "
-            "context parallelism; call module.set_attention_backend(...) with one of "
-            f"{sorted(_AttentionBackendRegistry._supports_context_parallel)} first"
+            f"the attention backend(s) {unsupported} of {type(module).__name__} do not support context "
+            f"parallelism: call module.set_attention_backend(...) with one of {sorted(_AttentionBackendRegistry._supports_context_parallel)}"
         )
     if mode == "ring" and "native" in backends:
         # diffusers' ring attention merges per-chunk outputs with their log-sum-exp, which
         # its native (SDPA) backend does not return: it would fail at the first forward.
         raise ValueError(
-            "mode='ring' needs an attention backend that returns the log-sum-exp (diffusers' "
-            "'_native_cudnn', '_native_flash', 'flash', ...: CUDA only); the 'native' (SDPA) "
-            "backend does not. Use mode='ulysses', or module.set_attention_backend(...) first"
+            "mode='ring' needs an attention backend that returns the log-sum-exp (CUDA only, not 'native'): "
+            "use mode='ulysses', or module.set_attention_backend(...) first. See docs/concepts/context-parallel.md"
         )
 
 
@@ -77,9 +75,6 @@ def check_plan_signatures(module: nn.Module, plan: dict[str, Any]) -> None:
             splits_input = not (isinstance(spec, ContextParallelInput) and spec.split_output)
             if isinstance(key, str) and splits_input and key not in params:
                 raise ValueError(
-                    f"submodule {name or '<root>'!r} ({type(sub).__name__}) takes no "
-                    f"argument {key!r} that the context-parallel plan splits: apply "
-                    "context parallel before wrapping blocks in modules (checkpoint_wrapper, "
-                    "torch.compile(module)); checkpointing that keeps the block (re-binding its "
-                    "forward) and block.compile() may come before or after it"
+                    f"submodule {name or '<root>'!r} ({type(sub).__name__}) takes no argument {key!r} that the plan "
+                    "splits: apply context parallel before wrapping blocks in modules (docs/concepts/context-parallel.md)"
                 )

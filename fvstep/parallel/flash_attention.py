@@ -1,49 +1,11 @@
 """FlashAttention-4 behind PyTorch's flash SDPA backend: opt-in, for the whole process.
 
-On Hopper, the CuTe kernels of the ``flash-attn-4`` package are faster than cuDNN's at a
-video model's sequence lengths. On one H200 at Wan's 480×832×81 shape (12 heads of 128,
-32,760 tokens, bf16), self-attention ran at 718 TFLOP/s forward and 627 forward +
-backward, against cuDNN's 555 and 528 (``docs/benchmarks.md``).
-
-:func:`enable_flash_attention_4` hands them to PyTorch's own registry of flash attention
-implementations (``torch.nn.attention.register_flash_attention_impl`` and
-``activate_flash_attention_impl``). From then on, in this process, every
-``scaled_dot_product_attention`` that runs on the flash backend runs FA4, eager or
-compiled: Inductor calls the ATen flash attention op, and the registry overrides that
-op's CUDA kernel. A role takes the flash backend with
-``prepare(..., attention_backend="_native_flash")``. Roles on another backend keep
-their kernels, with one exception seen on the H200: blocks compiled with torch's defaults
-on SDPA's default backend (diffusers' ``"native"``) reached the flash backend, and so
-FA4 (the benchmark's by-hand side). Eager calls on the default backend picked cuDNN's
-kernel in every layout tried. The state is PyTorch's registry's and process-wide, by
-PyTorch's design. fvstep holds none of it, and
-:func:`disable_flash_attention_4` restores PyTorch's own kernels.
-
-What to know (found in review, ``docs/concepts/prepare.md``):
-
-- Inductor's default (Python) wrapper calls the flash op through the dispatcher, so
-  enabling before or after ``compile`` works alike. With Inductor's ``cpp_wrapper`` or
-  AOTInductor the op is called past the dispatcher and runs PyTorch's own kernel; CUDA
-  graphs (``mode="reduce-overhead"``) replay the kernel they captured.
-- The tensors must be on the current CUDA device (``torch.cuda.set_device``, as fvstep's
-  launcher does): FA4 launches on the current device's stream.
-- Under ``torch.use_deterministic_algorithms(True)`` the glue asks FA4 for its
-  deterministic backward, which 4.0.0b36 has on Hopper.
-- The choice is not part of a ``TrainState``: a resumed run must enable it again (the
-  recipes' ``prepare.flash_attention_4`` does, from the run's ``config.yaml``).
-  ``preparation(module).describe()["flash_attention_4"]`` says what is on.
-
-Why this module sits in between: PyTorch's FA4 glue (``torch.nn.attention._fa4``, torch
-2.11 to 2.13) unpacks two values from FA4's ``_flash_attn_fwd``, which returns five in
-the releases on PyPI (4.0.0b36), so PyTorch's own ``activate_flash_attention_impl("FA4")``
-fails at its first call. The glue imports the kernels from a module path. This module
-is that path: :func:`_flash_attn_fwd` and :func:`_flash_attn_bwd` return what the glue
-expects, and the glue does the rest (layouts, the log-sum-exp, the checks).
-
-Examples:
-    >>> from fvstep.parallel import enable_flash_attention_4, prepare
-    >>> enable_flash_attention_4()  # needs flash-attn-4 and a compute capability 9.x/10.x GPU
-    >>> student = prepare(student, attention_backend="_native_flash", compile=True)
+:func:`enable_flash_attention_4` registers the ``flash-attn-4`` kernels with PyTorch's
+registry of flash attention implementations: from then on every SDPA call on the flash
+backend, eager or compiled, runs FA4 in this process; :func:`disable_flash_attention_4`
+gives PyTorch's kernels back. This module is also the import path PyTorch's FA4 glue reads,
+adapting FA4's return values to what the glue expects. What to know (Inductor wrappers,
+devices, determinism, resume) and why: ``docs/concepts/prepare.md`` (FlashAttention-4).
 """
 
 from __future__ import annotations
@@ -139,9 +101,8 @@ def enable_flash_attention_4(device: torch.device | int | None = None) -> None:
     major, minor = torch.cuda.get_device_capability(device)
     if major not in (9, 10):
         raise RuntimeError(
-            f"FlashAttention-4 runs on compute capability 9.x (Hopper) or 10.x (Blackwell), "
-            f"not {major}.{minor} ({torch.cuda.get_device_name(device)}): keep the default "
-            "attention backend there"
+            f"FlashAttention-4 runs on compute capability 9.x or 10.x, not {major}.{minor} "
+            f"({torch.cuda.get_device_name(device)}): keep the default attention backend there"
         )
     if flash_attention_4_enabled():
         return

@@ -79,10 +79,8 @@ class FSDPGradSync:
             ):
                 mib = _unsharded_grad_bytes(module) / 2**20
                 raise ValueError(
-                    f"sync='no_sync' keeps an unsharded gradient of up to {mib:.1f} MiB per rank "
-                    f"for a role's module ({type(module).__name__}) between micro-batches; opt in "
-                    "with Role(..., allow_no_sync=True), or use sync='deferred' (same result, "
-                    "sharded gradients)"
+                    f"sync='no_sync' keeps an unsharded gradient of up to {mib:.1f} MiB per rank for {type(module).__name__}: "
+                    "opt in with Role(..., allow_no_sync=True), or use sync='deferred' (same result, sharded)"
                 )
             self.roots.append(module)  # type: ignore[arg-type]
 
@@ -192,11 +190,8 @@ def check_roles_are_data_parallel(state: TrainState) -> None:
     for name, rs in state.roles.items():
         if rs.role.trainable and not is_sharded(rs.role.module):
             raise ValueError(
-                f"role {name!r} is trained on {world} ranks but its module is not sharded: "
-                "each rank would train its own copy and the copies would diverge. Shard it "
-                "before TrainState.create with fvstep.parallel.shard_module(module, "
-                "mesh=make_mesh()), or replicate it (plain data parallel) with "
-                "shard_module(module, mesh=make_mesh(replicate=world_size))"
+                f"role {name!r} is trained on {world} ranks but its module is not sharded (the copies would "
+                "diverge): fvstep.parallel.shard_module(module, mesh=make_mesh()) before TrainState.create"
             )
 
 

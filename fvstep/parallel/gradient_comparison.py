@@ -316,9 +316,8 @@ class Comparison:
             o.shape != c.shape for o, c in zip(outputs, self.cotangents, strict=False)
         ):
             raise CompiledGradientError(
-                f"the {what} forward of {self.block} returned other outputs than the eager "
-                f"one: {[tuple(o.shape) for o in outputs]} against "
-                f"{[tuple(c.shape) for c in self.cotangents]}"
+                f"the {what} forward of {self.block} returned other outputs than the eager one: "
+                f"{[tuple(o.shape) for o in outputs]} against {[tuple(c.shape) for c in self.cotangents]}"
             )
         return _gradients(outputs, self._targets(args, kwargs), self.cotangents)
 

@@ -221,20 +221,14 @@ def check_config_change(saved: dict[str, Any], new: dict[str, Any]) -> list[str]
     _check_world_size(saved, new)
     if "precision" in new and saved.get("precision") != new["precision"]:
         raise ConfigChangeError(
-            f"precision: the run being resumed computed in {saved.get('precision')} and "
-            f"would resume in {new['precision']} (prepare.precision "
-            f"{flatten_config(new['options']).get('prepare.precision')!r} on this device), "
-            "which alters the math of the run: resume with --prepare.precision "
-            f"{saved.get('precision')} on a device that runs it, or start a new run "
-            "(another run.out; init_from can start it from this one)"
+            f"precision: the run being resumed computed in {saved.get('precision')} and would resume in "
+            f"{new['precision']}: resume with --prepare.precision {saved.get('precision')}, or start a new run (another run.out; init_from)"
         )
     before, after = saved.get("data_digest"), new.get("data_digest")
     if before is not None and after is not None and before != after:
         raise ConfigChangeError(
-            "data.path holds another dataset than the run being resumed was trained on (its "
-            "index.json changed: other clips, another encode or dtype), which alters the math "
-            "of the run: put the dataset back, or start a new run (another run.out; "
-            "init_from can start it from this one)"
+            "data.path holds another dataset than the run being resumed was trained on (index.json "
+            "changed): put the dataset back, or start a new run (another run.out; init_from)"
         )
     old, now = flatten_config(saved.get("options", {})), flatten_config(new["options"])
     split = old.get("data.path") is not None or now.get("data.path") is not None
@@ -245,18 +239,13 @@ def check_config_change(saved: dict[str, Any], new: dict[str, Any]) -> list[str]
             continue
         if split and key == "validation.num_samples":
             raise ConfigChangeError(
-                f"validation.num_samples was {a!r} in the run being resumed and is {b!r} "
-                "now: with data.path, the items it validates on are held out of training, "
-                "so a change alters the items the run trains on. Put it back, or start a "
-                "new run (another run.out; init_from can start it from this one)"
+                f"validation.num_samples was {a!r} in the run being resumed and is {b!r} now (it changes "
+                f"the items trained on): put it back, or start a new run (another run.out; init_from)"
             )
         if not _may_change(key):
             raise ConfigChangeError(
-                f"{key} was {a!r} in the run being resumed and is {b!r} now: a change of "
-                f"{key} alters the math of the run, so it cannot continue with it. Put it "
-                f"back, or start a new run (another run.out; init_from can start it from "
-                f"this one). Keys that may change: {', '.join(MAY_CHANGE)}, and learning "
-                "rates"
+                f"{key} was {a!r} in the run being resumed and is {b!r} now: put it back, or start a new "
+                f"run (another run.out; init_from). Keys that may change: {', '.join(MAY_CHANGE)}, and learning rates"
             )
         applied.append(f"{key}: {a!r} -> {b!r}")
     return applied
@@ -273,22 +262,13 @@ def _check_world_size(saved: dict[str, Any], new: dict[str, Any]) -> None:
     before, after = saved.get("world_size"), new["world_size"]
     if before is None:
         raise ConfigChangeError(
-            f"the {CONFIG_NAME} of the run being resumed does not record the world size "
-            "it was trained on (an older fvstep wrote it, which also trained on the "
-            "validation items of data.path), so nothing can check that this resume "
-            "continues it exactly: continue its state in a new folder (--run.out NEW "
-            "--init_from.path OLD --init_from.kind state), or, if it ran on N ranks on "
-            f"synthetic data, add 'world_size: N' to its {CONFIG_NAME}"
+            f"the {CONFIG_NAME} of the run being resumed does not record the world size: continue its "
+            "state in a new folder (--run.out NEW --init_from.path OLD --init_from.kind state). See docs/recipes.md"
         )
     if before != after:
         raise ConfigChangeError(
-            f"world size: the run being resumed was trained on {_ranks(before)} "
-            f"(fvstep train --nproc {before}) and is resumed on {_ranks(after)} (--nproc "
-            f"{after}); data.batch_size is per rank (the global batch, each rank's keys and "
-            "data depend on the world size), so "
-            f"this alters the math of the run. Resume with --nproc {before} (under torchrun: "
-            f"{before} ranks in all), or start a new run (another run.out; init_from can "
-            "start it from this one)"
+            f"world size: the run being resumed was trained on {_ranks(before)} (--nproc {before}) and is "
+            f"resumed on {_ranks(after)} (--nproc {after}): resume with --nproc {before}, or start a new run"
         )
 
 

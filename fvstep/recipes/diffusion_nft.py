@@ -120,10 +120,8 @@ def _reward(options: DiffusionNFTOptions, device: torch.device) -> RewardFn:
     path = options.model.path
     if path is None or not (Path(path) / "vae" / "config.json").is_file():
         raise ValueError(
-            f"reward 'colorfulness' scores decoded videos and needs a VAE: model.path "
-            f"({path!r}) must be a pipeline folder with a vae/ (a diffusers WanPipeline "
-            "folder; fvstep.recipes.tiny_pipeline.save_tiny_pipeline writes a tiny one), "
-            "or choose --reward latent_mse"
+            f"reward 'colorfulness' decodes videos and needs a VAE: model.path ({path!r}) must be a pipeline folder "
+            "with a vae/ (save_tiny_pipeline writes a tiny one), or choose --reward latent_mse"
         )
     import diffusers
 

@@ -76,10 +76,8 @@ def check_causal_source(path: str | os.PathLike[str], module: nn.Module, *, role
     if recorded is not None and recorded != mine:
         what = "bidirectional" if mine is None else f"causal of chunk_frames={mine}"
         raise ValueError(
-            f"{str(path)!r} holds a causal Wan (chunk_frames={recorded}, an fvstep export) and "
-            f"role {role!r} is {what}: its weights would compute another model; start a "
-            "causal role from it (fvstep.methods.causal_wan.load_causal), or a "
-            "bidirectional one from a bidirectional folder"
+            f"{str(path)!r} holds a causal Wan (chunk_frames={recorded}) and role {role!r} is {what}: "
+            "start a causal role from it (fvstep.methods.causal_wan.load_causal), or use a bidirectional folder"
         )
 
 
@@ -219,9 +217,8 @@ def check_base_digest(
     mine = base_digest(base)
     if mine != digests[base_role]:
         raise ckpt.CheckpointError(
-            f"checkpoint {str(folder)!r} was trained on another base model (digest "
-            f"{digests[base_role][:16]}..., this run's is {mine[:16]}...): its adapters "
-            "only fit the base they were trained on (same weights, dtype and revision)"
+            f"checkpoint {str(folder)!r} was trained on another base model (digest {digests[base_role][:16]}..., "
+            f"this run's {mine[:16]}...): use the base its adapters were trained on"
         )
 
 
@@ -253,8 +250,7 @@ def check_init_state(options: Any) -> None:
     if options.run.num_steps <= step:
         raise ValueError(
             f"init_from.kind state: {str(folder)!r} is at step {step} and run.num_steps is "
-            f"{options.run.num_steps}, so the run would train no step; run.num_steps is the "
-            f"step to reach, counted from the source's start: give more than {step}"
+            f"{options.run.num_steps} (the step to reach): give run.num_steps > {step}"
         )
 
 

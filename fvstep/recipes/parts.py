@@ -139,10 +139,8 @@ def _refuse_causal(module: nn.Module, path: Any) -> None:
     chunk = recorded_chunk_frames(module)
     if chunk is not None:
         raise ValueError(
-            f"model.path {str(path)!r} holds a causal Wan (chunk_frames={chunk}, an fvstep "
-            "export); the recipes train bidirectional models, and loading it as one would "
-            "compute another model: load it with fvstep.methods.causal_wan.load_causal in "
-            "a script of your own (docs/methods/causal_wan.md)"
+            f"model.path {str(path)!r} holds a causal Wan (chunk_frames={chunk}); the recipes train "
+            "bidirectional models: load it with load_causal in a script (docs/methods/causal_wan.md)"
         )
 
 
@@ -387,11 +385,8 @@ def make_data(data: DataOptions, *, held_out: int = 0, device: torch.device | No
         world = fsp.rank_and_world()[1]
         if len(kept) < data.batch_size * world:
             raise ValueError(
-                f"data.path {data.path!r} has {len(dataset)} items: {len(held)} held out "
-                f"for validation (validation.num_samples {held_out}) leave {len(kept)}, fewer "
-                f"than a global batch (data.batch_size {data.batch_size} x {world} rank(s)): "
-                "lower validation.num_samples (0 trains on every item) or data.batch_size, "
-                "or encode more clips"
+                f"data.path {data.path!r} has {len(dataset)} items, {len(held)} held out (validation.num_samples "
+                f"{held_out}): {len(kept)} < data.batch_size {data.batch_size} x {world} rank(s); hold out or batch fewer"
             )
         order = BucketedOrder(
             [dataset.shapes[i] for i in kept], key=key, batch_size=data.batch_size

@@ -76,19 +76,15 @@ def check_samples(options: Any) -> None:
         return
     if not 1 <= v.num_videos <= v.num_samples:
         raise ValueError(
-            f"validation.num_videos is {v.num_videos}: the videos' prompts are the "
-            f"held-out items' (validation.num_samples {v.num_samples}); give 1 to "
-            f"{v.num_samples}, or raise validation.num_samples"
+            f"validation.num_videos is {v.num_videos}: give 1 to {v.num_samples} (the "
+            "held-out items, validation.num_samples), or raise validation.num_samples"
         )
     if v.sample_steps < 1:
         raise ValueError(f"validation.sample_steps is {v.sample_steps}: give 1 or more")
     if _vae_folder(options) is None:
         raise ValueError(
-            f"validation.sample_every {v.sample_every} needs a VAE to decode the videos, "
-            f"and model.path ({options.model.path!r}) is no pipeline folder with a vae/: "
-            "give a diffusers pipeline folder (e.g. Wan2.1-T2V-1.3B-Diffusers; "
-            "fvstep.recipes.tiny_pipeline.save_tiny_pipeline writes a tiny one), or "
-            "--validation.sample_every 0"
+            f"validation.sample_every {v.sample_every} needs a VAE, and model.path ({options.model.path!r}) "
+            "is no pipeline folder with a vae/: give one, or --validation.sample_every 0"
         )
     if v.sample_weights == "ema" and getattr(options.optim, "ema", None) is None:
         raise ValueError(

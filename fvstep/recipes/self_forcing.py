@@ -106,9 +106,8 @@ def check_latent_frames(data: DataOptions, chunk_frames: int) -> None:
     odd = sorted(f for f in frames if f % chunk_frames)
     if odd:
         raise ValueError(
-            f"{where} has latents of {odd[0]} frames, not a multiple of chunk_frames="
-            f"{chunk_frames}: the causal student generates whole chunks; set --chunk_frames "
-            "to a divisor of the frames (1 always fits), or latents of a multiple of it"
+            f"{where} has latents of {odd[0]} frames, not a multiple of chunk_frames={chunk_frames}: "
+            "set --chunk_frames to a divisor of the frames (1 always fits)"
         )
 
 

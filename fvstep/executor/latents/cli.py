@@ -39,9 +39,8 @@ def _check_size(height: int | None, width: int | None, multiple: int) -> None:
         low = max(multiple, size // multiple * multiple)
         near = sorted({low, low + multiple} if size > multiple else {multiple})
         raise _user_error(
-            f"--{name} {size} is not a multiple of {multiple} (--multiple): its latents fit "
-            f"no Wan patch (the VAE's 8 x the 2 x 2 patch). Valid sizes are multiples of "
-            f"{multiple}, e.g. {' or '.join(map(str, near))}"
+            f"--{name} {size} is not a multiple of {multiple} (--multiple, the Wan VAE's 8 x "
+            f"the 2 x 2 patch): use a multiple of {multiple}, e.g. {' or '.join(map(str, near))}"
         )
 
 

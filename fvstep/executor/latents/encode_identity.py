@@ -267,8 +267,6 @@ def agree_on_settings(out: Path, settings: dict[str, Any]) -> None:
     previous = json.loads(path.read_text())
     if previous != settings:
         raise ValueError(
-            f"{str(out)!r} holds an encode with other settings: "
-            f"{_differences(previous, settings)}. A dataset must be one encoding: use "
-            f"another output folder, delete this one, or rerun with the settings of "
-            f"{SETTINGS_FILE}"
+            f"{str(out)!r} holds an encode with other settings: {_differences(previous, settings)}; "
+            f"use another output folder, delete this one, or rerun with the settings of {SETTINGS_FILE}"
         )
