@@ -91,7 +91,7 @@ def build(options: FinetuneOptions, *, fresh: bool = True) -> RunSpec:
         base = model.to(device)
         student = parts.add_lora(base, options.lora, ("student",))["student"]
         base = parts.prepare_role(base, options.prepare, mesh, trainable=False)
-        if init_weights:
+        if init_weights and source.path is not None:
             init_.check_base_digest(source.path, base, base_role="base")
             init_.init_from(source, {"student": student})
         if mesh is not None:

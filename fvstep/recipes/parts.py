@@ -205,7 +205,7 @@ def check_lora_targets(names: dict[str, str], targets: tuple[str, ...]) -> None:
         )
 
 
-def add_lora(base: nn.Module, lora: LoRAOptions, roles: tuple[str, ...]) -> dict[str, nn.Module]:
+def add_lora(base: nn.Module, lora: LoRAOptions, roles: tuple[str, ...]) -> dict[str, Any]:
     """One peft LoRA adapter of ``lora`` per role over ``base`` (:func:`fvstep.lora.add_adapters`).
 
     Raises:

@@ -457,7 +457,7 @@ def _wan_shape(config: dict[str, Any]) -> ModelShape | None:
         num_heads=heads,
         head_dim=head_dim,
         ffn_dim=ffn,
-        patch=patch,  # type: ignore[arg-type]
+        patch=patch,
         numel=numel,
         block_numel=block_numel,
         block_linear_numel=block_linear_numel,
@@ -625,7 +625,7 @@ COMPILED_DEFAULT_FRACTION = 0.65
 
 def block_saved_bytes(
     shape: ModelShape,
-    tokens: int,
+    tokens: float,
     *,
     checkpointing: str,
     compute: str = "bf16",
@@ -667,14 +667,14 @@ def block_saved_bytes(
     return saved
 
 
-def _transient_bytes(shape: ModelShape, tokens: int) -> float:
+def _transient_bytes(shape: ModelShape, tokens: float) -> float:
     """The largest short-lived buffers of a block's backward: the gradients of its hidden
     stream and feed-forward activations (fp32 and bf16), 8 bytes per token per
     ``dim + ffn_dim`` (fitted to the measured fine-tune rows: 2.4-3.5 GiB at 1.3B)."""
     return 8.0 * tokens * (shape.dim + shape.ffn_dim)
 
 
-def _forward_transient_bytes(shape: ModelShape, tokens: int) -> float:
+def _forward_transient_bytes(shape: ModelShape, tokens: float) -> float:
     """A no-grad forward's largest buffers: the up-projection and GELU outputs (bf16)."""
     return 4.0 * tokens * shape.ffn_dim + 8.0 * tokens * shape.dim
 
