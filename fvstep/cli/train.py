@@ -197,7 +197,7 @@ def run_train(
     nproc: int = 1,
     dry_run: bool = False,
 ) -> int:
-    """Run a recipe (no arguments: a tiny Wan fine-tune on the CPU); run again, it resumes.
+    """Run a recipe (with no options, on a tiny Wan and synthetic latents); run again, it resumes.
 
     RECIPE (the first word) is finetune (the default), dmd2, lora_dmd2, self_forcing,
     streaming, diffusion_nft, or package.module:ATTRIBUTE naming a fvstep.recipes.Recipe.
