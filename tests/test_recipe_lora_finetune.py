@@ -148,3 +148,18 @@ def test_lora_options_that_would_train_nothing_or_else_are_refused_by_train_and_
         planning.plan_run("finetune", parse_options(FINETUNE, words))
     with pytest.raises(ValueError, match=match):  # the build refuses it too
         FINETUNE.build(parse_options(FINETUNE, words), fresh=True)
+
+
+def test_init_from_state_of_a_lora_run_refuses_other_lora_options(tmp_path, capsys):
+    """Found by review: ``init_from.kind state`` continued an adapter at another
+    ``lora.alpha`` (another scale) without a word; a resume with it is refused."""
+    from fvstep.cli import main
+
+    train(FINETUNE, options(tmp_path, "--run.num_steps", "1", "--run.every", "1"), log=quiet)
+    start = ["--init_from.path", str(tmp_path / "run"), "--init_from.kind", "state"]
+    words = [*QUIET, *LORA, *start, "--run.num_steps", "2"]
+    other = [*words, "--lora.alpha", "16", "--run.out", str(tmp_path / "other")]
+    assert main(["train", "finetune", *other]) == 2
+    assert "lora.alpha 8, this run has 16" in capsys.readouterr().err
+    same = [*words, "--run.out", str(tmp_path / "same")]
+    assert main(["train", "finetune", *same]) == 0

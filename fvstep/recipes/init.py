@@ -252,6 +252,18 @@ def check_init_state(options: Any) -> None:
             f"init_from.kind state: {str(folder)!r} is at step {step} and run.num_steps is "
             f"{options.run.num_steps} (the step to reach): give run.num_steps > {step}"
         )
+    from fvstep.recipes.config import read_config
+
+    saved = (read_config(folder.parent) or {}).get("options", {}).get("lora")
+    mine = getattr(options, "lora", None)
+    if saved is not None and mine is not None:  # an adapter's state fits only its own scale
+        for key in ("rank", "alpha", "targets"):  # the seed only draws the start
+            value, new = saved.get(key), getattr(mine, key)
+            if (list(new) if isinstance(new, tuple) else new) != value:
+                raise ValueError(
+                    f"init_from.kind state: the adapters of {str(folder)!r} were trained with "
+                    f"lora.{key} {value!r}, this run has {new!r}: continue with the same lora options"
+                )
 
 
 def init_from(
