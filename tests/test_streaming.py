@@ -216,6 +216,19 @@ def test_the_step_is_bitwise_a_hand_written_streaming_loop():
     _assert_equal_to_loop(state, modules, *_hand_written_loop(modules, num_steps=3, rank=0))
 
 
+def test_a_run_holds_one_stream_cache_the_step_commits_into_the_callers_buffers():
+    """The state given to the first step stays alive for a whole run (its caller holds it),
+    so each step writes its new cache into the input's buffers once its updates are done:
+    one cache, not two; the values are the hand-written loop's (test above)."""
+    state, step, data = factory()
+    first = state.extra["stream"].cache
+    for i in range(3):
+        state, _ = step(state, data.batch(i))
+        cache = state.extra["stream"].cache
+        assert cache.keys is first.keys and cache.values is first.values
+        assert int(cache.num_frames) == min(i + 1, 2)
+
+
 def check_two_fsdp2_ranks_against_the_loop(rank: int, world_size: int) -> tuple[int, list]:
     from benchmarks.reference import reshard_all
 

@@ -144,6 +144,26 @@ def _restarted(stream: StreamState, text: torch.Tensor) -> StreamState:
     )
 
 
+def _commit(held: KVCache, new: KVCache) -> KVCache:
+    """``new`` written into ``held``'s buffers, once the step's updates are done.
+
+    A run then keeps one stream cache, not two: the state a caller passed to
+    :func:`fvstep.run` stays alive for the whole run, and with it its cache, as its
+    parameters (which are updated in place too).
+    """
+    if held.keys.shape != new.keys.shape or held.keys.dtype != new.keys.dtype:
+        return new
+    held.keys.copy_(new.keys)
+    held.values.copy_(new.values)
+    return KVCache(
+        keys=held.keys,
+        values=held.values,
+        num_frames=new.num_frames,
+        frame_tokens=new.frame_tokens,
+        sink_frames=new.sink_frames,
+    )
+
+
 def streaming(
     *,
     steps_per_stream: int,
@@ -334,7 +354,7 @@ def streaming(
             state, metrics = ctx.update(state, generator_unit, inputs, k_generator)
         state, critic_metrics = ctx.update(state, critic_unit, inputs, k_critic)
         moved = StreamState(
-            cache=ro.cache,
+            cache=_commit(state.extra[name].cache, ro.cache),
             frames=torch.cat([stream.frames, ro.video.to(stream.frames.dtype)], 2)[
                 :, :, -window_frames:
             ],
