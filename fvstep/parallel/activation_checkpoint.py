@@ -1,20 +1,12 @@
 """Activation checkpointing per block: which blocks recompute their activations, and how much.
 
-The first step of :func:`fvstep.parallel.prepare` (torchtitan's ``activation_checkpoint.py``):
-none, full, every n-th block, or *selective*, op-level, saving the outputs of matmuls and
-attention as torchtitan's selective AC does, through
-``torch.utils.checkpoint.checkpoint(use_reentrant=False, context_fn=...)``.
-
-**Names do not change.** A chosen block gets an instance ``forward`` that runs the
-class's forward under ``checkpoint`` (no ``checkpoint_wrapper`` module in the path), so
-parameter names, and so fvstep's checkpoint keys, are those of the plain module.
+None, full, every n-th block, or selective (op-level, as torchtitan's). A chosen block
+gets an instance ``forward`` that runs the class's under ``checkpoint``: no wrapper
+module, so parameter names and checkpoint keys are those of the plain module.
 
 Examples:
-    >>> ac = ActivationCheckpointing("selective")
-    >>> apply_activation_checkpointing({"blocks.0": block}, ac)
+    >>> apply_activation_checkpointing({"blocks.0": block}, ActivationCheckpointing("selective"))
     ('blocks.0',)
-    >>> is_checkpointed(block)
-    True
 """
 
 from __future__ import annotations
@@ -51,10 +43,8 @@ input: the feed-forward up-projections are recomputed)."""
 
 _aten = torch.ops.aten
 #: The attention kernels only: ``checkpointing="attention"`` keeps their outputs and
-#: recomputes the rest of a block (the matmuls too). Attention is most of a video block's
-#: FLOPs at long sequences (quadratic in the tokens) but a small part of its activation
-#: memory, so this keeps most of selective checkpointing's speed at a fraction of its
-#: memory (one H200, Wan2.1-1.3B at 480x832x81: ``docs/benchmarks.md``).
+#: recomputes the rest of a block. Attention is most of a video block's FLOPs at long
+#: sequences but a small part of its activation memory.
 ATTENTION_SAVE_OPS: frozenset[Any] = frozenset(
     op
     for op in (

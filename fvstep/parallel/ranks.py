@@ -1,14 +1,11 @@
 """Rank helpers: who am I, wait for the others, share a value, reduce a few numbers.
 
-Every helper works with or without a process group: without one (or on a group of one
-rank) it returns at once with the single-process answer and communicates nothing, so
-code that calls them runs unchanged on one process and under ``torchrun``. They take
-an optional ``group`` (default: the world); the object helpers pickle, so use them for
-small control values (a verdict, an error, a directory listing), not for tensors.
+Without a process group (or on a group of one rank) every helper returns the
+single-process answer at once. The object helpers pickle: use them for small control
+values, not tensors.
 
 Examples:
     >>> rank, world = rank_and_world()
-    >>> error = broadcast_object(error)          # rank 0's value on every rank
     >>> slowest = max_over_ranks([seconds])[0]
 """
 
