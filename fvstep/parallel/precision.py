@@ -6,8 +6,7 @@ precision) and, on one process, :func:`autocast_forward`.
 
 Examples:
     >>> store_in_dtype(teacher, torch.bfloat16); cast_at_boundary(teacher, torch.bfloat16)
-    >>> teacher(x_fp32, t_fp32).dtype
-    torch.float32
+    >>> teacher(x_fp32, t_fp32).dtype   # torch.float32
 """
 
 from __future__ import annotations
