@@ -42,34 +42,28 @@ or ``"narrow"`` (selective, keeping attention and the matmuls that do not widen 
 input: the feed-forward up-projections are recomputed)."""
 
 _aten = torch.ops.aten
+
+
+def _aten_ops(*names: str) -> frozenset[Any]:
+    """The ATen ops of these names that this torch has."""
+    return frozenset(op for name in names if (op := getattr(_aten, name, None)) is not None)
+
+
 #: The attention kernels only: ``checkpointing="attention"`` keeps their outputs and
 #: recomputes the rest of a block. Attention is most of a video block's FLOPs at long
 #: sequences but a small part of its activation memory.
-ATTENTION_SAVE_OPS: frozenset[Any] = frozenset(
-    op
-    for op in (
-        getattr(_aten, "_scaled_dot_product_efficient_attention", None),
-        getattr(_aten, "_scaled_dot_product_flash_attention", None),
-        getattr(_aten, "_scaled_dot_product_cudnn_attention", None),
-        getattr(_aten, "_scaled_dot_product_flash_attention_for_cpu", None),
-        getattr(_aten, "_flash_attention_forward", None),
-        getattr(_aten, "_efficient_attention_forward", None),
-    )
-    if op is not None
+ATTENTION_SAVE_OPS: frozenset[Any] = _aten_ops(
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_flash_attention_forward",
+    "_efficient_attention_forward",
 )
 
 #: Ops whose outputs selective checkpointing keeps (torchtitan's list, less collectives):
 #: matmuls and the attention kernels, whose recomputation costs the most FLOPs.
-DEFAULT_SAVE_OPS: frozenset[Any] = ATTENTION_SAVE_OPS | frozenset(
-    op
-    for op in (
-        getattr(_aten, "mm", None),
-        getattr(_aten, "addmm", None),
-        getattr(_aten, "bmm", None),
-        getattr(_aten, "baddbmm", None),
-    )
-    if op is not None
-)
+DEFAULT_SAVE_OPS: frozenset[Any] = ATTENTION_SAVE_OPS | _aten_ops("mm", "addmm", "bmm", "baddbmm")
 
 
 @attrs.frozen
@@ -113,7 +107,7 @@ class ActivationCheckpointing:
         if self.mode not in ("none", "full", "selective"):
             raise ValueError(
                 f"activation checkpointing mode must be 'none', 'full' or 'selective' (or, "
-                f"for prepare, the name 'attention'), not {self.mode!r}"
+                f"for prepare, 'attention' or 'narrow'), not {self.mode!r}"
             )
         if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
             raise ValueError(f"every must be an int >= 1, not {self.every!r}")

@@ -91,18 +91,13 @@ def _install_plan(module: nn.Module, plan: dict[str, Any], mesh: DeviceMesh) -> 
     """
     with needs_extra("models", "context parallelism"):
         from diffusers.hooks.context_parallel import EquipartitionSharder
-        from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
+        from diffusers.models._modeling_parallel import ContextParallelOutput
 
     for name, entry in plan.items():
         sub = module.get_submodule(name) if name else module
         if isinstance(entry, dict):
             params = _forward_params(sub)
-            inputs = {
-                k: v
-                for k, v in entry.items()
-                if not (isinstance(v, ContextParallelInput) and v.split_output)
-            }
-            outputs = {k: v for k, v in entry.items() if k not in inputs}
+            inputs, outputs = _split_specs(entry)
 
             def split_inputs(
                 m: nn.Module,
@@ -284,20 +279,29 @@ def _forward_params(sub: nn.Module) -> list[str]:
     return list(inspect.signature(type(sub).forward).parameters)[1:]
 
 
-def _check_plan_signatures(module: nn.Module, plan: dict[str, Any]) -> None:
-    """Refuse a module whose planned submodules no longer take their inputs by name (a
-    wrapper module such as torch's ``checkpoint_wrapper``, or ``torch.compile(module)``)."""
+def _split_specs(entry: dict[Any, Any]) -> tuple[dict[Any, Any], dict[Any, Any]]:
+    """A planned submodule's specs that split its inputs, and those that split its outputs."""
     with needs_extra("models", "context parallelism"):
         from diffusers.models._modeling_parallel import ContextParallelInput
 
+    inputs = {
+        k: v
+        for k, v in entry.items()
+        if not (isinstance(v, ContextParallelInput) and v.split_output)
+    }
+    return inputs, {k: v for k, v in entry.items() if k not in inputs}
+
+
+def _check_plan_signatures(module: nn.Module, plan: dict[str, Any]) -> None:
+    """Refuse a module whose planned submodules no longer take their inputs by name (a
+    wrapper module such as torch's ``checkpoint_wrapper``, or ``torch.compile(module)``)."""
     for name, entry in plan.items():
         if not isinstance(entry, dict):
             continue
         sub = module.get_submodule(name) if name else module
         params = _forward_params(sub)
-        for key, spec in entry.items():
-            splits_input = not (isinstance(spec, ContextParallelInput) and spec.split_output)
-            if isinstance(key, str) and splits_input and key not in params:
+        for key in _split_specs(entry)[0]:
+            if isinstance(key, str) and key not in params:
                 raise ValueError(
                     f"submodule {name or '<root>'!r} ({type(sub).__name__}) takes no argument {key!r} that the plan "
                     "splits: apply context parallel before wrapping blocks in modules (docs/concepts/context-parallel.md)"

@@ -134,13 +134,9 @@ def min_over_ranks(
 
 @contextlib.contextmanager
 def host_group() -> Iterator[Any]:
-    """A process group whose collectives run on the CPU, for the duration of the block.
-
-    For control messages between ranks (a stop flag after each step) that must not wait
-    for the GPU: under NCCL a collective of a CUDA tensor, read back on the host, waits
-    for every kernel queued before it; over gloo it waits for the other ranks' hosts only.
-    A new gloo group over every rank whatever the world's backend (one code path, the one
-    the CPU tests run). Collective: every rank enters and leaves it together.
+    """A gloo group over every rank, for the duration of the block: control messages
+    that must not wait for the GPU (an NCCL collective read on the host waits for every
+    kernel queued before it). Collective: every rank enters and leaves it together.
 
     Yields:
         ``None`` on one process; else the gloo group, destroyed on exit.
