@@ -223,6 +223,7 @@ def prepare(
             "backward under context parallel cannot be traced (docs/concepts/context-parallel.md)"
         )
     submodules = dict(module.named_modules())
+    named_blocks = {name: submodules[name] for name in names}
     if attention_backend is not None:
         setter = getattr(module, "set_attention_backend", None)
         if setter is None:
@@ -248,20 +249,16 @@ def prepare(
     if checkpoint_context is None:
         checkpoint_context = module.__dict__.get("_fvstep_checkpoint_context")
     checkpointed = apply_activation_checkpointing(
-        {name: submodules[name] for name in names}, ac, checkpoint_context=checkpoint_context
+        named_blocks, ac, checkpoint_context=checkpoint_context
     )
     offloaded: tuple[str, ...] = ()
     if offloading is not None:
-        offloaded = apply_activation_offloading(
-            {name: submodules[name] for name in names}, offloading
-        )
+        offloaded = apply_activation_offloading(named_blocks, offloading)
     if compile_kwargs is not None:
-        apply_compile([submodules[name] for name in names], compile_kwargs)
+        apply_compile(named_blocks.values(), compile_kwargs)
         if verify_compile is not False:  # a pre-hook: runs after FSDP2's (it prepends)
-            for name in names:
-                install_compile_check(
-                    submodules[name], name=name, threshold=verify_threshold, mesh=mesh
-                )
+            for name, block in named_blocks.items():
+                install_compile_check(block, name=name, threshold=verify_threshold, mesh=mesh)
     if mesh is not None and param_dtype is not None and trainable:
         cast_at_boundary(module, param_dtype, full_precision_inputs=keep)
     if mesh is None and param_dtype is not None:  # one process: autocast, as FSDP2 casts
