@@ -246,10 +246,8 @@ def apply_activation_checkpointing(
 ) -> tuple[str, ...]:
     """Give each block that ``ac`` chooses a forward that runs under ``checkpoint``.
 
-    In place: each chosen block gets an instance ``forward`` (the class's, run under
-    ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``); the module tree and the
-    parameter names stay as they were. Under ``no_grad`` a checkpointed block just runs
-    its forward.
+    In place, with ``use_reentrant=False``; the module tree and the parameter names stay
+    as they were. Under ``no_grad`` a checkpointed block just runs its forward.
 
     Args:
         blocks: The blocks by qualified name, in module order (``ac.every`` counts them).

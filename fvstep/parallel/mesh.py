@@ -155,9 +155,8 @@ def shard_module(
 def make_context_mesh(*, context: int, device_type: str | None = None) -> DeviceMesh:
     """A 2-D ``("data", "context")`` device mesh over every rank, context innermost.
 
-    The ranks of one context group are consecutive (``rank = data * context + c``), so
-    ``rank // context`` is the data-parallel replica (``fvstep.parallel.Layout(mesh)``). Shard the roles with FSDP2 over
-    every rank (``shard_module(module, mesh=make_mesh())``), which spans each context group.
+    The ranks of one context group are consecutive, so ``rank // context`` is the
+    data-parallel replica. Shard the roles with FSDP2 over every rank (:func:`make_mesh`).
 
     Args:
         context: Ranks per context group (the sequence is split ``context`` ways), ``>= 2``.
