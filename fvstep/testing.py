@@ -37,14 +37,12 @@ from fvstep.executor.loop import run
 from fvstep.parallel.compile_check import (
     DEFAULT_THRESHOLD,
     CompiledGradientReport,
-    compiled_gradient_error,
-)
-from fvstep.parallel.compile_check_hooks import (
     block_parameters,
+    compare_compiled_gradients,
+    compiled_gradient_error,
     install_compile_check,
     is_compiled_in_place,
 )
-from fvstep.parallel.gradient_comparison import compare_compiled_gradients
 from fvstep.parallel.mesh import is_sharded
 
 __all__ = [

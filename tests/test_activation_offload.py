@@ -28,7 +28,8 @@ from fvstep.parallel.activation_offload import (
     resolve_offloading,
 )
 from fvstep.parallel.block_compile import compile_counts
-from fvstep.parallel.prepare import block_names, preparation, prepare
+from fvstep.parallel.mesh import block_names
+from fvstep.parallel.prepare import preparation, prepare
 
 CPU_COMPILE = {"backend": "aot_eager"}
 CUDA = torch.cuda.is_available()
@@ -110,7 +111,7 @@ def test_bad_offloading_options_are_refused_with_a_clear_error():
 
 
 def test_only_plain_contiguous_cuda_tensors_of_min_bytes_are_movable():
-    from fvstep.parallel.offload_copies import CudaCopies
+    from fvstep.parallel.activation_offload import CudaCopies
 
     copies = CudaCopies()
     assert not copies.movable(torch.zeros(1024), 1)  # a CPU tensor stays

@@ -40,13 +40,15 @@ from fvstep.core.random import fold_in
 from fvstep.methods import dmd2, finetune
 from fvstep.methods.models import synthetic_batch, tiny_wan
 from fvstep.parallel.block_compile import compile_counts
-from fvstep.parallel.compile_check import DEFAULT_THRESHOLD, ROUNDING_FLOOR, CompiledGradientError
-from fvstep.parallel.compile_check_hooks import (
+from fvstep.parallel.compile_check import (
+    DEFAULT_THRESHOLD,
+    ROUNDING_FLOOR,
+    CompiledGradientError,
+    compare_compiled_gradients,
     compile_check_reports,
     install_compile_check,
     is_compiled_in_place,
 )
-from fvstep.parallel.gradient_comparison import compare_compiled_gradients
 from fvstep.parallel.prepare import prepare
 from fvstep.testing import check_compiled_gradients
 
@@ -293,16 +295,16 @@ def test_a_graph_already_checked_is_not_checked_again(monkeypatch):
     """Once per graph: calls at 4, 4, 32, 4, 32 tokens are two graphs a block (block 1's
     input requires grad, block 0's does not: four in all), so two comparisons a block,
     whatever the order of the calls, and no graph more than without the check."""
-    from fvstep.parallel import compile_check_hooks
+    from fvstep.parallel import compile_check
 
     made: list[str] = []
 
-    class Counted(compile_check_hooks.Comparison):
+    class Counted(compile_check.Comparison):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             made.append(args[4])  # the block's name
             super().__init__(*args, **kwargs)
 
-    monkeypatch.setattr(compile_check_hooks, "Comparison", Counted)
+    monkeypatch.setattr(compile_check, "Comparison", Counted)
 
     def graphs(verify: bool) -> int:
         torch._dynamo.reset()

@@ -35,7 +35,8 @@ from fvstep.parallel.activation_checkpoint import (
     resolve_checkpointing,
 )
 from fvstep.parallel.block_compile import compile_counts
-from fvstep.parallel.prepare import block_names, preparation, prepare
+from fvstep.parallel.mesh import block_names
+from fvstep.parallel.prepare import preparation, prepare
 
 CPU_COMPILE = {"backend": "aot_eager"}  # dynamo + AOTAutograd, no C++ toolchain needed
 

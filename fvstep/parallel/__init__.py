@@ -16,8 +16,11 @@ from fvstep.parallel.activation_checkpoint import ActivationCheckpointing
 from fvstep.parallel.activation_offload import ActivationOffloading
 from fvstep.parallel.block_compile import compile_counts
 from fvstep.parallel.collectives import CollectiveCounter
-from fvstep.parallel.compile_check import CompiledGradientReport
-from fvstep.parallel.compile_check_hooks import compile_check_reports
+from fvstep.parallel.compile_check import (
+    CompiledGradientReport,
+    compare_compiled_gradients,
+    compile_check_reports,
+)
 from fvstep.parallel.context import (
     ContextParallelMode,
     applied_context_group,
@@ -36,7 +39,6 @@ from fvstep.parallel.grad_sync import (
     release_modules,
     unrested_modules,
 )
-from fvstep.parallel.gradient_comparison import compare_compiled_gradients
 from fvstep.parallel.launcher import destroy, init_from_env, launch
 from fvstep.parallel.layout import Layout, default_layout
 from fvstep.parallel.mesh import (

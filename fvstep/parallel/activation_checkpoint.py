@@ -1,20 +1,12 @@
 """Activation checkpointing per block: which blocks recompute their activations, and how much.
 
-The first step of :func:`fvstep.parallel.prepare` (torchtitan's ``activation_checkpoint.py``):
-none, full, every n-th block, or *selective*, op-level, saving the outputs of matmuls and
-attention as torchtitan's selective AC does, through
-``torch.utils.checkpoint.checkpoint(use_reentrant=False, context_fn=...)``.
-
-**Names do not change.** A chosen block gets an instance ``forward`` that runs the
-class's forward under ``checkpoint`` (no ``checkpoint_wrapper`` module in the path), so
-parameter names, and so fvstep's checkpoint keys, are those of the plain module.
+None, full, every n-th block, or selective (op-level, as torchtitan's). A chosen block
+gets an instance ``forward`` that runs the class's under ``checkpoint``: no wrapper
+module, so parameter names and checkpoint keys are those of the plain module.
 
 Examples:
-    >>> ac = ActivationCheckpointing("selective")
-    >>> apply_activation_checkpointing({"blocks.0": block}, ac)
+    >>> apply_activation_checkpointing({"blocks.0": block}, ActivationCheckpointing("selective"))
     ('blocks.0',)
-    >>> is_checkpointed(block)
-    True
 """
 
 from __future__ import annotations
@@ -50,36 +42,28 @@ or ``"narrow"`` (selective, keeping attention and the matmuls that do not widen 
 input: the feed-forward up-projections are recomputed)."""
 
 _aten = torch.ops.aten
+
+
+def _aten_ops(*names: str) -> frozenset[Any]:
+    """The ATen ops of these names that this torch has."""
+    return frozenset(op for name in names if (op := getattr(_aten, name, None)) is not None)
+
+
 #: The attention kernels only: ``checkpointing="attention"`` keeps their outputs and
-#: recomputes the rest of a block (the matmuls too). Attention is most of a video block's
-#: FLOPs at long sequences (quadratic in the tokens) but a small part of its activation
-#: memory, so this keeps most of selective checkpointing's speed at a fraction of its
-#: memory (one H200, Wan2.1-1.3B at 480x832x81: ``docs/benchmarks.md``).
-ATTENTION_SAVE_OPS: frozenset[Any] = frozenset(
-    op
-    for op in (
-        getattr(_aten, "_scaled_dot_product_efficient_attention", None),
-        getattr(_aten, "_scaled_dot_product_flash_attention", None),
-        getattr(_aten, "_scaled_dot_product_cudnn_attention", None),
-        getattr(_aten, "_scaled_dot_product_flash_attention_for_cpu", None),
-        getattr(_aten, "_flash_attention_forward", None),
-        getattr(_aten, "_efficient_attention_forward", None),
-    )
-    if op is not None
+#: recomputes the rest of a block. Attention is most of a video block's FLOPs at long
+#: sequences but a small part of its activation memory.
+ATTENTION_SAVE_OPS: frozenset[Any] = _aten_ops(
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_flash_attention_forward",
+    "_efficient_attention_forward",
 )
 
 #: Ops whose outputs selective checkpointing keeps (torchtitan's list, less collectives):
 #: matmuls and the attention kernels, whose recomputation costs the most FLOPs.
-DEFAULT_SAVE_OPS: frozenset[Any] = ATTENTION_SAVE_OPS | frozenset(
-    op
-    for op in (
-        getattr(_aten, "mm", None),
-        getattr(_aten, "addmm", None),
-        getattr(_aten, "bmm", None),
-        getattr(_aten, "baddbmm", None),
-    )
-    if op is not None
-)
+DEFAULT_SAVE_OPS: frozenset[Any] = ATTENTION_SAVE_OPS | _aten_ops("mm", "addmm", "bmm", "baddbmm")
 
 
 @attrs.frozen
@@ -123,7 +107,7 @@ class ActivationCheckpointing:
         if self.mode not in ("none", "full", "selective"):
             raise ValueError(
                 f"activation checkpointing mode must be 'none', 'full' or 'selective' (or, "
-                f"for prepare, the name 'attention'), not {self.mode!r}"
+                f"for prepare, 'attention' or 'narrow'), not {self.mode!r}"
             )
         if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
             raise ValueError(f"every must be an int >= 1, not {self.every!r}")
@@ -262,10 +246,8 @@ def apply_activation_checkpointing(
 ) -> tuple[str, ...]:
     """Give each block that ``ac`` chooses a forward that runs under ``checkpoint``.
 
-    In place: each chosen block gets an instance ``forward`` (the class's, run under
-    ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``); the module tree and the
-    parameter names stay as they were. Under ``no_grad`` a checkpointed block just runs
-    its forward.
+    In place, with ``use_reentrant=False``; the module tree and the parameter names stay
+    as they were. Under ``no_grad`` a checkpointed block just runs its forward.
 
     Args:
         blocks: The blocks by qualified name, in module order (``ac.every`` counts them).

@@ -1,38 +1,11 @@
 """Activation offloading per block: saved activations wait in pinned host memory.
 
-The memory lever that recomputes nothing. A chosen block's forward runs under
-``torch.autograd.graph.saved_tensors_hooks``: every tensor it saves for backward (under
-``torch.compile``, what the compiled block's autograd function saves) that is a plain,
-contiguous CUDA tensor of at least ``min_bytes`` is copied to pinned host memory on a
-side stream; its device memory is released once the copy is done and the forward has
-returned. The copies come back on a second side stream **one block ahead**: when the
-backward of the block after an offloaded one starts. Parameters never move (FSDP2 frees
-and re-gathers them), nor tensors off a CUDA device: on a CPU nothing moves.
-
-The copies are exact: a step with offloading is bitwise the step without it. Autograd
-checks no version counter under saved-tensor hooks, so the hooks do: a saved tensor
-changed in place raises autograd's own error in backward, whether kept on the device,
-moved and changed before its block's forward returns (it is held until then), moved and
-alive at backward, or changed through the block's output that shares its memory (a
-compiled function may save a separate object sharing the memory and version counter of
-a tensor it returns; an eager block may return ``z.detach()`` of a saved ``z``). Unseen,
-where plain autograd raises: a moved tensor changed after its block returned and then
-freed, with every tensor of the same layout over its memory, before backward; or changed
-through a view of another shape. The copy then holds the value of the forward. An output
-of the same layout with a version counter of its own (``z.data``) is watched all the
-same: changing it raises, where plain autograd does not.
-
-What it costs is PCIe bandwidth: each offloaded block's saved tensors cross it twice a
-step. Choose ``every`` so that the copy of one block's activations takes less time than
-the forward (and the backward) of ``every`` blocks (``docs/benchmarks.md``, an H200).
-
-State: the host copies live as long as the autograd graph that saved them, the side
-streams are per device; nothing outlives a step's backward or belongs in ``TrainState``.
-
-Examples:
-    >>> offload = ActivationOffloading(every=4)
-    >>> apply_activation_offloading({"blocks.0": block, "blocks.1": other}, offload)
-    ('blocks.0',)
+A chosen block's forward runs under ``torch.autograd.graph.saved_tensors_hooks``: what it
+saves for backward (plain contiguous CUDA tensors of at least ``min_bytes``) is copied to
+pinned host memory on a side stream, and comes back on a second one when the backward of
+the block after it starts. The copies are exact, and the hooks check version counters as
+autograd would. What moves, what is checked and what it costs:
+``docs/concepts/prepare.md`` (Activation offloading).
 """
 
 from __future__ import annotations
@@ -49,10 +22,10 @@ from torch import nn
 
 from fvstep.core._checks import check_int
 from fvstep.core._compat import tensor_version
-from fvstep.parallel.offload_copies import CudaCopies
 
 __all__ = [
     "ActivationOffloading",
+    "CudaCopies",
     "apply_activation_offloading",
     "is_offloaded",
     "offloaded_bytes",
@@ -120,6 +93,63 @@ def _changed_in_place(t: torch.Tensor, now: int, then: int) -> RuntimeError:
         f"inplace operation: a {tuple(t.shape)} {t.dtype} tensor saved by an "
         f"offloading-hooked block is at version {now}; expected version {then} instead"
     )
+
+
+class CudaCopies:
+    """How tensors go to pinned host memory and back: on two side streams per device.
+
+    A copy out waits for the compute stream and keeps the device memory from reuse until
+    it has been read; a copy back waits for the copy out, and the compute stream for it.
+    """
+
+    def __init__(self) -> None:
+        self._streams: dict[torch.device, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}
+
+    def _pair(self, device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
+        """The device's (host-bound, device-bound) copy streams."""
+        if device not in self._streams:
+            self._streams[device] = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+        return self._streams[device]
+
+    def movable(self, t: torch.Tensor, min_bytes: int) -> bool:
+        """Whether ``t`` is worth moving: a plain contiguous CUDA tensor of ``min_bytes``
+        or more (a parameter, a subclass, a view with gaps or a CPU tensor stays)."""
+        return (
+            type(t) is torch.Tensor  # not a Parameter, DTensor or other subclass
+            and t.device.type == "cuda"
+            and t.is_contiguous()
+            and t.numel() * t.element_size() >= min_bytes
+        )
+
+    def out(self, t: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """Start copying ``t`` to the host: the copy and the event that says it is done."""
+        d2h, _ = self._pair(t.device)
+        d2h.wait_stream(torch.cuda.current_stream(t.device))
+        with torch.cuda.stream(d2h):
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            host.copy_(t, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(d2h)
+        t.record_stream(d2h)  # its memory is not reused before the copy has read it
+        return host, done
+
+    def back(self, host: torch.Tensor, device: torch.device, done: Any) -> tuple[torch.Tensor, Any]:
+        """Start copying ``host`` back to ``device`` once its copy out is ``done``."""
+        _, h2d = self._pair(device)
+        h2d.wait_event(done)
+        with torch.cuda.stream(h2d):
+            back = torch.empty(host.shape, dtype=host.dtype, device=device)
+            back.copy_(host, non_blocking=True)
+            arrived = torch.cuda.Event()
+            arrived.record(h2d)
+        return back, arrived
+
+    def ready(self, back: torch.Tensor, arrived: Any) -> torch.Tensor:
+        """``back``, usable on the current stream (which waits for it to arrive)."""
+        stream = torch.cuda.current_stream(back.device)
+        stream.wait_event(arrived)
+        back.record_stream(stream)  # not reused before the backward has read it
+        return back
 
 
 class _Kept:
@@ -219,12 +249,9 @@ class _Call:
         """The block's forward returned: check what it changed in place since it saved it,
         and watch the rest through weakrefs (the tensors may now be freed).
 
-        A block's output that is the same memory as a saved tensor (same address, dtype,
-        shape, strides and version) is watched too: a compiled function may save a
-        separate tensor object sharing the memory and version counter of one it returns
-        (and an eager block may return ``z.detach()`` of a saved ``z``). The saved object
-        is freed here; the caller's output lives on, and a change through it is what
-        plain autograd would catch."""
+        An output that is the same memory as a saved tensor (same address, layout and
+        version) is watched too: a compiled function may save a separate object sharing
+        the memory and version counter of one it returns."""
         aliases: dict[tuple[Any, ...], list[torch.Tensor]] = {}
         for o in outputs:
             aliases.setdefault(_memory(o), []).append(o)
@@ -286,9 +313,8 @@ _LOOKAHEAD = 1
 
 
 class _Offloader:
-    """The offloading of one prepared module's chosen blocks: how tensors move
-    (``copies``), the order of the calls (to know which to bring back next), and the bytes
-    moved so far."""
+    """The offloading of one prepared module's blocks: the copies, the order of the calls
+    (which to bring back next) and the bytes moved so far."""
 
     def __init__(self, min_bytes: int, copies: Any = None) -> None:
         self.min_bytes = min_bytes
@@ -336,12 +362,9 @@ def _install(block: nn.Module, offloader: _Offloader, offloads: bool) -> None:
     def leave(module: nn.Module, args: Any, output: Any) -> None:
         _leave(contexts, output)
 
-    # The hooks' own frames are skipped by dynamo (run as Python around a compiled
-    # block's graph, so they see what the compiled autograd function saves, with no graph
-    # break). What they call is disabled recursively: a function that a skipped frame
-    # calls is compiled by dynamo otherwise, and a compiled ``end_forward`` read the
-    # tensors' versions as constants of its trace (a false "modified by an inplace
-    # operation" under Inductor).
+    # The hooks' frames are skipped by dynamo, so they run around a compiled block's graph
+    # and see what it saves. What they call is disabled recursively: a compiled
+    # ``end_forward`` would read the tensors' versions as constants of its trace.
     block.register_forward_pre_hook(torch.compiler.disable(enter, recursive=False))
     block.register_forward_hook(torch.compiler.disable(leave, recursive=False), always_call=True)
     object.__setattr__(block, _OFFLOADED_ATTR, (offloader, offloads))

@@ -1,17 +1,8 @@
 """``torch.compile`` per block: the options, the recompile limit, and what dynamo compiled.
 
-The second step of :func:`fvstep.parallel.prepare` (torchtitan's ``compile.py``): each
-block is compiled in place (``block.compile()``, no ``_orig_mod``: parameter names do not
-change), with ``fullgraph=True, dynamic=False`` and, under Inductor,
-:data:`SAFE_INDUCTOR_OPTIONS`.
-
-**Compiles are bounded.** fvstep turns other roles' ``requires_grad`` off while a unit
-runs, and a role is read with and without grad mode, so a block's graph is specialised
-on (grad mode, parameters' ``requires_grad``): at most three graphs for all blocks of all
-roles with the same code and shapes (``inline_inbuilt_nn_modules`` shares them across
-block instances), compiled with ``dynamic=False`` so that a second shape is a second
-graph rather than a slower, dynamic one. :func:`compile_counts` reports what dynamo
-compiled, so a benchmark can show it.
+Each block is compiled in place (``block.compile()``, no ``_orig_mod``: parameter names
+do not change) with ``fullgraph=True, dynamic=False`` and, under Inductor,
+:data:`SAFE_INDUCTOR_OPTIONS`. Why compiles stay bounded: ``docs/concepts/prepare.md``.
 
 Examples:
     >>> apply_compile(model.blocks, resolve_compile_options(True))
@@ -36,21 +27,15 @@ __all__ = [
 ]
 
 #: Inductor options every prepared block is compiled with (unless the caller overrides them).
-#: ``triton.mix_order_reduction`` (on by default since torch 2.10) computes silently wrong
-#: gradients for chained modulated norms whose shift/scale are chunks of one shared
-#: parameter — Wan's ``scale_shift_table`` — once batch x sequence exceeds ~16k tokens
-#: (pytorch/pytorch#193061). Measured on an H200 with torch 2.11 at 32,760 tokens
-#: (tests/gpu/compile_nan.py, docs/gpu.md): the compiled gradient of ``scale_shift_table``
-#: and ``time_proj`` was ~9000x the eager one, in fp32 too; DMD2 on 2 GPUs got NaN.
+#: ``triton.mix_order_reduction`` computes wrong gradients for Wan's ``scale_shift_table``
+#: at long sequences (pytorch/pytorch#193061, ``docs/concepts/prepare.md``).
 SAFE_INDUCTOR_OPTIONS: dict[str, Any] = {"triton.mix_order_reduction": False}
 
 
 #: The least recompile limit (``torch._dynamo.config.recompile_limit``, default 8) that
-#: :func:`fvstep.parallel.prepare` sets when it compiles. The blocks of every role it
-#: compiles share one code object (the block class's forward, or the checkpointed forward
-#: around it), and each (role, grad mode, input requires-grad) combination that reaches a
-#: block is a graph of it: full-weight DMD2 compiles 4, DMD2 over a LoRA base 7, and both
-#: in one process (a benchmark's two sides) 11, past the default.
+#: :func:`fvstep.parallel.prepare` sets when it compiles: the blocks of every role share
+#: one code object, and each (role, grad mode, input ``requires_grad``) that reaches a
+#: block is a graph of it (DMD2 over a LoRA base: 7).
 RECOMPILE_LIMIT = 64
 
 
@@ -98,9 +83,8 @@ def resolve_compile_options(compile: bool | Mapping[str, Any]) -> dict[str, Any]
 def apply_compile(blocks: Iterable[nn.Module], options: Mapping[str, Any]) -> None:
     """Compile each block in place with ``options``, the recompile limit raised first.
 
-    Dynamo's recompile limit is raised to :data:`RECOMPILE_LIMIT` at least (a
-    process-wide setting): every block of every compiled role shares one code object.
-    ``block.compile()`` compiles in place, so parameter names do not change.
+    Dynamo's recompile limit, a process-wide setting, is raised to
+    :data:`RECOMPILE_LIMIT` at least.
 
     Args:
         blocks: The blocks to compile.
@@ -117,10 +101,8 @@ def apply_compile(blocks: Iterable[nn.Module], options: Mapping[str, Any]) -> No
 def compile_counts() -> dict[str, int]:
     """What dynamo compiled in this process so far: graphs and graph breaks.
 
-    Read from ``torch._dynamo.utils.counters`` (process-wide, as dynamo keeps them): take
-    the difference of two calls around the code of interest. Every graph past the first
-    of a block's code is a recompile; a prepared role's blocks share their graphs (at
-    most one per grad mode and ``requires_grad`` pattern and input shape).
+    Process-wide, as dynamo counts them: take the difference of two calls around the
+    code of interest.
 
     Returns:
         ``{"graphs": ..., "graph_breaks": ...}``.

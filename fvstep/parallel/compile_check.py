@@ -1,51 +1,64 @@
-"""Compiled gradients checked against eager ones, block by block.
+"""Compiled gradients checked against eager ones, block by block, once per compiled graph.
 
-Inductor once computed Wan's gradients ~10^4 times wrong without a word
-(pytorch/pytorch#193061), so fvstep can compare, once per compiled graph, a compiled
-block's gradients with its eager ones on its real inputs, before any reaches a parameter.
-The comparison is :mod:`fvstep.parallel.gradient_comparison`, the hooks that arm a block
-:mod:`fvstep.parallel.compile_check_hooks`; this module holds the verdict: the threshold
-(:data:`DEFAULT_THRESHOLD`), the floors, :class:`GradientDifference`,
-:class:`CompiledGradientReport` and :class:`CompiledGradientError`. The ratios, the fp32
-probe and the cost: ``docs/concepts/prepare.md`` (Checking compiled gradients).
+:func:`install_compile_check` (what ``prepare(..., verify_compile=True)`` installs) arms a
+block compiled in place; :func:`compare_compiled_gradients` runs one comparison on its
+own. A block whose compiled gradients are off by more than the threshold times eager's
+rounding noise raises :class:`CompiledGradientError` before any gradient reaches a
+parameter. What is compared, the ratios, the fp32 probe and the cost:
+``docs/concepts/prepare.md`` (Checking compiled gradients).
 """
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import math
+import time
+import weakref
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from typing import Any
 
 import attrs
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
+from fvstep.core import random as fsrandom
 from fvstep.core.errors import CompiledGradientError
+from fvstep.parallel.ranks import max_over_ranks
 
 __all__ = [
     "DEFAULT_THRESHOLD",
     "GRADIENT_FLOOR",
     "ROUNDING_FLOOR",
+    "Comparison",
+    "CompileCheck",
     "CompiledGradientReport",
     "GradientDifference",
+    "block_parameters",
+    "compare_compiled_gradients",
+    "compile_check_reports",
     "compiled_gradient_error",
+    "graph_key",
+    "input_names",
+    "install_compile_check",
+    "is_compiled_in_place",
+    "positional_names",
     "resolve_threshold",
 ]
 
-#: The largest ratio that passes (the module docstring). Measured at 32,760 tokens on an
-#: H200 (``docs/concepts/prepare.md``): a correct compile 0.1 in fp32 and ~1 in bf16 (its
-#: error about eager's noise), pytorch/pytorch#193061 ~1e4 in fp32 (and in bf16's fp32
-#: probe) and 30–60 against bf16's noise: tenfold margins both ways.
+#: The largest ratio that passes: a correct compile is about 1 in bf16 and below it in
+#: fp32, a compiler bug far above (measured: ``docs/concepts/prepare.md``).
 DEFAULT_THRESHOLD = 20.0
 
-#: The least relative rounding noise a gradient is credited with (``‖g_e − g_r‖ / s``
-#: below it counts as this): in fp32, where eager is its own reference, it is the noise,
-#: and ``DEFAULT_THRESHOLD × ROUNDING_FLOOR`` (1e-3) the relative error allowed; compiled
-#: and eager fp32 gradients differ by 1e-7 to 2e-5 (summation order) at 32,760 tokens.
+#: The least relative rounding noise a gradient is credited with. In fp32, where eager is
+#: its own reference, it is the noise: ``DEFAULT_THRESHOLD × ROUNDING_FLOOR`` is then the
+#: relative error allowed.
 ROUNDING_FLOOR = 1e-5
 
 #: A parameter's gradient is measured against at least this fraction of the block's
-#: largest root-mean-square gradient (times the square root of its size). Wan's
-#: cross-attention ``attn2.to_k.bias`` has an exact-zero gradient (a bias on every key
-#: shifts all logits of a query alike): in fp32 its gradient is rounding noise around 0,
-#: which measured against itself would fail any compile.
+#: largest root-mean-square gradient (times the square root of its size), so that an
+#: exact-zero gradient (Wan's ``attn2.to_k.bias``) is not measured against its own noise.
 GRADIENT_FLOOR = 0.1
 
 
@@ -53,16 +66,17 @@ GRADIENT_FLOOR = 0.1
 class GradientDifference:
     """How one tensor's compiled gradient differs from its eager one, against eager's noise.
 
+    The symbols (``g_c``, ``g_e``, ``g_r``, ``g_p``, ``s``) are those of
+    ``docs/concepts/prepare.md`` (How the verdict is formed).
+
     Attributes:
         name: The parameter's name in the block (``"scale_shift_table"``), or
             ``"input <name>"`` for an input of the block's forward.
-        relative_error: ``‖g_c − g_e‖ / s`` (module docstring): the compiled graph's
-            gradient against eager's; ``inf`` or ``nan`` when a gradient is not finite.
-        relative_noise: ``‖g_e − g_r‖ / s``: eager's rounding, against its fp32
-            reference (0 in fp32, where eager is the reference).
-        fp32_relative_error: ``‖g_p − g_r‖ / s``: the block compiled in fp32 (the probe)
-            against eager in fp32; ``None`` where no probe ran (the block computes in
-            fp32 or TF32).
+        relative_error: ``‖g_c − g_e‖ / s``; ``inf`` or ``nan`` when a gradient is not
+            finite.
+        relative_noise: ``‖g_e − g_r‖ / s`` (0 in fp32, where eager is the reference).
+        fp32_relative_error: ``‖g_p − g_r‖ / s`` (the probe); ``None`` where no probe ran
+            (the block computes in fp32 or TF32).
         eager_norm: ``‖g_e‖``.
         compiled_norm: ``‖g_c‖``.
     """
@@ -76,15 +90,13 @@ class GradientDifference:
 
     @property
     def noise_is_floor(self) -> bool:
-        """Whether the graph's ratio is taken against :data:`ROUNDING_FLOOR` (the measured
-        noise is below it, or not finite)."""
+        """Whether the measured noise is below :data:`ROUNDING_FLOOR` (or not finite)."""
         return not (self.relative_noise >= ROUNDING_FLOOR and math.isfinite(self.relative_noise))
 
     @property
     def graph_ratio(self) -> float:
         """``relative_error / max(relative_noise, ROUNDING_FLOOR)`` (``inf`` if not finite)."""
-        noise = ROUNDING_FLOOR if self.noise_is_floor else self.relative_noise
-        return _finite_or_inf(self.relative_error / noise)
+        return _finite_or_inf(self.relative_error / self._noise)
 
     @property
     def fp32_ratio(self) -> float:
@@ -128,8 +140,7 @@ class CompiledGradientReport:
         threshold: The largest ratio (:attr:`GradientDifference.ratio`) that passes.
         precision: What the block computed in: ``"fp32"``, ``"tf32"``, ``"bf16"`` or
             ``"fp16"`` (autocast's dtype, else the lowest floating dtype of its
-            parameters and inputs); below ``"fp32"`` the noise is measured against an
-            eager fp32 reference.
+            parameters and inputs).
         differences: One per parameter and input that requires grad, in module order.
         seconds: Wall time of the comparison (every forward and backward of it).
         reference_seconds: Wall time of the fp32 reference's forward and backward (0 in
@@ -147,7 +158,7 @@ class CompiledGradientReport:
     def failures(self) -> tuple[GradientDifference, ...]:
         """The differences above the threshold (a non-finite one is above it), worst first."""
         bad = [d for d in self.differences if not d.ratio <= self.threshold]
-        return tuple(sorted(bad, key=_badness, reverse=True))
+        return tuple(sorted(bad, key=_ratio, reverse=True))
 
     @property
     def passed(self) -> bool:
@@ -157,17 +168,16 @@ class CompiledGradientReport:
     @property
     def worst(self) -> GradientDifference | None:
         """The largest ratio (``None`` when nothing required grad)."""
-        return max(self.differences, key=_badness, default=None)
+        return max(self.differences, key=_ratio, default=None)
 
     @property
     def worst_ratio(self) -> float:
         """The largest ratio (``inf`` when not finite, 0 when nothing required grad)."""
         worst = self.worst
-        return 0.0 if worst is None else _badness(worst)
+        return 0.0 if worst is None else worst.ratio
 
     def describe(self) -> dict[str, Any]:
-        """A JSON-friendly summary (for benchmarks and logs): the verdict, the threshold,
-        and the worst tensor's ratio, error and noise."""
+        """A JSON-friendly summary: the verdict, the threshold, the worst tensor's numbers."""
         worst = self.worst
         return {
             "block": self.block,
@@ -188,7 +198,7 @@ class CompiledGradientReport:
         }
 
 
-def _badness(d: GradientDifference) -> float:
+def _ratio(d: GradientDifference) -> float:
     return d.ratio
 
 
@@ -219,17 +229,18 @@ def compiled_gradient_error(report: CompiledGradientReport) -> CompiledGradientE
         more = f" and {len(failures) - 4} more" if len(failures) > 4 else ""
         lines.append(f"also above it: {shown}{more}")
     lines.append(
-        "Training on these gradients would learn the wrong thing. The compiler computed "
-        "them (pytorch/pytorch#193061 was one such bug): train without compile, or "
-        "compile with other options; if this is rounding, raise the threshold "
-        "(prepare(..., verify_compile=<threshold>)). See docs/concepts/prepare.md."
+        "Train without compile or with other compile options; if this is rounding, raise "
+        "the threshold (prepare(..., verify_compile=<threshold>)). See docs/troubleshooting.md"
     )
     return CompiledGradientError("\n".join(lines), report)
 
 
 def resolve_threshold(verify: bool | float) -> float:
-    """The threshold that a ``verify_compile`` value asks for: :data:`DEFAULT_THRESHOLD`
-    for ``True`` (or ``False``, which checks nothing), else the number itself.
+    """The threshold that a ``verify_compile`` value asks for.
+
+    Args:
+        verify: ``True`` (or ``False``, which checks nothing) for
+            :data:`DEFAULT_THRESHOLD`, else the threshold itself.
 
     Raises:
         TypeError: If ``verify`` is neither a bool nor a number.
@@ -237,7 +248,7 @@ def resolve_threshold(verify: bool | float) -> float:
 
     Examples:
         >>> resolve_threshold(True), resolve_threshold(30)
-        (100.0, 30.0)
+        (20.0, 30.0)
     """
     if isinstance(verify, bool):
         return DEFAULT_THRESHOLD
@@ -246,3 +257,710 @@ def resolve_threshold(verify: bool | float) -> float:
     if not (math.isfinite(verify) and verify > 0):
         raise ValueError(f"the compile check's threshold must be positive, not {verify!r}")
     return float(verify)
+
+
+_TINY = torch.finfo(torch.float32).tiny
+_LOW = (torch.bfloat16, torch.float16)
+
+
+def _leaf_paths(value: Any, path: str) -> list[tuple[str, torch.Tensor]]:
+    if isinstance(value, torch.Tensor):
+        return [(path, value)]
+    if isinstance(value, (tuple, list)):
+        return [p for i, v in enumerate(value) for p in _leaf_paths(v, f"{path}[{i}]")]
+    if isinstance(value, Mapping):
+        return [p for k, v in value.items() for p in _leaf_paths(v, f"{path}.{k}")]
+    return []
+
+
+def _map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_map_tensors(fn, v) for v in value)
+    if isinstance(value, dict):
+        return {k: _map_tensors(fn, v) for k, v in value.items()}
+    return value
+
+
+def positional_names(forward: Callable[..., Any]) -> list[str]:
+    """The names of ``forward``'s positional parameters after ``self`` (``[]`` when it has no signature)."""
+    try:
+        parameters = list(inspect.signature(forward).parameters.values())[1:]  # self
+    except (TypeError, ValueError):
+        return []
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return [p.name for p in parameters if p.kind in positional]
+
+
+def input_names(
+    args: Sequence[Any], kwargs: Mapping[str, Any], arg_names: Sequence[str] | None
+) -> list[tuple[str, torch.Tensor]]:
+    """The tensor leaves of a call's inputs, each with its name (from ``arg_names``, else ``args[i]``, and the keywords)."""
+    names = list(arg_names or ())
+    found = []
+    for i, a in enumerate(args):
+        found += _leaf_paths(a, names[i] if i < len(names) else f"args[{i}]")
+    for k, v in kwargs.items():
+        found += _leaf_paths(v, k)
+    return found
+
+
+def _clone_inputs(
+    args: Sequence[Any], kwargs: Mapping[str, Any], *, float32: bool = False
+) -> tuple[Any, Any]:
+    # Detached clones with the caller's requires_grad: the same guards as the real call, so
+    # the compiled run uses the graph training uses (and compiles nothing more), and the
+    # gradients asked for are exactly those training computes. One clone per distinct
+    # tensor keeps aliasing (dynamo guards on it too). ``float32``: bf16/fp16 ones in fp32.
+    memo: dict[int, torch.Tensor] = {}
+
+    def clone(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in memo:
+            dtype = torch.float32 if float32 and t.dtype in _LOW else t.dtype
+            c = t.detach().to(dtype, copy=True)
+            memo[id(t)] = c.requires_grad_(t.requires_grad) if t.is_floating_point() else c
+        return memo[id(t)]
+
+    return _map_tensors(clone, tuple(args)), _map_tensors(clone, dict(kwargs))
+
+
+def _precision(params: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> str:
+    device_types = {t.device.type for t in (*params, *inputs)} or {"cpu"}
+    for device_type in sorted(device_types):
+        if torch.is_autocast_enabled(device_type):
+            dtype = torch.get_autocast_dtype(device_type)
+            if dtype in (torch.bfloat16, torch.float16):
+                return "bf16" if dtype == torch.bfloat16 else "fp16"
+    dtypes = {t.dtype for t in (*params, *inputs) if t.is_floating_point()}
+    if torch.bfloat16 in dtypes:
+        return "bf16"
+    if torch.float16 in dtypes:
+        return "fp16"
+    if "cuda" in device_types and (
+        torch.backends.cuda.matmul.allow_tf32 or torch.get_float32_matmul_precision() != "highest"
+    ):
+        return "tf32"
+    return "fp32"
+
+
+def _cuda_devices(tensors: Sequence[torch.Tensor]) -> list[int]:
+    return sorted(
+        {
+            t.device.index if t.device.index is not None else torch.cuda.current_device()
+            for t in tensors
+            if t.is_cuda
+        }
+    )
+
+
+class _BufferState:
+    """Copies of a block's buffers (BatchNorm's running statistics, counters), put back
+    after each run: both runs start from the state the real call starts from, and the
+    real call finds it as it would have without the check."""
+
+    def __init__(self, buffers: Sequence[torch.Tensor]) -> None:
+        with torch.no_grad():
+            self.saved = [(b, b.detach().clone()) for b in buffers]
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for b, value in self.saved:
+                b.copy_(value)
+
+
+class _RngState:
+    """The global CPU and CUDA RNG state, to give both runs the same draws (dropout) and
+    to hand the real call the state it would have had without the check."""
+
+    def __init__(self, cuda_devices: Sequence[int]) -> None:
+        self.cpu = torch.random.get_rng_state()
+        self.cuda = {d: torch.cuda.get_rng_state(d) for d in cuda_devices}
+
+    def restore(self) -> None:
+        torch.random.set_rng_state(self.cpu)
+        for d, s in self.cuda.items():
+            torch.cuda.set_rng_state(s, d)
+
+
+@contextlib.contextmanager
+def _in_float32(tensors: Sequence[torch.Tensor], device_types: Sequence[str]) -> Iterator[None]:
+    """Autocast and TF32 off, the bf16/fp16 ``tensors`` holding fp32 copies in ``.data``.
+
+    The same objects, put back after, so that the caller's names and FSDP2's
+    registrations stay.
+    """
+    swapped: list[tuple[torch.Tensor, torch.Tensor]] = []
+    seen: set[int] = set()
+    precision = torch.get_float32_matmul_precision()
+    try:
+        with torch.no_grad():
+            for t in tensors:
+                if id(t) not in seen and t.dtype in _LOW:
+                    seen.add(id(t))
+                    swapped.append((t, t.data))
+                    t.data = t.data.float()
+        torch.set_float32_matmul_precision("highest")
+        with contextlib.ExitStack() as stack:
+            for device_type in device_types:
+                stack.enter_context(torch.autocast(device_type, enabled=False))
+            yield
+    finally:
+        torch.set_float32_matmul_precision(precision)
+        with torch.no_grad():
+            for t, data in swapped:
+                t.data = data
+
+
+def _grad_outputs(output: Any) -> list[torch.Tensor]:
+    return [t for _, t in _leaf_paths(output, "") if t.is_floating_point() and t.requires_grad]
+
+
+def _gradients(
+    outputs: Sequence[torch.Tensor],
+    targets: Sequence[torch.Tensor],
+    cotangents: Sequence[torch.Tensor],
+) -> list[torch.Tensor | None]:
+    if not outputs or not targets:
+        return [None] * len(targets)
+    return list(
+        torch.autograd.grad(
+            outputs,
+            targets,
+            [c.to(o.dtype) for o, c in zip(outputs, cotangents, strict=True)],
+            allow_unused=True,
+        )
+    )
+
+
+class Comparison:
+    """One comparison in steps, so that only the compiled forward runs in a compiled frame.
+
+    The order: ``__init__`` (eager, and below fp32 the fp32 reference), the compiled call,
+    :meth:`take_compiled`, in bf16/fp16 :meth:`enter_probe`, the compiled call in fp32 and
+    :meth:`take_probe`, then :meth:`report` and :meth:`close`.
+    """
+
+    def __init__(
+        self,
+        eager: Callable[..., Any],
+        args: Sequence[Any],
+        kwargs: Mapping[str, Any],
+        params: Mapping[str, torch.Tensor],
+        block: str,
+        threshold: float,
+        seed: int,
+        arg_names: Sequence[str] | None,
+        buffers: Sequence[torch.Tensor] = (),
+        more_state: Sequence[torch.Tensor] = (),
+    ) -> None:
+        self.block = block
+        self.buffers = _BufferState(buffers)
+        self.start = time.perf_counter()
+        self.params = [(n, p) for n, p in params.items() if p.requires_grad]
+        named_inputs = input_names(args, kwargs, arg_names)
+        self.names = [n for n, _ in self.params]
+        self.names += [f"input {n}" for n, t in named_inputs if t.requires_grad]
+        tensors = [p for _, p in self.params] + [t for _, t in named_inputs]
+        self.precision = _precision([p for _, p in params.items()], [t for _, t in named_inputs])
+        self.threshold = threshold
+        self.rng = _RngState(_cuda_devices(tensors))
+        self.state = [*params.values(), *buffers, *more_state]  # what the fp32 runs cast
+        self.device_types = sorted({"cpu", *(t.device.type for t in (*tensors, *self.state))})
+        self.raw_args: Sequence[Any] | None = args
+        self.raw_kwargs: Mapping[str, Any] | None = kwargs
+        self.fp32: contextlib.ExitStack | None = None
+        # Per tensor, on device: ‖c − e‖, ‖e‖, ‖c‖, ‖e − r‖, ‖p − r‖ (GradientDifference).
+        self.norms: dict[str, list[torch.Tensor]] = {}
+        self.reference_seconds = 0.0
+        self.reference: list[torch.Tensor | None] | None = None
+        try:
+            eager_args, eager_kwargs = _clone_inputs(args, kwargs)
+            outputs = self._run(eager, eager_args, eager_kwargs)
+            key = fsrandom.key(seed)
+            self.cotangents = [
+                torch.randn(
+                    o.shape,
+                    generator=fsrandom.generator(fsrandom.fold_in(key, i), o.device),
+                    device=o.device,
+                    dtype=o.dtype,
+                )
+                for i, o in enumerate(outputs)
+            ]
+            targets = self._targets(eager_args, eager_kwargs)
+            self.eager = _gradients(outputs, targets, self.cotangents)
+            del outputs  # the eager graph goes before the next one is built
+            self.like = [_zeros_like(t) for t in targets]
+            self.norms["eager"] = [_norm(g, z) for g, z in zip(self.eager, self.like, strict=True)]
+            if self.precision != "fp32":
+                self.reference = self._reference(eager)
+                self.norms["noise"] = self._distances(self.eager, self.reference)
+        finally:
+            self.rng.restore()
+            self.buffers.restore()
+        self.args, self.kwargs = _clone_inputs(args, kwargs)
+        # A probe only where fp32 is another graph (not TF32: its flags are no guard).
+        self.probe = self.precision in ("bf16", "fp16")
+
+    def _run(self, forward: Callable[..., Any], args: Any, kwargs: Any) -> list[torch.Tensor]:
+        # Every run starts from the caller's RNG state and buffers (dropout, BatchNorm).
+        self.rng.restore()
+        self.buffers.restore()
+        with torch.compiler.set_stance("force_eager"):  # also inside a compiled caller
+            return _grad_outputs(forward(*args, **kwargs))
+
+    def _reference(self, eager: Callable[..., Any]) -> list[torch.Tensor | None]:
+        """``g_r``: the gradients of an eager run in fp32."""
+        start = time.perf_counter()
+        args, kwargs = _clone_inputs(self.raw_args or (), self.raw_kwargs or {}, float32=True)
+        with _in_float32(self.state, self.device_types):
+            outputs = self._run(eager, args, kwargs)
+            reference = self._pull_back(outputs, args, kwargs, "fp32 reference")
+        for device in self.rng.cuda:  # the reference's own time, for the report
+            torch.cuda.synchronize(device)
+        self.reference_seconds = time.perf_counter() - start
+        return reference
+
+    def _pull_back(
+        self, outputs: list[torch.Tensor], args: Any, kwargs: Any, what: str
+    ) -> list[torch.Tensor | None]:
+        if len(outputs) != len(self.cotangents) or any(
+            o.shape != c.shape for o, c in zip(outputs, self.cotangents, strict=False)
+        ):
+            raise CompiledGradientError(
+                f"the {what} forward of {self.block} returned other outputs than the eager one: "
+                f"{[tuple(o.shape) for o in outputs]} against {[tuple(c.shape) for c in self.cotangents]}"
+            )
+        return _gradients(outputs, self._targets(args, kwargs), self.cotangents)
+
+    def _targets(self, args: Any, kwargs: Any) -> list[torch.Tensor]:
+        inputs = [t for _, t in input_names(args, kwargs, None) if t.requires_grad]
+        return [p for _, p in self.params] + inputs
+
+    def _distances(
+        self, a: Sequence[torch.Tensor | None], b: Sequence[torch.Tensor | None]
+    ) -> list[torch.Tensor]:
+        return [_distance(x, y, z) for x, y, z in zip(a, b, self.like, strict=True)]
+
+    def take_compiled(self, output: Any) -> None:
+        """The real graph's gradients: their distances from eager's."""
+        compiled = self._pull_back(_grad_outputs(output), self.args, self.kwargs, "compiled")
+        del output
+        self.norms["error"] = self._distances(compiled, self.eager)
+        self.norms["compiled"] = [_norm(g, z) for g, z in zip(compiled, self.like, strict=True)]
+
+    def enter_probe(self) -> tuple[Any, Any]:
+        """Into fp32 for the probe (until :meth:`take_probe` or :meth:`close`): its inputs."""
+        self.rng.restore()
+        self.buffers.restore()
+        self.fp32 = contextlib.ExitStack()
+        self.fp32.enter_context(_in_float32(self.state, self.device_types))
+        self.args, self.kwargs = _clone_inputs(
+            self.raw_args or (), self.raw_kwargs or {}, float32=True
+        )
+        return self.args, self.kwargs
+
+    def take_probe(self, output: Any) -> None:
+        """The fp32 graph's gradients: their distances from the fp32 reference's."""
+        try:
+            probe = self._pull_back(_grad_outputs(output), self.args, self.kwargs, "fp32 probe")
+            del output
+            assert self.reference is not None
+            self.norms["probe"] = self._distances(probe, self.reference)
+        finally:
+            self._leave_fp32()
+
+    def _leave_fp32(self) -> None:
+        if self.fp32 is not None:
+            self.fp32.close()
+            self.fp32 = None
+
+    def report(self) -> CompiledGradientReport:
+        if not self.names:
+            return self._report(())
+        n = len(self.names)
+        zero, nan = torch.zeros(()), torch.full((), math.nan)
+        noise = self.norms.get("noise") or [zero] * n  # fp32: eager is the reference
+        probe = self.norms.get("probe") or [nan] * n  # no probe
+        columns = [self.norms["error"], self.norms["eager"], self.norms["compiled"], noise, probe]
+        rows = [torch.stack([x.to(row[0].device) for x in row]) for row in zip(*columns)]
+        values = torch.stack(rows).cpu().tolist()  # one host sync for the whole block
+        return self._report(self._differences(values))
+
+    def _report(self, differences: tuple[GradientDifference, ...]) -> CompiledGradientReport:
+        return CompiledGradientReport(
+            block=self.block,
+            threshold=self.threshold,
+            precision=self.precision,
+            differences=differences,
+            seconds=time.perf_counter() - self.start,
+            reference_seconds=self.reference_seconds,
+        )
+
+    def _differences(self, values: list[list[float]]) -> tuple[GradientDifference, ...]:
+        num_params = len(self.params)
+        scale = max(
+            (
+                values[i][1] / math.sqrt(max(p.numel(), 1))
+                for i, (_, p) in enumerate(self.params)
+                if math.isfinite(values[i][1])
+            ),
+            default=0.0,
+        )
+        out = []
+        for i, (name, (diff, e_norm, c_norm, noise, probe)) in enumerate(
+            zip(self.names, values, strict=True)
+        ):
+            floor = _TINY
+            if i < num_params:
+                floor = max(floor, GRADIENT_FLOOR * scale * math.sqrt(self.params[i][1].numel()))
+            s = max(e_norm, floor) if math.isfinite(e_norm) else math.nan
+            relative = diff / s if math.isfinite(c_norm) else math.inf
+            fp32 = None if not self.probe else probe / s
+            out.append(GradientDifference(name, relative, noise / s, fp32, e_norm, c_norm))
+        return tuple(out)
+
+    def close(self) -> None:
+        self._leave_fp32()
+        self.rng.restore()
+        self.buffers.restore()
+        self.args = self.kwargs = self.raw_args = self.raw_kwargs = None
+        self.eager, self.reference = [], None
+
+
+def _zeros_like(t: torch.Tensor) -> torch.Tensor:
+    return torch.zeros((), device=t.device).expand(t.shape)
+
+
+def _norm(g: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    return torch.zeros((), device=like.device) if g is None else g.float().norm()
+
+
+def _distance(a: torch.Tensor | None, b: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """‖a − b‖ in fp32 (a missing gradient is zeros)."""
+    if a is None:
+        return _norm(b, like)
+    if b is None:
+        return _norm(a, like)
+    return (a.float() - b.float()).norm()
+
+
+# Inside a compiled block's call dynamo compiles every frame the hook calls: only the
+# block's forward, between the comparison's steps, may be traced.
+_start = torch.compiler.disable(Comparison)
+_take_compiled = torch.compiler.disable(Comparison.take_compiled)
+_enter_probe = torch.compiler.disable(Comparison.enter_probe)
+_take_probe = torch.compiler.disable(Comparison.take_probe)
+_report = torch.compiler.disable(Comparison.report)
+_close = torch.compiler.disable(Comparison.close)
+
+
+def _run_compiled(comparison: Comparison, compiled: Callable[..., Any]) -> CompiledGradientReport:
+    """``compiled`` on the real inputs, in bf16/fp16 on their fp32 copies too, then the report.
+
+    Skipped by dynamo, not disabled: inside a compiled block's call the forward called
+    from here is compiled, with the real call's guards.
+    """
+    try:
+        _take_compiled(comparison, compiled(*comparison.args, **comparison.kwargs))
+        if comparison.probe:
+            args, kwargs = _enter_probe(comparison)
+            _take_probe(comparison, compiled(*args, **kwargs))
+        return _report(comparison)
+    finally:
+        _close(comparison)
+
+
+run_compiled = torch.compiler.disable(_run_compiled, recursive=False)
+
+
+def compare_compiled_gradients(
+    eager: Callable[..., Any],
+    compiled: Callable[..., Any],
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any] | None = None,
+    *,
+    params: Mapping[str, torch.Tensor],
+    block: str = "block",
+    threshold: float = DEFAULT_THRESHOLD,
+    seed: int = 0,
+    arg_names: Sequence[str] | None = None,
+) -> CompiledGradientReport:
+    """Compare a block's compiled gradients with its eager ones on one input.
+
+    Both forwards run on detached clones of the inputs from the same RNG state and are
+    pulled back with the same seeded cotangent by ``torch.autograd.grad``; below fp32 an
+    eager fp32 run measures eager's rounding noise (``docs/concepts/prepare.md``). Nothing
+    is left behind: no ``.grad``, the RNG state and an ``eager`` module's buffers as they
+    were; only forward hooks of the block's submodules see every run.
+
+    Args:
+        eager: The block's eager forward (run with every ``torch.compile`` ignored:
+            ``torch.compiler.set_stance("force_eager")``).
+        compiled: Its compiled forward (e.g. ``torch.compile(block)``).
+        args: Positional inputs.
+        kwargs: Keyword inputs.
+        params: The block's parameters by name (all that it computes with: below fp32
+            the reference needs the low-precision ones in fp32).
+        block: The block's name, for the report.
+        threshold: The largest ratio of compiled error to eager rounding noise that
+            passes.
+        seed: The cotangent's seed.
+        arg_names: Names of the positional inputs, for the report (default: those of
+            ``eager``'s forward if it is a module, else ``args[i]``).
+
+    Returns:
+        The :class:`CompiledGradientReport` (check ``passed``: it does not raise on a
+        difference).
+
+    Raises:
+        CompiledGradientError: If the forwards return different outputs.
+
+    Examples:
+        >>> report = compare_compiled_gradients(
+        ...     block, torch.compile(block), (x,), params=dict(block.named_parameters())
+        ... )
+        >>> report.passed
+        True
+    """
+    if arg_names is None and isinstance(eager, nn.Module):
+        arg_names = positional_names(type(eager).forward)
+    buffers = list(eager.buffers()) if isinstance(eager, nn.Module) else []
+    # the fp32 reference casts every parameter the module computes with, compared or not
+    more = list(eager.parameters()) if isinstance(eager, nn.Module) else []
+    comparison = _start(
+        eager, args, kwargs or {}, params, block, threshold, seed, arg_names, buffers, more
+    )
+    return run_compiled(comparison, compiled)
+
+
+def block_parameters(block: nn.Module) -> dict[str, torch.Tensor]:
+    """The parameters a block computes with, by name: its own, and those of modules held
+    as plain attributes (the adapters of :func:`fvstep.lora.add_adapters`), so that a
+    LoRA base's check compares the adapters' gradients too.
+
+    Examples:
+        >>> [n for n in block_parameters(base.blocks[0]) if ".lora_A." in n][:1]
+        ['attn1.to_q.lora_A.student.weight']
+    """
+    params: dict[str, torch.Tensor] = dict(block.named_parameters())
+    seen = {id(p) for p in params.values()}
+    for prefix, sub in block.named_modules():
+        for attr, held in vars(sub).items():
+            if not isinstance(held, nn.Module):
+                continue
+            for name, p in held.named_parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    params[".".join(x for x in (prefix, attr, name) if x)] = p
+    return params
+
+
+def graph_key(
+    params: Mapping[str, torch.Tensor], args: tuple[Any, ...], kwargs: Mapping[str, Any]
+) -> Hashable:
+    """What dynamo specialises a block's graph on (``dynamic=False``), as one hashable value.
+
+    The tensor inputs' shapes, strides, dtypes, devices and ``requires_grad``, the other
+    inputs' values, the parameters' ``requires_grad``, dtypes and shapes, and autocast:
+    two calls with the same key run the same compiled graph.
+
+    Examples:
+        >>> graph_key(dict(block.named_parameters()), (x,), {}) == graph_key(
+        ...     dict(block.named_parameters()), (x.clone(),), {})
+        True
+    """
+    tensors = list(params.values())
+    inputs = (_signature(args, tensors), _signature(dict(kwargs), tensors))
+    devices = sorted({"cpu", *(t.device.type for t in tensors)})
+    autocast = tuple(
+        (d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in devices
+    )
+    own = tuple((p.requires_grad, p.dtype, tuple(p.shape)) for p in params.values())
+    return own, inputs, autocast
+
+
+def _signature(value: Any, tensors: list[torch.Tensor]) -> Hashable:
+    if isinstance(value, torch.Tensor):
+        tensors.append(value)
+        stride = value.stride() if value.layout == torch.strided else ()
+        return (value.dtype, value.device, tuple(value.shape), stride, value.requires_grad)
+    if isinstance(value, (tuple, list)):
+        return type(value).__name__, tuple(_signature(v, tensors) for v in value)
+    if isinstance(value, Mapping):
+        return "map", tuple((k, _signature(v, tensors)) for k, v in value.items())
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return type(value).__name__, repr(value)  # repr: 1, True and 1.0 differ, nan = nan
+    return type(value).__qualname__
+
+
+class CompileCheck:
+    """The check installed on one compiled block (:func:`install_compile_check`).
+
+    Attributes:
+        name: The block's qualified name.
+        threshold: The largest ratio of compiled error to eager rounding noise that passes.
+        reports: The reports of the comparisons it ran, in order: one per graph.
+    """
+
+    def __init__(
+        self, block: nn.Module, name: str, threshold: float, mesh: DeviceMesh | None, seed: int
+    ) -> None:
+        self.name = name
+        self.threshold = threshold
+        self.reports: list[CompiledGradientReport] = []
+        self._mesh = mesh
+        self._seed = seed
+        self._checked: set[Hashable] = set()  # the graph keys that passed
+        self._arg_names = positional_names(type(block).forward)
+        self._block = weakref.ref(block)
+        # Skipped by dynamo, not disabled: the block's forward it calls is compiled.
+        hook = torch.compiler.disable(self._pre_forward, recursive=False)
+        self._handle = block.register_forward_pre_hook(hook, with_kwargs=True)
+        block.__dict__.setdefault(_CHECKS_ATTR, []).append(self)  # on the block, not global
+
+    def remove(self) -> None:
+        """Disarm the check (its reports stay readable here)."""
+        self._handle.remove()
+        block = self._block()
+        if block is not None and self in block.__dict__.get(_CHECKS_ATTR, []):
+            block.__dict__[_CHECKS_ATTR].remove(self)
+
+    def _begin(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[Comparison, Hashable] | None:
+        params = block_parameters(module)  # under FSDP2: gathered, by their names
+        key = graph_key(params, args, kwargs)
+        if key in self._checked:
+            return None
+        inputs = [t for _, t in input_names(args, kwargs, None)]
+        if not any(t.requires_grad for t in (*params.values(), *inputs)):
+            return None
+        comparison = Comparison(
+            module.forward,
+            args,
+            kwargs,
+            params,
+            self.name,
+            self.threshold,
+            self._seed,
+            self._arg_names,
+            list(module.buffers()),
+        )
+        return comparison, key
+
+    def _conclude(self, report: CompiledGradientReport, key: Hashable) -> None:
+        self.reports.append(report)
+        worst = report.worst_ratio / report.threshold
+        if self._mesh is not None:
+            # Agree, so that all ranks raise or none does: a rank raising alone would
+            # leave the others waiting in a collective.
+            for dim in range(self._mesh.ndim):
+                worst = max_over_ranks([worst], group=self._mesh.get_group(dim))[0]
+        if worst <= 1.0:
+            self._checked.add(key)
+            return
+        if not report.passed:
+            raise compiled_gradient_error(report)
+        mine = report.worst.describe() if report.worst else "none"
+        raise CompiledGradientError(
+            f"the compiled gradients of {self.name} differ from the eager ones on another rank (up to "
+            f"{worst:.3g} x the threshold; here {mine}): its error names the parameter. See docs/concepts/prepare.md"
+        )
+
+    def _pre_forward(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        # dynamo compiles every frame called from here: only the block's forward, between
+        # the comparison's disabled steps, is compiled, with the real call's guards.
+        if not torch.is_grad_enabled():
+            return None
+        try:
+            started = _begin(self, module, args, kwargs)
+            if started is None:
+                return None
+            comparison, key = started
+            report = run_compiled(comparison, module.forward)
+        except CompiledGradientError:
+            raise
+        except Exception as error:  # say where it broke: inside the check, not training
+            raise _check_failed(self.name, error) from error
+        _conclude(self, report, key)
+        return None
+
+
+def _check_failed(name: str, error: Exception) -> RuntimeError:
+    return RuntimeError(
+        f"fvstep's compile check of {name} failed inside the check ({type(error).__name__}: "
+        f"{error}; torch {torch.__version__}): try without verify_compile; see docs/concepts/prepare.md"
+    )
+
+
+_begin = torch.compiler.disable(CompileCheck._begin)
+_conclude = torch.compiler.disable(CompileCheck._conclude)
+
+_CHECKS_ATTR = "_fvstep_compile_checks"  # in the block's __dict__: no registry outside it
+
+
+def install_compile_check(
+    block: nn.Module,
+    *,
+    name: str,
+    threshold: float = DEFAULT_THRESHOLD,
+    mesh: DeviceMesh | None = None,
+    seed: int = 0,
+) -> CompileCheck:
+    """Check a block compiled in place on the first grad-enabled call of each of its graphs.
+
+    A forward pre-hook runs the comparison on the call's real inputs when the call's
+    :func:`graph_key` was not checked yet and something requires grad, and raises before
+    the real forward runs; otherwise the real call runs as it would have (same RNG state,
+    same compiled graph). A graph that failed is checked again on its next call.
+
+    Args:
+        block: A module compiled in place (``block.compile(...)``).
+        name: Its qualified name, for the error.
+        threshold: The largest ratio that passes.
+        mesh: The FSDP2 mesh the block is sharded over: the verdict is agreed over it
+            (one all-reduce per check), so every rank must call the block with the same
+            shapes in the same calls.
+        seed: The cotangent's seed.
+
+    Returns:
+        The :class:`CompileCheck` (``.reports``; ``.remove()`` disarms it).
+
+    Raises:
+        ValueError: If ``block`` is not compiled in place.
+        CompiledGradientError: At a call, if the compiled gradients differ.
+
+    Examples:
+        >>> block.compile(fullgraph=True)
+        >>> check = install_compile_check(block, name="blocks.0")
+        >>> loss = block(x, temb).square().mean()   # raises here if the gradients differ
+        >>> check.reports[0].passed
+        True
+    """
+    if not is_compiled_in_place(block):
+        raise ValueError(
+            f"{name} is not compiled in place (block.compile()): nothing to check; for a "
+            "separately compiled callable use compare_compiled_gradients"
+        )
+    return CompileCheck(block, name, threshold, mesh, seed)
+
+
+def is_compiled_in_place(module: nn.Module) -> bool:
+    """Whether ``module.compile()`` was called (``nn.Module.compile`` compiles in place)."""
+    return getattr(module, "_compiled_call_impl", None) is not None
+
+
+def compile_check_reports(module: nn.Module) -> list[CompiledGradientReport]:
+    """The reports of the checks installed on ``module`` and its submodules so far.
+
+    Examples:
+        >>> student = prepare(student, compile=True, verify_compile=True)
+        >>> state, metrics = step(state, batch)
+        >>> [r.describe()["worst_ratio"] for r in compile_check_reports(student)]
+    """
+    return [
+        r for m in module.modules() for c in m.__dict__.get(_CHECKS_ATTR, []) for r in c.reports
+    ]

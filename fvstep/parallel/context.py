@@ -1,43 +1,15 @@
 """Context (sequence) parallelism: one sample's tokens sharded over a mesh axis.
 
-A Wan2.1-1.3B sample at 480x832x81 is 32,760 video tokens; context parallelism splits
-that sequence over the ranks of a *context group*, each rank running every layer on its
-own slice of the tokens. This module prepares a role's diffusers transformer for it with
-diffusers' own machinery (``ContextParallelConfig``, the model's ``_cp_plan``, its
-sharder, and the Ulysses and ring attention of ``diffusers.models.attention_dispatch``,
-whose autograd functions have backward passes), and adds what training with fvstep
-needs on top:
-
-- :func:`make_context_mesh`: a 2-D ``("data", "context")`` mesh, context innermost, so
-  that the ranks of one context group are consecutive (``rank // context`` is the
-  data-parallel replica);
-- :func:`apply_context_parallel`: shards the sequence of a diffusers model with a
-  ``_cp_plan`` (``WanTransformer3DModel``) over a mesh axis, in Ulysses (all-to-all) or
-  ring mode. Parameter names and state-dict keys do not change;
-- :func:`data_parallel_rank_and_size`: a rank's data-parallel coordinates on a mesh;
-  :func:`applied_context_group`: the group a module was prepared for. A step on such a
-  mesh is called with ``parallelism=fvstep.parallel.Layout(mesh)``, which gives the ranks
-  of one context group the same noise and (through ``fvstep.run``) the same batch.
-
-Gradients. diffusers gathers the model's output over the context group (``proj_out``
-in Wan's plan), so every rank of a group holds the whole output and computes the whole,
-identical loss; the gather's backward hands each rank the gradient of its own tokens.
-Each rank's parameter gradient is then the part of the full gradient that its tokens
-contribute, and the full gradient is their **sum** over the context group. FSDP2
-averages over every rank of its mesh, so :func:`apply_context_parallel` makes FSDP2
-sum instead and divide by the number of data-parallel replicas only
-(``set_gradient_divide_factor``, ``set_force_sum_reduction_for_comms``): a 2-way
-context-parallel step equals the 1-rank step up to summation order.
-
-Examples:
-    >>> mesh = make_context_mesh(context=2)                  # ("data", "context")
-    >>> student = apply_context_parallel(tiny_wan(), mesh=mesh)
-    >>> student = shard_module(student, mesh=make_mesh())    # FSDP2 over every rank
-    >>> state, metrics = fvstep.compile(finetune())(state, batch, parallelism=Layout(mesh))
+:func:`apply_context_parallel` prepares a diffusers transformer with a ``_cp_plan`` with
+diffusers' own machinery (``ContextParallelConfig``, its sharder, the Ulysses and ring
+attention of ``diffusers.models.attention_dispatch``), and adds what training needs:
+inputs checked to agree over a context group and FSDP2 made to sum the group's partial
+gradients. How it works and why: ``docs/concepts/context-parallel.md``.
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Literal
 
 import attrs
@@ -49,7 +21,6 @@ from torch.distributed.fsdp import FSDPModule
 
 from fvstep.core._optional import needs_extra
 from fvstep.core.tree import is_dtensor
-from fvstep.parallel.context_checks import check_backends, check_plan_signatures, forward_params
 from fvstep.parallel.mesh import check_axis
 from fvstep.parallel.ranks import rank_and_world
 
@@ -114,25 +85,19 @@ def _shard(value: Any, spec: Any, mesh: DeviceMesh) -> Any:
 def _install_plan(module: nn.Module, plan: dict[str, Any], mesh: DeviceMesh) -> None:
     """diffusers' context-parallel plan as ``nn.Module`` hooks.
 
-    diffusers installs the plan by replacing each planned submodule's ``forward``; a later
-    preparation that sets ``forward`` too (activation checkpointing that re-binds the
-    class's forward) would silently drop the split. ``nn.Module`` hooks run in
-    ``__call__``, whatever ``forward`` is, so the plan survives any order of preparation.
+    diffusers replaces each planned submodule's ``forward``, which activation
+    checkpointing's re-bound ``forward`` would silently drop; hooks run in ``__call__``
+    whatever ``forward`` is, so the plan survives any order of preparation.
     """
     with needs_extra("models", "context parallelism"):
         from diffusers.hooks.context_parallel import EquipartitionSharder
-        from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
+        from diffusers.models._modeling_parallel import ContextParallelOutput
 
     for name, entry in plan.items():
         sub = module.get_submodule(name) if name else module
         if isinstance(entry, dict):
-            params = forward_params(sub)
-            inputs = {
-                k: v
-                for k, v in entry.items()
-                if not (isinstance(v, ContextParallelInput) and v.split_output)
-            }
-            outputs = {k: v for k, v in entry.items() if k not in inputs}
+            params = _forward_params(sub)
+            inputs, outputs = _split_specs(entry)
 
             def split_inputs(
                 m: nn.Module,
@@ -192,8 +157,7 @@ def _diffusers_mesh(mesh: DeviceMesh, dim: int, mode: str) -> DeviceMesh:
 
 
 def _fingerprint(values: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """Seven float64 numbers (whatever the inputs) that differ, in practice, between
-    different inputs: their count, and per tensor its shape and a few weighted sums."""
+    """Seven float64 numbers that differ, in practice, between different inputs."""
     out = torch.zeros(7, dtype=torch.float64, device=device)
     out[0] = len(values)
     for j, x in enumerate(values):  # no host sync: the numbers stay on ``device``
@@ -222,11 +186,7 @@ def _check_same_inputs(
 
 
 def _set_grad_reduction(module: nn.Module, applied: _Applied) -> None:
-    """Make FSDP2 sum the context group's partial gradients (it would average them).
-
-    A plain (unsharded) module is left alone: whoever reduces its gradients must sum them
-    over the context group (``fvstep`` refuses to train an unsharded role on several ranks).
-    """
+    """Make FSDP2 sum the context group's partial gradients (it would average them)."""
     fsdp = [m for m in module.modules() if isinstance(m, FSDPModule)]
     if not fsdp:  # plain modules: the caller sums the gradients (fvstep refuses them)
         return
@@ -274,6 +234,80 @@ def _pre_forward(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
         _set_grad_reduction(module, applied)
 
 
+def _attention_backends(module: nn.Module) -> set[str]:
+    """The attention backend names of ``module``'s attention processors (diffusers)."""
+    with needs_extra("models", "context parallelism"):
+        from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+    names = set()
+    for sub in module.modules():
+        processor = getattr(sub, "processor", None)
+        if processor is None or not hasattr(processor, "_parallel_config"):
+            continue
+        backend = getattr(processor, "_attention_backend", None)
+        if backend is None:
+            backend, _ = _AttentionBackendRegistry.get_active_backend()
+        names.add(str(getattr(backend, "value", backend)))
+    return names
+
+
+def _check_backends(module: nn.Module, mode: str) -> None:
+    """Refuse attention backends of ``module`` that diffusers cannot run context parallel (``mode``)."""
+    with needs_extra("models", "context parallelism"):
+        from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+    backends = _attention_backends(module)
+    unsupported = sorted(
+        b for b in backends if b not in _AttentionBackendRegistry._supports_context_parallel
+    )
+    if unsupported:
+        raise ValueError(
+            f"the attention backend(s) {unsupported} of {type(module).__name__} do not support context "
+            f"parallelism: call module.set_attention_backend(...) with one of {sorted(_AttentionBackendRegistry._supports_context_parallel)}"
+        )
+    if mode == "ring" and "native" in backends:
+        # diffusers' ring attention merges per-chunk outputs with their log-sum-exp, which
+        # its native (SDPA) backend does not return: it would fail at the first forward.
+        raise ValueError(
+            "mode='ring' needs an attention backend that returns the log-sum-exp (CUDA only, not 'native'): "
+            "use mode='ulysses', or module.set_attention_backend(...) first. See docs/concepts/context-parallel.md"
+        )
+
+
+def _forward_params(sub: nn.Module) -> list[str]:
+    """The parameter names of ``sub``'s class ``forward``, ``self`` left out."""
+    return list(inspect.signature(type(sub).forward).parameters)[1:]
+
+
+def _split_specs(entry: dict[Any, Any]) -> tuple[dict[Any, Any], dict[Any, Any]]:
+    """A planned submodule's specs that split its inputs, and those that split its outputs."""
+    with needs_extra("models", "context parallelism"):
+        from diffusers.models._modeling_parallel import ContextParallelInput
+
+    inputs = {
+        k: v
+        for k, v in entry.items()
+        if not (isinstance(v, ContextParallelInput) and v.split_output)
+    }
+    return inputs, {k: v for k, v in entry.items() if k not in inputs}
+
+
+def _check_plan_signatures(module: nn.Module, plan: dict[str, Any]) -> None:
+    """Refuse a module whose planned submodules no longer take their inputs by name (a
+    wrapper module such as torch's ``checkpoint_wrapper``, or ``torch.compile(module)``)."""
+    for name, entry in plan.items():
+        if not isinstance(entry, dict):
+            continue
+        sub = module.get_submodule(name) if name else module
+        params = _forward_params(sub)
+        for key in _split_specs(entry)[0]:
+            if isinstance(key, str) and key not in params:
+                raise ValueError(
+                    f"submodule {name or '<root>'!r} ({type(sub).__name__}) takes no argument {key!r} that the plan "
+                    "splits: apply context parallel before wrapping blocks in modules (docs/concepts/context-parallel.md)"
+                )
+
+
 def apply_context_parallel(
     module: nn.Module,
     *,
@@ -284,37 +318,21 @@ def apply_context_parallel(
 ) -> nn.Module:
     """Shard ``module``'s token sequence over the ``axis`` of ``mesh``, for training.
 
-    ``module`` is a diffusers model with a context-parallel plan (``_cp_plan``, as
-    ``WanTransformer3DModel`` has), installed as ``nn.Module`` hooks that split the
-    sequence before the first block (and the rotary embeddings with it) and all-gather
-    the output of ``proj_out`` with diffusers' sharder, so the module's output is whole
-    and identical on every rank of a context group.
-    Attention runs through diffusers' dispatcher:
-
-    - ``"ulysses"``: all-to-all before and after attention (each rank attends over the
-      whole sequence for ``heads / degree`` heads); needs ``heads % degree == 0``; runs
-      on any backend that supports context parallelism, the CPU's ``native`` one included;
-    - ``"ring"``: key/value chunks go round the group and the softmax is merged chunk by
-      chunk with the log-sum-exp; needs a backend that returns it (CUDA only: diffusers'
-      ``native`` SDPA backend does not).
-
-    Cross-attention to the text is local (every rank holds the whole text). Parameter
-    names and state-dict keys do not change (the hooks are plain attributes). Call this
-    before ``fully_shard`` and before wrapping blocks in modules (``checkpoint_wrapper``,
-    ``torch.compile(module)``); checkpointing that re-binds a block's ``forward`` may
-    come before or after. Shard trained roles with FSDP2 over a mesh that spans every
-    context group (:func:`fvstep.parallel.make_mesh` over every rank). At each forward that
-    needs gradients, FSDP2's reduction of the module is set to sum over the context group
-    and divide by the number of data-parallel replicas (see the module docstring).
+    The model's ``_cp_plan`` is installed as ``nn.Module`` hooks: the sequence is split
+    before the first block and the output gathered, so it is whole and identical on
+    every rank of a context group. Parameter names and state-dict keys do not change.
+    Call this before ``fully_shard`` and before wrapping blocks in modules, and shard
+    trained roles over every rank (:func:`fvstep.parallel.make_mesh`); steps are then
+    called with ``parallelism=fvstep.parallel.Layout(mesh)``.
 
     Args:
         module: The role's model (``diffusers.ModelMixin`` with ``_cp_plan``).
         mesh: A mesh with a context axis (:func:`make_context_mesh`), on every rank.
         axis: The name of the context axis of ``mesh``.
-        mode: ``"ulysses"`` or ``"ring"``.
+        mode: ``"ulysses"`` (all-to-all; the heads must divide by the degree) or
+            ``"ring"`` (a backend that returns the log-sum-exp: CUDA only).
         check_inputs: At each forward, check that the ranks of the group were given the
-            same inputs (one small all-gather and a host sync); a group fed different
-            samples would otherwise train on halves of different samples, silently.
+            same inputs (one small all-gather and a host sync).
 
     Returns:
         The same module, prepared.
@@ -354,8 +372,8 @@ def apply_context_parallel(
             f"Ulysses context parallel splits the {heads} attention heads over {degree} ranks: "
             f"the heads must divide by the degree; use a degree dividing {heads}, or mode='ring'"
         )
-    check_backends(module, mode)
-    check_plan_signatures(module, plan)
+    _check_backends(module, mode)
+    _check_plan_signatures(module, plan)
 
     if mode == "ring":
         cp_config = ContextParallelConfig(ring_degree=degree)

@@ -1,14 +1,8 @@
 """The FSDP2 gradient-sync policy of accumulation, and FSDP2 modules returned to rest.
 
-- :class:`FSDPGradSync` applies an :class:`~fvstep.core.accumulation.Accumulation` policy per
-  micro-batch to the FSDP2 roots of the roles a unit trains, and restores FSDP2's
-  defaults afterwards, whatever happens.
-- :func:`release_modules` reshards every FSDP2 group of a state's roles;
-  :func:`unrested_modules` says what a module holds that the state does not (no state
-  outside the state).
-- :func:`check_roles_are_data_parallel` refuses, on several ranks, a trained role that
-  is not sharded or replicated; :func:`grad_sync_for` picks the controller for a state.
-
+:class:`FSDPGradSync` applies an :class:`~fvstep.core.accumulation.Accumulation` policy per
+micro-batch to the FSDP2 roots a unit trains; :func:`release_modules` reshards every group
+and :func:`unrested_modules` says what a module holds that the state does not.
 :class:`fvstep.parallel.Layout` puts these behind the core's
 :class:`~fvstep.core.layout.Parallelism` protocol.
 """

@@ -1,11 +1,7 @@
 """Device meshes and FSDP2 sharding of a role's module.
 
-- :func:`make_mesh`: a 1-D ``("shard",)`` mesh (FSDP2) or a 2-D ``("replicate", "shard")``
-  one (HSDP) over every rank.
-- :func:`shard_module`: ``fully_shard`` each block a filter picks (default
-  :func:`is_block`), then the root. Parameter names, and so checkpoint keys, do not
-  change.
-- :func:`is_sharded`: whether ``fully_shard`` was applied to a module.
+:func:`make_mesh` (FSDP2 or HSDP) and :func:`make_context_mesh` over every rank;
+:func:`shard_module` shards each block, then the root, keeping parameter names.
 
 Examples:
     >>> mesh = make_mesh()                       # FSDP over all ranks
@@ -27,6 +23,7 @@ from fvstep.parallel.ranks import rank_and_world
 
 __all__ = [
     "BlockFilter",
+    "block_names",
     "check_axis",
     "data_parallel_rank_and_size",
     "is_block",
@@ -43,6 +40,18 @@ BlockFilter = Callable[[str, nn.Module, nn.Module | None], bool]
 def is_sharded(module: Any) -> bool:
     """Whether ``module`` is an FSDP2 module (``fully_shard`` was applied to it)."""
     return isinstance(module, FSDPModule)
+
+
+def _world_size(caller: str) -> int:
+    if not dist.is_initialized():
+        raise RuntimeError(
+            f"{caller} needs an initialised process group (torchrun or init_process_group)"
+        )
+    return dist.get_world_size()
+
+
+def _default_device_type() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def make_mesh(
@@ -66,17 +75,13 @@ def make_mesh(
         >>> mesh = make_mesh()                   # FSDP over all ranks
         >>> mesh = make_mesh(replicate=2)        # HSDP: 2 replicas
     """
-    if not dist.is_initialized():
-        raise RuntimeError(
-            "make_mesh needs an initialised process group (torchrun or init_process_group)"
-        )
-    world = dist.get_world_size()
+    world = _world_size("make_mesh")
     shard = shard if shard is not None else world // max(replicate, 1)
     if replicate < 1 or shard < 1 or replicate * shard != world:
         raise ValueError(
             f"replicate ({replicate}) x shard ({shard}) must equal the world size {world}"
         )
-    device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+    device_type = device_type or _default_device_type()
     if replicate == 1:
         return init_device_mesh(device_type, (shard,), mesh_dim_names=("shard",))
     return init_device_mesh(device_type, (replicate, shard), mesh_dim_names=("replicate", "shard"))
@@ -89,6 +94,17 @@ def is_block(name: str, module: nn.Module, parent: nn.Module | None) -> bool:
     model); lists nested inside blocks (an attention's ``to_out``) are not wrapped.
     """
     return isinstance(parent, nn.ModuleList) and name.count(".") == 1
+
+
+def block_names(module: nn.Module, blocks: BlockFilter = is_block) -> list[str]:
+    """The qualified names of the blocks ``blocks`` picks, in module order.
+
+    Examples:
+        >>> block_names(tiny_wan(num_layers=2))
+        ['blocks.0', 'blocks.1']
+    """
+    parents = {id(child): parent for parent in module.modules() for child in parent.children()}
+    return [n for n, m in module.named_modules() if n and blocks(n, m, parents.get(id(m)))]
 
 
 def shard_module(
@@ -130,10 +146,8 @@ def shard_module(
         "reshard_after_forward": reshard_after_forward,
         "offload_policy": offload_policy or OffloadPolicy(),
     }
-    parents = {id(child): parent for parent in module.modules() for child in parent.children()}
-    chosen = [m for n, m in module.named_modules() if n and blocks(n, m, parents.get(id(m)))]
-    for block in reversed(chosen):  # inner groups before outer ones
-        fully_shard(block, **options)
+    for name in reversed(block_names(module, blocks)):  # inner groups before outer ones
+        fully_shard(module.get_submodule(name), **options)
     fully_shard(module, **options)
     return module
 
@@ -141,9 +155,8 @@ def shard_module(
 def make_context_mesh(*, context: int, device_type: str | None = None) -> DeviceMesh:
     """A 2-D ``("data", "context")`` device mesh over every rank, context innermost.
 
-    The ranks of one context group are consecutive (``rank = data * context + c``), so
-    ``rank // context`` is the data-parallel replica (``fvstep.parallel.Layout(mesh)``). Shard the roles with FSDP2 over
-    every rank (``shard_module(module, mesh=make_mesh())``), which spans each context group.
+    The ranks of one context group are consecutive, so ``rank // context`` is the
+    data-parallel replica. Shard the roles with FSDP2 over every rank (:func:`make_mesh`).
 
     Args:
         context: Ranks per context group (the sequence is split ``context`` ways), ``>= 2``.
@@ -161,16 +174,12 @@ def make_context_mesh(*, context: int, device_type: str | None = None) -> Device
         >>> mesh["context"].size()
         2
     """
-    if not dist.is_initialized():
-        raise RuntimeError(
-            "make_context_mesh needs an initialised process group (torchrun or init_process_group)"
-        )
-    world = dist.get_world_size()
+    world = _world_size("make_context_mesh")
     if isinstance(context, bool) or not isinstance(context, int) or context < 2:
         raise ValueError(f"context must be an int >= 2 (ranks per context group), got {context!r}")
     if world % context:
         raise ValueError(f"context ({context}) must divide the world size {world}")
-    device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+    device_type = device_type or _default_device_type()
     return init_device_mesh(
         device_type, (world // context, context), mesh_dim_names=("data", "context")
     )

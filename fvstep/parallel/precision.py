@@ -1,22 +1,12 @@
 """Precision at a role's boundary: frozen roles stored in bf16, activations cast in and out.
 
-What :func:`fvstep.parallel.prepare` does for a role that computes in another dtype than
-its callers (a frozen role in ``frozen_dtype``, or FSDP2's ``param_dtype``):
-
-- :func:`store_in_dtype`: the module's floating tensors are stored in the dtype, except
-  the ones diffusers keeps in fp32 (``_keep_in_fp32_modules``: Wan's rope,
-  time embedder, ``scale_shift_table``, norms), as ``from_pretrained(torch_dtype=...)``
-  keeps them;
-- :func:`cast_at_boundary`: floating activations are cast to the dtype on the way in and
-  the outputs back to the caller's dtype on the way out, so that fp32 callers need no
-  change; the inputs named in :data:`FULL_PRECISION_INPUTS` (timesteps) and unnamed
-  0-D/1-D inputs keep their precision.
+What :func:`fvstep.parallel.prepare` does for a role computing in another dtype than its
+callers: :func:`store_in_dtype`, :func:`cast_at_boundary` (timesteps keep their
+precision) and, on one process, :func:`autocast_forward`.
 
 Examples:
-    >>> store_in_dtype(teacher, torch.bfloat16)
-    >>> cast_at_boundary(teacher, torch.bfloat16)
-    >>> teacher(x_fp32, t_fp32).dtype
-    torch.float32
+    >>> store_in_dtype(teacher, torch.bfloat16); cast_at_boundary(teacher, torch.bfloat16)
+    >>> teacher(x_fp32, t_fp32).dtype   # torch.float32
 """
 
 from __future__ import annotations
@@ -29,7 +19,13 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["FULL_PRECISION_INPUTS", "autocast_forward", "cast_at_boundary", "store_in_dtype"]
+__all__ = [
+    "FULL_PRECISION_INPUTS",
+    "autocast_forward",
+    "cast_at_boundary",
+    "resolve_full_precision_inputs",
+    "store_in_dtype",
+]
 
 FULL_PRECISION_INPUTS: tuple[str, ...] = ("timestep", "timesteps", "t", "sigma", "sigmas")
 """The forward arguments a boundary cast of :func:`fvstep.parallel.prepare` leaves in full precision.
@@ -76,6 +72,20 @@ def _positional_names(module: nn.Module) -> tuple[str, ...]:
     return tuple(p.name for p in parameters if p.kind in kinds)
 
 
+def resolve_full_precision_inputs(names: Collection[str]) -> frozenset[str]:
+    """The argument names a boundary cast leaves alone, as a set.
+
+    Raises:
+        TypeError: If ``names`` is a string, not a collection of names.
+    """
+    if isinstance(names, str):
+        raise TypeError(
+            f"full_precision_inputs must be a collection of argument names, got the string {names!r}; "
+            f"write ({names!r},)"
+        )
+    return frozenset(names)
+
+
 def cast_at_boundary(
     module: nn.Module,
     dtype: torch.dtype,
@@ -84,12 +94,9 @@ def cast_at_boundary(
 ) -> None:
     """Cast ``module``'s floating activations to ``dtype`` on the way in, back on the way out.
 
-    Two hooks on ``module``: a forward pre-hook (prepended) casts floating inputs of 2-D
-    and more to ``dtype``; a forward hook (``always_call``) casts floating outputs back to
-    the dtype of the caller's first such input. A role computing in bf16 stays a drop-in
-    for callers in fp32, with or without autocast, sharded or not. FSDP2's own
-    ``cast_forward_inputs`` casts everything, which is why :func:`fvstep.parallel.prepare`
-    turns it off.
+    A prepended forward pre-hook casts floating inputs of 2-D and more to ``dtype``; an
+    ``always_call`` forward hook casts floating outputs back to the dtype of the caller's
+    first such input. Unlike FSDP2's ``cast_forward_inputs``, timesteps are left alone.
 
     Args:
         module: The role's module (hooked in place).
@@ -108,14 +115,7 @@ def cast_at_boundary(
         >>> teacher(x_fp32, timestep=t_fp32).dtype   # t reached the model in fp32
         torch.float32
     """
-    # In bf16 a timestep near 1000 is rounded to a multiple of 4, and Wan2.2's per-token
-    # timesteps are (B, S), shaped like an activation: hence names, not shapes, decide.
-    if isinstance(full_precision_inputs, str):
-        raise TypeError(
-            "full_precision_inputs must be a collection of argument names, got the string "
-            f"{full_precision_inputs!r}; write ({full_precision_inputs!r},)"
-        )
-    keep = frozenset(full_precision_inputs)
+    keep = resolve_full_precision_inputs(full_precision_inputs)
     positional = _positional_names(module)
     callers: list[torch.dtype | None] = []
 
@@ -150,12 +150,9 @@ def cast_at_boundary(
 def autocast_forward(module: nn.Module, dtype: torch.dtype) -> None:
     """Run ``module``'s forward under ``torch.autocast(dtype)`` on its parameters' device.
 
-    Mixed precision on one process: the parameters stay as stored (fp32 masters), the
-    matmuls and attention compute in ``dtype``, the gradients come back in the parameters'
-    dtype. It is what a step wrapped in ``torch.autocast`` computes for this module's
-    forward (the benchmarks' one-process path), made a property of the role, so that
-    training, validation and sampling all see it. Activation checkpointing recomputes
-    under the autocast state of the forward (torch records it).
+    Mixed precision on one process, made a property of the role so that training,
+    validation and sampling all see it: the parameters stay as stored, the matmuls and
+    attention compute in ``dtype``.
 
     Args:
         module: The role's module (hooked in place: a prepended forward pre-hook enters
@@ -205,10 +202,9 @@ def _kept_in_fp32(module: nn.Module) -> set[str]:
 def store_in_dtype(module: nn.Module, dtype: torch.dtype) -> None:
     """Store ``module``'s floating parameters and buffers in ``dtype``, in place.
 
-    The tensors that diffusers keeps in fp32 (``_keep_in_fp32_modules`` of the root or of
-    any model inside it: Wan's rope, time embedder, ``scale_shift_table``, norms) stay as
-    they are, as ``from_pretrained(torch_dtype=...)`` keeps them. Tensors keep their
-    identity (their ``.data`` is replaced), so optimizers and hooks still hold them.
+    The tensors that diffusers keeps in fp32 (``_keep_in_fp32_modules`` of any model
+    inside ``module``) stay as they are, as ``from_pretrained(torch_dtype=...)`` keeps
+    them. Tensors keep their identity (their ``.data`` is replaced).
 
     Args:
         module: The module, typically a frozen role's.

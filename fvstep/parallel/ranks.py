@@ -1,14 +1,11 @@
 """Rank helpers: who am I, wait for the others, share a value, reduce a few numbers.
 
-Every helper works with or without a process group: without one (or on a group of one
-rank) it returns at once with the single-process answer and communicates nothing, so
-code that calls them runs unchanged on one process and under ``torchrun``. They take
-an optional ``group`` (default: the world); the object helpers pickle, so use them for
-small control values (a verdict, an error, a directory listing), not for tensors.
+Without a process group (or on a group of one rank) every helper returns the
+single-process answer at once. The object helpers pickle: use them for small control
+values, not tensors.
 
 Examples:
     >>> rank, world = rank_and_world()
-    >>> error = broadcast_object(error)          # rank 0's value on every rank
     >>> slowest = max_over_ranks([seconds])[0]
 """
 
@@ -137,13 +134,9 @@ def min_over_ranks(
 
 @contextlib.contextmanager
 def host_group() -> Iterator[Any]:
-    """A process group whose collectives run on the CPU, for the duration of the block.
-
-    For control messages between ranks (a stop flag after each step) that must not wait
-    for the GPU: under NCCL a collective of a CUDA tensor, read back on the host, waits
-    for every kernel queued before it; over gloo it waits for the other ranks' hosts only.
-    A new gloo group over every rank whatever the world's backend (one code path, the one
-    the CPU tests run). Collective: every rank enters and leaves it together.
+    """A gloo group over every rank, for the duration of the block: control messages
+    that must not wait for the GPU (an NCCL collective read on the host waits for every
+    kernel queued before it). Collective: every rank enters and leaves it together.
 
     Yields:
         ``None`` on one process; else the gloo group, destroyed on exit.

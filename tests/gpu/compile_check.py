@@ -47,8 +47,11 @@ if not __package__:  # run as a file: fvstep and benchmarks from this checkout
 
 from benchmarks.presets import PRESETS, build_model, make_batch
 from fvstep.methods.models import predict
-from fvstep.parallel.compile_check import DEFAULT_THRESHOLD, CompiledGradientError
-from fvstep.parallel.compile_check_hooks import compile_check_reports
+from fvstep.parallel.compile_check import (
+    DEFAULT_THRESHOLD,
+    CompiledGradientError,
+    compile_check_reports,
+)
 from fvstep.parallel.prepare import prepare
 
 MODES = ("none", "full", "selective", "attention", "narrow")
