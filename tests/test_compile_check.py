@@ -24,7 +24,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -417,6 +417,31 @@ def test_check_compiled_gradients_checks_a_users_module_and_leaves_it_as_it_was(
         check_compiled_gradients(
             block, x, scale, compiled=torch.compile(block, backend=scaled_backward((4, 1, 8)))
         )
+
+
+class _Pair(NamedTuple):
+    x: torch.Tensor
+    scale: torch.Tensor
+
+
+class _Inputs(dict):
+    """A dict subclass, as diffusers' ``ModelOutput`` is."""
+
+
+class ContainerBlock(Block):
+    """A block that takes its inputs as a namedtuple and reads a dict subclass's type."""
+
+    def forward(self, pair: _Pair, extra: dict) -> torch.Tensor:  # type: ignore[override]
+        assert type(pair) is _Pair and type(extra) is _Inputs, (type(pair), type(extra))
+        return super().forward(pair.x, pair.scale) * extra["gain"]
+
+
+def test_the_check_passes_a_blocks_namedtuple_and_dict_subclass_inputs_as_they_are():
+    torch._dynamo.reset()
+    block, (x, scale) = ContainerBlock(), _stack_inputs()
+    extra = _Inputs(gain=torch.full((1, 8), 2.0))
+    reports = check_compiled_gradients(block, _Pair(x, scale), extra, compiled=CPU_COMPILE)
+    assert reports[0].passed and "input pair[1]" in {d.name for d in reports[0].differences}
 
 
 def test_check_compiled_gradients_checks_a_prepared_role_block_by_block():

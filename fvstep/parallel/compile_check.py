@@ -25,6 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from fvstep.core import random as fsrandom
 from fvstep.core.errors import CompiledGradientError
+from fvstep.parallel.precision import map_tensors
 from fvstep.parallel.ranks import max_over_ranks
 
 __all__ = [
@@ -273,16 +274,6 @@ def _leaf_paths(value: Any, path: str) -> list[tuple[str, torch.Tensor]]:
     return []
 
 
-def _map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return fn(value)
-    if isinstance(value, (tuple, list)):
-        return type(value)(_map_tensors(fn, v) for v in value)
-    if isinstance(value, dict):
-        return {k: _map_tensors(fn, v) for k, v in value.items()}
-    return value
-
-
 def positional_names(forward: Callable[..., Any]) -> list[str]:
     """The names of ``forward``'s positional parameters after ``self`` (``[]`` when it has no signature)."""
     try:
@@ -322,7 +313,7 @@ def _clone_inputs(
             memo[id(t)] = c.requires_grad_(t.requires_grad) if t.is_floating_point() else c
         return memo[id(t)]
 
-    return _map_tensors(clone, tuple(args)), _map_tensors(clone, dict(kwargs))
+    return map_tensors(clone, tuple(args)), map_tensors(clone, dict(kwargs))
 
 
 def _precision(params: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> str:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import copy
 import inspect
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
@@ -35,23 +35,34 @@ timestep ``(B, S)`` (Wan2.2 TI2V) looks like an activation but rounds to a multi
 near 1000 in bf16. Pass ``prepare(..., full_precision_inputs=...)`` to extend it."""
 
 
-def _cast_tree(value: Any, dtype: torch.dtype, *, min_ndim: int = 0) -> Any:
+def map_tensors(fn: Callable[[torch.Tensor], Any], value: Any) -> Any:
+    """``value`` with ``fn`` applied to each tensor in its tuples, lists and dicts.
+
+    Containers keep their types: a namedtuple stays one, and a dict subclass (a diffusers
+    ``ModelOutput``) is copied, not turned into a plain dict.
+    """
     if isinstance(value, torch.Tensor):
-        if value.is_floating_point() and value.ndim >= min_ndim and value.dtype != dtype:
-            return value.to(dtype)
-        return value
+        return fn(value)
     if isinstance(value, (tuple, list)):
-        items = [_cast_tree(v, dtype, min_ndim=min_ndim) for v in value]
+        items = [map_tensors(fn, v) for v in value]
         if hasattr(value, "_fields"):  # a namedtuple takes its fields as arguments
             return type(value)(*items)
         return type(value)(items)
     if isinstance(value, dict):
-        # keep the mapping's type: a diffusers ModelOutput (return_dict=True) stays one
         out = copy.copy(value)
         for k, v in value.items():
-            out[k] = _cast_tree(v, dtype, min_ndim=min_ndim)
+            out[k] = map_tensors(fn, v)
         return out
     return value
+
+
+def _cast_tree(value: Any, dtype: torch.dtype, *, min_ndim: int = 0) -> Any:
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        if t.is_floating_point() and t.ndim >= min_ndim and t.dtype != dtype:
+            return t.to(dtype)
+        return t
+
+    return map_tensors(cast, value)
 
 
 def _positional_names(module: nn.Module) -> tuple[str, ...]:
