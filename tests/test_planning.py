@@ -301,7 +301,7 @@ def test_the_plan_predicts_the_self_forcing_and_diffusion_nft_rows_within_the_ta
 
 
 def test_the_plan_predicts_the_streaming_row_peak_within_10_and_time_within_15_percent() -> None:
-    # measured with one stream cache (the step commits into the input's), docs/benchmarks.md
+    # measured with one stream cache (docs/benchmarks.md, "Streaming's peak, traced")
     flags = ["--prepare.checkpointing", "attention", "--window_frames", "21",
              "--sink_frames", "3", "--steps_per_stream", "1000000",
              "--generator_update_interval", "2"]  # fmt: skip

@@ -216,17 +216,32 @@ def test_the_step_is_bitwise_a_hand_written_streaming_loop():
     _assert_equal_to_loop(state, modules, *_hand_written_loop(modules, num_steps=3, rank=0))
 
 
-def test_a_run_holds_one_stream_cache_the_step_commits_into_the_callers_buffers():
-    """The state given to the first step stays alive for a whole run (its caller holds it),
-    so each step writes its new cache into the input's buffers once its updates are done:
-    one cache, not two; the values are the hand-written loop's (test above)."""
+def test_a_new_stream_holds_no_cache_memory_so_a_run_holds_one_cache():
+    """The state given to the first step stays alive for a whole run (its caller holds it):
+    a new stream's cache is one expanded zero, never read (the first step restarts it), so
+    the run holds one cache; steps stay functional: they never write into their input."""
     state, step, data = factory()
     first = state.extra["stream"].cache
+    assert first.keys.untyped_storage().nbytes() == first.keys.element_size()
     for i in range(3):
         state, _ = step(state, data.batch(i))
         cache = state.extra["stream"].cache
-        assert cache.keys is first.keys and cache.values is first.values
-        assert int(cache.num_frames) == min(i + 1, 2)
+        assert cache.keys.untyped_storage().nbytes() == cache.keys.numel() * 4
+        assert cache.keys.shape == first.keys.shape and int(cache.num_frames) == min(i + 1, 2)
+    assert not first.keys.any() and not first.values.any()
+
+
+def test_two_runs_from_one_stream_object_are_each_the_run_from_its_own():
+    """Sharing one ``init_stream`` result between states (an A/B run) changes nothing."""
+    stream = _state(_modules(sharded=False)).extra["stream"]
+    shared = [_state(_modules(sharded=False)).replace(extra={"stream": stream}) for _ in range(2)]
+    alone, step, data = factory()
+    for i in range(3):
+        shared = [step(s, data.batch(i))[0] for s in shared]
+        alone, _ = step(alone, data.batch(i))
+    for s in shared:
+        tree.assert_trees_equal(s.extra["stream"], alone.extra["stream"])
+        tree.assert_trees_equal(s.roles["critic"].params, alone.roles["critic"].params)
 
 
 def check_two_fsdp2_ranks_against_the_loop(rank: int, world_size: int) -> tuple[int, list]:

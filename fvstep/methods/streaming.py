@@ -107,13 +107,21 @@ def init_stream(
                 "frames (the stream moves a chunk at a time)"
             )
     batch_size, channels, _, height, width = like.shape
+    empty = init_cache(
+        student, like, capacity_frames=sink_frames + window_frames, sink_frames=sink_frames,
+        dtype=cache_dtype,
+    )  # fmt: skip
+    # A stream holding no frame is restarted by its first step, which never reads this
+    # cache: it stays one zero, expanded. The state a caller passes to fvstep.run lives
+    # as long as the run, so a full cache here would be a second one for the whole run.
+    zero = torch.zeros((), dtype=empty.keys.dtype, device=empty.keys.device)
     return StreamState(
-        cache=init_cache(
-            student,
-            like,
-            capacity_frames=sink_frames + window_frames,
-            sink_frames=sink_frames,
-            dtype=cache_dtype,
+        cache=KVCache(
+            keys=zero.expand(empty.keys.shape),
+            values=zero.expand(empty.values.shape),
+            num_frames=empty.num_frames,
+            frame_tokens=empty.frame_tokens,
+            sink_frames=empty.sink_frames,
         ),
         frames=like.new_zeros((batch_size, channels, window_frames, height, width)),
         text=torch.zeros_like(text),
@@ -141,26 +149,6 @@ def _restarted(stream: StreamState, text: torch.Tensor) -> StreamState:
         frames=torch.zeros_like(stream.frames),
         text=text.detach().to(stream.text.dtype).clone(),
         num_frames=torch.zeros_like(stream.num_frames),
-    )
-
-
-def _commit(held: KVCache, new: KVCache) -> KVCache:
-    """``new`` written into ``held``'s buffers, once the step's updates are done.
-
-    A run then keeps one stream cache, not two: the state a caller passed to
-    :func:`fvstep.run` stays alive for the whole run, and with it its cache, as its
-    parameters (which are updated in place too).
-    """
-    if held.keys.shape != new.keys.shape or held.keys.dtype != new.keys.dtype:
-        return new
-    held.keys.copy_(new.keys)
-    held.values.copy_(new.values)
-    return KVCache(
-        keys=held.keys,
-        values=held.values,
-        num_frames=new.num_frames,
-        frame_tokens=new.frame_tokens,
-        sink_frames=new.sink_frames,
     )
 
 
@@ -354,7 +342,7 @@ def streaming(
             state, metrics = ctx.update(state, generator_unit, inputs, k_generator)
         state, critic_metrics = ctx.update(state, critic_unit, inputs, k_critic)
         moved = StreamState(
-            cache=_commit(state.extra[name].cache, ro.cache),
+            cache=ro.cache,
             frames=torch.cat([stream.frames, ro.video.to(stream.frames.dtype)], 2)[
                 :, :, -window_frames:
             ],
