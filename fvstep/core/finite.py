@@ -18,7 +18,7 @@ from fvstep.core.grads import first_non_finite
 from fvstep.core.tree import any_dtensor, local_tensor
 
 if TYPE_CHECKING:
-    from fvstep.core.unit import Group
+    from fvstep.core.engine import Group
 
 __all__ = ["raise_non_finite"]
 

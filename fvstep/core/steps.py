@@ -19,10 +19,18 @@ from typing import ClassVar
 import attrs
 
 from fvstep.core.accumulation import Accumulation
-from fvstep.core.engine import Gate, Leaf, Route, Step, name_routes, own_routes, run_unit
+from fvstep.core.engine import (
+    Gate,
+    Leaf,
+    LossFn,
+    Route,
+    Step,
+    name_routes,
+    own_routes,
+    run_unit,
+)
 from fvstep.core.grads import ClipGradNorm, Sanitize
 from fvstep.core.settings import UNSET, PlanEntry, UnitSettings, Unset, check_clip, check_sanitize
-from fvstep.core.unit import LossFn
 
 __all__ = [
     "Chain",
