@@ -144,8 +144,7 @@ def scheduled(routes: Sequence[Route], step: int) -> list[tuple[int, Route]]:
 class Step(abc.ABC):
     """A step function: ``step(state, batch, key=None, *, parallelism=None)``.
 
-    Subclasses hold :attr:`routes`, one per leaf they can ever run (depth first, both
-    branches of ``cond``), computed when they are built.
+    Subclasses hold :attr:`routes`, one per leaf they can ever run, computed when built.
     """
 
     routes: tuple[Route, ...]
@@ -182,7 +181,9 @@ class Step(abc.ABC):
         *,
         parallelism: Parallelism | None = None,
     ) -> tuple[TrainState, dict[str, Any]]:
-        """Run one step (see :mod:`fvstep.core.engine`).
+        """Run one step: check, derive the keys, run the scheduled leaves, count the step.
+
+        Keys and the failure rule: ``docs/concepts/keys.md``, ``docs/concepts/purity.md``.
 
         Args:
             state: The current state; consumed by the call (from its first change on).
@@ -197,12 +198,9 @@ class Step(abc.ABC):
 
         Raises:
             ConsumedStateError: If ``state`` was already consumed.
-            ValueError: Before anything runs: a leaf (at any step) trains or mutates a
-                role the state does not have, or trains a frozen role; or the layout
-                refuses the state (one process: a sharded role, or several ranks).
+            ValueError: Before anything runs, from :func:`check_call`.
             StepFailedError: If the step raised after it had changed a leaf of ``state``
-                (the original error is ``__cause__``); ``state`` is then consumed.
-                Any other error leaves ``state`` usable and bit-unchanged.
+                (the error is ``__cause__``); any other error leaves ``state`` unchanged.
         """
         if not isinstance(state, TrainState):
             raise TypeError(f"a step takes a TrainState, got {type(state).__name__}")
@@ -235,8 +233,7 @@ class Step(abc.ABC):
                     call.position = position
                     leaf_key = fsrandom.fold_in_name(step_key, leaf.name)
                     work, leaf_metrics = leaf.run(work, batch, leaf_key, route.resolved, call)
-                    # A named leaf's metrics, and a key an earlier leaf reported: under
-                    # <name>/<key>, so that none is lost.
+                    # a key an earlier leaf reported goes under <name>/ too: none is lost
                     prefix = f"{leaf.name}/"
                     for name, value in leaf_metrics.items():
                         if (route.named or name in metrics) and not name.startswith(prefix):
@@ -255,12 +252,10 @@ class Step(abc.ABC):
 
 
 class Leaf(Step):
-    """One leaf of a composition: a unit (``fvstep.update``: ``roles``, ``loss_fn``) or a
-    managed step (``fvstep.managed``: ``fn``). It runs itself: the engine calls every leaf
-    the same way, ``leaf.run(state, batch, key, settings, call)``.
+    """One leaf of a composition: a unit (``fvstep.update``) or a managed step
+    (``fvstep.managed``), run by the engine as ``leaf.run(state, batch, key, settings, call)``.
 
-    Its ``name`` keys its randomness and labels its metrics, so the names of the leaves
-    of a composed step are unique.
+    Its ``name`` keys its randomness and labels its metrics: unique within a step.
     """
 
     kind: ClassVar[str] = "leaf"
@@ -270,22 +265,18 @@ class Leaf(Step):
     settings: UnitSettings  # its own clip and sanitize; unset fields are the enclosing ones
     trains: tuple[str, ...]  # the roles whose optimizers it steps
     mutates: tuple[str, ...] = ()  # frozen roles it changes in place (managed steps only)
-    # ``check(state, batch, accumulation)`` of the step's input, run before any leaf of the
-    # step runs (a managed step's ``check``); ``None``: none
+    # run on the step's input before any leaf runs (a managed step's ``check``)
     check: Callable[[TrainState, Any, Accumulation], None] | None = None
 
     @abc.abstractmethod
     def run(
         self, state: TrainState, batch: Any, key: torch.Tensor, settings: UnitSettings, call: Call
     ) -> tuple[TrainState, dict[str, Any]]:
-        """Run this leaf once in ``call``: ``settings`` are its resolved settings, ``key`` its key
-        (``fold_in_name(step_key, name)``). It calls ``call.change()`` right before it first
-        changes ``state``. A unit: :func:`run_unit`; a managed step:
-        :meth:`fvstep.core.managed.Managed.run`."""
+        """Run this leaf once in ``call`` with its resolved ``settings`` and ``key``; call
+        ``call.change()`` right before first changing ``state``."""
 
     def describe(self, position: int | None = None) -> str:
-        """``unit 'name'`` or ``managed step 'name'``, for messages; with the ``position``
-        it runs at, also that and the roles it trains."""
+        """``unit 'name'`` or ``managed step 'name'``; with ``position``, also the roles."""
         if position is None:
             return f"{self.kind} {self.name!r}"
         return (
@@ -300,22 +291,17 @@ def own_routes(leaf: Leaf) -> tuple[Route, ...]:
 
 
 class Call:
-    """One call of a step as it runs: what its leaves read from it (the step, the layout,
-    the step's batch split once per number of micro-batches, the running leaf), and what
-    it has changed. It consumes the input at the first change.
+    """One call of a step as it runs: what its leaves read, and what they have changed.
 
-    Loss functions may change buffers or ``extra`` tensors in place too (a BatchNorm
-    forward in training mode), so the version counters of those leaves are watched, that
-    a failed step never leaves as "unchanged" an input that is not (best effort: a kernel
-    that writes behind autograd's back moves no counter). Parameters are not watched
-    (only optimizers and managed steps change them).
+    Loss functions may change buffers or ``extra`` tensors in place (a BatchNorm forward),
+    so their version counters are watched: a failed step never calls such an input
+    unchanged (best effort: a kernel writing behind autograd's back moves no counter).
 
     Attributes:
         step: The step being run.
         batch: The step's batch.
         parallelism: The process layout of the call (``None``: one process).
-        splits: The step's batch split into micro-batches, by their number: the units
-            of a step that split it alike share one split.
+        splits: The step's batch split into micro-batches, by their number (shared).
         position: The running leaf's position among the step's leaves.
         leaf: The running leaf (``None`` before the first).
         changed: ``(position, leaf)`` of each leaf that has changed the state, in order.
@@ -354,8 +340,7 @@ class Call:
         return "the step" if leaf is None else leaf.describe(position)
 
     def failure(self, error: Exception) -> StepFailedError | None:
-        """The error to raise for ``error``; ``None`` when nothing changed (the input is
-        then left as it was, not consumed)."""
+        """The error to raise for ``error``; ``None`` when nothing changed (nor consumed)."""
         in_place = [p for p, (x, v) in self.versions.items() if tensor_version(x) != v]
         if not self.changed and not in_place:
             return None
@@ -369,16 +354,17 @@ class Call:
         if in_place:
             shown = ", ".join(in_place[:3]) + (", ..." if len(in_place) > 3 else "")
             parts.append(f"changed in place by a loss or managed function ({shown})")
+        where, what = self._describe(self.position, self.leaf), "; ".join(parts)
         return StepFailedError(
-            f"step {self.step} failed in {self._describe(self.position, self.leaf)} after the "
-            f"step had changed its input state: the state was {'; '.join(parts)}. The input "
-            "state is consumed and partly updated: do not continue from it. To recover, "
-            "reload the last checkpoint into a state of the same structure: state = "
-            "fvstep.checkpoint.load(fvstep.checkpoint.latest(ckpt_dir), like=fresh_state), "
-            "with fresh_state built as for the first step (fvstep.run does this when "
-            "restarted with its Checkpoints). "
-            f"The error that stopped the step: {type(error).__name__}: {error}"
+            f"step {self.step} failed in {where}; the state was {what}: it is consumed and "
+            f"partly updated. {_RECOVER} The error: {type(error).__name__}: {error}"
         )
+
+
+_RECOVER = (
+    "Reload the last checkpoint: fvstep.checkpoint.load(fvstep.checkpoint.latest(ckpt_dir), "
+    "like=fresh_state) (see docs/troubleshooting.md)."
+)
 
 
 def _unknown_role(role: str, state_roles: list[str]) -> str:
@@ -388,12 +374,13 @@ def _unknown_role(role: str, state_roles: list[str]) -> str:
 
 
 def check_call(routes: Sequence[Route], state: TrainState, parallelism: Parallelism | None) -> None:
-    """The checks of a call, before anything is consumed: every role any leaf can run
-    exists in ``state`` and the trained ones are trainable; the layout accepts the state.
-    One pass over the leaves' roles, and (one process) over the parameters.
+    """Check a call before anything is consumed: the roles of every leaf exist, trained
+    ones are trainable, and the layout accepts the state.
 
-    The layout of one process (``parallelism=None``) refuses sharded roles and a process
-    that is one of several ranks: each rank would train its own copy.
+    Raises:
+        ValueError: A leaf (at any step) trains or mutates a role the state lacks, or
+            trains a frozen role; ``parallelism=None`` and a sharded role, or a process
+            that is one of several ranks (each rank would train its own copy).
     """
     roles = state.roles
     for route in routes:
@@ -417,26 +404,22 @@ def check_call(routes: Sequence[Route], state: TrainState, parallelism: Parallel
     world = world_size_of_default_group()
     if world > 1:
         raise ValueError(
-            f"this process is one of {world} ranks, but the step runs with the layout of "
-            "one process (the default), which reduces no gradient: each rank would train "
-            "its own copy. Pass the layout: step(state, batch, "
-            "parallelism=fvstep.parallel.Layout()) (fvstep.run passes it by itself)"
+            f"this process is one of {world} ranks, but the step runs with the one-process "
+            "layout (no gradient reduced): pass parallelism=fvstep.parallel.Layout()"
         )
     for name, rs in roles.items():
         if any_dtensor(rs.params.values()):
             raise ValueError(
                 f"role {name!r} has sharded (DTensor) parameters, but the step runs with the "
-                "layout of one process, which does not return FSDP2 modules to rest between "
-                "units: pass parallelism=fvstep.parallel.Layout()"
+                "layout of one process: pass parallelism=fvstep.parallel.Layout()"
             )
 
 
 def run_unit(
     leaf: Any, state: TrainState, batch: Any, key: torch.Tensor, settings: UnitSettings, call: Call
 ) -> tuple[TrainState, dict[str, Any]]:
-    """How a unit runs itself (``Unit.run``; see :meth:`Leaf.run`): split ``batch`` into
-    micro-batches, backward, consume the input (``call.change()``: a no-op for the units a
-    managed step runs, which consumed it at its start), apply. ``settings`` are resolved."""
+    """How a unit runs itself (``Unit.run``): split ``batch``, :func:`backward`, consume the
+    input (``call.change()``), :func:`apply`."""
     accumulation, clip, sanitize = settings.accumulation, settings.clip, settings.sanitize
     assert accumulation is not None and clip is not UNSET and sanitize is not UNSET
     num = accumulation.microbatches
@@ -612,9 +595,8 @@ def backward(
     if clash:
         gradients.clear()
         raise ValueError(
-            f"the loss function of unit {name!r} returned the metric {clash[0]!r}, reported "
-            f"as {name + '/' + clash[0]!r}, the key of the unit's own loss: rename the metric "
-            "(or the unit: update(..., name=...))"
+            f"unit {name!r}'s loss function returned a metric {clash[0]!r}: that is the key of "
+            "the unit's own loss under its name; rename the metric (or the unit: update(name=))"
         )
     out.update({f"{name}/{k}": _mean(v) for k, v in metric_log.items()})
     out.update(sync_metrics)
