@@ -290,6 +290,10 @@ def own_routes(leaf: Leaf) -> tuple[Route, ...]:
     return (Route(leaf, leaf.settings, leaf.settings.resolve()),)
 
 
+ROUTES = attrs.Factory(own_routes, takes_self=True)
+"""A leaf's ``routes`` default (computed once: steps are frozen)."""
+
+
 class Call:
     """One call of a step as it runs: what its leaves read, and what they have changed.
 
