@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from fvstep.core.tree import local_tensor
+from fvstep.core.tree import flatten_with_paths, local_tensor
 
 if TYPE_CHECKING:
     from fvstep.core.state import Role
@@ -142,9 +142,7 @@ def resolve_trainable_names(
 
 
 def check_tensor_leaves(tree: Any, what: str) -> None:
-    """Refuse a leaf of ``tree`` (``what``) that is not a tensor (a ``TypeError`` naming its path)."""
-    from fvstep.core.tree import flatten_with_paths
-
+    """Refuse a leaf of ``tree`` (``what``) that is not a tensor (a ``TypeError`` naming it)."""
     paths, flat, _ = flatten_with_paths(tree)
     for path, leaf in zip(paths, flat, strict=False):
         if not isinstance(leaf, torch.Tensor):
