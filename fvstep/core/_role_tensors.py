@@ -115,8 +115,7 @@ def check_no_aliasing(roles: Mapping[str, Role]) -> None:
             if other is not None and other[0] != role_name:
                 raise ValueError(
                     f"roles {other[0]!r} and {role_name!r} share the tensor storage of "
-                    f"{other[1]!r} / {t_name!r}; give each role its own copy "
-                    "(e.g. copy.deepcopy(module))"
+                    f"{other[1]!r} / {t_name!r}; give each role its own copy (copy.deepcopy)"
                 )
             seen_storage.setdefault(where, (role_name, t_name))
 
@@ -172,10 +171,10 @@ def live_tensors(
         or not set(params) <= set(live_params)
         or not set(buffers) <= set(live_buffers)
     ):
+        live, mine = sorted(live_params)[:3], sorted(params)[:3]
         raise ValueError(
-            f"the module of this role has parameters/buffers {sorted(live_params)[:3]}..., "
-            f"which do not match the state's {sorted(params)[:3]}...: was the module "
-            "re-wrapped or changed after TrainState.create?"
+            f"the module of this role has parameters/buffers {live}..., not the state's "
+            f"{mine}...: was the module re-wrapped or changed after TrainState.create?"
         )
     return live_params, live_buffers
 

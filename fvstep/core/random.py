@@ -5,8 +5,7 @@ pure SplitMix64-based function, so a key checkpoints as a tensor leaf. Draw from
 :func:`generator`; code on the global RNG (dropout) is deterministic inside :func:`rng_scope`.
 
 Examples:
-    >>> k = key(0)
-    >>> k_noise, k_t = split(fold_in(k, 7), 2)
+    >>> k_noise, k_t = split(fold_in(key(0), 7), 2)
     >>> noise = torch.randn(4, generator=generator(k_noise))
 """
 

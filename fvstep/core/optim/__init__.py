@@ -1,9 +1,8 @@
 """Functional optimizers over explicit state pytrees, bit-identical to ``torch.optim``.
 
-As in optax, each optimizer is one factory (:func:`adamw`, :func:`sgd`) returning frozen
-static metadata with the pure methods of :class:`Optimizer` over a separate state pytree,
-every moment allocated at ``init``; both run PyTorch's functional kernels, so a run is
-bitwise the ``torch.optim`` run::
+As in optax, each optimizer is one factory (:func:`adamw`, :func:`sgd`) returning static
+metadata with the pure methods of :class:`Optimizer` over a separate state pytree; both run
+PyTorch's functional kernels, so a run is bitwise the ``torch.optim`` run::
 
     opt = adamw(1e-4, weight_decay=0.01)
     opt_state = opt.init(params)

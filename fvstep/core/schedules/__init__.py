@@ -1,10 +1,9 @@
 """Learning-rate schedules as pure functions of the update count, in the style of optax.
 
-A schedule is a plain function ``count -> lr`` (:data:`Schedule`); factories such as
-:func:`warmup_cosine` check their hyper-parameters once and return one that holds no
-state. A schedule counts the optimizer's *updates*, not the run's steps; the decaying
-ones carry their length as ``schedule.total_steps``. Each equals its ``diffusers``
-counterpart bit for bit (the table: ``docs/api/schedules.md``).
+A schedule is a stateless function ``count -> lr`` (:data:`Schedule`) of the optimizer's
+*updates*, made by a factory that checks its hyper-parameters once; the decaying ones
+carry their length (``schedule.total_steps``). Each equals its ``diffusers`` counterpart
+bit for bit (``docs/api/schedules.md``).
 
 Examples:
     >>> warmup_cosine(1e-3, warmup_steps=100, total_steps=1000)(50)
