@@ -32,10 +32,6 @@ def _named_buffers(
                 yield (f"{mod_name}.{buf_name}" if mod_name else buf_name), buf
 
 
-def _named_persistent_buffers(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    return _named_buffers(module, persistent=True)
-
-
 def distinct_tensors(
     module: nn.Module,
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], tuple[tuple[str, str], ...]]:
@@ -44,7 +40,7 @@ def distinct_tensors(
     first_name: dict[int, str] = {}  # id() is safe: the module keeps every tensor alive
     tied: list[tuple[str, str]] = []
     slots: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]] = ({}, {})
-    named = (module.named_parameters(remove_duplicate=False), _named_persistent_buffers(module))
+    named = (module.named_parameters(remove_duplicate=False), _named_buffers(module))
     for distinct, tensors in zip(slots, named, strict=True):
         for name, tensor in tensors:
             canonical = first_name.setdefault(id(tensor), name)
@@ -165,7 +161,7 @@ def live_tensors(
     """The module's parameters and persistent buffers under every name, refused unless the
     names are those of the state (``params``, ``buffers`` and the aliases of ``tied``)."""
     live_params: dict[str, torch.Tensor] = dict(module.named_parameters(remove_duplicate=False))
-    live_buffers = dict(_named_persistent_buffers(module))
+    live_buffers = dict(_named_buffers(module))
     if (
         set(live_params) | set(live_buffers) != set(params) | set(buffers) | set(dict(tied))
         or not set(params) <= set(live_params)

@@ -144,7 +144,7 @@ class ManagedContext:
 
         ``accumulation`` defaults to the enclosing ``compile``'s; the unit's own
         ``clip``/``sanitize`` apply, else the managed step's, else the enclosing
-        ``compile``'s; the micro-batch keys are ``fold_in(key, m)``.
+        ``compile``'s (keys: ``docs/concepts/keys.md``).
 
         Returns:
             The new state and the unit's metrics.
