@@ -451,6 +451,9 @@ def run_unit(
     return apply(state, gradients, clip=clip, sanitize=sanitize)
 
 
+# One unit in two phases, so that the engine consumes the input between them: backward
+# (micro-batches, gradients, norms, the non-finite verdict; changes no leaf), then apply.
+
 LossFn = Callable[[TrainState, Any, torch.Tensor], Any]
 """``(state, batch, key) -> loss | (loss, metrics) | ({role: loss}, metrics)``."""
 
@@ -535,7 +538,8 @@ def backward(
 ) -> Gradients:
     """Phase 1 of a unit: gradients of ``roles`` over ``microbatches``, measured.
 
-    Micro-batch ``m`` is keyed by ``fold_in(key, m)``. Changes no leaf of ``state``.
+    Micro-batch ``m`` is keyed by ``fold_in(key, m)``. Changes no leaf of ``state``; the
+    other roles' parameters have ``requires_grad`` off meanwhile.
 
     Raises:
         NonFiniteGradientError: With ``sanitize="error"``, if a loss or a gradient is not
