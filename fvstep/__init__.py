@@ -1,19 +1,10 @@
 """fvstep: training methods for video diffusion models as pure step functions over state pytrees.
 
-The public API: ``TrainState``, ``Role``, ``EMA``, ``update``, ``sequence``, ``every``,
-``cond``, ``managed``, ``compile``, ``plan``, ``Step``, ``Accumulation``,
-``clip_grad_norm``, ``run``, ``run_until``, ``Checkpoints``, ``Validation``, the errors a
-step raises (``ConsumedStateError``, ``NonFiniteGradientError``, ``StepFailedError``),
-``Interrupted`` (what ``run`` raises when a signal stopped it, after saving),
-and the modules ``tree``, ``random``, ``optim``, ``schedules``, ``checkpoint``, ``data``.
-
-A step is called with its process layout: ``step(state, batch)`` on one process,
-``step(state, batch, parallelism=fvstep.parallel.Layout())`` on several ranks;
-``fvstep.run`` picks the layout of its processes by itself.
-
-The face is lazy (PEP 562): ``import fvstep`` imports no torch; each name is imported the
-first time it is read, so the ``fvstep`` command answers ``--help`` without loading
-torch, FSDP2 or diffusers.
+The public API is ``__all__``: the state (``TrainState``, ``Role``, ``EMA``), the steps
+(``update``, ``sequence``, ``every``, ``cond``, ``managed``, ``compile``, ``plan``), the
+loop (``run``, ``Checkpoints``), the errors a step raises, and the modules ``tree``,
+``random``, ``optim``, ``schedules``, ``checkpoint``, ``data``. The face is lazy (PEP 562):
+``import fvstep`` imports no torch, so the ``fvstep`` command answers ``--help`` quickly.
 """
 
 from __future__ import annotations

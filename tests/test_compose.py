@@ -371,7 +371,6 @@ CORE = (
     "core/state",
     "core/engine",
     "core/steps",
-    "core/unit",
     "core/settings",
     "core/layout",
     "core/managed",

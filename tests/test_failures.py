@@ -204,7 +204,7 @@ def test_a_nan_in_a_tiny_wan_batch_raises_and_leaves_the_state_unchanged():
 
 def test_with_clipping_the_check_reuses_the_clip_norm(monkeypatch):
     calls = []
-    real = torch.nn.utils.get_total_norm  # what fvstep.core.unit measures the norm with
+    real = torch.nn.utils.get_total_norm  # what fvstep.core.engine measures the norm with
 
     def counting(grads, *args, **kwargs):
         calls.append((args, kwargs))

@@ -1,19 +1,11 @@
 """Every private PyTorch API that fvstep relies on, in one place (private module).
 
-fvstep calls PyTorch's own optimizer kernels and reads a little of FSDP2's state where no
-public API says the same thing. Each such name is reached here and nowhere else in the
-package, so a torch release that moves one breaks this module, and the one test of it in
-``tests/test_compat.py``, instead of a user's run. The torch range these names are tested
-on is pinned in ``pyproject.toml`` (``dependencies``).
-
-Names under ``torch.distributed`` resolve lazily, inside the function that needs them:
-:mod:`fvstep.core.optim` imports this module, and the core imports nothing from
-``torch.distributed`` (``docs/architecture.md``).
-
-What is *not* here, and why: ``torch.optim.adamw.adamw`` and ``torch.optim.sgd.sgd`` are
-public (listed in those modules' ``__all__``); the ``torch._foreach_*`` operations are
-documented (beta) in PyTorch's reference; ``nn.Module``'s ``_parameters``/``_buffers``
-dicts are how ``torch.nn.utils`` itself rebinds tensors.
+Each is reached here and nowhere else, so a torch release that moves one breaks this
+module and its test (``tests/test_compat.py``), not a user's run. Names under
+``torch.distributed`` resolve lazily, inside the function: the core imports this module and
+nothing of ``torch.distributed`` itself. Not here: the public ``torch.optim.adamw.adamw``
+and ``sgd.sgd``, the documented ``torch._foreach_*``, and ``nn.Module``'s
+``_parameters``/``_buffers`` dicts (how ``torch.nn.utils`` rebinds tensors).
 """
 
 from __future__ import annotations
@@ -81,9 +73,7 @@ def tensor_version(tensor: torch.Tensor) -> int:
 def world_size_of_default_group() -> int:
     """The world size of ``torch.distributed``'s default process group (1 without one).
 
-    Public torch, here because it is ``torch.distributed``: the core asks it (to refuse
-    the one-process layout on several ranks) and may import ``torch.distributed`` only
-    through this module, lazily.
+    Public torch, here because the core reaches ``torch.distributed`` only through here.
     """
     import torch.distributed as dist
 

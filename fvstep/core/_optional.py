@@ -1,13 +1,8 @@
 """Optional packages: a missing one names the extra that installs it (private).
 
-Every import of a package that is not a core dependency (diffusers, peft, pyarrow, av,
-imageio, matplotlib, tqdm, tensorboard, wandb, safetensors, transformers) sits in a
-``with needs_extra(...)`` block, so that a user without it reads which ``pip install``
-brings it rather than a bare ``ModuleNotFoundError``.
-
-Examples:
-    >>> with needs_extra("data", "fvstep.executor.latents"):
-    ...     import pyarrow.parquet as pq
+Every import of a package that is not a core dependency sits in a ``with
+needs_extra(...)`` block, so that a user without it reads which ``pip install`` brings it
+rather than a bare ``ModuleNotFoundError``.
 """
 
 from __future__ import annotations

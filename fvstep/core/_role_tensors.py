@@ -1,12 +1,8 @@
 """The tensors a role's module holds, and the checks of the tensors a state is made of (private).
 
-A module may hold one tensor under several names (tied weights): :func:`distinct_tensors`
-keeps it once, under its first name, and records the other names as ties. Different
-tensors that share storage (a view of another), or storage shared between roles or with a
-non-persistent buffer, would come back from a checkpoint as independent tensors:
-:func:`check_no_partial_aliasing` and :func:`check_no_aliasing` refuse them at
-``TrainState.create``, which also takes a trainable role's parameters from here
-(:func:`resolve_trainable_names`) and checks that the method-owned leaves are tensors.
+A tied tensor is kept once, under its first name (:func:`distinct_tensors`). Storage shared
+otherwise (a view of another tensor, between roles, with a non-persistent buffer) would come
+back from a checkpoint as independent tensors: ``TrainState.create`` refuses it here.
 """
 
 from __future__ import annotations
@@ -17,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from fvstep.core.tree import local_tensor
+from fvstep.core.tree import flatten_with_paths, local_tensor
 
 if TYPE_CHECKING:
     from fvstep.core.state import Role
@@ -36,10 +32,6 @@ def _named_buffers(
                 yield (f"{mod_name}.{buf_name}" if mod_name else buf_name), buf
 
 
-def _named_persistent_buffers(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    return _named_buffers(module, persistent=True)
-
-
 def distinct_tensors(
     module: nn.Module,
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], tuple[tuple[str, str], ...]]:
@@ -48,7 +40,7 @@ def distinct_tensors(
     first_name: dict[int, str] = {}  # id() is safe: the module keeps every tensor alive
     tied: list[tuple[str, str]] = []
     slots: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]] = ({}, {})
-    named = (module.named_parameters(remove_duplicate=False), _named_persistent_buffers(module))
+    named = (module.named_parameters(remove_duplicate=False), _named_buffers(module))
     for distinct, tensors in zip(slots, named, strict=True):
         for name, tensor in tensors:
             canonical = first_name.setdefault(id(tensor), name)
@@ -80,21 +72,16 @@ def check_no_partial_aliasing(
         if other != name:
             raise ValueError(
                 f"role {role_name!r}: {other!r} and {name!r} are different tensors that share "
-                "storage (one is a view of the other), which a checkpoint would restore as "
-                "independent tensors. Tie them by holding one tensor under both names "
-                f"(e.g. decoder.weight = encoder.weight), or give {name!r} its own storage "
-                "(.clone())"
+                "storage: tie them as one tensor, or .clone() one (see docs/troubleshooting.md)"
             )
     held = {id(t) for t in tensors.values()}
     for name, buf in _named_buffers(module, persistent=False):
         where = _storage_key(buf)
         if where is not None and where in seen:
+            how = "is" if id(buf) in held else "shares storage with"
             raise ValueError(
-                f"role {role_name!r}: the non-persistent buffer {name!r} "
-                f"{'is' if id(buf) in held else 'shares storage with'} {seen[where]!r}, which "
-                "the state holds: after a checkpoint load or a clone the buffer would keep "
-                "the old values. Register it as a persistent buffer, or recompute it from "
-                f"{seen[where]!r} in forward"
+                f"role {role_name!r}: the non-persistent buffer {name!r} {how} {seen[where]!r}: "
+                "make it persistent, or recompute it in forward (see docs/troubleshooting.md)"
             )
 
 
@@ -106,10 +93,10 @@ def check_no_aliasing(roles: Mapping[str, Role]) -> None:
         for mod_name, mod in role.module.named_modules():
             other = seen_modules.get(id(mod))
             if other is not None and other[0] != role_name:
+                shared = f"{other[1] or '<root>'!r} / {mod_name or '<root>'!r}"
                 raise ValueError(
-                    f"roles {other[0]!r} and {role_name!r} share a module "
-                    f"({other[1] or '<root>'!r} / {mod_name or '<root>'!r}); give each role its "
-                    "own copy (e.g. copy.deepcopy(module)), even when both start from one checkpoint"
+                    f"roles {other[0]!r} and {role_name!r} share a module ({shared}); give each "
+                    "role its own copy (e.g. copy.deepcopy(module))"
                 )
             seen_modules.setdefault(id(mod), (role_name, mod_name))
         tensors: list[tuple[str, torch.Tensor]] = [
@@ -124,8 +111,7 @@ def check_no_aliasing(roles: Mapping[str, Role]) -> None:
             if other is not None and other[0] != role_name:
                 raise ValueError(
                     f"roles {other[0]!r} and {role_name!r} share the tensor storage of "
-                    f"{other[1]!r} / {t_name!r}; give each role its own copy "
-                    "(e.g. copy.deepcopy(module))"
+                    f"{other[1]!r} / {t_name!r}; give each role its own copy (copy.deepcopy)"
                 )
             seen_storage.setdefault(where, (role_name, t_name))
 
@@ -142,20 +128,16 @@ def resolve_trainable_names(
         raise ValueError(f"trainable role {name!r} has no parameter with requires_grad=True")
     low = [n for n in trainable if params[n].dtype in _LOW_PRECISION]
     if low and role.optimizer.needs_fp32_master and not role.allow_low_precision:
+        dtype, count = params[low[0]].dtype, f"{len(low)}, e.g. {low[0]!r}"
         raise ValueError(
-            f"role {name!r} is trainable with {params[low[0]].dtype} parameters "
-            f"({len(low)} of them, e.g. {low[0]!r}), and its optimizer needs fp32 master "
-            "weights: small updates would round away. Keep the parameters in fp32 (use "
-            "MixedPrecisionPolicy for bf16 compute) or pass Role(..., "
-            "allow_low_precision=True)"
+            f"role {name!r} is trainable with {dtype} parameters ({count}) and its optimizer needs "
+            "fp32 master weights: keep them in fp32, or pass Role(..., allow_low_precision=True)"
         )
     return trainable
 
 
 def check_tensor_leaves(tree: Any, what: str) -> None:
-    """Refuse a leaf of ``tree`` (``what``) that is not a tensor (a ``TypeError`` naming its path)."""
-    from fvstep.core.tree import flatten_with_paths
-
+    """Refuse a leaf of ``tree`` (``what``) that is not a tensor (a ``TypeError`` naming it)."""
     paths, flat, _ = flatten_with_paths(tree)
     for path, leaf in zip(paths, flat, strict=False):
         if not isinstance(leaf, torch.Tensor):
@@ -179,16 +161,16 @@ def live_tensors(
     """The module's parameters and persistent buffers under every name, refused unless the
     names are those of the state (``params``, ``buffers`` and the aliases of ``tied``)."""
     live_params: dict[str, torch.Tensor] = dict(module.named_parameters(remove_duplicate=False))
-    live_buffers = dict(_named_persistent_buffers(module))
+    live_buffers = dict(_named_buffers(module))
     if (
         set(live_params) | set(live_buffers) != set(params) | set(buffers) | set(dict(tied))
         or not set(params) <= set(live_params)
         or not set(buffers) <= set(live_buffers)
     ):
+        live, mine = sorted(live_params)[:3], sorted(params)[:3]
         raise ValueError(
-            f"the module of this role has parameters/buffers {sorted(live_params)[:3]}..., "
-            f"which do not match the state's {sorted(params)[:3]}...: was the module "
-            "re-wrapped or changed after TrainState.create?"
+            f"the module of this role has parameters/buffers {live}..., not the state's "
+            f"{mine}...: was the module re-wrapped or changed after TrainState.create?"
         )
     return live_params, live_buffers
 

@@ -1,15 +1,6 @@
 """Gradient accumulation: the number of micro-batches and the FSDP2 sync policy.
 
-The policies:
-
-- ``"every"``: reduce-scatter gradients after every micro-batch (lowest memory).
-- ``"no_sync"``: reduce only after the last micro-batch; holds unsharded gradients in
-  between, so each trained role must opt in (``Role(..., allow_no_sync=True)``).
-- ``"deferred"``: reduce each micro-batch but wait only on the last
-  (``set_is_last_backward``); bit-identical to ``"every"``.
-
-On unsharded (single-process) modules every policy computes the same thing; the policy
-only changes which collectives FSDP2 issues.
+The policies change only which collectives FSDP2 issues (``docs/concepts/sync-policies.md``).
 """
 
 from __future__ import annotations
@@ -33,7 +24,10 @@ class Accumulation:
 
     Attributes:
         microbatches: ``K >= 1``.
-        sync: One of ``"every"``, ``"no_sync"``, ``"deferred"``.
+        sync: ``"every"`` (reduce-scatter after each micro-batch, lowest memory),
+            ``"deferred"`` (wait only after the last; bit-identical to ``"every"``) or
+            ``"no_sync"`` (reduce once; unsharded gradients in between, so each trained
+            role opts in with ``Role(..., allow_no_sync=True)``).
         keep_params_gathered: Keep FSDP2 parameters unsharded between micro-batches
             (``set_reshard_after_backward(last)``): fewer all-gathers, more memory.
         defer_all_reduce: With HSDP, all-reduce across replicas only after the last

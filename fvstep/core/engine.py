@@ -1,43 +1,11 @@
-"""The step type, and the engine that runs a call of a step.
+"""The step type, and the engine that runs a call of a step, down to each unit's update.
 
-Every step is a :class:`Step`: ``step(state, batch, key=None, *, parallelism=None) ->
-(state, metrics)`` and ``step.plan(i) -> [PlanEntry]``. Units and managed steps are its
-leaves (:class:`Leaf`, each with its own ``run``); ``sequence``, ``every``, ``cond`` and ``compile``
-(:mod:`fvstep.core.steps`) take steps and return steps. A step is resolved when it is
-built: it holds its :class:`Route` s, one per leaf, each with the leaf's settings already
-merged over the enclosing ``compile``s' and the defaults, and the :class:`Gate` s
-(``every``, ``cond``) on the way to it. What runs at step ``i`` is the routes whose
-gates open at ``i`` (:func:`scheduled`), a pure function of ``i``. Which leaves report
-their metrics under their name is resolved when a step is built too (:attr:`Route.named`).
-
-A call (:meth:`Step.__call__`) reads nothing but its arguments, and:
-
-1. checks once, before anything is consumed: every role that any leaf can ever run
-   exists in the state (a typo names the close match), trained roles are trainable,
-   and the layout accepts the state (``parallelism``; ``None``, the default, is one
-   process: it refuses sharded roles and a process that is one of several ranks);
-2. derives the step's key, ``fold_in(fold_in(key if given else state.key, step), dp)``
-   with ``dp`` this rank's data-parallel replica (the ranks of one context-parallel group
-   share it); a leaf gets ``fold_in_name(step_key, leaf.name)`` (its stable name: adding
-   a unit leaves the noise of the others unchanged), micro-batch ``m`` of a unit
-   ``fold_in(unit_key, m)``; modules run inside ``rng_scope`` of their key;
-3. runs the scheduled routes in order, each leaf by its own ``run`` (:meth:`Leaf.run`)
-   with the :class:`Call`: a unit (:func:`run_unit`) runs
-   :func:`~fvstep.core.unit.backward`, then, right before its first leaf changes, the
-   input is consumed (like a donated buffer), then :func:`~fvstep.core.unit.apply`; a
-   managed step counts as changing from its start;
-4. returns the state with ``step + 1``.
-
-A step that raises before its first change (a bad batch, an error in a loss, a
-``NonFiniteGradientError`` of its first unit, a managed step's ``check``) re-raises the
-error and leaves its input usable and bit-unchanged; one that raises later raises
-:class:`~fvstep.core.errors.StepFailedError` (``__cause__``: the error), saying what had run.
-
-Metrics are means over micro-batches (losses, the loss function's metrics) and per
-update (``<role>/grad_norm``, ``<role>/lr``, ``<role>/skipped``), detached tensors or
-Python scalars. A leaf that trains a role an earlier leaf trains too (other than the two
-branches of one ``cond``) reports all its metrics as ``<its name>/<key>``, at every step:
-no loss is lost, and a metric's key never depends on the step.
+A step is resolved when it is built (:class:`Route`: one per leaf, settings merged, the
+``every``/``cond`` :class:`Gate` s on the way); a call (:meth:`Step.__call__`) checks once,
+derives the keys, runs each scheduled leaf by its own ``run`` and returns ``step + 1``. A
+unit runs in two phases (:func:`backward`, which changes no leaf, then :func:`apply`), and
+the input state is consumed between them. The order of a call, its keys and its failure
+rule: ``docs/architecture.md`` ("One call, top to bottom") and ``docs/concepts/purity.md``.
 """
 
 from __future__ import annotations
@@ -45,23 +13,42 @@ from __future__ import annotations
 import abc
 import contextlib
 import difflib
-from collections.abc import Callable, Sequence
+import functools
+import math
+import operator
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import attrs
+import optree
 import torch
 
 from fvstep.core import random as fsrandom
-from fvstep.core import unit
 from fvstep.core._compat import tensor_version, world_size_of_default_group
 from fvstep.core.accumulation import Accumulation
 from fvstep.core.errors import StepFailedError
-from fvstep.core.layout import Parallelism
+from fvstep.core.finite import raise_non_finite
+from fvstep.core.grads import ClipGradNorm, Sanitize, nan_to_num_
+from fvstep.core.layout import GradSync, Parallelism
 from fvstep.core.settings import UNSET, PlanEntry, UnitSettings
-from fvstep.core.state import TrainState, adopt, is_consumed, mark_consumed
-from fvstep.core.tree import any_dtensor, flatten_with_paths
+from fvstep.core.state import RoleState, TrainState, adopt, is_consumed, mark_consumed
+from fvstep.core.tree import any_dtensor, flatten_with_paths, full_tensor, local_tensors
 
-__all__ = ["Call", "Gate", "Leaf", "Route", "Step", "name_routes", "run_unit", "scheduled"]
+__all__ = [
+    "Call",
+    "Gate",
+    "Gradients",
+    "Leaf",
+    "LossFn",
+    "Route",
+    "Step",
+    "apply",
+    "backward",
+    "name_routes",
+    "run_unit",
+    "scheduled",
+    "split_microbatches",
+]
 
 
 @attrs.frozen(eq=False)
@@ -157,8 +144,7 @@ def scheduled(routes: Sequence[Route], step: int) -> list[tuple[int, Route]]:
 class Step(abc.ABC):
     """A step function: ``step(state, batch, key=None, *, parallelism=None)``.
 
-    Subclasses hold :attr:`routes`, one per leaf they can ever run (depth first, both
-    branches of ``cond``), computed when they are built.
+    Subclasses hold :attr:`routes`, one per leaf they can ever run, computed when built.
     """
 
     routes: tuple[Route, ...]
@@ -195,7 +181,9 @@ class Step(abc.ABC):
         *,
         parallelism: Parallelism | None = None,
     ) -> tuple[TrainState, dict[str, Any]]:
-        """Run one step (see :mod:`fvstep.core.engine`).
+        """Run one step: check, derive the keys, run the scheduled leaves, count the step.
+
+        Keys and the failure rule: ``docs/concepts/keys.md``, ``docs/concepts/purity.md``.
 
         Args:
             state: The current state; consumed by the call (from its first change on).
@@ -210,12 +198,9 @@ class Step(abc.ABC):
 
         Raises:
             ConsumedStateError: If ``state`` was already consumed.
-            ValueError: Before anything runs: a leaf (at any step) trains or mutates a
-                role the state does not have, or trains a frozen role; or the layout
-                refuses the state (one process: a sharded role, or several ranks).
+            ValueError: Before anything runs, from :func:`check_call`.
             StepFailedError: If the step raised after it had changed a leaf of ``state``
-                (the original error is ``__cause__``); ``state`` is then consumed.
-                Any other error leaves ``state`` usable and bit-unchanged.
+                (the error is ``__cause__``); any other error leaves ``state`` unchanged.
         """
         if not isinstance(state, TrainState):
             raise TypeError(f"a step takes a TrainState, got {type(state).__name__}")
@@ -248,8 +233,7 @@ class Step(abc.ABC):
                     call.position = position
                     leaf_key = fsrandom.fold_in_name(step_key, leaf.name)
                     work, leaf_metrics = leaf.run(work, batch, leaf_key, route.resolved, call)
-                    # A named leaf's metrics, and a key an earlier leaf reported: under
-                    # <name>/<key>, so that none is lost.
+                    # a key an earlier leaf reported goes under <name>/ too: none is lost
                     prefix = f"{leaf.name}/"
                     for name, value in leaf_metrics.items():
                         if (route.named or name in metrics) and not name.startswith(prefix):
@@ -268,12 +252,10 @@ class Step(abc.ABC):
 
 
 class Leaf(Step):
-    """One leaf of a composition: a unit (``fvstep.update``: ``roles``, ``loss_fn``) or a
-    managed step (``fvstep.managed``: ``fn``). It runs itself: the engine calls every leaf
-    the same way, ``leaf.run(state, batch, key, settings, call)``.
+    """One leaf of a composition: a unit (``fvstep.update``) or a managed step
+    (``fvstep.managed``), run by the engine as ``leaf.run(state, batch, key, settings, call)``.
 
-    Its ``name`` keys its randomness and labels its metrics, so the names of the leaves
-    of a composed step are unique.
+    Its ``name`` keys its randomness and labels its metrics: unique within a step.
     """
 
     kind: ClassVar[str] = "leaf"
@@ -283,22 +265,18 @@ class Leaf(Step):
     settings: UnitSettings  # its own clip and sanitize; unset fields are the enclosing ones
     trains: tuple[str, ...]  # the roles whose optimizers it steps
     mutates: tuple[str, ...] = ()  # frozen roles it changes in place (managed steps only)
-    # ``check(state, batch, accumulation)`` of the step's input, run before any leaf of the
-    # step runs (a managed step's ``check``); ``None``: none
+    # run on the step's input before any leaf runs (a managed step's ``check``)
     check: Callable[[TrainState, Any, Accumulation], None] | None = None
 
     @abc.abstractmethod
     def run(
         self, state: TrainState, batch: Any, key: torch.Tensor, settings: UnitSettings, call: Call
     ) -> tuple[TrainState, dict[str, Any]]:
-        """Run this leaf once in ``call``: ``settings`` are its resolved settings, ``key`` its key
-        (``fold_in_name(step_key, name)``). It calls ``call.change()`` right before it first
-        changes ``state``. A unit: :func:`run_unit`; a managed step:
-        :meth:`fvstep.core.managed.Managed.run`."""
+        """Run this leaf once in ``call`` with its resolved ``settings`` and ``key``; call
+        ``call.change()`` right before first changing ``state``."""
 
     def describe(self, position: int | None = None) -> str:
-        """``unit 'name'`` or ``managed step 'name'``, for messages; with the ``position``
-        it runs at, also that and the roles it trains."""
+        """``unit 'name'`` or ``managed step 'name'``; with ``position``, also the roles."""
         if position is None:
             return f"{self.kind} {self.name!r}"
         return (
@@ -312,23 +290,22 @@ def own_routes(leaf: Leaf) -> tuple[Route, ...]:
     return (Route(leaf, leaf.settings, leaf.settings.resolve()),)
 
 
-class Call:
-    """One call of a step as it runs: what its leaves read from it (the step, the layout,
-    the step's batch split once per number of micro-batches, the running leaf), and what
-    it has changed. It consumes the input at the first change.
+ROUTES = attrs.Factory(own_routes, takes_self=True)
+"""A leaf's ``routes`` default (computed once: steps are frozen)."""
 
-    Loss functions may change buffers or ``extra`` tensors in place too (a BatchNorm
-    forward in training mode), so the version counters of those leaves are watched, that
-    a failed step never leaves as "unchanged" an input that is not (best effort: a kernel
-    that writes behind autograd's back moves no counter). Parameters are not watched
-    (only optimizers and managed steps change them).
+
+class Call:
+    """One call of a step as it runs: what its leaves read, and what they have changed.
+
+    Loss functions may change buffers or ``extra`` tensors in place (a BatchNorm forward),
+    so their version counters are watched: a failed step never calls such an input
+    unchanged (best effort: a kernel writing behind autograd's back moves no counter).
 
     Attributes:
         step: The step being run.
         batch: The step's batch.
         parallelism: The process layout of the call (``None``: one process).
-        splits: The step's batch split into micro-batches, by their number: the units
-            of a step that split it alike share one split.
+        splits: The step's batch split into micro-batches, by their number (shared).
         position: The running leaf's position among the step's leaves.
         leaf: The running leaf (``None`` before the first).
         changed: ``(position, leaf)`` of each leaf that has changed the state, in order.
@@ -367,8 +344,7 @@ class Call:
         return "the step" if leaf is None else leaf.describe(position)
 
     def failure(self, error: Exception) -> StepFailedError | None:
-        """The error to raise for ``error``; ``None`` when nothing changed (the input is
-        then left as it was, not consumed)."""
+        """The error to raise for ``error``; ``None`` when nothing changed (nor consumed)."""
         in_place = [p for p, (x, v) in self.versions.items() if tensor_version(x) != v]
         if not self.changed and not in_place:
             return None
@@ -382,16 +358,17 @@ class Call:
         if in_place:
             shown = ", ".join(in_place[:3]) + (", ..." if len(in_place) > 3 else "")
             parts.append(f"changed in place by a loss or managed function ({shown})")
+        where, what = self._describe(self.position, self.leaf), "; ".join(parts)
         return StepFailedError(
-            f"step {self.step} failed in {self._describe(self.position, self.leaf)} after the "
-            f"step had changed its input state: the state was {'; '.join(parts)}. The input "
-            "state is consumed and partly updated: do not continue from it. To recover, "
-            "reload the last checkpoint into a state of the same structure: state = "
-            "fvstep.checkpoint.load(fvstep.checkpoint.latest(ckpt_dir), like=fresh_state), "
-            "with fresh_state built as for the first step (fvstep.run does this when "
-            "restarted with its Checkpoints). "
-            f"The error that stopped the step: {type(error).__name__}: {error}"
+            f"step {self.step} failed in {where}; the state was {what}: it is consumed and "
+            f"partly updated. {_RECOVER} The error: {type(error).__name__}: {error}"
         )
+
+
+_RECOVER = (
+    "Reload the last checkpoint: fvstep.checkpoint.load(fvstep.checkpoint.latest(ckpt_dir), "
+    "like=fresh_state) (see docs/troubleshooting.md)."
+)
 
 
 def _unknown_role(role: str, state_roles: list[str]) -> str:
@@ -401,12 +378,13 @@ def _unknown_role(role: str, state_roles: list[str]) -> str:
 
 
 def check_call(routes: Sequence[Route], state: TrainState, parallelism: Parallelism | None) -> None:
-    """The checks of a call, before anything is consumed: every role any leaf can run
-    exists in ``state`` and the trained ones are trainable; the layout accepts the state.
-    One pass over the leaves' roles, and (one process) over the parameters.
+    """Check a call before anything is consumed: the roles of every leaf exist, trained
+    ones are trainable, and the layout accepts the state.
 
-    The layout of one process (``parallelism=None``) refuses sharded roles and a process
-    that is one of several ranks: each rank would train its own copy.
+    Raises:
+        ValueError: A leaf (at any step) trains or mutates a role the state lacks, or
+            trains a frozen role; ``parallelism=None`` and a sharded role, or a process
+            that is one of several ranks (each rank would train its own copy).
     """
     roles = state.roles
     for route in routes:
@@ -430,38 +408,34 @@ def check_call(routes: Sequence[Route], state: TrainState, parallelism: Parallel
     world = world_size_of_default_group()
     if world > 1:
         raise ValueError(
-            f"this process is one of {world} ranks, but the step runs with the layout of "
-            "one process (the default), which reduces no gradient: each rank would train "
-            "its own copy. Pass the layout: step(state, batch, "
-            "parallelism=fvstep.parallel.Layout()) (fvstep.run passes it by itself)"
+            f"this process is one of {world} ranks, but the step runs with the one-process "
+            "layout (no gradient reduced): pass parallelism=fvstep.parallel.Layout()"
         )
     for name, rs in roles.items():
         if any_dtensor(rs.params.values()):
             raise ValueError(
                 f"role {name!r} has sharded (DTensor) parameters, but the step runs with the "
-                "layout of one process, which does not return FSDP2 modules to rest between "
-                "units: pass parallelism=fvstep.parallel.Layout()"
+                "layout of one process: pass parallelism=fvstep.parallel.Layout()"
             )
 
 
 def run_unit(
     leaf: Any, state: TrainState, batch: Any, key: torch.Tensor, settings: UnitSettings, call: Call
 ) -> tuple[TrainState, dict[str, Any]]:
-    """How a unit runs itself (``Unit.run``; see :meth:`Leaf.run`): split ``batch`` into
-    micro-batches, backward, consume the input (``call.change()``: a no-op for the units a
-    managed step runs, which consumed it at its start), apply. ``settings`` are resolved."""
+    """How a unit runs itself (``Unit.run``): split ``batch``, :func:`backward`, consume the
+    input (``call.change()``), :func:`apply`."""
     accumulation, clip, sanitize = settings.accumulation, settings.clip, settings.sanitize
     assert accumulation is not None and clip is not UNSET and sanitize is not UNSET
     num = accumulation.microbatches
     if batch is call.batch:  # the step's own batch: split once per number of micro-batches
         microbatches = call.splits.get(num)
         if microbatches is None:
-            microbatches = call.splits[num] = unit.split_microbatches(batch, num)
+            microbatches = call.splits[num] = split_microbatches(batch, num)
     else:
-        microbatches = unit.split_microbatches(batch, num)
+        microbatches = split_microbatches(batch, num)
     parallelism = call.parallelism
     sync = None if parallelism is None else parallelism.grad_sync(state, accumulation)
-    gradients = unit.backward(
+    gradients = backward(
         state,
         leaf.roles,
         leaf.loss_fn,
@@ -474,4 +448,310 @@ def run_unit(
         parallelism=parallelism,
     )
     call.change()
-    return unit.apply(state, gradients, clip=clip, sanitize=sanitize)
+    return apply(state, gradients, clip=clip, sanitize=sanitize)
+
+
+# One unit in two phases, so that the engine consumes the input between them: backward
+# (micro-batches, gradients, norms, the non-finite verdict; changes no leaf), then apply.
+
+LossFn = Callable[[TrainState, Any, torch.Tensor], Any]
+"""``(state, batch, key) -> loss | (loss, metrics) | ({role: loss}, metrics)``."""
+
+
+@attrs.define
+class Group:
+    """Roles updated together (one role, or all of a unit's under a joint clip), with the
+    global norm of their gradients, measured before anything changes."""
+
+    names: list[str]
+    role_states: list[RoleState]
+    params_by_role: list[dict[str, torch.Tensor]]
+    params: list[torch.Tensor]  # every parameter, role by role
+    norm: torch.Tensor | None = None  # as computed: a DTensor for sharded gradients
+    full_norm: torch.Tensor | None = None  # a plain tensor, the same on every rank
+
+
+@attrs.define
+class Gradients:
+    """What :func:`backward` leaves for :func:`apply`: the unit's measured gradients.
+
+    Attributes:
+        groups: The groups of roles to update, their norms measured.
+        metrics: The losses and the loss function's metrics, means over micro-batches.
+    """
+
+    groups: list[Group]
+    metrics: dict[str, Any]
+
+    def clear(self) -> None:
+        """Drop every ``.grad`` of the unit (no gradient outlives a unit)."""
+        for group in self.groups:
+            for p in group.params:
+                p.grad = None
+
+
+def _unpack(out: Any, roles: tuple[str, ...]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    metrics: dict[str, Any] = {}
+    if isinstance(out, tuple):
+        if len(out) != 2 or not isinstance(out[1], Mapping):
+            raise TypeError("loss_fn must return loss or (loss, metrics dict)")
+        out, metrics = out[0], dict(out[1])
+    if isinstance(out, torch.Tensor):
+        if len(roles) != 1:
+            raise TypeError(
+                f"loss_fn of a unit training {roles} returned one loss; return a dict "
+                "{role: loss} (the unit backpropagates their sum)"
+            )
+        losses = {roles[0]: out}
+    elif isinstance(out, Mapping):
+        losses = dict(out)
+        if set(losses) != set(roles):
+            raise ValueError(
+                f"loss_fn returned losses for {sorted(losses)}, expected {sorted(roles)}"
+            )
+    else:
+        raise TypeError(f"loss_fn must return a tensor loss, got {type(out).__name__}")
+    for role, loss in losses.items():
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise ValueError(f"the loss of role {role!r} must be a scalar tensor")
+    return losses, metrics
+
+
+def _mean(values: list[Any]) -> Any:
+    if isinstance(values[0], torch.Tensor):
+        return torch.stack([v.detach().float().reshape(()) for v in values]).mean()
+    return sum(values) / len(values)
+
+
+def backward(
+    state: TrainState,
+    roles: tuple[str, ...],
+    loss_fn: LossFn,
+    name: str,
+    microbatches: Sequence[Any],
+    key: torch.Tensor,
+    *,
+    clip: ClipGradNorm | None,
+    sanitize: Sanitize,
+    sync: GradSync | None,
+    parallelism: Parallelism | None,
+) -> Gradients:
+    """Phase 1 of a unit: gradients of ``roles`` over ``microbatches``, measured.
+
+    Micro-batch ``m`` is keyed by ``fold_in(key, m)``. Changes no leaf of ``state``; the
+    other roles' parameters have ``requires_grad`` off meanwhile.
+
+    Raises:
+        NonFiniteGradientError: With ``sanitize="error"``, if a loss or a gradient is not
+            finite (on any rank); no ``.grad`` is left.
+    """
+    num = len(microbatches)
+    trained = {r: state.roles[r].trainable_params() for r in roles}
+    silenced = [
+        p
+        for r, rs in state.roles.items()
+        if r not in trained
+        for p in rs.trainable_params().values()
+        if p.requires_grad
+    ]
+    # Modules must be at rest before requires_grad changes: FSDP2 copies a sharded
+    # parameter's requires_grad to its unsharded twin only when it unshards.
+    if sync is not None:
+        sync.release(state)
+    for p in silenced:
+        p.requires_grad_(False)
+    groups = []
+    for names in [list(roles)] if clip is not None and clip.joint else [[r] for r in roles]:
+        by_role = [trained[r] for r in names]
+        params = [p for role_params in by_role for p in role_params.values()]
+        groups.append(Group(names, [state.roles[r] for r in names], by_role, params))
+    gradients = Gradients(groups, {})
+    gradients.clear()
+    loss_log: dict[str, list[torch.Tensor]] = {r: [] for r in roles}
+    metric_log: dict[str, list[Any]] = {}
+    failed = True
+    try:
+        if sync is not None:
+            sync.begin([state.roles[r] for r in roles], num)
+        for index, batch in enumerate(microbatches):
+            mkey = fsrandom.fold_in(key, index)
+            with fsrandom.rng_scope(mkey):
+                losses, metrics = _unpack(loss_fn(state, batch, mkey), roles)
+                if sync is not None:
+                    sync.before_backward(index)
+                # One backward of the summed loss: FSDP2's hooks see one pass.
+                (functools.reduce(operator.add, losses.values()) / num).backward()
+            for role, loss in losses.items():
+                loss_log[role].append(loss.detach())
+            for k, v in metrics.items():
+                metric_log.setdefault(k, []).append(v)
+        failed = False
+    finally:
+        try:
+            sync_metrics = sync.end() if sync is not None else {}
+        finally:
+            for p in silenced:
+                p.requires_grad_(True)
+            if failed:
+                gradients.clear()
+            # A no-grad read of a role leaves FSDP2's root group unsharded.
+            if sync is not None:
+                sync.release(state, after_error=failed)
+    out = gradients.metrics
+    out.update({f"{r}/loss": _mean(v) for r, v in loss_log.items()})
+    clash = [k for k in metric_log if f"{name}/{k}" in out]
+    if clash:
+        gradients.clear()
+        raise ValueError(
+            f"unit {name!r}'s loss function returned a metric {clash[0]!r}: that is the key of "
+            "the unit's own loss under its name; rename the metric (or the unit: update(name=))"
+        )
+    out.update({f"{name}/{k}": _mean(v) for k, v in metric_log.items()})
+    out.update(sync_metrics)
+    try:
+        for group in groups:
+            grads = [p.grad for p in group.params if p.grad is not None]
+            if sanitize == "nan_to_num":
+                nan_to_num_(grads)
+            if clip is not None or sanitize in ("skip", "error"):
+                norm_type = clip.norm_type if clip is not None else 2.0
+                foreach = clip.foreach if clip is not None else None
+                group.norm = torch.nn.utils.get_total_norm(grads, norm_type, False, foreach)
+                group.full_norm = full_tensor(group.norm).detach()  # of a partial DTensor
+        if sanitize == "error":
+            _check_finite(int(state.step), name, roles, loss_log, groups, parallelism)
+    except BaseException:
+        gradients.clear()
+        raise
+    return gradients
+
+
+def _check_finite(
+    step: int,
+    name: str,
+    roles: tuple[str, ...],
+    loss_log: Mapping[str, list[torch.Tensor]],
+    groups: list[Group],
+    parallelism: Parallelism | None,
+) -> None:
+    """``sanitize="error"``: one device sync for the verdict of every rank (the norms are
+    global; the non-finite losses are counted over ranks)."""
+    losses = local_tensors([loss for r in roles for loss in loss_log[r]])
+    device = losses[0].device
+    bad = (~torch.isfinite(torch.stack([x.float().reshape(()) for x in losses]))).sum().float()
+    if parallelism is not None:
+        bad = parallelism.sum_over_ranks(bad, [p for g in groups for p in g.params]).to(device)
+    norms = [g.full_norm.float().reshape(()).to(device) for g in groups if g.full_norm is not None]
+    verdict = torch.stack([bad, *norms]).tolist()  # the one device sync
+    if verdict[0] == 0 and all(math.isfinite(v) for v in verdict[1:]):
+        return
+    raise_non_finite(step, name, roles, loss_log, groups, verdict)
+
+
+def apply(
+    state: TrainState,
+    gradients: Gradients,
+    *,
+    clip: ClipGradNorm | None,
+    sanitize: Sanitize,
+) -> tuple[TrainState, dict[str, Any]]:
+    """Phase 2 of a unit: clip, optimize and EMA each group; clear the gradients.
+
+    Metrics: ``<group>/grad_norm`` (before clipping; when clipping, skipping or checking),
+    ``<role>/lr``, ``<role>/skipped``, after :func:`backward`'s losses and metrics.
+    """
+    step = int(state.step)
+    out = gradients.metrics
+    roles = dict(state.roles)
+    try:
+        for group in gradients.groups:
+            full = group.full_norm
+            skipped = full is not None and sanitize == "skip" and not bool(torch.isfinite(full))
+            if full is not None:
+                out["+".join(group.names) + "/grad_norm"] = full
+            if not skipped and clip is not None and group.norm is not None:
+                torch.nn.utils.clip_grads_with_norm_(
+                    group.params, clip.max_norm, group.norm, foreach=clip.foreach
+                )
+            for role, rs, params in zip(group.names, group.role_states, group.params_by_role):
+                optimizer = rs.role.optimizer
+                assert optimizer is not None
+                out[f"{role}/lr"] = optimizer.learning_rate(int(rs.opt_state.count))
+                out[f"{role}/skipped"] = skipped
+                if skipped:
+                    continue
+                grads = {n: p.grad for n, p in params.items()}
+                opt_state = optimizer.update(params, grads, rs.opt_state)
+                roles[role] = attrs.evolve(rs, opt_state=opt_state)  # type: ignore[misc]
+                ema = rs.role.ema
+                if ema is not None and rs.ema is not None and step >= ema.start_step:
+                    _update_ema(rs.ema.params, params, rs.ema.initialized, ema.decay)
+    finally:
+        gradients.clear()
+    return state.replace(roles=roles), out
+
+
+@torch.no_grad()
+def _update_ema(
+    ema: dict[str, torch.Tensor],
+    params: dict[str, torch.Tensor],
+    initialized: torch.Tensor,
+    decay: float,
+) -> None:
+    """``ema = decay * ema + (1 - decay) * param`` in fp32; the first call copies.
+
+    The EMA is sharded like the parameters: DTensors are updated on their local shards
+    (no communication; foreach kernels apply).
+    """
+    targets = local_tensors([ema[n] for n in params])
+    sources = [x.to(torch.float32) for x in local_tensors([p.detach() for p in params.values()])]
+    if not bool(initialized):
+        torch._foreach_copy_(targets, sources)
+        initialized.fill_(True)
+        return
+    torch._foreach_mul_(targets, decay)
+    torch._foreach_add_(targets, sources, alpha=1.0 - decay)
+
+
+def split_microbatches(batch: Any, num: int) -> list[Any]:
+    """Split ``batch`` into ``num`` micro-batches along dim 0 of every tensor leaf.
+
+    A ``list`` (or tuple) of exactly ``num`` items is taken as already split. Non-tensor
+    leaves (ints, strings) are shared by every micro-batch.
+
+    Args:
+        batch: A pytree (dicts, tuples, lists) of tensors, or a list of ``num`` micro-batches.
+        num: The number of micro-batches.
+
+    Returns:
+        A list of ``num`` pytrees of the same structure.
+
+    Raises:
+        ValueError: If a tensor's dim 0 is not divisible by ``num``, tensors disagree on
+            dim 0, or a given list has the wrong length.
+    """
+    if isinstance(batch, (list, tuple)) and not _is_tensor_tree(batch):
+        if len(batch) != num:
+            raise ValueError(f"got a list of {len(batch)} micro-batches, expected {num}")
+        return list(batch)
+    if num == 1:
+        return [batch]
+    _paths, flat, spec = optree.tree_flatten_with_path(batch)
+    sizes = {int(x.shape[0]) for x in flat if isinstance(x, torch.Tensor) and x.dim() > 0}
+    if len(sizes) > 1:
+        raise ValueError(f"batch tensors disagree on dim 0: sizes {sorted(sizes)}")
+    if sizes and next(iter(sizes)) % num:
+        raise ValueError(
+            f"batch size {next(iter(sizes))} is not divisible by microbatches={num}; "
+            "pass a list of micro-batches for uneven splits"
+        )
+    columns = [
+        x.chunk(num, dim=0) if isinstance(x, torch.Tensor) and x.dim() > 0 else [x] * num
+        for x in flat
+    ]
+    return [optree.tree_unflatten(spec, [col[m] for col in columns]) for m in range(num)]
+
+
+def _is_tensor_tree(batch: Sequence[Any]) -> bool:
+    """A tuple/list whose items are tensors is one batch (e.g. ``(x, y)``), not micro-batches."""
+    return len(batch) > 0 and all(isinstance(x, torch.Tensor) for x in batch)

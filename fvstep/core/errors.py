@@ -1,17 +1,8 @@
 """Every exception fvstep raises on purpose, in one module (the lowest layer: any may import it).
 
-Each is re-exported where its users find it: ``fvstep.StepFailedError``,
-``fvstep.checkpoint.CheckpointError``, ``fvstep.parallel.CompiledGradientError``, ... (the
-class objects are these, so ``isinstance`` and pickling do not depend on the path).
-
-- The core: :class:`ConsumedStateError`, :class:`NonFiniteGradientError`,
-  :class:`StepFailedError`, :class:`MissingExtraError`.
-- The parallel layer: :class:`CompiledGradientError`.
-- Checkpoints: :class:`CheckpointError` and its :class:`NewerFormatError`,
-  :class:`DamagedCheckpointError`, :class:`CheckpointLockedError`.
-- The executor: :class:`Interrupted`, :class:`ShardError`, :class:`UsageError`,
-  :class:`SimulatedCrash` (``fvstep.testing``).
-- The applications: :class:`ConfigChangeError` (``fvstep.recipes``), :class:`CLIError`.
+Each is re-exported where its users find it (``fvstep.StepFailedError``,
+``fvstep.checkpoint.CheckpointError``, ``fvstep.parallel.CompiledGradientError``, ...); the
+class objects are these, so ``isinstance`` and pickling do not depend on the path.
 """
 
 from __future__ import annotations

@@ -18,14 +18,13 @@ from fvstep.core.grads import first_non_finite
 from fvstep.core.tree import any_dtensor, local_tensor
 
 if TYPE_CHECKING:
-    from fvstep.core.unit import Group
+    from fvstep.core.engine import Group
 
 __all__ = ["raise_non_finite"]
 
 _AFTER = (
-    "No leaf was changed (no optimizer step, clipping or EMA update), and no .grad is "
-    "left. Pass sanitize='skip' (drop such updates) or 'nan_to_num' (zero the entries) "
-    "to fvstep.compile or fvstep.update to train through them instead."
+    "No leaf was changed and no .grad is left; to train through such updates, pass "
+    "sanitize='skip' or 'nan_to_num' (see docs/troubleshooting.md)."
 )
 
 
@@ -66,11 +65,8 @@ def raise_non_finite(
             name, kind = found
             shard = " (in this rank's shard)" if sharded else ""
             raise NonFiniteGradientError(
-                f"{where}, role {role!r}: the gradient of parameter {name!r} has {kind} "
-                f"entries{shard} (the first non-finite gradient of the role; gradient norm "
-                f"{norm}), with a finite loss. Look for an operation whose backward is not "
-                "finite at its input (sqrt or pow at 0, log of 0, a division by a tiny "
-                f"value, a custom autograd Function), or an overflow in low precision. {_AFTER}",
+                f"{where}, role {role!r}: the gradient of parameter {name!r} has {kind} entries"
+                f"{shard} (gradient norm {norm}), with a finite loss. {_AFTER}",
                 step=step,
                 unit=unit,
                 role=role,
@@ -79,17 +75,15 @@ def raise_non_finite(
             )
         if sharded:
             raise NonFiniteGradientError(
-                f"{where}, role {label!r}: the global gradient norm is {norm}, but every "
-                "gradient entry of this rank's shards is finite: the non-finite entries are on "
-                f"another rank (its error names the parameter), or the norm overflowed. {_AFTER}",
+                f"{where}, role {label!r}: the global gradient norm is {norm}, but this rank's "
+                f"shards are finite: the entries are on another rank (or it overflowed). {_AFTER}",
                 step=step,
                 unit=unit,
                 role=label,
             )
         raise NonFiniteGradientError(
-            f"{where}, role {label!r}: every gradient entry is finite but their norm "
-            f"overflowed to {norm}: the gradients are too large for their dtype (scale the "
-            f"loss down). {_AFTER}",
+            f"{where}, role {label!r}: every gradient entry is finite but their norm overflowed "
+            f"to {norm} (scale the loss down). {_AFTER}",
             step=step,
             unit=unit,
             role=label,
@@ -113,8 +107,7 @@ def _raise_for_loss(
                 kind = "NaN" if math.isnan(value) else "Inf"
                 raise NonFiniteGradientError(
                     f"{where}: the loss of role {role!r} is {value} ({kind}) at micro-batch "
-                    f"{m} of {num}, so its gradients cannot be trusted. Look for a NaN or "
-                    f"Inf in that micro-batch's data, or an overflow in the loss. {_AFTER}",
+                    f"{m} of {num}: check that micro-batch's data and the loss. {_AFTER}",
                     step=step,
                     unit=unit,
                     role=role,
@@ -122,8 +115,8 @@ def _raise_for_loss(
                     kind=kind,
                 )
     raise NonFiniteGradientError(
-        f"{where}: a loss was not finite on another rank (that rank's error names the "
-        f"role and micro-batch); this rank's losses are finite. {_AFTER}",
+        f"{where}: a loss was not finite on another rank (that rank's error names the role "
+        f"and micro-batch); this rank's losses are finite. {_AFTER}",
         step=step,
         unit=unit,
     )

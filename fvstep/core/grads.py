@@ -1,19 +1,9 @@
 """Gradient hygiene: non-finite handling and clipping by global norm.
 
-Both are configuration objects that the update unit applies, in this order, after the
-last micro-batch's backward: sanitize, then clip, then the optimizer. The norm and the
-clipping are torch's own (``torch.nn.utils.get_total_norm`` and
-``clip_grads_with_norm_``), so a step is bitwise equal to a loop that calls
-``clip_grad_norm_``; on DTensor gradients they compute the global norm over all shards.
-
-The sanitize modes (:data:`SANITIZE_MODES`):
-
-- ``"error"`` (the default of ``fvstep.compile``): raise :class:`NonFiniteGradientError`
-  before any leaf changes when a loss or a gradient is NaN or infinite;
-- ``"skip"``: leave the role bit-unchanged for this update (metric ``<role>/skipped``);
-- ``"nan_to_num"``: zero the non-finite gradient entries and step;
-- ``None``: no check at all. Unsafe: one NaN gradient turns every parameter and
-  optimizer moment into NaN without an error.
+A unit applies them after its last micro-batch's backward: sanitize, clip, optimizer.
+The norm and the clipping are torch's own (``get_total_norm``, ``clip_grads_with_norm_``),
+so a step is bitwise a loop calling ``clip_grad_norm_``. The sanitize modes
+(:data:`SANITIZE_MODES`) are documented on :func:`fvstep.core.steps.update`.
 """
 
 from __future__ import annotations

@@ -1,18 +1,9 @@
 """What a step needs from the process layout: the protocols it is passed, never imports.
 
-A call of a step is given its layout: ``step(state, batch, parallelism=...)``; ``None``,
-the default, is one process (the engine refuses sharded roles and a process that is one
-of several ranks there). The core knows these protocols and nothing of
-``torch.distributed`` or FSDP2; ``fvstep.parallel.Layout`` is the FSDP2 (and
-context-parallel) implementation.
-
-- :class:`GradSync`: what happens around one unit's micro-batches (gradient reduction
-  flags) and before and after it (modules returned to rest); ``None`` where there is
-  nothing to do (plain modules).
-- :class:`Parallelism`: the layout of a call: it refuses bad states before anything is
-  consumed, makes a unit's :class:`GradSync`, maps this rank to its data-parallel replica
-  (which keys the noise and picks the data), counts collectives when asked, and sums a
-  count over ranks (so that every rank takes the same non-finite decision).
+A call of a step is given its layout (``step(state, batch, parallelism=...)``; ``None``
+is one process). The core knows these protocols and nothing of ``torch.distributed`` or
+FSDP2; ``fvstep.parallel.Layout`` implements them. :class:`GradSync` is what happens
+around one unit's micro-batches; :class:`Parallelism` is the layout of a call.
 """
 
 from __future__ import annotations

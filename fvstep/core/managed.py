@@ -15,14 +15,12 @@ import torch
 
 from fvstep.core import random as fsrandom
 from fvstep.core.accumulation import Accumulation
-from fvstep.core.engine import Call, Leaf, Route, own_routes
+from fvstep.core.engine import ROUTES, Call, Leaf, Route
 from fvstep.core.grads import ClipGradNorm, Sanitize
 from fvstep.core.settings import UNSET, UnitSettings, Unset, check_clip, check_sanitize
 from fvstep.core.state import TrainState
 
 __all__ = ["Managed", "ManagedContext", "ManagedFn", "managed"]
-
-ROUTES = attrs.Factory(own_routes, takes_self=True)
 
 
 @attrs.frozen(eq=False)
@@ -44,9 +42,8 @@ class Managed(Leaf):
     def run(
         self, state: TrainState, batch: Any, key: torch.Tensor, settings: UnitSettings, call: Call
     ) -> tuple[TrainState, dict[str, Any]]:
-        """Run ``fn(state, batch, key, ctx)`` inside ``rng_scope(key)`` (see
-        :meth:`~fvstep.core.engine.Leaf.run`): it counts as changing the state from its
-        start. ``settings`` are resolved; the engine ran ``check`` before the step's first leaf."""
+        """Run ``fn(state, batch, key, ctx)`` inside ``rng_scope(key)``; it counts as changing
+        the state from its start (see :meth:`~fvstep.core.engine.Leaf.run`)."""
         call.change()
         accumulation = settings.accumulation
         assert accumulation is not None
@@ -78,12 +75,10 @@ def managed(
 ) -> Managed:
     """Wrap a method that runs its own inner loop (RL: sample, reward, several updates).
 
-    ``fn(state, batch, key, ctx) -> (state, metrics)`` gets the whole batch (no
-    accumulation is applied for it) and runs inner updates with ``ctx.update(state, unit,
-    batch, key)``. It may change frozen-but-mutated roles (an RL ``old`` policy) through
-    their tensors in place. ``trains`` declares the roles its optimizers step and
-    ``mutates`` the frozen roles it changes otherwise, for :func:`plan`. ``fn`` runs inside
-    ``rng_scope`` of its key, ``fold_in_name(step_key, name)``.
+    ``fn(state, batch, key, ctx) -> (state, metrics)`` gets the whole batch and runs inner
+    updates with ``ctx.update(state, unit, batch, key)``, inside ``rng_scope`` of its key.
+    It may change the frozen roles it declares in ``mutates`` in place (an RL ``old``
+    policy).
 
     Args:
         fn: The outer step.
@@ -92,13 +87,10 @@ def managed(
         clip: Default clipping of its inner updates (else the enclosing ``compile``'s).
         sanitize: Default non-finite mode of its inner updates.
         name: Keys its randomness; a label for metrics and plans.
-        check: ``check(state, batch, accumulation)``, run at the start of every step this
-            managed step runs at, before any leaf of the step runs (so it sees the step's
-            input state, also when units run before it; ``accumulation`` is the one
-            ``ctx.accumulation`` will hold): it raises on a state or batch ``fn`` cannot
-            take, and its error leaves the input state usable and bit-unchanged (an error
-            raised inside ``fn`` consumes it, since a managed step counts as changing the
-            state from its start). It must not change anything.
+        check: ``check(state, batch, accumulation)``, run on the step's input before any
+            leaf of a step this managed step runs at: it raises on what ``fn`` cannot take
+            (leaving the input unchanged, where an error inside ``fn`` consumes it) and
+            must change nothing.
 
     Returns:
         A :class:`Managed` step.
@@ -152,7 +144,7 @@ class ManagedContext:
 
         ``accumulation`` defaults to the enclosing ``compile``'s; the unit's own
         ``clip``/``sanitize`` apply, else the managed step's, else the enclosing
-        ``compile``'s; the micro-batch keys are ``fold_in(key, m)``.
+        ``compile``'s (keys: ``docs/concepts/keys.md``).
 
         Returns:
             The new state and the unit's metrics.
@@ -168,11 +160,10 @@ class ManagedContext:
             )
         undeclared = [r for r in unit_.trains if r not in self._trains]
         if undeclared:
+            declare = tuple(sorted({*self._trains, *undeclared}))
             raise ValueError(
                 f"ctx.update: {unit_.describe()} trains {undeclared}, which this managed step "
-                f"does not declare (trains={list(self._trains)}): pass managed(..., "
-                f"trains={tuple(sorted({*self._trains, *undeclared}))!r}) so that plan() "
-                "and the checks before the step see them"
+                f"does not declare: pass managed(..., trains={declare!r})"
             )
         settings = attrs.evolve(
             unit_.settings.over(self._settings), accumulation=accumulation or self.accumulation

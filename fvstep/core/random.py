@@ -1,16 +1,11 @@
 """Counter-based random keys, split and folded like JAX keys.
 
-A key is a CPU ``int64`` tensor of shape ``(2,)``: two 64-bit words (stored as signed
-integers). Deriving keys is a pure function of the key and the data folded in (a
-SplitMix64-based mix), so randomness is reproducible from the step counter alone and a
-key checkpoints as an ordinary tensor leaf.
-
-Draw random numbers from a key with :func:`generator`; code that uses the *global* RNG
-(dropout, some samplers) runs deterministically inside :func:`rng_scope`.
+A key is a CPU ``int64`` tensor of shape ``(2,)`` (two 64-bit words); deriving keys is a
+pure SplitMix64-based function, so a key checkpoints as a tensor leaf. Draw from a key with
+:func:`generator`; code on the global RNG (dropout) is deterministic inside :func:`rng_scope`.
 
 Examples:
-    >>> k = key(0)
-    >>> k_noise, k_t = split(fold_in(k, 7), 2)
+    >>> k_noise, k_t = split(fold_in(key(0), 7), 2)
     >>> noise = torch.randn(4, generator=generator(k_noise))
 """
 
@@ -38,14 +33,12 @@ def _mix(z: int) -> int:
 
 def _words(k: torch.Tensor) -> tuple[int, int]:
     if not is_key(k):
+        got = type(k).__name__
+        if isinstance(k, torch.Tensor):
+            got += f" of shape {tuple(k.shape)} and dtype {k.dtype} on {k.device.type}"
         raise TypeError(
-            "expected an fvstep key (a CPU int64 tensor of shape (2,), from fvstep.core.random.key), "
-            f"got {type(k).__name__}"
-            + (
-                f" of shape {tuple(k.shape)} and dtype {k.dtype}"
-                if isinstance(k, torch.Tensor)
-                else ""
-            )
+            f"expected an fvstep key (a CPU int64 tensor of shape (2,)), got {got}: "
+            "make one with fvstep.random.key(seed)"
         )
     a, b = k.tolist()
     return a & _MASK, b & _MASK

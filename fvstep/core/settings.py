@@ -65,10 +65,8 @@ class UnitSettings:
     """How a unit runs: micro-batching and sync, clipping, the non-finite mode.
 
     A field left unset (``None`` for ``accumulation``, :data:`UNSET` for the others)
-    takes the enclosing setting: :meth:`over` merges these settings over outer ones, and
-    :meth:`resolve` fills what is still unset with the defaults. The builders that take
-    these options (``update``, ``managed``, ``compile``) check them: settings are merged
-    on every call, and checked once.
+    takes the enclosing setting (:meth:`over`), then the default (:meth:`resolve`). The
+    builders (``update``, ``managed``, ``compile``) check the values once.
 
     Examples:
         >>> UnitSettings(clip=None).over(UnitSettings(Accumulation(4), sanitize="skip")).resolve()

@@ -1,20 +1,10 @@
 """The training state: roles, their parameters, optimizer state and EMA, the step and the key.
 
-``TrainState`` is a frozen attrs pytree (namespace :data:`fvstep.core.tree.NAMESPACE`) whose
-leaves are tensors: every role's parameters and persistent buffers (the module's live
-tensors), eager optimizer state, optional EMA, the step counter, the RNG key and any
-method-owned state. Modules, optimizers and hyper-parameters are static metadata, so the
-optree paths of the leaves are the checkpoint keys.
-
-A tensor that a module holds under several names (tied weights, ``dec.weight =
-enc.weight``, or a submodule used twice) is one leaf, under its first name in
-``named_parameters()`` (or persistent-buffer) order; the other names are recorded as
-static aliases (:attr:`RoleState.tied`) and :func:`adopt` puts the one tensor into every
-aliased slot.
-
-A step uses its input state's buffers in place and returns a new state; it marks the
-input *consumed* (:func:`mark_consumed`), after which any attribute read of the old
-state raises :class:`ConsumedStateError`.
+``TrainState`` is a frozen attrs pytree whose leaves are tensors (the modules' live
+parameters and persistent buffers, optimizer state, EMA, step, key, method-owned
+``extra``); modules and hyper-parameters are static, so the leaves' optree paths are the
+checkpoint keys. Tied tensors: ``docs/concepts/state.md``; consumption:
+``docs/concepts/purity.md``.
 """
 
 from __future__ import annotations
@@ -91,13 +81,10 @@ class Role:
         allow_no_sync: Opt in to the ``no_sync`` accumulation policy for this role
             (it holds a full unsharded gradient between micro-batches).
         save_frozen: Whether a checkpoint holds the values of this role's frozen
-            parameters (those the optimizer does not update: all of a frozen role's).
-            ``False``: it holds their checksums instead (a digest of the frozen weights,
-            :attr:`fvstep.checkpoint.Manifest.frozen_digests`), and
-            ``fvstep.checkpoint.load`` verifies that the state it loads into has those
-            same weights, keeping them as they are. For a large frozen base (a teacher,
-            or the base of LoRA roles, :mod:`fvstep.lora`) that every checkpoint would
-            otherwise duplicate.
+            parameters. ``False``: only their digest
+            (:attr:`fvstep.checkpoint.Manifest.frozen_digests`), which
+            ``fvstep.checkpoint.load`` checks against the state it loads into; for a large
+            frozen base (a teacher, LoRA's base).
 
     Raises:
         ValueError: For an inconsistent combination, as above.
@@ -186,6 +173,7 @@ class _Lease:
     consumed_by: str | None = None
 
 
+_USE_RETURNED = "use the returned state, or fvstep.tree.clone(state) before the step."
 _GUARDED = frozenset({"step", "key", "roles", "extra", "module", "role", "replace"})
 
 
@@ -214,9 +202,7 @@ class TrainState:
             if lease.consumed_by is not None:
                 raise ConsumedStateError(
                     f"TrainState.{name} was read after the state was consumed by "
-                    f"{lease.consumed_by}. A step updates its input's tensors in place and "
-                    "returns the new state: use the returned state, or take "
-                    "fvstep.tree.clone(state) before the step to keep a copy."
+                    f"{lease.consumed_by}: {_USE_RETURNED}"
                 )
         return object.__getattribute__(self, name)
 
@@ -238,15 +224,8 @@ class TrainState:
         """Build the initial state from roles and a key.
 
         Trainable roles get their optimizer state allocated eagerly (and an fp32 EMA if
-        configured); frozen roles have ``requires_grad`` turned off.
-
-        A tensor that a module holds under several names (tied weights such as
-        ``dec.weight = enc.weight``, or a submodule used twice) becomes one leaf under
-        its first name in ``named_parameters()`` order (persistent-buffer order for
-        buffers), with one optimizer state, as ``torch.optim`` keeps one per tensor;
-        the other names are recorded in :attr:`RoleState.tied`. This also holds for
-        FSDP2-sharded modules, where ``fully_shard`` keeps a tied parameter as one
-        DTensor as long as both of its modules are in one FSDP2 group.
+        configured); frozen roles have ``requires_grad`` turned off. A tied tensor is one
+        leaf under its first name (:attr:`RoleState.tied`).
 
         Args:
             roles: Role name to :class:`Role`.
@@ -257,13 +236,10 @@ class TrainState:
             A new state at step 0.
 
         Raises:
-            ValueError: If two roles share a module or a parameter (give each role its
-                own copy), if two different tensors of one role share storage (one a
-                view of the other: tie by sharing one tensor instead), if a
-                non-persistent buffer shares storage with a parameter or persistent
-                buffer, if a trainable role has bf16/fp16 parameters and an optimizer
-                that needs fp32 master weights without ``allow_low_precision=True``, or
-                if ``roles`` is empty.
+            ValueError: If ``roles`` is empty, two roles share a module or a parameter,
+                two tensors of one role share storage without being one tensor, or a
+                trainable role has bf16/fp16 parameters and an optimizer that needs fp32
+                master weights without ``allow_low_precision=True``.
             TypeError: If a role is not a :class:`Role`, the key is not a key, or a
                 leaf of ``extra`` is not a tensor.
 
@@ -379,17 +355,10 @@ def adopt(role_state: RoleState) -> RoleState:
     """Make the role's module compute with ``role_state``'s values; return the role state
     whose tensors are the ones the module now holds.
 
-    A no-op when the module already holds the state's tensors (the common case: a state
-    and its module share their live tensors). Otherwise, e.g. after
-    ``fvstep.core.tree.clone`` or ``fvstep.checkpoint.load``: plain tensors are put into the
-    module, each into its own slot and into the slots of its aliases
-    (:attr:`RoleState.tied`), so tied weights are one tensor again (the module then uses
-    the state's own tensors, and the returned role state is ``role_state``). DTensor
-    parameters of an FSDP2-sharded module cannot be swapped, so their values are copied
-    into the live shards (``fully_shard`` keeps a tied parameter as one DTensor in every
-    slot) and the returned role state holds the live tensors. Another state that held
-    those live tensors then sees the copied values: keep clones of sharded states as
-    snapshots and run steps on one lineage at a time.
+    A no-op when the module already holds the state's tensors. Plain tensors are put into
+    the module's slots (and their aliases', :attr:`RoleState.tied`). DTensor parameters
+    cannot be swapped: their values are copied into the live shards, so another state
+    holding those shards sees the copy (run steps on one lineage at a time).
 
     Args:
         role_state: The role state whose values the module should compute with.
@@ -419,9 +388,8 @@ def adopt(role_state: RoleState) -> RoleState:
         for alias, canonical in role_state.tied:
             if live[alias] is not live[canonical]:
                 raise ValueError(
-                    f"the sharded module holds different tensors under {canonical!r} and "
-                    f"{alias!r}, which were one tied tensor at TrainState.create: was the "
-                    "module re-wrapped or the tie broken after TrainState.create?"
+                    f"the sharded module holds different tensors under the tied {canonical!r} "
+                    f"and {alias!r}: was the module re-wrapped or the tie broken after create?"
                 )
         with torch.no_grad():
             for name, tensor in mine.items():

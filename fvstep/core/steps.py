@@ -2,12 +2,8 @@
 
 A unit (:func:`update`) and a managed step (:func:`managed`) are leaves; :func:`sequence`,
 :func:`every`, :func:`cond` and :func:`compile` take steps and return a
-:class:`~fvstep.core.engine.Step` with the same call signature, so combinations nest:
-``sequence(compile(critic, accumulation=...), every(5, student))`` is a step like any
-other. :func:`compile` gives the units inside a step execution settings (the innermost
-``compile`` that sets a field wins). Every leaf is keyed by its name, so the names of a
-composition's leaves must be unique (checked here). What runs at a step is a pure
-function of the step, so :func:`plan` lists it without running anything.
+:class:`~fvstep.core.engine.Step`, so combinations nest. Leaves are keyed by their names,
+which are unique within a step; what runs at a step is a pure function of it (:func:`plan`).
 """
 
 from __future__ import annotations
@@ -19,10 +15,18 @@ from typing import ClassVar
 import attrs
 
 from fvstep.core.accumulation import Accumulation
-from fvstep.core.engine import Gate, Leaf, Route, Step, name_routes, own_routes, run_unit
+from fvstep.core.engine import (
+    ROUTES,
+    Gate,
+    Leaf,
+    LossFn,
+    Route,
+    Step,
+    name_routes,
+    run_unit,
+)
 from fvstep.core.grads import ClipGradNorm, Sanitize
 from fvstep.core.settings import UNSET, PlanEntry, UnitSettings, Unset, check_clip, check_sanitize
-from fvstep.core.unit import LossFn
 
 __all__ = [
     "Chain",
@@ -69,15 +73,9 @@ def check_unique_names(leaves: tuple[Leaf, ...], where: str) -> None:
             else f"{other.describe()} and {leaf.describe()} share the name"
         )
         raise ValueError(
-            f"{where}: {what}. Sub-steps are keyed by name (their noise is drawn from "
-            f"fold_in_name(step_key, name)), so every unit and managed step of a composed step "
-            f"needs its own name: pass update(..., name={leaf.name + '_2'!r}) (or managed(..., "
-            "name=...)) to one of them"
+            f"{where}: {what}; leaves are keyed by fold_in_name(step_key, name): rename one, "
+            f"e.g. update(..., name={leaf.name + '_2'!r}) (or managed(..., name=...))"
         )
-
-
-ROUTES = attrs.Factory(own_routes, takes_self=True)
-"""A leaf's routes: itself, under its own settings (computed once: steps are frozen)."""
 
 
 @attrs.frozen(eq=False)
@@ -116,18 +114,13 @@ def update(
 ) -> Unit:
     """Train ``roles`` on ``loss_fn``: the unit that methods are built from.
 
-    At each step it runs, for each micro-batch ``m`` of ``K``: ``loss_fn(state, batch_m,
-    key_m)`` inside ``fvstep.random.rng_scope(key_m)``, then backward of ``loss / K``
-    (with a dict of losses, of their sum: each role's gradient is the gradient of the
-    sum, so a loss that reads another trained role's output must detach it or compute
-    it under ``torch.no_grad()``, as DMD2's losses do). After the last micro-batch, per
-    role: sanitize non-finite gradients, clip by global norm, apply the role's optimizer
-    at its schedule position, update its EMA. ``loss_fn`` may call any role's module
-    through ``state.module(name)``; gradients reach only the trained roles' parameters.
-
-    The unit is a step: ``update(...)(state, batch)`` runs it with the default settings
-    (one micro-batch, no clipping, ``sanitize="error"``). Its key is
-    ``fold_in_name(step_key, name)``.
+    For each micro-batch ``m`` of ``K``: ``loss_fn(state, batch_m, key_m)`` inside
+    ``fvstep.random.rng_scope(key_m)``, then backward of ``loss / K`` (of the sum of a
+    dict of losses: a loss that reads another trained role's output must detach it).
+    Then, per role: sanitize, clip by global norm, step the optimizer, update the EMA.
+    ``loss_fn`` may call any role's module (``state.module(name)``); gradients reach only
+    the trained roles. The unit is a step (default settings: one micro-batch, no clip,
+    ``sanitize="error"``).
 
     Args:
         roles: The role (or roles) trained; each must have an optimizer.
@@ -137,10 +130,9 @@ def update(
         sanitize: What to do with a NaN or infinite gradient, or left out for the
             enclosing setting (whose default is ``"error"``):
 
-            - ``"error"``: raise :class:`~fvstep.core.grads.NonFiniteGradientError` (naming the
-              step, unit, role and the first non-finite parameter, or the role and
-              micro-batch of a non-finite loss) before any leaf of the unit changes;
-              costs one device sync per unit, and reuses the clipping norm;
+            - ``"error"``: raise :class:`~fvstep.core.grads.NonFiniteGradientError` (naming
+              the step, unit, role and parameter or micro-batch) before any leaf of the
+              unit changes; one device sync per unit;
             - ``"skip"``: leave the roles' parameters, optimizer state and EMA
               bit-unchanged when their gradient norm is not finite (metric
               ``<role>/skipped``);
@@ -318,9 +310,8 @@ def compile(
     """Give a step execution settings; returns a step.
 
     Compiled steps compose: ``sequence(compile(critic, accumulation=Accumulation(4)),
-    compile(student))`` runs the critic's unit over 4 micro-batches and the student's over
-    one. The process layout is not part of a step: it is passed to each call
-    (``step(state, batch, parallelism=...)``, ``fvstep.run(..., parallelism=...)``).
+    compile(student))`` runs the critic over 4 micro-batches and the student over one. The
+    process layout is not a setting: it is passed to each call (``parallelism=``).
 
     Args:
         inner: A unit (``fvstep.update``) or any composed step.

@@ -225,27 +225,8 @@ def _leaf_mismatch(a: Any, b: Any) -> str | None:
     return None
 
 
-def assert_trees_equal(a: Any, b: Any, *, check_static: bool = True) -> None:
-    """Assert that two pytrees are bitwise identical.
-
-    Compares structure (treespec, static metadata included unless ``check_static=False``,
-    which compares the leaf paths only: use it for states built from different module
-    objects, e.g. a resumed run against an uninterrupted one), then every leaf: tensor type,
-    shape, dtype, device, DTensor placements and the raw bits (so NaNs with equal bits are
-    equal and ``-0.0 != 0.0``). DTensors are compared shard by shard on each rank.
-
-    Args:
-        a: A pytree.
-        b: A pytree.
-        check_static: Whether static metadata (modules, hyper-parameters) must be equal.
-
-    Raises:
-        AssertionError: Naming the first differing path, with both leaves' shapes and
-            dtypes and the max abs difference.
-
-    Examples:
-        >>> assert_trees_equal(clone(state), state)
-    """
+def _same_structure(a: Any, b: Any, check_static: bool) -> tuple[list[str], list[Any], list[Any]]:
+    """The paths and both trees' leaves, after asserting that their structures agree."""
     paths_a, flat_a, spec_a = flatten_with_paths(a)
     paths_b, flat_b, spec_b = flatten_with_paths(b)
     if (spec_a != spec_b) if check_static else (paths_a != paths_b):
@@ -255,7 +236,32 @@ def assert_trees_equal(a: Any, b: Any, *, check_static: bool = True) -> None:
         if not only_a and not only_b:
             detail = "same paths, different node types or static metadata"
         raise AssertionError(f"tree structures differ ({detail})\n  {spec_a}\n  {spec_b}")
-    for path, x, y in zip(paths_a, flat_a, flat_b, strict=False):
+    return paths_a, flat_a, flat_b
+
+
+def assert_trees_equal(a: Any, b: Any, *, check_static: bool = True) -> None:
+    """Assert that two pytrees are bitwise identical.
+
+    Compares structure, then every leaf: tensor type, shape, dtype, device, DTensor
+    placements and the raw bits (NaNs with equal bits are equal, ``-0.0 != 0.0``);
+    DTensors shard by shard on each rank.
+
+    Args:
+        a: A pytree.
+        b: A pytree.
+        check_static: Whether static metadata (modules, hyper-parameters) must be equal;
+            ``False`` compares the paths only (states of different module objects, e.g. a
+            resumed run against an uninterrupted one).
+
+    Raises:
+        AssertionError: Naming the first differing path, with both leaves' shapes and
+            dtypes and the max abs difference.
+
+    Examples:
+        >>> assert_trees_equal(clone(state), state)
+    """
+    paths, flat_a, flat_b = _same_structure(a, b, check_static)
+    for path, x, y in zip(paths, flat_a, flat_b, strict=False):
         why = _leaf_mismatch(x, y)
         if why is not None:
             raise AssertionError(f"trees differ at '{path or '<root>'}': {why}")
@@ -266,11 +272,10 @@ def assert_trees_close(
 ) -> None:
     """Assert that two pytrees have the same paths and tensor leaves equal within tolerances.
 
-    For comparisons where the math allows only summation-order differences (a compiled
-    backward against eager autograd, context parallel against one rank): state the
-    tolerance and why at the call. Leaves are compared with ``torch.testing.assert_close``
-    (shape and dtype must match; NaN equals NaN); DTensors shard by shard on each rank;
-    non-tensor leaves must be equal.
+    For math that allows only summation-order differences (compiled against eager): state
+    the tolerance and why at the call. Tensor leaves go through
+    ``torch.testing.assert_close`` (NaN equals NaN; DTensors shard by shard), other leaves
+    must be equal.
 
     Args:
         a: A pytree.
@@ -285,15 +290,8 @@ def assert_trees_close(
     Examples:
         >>> assert_trees_close(compiled.params, eager.params, rtol=0, atol=1e-6)
     """
-    paths_a, flat_a, spec_a = flatten_with_paths(a)
-    paths_b, flat_b, spec_b = flatten_with_paths(b)
-    if (spec_a != spec_b) if check_static else (paths_a != paths_b):
-        only_a = sorted(set(paths_a) - set(paths_b))[:5]
-        only_b = sorted(set(paths_b) - set(paths_a))[:5]
-        raise AssertionError(
-            f"tree structures differ (only in the first: {only_a}; only in the second: {only_b})"
-        )
-    for path, x, y in zip(paths_a, flat_a, flat_b, strict=False):
+    paths, flat_a, flat_b = _same_structure(a, b, check_static)
+    for path, x, y in zip(paths, flat_a, flat_b, strict=False):
         if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
             try:
                 torch.testing.assert_close(

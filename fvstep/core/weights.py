@@ -1,10 +1,8 @@
 """Which weights of a role to compute with or export, and the marks of swapped weights.
 
-:func:`select_weights` is the one rule for "the EMA weights" that validation, sampling,
-every export and LoRA's merges follow. :func:`holding_other_weights` marks a module whose
-parameters hold something else than its role's live weights (the EMA, during
-``fvstep.observe.validation.role_module``), and :func:`roles_holding_other_weights` lets a reader
-of the live weights (a save, an export) refuse while one is marked.
+:func:`select_weights` is the one rule for "the EMA weights"; :func:`holding_other_weights`
+marks a module whose parameters hold something else than its live weights, so that a
+reader of the live weights (a save, an export) can refuse meanwhile.
 """
 
 from __future__ import annotations
@@ -67,14 +65,10 @@ def select_weights(
 ) -> dict[str, torch.Tensor]:
     """The tensors that stand for a role's parameters under ``weights``: the one rule.
 
-    Every reader of "the EMA weights" (validation, sampling, every export, LoRA's
-    exports and merges) takes them from here, so that all of them compute with the same
-    weights at the same step. ``"params"``: the live parameters. ``"ema"``: for each
-    trainable parameter, its moving average once the EMA has started (its first active
-    update, at global step ``>= EMA.start_step``), else the live parameter, since the
-    first active update restarts the average from the live weights (before it the
-    stored average is the stale copy made at ``create``); the other parameters are
-    always live. Reads one flag from the device for ``"ema"``.
+    Every reader of "the EMA weights" (validation, sampling, exports, LoRA's merges)
+    takes them from here. ``"params"``: the live parameters. ``"ema"``: each trainable
+    parameter's moving average once the EMA has started (before its first active update
+    the stored copy is stale, so the live parameter); other parameters are live.
 
     Args:
         role_state: The role's state.

@@ -43,7 +43,7 @@ _T_SAMPLINGS: tuple[str, ...] = ("uniform", "logit_normal")
 RoleLossFn = Callable[[TrainState, Any, torch.Tensor], tuple[torch.Tensor, dict[str, Any]]]
 """A loss function for a unit that trains one role: ``(state, batch, key) -> (loss, metrics)``.
 
-One of the shapes that :data:`fvstep.core.unit.LossFn` (anything ``fvstep.update`` accepts)
+One of the shapes that :data:`fvstep.core.engine.LossFn` (anything ``fvstep.update`` accepts)
 takes; :data:`fvstep.methods.dmd2.FusedLossFn` is the one for several roles."""
 
 

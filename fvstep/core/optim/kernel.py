@@ -1,13 +1,9 @@
 """AdamW and SGD: one mechanism over torch's functional kernels, two small configurations.
 
-The mechanism (``_KernelOptimizer``) makes the state, checks it, picks torch's
-implementation and calls the kernel; an optimizer says only what differs: its
-hyper-parameters, the per-param dicts of its state (``_slots``) and its kernel (``_apply``).
-
-Structure is checked at two costs in two places. The params and the state (names, each
-moment's shape and dtype, which dicts this configuration fills) are checked once, by
-``init`` and ``check_state``: ``TrainState.create`` and a checkpoint load run them. What
-``update`` is handed anew is checked there, cheaply, before any kernel runs.
+The mechanism (``_KernelOptimizer``) makes the state, checks it and calls the kernel; an
+optimizer says only what differs: its hyper-parameters, its state's per-param dicts
+(``_slots``) and its kernel (``_apply``). The state's structure is checked once
+(``init``, ``check_state``); what ``update`` is handed anew, cheaply, before any kernel.
 """
 
 from __future__ import annotations
@@ -144,8 +140,8 @@ class _KernelOptimizer(Generic[StateT]):
         lr = self.learning_rate(int(state.count))
         p_list = [params[n] for n in names]
         with torch.no_grad():
-            # No .detach(): under no_grad torch.optim hands the parameters to the same
-            # kernels as they are, and detaching a DTensor costs ~17 µs of host time each.
+            # No .detach(): torch.optim hands the parameters to the kernels as they are
+            # under no_grad, and detaching a DTensor costs host time per parameter.
             g_list: _Tensors = [grads[n] for n in names]  # type: ignore[misc]
             lists = {f: [d[n] for n in names] for f, d in dicts.items()}
             # foreach=fused=None: torch's kernel picks its default for these params' device
@@ -432,11 +428,9 @@ def sgd(
 
     A param whose grad is ``None`` is skipped (its buffer stays untouched and
     uninitialized). The defaults are ``torch.optim.SGD``'s; the state is an
-    :class:`SGDState`. With ``fused=True``, params that get their first gradient after
-    others did are updated in a first-step call of their own (``torch.optim.SGD(fused=True)``
-    raises a ``TypeError`` there). As in ``torch.optim.SGD``, the foreach kernel adds the
-    momentum term into the grads in place when ``nesterov`` (without ``maximize`` or weight
-    decay): pass copies if they are needed afterwards.
+    :class:`SGDState`. As in ``torch.optim.SGD``, the foreach kernel with ``nesterov`` (no
+    ``maximize`` or weight decay) adds the momentum into the grads in place. With
+    ``fused=True``, a param's first gradient after others' does not raise, unlike torch.
 
     Args:
         lr: Learning rate (finite, ``>= 0``), or a schedule ``count -> lr`` of the
@@ -451,9 +445,8 @@ def sgd(
         foreach: ``None`` picks torch's default for the params' device (foreach on
             CUDA-like devices, the single-tensor loop on CPU).
         fused: Use torch's fused kernel (CPU and CUDA support it); only when asked for.
-            Avoid it for bf16/fp16 params with momentum on CPU: torch's CPU kernel
-            (``FusedSGDKernel.cpp``) loads such a momentum buffer as float32, reading past
-            its end, so neither torch nor this is deterministic there.
+            Not deterministic for bf16/fp16 params with momentum on CPU (torch's
+            ``FusedSGDKernel.cpp`` reads such a buffer as float32, past its end).
 
     Returns:
         The :class:`SGD` optimizer.
@@ -502,9 +495,8 @@ def _check_params(params: Mapping[str, torch.Tensor], *, fused: bool = False) ->
             raise TypeError(f"param '{name}' must be a tensor, got {type(p).__name__}")
         if fused and (p.device.type not in supported or not torch.is_floating_point(p)):
             raise ValueError(
-                "`fused=True` requires all the params to be floating point tensors on a "
-                f"supported device ({supported}), but param '{name}' is {p.dtype} on "
-                f"{p.device.type}"
+                f"`fused=True` needs floating point params on {supported}, but param "
+                f"'{name}' is {p.dtype} on {p.device.type}: pass fused=None"
             )
 
 
@@ -559,11 +551,11 @@ def _grad_names(
     moments: Sequence[tuple[str, Mapping[str, torch.Tensor]]],
 ) -> list[str]:
     """The names (in params order) that have a grad, after checking params' names against
-    the state's dict ``keyed``, and each grad and each of the ``moments`` (``(field, dict)``:
-    public data, replaceable after ``check_state``) against its param. In torch each case
-    fails badly: another shape broadcasts silently, or the fused kernel reads out of bounds
-    (by the param's element count); another dtype, device or a sparse grad fails in the
-    single-tensor loop after earlier params were updated."""
+    the state's dict ``keyed``, and each grad and ``moments`` entry against its param.
+
+    Torch would fail badly on each: another shape broadcasts silently (or the fused kernel
+    reads out of bounds); another dtype, device or a sparse grad fails after earlier
+    params were updated."""
     if not isinstance(params, Mapping):
         raise TypeError(
             f"params must be a mapping of names to tensors, got {type(params).__name__}"

@@ -26,11 +26,6 @@ Schedule = Callable[[int], float]
 """A learning-rate schedule: a pure function from a step count ``>= 0`` to a learning rate."""
 
 
-# --------------------------------------------------------------------------------------
-# Validation helpers
-# --------------------------------------------------------------------------------------
-
-
 def as_step(step: SupportsIndex) -> int:
     """Convert a step (a Python int, NumPy integer or 0-d integer tensor) to a non-negative int."""
     try:
