@@ -1,18 +1,12 @@
 """A causal student's chunk-by-chunk rollout with its KV cache, and its exit steps.
 
 The generation of :mod:`fvstep.methods.self_forcing` and :mod:`fvstep.methods.streaming`
-(the formulas and draw rules are in :mod:`fvstep.methods.self_forcing`'s docstring):
-:func:`rollout` generates a video chunk by chunk, with gradient only through each chunk's
-exit step (drawn by :func:`exit_steps` from a key shared by every rank), the cache
-computed from each generated clean chunk without gradient; :func:`regenerate` recomputes
-a rollout's frames from its exit steps, for a caller that rolled out without gradient.
+(``docs/methods/self_forcing.md``): :func:`rollout` generates a video chunk by chunk, with
+gradient only through each chunk's exit step (:func:`exit_steps`, from a key shared by
+every rank); :func:`regenerate` recomputes a rollout's frames from its exit steps.
 
 Examples:
-    >>> ro = rollout(student, batch["latents"], batch["text"], k, exits=(0, 1),
-    ...              denoising_steps=(1.0, 0.5))
-    >>> torch.equal(regenerate(student, ro.exit_inputs, ro.exit_times, ro.contexts,
-    ...                        batch["text"]), ro.video)
-    True
+    >>> ro = rollout(student, like, text, k, exits=(0, 1), denoising_steps=(1.0, 0.5))
 """
 
 from __future__ import annotations
@@ -24,8 +18,9 @@ import torch
 from torch import nn
 
 from fvstep.core import random as fsrandom
+from fvstep.core.tree import replace
 from fvstep.methods import _noise
-from fvstep.methods._checks import check_cache_fits
+from fvstep.methods._checks import check_cache_fits, check_count
 from fvstep.methods.causal_wan import KVCache, causal_forward, chunk_frames_of, init_cache
 from fvstep.methods.finetune import add_noise, x0_from_velocity
 
@@ -78,9 +73,8 @@ def exit_steps(
         >>> exit_steps(fvstep.random.key(0), 3, num_chunks=2, num_steps=4)
         (1, 2)
     """
-    for label, value, low in (("num_steps", num_steps, 1), ("num_chunks", num_chunks, 0)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"exit_steps: {label} must be an int >= {low}, got {value!r}")
+    check_count(num_steps, "exit_steps: num_steps")
+    check_count(num_chunks, "exit_steps: num_chunks", 0)
     if last_step_only:
         return (num_steps - 1,) * num_chunks
     shared = fsrandom.fold_in(fsrandom.fold_in_name(key, "self_forcing_exit"), step)
@@ -221,7 +215,7 @@ def rollout(
                     (current.keys[:, :, begin:end].clone(), current.values[:, :, begin:end].clone())
                 )
     if grows:
-        contexts = [_prefix(current, n) for n in filled]
+        contexts = [replace(current, num_frames=n) for n in filled]
     else:
         contexts = _windows(start, held, new_frames, chunk)
     return Rollout(torch.cat(chunks, 2), current, tuple(inputs), tuple(times), tuple(contexts))
@@ -259,17 +253,6 @@ def _windows(
             )
         )
     return contexts
-
-
-def _prefix(cache: KVCache, num_frames: torch.Tensor) -> KVCache:
-    """``cache`` read as its first ``num_frames`` frames (the same buffers)."""
-    return KVCache(
-        keys=cache.keys,
-        values=cache.values,
-        num_frames=num_frames,
-        frame_tokens=cache.frame_tokens,
-        sink_frames=cache.sink_frames,
-    )
 
 
 def regenerate(

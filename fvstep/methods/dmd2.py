@@ -22,13 +22,19 @@ from fvstep.core import random as fsrandom
 from fvstep.core.state import TrainState
 from fvstep.core.steps import Chain, Cond, cond, every, sequence, update
 from fvstep.methods import _noise
-from fvstep.methods._checks import check_batch, check_denoising_steps, check_score_options
+from fvstep.methods._checks import (
+    check_batch,
+    check_count,
+    check_denoising_steps,
+    check_score_options,
+)
 from fvstep.methods.finetune import RoleLossFn, add_noise, x0_from_velocity
 from fvstep.methods.models import predict
 
 __all__ = [
     "DMD2Losses",
     "FusedLossFn",
+    "IsMultiple",
     "Ordering",
     "critic_denoising_loss",
     "distribution_matching_loss",
@@ -99,12 +105,11 @@ def distribution_matching_loss(
     teacher: str = "teacher",
     critic: str = "critic",
 ) -> tuple[torch.Tensor, dict[str, Any]]:
-    """DMD's generator loss on generated samples ``x0_hat`` (the module docstring's formula).
+    """DMD's generator loss ``0.5 * MSE(x0_hat, sg(x0_hat - g))`` on generated samples.
 
-    The score time is drawn from ``time_key`` (:func:`score_time`), the noise from
-    ``noise_key``; the critic and the (guided) teacher run under ``torch.no_grad()``, so
-    the gradient reaches ``x0_hat`` only, through ``0.5 * MSE(x0_hat, sg(x0_hat - g))``
-    (:func:`dmd2_losses`'s generator loss on its rollout; self-forcing's on its own).
+    ``g`` as in ``docs/methods/dmd2.md``, at a score time from ``time_key``
+    (:func:`score_time`) and noise from ``noise_key``; the critic and the guided teacher
+    run under ``torch.no_grad()``, so the gradient reaches ``x0_hat`` only.
 
     Args:
         state: Anything with ``module(name)`` (a :class:`~fvstep.TrainState`).
@@ -163,8 +168,7 @@ def critic_denoising_loss(
     """The critic's flow-matching loss on generated samples ``x0_hat`` (detached here).
 
     ``mean((v_critic(x_t, t') - (eps - x0_hat))^2)`` at a score time from ``time_key``
-    (:func:`score_time`) and noise ``eps`` from ``noise_key``; the gradient reaches the
-    critic only (:func:`dmd2_losses`'s critic loss on its rollout).
+    (:func:`score_time`) and noise ``eps`` from ``noise_key``.
 
     Args:
         state: Anything with ``module(name)`` (a :class:`~fvstep.TrainState`).
@@ -198,8 +202,7 @@ def target_step(key: torch.Tensor, step: int, num_steps: int) -> int:
     """The rollout's target step index at ``step``, drawn from the shared key (every rank).
 
     Uniform over ``range(num_steps)`` from ``fold_in(fold_in_name(key, "dmd2_target"),
-    step)``, drawn on the CPU; ``0`` (no draw) for one step. It decides how many student
-    forwards a rollout runs, so it must be the same on every rank of an FSDP2 group.
+    step)`` on the CPU; ``0`` (no draw) for one step. Why shared: ``docs/methods/dmd2.md``.
 
     Args:
         key: The state's base key (``state.key``), not a per-rank key.
@@ -215,8 +218,7 @@ def target_step(key: torch.Tensor, step: int, num_steps: int) -> int:
     Examples:
         >>> j = target_step(state.key, int(state.step), len(denoising_steps))
     """
-    if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
-        raise ValueError(f"target_step: num_steps must be an int >= 1, got {num_steps!r}")
+    check_count(num_steps, "target_step: num_steps")
     if num_steps == 1:
         return 0
     shared = fsrandom.fold_in(fsrandom.fold_in_name(key, "dmd2_target"), step)
@@ -245,9 +247,8 @@ def rollout(
         text: Text embeddings ``(B, L, D)``.
         key: The rollout key.
         denoising_steps: Decreasing times in ``(0, 1]``; the first is where noise starts.
-        target: The target step's index (:func:`target_step`). On several ranks pass it:
-            drawn from a per-rank ``key``, ranks run different numbers of forwards and
-            sharded (FSDP2) students hang.
+        target: The target step's index (:func:`target_step`); pass it on several ranks
+            (drawn from a per-rank ``key``, sharded students hang).
 
     Returns:
         ``x0_hat``, shaped like ``like``.
@@ -300,11 +301,11 @@ def dmd2_losses(
     teacher: str = "teacher",
     critic: str = "critic",
 ) -> DMD2Losses:
-    """The DMD2 loss functions (see the module docstring for the formulas and keys).
+    """The DMD2 loss functions (formulas and keys: ``docs/methods/dmd2.md``).
 
     Batches need ``"text"`` ``(B, L, D)`` and ``"latents"`` (only its shape, dtype and
-    device are used: DMD2 generates its samples). With several ``denoising_steps`` the
-    losses read ``state.key`` and ``state.step`` too (:func:`target_step`).
+    device: DMD2 generates its samples). With several ``denoising_steps`` the losses read
+    ``state.key`` and ``state.step`` too (:func:`target_step`).
 
     Args:
         guidance_scale: The teacher's classifier-free guidance scale ``s`` (``1``: no
@@ -352,32 +353,29 @@ def dmd2_losses(
         k_t, k_noise = keys[_CRITIC_T], keys[_CRITIC_NOISE]
         return critic_denoising_loss(state, x0, text, k_t, k_noise, critic=critic, **score)
 
-    def generator_loss(
-        state: TrainState, batch: Any, key: torch.Tensor
-    ) -> tuple[torch.Tensor, dict[str, Any]]:
+    def rolled_out(state: TrainState, batch: Any, key: torch.Tensor) -> tuple[Any, Any, Any]:
+        """``(x0_hat, text, keys)``: the checked batch's rollout and the loss keys."""
         batch = check_batch(state, batch, student)
         keys = fsrandom.split(key, _NUM_KEYS)
         text = batch["text"]
-        x0_hat = generate(state, batch["latents"], text, keys[_ROLLOUT])
-        return generator_terms(state, x0_hat, text, keys)
+        return generate(state, batch["latents"], text, keys[_ROLLOUT]), text, keys
+
+    def generator_loss(
+        state: TrainState, batch: Any, key: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, Any]]:
+        return generator_terms(state, *rolled_out(state, batch, key))
 
     def critic_loss(
         state: TrainState, batch: Any, key: torch.Tensor
     ) -> tuple[torch.Tensor, dict[str, Any]]:
-        batch = check_batch(state, batch, student)
-        keys = fsrandom.split(key, _NUM_KEYS)
-        text = batch["text"]
         with torch.no_grad():
-            x0_hat = generate(state, batch["latents"], text, keys[_ROLLOUT])
+            x0_hat, text, keys = rolled_out(state, batch, key)
         return critic_terms(state, x0_hat, text, keys)
 
     def fused_loss(
         state: TrainState, batch: Any, key: torch.Tensor
     ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        batch = check_batch(state, batch, student)
-        keys = fsrandom.split(key, _NUM_KEYS)
-        text = batch["text"]
-        x0_hat = generate(state, batch["latents"], text, keys[_ROLLOUT])
+        x0_hat, text, keys = rolled_out(state, batch, key)
         g_loss, g_metrics = generator_terms(state, x0_hat, text, keys)
         c_loss, c_metrics = critic_terms(state, x0_hat.detach(), text, keys)
         return {student: g_loss, critic: c_loss}, {**g_metrics, **c_metrics}
@@ -386,8 +384,13 @@ def dmd2_losses(
 
 
 @attrs.frozen
-class _IsMultiple:
-    """The predicate ``step % n == 0`` (a named, comparable callable for :func:`fvstep.cond`)."""
+class IsMultiple:
+    """The predicate ``step % n == 0`` (a named, comparable callable for :func:`fvstep.cond`).
+
+    Examples:
+        >>> IsMultiple(5)(10), IsMultiple(5)(11)
+        (True, False)
+    """
 
     n: int
 
@@ -438,8 +441,7 @@ def dmd2(
         [('student',), ('critic',)]
     """
     n = generator_update_interval
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"generator_update_interval must be an int >= 1, got {n!r}")
+    check_count(n, "generator_update_interval")
     losses = dmd2_losses(
         guidance_scale=guidance_scale,
         shift=shift,
@@ -450,7 +452,7 @@ def dmd2(
     critic_unit = update("critic", losses.critic_loss, name="dmd2_critic")
     if ordering == "fused":
         fused_unit = update(("student", "critic"), losses.fused_loss, name="dmd2_fused")
-        return cond(_IsMultiple(n), fused_unit, critic_unit)
+        return cond(IsMultiple(n), fused_unit, critic_unit)
     if ordering == "sequential":
         generator_unit = update("student", losses.generator_loss, name="dmd2_generator")
         return sequence(every(n, generator_unit), critic_unit)

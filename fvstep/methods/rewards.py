@@ -1,32 +1,12 @@
-"""Rewards for RL methods: the protocol, a check, and rewards that run anywhere.
+"""Rewards for the RL methods: the protocol, its checks, and rewards that run anywhere.
 
-A reward function scores generated samples, one number a sample::
-
-    rewards = reward_fn(samples, batch)   # samples (N, C, F, H, W) latents -> (N,) rewards
-
-``batch`` is the method's batch with every tensor repeated per sample (each prompt's
-``group_size`` samples see their prompt's rows), so a reward can read the prompt's text
-embedding or a target. A reward over pixels is a latent reward through a decoder:
-:func:`decoded` turns ``pixel_reward(pixels, batch)`` into a latent one, with any
-``decode(latents) -> pixels`` (``functools.partial(fvstep.observe.sampling.decode_latents, vae)``
-decodes as ``WanPipeline`` does).
-
-- :class:`RewardFn`: the protocol.
-- :func:`check_rewards`: what a method checks of a reward function's answer.
-- :func:`decoded`: a pixel reward as a latent reward.
-- :func:`latent_mse_reward`: a stated latent reward, ``-mean((x0 - batch["latents"])^2)``.
-- :func:`optimality_probabilities`: rewards to DiffusionNFT's optimality probabilities,
-  normalised per prompt group.
-- :func:`group_advantages`: rewards to the simple RL step's advantages
-  (:mod:`fvstep.methods.rl`), normalised per prompt group.
-- :func:`colorfulness`: the colourfulness of Hasler and Süsstrunk (2003), a published
-  no-reference image measure with no weights to download: a real reward that runs on a
-  CPU without a network (learned rewards, CLIP or aesthetic scorers, need their weights).
+``rewards = reward_fn(samples, batch)`` scores latents ``(N, C, F, H, W)``, one number a
+sample; ``batch`` is the method's batch repeated per sample (:func:`group_batch`). A pixel
+reward becomes a latent one through a decoder (:func:`decoded`). Rewards become
+DiffusionNFT's optimality probabilities or the simple RL step's advantages per prompt group.
 
 Examples:
     >>> reward = decoded(colorfulness, functools.partial(decode_latents, vae))
-    >>> reward(latents, batch).shape
-    torch.Size([8])
 """
 
 from __future__ import annotations
@@ -35,6 +15,8 @@ from collections.abc import Callable, Mapping
 from typing import Any, Literal, Protocol
 
 import torch
+
+from fvstep.methods._checks import check_count
 
 __all__ = [
     "GroupStd",
@@ -45,6 +27,7 @@ __all__ = [
     "colorfulness",
     "decoded",
     "group_advantages",
+    "group_batch",
     "latent_mse_reward",
     "optimality_probabilities",
 ]
@@ -56,10 +39,9 @@ GroupStd = Literal["group", "batch"]
 class RewardFn(Protocol):
     """``reward_fn(samples, batch) -> (N,)``: one reward per sample (higher is better).
 
-    ``samples`` are the generated latents ``(N, C, F, H, W)`` (no gradient); ``batch``
-    holds the method's batch repeated per sample. It runs under ``torch.no_grad()``,
-    inside the step's RNG scope: a reward that draws noise must draw it from the global
-    RNG only (which the step seeds from its key) or be deterministic.
+    ``samples`` are the generated latents ``(N, C, F, H, W)`` (no gradient). It runs under
+    ``torch.no_grad()`` in the step's RNG scope: a reward that draws noise draws it from
+    the global RNG (seeded from the step's key) or is deterministic.
     """
 
     def __call__(self, samples: torch.Tensor, batch: Mapping[str, Any]) -> torch.Tensor:
@@ -72,10 +54,7 @@ PixelRewardFn = Callable[[torch.Tensor, Mapping[str, Any]], torch.Tensor]
 
 
 def check_rewards(rewards: object, num_samples: int, *, what: str = "reward_fn") -> torch.Tensor:
-    """Refuse what is not one floating reward a sample; return the rewards.
-
-    Only shapes and dtypes are checked (no device sync): a NaN reward turns the loss NaN,
-    which the step's ``sanitize`` catches.
+    """Refuse what is not one floating reward a sample (shapes and dtypes: no device sync).
 
     Args:
         rewards: What the reward function returned.
@@ -88,8 +67,7 @@ def check_rewards(rewards: object, num_samples: int, *, what: str = "reward_fn")
     Raises:
         TypeError: If it is not a floating tensor.
         ValueError: If its shape is not ``(N,)``, or it requires grad (a reward is a
-            constant of the loss: a reward built from the samples with gradient, or a
-            learned scorer run with grad on, would be silently detached).
+            constant of the loss).
 
     Examples:
         >>> check_rewards(torch.zeros(4), 4)
@@ -144,8 +122,8 @@ def colorfulness(pixels: torch.Tensor, batch: Mapping[str, Any] | None = None) -
 
     With ``rg = R - G`` and ``yb = (R + G) / 2 - B`` over all pixels of all frames of a
     video: ``C = sqrt(std(rg)^2 + std(yb)^2) + 0.3 sqrt(mean(rg)^2 + mean(yb)^2)``
-    (population standard deviations, fp32). A grey video scores 0; saturated, varied
-    colour scores high (about 110 for the most colourful natural images).
+    (population standard deviations, fp32). A grey video scores 0. A published
+    no-reference measure with no weights to download.
 
     Args:
         pixels: ``(N, F, H, W, 3)`` (or ``(N, H, W, 3)``) RGB in ``[0, 1]``.
@@ -205,14 +183,32 @@ def latent_mse_reward(samples: torch.Tensor, batch: Mapping[str, Any]) -> torch.
 def check_group_size(group_size: int) -> None:
     """Refuse a group size that is not an int >= 2.
 
-    Raises:
-        ValueError: Naming the value.
-
     Examples:
         >>> check_group_size(4)
     """
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 2:
-        raise ValueError(f"group_size must be an int >= 2, got {group_size!r}")
+    check_count(group_size, "group_size", 2)
+
+
+def _check_grouped(rewards: torch.Tensor, group_size: int) -> None:
+    check_group_size(group_size)
+    if rewards.dim() != 1 or rewards.shape[0] % group_size:
+        raise ValueError(
+            f"rewards must be (N,) with N divisible by group_size={group_size}, "
+            f"got shape {tuple(rewards.shape)}"
+        )
+
+
+def group_batch(batch: Mapping[str, Any], group_size: int) -> dict[str, Any]:
+    """``batch`` with every tensor repeated ``group_size`` times along dim 0 (one row a sample).
+
+    Examples:
+        >>> group_batch({"text": torch.zeros(2, 3, 4)}, 2)["text"].shape
+        torch.Size([4, 3, 4])
+    """
+    return {
+        k: v.repeat_interleave(group_size, dim=0) if isinstance(v, torch.Tensor) else v
+        for k, v in batch.items()
+    }
 
 
 def optimality_probabilities(
@@ -250,12 +246,7 @@ def optimality_probabilities(
         >>> optimality_probabilities(torch.tensor([0.0, 2.0, 5.0, 5.0]), 2, clip_max=1.0, eps=0.0)
         tensor([0.0000, 1.0000, 0.5000, 0.5000])
     """
-    check_group_size(group_size)
-    if rewards.dim() != 1 or rewards.shape[0] % group_size:
-        raise ValueError(
-            f"rewards must be (N,) with N divisible by group_size={group_size}, "
-            f"got shape {tuple(rewards.shape)}"
-        )
+    _check_grouped(rewards, group_size)
     if std not in ("group", "batch"):
         raise ValueError(f"std must be 'group' or 'batch', got {std!r}")
     if not clip_max > 0:
@@ -291,12 +282,7 @@ def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) 
         >>> group_advantages(torch.tensor([1.0, 3.0, 5.0, 5.0]), 2)
         tensor([-1.0000,  1.0000,  0.0000,  0.0000])
     """
-    check_group_size(group_size)
-    if rewards.dim() != 1 or rewards.shape[0] % group_size:
-        raise ValueError(
-            f"rewards must be (N,) with N divisible by group_size={group_size}, "
-            f"got shape {tuple(rewards.shape)}"
-        )
+    _check_grouped(rewards, group_size)
     grouped = rewards.reshape(-1, group_size)
     mean = grouped.mean(dim=1, keepdim=True)
     std = grouped.std(dim=1, keepdim=True, unbiased=False)
