@@ -1,14 +1,12 @@
 """Keyed draws: how the reference methods turn a key into noise and times (private).
 
-Every random tensor of :mod:`fvstep.methods` comes from here, drawn from a
-``torch.Generator`` made from one key by :func:`fvstep.core.random.generator` on the device the
-tensor lives on; the global RNG is never touched. One key, one draw: a caller that needs
-two tensors splits its key first.
+Every random tensor of :mod:`fvstep.methods` is drawn from a ``torch.Generator`` made from
+one key (:func:`fvstep.core.random.generator`) on the tensor's device, never from the
+global RNG. One key, one draw: a caller that needs two tensors splits its key first.
 
 Examples:
     >>> k_t, k_eps = fsrandom.split(key, 2)
-    >>> t = rand(k_t, (x0.shape[0],), device=x0.device)
-    >>> eps = randn_like(k_eps, x0)
+    >>> t, eps = rand(k_t, (x0.shape[0],)), randn_like(k_eps, x0)
 """
 
 from __future__ import annotations
