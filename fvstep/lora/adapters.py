@@ -42,12 +42,6 @@ _ADAPTER_ATTRS = (
 def lora_layers(base: nn.Module) -> list[tuple[str, Any]]:
     """The peft LoRA layers of ``base``, as ``(qualified name, layer)`` in module order.
 
-    Args:
-        base: A module into which :func:`add_adapters` injected adapters.
-
-    Returns:
-        ``[(name, peft.tuners.lora.LoraLayer), ...]``; ``[]`` for a module without adapters.
-
     Examples:
         >>> [name for name, _ in lora_layers(base)][:1]
         ['blocks.0.attn1.to_q']
@@ -74,9 +68,8 @@ class LoRAModule(nn.Module):
     """One LoRA adapter over a shared base: a role's module (see :func:`add_adapters`).
 
     Its parameters are the adapter's only, named as in peft's state dict
-    (``blocks.0.attn1.to_q.lora_A.weight``); the base is held but not registered, so its
-    weights are not this module's parameters (they belong to the base's own role). Its
-    ``forward(*args, **kwargs)`` is the base's, computed with this adapter active.
+    (``blocks.0.attn1.to_q.lora_A.weight``); the base is held but not registered (it is
+    its own role). Its ``forward`` is the base's, computed with this adapter active.
 
     Attributes:
         base: The shared base module (not a submodule).
@@ -141,9 +134,7 @@ class LoRAModule(nn.Module):
         """The base's forward with this adapter active.
 
         Raises:
-            ValueError: If this module is a role of a ``TrainState`` but its base is
-                not: the base's weights would be outside the state (unverified by
-                checkpoints, and a sharded base never returned to rest between units).
+            ValueError: If this module is a role of a ``TrainState`` but its base is not.
         """
         if "_fvstep_bound" in self.__dict__ and "_fvstep_bound" not in self.base.__dict__:
             raise ValueError(
@@ -283,13 +274,9 @@ def add_adapters(
 def base_digest(base: nn.Module) -> str:
     """The digest of ``base``'s weights that checkpoints record for a frozen role.
 
-    Equal to ``fvstep.checkpoint.read_manifest(path).frozen_digests[role]`` for a role
-    ``Role(base, save_frozen=False)`` saved at ``path`` (every parameter of a frozen
-    role), whatever the world size. Sharded parameters are checksummed collectively:
-    call it on every rank.
-
-    Args:
-        base: The base module (a role's module).
+    Equal to ``read_manifest(path).frozen_digests[role]`` for a role
+    ``Role(base, save_frozen=False)`` saved at ``path``, whatever the world size. Call it on
+    every rank (sharded parameters are checksummed collectively).
 
     Returns:
         A hexadecimal SHA-256.

@@ -52,8 +52,8 @@ def check_batch(
 
     Args:
         state: The state whose role computes on the batch.
-        batch: A mapping with a video-latent tensor ``(B, C, F, H, W)`` under ``video`` and
-            text embeddings ``(B, L, D)`` under ``text`` (anything else is returned as is).
+        batch: A mapping with video latents ``(B, C, F, H, W)`` under ``video`` and text
+            embeddings ``(B, L, D)`` under ``text`` (anything else is returned as is).
         role: The role whose module first sees the batch.
         video: The key of the latents.
         text: The key of the text embeddings.
@@ -63,13 +63,9 @@ def check_batch(
         ``batch``, or a copy of it with ``video`` and ``text`` upcast.
 
     Raises:
-        KeyError: A key the method reads is missing; the message names it and the keys
-            the batch has.
-        ValueError: A tensor's rank, channels, text width or spatial size does not fit
-            the module; the message names the key, the shape and the expected one.
-
-    Examples:
-        >>> batch = check_batch(state, batch, "student")
+        KeyError: For a missing key, naming the keys the batch has.
+        ValueError: For a rank, channels, text width or spatial size that does not fit the
+            module, naming the key, the shape and the expected one.
     """
     if not isinstance(batch, Mapping):
         return batch
@@ -92,12 +88,7 @@ def check_batch(
 def cast_batch(
     state: TrainState, batch: Mapping[str, Any], role: str, *, keys: Sequence[str]
 ) -> Mapping[str, Any]:
-    """``batch`` with its floating tensors under ``keys`` upcast for ``role``, shapes unchecked.
-
-    Examples:
-        >>> cast_batch(state, {"text": text.bfloat16()}, "old", keys=("text",))["text"].dtype
-        torch.float32
-    """
+    """``batch`` with its floating tensors under ``keys`` upcast for ``role``, shapes unchecked."""
     role_state = state.role(role)
     module = role_state.role.module
     dtype = _param_dtype(role_state.params)
@@ -111,12 +102,7 @@ def cast_batch(
 
 
 def upcast_for(module: nn.Module, value: torch.Tensor) -> torch.Tensor:
-    """``value`` upcast for ``module`` (for code that has a module, not a state).
-
-    Examples:
-        >>> upcast_for(tiny_wan(), torch.zeros(1, dtype=torch.bfloat16)).dtype
-        torch.float32
-    """
+    """``value`` upcast for ``module`` (for code that has a module, not a state)."""
     dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), None)
     if dtype is None or _decides_dtype(module, value.device):
         return value
@@ -125,14 +111,7 @@ def upcast_for(module: nn.Module, value: torch.Tensor) -> torch.Tensor:
 
 
 def check_bidirectional(state: Any, roles: Iterable[str], *, method: str) -> None:
-    """Refuse a causal module in any of ``roles`` the state has (``state``: anything with ``module``).
-
-    Raises:
-        ValueError: Naming the role, and why it must see the whole video.
-
-    Examples:
-        >>> check_bidirectional(state, ("teacher", "critic"), method="self_forcing")
-    """
+    """Refuse a causal module in any of ``roles`` the state has (``state``: anything with ``module``)."""
     for role in roles:
         if isinstance(state, TrainState) and role not in state.roles:
             continue  # a missing role is the engine's error, or the loss's
@@ -150,14 +129,7 @@ def _computes_causally(module: nn.Module) -> bool:
 
 
 def check_cache_fits(student: nn.Module, cache: Any, *, what: str = "the cache") -> None:
-    """Refuse a KV cache whose layers, heads or head size are not ``student``'s.
-
-    Raises:
-        ValueError: Naming both shapes.
-
-    Examples:
-        >>> check_cache_fits(student, init_cache(student, like, capacity_frames=4))
-    """
+    """Refuse a KV cache whose layers, heads or head size are not ``student``'s."""
     config = _config(student)
     blocks = getattr(student, "blocks", None)
     expected = (
@@ -178,15 +150,7 @@ def check_cache_fits(student: nn.Module, cache: Any, *, what: str = "the cache")
 def check_score_options(
     *, guidance_scale: float, shift: float, min_ratio: float, max_ratio: float
 ) -> None:
-    """Refuse DMD score options out of range (DMD2, self-forcing and streaming).
-
-    Raises:
-        ValueError: ``guidance_scale < 0``, ``shift <= 0``, or not ``0 <= min_ratio <=
-            max_ratio <= 1``.
-
-    Examples:
-        >>> check_score_options(guidance_scale=3.0, shift=5.0, min_ratio=0.02, max_ratio=0.98)
-    """
+    """Refuse ``guidance_scale < 0``, ``shift <= 0``, or not ``0 <= min_ratio <= max_ratio <= 1``."""
     if not guidance_scale >= 0:
         raise ValueError(f"guidance_scale must be >= 0, got {guidance_scale}")
     if not shift > 0:
@@ -198,15 +162,7 @@ def check_score_options(
 
 
 def check_denoising_steps(denoising_steps: Iterable[float]) -> tuple[float, ...]:
-    """The few-step schedule as floats, refused unless strictly decreasing in ``(0, 1]``.
-
-    Raises:
-        ValueError: Naming the schedule.
-
-    Examples:
-        >>> check_denoising_steps((1, 0.5))
-        (1.0, 0.5)
-    """
+    """The few-step schedule as floats, refused unless strictly decreasing in ``(0, 1]``."""
     steps = tuple(float(s) for s in denoising_steps)
     if not steps or any(not 0.0 < s <= 1.0 for s in steps):
         raise ValueError(f"denoising_steps must be non-empty times in (0, 1], got {steps}")
@@ -224,13 +180,7 @@ def check_rollout_options(
     max_ratio: float,
     context_time: float,
 ) -> tuple[float, ...]:
-    """The checks of the causal methods' options (self-forcing, streaming); the schedule.
-
-    Examples:
-        >>> check_rollout_options((1.0, 0.5), guidance_scale=3.0, shift=3.0, min_ratio=0.02,
-        ...                       max_ratio=0.98, context_time=0.0)
-        (1.0, 0.5)
-    """
+    """The checks of the causal methods' options (self-forcing, streaming); the schedule."""
     steps = check_denoising_steps(denoising_steps)
     check_score_options(
         guidance_scale=guidance_scale, shift=shift, min_ratio=min_ratio, max_ratio=max_ratio

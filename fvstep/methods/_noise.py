@@ -27,31 +27,19 @@ def randn(
     device: torch.device | str = "cpu",
     dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """``N(0, 1)`` samples of ``shape`` (``dtype`` ``None``: torch's default dtype) from ``key``.
-
-    Examples:
-        >>> z = randn(key, (4,))
-    """
+    """``N(0, 1)`` samples of ``shape`` (``dtype`` ``None``: torch's default dtype) from ``key``."""
     generator = fsrandom.generator(key, device)
     return torch.randn(tuple(shape), generator=generator, device=device, dtype=dtype)
 
 
 def randn_like(key: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """``N(0, 1)`` samples with the shape, dtype and device of ``like``, from ``key``.
-
-    Examples:
-        >>> eps = randn_like(key, x0)
-    """
+    """``N(0, 1)`` samples with the shape, dtype and device of ``like``, from ``key``."""
     return randn(key, like.shape, device=like.device, dtype=like.dtype)
 
 
 def rand(
     key: torch.Tensor, shape: Sequence[int], *, device: torch.device | str = "cpu"
 ) -> torch.Tensor:
-    """``U[0, 1)`` samples of ``shape`` in torch's default dtype, from ``key``.
-
-    Examples:
-        >>> t = rand(key, (4,))
-    """
+    """``U[0, 1)`` samples of ``shape`` in torch's default dtype, from ``key``."""
     generator = fsrandom.generator(key, device)
     return torch.rand(tuple(shape), generator=generator, device=device)

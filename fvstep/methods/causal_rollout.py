@@ -52,8 +52,8 @@ def exit_steps(
 ) -> tuple[int, ...]:
     """Each chunk's exit step, drawn from the shared key of ``step`` (same on every rank).
 
-    ``fold_in(fold_in_name(key, "self_forcing_exit"), step)``: uniform over
-    ``range(num_steps)``, drawn on the CPU.
+    Uniform over ``range(num_steps)`` from ``fold_in(fold_in_name(key, "self_forcing_exit"),
+    step)``, drawn on the CPU.
 
     Args:
         key: The state's base key (``state.key``), not a per-rank key.
@@ -62,9 +62,6 @@ def exit_steps(
         num_steps: Steps of the few-step schedule.
         same_step_across_chunks: One draw for every chunk.
         last_step_only: Always the last step (no draw).
-
-    Returns:
-        ``num_chunks`` step indices.
 
     Raises:
         ValueError: If ``num_steps < 1`` or ``num_chunks < 0``.
@@ -92,10 +89,8 @@ class Rollout(NamedTuple):
         cache: The cache after the last chunk (its context pass appended).
         exit_inputs: Per chunk, the noisy input of its exit step (no gradient).
         exit_times: Per chunk, its exit step's time.
-        contexts: Per chunk, the cache its exit step read, all views of one buffer: without
-            eviction (the rollout fits the cache's capacity) the final cache, each with its
-            own fill level; with eviction the start's frames and the new ones, each read
-            through its ``slots``.
+        contexts: Per chunk, the cache its exit step read: views of one buffer, each with
+            its own fill level (or, with eviction, its ``slots``).
     """
 
     video: torch.Tensor
@@ -121,7 +116,7 @@ def rollout(
     context_time: float = 0.0,
     cache_dtype: torch.dtype | None = None,
 ) -> Rollout:
-    """The causal student's video, chunk by chunk with its KV cache (see the module docstring).
+    """The causal student's video, chunk by chunk with its KV cache.
 
     Args:
         student: A causal Wan.
@@ -133,16 +128,15 @@ def rollout(
         denoising_steps: Decreasing times in ``(0, 1]``.
         cache: The cache to continue from (a stream); default an empty one of ``F`` frames.
         context_time: The time at which the clean chunks are fed to the cache (0: clean).
-        cache_dtype: The new cache's dtype (without ``cache``; default
-            :func:`~fvstep.methods.causal_wan.init_cache`'s).
+        cache_dtype: The new cache's dtype, without ``cache``
+            (:func:`~fvstep.methods.causal_wan.init_cache`'s ``dtype``).
 
     Returns:
         A :class:`Rollout`; ``video`` has gradient through the exit steps when grad is on.
 
     Raises:
         ValueError: If ``F`` is not a multiple of the chunk, ``exits`` has the wrong length
-            or an index outside ``range(len(denoising_steps))``, or ``cache`` was made for
-            a model of other layers, heads or head size.
+            or an index outside the schedule, or ``cache`` was made for another model.
 
     Examples:
         >>> ro = rollout(student, batch["latents"], batch["text"], k, exits=(1, 3),
@@ -226,9 +220,8 @@ def _windows(
 ) -> list[KVCache]:
     """Each chunk's context in a rolling cache, as views of one buffer.
 
-    The buffer is the ``held`` frames ``start`` holds, then each chunk's new frames; the
-    cache chunk ``c`` read held, of the first ``held + c * chunk`` of them, the sink
-    frames and the latest that fit (the eviction of ``causal_wan``'s append, in one go).
+    The buffer is the ``held`` frames of ``start``, then each chunk's new frames; chunk
+    ``c`` reads the sink frames and the latest that fit (``causal_wan``'s eviction, at once).
     """
     ft, capacity, sink = start.frame_tokens, start.capacity_frames, start.sink_frames
     keys = torch.cat([start.keys[:, :, : held * ft], *(k for k, _ in new)], 2)
@@ -264,11 +257,7 @@ def regenerate(
 ) -> torch.Tensor:
     """A rollout's video recomputed from its exit steps (with gradient when grad is on).
 
-    The same frames as the rollout's ``video`` (the same inputs through the same student)
-    for a caller that rolled out without gradient (a streaming step, before its updates).
-
-    Examples:
-        >>> video = regenerate(student, ro.exit_inputs, ro.exit_times, ro.contexts, text)
+    For a caller that rolled out without gradient: the rollout's ``video``, bitwise.
     """
     out = []
     for x, t, cache in zip(exit_inputs, exit_times, contexts, strict=True):

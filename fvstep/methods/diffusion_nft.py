@@ -11,7 +11,7 @@ soft-update the old policy. The equations, defaults and errors:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -29,7 +29,7 @@ from fvstep.methods import _noise
 from fvstep.methods._checks import cast_batch, check_batch, check_count
 from fvstep.methods.diffusion_nft_loss import Weighting, nft_loss
 from fvstep.methods.finetune import TSampling
-from fvstep.methods.old_policy import blend_, euler_sample
+from fvstep.methods.old_policy import blend_, euler_sample, run_inner_updates
 from fvstep.methods.rewards import (
     GroupStd,
     RewardFn,
@@ -277,25 +277,26 @@ def diffusion_nft(
             rewards = check_rewards(reward_fn(samples, grouped), num).float()
         probs = optimality_probabilities(rewards, group_size, std=std, clip_max=clip_max)
         rollouts = {"samples": samples, "text": text, "probabilities": probs}
-        metrics: dict[str, Any] = {}
-        losses = []
         size = num // minibatches
-        for e in range(num_inner):
-            k_perm, k_updates = fsrandom.split(fsrandom.fold_in(k_inner, e), 2)
-            order = torch.randperm(num, generator=fsrandom.generator(k_perm)).to(samples.device)
-            shuffled = {k: v.index_select(0, order) for k, v in rollouts.items()}
-            for j in range(minibatches):
-                part = {k: v[j * size : (j + 1) * size] for k, v in shuffled.items()}
-                state, inner = ctx.update(
-                    state, unit, part, fsrandom.fold_in(k_updates, j), accumulation=accumulation
-                )
-                losses.append(torch.as_tensor(inner[f"{policy}/loss"], dtype=torch.float32))
-                metrics.update(inner)
+
+        def parts() -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
+            for e in range(num_inner):
+                k_perm, k_updates = fsrandom.split(fsrandom.fold_in(k_inner, e), 2)
+                order = torch.randperm(num, generator=fsrandom.generator(k_perm))
+                order = order.to(samples.device)
+                shuffled = {k: v.index_select(0, order) for k, v in rollouts.items()}
+                for j in range(minibatches):
+                    part = {k: v[j * size : (j + 1) * size] for k, v in shuffled.items()}
+                    yield part, fsrandom.fold_in(k_updates, j)
+
+        state, metrics, inner_loss = run_inner_updates(
+            ctx, state, unit, parts(), role=policy, accumulation=accumulation
+        )
         blend_(state.roles[old].params, state.roles[policy].params, decay)
         metrics[f"{name}/reward_mean"] = rewards.mean()
         metrics[f"{name}/reward_std"] = rewards.std(unbiased=False)
         metrics[f"{name}/probability_mean"] = probs.mean()
-        metrics[f"{name}/inner_loss_mean"] = torch.stack(losses).mean()
+        metrics[f"{name}/inner_loss_mean"] = inner_loss
         metrics[f"{name}/old_decay"] = decay
         return state, metrics
 

@@ -117,16 +117,16 @@ def distribution_matching_loss(
         text: Text embeddings ``(B, L, D)``.
         time_key: The score time's key.
         noise_key: The noise's key.
-        guidance_scale: The teacher's classifier-free guidance scale (``1``: the
-            unconditional pass is skipped).
-        shift: The score timestep shift.
+        guidance_scale: The teacher's classifier-free guidance scale (``1``: no
+            unconditional pass).
+        shift: The score timestep shift (:func:`score_time`).
         min_ratio: Lower clamp of the score time.
         max_ratio: Upper clamp of the score time.
         teacher: The teacher role's name.
         critic: The critic role's name.
 
     Returns:
-        ``(loss, {"score_t_mean", "dmd_denominator"})`` (its mean over the samples).
+        ``(loss, {"score_t_mean", "dmd_denominator"})``.
 
     Examples:
         >>> options = dict(guidance_scale=3.5, shift=3.0, min_ratio=0.02, max_ratio=0.98)
@@ -165,21 +165,10 @@ def critic_denoising_loss(
     max_ratio: float,
     critic: str = "critic",
 ) -> tuple[torch.Tensor, dict[str, Any]]:
-    """The critic's flow-matching loss on generated samples ``x0_hat`` (detached here).
+    """The critic's flow-matching loss ``mean((v_critic(x_t, t') - (eps - x0_hat))^2)``.
 
-    ``mean((v_critic(x_t, t') - (eps - x0_hat))^2)`` at a score time from ``time_key``
-    (:func:`score_time`) and noise ``eps`` from ``noise_key``.
-
-    Args:
-        state: Anything with ``module(name)`` (a :class:`~fvstep.TrainState`).
-        x0_hat: The generated samples (detached: no gradient reaches the generator).
-        text: Text embeddings ``(B, L, D)``.
-        time_key: The score time's key.
-        noise_key: The noise's key.
-        shift: The score timestep shift.
-        min_ratio: Lower clamp of the score time.
-        max_ratio: Upper clamp of the score time.
-        critic: The critic role's name.
+    ``x0_hat`` is detached here; the score time comes from ``time_key`` and the noise
+    from ``noise_key``, the other arguments as :func:`distribution_matching_loss`'s.
 
     Returns:
         ``(loss, {"critic_t_mean"})``.
@@ -209,9 +198,6 @@ def target_step(key: torch.Tensor, step: int, num_steps: int) -> int:
         step: The global step.
         num_steps: Steps of the few-step schedule (>= 1).
 
-    Returns:
-        An index into the schedule.
-
     Raises:
         ValueError: If ``num_steps < 1``.
 
@@ -236,13 +222,12 @@ def rollout(
 ) -> torch.Tensor:
     """The student's few-step generation ``x0_hat`` from pure noise, at a target step.
 
-    ``split(key, 3)`` gives the initial noise (shaped like ``like``), the target step index
-    when ``target`` is not given (uniform over ``denoising_steps``, drawn on the CPU) and
-    the re-noising noise. The steps before the target run under ``torch.no_grad()``; the
-    last evaluation follows the caller's grad mode.
+    ``split(key, 3)`` gives the initial noise, the target step index when ``target`` is
+    not given, and the re-noising noise. The steps before the target run under
+    ``torch.no_grad()``; the last follows the caller's grad mode.
 
     Args:
-        student: A module with the forward contract of :mod:`fvstep.methods.models`.
+        student: A module with the forward contract (:func:`fvstep.methods.models.predict`).
         like: A tensor giving the shape, dtype and device of the samples.
         text: Text embeddings ``(B, L, D)``.
         key: The rollout key.
@@ -257,10 +242,7 @@ def rollout(
         ValueError: If ``target`` does not index ``denoising_steps``.
 
     Examples:
-        >>> j = target_step(state.key, int(state.step), 2)
-        >>> with torch.no_grad():
-        ...     x0_hat = rollout(state.module("student"), batch["latents"], batch["text"], k,
-        ...                      (1.0, 0.5), target=j)
+        >>> x0_hat = rollout(student, batch["latents"], batch["text"], k, (1.0, 0.5), target=j)
     """
     k_noise, k_target, k_renoise = fsrandom.split(key, 3)
     x = _noise.randn_like(k_noise, like)
@@ -338,13 +320,6 @@ def dmd2_losses(
     score: dict[str, Any] = {"shift": shift, "min_ratio": min_ratio, "max_ratio": max_ratio}
     g_options = {**score, "guidance_scale": guidance_scale, "teacher": teacher, "critic": critic}
 
-    def generate(
-        state: TrainState, like: torch.Tensor, text: torch.Tensor, key: torch.Tensor
-    ) -> torch.Tensor:
-        # one step: no draw, so a view with modules only (no key, no step) will do
-        target = 0 if len(steps) == 1 else target_step(state.key, int(state.step), len(steps))
-        return rollout(state.module(student), like, text, key, steps, target=target)
-
     def generator_terms(state: TrainState, x0_hat: torch.Tensor, text: torch.Tensor, keys: Any):
         k_t, k_noise = keys[_GEN_T], keys[_GEN_NOISE]
         return distribution_matching_loss(state, x0_hat, text, k_t, k_noise, **g_options)
@@ -358,7 +333,11 @@ def dmd2_losses(
         batch = check_batch(state, batch, student)
         keys = fsrandom.split(key, _NUM_KEYS)
         text = batch["text"]
-        return generate(state, batch["latents"], text, keys[_ROLLOUT]), text, keys
+        # one step: no draw, so a view with modules only (no key, no step) will do
+        target = 0 if len(steps) == 1 else target_step(state.key, int(state.step), len(steps))
+        module = state.module(student)
+        x0_hat = rollout(module, batch["latents"], text, keys[_ROLLOUT], steps, target=target)
+        return x0_hat, text, keys
 
     def generator_loss(
         state: TrainState, batch: Any, key: torch.Tensor
@@ -435,8 +414,7 @@ def dmd2(
         ValueError: For an unknown ordering, ``n < 1`` or out-of-range loss settings.
 
     Examples:
-        >>> step = fvstep.compile(dmd2(ordering="sequential"),
-        ...                       accumulation=fvstep.Accumulation(microbatches=2))
+        >>> step = fvstep.compile(dmd2(ordering="sequential"))
         >>> [e.roles for e in fvstep.plan(step, 5)]
         [('student',), ('critic',)]
     """

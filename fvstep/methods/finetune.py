@@ -56,21 +56,13 @@ def broadcast_time(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 def add_noise(x0: torch.Tensor, eps: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    """The point ``x_t = (1 - t) * x0 + t * eps`` of the flow-matching path (``t``: ``(B,)``).
-
-    Examples:
-        >>> x_t = add_noise(x0, eps, t)
-    """
+    """The point ``x_t = (1 - t) * x0 + t * eps`` of the flow-matching path (``t``: ``(B,)``)."""
     tb = broadcast_time(t, x0)
     return (1 - tb) * x0 + tb * eps
 
 
 def x0_from_velocity(x_t: torch.Tensor, t: torch.Tensor, velocity: torch.Tensor) -> torch.Tensor:
-    """The clean sample that a velocity points to: ``x0 = x_t - t * v`` (``t``: ``(B,)``).
-
-    Examples:
-        >>> x0_hat = x0_from_velocity(x_t, t, predict(net, x_t, t * 1000, text))
-    """
+    """The clean sample that a velocity points to: ``x0 = x_t - t * v`` (``t``: ``(B,)``)."""
     return x_t - broadcast_time(t, x_t) * velocity
 
 
@@ -116,11 +108,7 @@ def sample_x_t(
     logit_mean: float = 0.0,
     logit_std: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(t, eps, x_t)``: ``split(key, 2)`` draws ``t`` (:func:`sample_time`) and ``eps``.
-
-    Examples:
-        >>> t, eps, x_t = sample_x_t(key, batch["latents"])
-    """
+    """``(t, eps, x_t)``: ``split(key, 2)`` draws ``t`` (:func:`sample_time`) and ``eps``."""
     k_t, k_eps = fsrandom.split(key, 2)
     t = sample_time(
         k_t,

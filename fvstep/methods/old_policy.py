@@ -12,7 +12,7 @@ Examples:
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -20,7 +20,7 @@ from torch import nn
 
 from fvstep.methods.models import predict
 
-__all__ = ["blend_", "euler_sample", "reference_kl"]
+__all__ = ["blend_", "euler_sample", "reference_kl", "run_inner_updates"]
 
 
 def euler_sample(
@@ -95,12 +95,33 @@ def reference_kl(
 ) -> torch.Tensor:
     """``mean((v - v_ref)^2)`` in fp32, ``v_ref`` read under ``torch.no_grad()``; ``0`` when
     ``kl_weight == 0`` (the reference is then not read).
-
-    Examples:
-        >>> kl = reference_kl(state, "reference", v, x_t, t * 1000, text, kl_weight=0.1)
     """
     if not kl_weight > 0:
         return torch.zeros((), device=v.device)
     with torch.no_grad():
         v_ref = predict(state.module(reference), x_t, timestep, text).float()
     return ((v - v_ref) ** 2).mean()
+
+
+def run_inner_updates(
+    ctx: Any,
+    state: Any,
+    unit: Any,
+    parts: Iterable[tuple[Any, torch.Tensor]],
+    *,
+    role: str,
+    accumulation: Any,
+) -> tuple[Any, dict[str, Any], torch.Tensor]:
+    """Run ``unit`` through ``ctx.update`` on each ``(batch, key)`` of ``parts``, in order.
+
+    Returns:
+        The state, the updates' metrics (the later ones win) and the mean of ``role``'s
+        losses, fp32.
+    """
+    metrics: dict[str, Any] = {}
+    losses = []
+    for part, key in parts:
+        state, inner = ctx.update(state, unit, part, key, accumulation=accumulation)
+        losses.append(torch.as_tensor(inner[f"{role}/loss"], dtype=torch.float32))
+        metrics.update(inner)
+    return state, metrics, torch.stack(losses).mean()

@@ -66,8 +66,7 @@ def check_rewards(rewards: object, num_samples: int, *, what: str = "reward_fn")
 
     Raises:
         TypeError: If it is not a floating tensor.
-        ValueError: If its shape is not ``(N,)``, or it requires grad (a reward is a
-            constant of the loss).
+        ValueError: If its shape is not ``(N,)``, or it requires grad.
 
     Examples:
         >>> check_rewards(torch.zeros(4), 4)
@@ -92,14 +91,11 @@ def check_rewards(rewards: object, num_samples: int, *, what: str = "reward_fn")
 def decoded(
     pixel_reward: PixelRewardFn, decode: Callable[[torch.Tensor], torch.Tensor]
 ) -> RewardFn:
-    """A latent reward that decodes the samples and scores their pixels.
+    """A latent reward ``reward_fn(samples, batch) = pixel_reward(decode(samples), batch)``.
 
     Args:
         pixel_reward: ``(pixels, batch) -> (N,)``, pixels ``(N, F, H, W, 3)`` in ``[0, 1]``.
         decode: ``latents -> pixels``, e.g. ``functools.partial(decode_latents, vae)``.
-
-    Returns:
-        ``reward_fn(samples, batch) = pixel_reward(decode(samples), batch)``.
 
     Raises:
         TypeError: If either is not callable.
@@ -122,8 +118,7 @@ def colorfulness(pixels: torch.Tensor, batch: Mapping[str, Any] | None = None) -
 
     With ``rg = R - G`` and ``yb = (R + G) / 2 - B`` over all pixels of all frames of a
     video: ``C = sqrt(std(rg)^2 + std(yb)^2) + 0.3 sqrt(mean(rg)^2 + mean(yb)^2)``
-    (population standard deviations, fp32). A grey video scores 0. A published
-    no-reference measure with no weights to download.
+    (population standard deviations, fp32). A grey video scores 0.
 
     Args:
         pixels: ``(N, F, H, W, 3)`` (or ``(N, H, W, 3)``) RGB in ``[0, 1]``.
@@ -153,14 +148,7 @@ def colorfulness(pixels: torch.Tensor, batch: Mapping[str, Any] | None = None) -
 
 
 def latent_mse_reward(samples: torch.Tensor, batch: Mapping[str, Any]) -> torch.Tensor:
-    """A cheap deterministic reward: ``-mean((x0 - batch["latents"])^2)`` per sample (fp32).
-
-    Args:
-        samples: ``(N, ...)`` generated latents.
-        batch: Holds ``"latents"``, the targets, shaped like ``samples``.
-
-    Returns:
-        ``(N,)`` fp32 (0 for a sample equal to its target, negative otherwise).
+    """A cheap deterministic reward: ``-mean((x0 - batch["latents"])^2)`` per sample, fp32.
 
     Raises:
         ValueError: If the batch has no ``"latents"`` of the samples' shape.
@@ -181,11 +169,7 @@ def latent_mse_reward(samples: torch.Tensor, batch: Mapping[str, Any]) -> torch.
 
 
 def check_group_size(group_size: int) -> None:
-    """Refuse a group size that is not an int >= 2.
-
-    Examples:
-        >>> check_group_size(4)
-    """
+    """Refuse a group size that is not an int >= 2."""
     check_count(group_size, "group_size", 2)
 
 
@@ -221,19 +205,16 @@ def optimality_probabilities(
 ) -> torch.Tensor:
     """Rewards to optimality probabilities in ``[0, 1]``, normalised per prompt group.
 
-    ``A = (R - mean_g R) / (s + eps)`` with ``mean_g`` the mean of the sample's group
-    (rows ``g G .. g G + G - 1``) and ``s`` the population standard deviation of the group
-    (``std="group"``) or of all the rewards given (``"batch"``, the authors' default; on
-    several ranks, of this rank's rewards); then ``r = 1/2 + 1/2 clip(A / c, -1, 1)``
-    with ``c = clip_max``. Up to ``eps``, ``r`` is invariant to ``R -> a R + b`` (``a >
-    0``) within each group (``"group"``, each group its own ``a`` and ``b``) or applied
-    to all the rewards alike (``"batch"``).
+    ``A = (R - mean_g R) / (s + eps)``, ``mean_g`` over the sample's group (rows ``g G ..
+    g G + G - 1``) and ``s`` the population standard deviation of the group (``"group"``)
+    or of all the rewards given (``"batch"``, the authors' default; per rank); then
+    ``r = 1/2 + 1/2 clip(A / clip_max, -1, 1)``.
 
     Args:
         rewards: ``(N,)``, ``N`` divisible by ``group_size``; computed in fp32.
         group_size: ``G`` (>= 2).
         std: Which spread normalises.
-        clip_max: ``c``: advantages beyond ``+-c`` standard deviations saturate (> 0).
+        clip_max: Advantages beyond ``+-clip_max`` standard deviations saturate (> 0).
         eps: Added to the standard deviation (>= 0).
 
     Returns:
@@ -264,16 +245,9 @@ def optimality_probabilities(
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
-    """Normalise rewards within consecutive groups: ``(r - mean_g) / (std_g + eps)``.
+    """Normalise rewards within consecutive groups of ``group_size``: ``(r - mean_g) / (std_g + eps)``.
 
-    Args:
-        rewards: ``(N,)`` with ``N`` divisible by ``group_size``; rows ``g * G .. g * G + G - 1``
-            are one group.
-        group_size: ``G`` (>= 2).
-        eps: Added to the (population) standard deviation.
-
-    Returns:
-        ``(N,)`` advantages (zero for a group of equal rewards).
+    ``std_g`` is the population standard deviation; zero for a group of equal rewards.
 
     Raises:
         ValueError: For a bad shape or group size.

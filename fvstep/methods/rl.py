@@ -27,7 +27,12 @@ from fvstep.methods import _noise
 from fvstep.methods._checks import check_batch, check_count
 from fvstep.methods.finetune import RoleLossFn, sample_x_t
 from fvstep.methods.models import predict
-from fvstep.methods.old_policy import blend_, euler_sample, reference_kl
+from fvstep.methods.old_policy import (
+    blend_,
+    euler_sample,
+    reference_kl,
+    run_inner_updates,
+)
 from fvstep.methods.rewards import (
     RewardFn,
     check_group_size,
@@ -158,20 +163,14 @@ def rl(
             rewards = check_rewards(reward(samples, grouped), samples.shape[0])
         advantages = group_advantages(rewards.float(), group_size)
         inner_batch = {"samples": samples, "text": text, "advantages": advantages}
-        metrics: dict[str, Any] = {}
-        inner_losses = []
-        for i in range(num_inner):
-            state, inner_metrics = ctx.update(
-                state, unit, inner_batch, fsrandom.fold_in(k_inner, i), accumulation=accumulation
-            )
-            inner_losses.append(inner_metrics["student/loss"])
-            metrics.update(inner_metrics)
+        parts = ((inner_batch, fsrandom.fold_in(k_inner, i)) for i in range(num_inner))
+        state, metrics, inner_loss = run_inner_updates(
+            ctx, state, unit, parts, role="student", accumulation=accumulation
+        )
         blend_(state.roles["old"].params, state.roles["student"].params, blend)
         metrics[f"{name}/reward_mean"] = rewards.float().mean()
         metrics[f"{name}/reward_std"] = rewards.float().std(unbiased=False)
-        metrics[f"{name}/inner_loss_mean"] = torch.stack(
-            [torch.as_tensor(v, dtype=torch.float32) for v in inner_losses]
-        ).mean()
+        metrics[f"{name}/inner_loss_mean"] = inner_loss
         return state, metrics
 
     return managed(outer_step, trains="student", mutates="old", name=name)

@@ -59,13 +59,8 @@ def dmd_loss_on(
     min_ratio: float = 0.02,
     max_ratio: float = 0.98,
 ) -> tuple[torch.Tensor, dict[str, Any]]:
-    """DMD's generator loss on a generated ``video`` (with gradient), keyed by ``key``.
-
-    :func:`fvstep.methods.dmd2.distribution_matching_loss` with ``split(key, 2)`` as its
-    score-time and noise keys.
-
-    Examples:
-        >>> loss, metrics = dmd_loss_on(state, video, text, k)
+    """:func:`~fvstep.methods.dmd2.distribution_matching_loss` on a generated ``video`` (with
+    gradient), with ``split(key, 2)`` as its score-time and noise keys.
     """
     k_t, k_noise = fsrandom.split(key, 2)
     return distribution_matching_loss(
@@ -85,13 +80,8 @@ def critic_loss_on(
     min_ratio: float = 0.02,
     max_ratio: float = 0.98,
 ) -> tuple[torch.Tensor, dict[str, Any]]:
-    """The critic's denoising loss on a generated ``video`` (detached), keyed by ``key``.
-
-    :func:`fvstep.methods.dmd2.critic_denoising_loss` with ``split(key, 2)`` as its
-    score-time and noise keys.
-
-    Examples:
-        >>> loss, metrics = critic_loss_on(state, video, text, k)
+    """:func:`~fvstep.methods.dmd2.critic_denoising_loss` on a generated ``video`` (detached),
+    with ``split(key, 2)`` as its score-time and noise keys.
     """
     k_t, k_noise = fsrandom.split(key, 2)
     return critic_denoising_loss(

@@ -58,11 +58,10 @@ def _positive_int(_: object, attribute: attrs.Attribute, value: int) -> None:
 class EulerSampler:
     """``num_steps`` flow-matching Euler steps from ``t = 1`` to ``0``.
 
-    The times are those of ``FlowMatchEulerDiscreteScheduler(shift=shift)`` after
-    ``set_timesteps(num_steps)``, and each step is its ``step`` (``x += (t' - t) v`` in
-    fp32): exactly what ``WanPipeline`` runs with that scheduler. With
-    ``guidance_scale > 1`` the velocity is classifier-free guided,
-    ``v = v_neg + s (v - v_neg)``, on the negative text (zeros unless given).
+    The times and steps of ``FlowMatchEulerDiscreteScheduler(shift=shift)`` (in fp32):
+    exactly what ``WanPipeline`` runs with that scheduler. With ``guidance_scale > 1`` the
+    velocity is classifier-free guided, ``v = v_neg + s (v - v_neg)``, on the negative text
+    (zeros unless given).
 
     Attributes:
         num_steps: Model evaluations (twice as many forwards with guidance).
@@ -78,17 +77,10 @@ class EulerSampler:
     guidance_scale: float = 1.0
 
     def scheduler(self) -> FlowMatchEulerDiscreteScheduler:
-        """A fresh diffusers scheduler with this sampler's times (for a pipeline, too).
-
-        Returns:
-            ``FlowMatchEulerDiscreteScheduler(shift=self.shift)``.
+        """A fresh diffusers ``FlowMatchEulerDiscreteScheduler(shift=self.shift)`` (for a pipeline, too).
 
         Raises:
             ImportError: If diffusers is not installed.
-
-        Examples:
-            >>> EulerSampler(4).scheduler().config.shift
-            1.0
         """
         with needs_extra("models", "EulerSampler"):
             from diffusers import FlowMatchEulerDiscreteScheduler
@@ -209,7 +201,8 @@ def _run(
     key: torch.Tensor | None,
 ) -> torch.Tensor:
     """The sampler's loop from ``x`` with ``velocity(x, timestep)`` (timesteps x 1000);
-    a few-step sampler re-noises before step ``i + 1`` from ``fold_in(key, i)``."""
+    a few-step sampler re-noises before step ``i + 1`` from ``fold_in(key, i)``.
+    """
     batch = x.shape[0]
     if isinstance(sampler, EulerSampler):
         scheduler: Any = sampler.scheduler()
@@ -274,16 +267,13 @@ def _sample_causal(
 def decode_latents(vae: nn.Module, latents: torch.Tensor) -> torch.Tensor:
     """Pixels ``(B, F, H, W, 3)`` in ``[0, 1]`` from latents, as ``WanPipeline`` decodes.
 
-    ``latents * std + mean`` with the VAE config's ``latents_mean``/``latents_std``, then
-    ``vae.decode``, then diffusers' ``VideoProcessor.postprocess_video``; the latents are
-    cast to the VAE's device and dtype. Runs under ``torch.no_grad()``.
+    The latents are cast to the VAE's device and dtype, de-normalised with the VAE config's
+    ``latents_mean``/``latents_std``, decoded and post-processed as diffusers'
+    ``VideoProcessor`` does, under ``torch.no_grad()``.
 
     Args:
         vae: A diffusers ``AutoencoderKLWan`` (or any VAE with that config and ``decode``).
         latents: ``(B, C, F, H, W)``.
-
-    Returns:
-        Float pixels, channels last.
 
     Examples:
         >>> video = decode_latents(vae, sample(net, noise, text, sampler=EulerSampler(4)))

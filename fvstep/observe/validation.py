@@ -103,12 +103,6 @@ def role_module(
 def module_device(module: nn.Module) -> torch.device:
     """The device of a module's first parameter or buffer (CPU for an empty module).
 
-    Args:
-        module: The module (a DTensor parameter gives its local device).
-
-    Returns:
-        The device.
-
     Examples:
         >>> module_device(torch.nn.Linear(2, 2))
         device(type='cpu')
