@@ -23,7 +23,7 @@ import torch
 from fvstep.core.errors import SimulatedCrash
 from fvstep.core.layout import Parallelism
 from fvstep.core.state import TrainState
-from fvstep.core.tree import assert_trees_equal
+from fvstep.core.tree import assert_trees_equal, leaves
 from fvstep.executor.checkpoints import Checkpoints
 from fvstep.executor.loop import run
 from fvstep.parallel.compile_check import (
@@ -218,7 +218,7 @@ def train_states(*, max_roles: int = 3) -> Any:
         }
         state = TrainState.create(roles, key=fsrandom.key(seed), extra=extra)
         with torch.no_grad():
-            for leaf in _float_leaves(state):
+            for leaf in (x for x in leaves(state) if x.is_floating_point()):
                 leaf.copy_(
                     torch.randn(leaf.shape, generator=gen, dtype=torch.float64).to(leaf.dtype)
                 )
@@ -280,8 +280,7 @@ def check_compiled_gradients(
     if is_sharded(module):
         raise ValueError(
             "check_compiled_gradients runs on one process: for a sharded module use "
-            "fvstep.parallel.prepare(..., verify_compile=True), which checks every block "
-            "on every rank inside FSDP2's call"
+            "fvstep.parallel.prepare(..., verify_compile=True), which checks on every rank"
         )
     if compiled is not None and not isinstance(compiled, Mapping):
         report = compare_compiled_gradients(
@@ -332,9 +331,3 @@ def _outermost_compiled(module: torch.nn.Module) -> dict[str, torch.nn.Module]:
         if is_compiled_in_place(m) and not inside:
             found[name] = m
     return {n or type(module).__name__: m for n, m in found.items()}
-
-
-def _float_leaves(state: TrainState) -> list[torch.Tensor]:
-    from fvstep.core.tree import leaves
-
-    return [x for x in leaves(state) if x.is_floating_point()]

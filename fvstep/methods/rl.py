@@ -2,9 +2,8 @@
 
 Roles: ``student`` (trained), ``old`` (frozen; samples, then is blended toward the
 student) and ``reference`` (frozen; the KL anchor). One outer step (:func:`rl`): sample
-``group_size`` videos a prompt with the old policy, reward them and normalise the rewards
-per group into advantages, run ``num_inner`` updates of the student on
-:func:`rl_inner_loss`, blend the old policy toward the student.
+``group_size`` videos a prompt with the old policy, turn their rewards into per-group
+advantages, update the student ``num_inner`` times on :func:`rl_inner_loss`, blend.
 
 Examples:
     >>> state, metrics = fvstep.compile(rl(num_inner=2, group_size=4))(state, batch)

@@ -2,9 +2,8 @@
 
 :class:`EulerSampler` runs what a ``WanPipeline`` runs with diffusers' flow-matching Euler
 scheduler; :class:`FewStepSampler` is a few-step student's (DMD2's ``denoising_steps``).
-:func:`sample` runs either with a module (a causal Wan chunk by chunk),
-:func:`decode_latents` decodes as ``WanPipeline`` does, and :func:`sample_videos` is a
-validation function returning :class:`fvstep.executor.media.Video` values.
+:func:`sample` runs either (a causal Wan chunk by chunk), :func:`decode_latents` decodes
+as ``WanPipeline`` does, and :func:`sample_videos` is a validation function of videos.
 
 Examples:
     >>> fn = sample_videos(prompts, latent_shape=(16, 21, 60, 104), vae=vae)
