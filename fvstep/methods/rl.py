@@ -103,19 +103,17 @@ def rl(
     """The RL outer step as a managed method (see the module docstring).
 
     Batches need ``"text"`` ``(B, L, D)`` and ``"latents"`` (the samples' shape, and the
-    default reward's target); ``reward_fn`` and the inner updates see the batch repeated
-    per sample (:func:`~fvstep.methods.rewards.group_batch`). Each outer step samples from
-    noise at ``t = 1`` by ``sample_steps`` Euler steps of the old policy
-    (:func:`~fvstep.methods.old_policy.euler_sample`), then blends
-    ``old = blend * old + (1 - blend) * student``
-    (:func:`~fvstep.methods.old_policy.blend_`).
+    default reward's target); the reward sees the batch repeated per sample
+    (:func:`~fvstep.methods.rewards.group_batch`). The old policy samples by
+    :func:`~fvstep.methods.old_policy.euler_sample` and is blended by
+    :func:`~fvstep.methods.old_policy.blend_`.
 
     Args:
         num_inner: Inner student updates per outer step (>= 1).
         blend: ``beta`` of ``old = beta * old + (1 - beta) * student`` (in ``[0, 1]``).
         kl_weight: Weight of the reference term of :func:`rl_inner_loss`.
         group_size: Samples per prompt (>= 2); advantages are normalised within a group.
-        sample_steps: Euler steps of the old policy's sampler (>= 1).
+        sample_steps: Euler steps of the old policy's sampler, from ``t = 1`` (>= 1).
         reward_fn: ``(samples, batch) -> (N,)``
             (:class:`~fvstep.methods.rewards.RewardFn`); default
             :func:`~fvstep.methods.rewards.latent_mse_reward`.
