@@ -232,9 +232,10 @@ def _wan(model: nn.Module) -> Any:
     return model
 
 
-def _layer_shapes(model: nn.Module) -> tuple[int, int, int]:
-    config = _wan(model).config
-    return len(_wan(model).blocks), int(config.num_attention_heads), int(config.attention_head_dim)
+def _frame_tokens(model: nn.Module, x: torch.Tensor) -> int:
+    """Tokens per latent frame of ``x`` ``(B, C, F, H, W)`` in ``model``'s patches."""
+    _, p_h, p_w = tuple(_wan(model).config.patch_size)
+    return (x.shape[3] // p_h) * (x.shape[4] // p_w)
 
 
 def init_cache(
@@ -269,11 +270,16 @@ def init_cache(
             f"need 0 <= sink_frames < capacity_frames, got sink_frames={sink_frames}, "
             f"capacity_frames={capacity_frames}"
         )
-    _, _, _, height, width = like.shape
-    _, p_h, p_w = tuple(_wan(model).config.patch_size)
-    frame_tokens = (height // p_h) * (width // p_w)
-    num_layers, heads, head_dim = _layer_shapes(model)
-    shape = (like.shape[0], num_layers, capacity_frames * frame_tokens, heads, head_dim)
+    frame_tokens = _frame_tokens(model, like)
+    config = _wan(model).config
+    heads, head_dim = int(config.num_attention_heads), int(config.attention_head_dim)
+    shape = (
+        like.shape[0],
+        len(_wan(model).blocks),
+        capacity_frames * frame_tokens,
+        heads,
+        head_dim,
+    )
     if dtype is None:
         device = like.device.type
         on = torch.is_autocast_enabled(device)
@@ -358,9 +364,8 @@ def causal_forward(
     chunk_frames_of(model)
     if update_cache and cache is None:
         raise ValueError("update_cache needs a cache (fvstep.methods.causal_wan.init_cache)")
-    batch, _, frames, height, width = x.shape
-    _, p_h, p_w = tuple(_wan(model).config.patch_size)
-    frame_tokens = (height // p_h) * (width // p_w)
+    batch, _, frames, _, _ = x.shape
+    frame_tokens = _frame_tokens(model, x)
     if cache is not None and (cache.frame_tokens != frame_tokens or cache.keys.shape[0] != batch):
         raise ValueError(
             f"the cache holds {cache.keys.shape[0]} samples of {cache.frame_tokens} tokens "

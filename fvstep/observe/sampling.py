@@ -174,15 +174,10 @@ def sample(
     if recorded_chunk_frames(module) is not None:
         chunk_frames_of(module)  # raises: the record of a causal model that is not causal
     _check_key(sampler, key)
-    if isinstance(sampler, EulerSampler):
-        scale = sampler.guidance_scale
+    scale = sampler.guidance_scale if isinstance(sampler, EulerSampler) else 1.0
 
-        def velocity(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-            return _guided(module, x, t, text, negative_text, scale)
-    else:
-
-        def velocity(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-            return predict(module, x, t, text)
+    def velocity(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return _guided(module, x, t, text, negative_text, scale)
 
     with torch.no_grad():
         return _run(velocity, noise, sampler, key)
