@@ -1,9 +1,9 @@
 """What the RL methods share: the old policy's rollouts and soft update, the reference anchor.
 
 :mod:`fvstep.methods.rl` and :mod:`fvstep.methods.diffusion_nft` keep a frozen ``old``
-role that generates an outer step's rollouts (:func:`euler_sample`) and is then moved
-toward the trained policy in place (:func:`blend_`); both may anchor the policy to a
-frozen reference (:func:`reference_kl`).
+role that samples an outer step's rollouts (:func:`euler_sample`) and is then moved toward
+the policy in place (:func:`blend_`); both may anchor the policy to a frozen reference
+(:func:`reference_kl`) and run their inner updates by :func:`run_inner_updates`.
 
 Examples:
     >>> blend_(state.roles["old"].params, state.roles["policy"].params, 0.5)
