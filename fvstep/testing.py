@@ -1,19 +1,11 @@
-"""Testing helpers for users: prove that *your* method resumes exactly.
+"""Testing helpers for users: prove that *your* method resumes exactly and compiles right.
 
-- :func:`assert_resume_exact` runs a method uninterrupted and interrupted (crashing at
-  chosen steps, resuming from the newest checkpoint each time) and asserts that the
-  final states are bitwise identical.
-- Multi-rank checks: run them with ``fvstep.parallel.launch(fn, ..., nproc=2)`` (or
-  ``fvstep verify-resume --nproc 2``); every rank calls :func:`assert_resume_exact`.
-- :mod:`hypothesis` strategies: :func:`resume_scenarios` and :func:`train_states`.
-- :func:`assert_trees_equal` (from :mod:`fvstep.core.tree`).
-- :func:`check_compiled_gradients`: your module's compiled gradients against its eager
-  ones, block by block, on an input you give (``fvstep verify-compile`` runs it).
+:func:`assert_resume_exact` (every rank calls it, e.g. under ``fvstep.parallel.launch``),
+the hypothesis strategies :func:`resume_scenarios` and :func:`train_states`,
+:func:`assert_trees_equal`, and :func:`check_compiled_gradients` (compiled gradients
+against eager ones, block by block; ``fvstep verify-compile`` runs it).
 
 Examples:
-    >>> def factory():
-    ...     state = fs.TrainState.create({...}, key=fs.random.key(0))
-    ...     return state, fs.compile(my_method), my_data
     >>> assert_resume_exact(factory, num_steps=6, interruptions=[2, 4], workdir=tmp_path)
 """
 
@@ -31,7 +23,7 @@ import torch
 from fvstep.core.errors import SimulatedCrash
 from fvstep.core.layout import Parallelism
 from fvstep.core.state import TrainState
-from fvstep.core.tree import assert_trees_equal
+from fvstep.core.tree import assert_trees_equal, leaves
 from fvstep.executor.checkpoints import Checkpoints
 from fvstep.executor.loop import run
 from fvstep.parallel.compile_check import (
@@ -61,7 +53,7 @@ Factory = Callable[[], tuple[TrainState, Callable[..., Any], Any]]
 
 @attrs.frozen
 class CrashAt:
-    """Data (a source with ``batch`` or a function of the step) that raises :class:`SimulatedCrash` at ``step``."""
+    """Data (a source with ``batch``, or a function of the step) that crashes at ``step``."""
 
     data: Any
     step: int
@@ -86,12 +78,10 @@ def assert_resume_exact(
 ) -> TrainState:
     """Assert that interrupting and resuming a run does not change its final state, bit for bit.
 
-    ``factory()`` must build everything anew each call — modules, the initial state, the
-    compiled step and the data — as a restarted process would. The uninterrupted run
-    goes to ``num_steps``; the interrupted run crashes before each step in
-    ``interruptions`` (in order) and is restarted from the newest checkpoint (saved every
-    ``checkpoint_every`` steps) until it reaches ``num_steps``. On several ranks, every
-    rank calls this with the same ``workdir``.
+    ``factory()`` builds everything anew each call (modules, state, step, data), as a
+    restarted process would. The interrupted run crashes before each step in
+    ``interruptions`` and restarts from the newest checkpoint until ``num_steps``. On
+    several ranks, every rank calls this with the same ``workdir``.
 
     Args:
         factory: ``() -> (initial_state, step_fn, data)``.
@@ -110,14 +100,23 @@ def assert_resume_exact(
     Raises:
         AssertionError: Naming the first leaf where the resumed run differs.
         ValueError: For interruptions outside ``[0, num_steps)``.
+
+    Examples:
+        >>> def factory():
+        ...     state = fs.TrainState.create({...}, key=fs.random.key(0))
+        ...     return state, fs.compile(my_method), my_data
+        >>> assert_resume_exact(factory, num_steps=6, interruptions=[2, 4], workdir=tmp_path)
     """
     if any(not 0 <= s < num_steps for s in interruptions):
         raise ValueError(f"interruptions {list(interruptions)} must lie in [0, {num_steps})")
     # A check, not a training run: a signal ends it (Ctrl-C raises KeyboardInterrupt) rather
     # than stopping one of its runs early, which would compare a partial state.
     state, step_fn, data = factory()
-    options: dict[str, Any] = {"progress": False, "handle_signals": False}
-    options["parallelism"] = parallelism
+    options: dict[str, Any] = {
+        "progress": False,
+        "handle_signals": False,
+        "parallelism": parallelism,
+    }
     expected = run(step_fn, state, data, num_steps=num_steps, **options)
     checkpoints = Checkpoints(
         Path(workdir) / "checkpoints", every=checkpoint_every, keep=2, async_save=async_save
@@ -217,7 +216,7 @@ def train_states(*, max_roles: int = 3) -> Any:
         }
         state = TrainState.create(roles, key=fsrandom.key(seed), extra=extra)
         with torch.no_grad():
-            for leaf in _float_leaves(state):
+            for leaf in (x for x in leaves(state) if x.is_floating_point()):
                 leaf.copy_(
                     torch.randn(leaf.shape, generator=gen, dtype=torch.float64).to(leaf.dtype)
                 )
@@ -236,13 +235,11 @@ def check_compiled_gradients(
 ) -> list[CompiledGradientReport]:
     """Check that ``module``'s compiled gradients match its eager ones on one input.
 
-    What :func:`fvstep.parallel.prepare`'s ``verify_compile`` does on the first call of
-    each compiled graph, on a probe of yours: each compiled block's forward and backward,
-    eager and compiled (and below fp32 the fp32 reference and probe), on the inputs it
-    receives when ``module(*args, **kwargs)`` runs, pulled back with one fixed cotangent
-    and judged against eager's rounding noise (:mod:`fvstep.parallel.compile_check`).
-    Nothing is left behind: no ``.grad``, the RNG state, dtypes and ``requires_grad`` as
-    they were, the module as compiled as before.
+    What :func:`fvstep.parallel.prepare`'s ``verify_compile`` does, on a probe of yours:
+    each compiled block's gradients, eager and compiled, on the inputs it receives when
+    ``module(*args, **kwargs)`` runs, judged against eager's rounding noise
+    (:mod:`fvstep.parallel.compile_check`). Nothing is left behind (no ``.grad``; the RNG,
+    dtypes, ``requires_grad`` and compilation as they were).
 
     Args:
         module: The module to run on the probe. Its blocks compiled in place (a prepared
@@ -267,9 +264,8 @@ def check_compiled_gradients(
         CompiledGradientError: Naming the block, the parameter (or input), its error,
             eager's rounding noise and the threshold, for the first block whose gradients
             differ.
-        ValueError: If ``module`` is sharded (FSDP2: use ``prepare(...,
-            verify_compile=True)``, which checks on every rank inside FSDP2's call), or if
-            ``compiled`` asks to compile a module whose blocks are compiled already.
+        ValueError: If ``module`` is sharded (use ``prepare(..., verify_compile=True)``),
+            or ``compiled`` asks to compile a module whose blocks are compiled already.
 
     Examples:
         >>> student = parallel.prepare(tiny_wan(), compile={"backend": "aot_eager"})
@@ -282,8 +278,7 @@ def check_compiled_gradients(
     if is_sharded(module):
         raise ValueError(
             "check_compiled_gradients runs on one process: for a sharded module use "
-            "fvstep.parallel.prepare(..., verify_compile=True), which checks every block "
-            "on every rank inside FSDP2's call"
+            "fvstep.parallel.prepare(..., verify_compile=True), which checks on every rank"
         )
     if compiled is not None and not isinstance(compiled, Mapping):
         report = compare_compiled_gradients(
@@ -334,9 +329,3 @@ def _outermost_compiled(module: torch.nn.Module) -> dict[str, torch.nn.Module]:
         if is_compiled_in_place(m) and not inside:
             found[name] = m
     return {n or type(module).__name__: m for n, m in found.items()}
-
-
-def _float_leaves(state: TrainState) -> list[torch.Tensor]:
-    from fvstep.core.tree import leaves
-
-    return [x for x in leaves(state) if x.is_floating_point()]

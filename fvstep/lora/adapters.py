@@ -1,36 +1,10 @@
 """LoRA roles over one frozen base: peft's adapters, one module per adapter.
 
-:func:`add_adapters` injects peft LoRA adapters into a base model (in place, as
-``peft.inject_adapter_in_model`` and diffusers do) and returns one :class:`LoRAModule`
-per adapter. The weights are shared, not copied:
-
-- the **base** keeps only its own weights as parameters (the adapters are moved out of
-  its module tree), and with every adapter disabled it computes the base model: it is
-  the frozen role (the teacher of DMD2, or a role named ``"base"``);
-- each **LoRA module** registers only its adapter's parameters (named as in peft's
-  state dict: ``blocks.0.attn1.to_q.lora_A.weight``) and calls the base with its
-  adapter active. It is a trainable role: only adapter parameters are leaves, have
-  ``requires_grad``, optimizer state and EMA.
-
-So no two roles share a module or a tensor (``TrainState.create`` refuses that), one
-base is in memory however many adapters train over it, and the state holds the base
-once, in the base's frozen role. ``Role(base, save_frozen=False)`` keeps it out of
-checkpoints, which then hold its digest (:func:`base_digest`) and are verified against
-the base on load.
-
-Which adapter the base computes with is switched per call by :class:`LoRAModule`
-(peft's layer flags, set and restored around the call, never its ``set_adapter``, which
-would change ``requires_grad``): between calls every adapter is disabled.
-
-Examples:
-    >>> base = fvstep.methods.models.tiny_wan(seed=0)
-    >>> config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["to_q", "to_v"])
-    >>> lora = add_adapters(base, {"student": config, "critic": config}, seed=0)
-    >>> state = fvstep.TrainState.create({
-    ...     "teacher": fvstep.Role(base, save_frozen=False),
-    ...     "student": fvstep.Role(lora["student"], optimizer=fvstep.optim.adamw(lr=1e-4)),
-    ...     "critic": fvstep.Role(lora["critic"], optimizer=fvstep.optim.adamw(lr=1e-4)),
-    ... }, key=fvstep.random.key(0))
+The base keeps only its own weights as parameters and, every adapter disabled, computes
+the base model (a frozen role); each :class:`LoRAModule` registers only its adapter's
+parameters and calls the base with that adapter active (a trainable role). So no two
+roles share a tensor, and one base is in memory however many adapters train over it.
+Between calls every adapter is disabled. The design: ``docs/concepts/lora.md``.
 """
 
 from __future__ import annotations
@@ -68,12 +42,6 @@ _ADAPTER_ATTRS = (
 def lora_layers(base: nn.Module) -> list[tuple[str, Any]]:
     """The peft LoRA layers of ``base``, as ``(qualified name, layer)`` in module order.
 
-    Args:
-        base: A module into which :func:`add_adapters` injected adapters.
-
-    Returns:
-        ``[(name, peft.tuners.lora.LoraLayer), ...]``; ``[]`` for a module without adapters.
-
     Examples:
         >>> [name for name, _ in lora_layers(base)][:1]
         ['blocks.0.attn1.to_q']
@@ -100,9 +68,8 @@ class LoRAModule(nn.Module):
     """One LoRA adapter over a shared base: a role's module (see :func:`add_adapters`).
 
     Its parameters are the adapter's only, named as in peft's state dict
-    (``blocks.0.attn1.to_q.lora_A.weight``); the base is held but not registered, so its
-    weights are not this module's parameters (they belong to the base's own role). Its
-    ``forward(*args, **kwargs)`` is the base's, computed with this adapter active.
+    (``blocks.0.attn1.to_q.lora_A.weight``); the base is held but not registered (it is
+    its own role). Its ``forward`` is the base's, computed with this adapter active.
 
     Attributes:
         base: The shared base module (not a submodule).
@@ -151,18 +118,8 @@ class LoRAModule(nn.Module):
             ...     out = net(hidden_states=x, timestep=t, encoder_hidden_states=text)
         """
         layers = self.__dict__["_layers"]
-        saved = [(layer._active_adapter, layer._disable_adapters) for layer in layers]
-        for layer in layers:
-            # peft's set_adapter/enable_adapters would also set requires_grad on the
-            # adapters, which fvstep's units own: set the flags forward reads, nothing else.
-            layer._active_adapter = self.adapter
-            layer._disable_adapters = False
-        try:
+        with _flags_set(layers, [(self.adapter, False)] * len(layers)):
             yield self.base
-        finally:
-            for layer, (name, disabled) in zip(layers, saved):
-                layer._active_adapter = name
-                layer._disable_adapters = disabled
 
     @property
     def forward_signature(self) -> inspect.Signature:
@@ -177,9 +134,7 @@ class LoRAModule(nn.Module):
         """The base's forward with this adapter active.
 
         Raises:
-            ValueError: If this module is a role of a ``TrainState`` but its base is
-                not: the base's weights would be outside the state (unverified by
-                checkpoints, and a sharded base never returned to rest between units).
+            ValueError: If this module is a role of a ``TrainState`` but its base is not.
         """
         if "_fvstep_bound" in self.__dict__ and "_fvstep_bound" not in self.base.__dict__:
             raise ValueError(
@@ -195,14 +150,21 @@ class LoRAModule(nn.Module):
 
 @contextlib.contextmanager
 def _flags_set(
-    layers: tuple[Any, ...], flags: list[tuple[Any, bool]], inner: Any
+    layers: tuple[Any, ...],
+    flags: list[tuple[Any, bool]],
+    inner: Any = None,
 ) -> Iterator[None]:
+    """Each layer's active adapter and disabled flag set to ``flags`` inside ``inner``.
+
+    Only the flags forward reads: peft's ``set_adapter`` would also set ``requires_grad``
+    on the adapters, which fvstep's units own.
+    """
     saved = [(layer._active_adapter, layer._disable_adapters) for layer in layers]
     for layer, (name, disabled) in zip(layers, flags):
         layer._active_adapter = name
         layer._disable_adapters = disabled
     try:
-        with inner:
+        with contextlib.nullcontext() if inner is None else inner:
             yield
     finally:
         for layer, (name, disabled) in zip(layers, saved):
@@ -215,13 +177,9 @@ def recompute_context(
 ) -> Callable[[], tuple[Any, Any]]:
     """A ``context_fn`` for ``torch.utils.checkpoint`` that recomputes with the same adapter.
 
-    Activation checkpointing recomputes a block's forward during backward, when the
-    :class:`LoRAModule` that ran it has already switched its adapter off again: the
-    recomputation would run without the adapter (``torch.utils.checkpoint`` then raises
-    ``CheckpointError``: a different number of tensors was saved). This ``context_fn``
-    captures the adapter flags of ``base``'s LoRA layers when the block runs forward and
-    sets them again around its recomputation. Compose it with another ``context_fn``
-    (selective checkpointing's) by passing that one.
+    A block is recomputed during backward, after its :class:`LoRAModule` switched the
+    adapter off again; this ``context_fn`` captures the adapter flags of ``base``'s LoRA
+    layers at the forward and sets them again around the recomputation.
 
     Args:
         base: The base module that :func:`add_adapters` injected adapters into.
@@ -253,23 +211,15 @@ def add_adapters(
     """Inject peft LoRA adapters into ``base`` (in place); one :class:`LoRAModule` each.
 
     For each ``name, config`` (in order), ``peft.inject_adapter_in_model(config, base,
-    adapter_name=name)`` (target modules, rank, alpha, dropout, initialisation as the
-    config says). Then the adapters' modules are moved out of the base's module tree into
-    their :class:`LoRAModule`, every adapter is disabled (the base computes the base
-    model), the base's parameters get ``requires_grad`` off and the adapters' on.
-    :func:`fvstep.parallel.prepare` then checkpoints the base's blocks with
-    :func:`recompute_context` unless it is given another ``checkpoint_context``.
-
-    Call it before sharding: ``fully_shard`` the base and each LoRA module afterwards
-    (``fvstep.parallel.shard_module``; a LoRA module is one FSDP2 group, as its
-    submodules are never called on their own). Move them to a device together too:
-    ``base.to(device)`` does not move the adapters.
+    adapter_name=name)``; then the adapters move out of the base's module tree into their
+    :class:`LoRAModule`, every adapter is disabled, the base's parameters get
+    ``requires_grad`` off and the adapters' on. Call it before sharding, and move the
+    base and its LoRA modules to a device together (``base.to`` does not move adapters).
 
     Args:
         base: The base model (e.g. a ``diffusers.WanTransformer3DModel``), not sharded.
         configs: Adapter name (an identifier) to its ``peft.LoraConfig``.
-        seed: Seeds the adapters' initialisation (peft draws from the global RNG; it is
-            seeded in a forked RNG, so the global RNG is left untouched).
+        seed: Seeds the adapters' initialisation (the global RNG is left untouched).
 
     Returns:
         Adapter name to its :class:`LoRAModule`.
@@ -324,13 +274,9 @@ def add_adapters(
 def base_digest(base: nn.Module) -> str:
     """The digest of ``base``'s weights that checkpoints record for a frozen role.
 
-    Equal to ``fvstep.checkpoint.read_manifest(path).frozen_digests[role]`` for a role
-    ``Role(base, save_frozen=False)`` saved at ``path`` (every parameter of a frozen
-    role), whatever the world size. Sharded parameters are checksummed collectively:
-    call it on every rank.
-
-    Args:
-        base: The base module (a role's module).
+    Equal to ``read_manifest(path).frozen_digests[role]`` for a role
+    ``Role(base, save_frozen=False)`` saved at ``path``, whatever the world size. Call it on
+    every rank (sharded parameters are checksummed collectively).
 
     Returns:
         A hexadecimal SHA-256.

@@ -1,19 +1,12 @@
-"""A LoRA role's exports: the formats ``"lora"`` and ``"merged"`` of
-:func:`fvstep.checkpoint.export`, registered in its table when this module is imported.
+"""A LoRA role's exports: the formats ``"lora"`` and ``"merged"`` of :func:`fvstep.checkpoint.export`.
 
-- ``format="lora"``: a folder with ``pytorch_lora_weights.safetensors`` as diffusers'
-  ``save_lora_weights`` writes it (keys ``transformer.<peft key>``, the adapter's
-  ``LoraConfig`` in the metadata, so that ``load_lora_weights`` scales it as in
-  training), loadable by ``WanPipeline.load_lora_weights`` or
-  ``WanTransformer3DModel.load_lora_adapter(path, prefix="transformer")``.
-- ``format="merged"``: a diffusers model folder of the base with the adapter merged into
-  its weights (:func:`merge_weights`), loadable by ``from_pretrained``: a plain model (no
-  peft layers) computing what the LoRA role computes, up to rounding.
+``"lora"`` writes ``pytorch_lora_weights.safetensors`` as diffusers' ``save_lora_weights``
+does (the adapter's ``LoraConfig`` in its metadata), for ``load_lora_weights``;
+``"merged"`` writes a diffusers model folder of the base with the adapter merged into its
+weights (:func:`merge_weights`), for ``from_pretrained``. Registered on import.
 
 Examples:
     >>> fvstep.checkpoint.export(state, "student", "out/student_lora", format="lora")
-    >>> pipe.load_lora_weights("out/student_lora")
-    >>> fvstep.checkpoint.export(state, "student", "out/student_merged", format="merged")
 """
 
 from __future__ import annotations
@@ -32,15 +25,9 @@ from fvstep.lora.adapters import LoRAModule, lora_layers
 __all__ = ["MERGED_DTYPE", "merge_weights"]
 
 MERGED_DTYPE = torch.float32
-"""The dtype :func:`merge_weights` and ``format="merged"`` write by default.
-
-fp32, whatever the base's storage dtype: ``W + scaling * (B @ A)`` over a frozen bf16
-base (``prepare``'s default) holds changes far below an ulp of ``W`` in bf16 (85 % of
-the elements that three small AdamW steps of an adapter change, measured in
-``tests/interactions/test_lora_x_precision.py``), which a bf16 merge would round back
-to the base weight: the merged model would lose most of what was trained. fp32 keeps
-them, and the bf16 base weights are exact in fp32. Pass ``dtype=torch.bfloat16`` for a
-file half the size, knowing that it rounds."""
+"""The dtype :func:`merge_weights` and ``format="merged"`` write by default: fp32, whatever
+the base's dtype, since a bf16 merge rounds most of an adapter's change (below an ulp of
+``W``) back to the base weight. ``dtype=torch.bfloat16`` halves the file and rounds."""
 
 
 def _lora_module(state: TrainState, role: str) -> LoRAModule:
@@ -100,15 +87,10 @@ def merge_weights(
     """The base's weights with a LoRA role's adapter merged in, keyed as the plain model.
 
     Each adapted weight becomes ``W + scaling * (B @ A)``, computed in fp32 and cast once
-    to ``dtype`` (default :data:`MERGED_DTYPE`, fp32, whatever the base's dtype: a bf16
-    merge rounds away the changes smaller than an ulp of ``W``, most of a LoRA's): the
-    merged model's outputs differ from the LoRA role's by rounding only. Names are the
-    base model's own (peft's ``.base_layer`` removed), so
-    ``type(base).from_config(base.config).load_state_dict(...)`` takes them. Call it on
-    every rank.
-
-    ``weights`` is the adapter's (the base is frozen); ``weights``, ``rank0_only`` as
-    :func:`fvstep.checkpoint.gather_weights`. ``state`` holds the base as a role too.
+    to ``dtype`` (default :data:`MERGED_DTYPE`). Names are the base model's own (peft's
+    ``.base_layer`` removed), for ``load_state_dict`` of the plain model. Call it on every
+    rank; ``state`` holds the base as a role too. ``weights`` (the adapter's) and
+    ``rank0_only`` as :func:`fvstep.checkpoint.gather_weights`.
 
     Raises:
         ValueError: For a role that is not a LoRA role, a base that is not a role of the
@@ -130,8 +112,7 @@ def merge_weights(
         if name in merges:
             a, b, scaling = merges[name]
             delta = adapter[b].float() @ adapter[a].float()
-            # In fp32, then one cast to the target: a cast to the base's bf16 first
-            # would round away every change smaller than half an ulp of W.
+            # fp32, then one cast: the base's bf16 first would round the change away
             tensor = tensor.float() + scaling * delta
         if tensor.is_floating_point():
             tensor = tensor.to(target)

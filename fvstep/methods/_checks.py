@@ -1,34 +1,10 @@
-"""What the reference methods check and cast at their boundary: the batch they are given (private).
+"""What the reference methods check and cast at their boundary (private).
 
-Each method's loss function starts with one call, ``batch = check_batch(state, batch, role)``,
-so that a batch made for another model fails with an error naming the key, the shape it
-has and the shape the role's module expects, instead of a raw error deep in a forward
-pass. The checks read shapes and dtypes only (metadata: no host synchronisation on GPU
-tensors), against the module's diffusers config when it has one (``in_channels``,
-``text_dim``, ``patch_size``).
-
-**The cast rule.** ``fvstep data encode`` stores latents and text embeddings in bf16 by
-default. A floating batch tensor of *lower* precision than the role's parameters (bf16
-latents, an fp32 model) is upcast to the parameters' dtype, unless something already
-decides the compute dtype: an active autocast on the tensor's device, or an input cast
-on the role's module (``fvstep.parallel.prepare``'s boundary cast of ``param_dtype`` or
-``frozen_dtype``, its autocast of ``param_dtype`` on one process, or FSDP2's mixed
-precision with ``cast_forward_inputs``). A module
-sharded without mixed precision computes in its parameters' dtype: its batch is upcast. A tensor is never downcast, and a batch in
-the parameters' dtype is returned as it is: a run that worked before computes exactly
-what it computed before.
-
-The other checks here refuse, before a step changes anything, what the causal methods
-(self-forcing, streaming) cannot take: a causal teacher or critic
-(:func:`check_bidirectional`), a KV cache of another model (:func:`check_cache_fits`),
-DMD score options out of range (:func:`check_score_options`, which
-:mod:`fvstep.methods.dmd2` applies too) and a few-step schedule that is not one
-(:func:`check_denoising_steps`).
-
-Examples:
-    >>> batch = check_batch(state, {"latents": x0.bfloat16(), "text": text}, "student")
-    >>> batch["latents"].dtype   # an fp32 student
-    torch.float32
+Each loss starts with ``batch = check_batch(state, batch, role)``: a batch made for another
+model fails naming the key, its shape and the shape the role's module expects (metadata
+only, no host sync), and low-precision tensors are upcast by the rule of
+``docs/concepts/data.md`` (Dtypes). The other checks refuse, before a step changes
+anything, what the DMD and causal methods cannot take.
 """
 
 from __future__ import annotations
@@ -49,10 +25,18 @@ __all__ = [
     "check_batch",
     "check_bidirectional",
     "check_cache_fits",
+    "check_count",
     "check_denoising_steps",
+    "check_rollout_options",
     "check_score_options",
     "upcast_for",
 ]
+
+
+def check_count(value: object, name: str, minimum: int = 1) -> None:
+    """Refuse a ``value`` that is not an int (a bool is not) ``>= minimum``, naming it ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
 
 
 def check_batch(
@@ -68,25 +52,20 @@ def check_batch(
 
     Args:
         state: The state whose role computes on the batch.
-        batch: A mapping with a video-latent tensor ``(B, C, F, H, W)`` under ``video`` and
-            text embeddings ``(B, L, D)`` under ``text`` (anything else is returned as is).
+        batch: A mapping with video latents ``(B, C, F, H, W)`` under ``video`` and text
+            embeddings ``(B, L, D)`` under ``text`` (anything else is returned as is).
         role: The role whose module first sees the batch.
         video: The key of the latents.
         text: The key of the text embeddings.
         required: Further keys the method reads.
 
     Returns:
-        ``batch``, or a copy of it with ``video`` and ``text`` upcast (the module
-        docstring's rule).
+        ``batch``, or a copy of it with ``video`` and ``text`` upcast.
 
     Raises:
-        KeyError: A key the method reads is missing; the message names it and the keys
-            the batch has.
-        ValueError: A tensor's rank, channels, text width or spatial size does not fit
-            the module; the message names the key, the shape and the expected one.
-
-    Examples:
-        >>> batch = check_batch(state, batch, "student")
+        KeyError: For a missing key, naming the keys the batch has.
+        ValueError: For a rank, channels, text width or spatial size that does not fit the
+            module, naming the key, the shape and the expected one.
     """
     if not isinstance(batch, Mapping):
         return batch
@@ -109,13 +88,7 @@ def check_batch(
 def cast_batch(
     state: TrainState, batch: Mapping[str, Any], role: str, *, keys: Sequence[str]
 ) -> Mapping[str, Any]:
-    """``batch`` with its floating tensors under ``keys`` upcast for ``role`` (the module
-    docstring's rule; keys it lacks are skipped), no check of shapes.
-
-    Examples:
-        >>> cast_batch(state, {"text": text.bfloat16()}, "old", keys=("text",))["text"].dtype
-        torch.float32
-    """
+    """``batch`` with its floating tensors under ``keys`` upcast for ``role``, shapes unchecked."""
     role_state = state.role(role)
     module = role_state.role.module
     dtype = _param_dtype(role_state.params)
@@ -129,13 +102,7 @@ def cast_batch(
 
 
 def upcast_for(module: nn.Module, value: torch.Tensor) -> torch.Tensor:
-    """``value`` upcast for ``module`` by the module docstring's rule (for code that has a
-    module, not a state: an initial stream).
-
-    Examples:
-        >>> upcast_for(tiny_wan(), torch.zeros(1, dtype=torch.bfloat16)).dtype
-        torch.float32
-    """
+    """``value`` upcast for ``module`` (for code that has a module, not a state)."""
     dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), None)
     if dtype is None or _decides_dtype(module, value.device):
         return value
@@ -144,15 +111,7 @@ def upcast_for(module: nn.Module, value: torch.Tensor) -> torch.Tensor:
 
 
 def check_bidirectional(state: Any, roles: Iterable[str], *, method: str) -> None:
-    """Refuse a causal module in any of ``roles`` (those the state has; ``state`` may be
-    any object with ``module(role)``, as the DMD losses take).
-
-    Raises:
-        ValueError: Naming the role, and why it must see the whole video.
-
-    Examples:
-        >>> check_bidirectional(state, ("teacher", "critic"), method="self_forcing")
-    """
+    """Refuse a causal module in any of ``roles`` the state has (``state``: anything with ``module``)."""
     for role in roles:
         if isinstance(state, TrainState) and role not in state.roles:
             continue  # a missing role is the engine's error, or the loss's
@@ -170,14 +129,7 @@ def _computes_causally(module: nn.Module) -> bool:
 
 
 def check_cache_fits(student: nn.Module, cache: Any, *, what: str = "the cache") -> None:
-    """Refuse a KV cache whose layers, heads or head size are not ``student``'s.
-
-    Raises:
-        ValueError: Naming both shapes.
-
-    Examples:
-        >>> check_cache_fits(student, init_cache(student, like, capacity_frames=4))
-    """
+    """Refuse a KV cache whose layers, heads or head size are not ``student``'s."""
     config = _config(student)
     blocks = getattr(student, "blocks", None)
     expected = (
@@ -198,15 +150,7 @@ def check_cache_fits(student: nn.Module, cache: Any, *, what: str = "the cache")
 def check_score_options(
     *, guidance_scale: float, shift: float, min_ratio: float, max_ratio: float
 ) -> None:
-    """Refuse DMD score options out of range (DMD2, self-forcing and streaming).
-
-    Raises:
-        ValueError: ``guidance_scale < 0``, ``shift <= 0``, or not ``0 <= min_ratio <=
-            max_ratio <= 1``.
-
-    Examples:
-        >>> check_score_options(guidance_scale=3.0, shift=5.0, min_ratio=0.02, max_ratio=0.98)
-    """
+    """Refuse ``guidance_scale < 0``, ``shift <= 0``, or not ``0 <= min_ratio <= max_ratio <= 1``."""
     if not guidance_scale >= 0:
         raise ValueError(f"guidance_scale must be >= 0, got {guidance_scale}")
     if not shift > 0:
@@ -218,20 +162,31 @@ def check_score_options(
 
 
 def check_denoising_steps(denoising_steps: Iterable[float]) -> tuple[float, ...]:
-    """The few-step schedule as floats, refused unless strictly decreasing in ``(0, 1]``.
-
-    Raises:
-        ValueError: Naming the schedule.
-
-    Examples:
-        >>> check_denoising_steps((1, 0.5))
-        (1.0, 0.5)
-    """
+    """The few-step schedule as floats, refused unless strictly decreasing in ``(0, 1]``."""
     steps = tuple(float(s) for s in denoising_steps)
     if not steps or any(not 0.0 < s <= 1.0 for s in steps):
         raise ValueError(f"denoising_steps must be non-empty times in (0, 1], got {steps}")
     if any(a <= b for a, b in itertools.pairwise(steps)):
         raise ValueError(f"denoising_steps must be strictly decreasing, got {steps}")
+    return steps
+
+
+def check_rollout_options(
+    denoising_steps: Iterable[float],
+    *,
+    guidance_scale: float,
+    shift: float,
+    min_ratio: float,
+    max_ratio: float,
+    context_time: float,
+) -> tuple[float, ...]:
+    """The checks of the causal methods' options (self-forcing, streaming); the schedule."""
+    steps = check_denoising_steps(denoising_steps)
+    check_score_options(
+        guidance_scale=guidance_scale, shift=shift, min_ratio=min_ratio, max_ratio=max_ratio
+    )
+    if not 0.0 <= context_time < 1.0:
+        raise ValueError(f"context_time must be in [0, 1), got {context_time}")
     return steps
 
 

@@ -1,14 +1,12 @@
 """Keyed draws: how the reference methods turn a key into noise and times (private).
 
-Every random tensor of :mod:`fvstep.methods` comes from here, drawn from a
-``torch.Generator`` made from one key by :func:`fvstep.core.random.generator` on the device the
-tensor lives on; the global RNG is never touched. One key, one draw: a caller that needs
-two tensors splits its key first.
+Every random tensor of :mod:`fvstep.methods` is drawn from a ``torch.Generator`` made from
+one key (:func:`fvstep.core.random.generator`) on the tensor's device, never from the
+global RNG. One key, one draw: a caller that needs two tensors splits its key first.
 
 Examples:
     >>> k_t, k_eps = fsrandom.split(key, 2)
-    >>> t = rand(k_t, (x0.shape[0],), device=x0.device)
-    >>> eps = randn_like(k_eps, x0)
+    >>> t, eps = rand(k_t, (x0.shape[0],)), randn_like(k_eps, x0)
 """
 
 from __future__ import annotations
@@ -29,31 +27,19 @@ def randn(
     device: torch.device | str = "cpu",
     dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """``N(0, 1)`` samples of ``shape`` (``dtype`` ``None``: torch's default dtype) from ``key``.
-
-    Examples:
-        >>> z = randn(key, (4,))
-    """
+    """``N(0, 1)`` samples of ``shape`` (``dtype`` ``None``: torch's default dtype) from ``key``."""
     generator = fsrandom.generator(key, device)
     return torch.randn(tuple(shape), generator=generator, device=device, dtype=dtype)
 
 
 def randn_like(key: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """``N(0, 1)`` samples with the shape, dtype and device of ``like``, from ``key``.
-
-    Examples:
-        >>> eps = randn_like(key, x0)
-    """
+    """``N(0, 1)`` samples with the shape, dtype and device of ``like``, from ``key``."""
     return randn(key, like.shape, device=like.device, dtype=like.dtype)
 
 
 def rand(
     key: torch.Tensor, shape: Sequence[int], *, device: torch.device | str = "cpu"
 ) -> torch.Tensor:
-    """``U[0, 1)`` samples of ``shape`` in torch's default dtype, from ``key``.
-
-    Examples:
-        >>> t = rand(key, (4,))
-    """
+    """``U[0, 1)`` samples of ``shape`` in torch's default dtype, from ``key``."""
     generator = fsrandom.generator(key, device)
     return torch.rand(tuple(shape), generator=generator, device=device)

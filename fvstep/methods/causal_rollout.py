@@ -1,18 +1,12 @@
 """A causal student's chunk-by-chunk rollout with its KV cache, and its exit steps.
 
 The generation of :mod:`fvstep.methods.self_forcing` and :mod:`fvstep.methods.streaming`
-(the formulas and draw rules are in :mod:`fvstep.methods.self_forcing`'s docstring):
-:func:`rollout` generates a video chunk by chunk, with gradient only through each chunk's
-exit step (drawn by :func:`exit_steps` from a key shared by every rank), the cache
-computed from each generated clean chunk without gradient; :func:`regenerate` recomputes
-a rollout's frames from its exit steps, for a caller that rolled out without gradient.
+(``docs/methods/self_forcing.md``): :func:`rollout` generates a video chunk by chunk, with
+gradient only through each chunk's exit step (:func:`exit_steps`, from a key shared by
+every rank); :func:`regenerate` recomputes a rollout's frames from its exit steps.
 
 Examples:
-    >>> ro = rollout(student, batch["latents"], batch["text"], k, exits=(0, 1),
-    ...              denoising_steps=(1.0, 0.5))
-    >>> torch.equal(regenerate(student, ro.exit_inputs, ro.exit_times, ro.contexts,
-    ...                        batch["text"]), ro.video)
-    True
+    >>> ro = rollout(student, like, text, k, exits=(0, 1), denoising_steps=(1.0, 0.5))
 """
 
 from __future__ import annotations
@@ -24,8 +18,9 @@ import torch
 from torch import nn
 
 from fvstep.core import random as fsrandom
+from fvstep.core.tree import replace
 from fvstep.methods import _noise
-from fvstep.methods._checks import check_cache_fits
+from fvstep.methods._checks import check_cache_fits, check_count
 from fvstep.methods.causal_wan import KVCache, causal_forward, chunk_frames_of, init_cache
 from fvstep.methods.finetune import add_noise, x0_from_velocity
 
@@ -57,8 +52,8 @@ def exit_steps(
 ) -> tuple[int, ...]:
     """Each chunk's exit step, drawn from the shared key of ``step`` (same on every rank).
 
-    ``fold_in(fold_in_name(key, "self_forcing_exit"), step)``: uniform over
-    ``range(num_steps)``, drawn on the CPU.
+    Uniform over ``range(num_steps)`` from ``fold_in(fold_in_name(key, "self_forcing_exit"),
+    step)``, drawn on the CPU.
 
     Args:
         key: The state's base key (``state.key``), not a per-rank key.
@@ -68,9 +63,6 @@ def exit_steps(
         same_step_across_chunks: One draw for every chunk.
         last_step_only: Always the last step (no draw).
 
-    Returns:
-        ``num_chunks`` step indices.
-
     Raises:
         ValueError: If ``num_steps < 1`` or ``num_chunks < 0``.
 
@@ -78,9 +70,8 @@ def exit_steps(
         >>> exit_steps(fvstep.random.key(0), 3, num_chunks=2, num_steps=4)
         (1, 2)
     """
-    for label, value, low in (("num_steps", num_steps, 1), ("num_chunks", num_chunks, 0)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"exit_steps: {label} must be an int >= {low}, got {value!r}")
+    check_count(num_steps, "exit_steps: num_steps")
+    check_count(num_chunks, "exit_steps: num_chunks", 0)
     if last_step_only:
         return (num_steps - 1,) * num_chunks
     shared = fsrandom.fold_in(fsrandom.fold_in_name(key, "self_forcing_exit"), step)
@@ -98,10 +89,8 @@ class Rollout(NamedTuple):
         cache: The cache after the last chunk (its context pass appended).
         exit_inputs: Per chunk, the noisy input of its exit step (no gradient).
         exit_times: Per chunk, its exit step's time.
-        contexts: Per chunk, the cache its exit step read, all views of one buffer: without
-            eviction (the rollout fits the cache's capacity) the final cache, each with its
-            own fill level; with eviction the start's frames and the new ones, each read
-            through its ``slots``.
+        contexts: Per chunk, the cache its exit step read: views of one buffer, each with
+            its own fill level (or, with eviction, its ``slots``).
     """
 
     video: torch.Tensor
@@ -127,7 +116,7 @@ def rollout(
     context_time: float = 0.0,
     cache_dtype: torch.dtype | None = None,
 ) -> Rollout:
-    """The causal student's video, chunk by chunk with its KV cache (see the module docstring).
+    """The causal student's video, chunk by chunk with its KV cache.
 
     Args:
         student: A causal Wan.
@@ -139,16 +128,15 @@ def rollout(
         denoising_steps: Decreasing times in ``(0, 1]``.
         cache: The cache to continue from (a stream); default an empty one of ``F`` frames.
         context_time: The time at which the clean chunks are fed to the cache (0: clean).
-        cache_dtype: The new cache's dtype (without ``cache``; default
-            :func:`~fvstep.methods.causal_wan.init_cache`'s).
+        cache_dtype: The new cache's dtype, without ``cache``
+            (:func:`~fvstep.methods.causal_wan.init_cache`'s ``dtype``).
 
     Returns:
         A :class:`Rollout`; ``video`` has gradient through the exit steps when grad is on.
 
     Raises:
         ValueError: If ``F`` is not a multiple of the chunk, ``exits`` has the wrong length
-            or an index outside ``range(len(denoising_steps))``, or ``cache`` was made for
-            a model of other layers, heads or head size.
+            or an index outside the schedule, or ``cache`` was made for another model.
 
     Examples:
         >>> ro = rollout(student, batch["latents"], batch["text"], k, exits=(1, 3),
@@ -221,7 +209,7 @@ def rollout(
                     (current.keys[:, :, begin:end].clone(), current.values[:, :, begin:end].clone())
                 )
     if grows:
-        contexts = [_prefix(current, n) for n in filled]
+        contexts = [replace(current, num_frames=n) for n in filled]
     else:
         contexts = _windows(start, held, new_frames, chunk)
     return Rollout(torch.cat(chunks, 2), current, tuple(inputs), tuple(times), tuple(contexts))
@@ -232,9 +220,8 @@ def _windows(
 ) -> list[KVCache]:
     """Each chunk's context in a rolling cache, as views of one buffer.
 
-    The buffer is the ``held`` frames ``start`` holds, then each chunk's new frames; the
-    cache chunk ``c`` read held, of the first ``held + c * chunk`` of them, the sink
-    frames and the latest that fit (the eviction of ``causal_wan``'s append, in one go).
+    The buffer is the ``held`` frames of ``start``, then each chunk's new frames; chunk
+    ``c`` reads the sink frames and the latest that fit (``causal_wan``'s eviction, at once).
     """
     ft, capacity, sink = start.frame_tokens, start.capacity_frames, start.sink_frames
     keys = torch.cat([start.keys[:, :, : held * ft], *(k for k, _ in new)], 2)
@@ -261,17 +248,6 @@ def _windows(
     return contexts
 
 
-def _prefix(cache: KVCache, num_frames: torch.Tensor) -> KVCache:
-    """``cache`` read as its first ``num_frames`` frames (the same buffers)."""
-    return KVCache(
-        keys=cache.keys,
-        values=cache.values,
-        num_frames=num_frames,
-        frame_tokens=cache.frame_tokens,
-        sink_frames=cache.sink_frames,
-    )
-
-
 def regenerate(
     student: nn.Module,
     exit_inputs: Sequence[torch.Tensor],
@@ -281,11 +257,7 @@ def regenerate(
 ) -> torch.Tensor:
     """A rollout's video recomputed from its exit steps (with gradient when grad is on).
 
-    The same frames as the rollout's ``video`` (the same inputs through the same student)
-    for a caller that rolled out without gradient (a streaming step, before its updates).
-
-    Examples:
-        >>> video = regenerate(student, ro.exit_inputs, ro.exit_times, ro.contexts, text)
+    For a caller that rolled out without gradient: the rollout's ``video``, bitwise.
     """
     out = []
     for x, t, cache in zip(exit_inputs, exit_times, contexts, strict=True):

@@ -1,12 +1,9 @@
 """A causal Wan: block-causal self-attention over chunks of latent frames, with a KV cache.
 
-:func:`make_causal` turns a diffusers ``WanTransformer3DModel`` into a frame-causal model
-*in place* (attention processors and a rotary hook; no parameter added or renamed, so a
-bidirectional checkpoint loads into it and back). A plain call is teacher forcing;
-:func:`causal_forward` with a :class:`KVCache` (a value, passed in and returned, of fixed
-capacity, keys before the rotary embedding) runs the frames after the cached ones, within
-~1e-5 of teacher forcing in fp32. Call it before :func:`fvstep.parallel.prepare`; context
-parallel is refused. The design, compiled blocks and the cache: ``docs/methods/self_forcing.md``.
+:func:`make_causal` makes a diffusers Wan frame-causal in place, before
+:func:`fvstep.parallel.prepare`; a plain call is teacher forcing, and
+:func:`causal_forward` with a :class:`KVCache` (a value of fixed capacity) runs the
+frames after the cached ones. The design: ``docs/methods/causal_wan.md``.
 """
 
 from __future__ import annotations
@@ -54,8 +51,8 @@ class KVCache:
 
     Attributes:
         keys: ``(B, layers, capacity_frames * frame_tokens, heads, head_dim)`` (a longer
-            buffer with ``slots``), before the rotary embedding. Slots past ``num_frames``
-            frames are masked: zeros, or later chunks' keys in a rollout's context.
+            buffer with ``slots``), before the rotary embedding; slots past ``num_frames``
+            are masked.
         values: Like ``keys``.
         num_frames: 0-d int64 tensor: the frames held (a prefix of the slots).
         frame_tokens: Tokens per latent frame (static).
@@ -118,10 +115,6 @@ def recorded_chunk_frames(model_or_config: Any) -> int | None:
 
     Raises:
         ValueError: If the record is not ``{"chunk_frames": n}``, ``n`` an int ``>= 1``.
-
-    Examples:
-        >>> recorded_chunk_frames(make_causal(tiny_wan(), chunk_frames=1))
-        1
     """
     config = getattr(model_or_config, "config", model_or_config)
     record: Any = config.get(CAUSAL_CONFIG_KEY) if hasattr(config, "get") else None
@@ -136,22 +129,21 @@ def make_causal(model: nn.Module, *, chunk_frames: int | None = None) -> nn.Modu
 
     In place: every block's self-attention processor becomes a
     :class:`CausalWanAttnProcessor` and the rotary embedding gets a forward hook; the
-    parameters, their names and the state-dict keys do not change. Call it before
-    :func:`fvstep.parallel.prepare`. Its config records it (:data:`CAUSAL_CONFIG_KEY`):
-    :func:`load_causal` restores the model from a diffusers export.
+    parameters and their names do not change. The config records it
+    (:data:`CAUSAL_CONFIG_KEY`), so :func:`load_causal` restores it from an export.
 
     Args:
         model: A ``WanTransformer3DModel`` (temporal patch size 1), not yet prepared.
         chunk_frames: Latent frames a chunk. Default: the chunk the model's config
-            records (a plain load of a causal export), else 3 (Self-Forcing's Wan2.1).
+            records, else 3 (Self-Forcing's Wan2.1).
 
     Returns:
         The same model.
 
     Raises:
         ValueError: If ``chunk_frames < 1``, the model is not a Wan transformer, has a
-            temporal patch size other than 1, is causal already, is prepared or sharded
-            already, is context-parallel, or records another ``chunk_frames``.
+            temporal patch size other than 1, is causal, prepared, sharded or
+            context-parallel already, or records another ``chunk_frames``.
 
     Examples:
         >>> causal = make_causal(tiny_wan(seed=0), chunk_frames=3)
@@ -203,10 +195,10 @@ def make_causal(model: nn.Module, *, chunk_frames: int | None = None) -> nn.Modu
 def load_causal(
     path: str | os.PathLike[str], *, chunk_frames: int | None = None, **kwargs: Any
 ) -> nn.Module:
-    """A causal Wan from a diffusers folder: ``from_pretrained``, then :func:`make_causal`
-    with the chunk the folder records: the way back from an export of a causal role (it
-    computes what the role's module did, bitwise; a plain ``from_pretrained`` gives the
-    *bidirectional* model of the same weights).
+    """A causal Wan from a diffusers folder: ``from_pretrained``, then :func:`make_causal`.
+
+    The way back from an export of a causal role (a plain ``from_pretrained`` gives the
+    bidirectional model of the same weights).
 
     Args:
         path: A model folder (``config.json``) or a pipeline folder (``model_index.json``;
@@ -240,9 +232,10 @@ def _wan(model: nn.Module) -> Any:
     return model
 
 
-def _layer_shapes(model: nn.Module) -> tuple[int, int, int]:
-    config = _wan(model).config
-    return len(_wan(model).blocks), int(config.num_attention_heads), int(config.attention_head_dim)
+def _frame_tokens(model: nn.Module, x: torch.Tensor) -> int:
+    """Tokens per latent frame of ``x`` ``(B, C, F, H, W)`` in ``model``'s patches."""
+    _, p_h, p_w = tuple(_wan(model).config.patch_size)
+    return (x.shape[3] // p_h) * (x.shape[4] // p_w)
 
 
 def init_cache(
@@ -263,10 +256,7 @@ def init_cache(
             ``sink_frames`` and drops the oldest of the others.
         sink_frames: Frames kept forever (an attention sink), ``< capacity_frames``.
         dtype: The buffers' dtype. Default: the autocast dtype when autocast is on for
-            ``like``'s device (half the memory; keys rounded to it), else ``like``'s.
-
-    Returns:
-        A cache holding no frame.
+            ``like``'s device, else ``like``'s.
 
     Raises:
         ValueError: If the model is not causal, or the capacities are out of range.
@@ -280,11 +270,16 @@ def init_cache(
             f"need 0 <= sink_frames < capacity_frames, got sink_frames={sink_frames}, "
             f"capacity_frames={capacity_frames}"
         )
-    _, _, _, height, width = like.shape
-    _, p_h, p_w = tuple(_wan(model).config.patch_size)
-    frame_tokens = (height // p_h) * (width // p_w)
-    num_layers, heads, head_dim = _layer_shapes(model)
-    shape = (like.shape[0], num_layers, capacity_frames * frame_tokens, heads, head_dim)
+    frame_tokens = _frame_tokens(model, like)
+    config = _wan(model).config
+    heads, head_dim = int(config.num_attention_heads), int(config.attention_head_dim)
+    shape = (
+        like.shape[0],
+        len(_wan(model).blocks),
+        capacity_frames * frame_tokens,
+        heads,
+        head_dim,
+    )
     if dtype is None:
         device = like.device.type
         on = torch.is_autocast_enabled(device)
@@ -342,9 +337,8 @@ def causal_forward(
 ) -> tuple[torch.Tensor, KVCache | None]:
     """The velocity of a causal Wan at frames ``x`` that follow the cached ones.
 
-    Without a cache: teacher forcing over ``x`` (block-causal). With one: ``x``'s frames
-    come after the cache's; their queries see every cached frame and, block-causally
-    (chunks counted from ``x``'s first frame), ``x``'s own.
+    Without a cache: teacher forcing over ``x`` (block-causal). With one: ``x``'s queries
+    see every cached frame and, block-causally, ``x``'s own.
 
     Args:
         model: A causal Wan (:func:`make_causal`), prepared or not.
@@ -352,8 +346,8 @@ def causal_forward(
         timestep: ``(B,)`` or per frame ``(B, F)``, flow-matching time times 1000.
         text: Text embeddings ``(B, L, D)``.
         cache: The keys and values of the frames before ``x``.
-        update_cache: Return the cache with ``x``'s keys and values appended (computed at
-            ``timestep``: clean frames at 0 for a rollout's context). Needs ``cache``.
+        update_cache: Return the cache with ``x``'s keys and values (computed at
+            ``timestep``) appended. Needs ``cache``.
 
     Returns:
         ``(velocity, cache)``: the velocity, shaped like ``x``, and the updated cache
@@ -370,9 +364,8 @@ def causal_forward(
     chunk_frames_of(model)
     if update_cache and cache is None:
         raise ValueError("update_cache needs a cache (fvstep.methods.causal_wan.init_cache)")
-    batch, _, frames, height, width = x.shape
-    _, p_h, p_w = tuple(_wan(model).config.patch_size)
-    frame_tokens = (height // p_h) * (width // p_w)
+    batch, _, frames, _, _ = x.shape
+    frame_tokens = _frame_tokens(model, x)
     if cache is not None and (cache.frame_tokens != frame_tokens or cache.keys.shape[0] != batch):
         raise ValueError(
             f"the cache holds {cache.keys.shape[0]} samples of {cache.frame_tokens} tokens "

@@ -11,7 +11,7 @@ soft-update the old policy. The equations, defaults and errors:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -26,15 +26,16 @@ from fvstep.core.settings import UNSET, Unset
 from fvstep.core.state import TrainState
 from fvstep.core.steps import update
 from fvstep.methods import _noise
-from fvstep.methods._checks import cast_batch, check_batch
+from fvstep.methods._checks import cast_batch, check_batch, check_count
 from fvstep.methods.diffusion_nft_loss import Weighting, nft_loss
 from fvstep.methods.finetune import TSampling
-from fvstep.methods.old_policy import blend_, euler_sample
+from fvstep.methods.old_policy import blend_, euler_sample, run_inner_updates
 from fvstep.methods.rewards import (
     GroupStd,
     RewardFn,
     check_group_size,
     check_rewards,
+    group_batch,
     optimality_probabilities,
 )
 
@@ -46,19 +47,13 @@ __all__ = [
 ]
 
 RolloutFn = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-"""``rollout(module, noise, text, key) -> x0``: any sampler, run under ``torch.no_grad()``.
-
-``functools.partial`` of :func:`fvstep.observe.sampling.sample` fits after a lambda:
-``lambda m, noise, text, key: sample(m, noise, text, sampler=EulerSampler(10, shift=3.0),
-key=key)``."""
+"""``rollout(module, noise, text, key) -> x0``: any sampler, run under ``torch.no_grad()``
+(e.g. ``lambda m, noise, text, key: sample(m, noise, text, sampler=EulerSampler(10),
+key=key)`` of :func:`fvstep.observe.sampling.sample`)."""
 
 
 def euler_rollout(num_steps: int = 10) -> RolloutFn:
-    """A rollout of ``num_steps`` uniform Euler steps from ``t = 1``.
-
-    :func:`fvstep.methods.old_policy.euler_sample` under ``torch.no_grad()``.
-
-    Deterministic (an ODE sampler: the key is not read).
+    """:func:`~fvstep.methods.old_policy.euler_sample` under ``torch.no_grad()`` (the key is not read).
 
     Raises:
         ValueError: If ``num_steps < 1``.
@@ -66,8 +61,7 @@ def euler_rollout(num_steps: int = 10) -> RolloutFn:
     Examples:
         >>> x0 = euler_rollout(4)(state.module("old"), noise, text, key)
     """
-    if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
-        raise ValueError(f"num_steps must be an int >= 1, got {num_steps!r}")
+    check_count(num_steps, "num_steps")
 
     def rollout(
         module: nn.Module, noise: torch.Tensor, text: torch.Tensor, key: torch.Tensor
@@ -83,10 +77,8 @@ class SoftUpdate:
     """The old policy's decay at outer step ``i``: ``0`` before ``flat``, then
     ``min(rate (i - flat), max_decay)``.
 
-    ``old = eta old + (1 - eta) policy`` after each outer step, so ``eta = 0`` copies
-    the policy (on-policy) and a larger ``eta`` lets the old policy lag (the authors' code
-    offers ``(rate, max_decay, flat) = (0.001, 0.5, 0)``, the default, and
-    ``(0.0075, 0.999, 75)``; ``SoftUpdate(0, 0)`` is a copy every step).
+    ``old = eta old + (1 - eta) policy`` after each outer step: ``eta = 0`` copies the
+    policy, a larger ``eta`` lets the old policy lag (``SoftUpdate(0, 0)``: a copy every step).
 
     Attributes:
         rate: Growth of ``eta`` per outer step (>= 0).
@@ -107,8 +99,7 @@ class SoftUpdate:
             raise ValueError(f"SoftUpdate rate must be >= 0, got {self.rate}")
         if not 0.0 <= self.max_decay <= 1.0:
             raise ValueError(f"SoftUpdate max_decay must be in [0, 1], got {self.max_decay}")
-        if isinstance(self.flat, bool) or not isinstance(self.flat, int) or self.flat < 0:
-            raise ValueError(f"SoftUpdate flat must be an int >= 0, got {self.flat!r}")
+        check_count(self.flat, "SoftUpdate flat", 0)
 
     def __call__(self, step: int) -> float:
         """``eta`` at outer step ``step``."""
@@ -117,11 +108,10 @@ class SoftUpdate:
         return min(self.rate * (step - self.flat), self.max_decay)
 
 
-def _grouped(batch: Mapping[str, Any], group_size: int) -> dict[str, Any]:
-    return {
-        k: v.repeat_interleave(group_size, dim=0) if isinstance(v, torch.Tensor) else v
-        for k, v in batch.items()
-    }
+_NO_SHAPE = (
+    "diffusion_nft needs the latents' shape: pass latent_shape=(C, F, H, W) or a "
+    'batch["latents"] of that shape (its values are not read by the method)'
+)
 
 
 def _noise_like(
@@ -133,10 +123,7 @@ def _noise_like(
             key, (text.shape[0], *latent_shape), device=text.device, dtype=text.dtype
         )
     if not isinstance(grouped.get("latents"), torch.Tensor):
-        raise ValueError(
-            "diffusion_nft needs the latents' shape: pass latent_shape=(C, F, H, W) or a "
-            'batch["latents"] of that shape (its values are not read by the method)'
-        )
+        raise ValueError(_NO_SHAPE)
     return _noise.randn_like(key, grouped["latents"])
 
 
@@ -166,15 +153,12 @@ def diffusion_nft(
     """DiffusionNFT's outer step as a managed method (see the module docstring).
 
     Batches need ``"text"`` ``(B, L, D)`` and either ``"latents"`` (only their shape is
-    read, for the rollout noise) or ``latent_shape``; latents and text of lower precision
-    than the old policy (a bf16 dataset, an fp32 model) are upcast first, as
-    :func:`fvstep.methods.dmd2.dmd2` does; every tensor of the batch is
-    repeated ``group_size`` times along dim 0 before the rollout and the reward. The
-    inner minibatches hold ``B * group_size / minibatches`` samples each, split further
-    by the accumulation. Keys: ``split(step_key, 3)`` gives the rollout noise, the
-    rollout's own key and the inner key; pass ``e`` of the inner updates uses
-    ``fold_in(inner, e)``, split into the shuffle key and the update keys
-    (``fold_in(., j)`` for minibatch ``j``).
+    read, for the rollout noise) or ``latent_shape``; the rollout and the reward see the
+    batch repeated per sample (:func:`~fvstep.methods.rewards.group_batch`). The inner
+    minibatches hold ``B * group_size / minibatches`` samples each. Keys:
+    ``split(step_key, 3)`` gives the rollout noise, the rollout's key and the inner key;
+    pass ``e`` of the inner updates splits ``fold_in(inner, e)`` into the shuffle key and
+    the update keys (``fold_in(., j)`` for minibatch ``j``).
 
     Args:
         reward_fn: ``(samples, batch) -> (N,)`` (:mod:`fvstep.methods.rewards`).
@@ -203,19 +187,13 @@ def diffusion_nft(
         ``fvstep.managed(outer_step, trains=policy, mutates=old, name=name)``.
 
     Raises:
-        ValueError: For out-of-range settings; at a step, before it changes anything (the
-            input state stays usable and unchanged), for a batch without the latents'
-            shape or whose latents or text do not fit the old policy's model, a
-            ``reference`` role missing with ``kl_weight > 0``, an old policy whose
-            parameters are not the policy's, a minibatch split that does not divide the
-            rollouts, or an accumulation (``accumulation``, else the compiled step's)
-            that does not divide a minibatch.
+        ValueError: For out-of-range settings; at a step, before it changes anything, for
+            a batch that does not fit the old policy or has no latents' shape, a missing
+            ``reference`` with ``kl_weight > 0``, an old policy whose parameters are not
+            the policy's, or minibatches or an accumulation that do not divide the rollouts.
         TypeError: If ``reward_fn`` is not callable.
-        StepFailedError: At a step, for what only the step can find, after it has started
-            (the input state is then consumed; ``__cause__`` is the error): a reward that
-            is not a floating ``(N,)`` tensor without gradient
-            (:func:`~fvstep.methods.rewards.check_rewards`: ``TypeError`` or
-            ``ValueError``).
+        StepFailedError: At a step, after it has started (the input state is consumed),
+            for a reward that :func:`~fvstep.methods.rewards.check_rewards` refuses.
 
     Examples:
         >>> step = fvstep.compile(diffusion_nft(reward_fn=reward, group_size=4, num_inner=2),
@@ -226,9 +204,8 @@ def diffusion_nft(
     if not callable(reward_fn):
         raise TypeError(f"reward_fn must be callable, got {type(reward_fn).__name__}")
     check_group_size(group_size)
-    for label, value in (("num_inner", num_inner), ("minibatches", minibatches)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{label} must be an int >= 1, got {value!r}")
+    check_count(num_inner, "num_inner")
+    check_count(minibatches, "minibatches")
     if std not in ("group", "batch"):
         raise ValueError(f"std must be 'group' or 'batch', got {std!r}")
     if not callable(soft_update):
@@ -268,10 +245,7 @@ def diffusion_nft(
         if isinstance(batch.get("latents"), torch.Tensor):
             check_batch(state, batch, old)
         elif shape is None:
-            raise ValueError(
-                "diffusion_nft needs the latents' shape: pass latent_shape=(C, F, H, W) or a "
-                'batch["latents"] of that shape (its values are not read by the method)'
-            )
+            raise ValueError(_NO_SHAPE)
         num = batch["text"].shape[0] * group_size
         if num % minibatches:
             raise ValueError(
@@ -290,7 +264,7 @@ def diffusion_nft(
         state: TrainState, batch: Any, key: torch.Tensor, ctx: ManagedContext
     ) -> tuple[TrainState, dict[str, Any]]:
         batch = cast_batch(state, batch, old, keys=("latents", "text"))
-        grouped = _grouped(batch, group_size)
+        grouped = group_batch(batch, group_size)
         text = grouped["text"]
         num = text.shape[0]
         decay = float(soft_update(ctx.step))
@@ -303,25 +277,26 @@ def diffusion_nft(
             rewards = check_rewards(reward_fn(samples, grouped), num).float()
         probs = optimality_probabilities(rewards, group_size, std=std, clip_max=clip_max)
         rollouts = {"samples": samples, "text": text, "probabilities": probs}
-        metrics: dict[str, Any] = {}
-        losses = []
         size = num // minibatches
-        for e in range(num_inner):
-            k_perm, k_updates = fsrandom.split(fsrandom.fold_in(k_inner, e), 2)
-            order = torch.randperm(num, generator=fsrandom.generator(k_perm)).to(samples.device)
-            shuffled = {k: v.index_select(0, order) for k, v in rollouts.items()}
-            for j in range(minibatches):
-                part = {k: v[j * size : (j + 1) * size] for k, v in shuffled.items()}
-                state, inner = ctx.update(
-                    state, unit, part, fsrandom.fold_in(k_updates, j), accumulation=accumulation
-                )
-                losses.append(torch.as_tensor(inner[f"{policy}/loss"], dtype=torch.float32))
-                metrics.update(inner)
+
+        def parts() -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
+            for e in range(num_inner):
+                k_perm, k_updates = fsrandom.split(fsrandom.fold_in(k_inner, e), 2)
+                order = torch.randperm(num, generator=fsrandom.generator(k_perm))
+                order = order.to(samples.device)
+                shuffled = {k: v.index_select(0, order) for k, v in rollouts.items()}
+                for j in range(minibatches):
+                    part = {k: v[j * size : (j + 1) * size] for k, v in shuffled.items()}
+                    yield part, fsrandom.fold_in(k_updates, j)
+
+        state, metrics, inner_loss = run_inner_updates(
+            ctx, state, unit, parts(), role=policy, accumulation=accumulation
+        )
         blend_(state.roles[old].params, state.roles[policy].params, decay)
         metrics[f"{name}/reward_mean"] = rewards.mean()
         metrics[f"{name}/reward_std"] = rewards.std(unbiased=False)
         metrics[f"{name}/probability_mean"] = probs.mean()
-        metrics[f"{name}/inner_loss_mean"] = torch.stack(losses).mean()
+        metrics[f"{name}/inner_loss_mean"] = inner_loss
         metrics[f"{name}/old_decay"] = decay
         return state, metrics
 

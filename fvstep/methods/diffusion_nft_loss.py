@@ -1,9 +1,8 @@
 """DiffusionNFT's negative-aware loss on the forward process (the inner update's loss).
 
-:func:`nft_loss` is the loss of one inner update of :func:`fvstep.methods.diffusion_nft`;
-it reads the policy and the old policy (and a reference, for the optional KL term)
-through the state, and the rollouts, their optimality probabilities and text from the
-batch.
+:func:`nft_loss` reads the policy, the old policy (and a reference, for the optional KL
+term) through the state, and the rollouts, their optimality probabilities and text from
+the batch. The equations: ``docs/methods/diffusion_nft.md``.
 
 Examples:
     >>> unit = fvstep.update("policy", nft_loss(beta=1.0))
@@ -16,18 +15,16 @@ from typing import Any, Literal
 
 import torch
 
-from fvstep.core import random as fsrandom
 from fvstep.core.state import TrainState
-from fvstep.methods import _noise
 from fvstep.methods.finetune import (
     RoleLossFn,
     TSampling,
-    add_noise,
-    broadcast_time,
     check_t_sampling,
-    sample_time,
+    sample_x_t,
+    x0_from_velocity,
 )
 from fvstep.methods.models import predict
+from fvstep.methods.old_policy import reference_kl
 
 __all__ = ["Weighting", "nft_loss"]
 
@@ -46,7 +43,7 @@ def _per_sample_error(
 ) -> torch.Tensor:
     if weighting == "velocity":
         return ((v - target) ** 2).flatten(1).mean(1)
-    x0_hat = x_t - broadcast_time(t, x_t) * v
+    x0_hat = x0_from_velocity(x_t, t, v)
     err = (x0_hat - x0).flatten(1)
     weight = err.detach().abs().mean(1).clamp(min=1e-5)
     return (err**2).mean(1) / weight
@@ -66,8 +63,8 @@ def nft_loss(
     """The negative-aware loss of DiffusionNFT on the forward process (one inner update).
 
     The batch holds ``"samples"`` (``x0``, no gradient), ``"text"`` and
-    ``"probabilities"`` ``r`` ``(N,)``. ``split(key, 2)`` draws ``t`` (``t_sampling``)
-    and ``eps``; ``x_t = (1 - t) x0 + t eps``; ``v_old`` (and ``v_ref``) are read under
+    ``"probabilities"`` ``r`` ``(N,)``. ``(t, eps, x_t)`` come from
+    :func:`~fvstep.methods.finetune.sample_x_t`; ``v_old`` (and ``v_ref``) are read under
     ``torch.no_grad()``; everything is fp32. With ``v+ = (1 - beta) v_old + beta
     v_theta`` and ``v- = (1 + beta) v_old - beta v_theta``, the loss is
     ``(clip_max / beta) mean_i[r_i l(v+)_i + (1 - r_i) l(v-)_i] + kl_weight
@@ -77,11 +74,6 @@ def nft_loss(
     - ``weighting="adaptive"``: with ``x0(v) = x_t - t v``, ``l(v) =
       mean((x0(v) - x0)^2) / sg(max(mean|x0(v) - x0|, 1e-5))`` (the authors' code; the
       weight stops the gradient).
-
-    The factor ``clip_max / beta`` is the authors' scale: at ``v_theta = v_old`` the
-    gradient in ``v_theta`` no longer shrinks with ``beta``. At ``r = 1/2`` (velocity
-    weighting) the loss is ``(clip_max / beta) mean_i[mean((v_old - v)^2) + beta^2
-    mean((v_theta - v_old)^2)]``.
 
     Args:
         beta: The guidance strength (> 0).
@@ -118,10 +110,7 @@ def nft_loss(
         state: TrainState, batch: Any, key: torch.Tensor
     ) -> tuple[torch.Tensor, dict[str, Any]]:
         x0, text, r = batch["samples"], batch["text"], batch["probabilities"]
-        k_t, k_eps = fsrandom.split(key, 2)
-        t = sample_time(k_t, x0.shape[0], device=x0.device, t_sampling=t_sampling)
-        eps = _noise.randn_like(k_eps, x0)
-        x_t = add_noise(x0, eps, t)
+        t, eps, x_t = sample_x_t(key, x0, t_sampling=t_sampling)
         with torch.no_grad():
             v_old = predict(state.module(old), x_t, t * 1000, text).float()
         v = predict(state.module(policy), x_t, t * 1000, text).float()
@@ -133,11 +122,7 @@ def nft_loss(
         neg = _per_sample_error(v_neg, target, x_t32, x0_32, t, weighting)
         r = r.float()
         policy_loss = scale * (r * pos + (1 - r) * neg).mean()
-        kl = torch.zeros((), device=v.device)
-        if kl_weight > 0:
-            with torch.no_grad():
-                v_ref = predict(state.module(reference), x_t, t * 1000, text).float()
-            kl = ((v - v_ref) ** 2).mean()
+        kl = reference_kl(state, reference, v, x_t, t * 1000, text, kl_weight)
         loss = policy_loss + kl_weight * kl
         return loss, {
             "policy_loss": policy_loss.detach(),

@@ -22,13 +22,19 @@ from fvstep.core import random as fsrandom
 from fvstep.core.state import TrainState
 from fvstep.core.steps import Chain, Cond, cond, every, sequence, update
 from fvstep.methods import _noise
-from fvstep.methods._checks import check_batch, check_denoising_steps, check_score_options
+from fvstep.methods._checks import (
+    check_batch,
+    check_count,
+    check_denoising_steps,
+    check_score_options,
+)
 from fvstep.methods.finetune import RoleLossFn, add_noise, x0_from_velocity
 from fvstep.methods.models import predict
 
 __all__ = [
     "DMD2Losses",
     "FusedLossFn",
+    "IsMultiple",
     "Ordering",
     "critic_denoising_loss",
     "distribution_matching_loss",
@@ -99,12 +105,11 @@ def distribution_matching_loss(
     teacher: str = "teacher",
     critic: str = "critic",
 ) -> tuple[torch.Tensor, dict[str, Any]]:
-    """DMD's generator loss on generated samples ``x0_hat`` (the module docstring's formula).
+    """DMD's generator loss ``0.5 * MSE(x0_hat, sg(x0_hat - g))`` on generated samples.
 
-    The score time is drawn from ``time_key`` (:func:`score_time`), the noise from
-    ``noise_key``; the critic and the (guided) teacher run under ``torch.no_grad()``, so
-    the gradient reaches ``x0_hat`` only, through ``0.5 * MSE(x0_hat, sg(x0_hat - g))``
-    (:func:`dmd2_losses`'s generator loss on its rollout; self-forcing's on its own).
+    ``g`` as in ``docs/methods/dmd2.md``, at a score time from ``time_key``
+    (:func:`score_time`) and noise from ``noise_key``; the critic and the guided teacher
+    run under ``torch.no_grad()``, so the gradient reaches ``x0_hat`` only.
 
     Args:
         state: Anything with ``module(name)`` (a :class:`~fvstep.TrainState`).
@@ -112,16 +117,16 @@ def distribution_matching_loss(
         text: Text embeddings ``(B, L, D)``.
         time_key: The score time's key.
         noise_key: The noise's key.
-        guidance_scale: The teacher's classifier-free guidance scale (``1``: the
-            unconditional pass is skipped).
-        shift: The score timestep shift.
+        guidance_scale: The teacher's classifier-free guidance scale (``1``: no
+            unconditional pass).
+        shift: The score timestep shift (:func:`score_time`).
         min_ratio: Lower clamp of the score time.
         max_ratio: Upper clamp of the score time.
         teacher: The teacher role's name.
         critic: The critic role's name.
 
     Returns:
-        ``(loss, {"score_t_mean", "dmd_denominator"})`` (its mean over the samples).
+        ``(loss, {"score_t_mean", "dmd_denominator"})``.
 
     Examples:
         >>> options = dict(guidance_scale=3.5, shift=3.0, min_ratio=0.02, max_ratio=0.98)
@@ -160,22 +165,10 @@ def critic_denoising_loss(
     max_ratio: float,
     critic: str = "critic",
 ) -> tuple[torch.Tensor, dict[str, Any]]:
-    """The critic's flow-matching loss on generated samples ``x0_hat`` (detached here).
+    """The critic's flow-matching loss ``mean((v_critic(x_t, t') - (eps - x0_hat))^2)``.
 
-    ``mean((v_critic(x_t, t') - (eps - x0_hat))^2)`` at a score time from ``time_key``
-    (:func:`score_time`) and noise ``eps`` from ``noise_key``; the gradient reaches the
-    critic only (:func:`dmd2_losses`'s critic loss on its rollout).
-
-    Args:
-        state: Anything with ``module(name)`` (a :class:`~fvstep.TrainState`).
-        x0_hat: The generated samples (detached: no gradient reaches the generator).
-        text: Text embeddings ``(B, L, D)``.
-        time_key: The score time's key.
-        noise_key: The noise's key.
-        shift: The score timestep shift.
-        min_ratio: Lower clamp of the score time.
-        max_ratio: Upper clamp of the score time.
-        critic: The critic role's name.
+    ``x0_hat`` is detached here; the score time comes from ``time_key`` and the noise
+    from ``noise_key``, the other arguments as :func:`distribution_matching_loss`'s.
 
     Returns:
         ``(loss, {"critic_t_mean"})``.
@@ -198,16 +191,12 @@ def target_step(key: torch.Tensor, step: int, num_steps: int) -> int:
     """The rollout's target step index at ``step``, drawn from the shared key (every rank).
 
     Uniform over ``range(num_steps)`` from ``fold_in(fold_in_name(key, "dmd2_target"),
-    step)``, drawn on the CPU; ``0`` (no draw) for one step. It decides how many student
-    forwards a rollout runs, so it must be the same on every rank of an FSDP2 group.
+    step)`` on the CPU; ``0`` (no draw) for one step. Why shared: ``docs/methods/dmd2.md``.
 
     Args:
         key: The state's base key (``state.key``), not a per-rank key.
         step: The global step.
         num_steps: Steps of the few-step schedule (>= 1).
-
-    Returns:
-        An index into the schedule.
 
     Raises:
         ValueError: If ``num_steps < 1``.
@@ -215,8 +204,7 @@ def target_step(key: torch.Tensor, step: int, num_steps: int) -> int:
     Examples:
         >>> j = target_step(state.key, int(state.step), len(denoising_steps))
     """
-    if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
-        raise ValueError(f"target_step: num_steps must be an int >= 1, got {num_steps!r}")
+    check_count(num_steps, "target_step: num_steps")
     if num_steps == 1:
         return 0
     shared = fsrandom.fold_in(fsrandom.fold_in_name(key, "dmd2_target"), step)
@@ -234,20 +222,18 @@ def rollout(
 ) -> torch.Tensor:
     """The student's few-step generation ``x0_hat`` from pure noise, at a target step.
 
-    ``split(key, 3)`` gives the initial noise (shaped like ``like``), the target step index
-    when ``target`` is not given (uniform over ``denoising_steps``, drawn on the CPU) and
-    the re-noising noise. The steps before the target run under ``torch.no_grad()``; the
-    last evaluation follows the caller's grad mode.
+    ``split(key, 3)`` gives the initial noise, the target step index when ``target`` is
+    not given, and the re-noising noise. The steps before the target run under
+    ``torch.no_grad()``; the last follows the caller's grad mode.
 
     Args:
-        student: A module with the forward contract of :mod:`fvstep.methods.models`.
+        student: A module with the forward contract (:func:`fvstep.methods.models.predict`).
         like: A tensor giving the shape, dtype and device of the samples.
         text: Text embeddings ``(B, L, D)``.
         key: The rollout key.
         denoising_steps: Decreasing times in ``(0, 1]``; the first is where noise starts.
-        target: The target step's index (:func:`target_step`). On several ranks pass it:
-            drawn from a per-rank ``key``, ranks run different numbers of forwards and
-            sharded (FSDP2) students hang.
+        target: The target step's index (:func:`target_step`); pass it on several ranks
+            (drawn from a per-rank ``key``, sharded students hang).
 
     Returns:
         ``x0_hat``, shaped like ``like``.
@@ -256,10 +242,7 @@ def rollout(
         ValueError: If ``target`` does not index ``denoising_steps``.
 
     Examples:
-        >>> j = target_step(state.key, int(state.step), 2)
-        >>> with torch.no_grad():
-        ...     x0_hat = rollout(state.module("student"), batch["latents"], batch["text"], k,
-        ...                      (1.0, 0.5), target=j)
+        >>> x0_hat = rollout(student, batch["latents"], batch["text"], k, (1.0, 0.5), target=j)
     """
     k_noise, k_target, k_renoise = fsrandom.split(key, 3)
     x = _noise.randn_like(k_noise, like)
@@ -300,11 +283,11 @@ def dmd2_losses(
     teacher: str = "teacher",
     critic: str = "critic",
 ) -> DMD2Losses:
-    """The DMD2 loss functions (see the module docstring for the formulas and keys).
+    """The DMD2 loss functions (formulas and keys: ``docs/methods/dmd2.md``).
 
     Batches need ``"text"`` ``(B, L, D)`` and ``"latents"`` (only its shape, dtype and
-    device are used: DMD2 generates its samples). With several ``denoising_steps`` the
-    losses read ``state.key`` and ``state.step`` too (:func:`target_step`).
+    device: DMD2 generates its samples). With several ``denoising_steps`` the losses read
+    ``state.key`` and ``state.step`` too (:func:`target_step`).
 
     Args:
         guidance_scale: The teacher's classifier-free guidance scale ``s`` (``1``: no
@@ -337,13 +320,6 @@ def dmd2_losses(
     score: dict[str, Any] = {"shift": shift, "min_ratio": min_ratio, "max_ratio": max_ratio}
     g_options = {**score, "guidance_scale": guidance_scale, "teacher": teacher, "critic": critic}
 
-    def generate(
-        state: TrainState, like: torch.Tensor, text: torch.Tensor, key: torch.Tensor
-    ) -> torch.Tensor:
-        # one step: no draw, so a view with modules only (no key, no step) will do
-        target = 0 if len(steps) == 1 else target_step(state.key, int(state.step), len(steps))
-        return rollout(state.module(student), like, text, key, steps, target=target)
-
     def generator_terms(state: TrainState, x0_hat: torch.Tensor, text: torch.Tensor, keys: Any):
         k_t, k_noise = keys[_GEN_T], keys[_GEN_NOISE]
         return distribution_matching_loss(state, x0_hat, text, k_t, k_noise, **g_options)
@@ -352,32 +328,33 @@ def dmd2_losses(
         k_t, k_noise = keys[_CRITIC_T], keys[_CRITIC_NOISE]
         return critic_denoising_loss(state, x0, text, k_t, k_noise, critic=critic, **score)
 
-    def generator_loss(
-        state: TrainState, batch: Any, key: torch.Tensor
-    ) -> tuple[torch.Tensor, dict[str, Any]]:
+    def rolled_out(state: TrainState, batch: Any, key: torch.Tensor) -> tuple[Any, Any, Any]:
+        """``(x0_hat, text, keys)``: the checked batch's rollout and the loss keys."""
         batch = check_batch(state, batch, student)
         keys = fsrandom.split(key, _NUM_KEYS)
         text = batch["text"]
-        x0_hat = generate(state, batch["latents"], text, keys[_ROLLOUT])
-        return generator_terms(state, x0_hat, text, keys)
+        # one step: no draw, so a view with modules only (no key, no step) will do
+        target = 0 if len(steps) == 1 else target_step(state.key, int(state.step), len(steps))
+        module = state.module(student)
+        x0_hat = rollout(module, batch["latents"], text, keys[_ROLLOUT], steps, target=target)
+        return x0_hat, text, keys
+
+    def generator_loss(
+        state: TrainState, batch: Any, key: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, Any]]:
+        return generator_terms(state, *rolled_out(state, batch, key))
 
     def critic_loss(
         state: TrainState, batch: Any, key: torch.Tensor
     ) -> tuple[torch.Tensor, dict[str, Any]]:
-        batch = check_batch(state, batch, student)
-        keys = fsrandom.split(key, _NUM_KEYS)
-        text = batch["text"]
         with torch.no_grad():
-            x0_hat = generate(state, batch["latents"], text, keys[_ROLLOUT])
+            x0_hat, text, keys = rolled_out(state, batch, key)
         return critic_terms(state, x0_hat, text, keys)
 
     def fused_loss(
         state: TrainState, batch: Any, key: torch.Tensor
     ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        batch = check_batch(state, batch, student)
-        keys = fsrandom.split(key, _NUM_KEYS)
-        text = batch["text"]
-        x0_hat = generate(state, batch["latents"], text, keys[_ROLLOUT])
+        x0_hat, text, keys = rolled_out(state, batch, key)
         g_loss, g_metrics = generator_terms(state, x0_hat, text, keys)
         c_loss, c_metrics = critic_terms(state, x0_hat.detach(), text, keys)
         return {student: g_loss, critic: c_loss}, {**g_metrics, **c_metrics}
@@ -386,8 +363,13 @@ def dmd2_losses(
 
 
 @attrs.frozen
-class _IsMultiple:
-    """The predicate ``step % n == 0`` (a named, comparable callable for :func:`fvstep.cond`)."""
+class IsMultiple:
+    """The predicate ``step % n == 0`` (a named, comparable callable for :func:`fvstep.cond`).
+
+    Examples:
+        >>> IsMultiple(5)(10), IsMultiple(5)(11)
+        (True, False)
+    """
 
     n: int
 
@@ -432,14 +414,12 @@ def dmd2(
         ValueError: For an unknown ordering, ``n < 1`` or out-of-range loss settings.
 
     Examples:
-        >>> step = fvstep.compile(dmd2(ordering="sequential"),
-        ...                       accumulation=fvstep.Accumulation(microbatches=2))
+        >>> step = fvstep.compile(dmd2(ordering="sequential"))
         >>> [e.roles for e in fvstep.plan(step, 5)]
         [('student',), ('critic',)]
     """
     n = generator_update_interval
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"generator_update_interval must be an int >= 1, got {n!r}")
+    check_count(n, "generator_update_interval")
     losses = dmd2_losses(
         guidance_scale=guidance_scale,
         shift=shift,
@@ -450,7 +430,7 @@ def dmd2(
     critic_unit = update("critic", losses.critic_loss, name="dmd2_critic")
     if ordering == "fused":
         fused_unit = update(("student", "critic"), losses.fused_loss, name="dmd2_fused")
-        return cond(_IsMultiple(n), fused_unit, critic_unit)
+        return cond(IsMultiple(n), fused_unit, critic_unit)
     if ordering == "sequential":
         generator_unit = update("student", losses.generator_loss, name="dmd2_generator")
         return sequence(every(n, generator_unit), critic_unit)

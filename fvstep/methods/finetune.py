@@ -5,8 +5,7 @@ module predicts the velocity ``eps - x0`` (see the forward contract in
 :mod:`fvstep.methods.models`), so ``x0 = x_t - t * v``.
 
 Examples:
-    >>> step = fvstep.compile(finetune(t_sampling="logit_normal"),
-    ...                       accumulation=fvstep.Accumulation(microbatches=2))
+    >>> step = fvstep.compile(finetune(t_sampling="logit_normal"))
     >>> state, metrics = step(state, {"latents": x0, "text": text})
 """
 
@@ -34,6 +33,7 @@ __all__ = [
     "finetune",
     "flow_matching_loss",
     "sample_time",
+    "sample_x_t",
     "x0_from_velocity",
 ]
 
@@ -41,10 +41,8 @@ TSampling = Literal["uniform", "logit_normal"]
 _T_SAMPLINGS: tuple[str, ...] = ("uniform", "logit_normal")
 
 RoleLossFn = Callable[[TrainState, Any, torch.Tensor], tuple[torch.Tensor, dict[str, Any]]]
-"""A loss function for a unit that trains one role: ``(state, batch, key) -> (loss, metrics)``.
-
-One of the shapes that :data:`fvstep.core.engine.LossFn` (anything ``fvstep.update`` accepts)
-takes; :data:`fvstep.methods.dmd2.FusedLossFn` is the one for several roles."""
+"""A loss function for a unit that trains one role: ``(state, batch, key) -> (loss, metrics)``
+(:data:`fvstep.methods.dmd2.FusedLossFn` is the one for several roles)."""
 
 
 def broadcast_time(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -58,21 +56,13 @@ def broadcast_time(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 def add_noise(x0: torch.Tensor, eps: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    """The point ``x_t = (1 - t) * x0 + t * eps`` of the flow-matching path (``t``: ``(B,)``).
-
-    Examples:
-        >>> x_t = add_noise(x0, eps, t)
-    """
+    """The point ``x_t = (1 - t) * x0 + t * eps`` of the flow-matching path (``t``: ``(B,)``)."""
     tb = broadcast_time(t, x0)
     return (1 - tb) * x0 + tb * eps
 
 
 def x0_from_velocity(x_t: torch.Tensor, t: torch.Tensor, velocity: torch.Tensor) -> torch.Tensor:
-    """The clean sample that a velocity points to: ``x0 = x_t - t * v`` (``t``: ``(B,)``).
-
-    Examples:
-        >>> x0_hat = x0_from_velocity(x_t, t, predict(net, x_t, t * 1000, text))
-    """
+    """The clean sample that a velocity points to: ``x0 = x_t - t * v`` (``t``: ``(B,)``)."""
     return x_t - broadcast_time(t, x_t) * velocity
 
 
@@ -110,6 +100,28 @@ def sample_time(
     raise ValueError(f"unknown t_sampling {t_sampling!r}; choose one of {_T_SAMPLINGS}")
 
 
+def sample_x_t(
+    key: torch.Tensor,
+    x0: torch.Tensor,
+    *,
+    t_sampling: TSampling = "uniform",
+    logit_mean: float = 0.0,
+    logit_std: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(t, eps, x_t)``: ``split(key, 2)`` draws ``t`` (:func:`sample_time`) and ``eps``."""
+    k_t, k_eps = fsrandom.split(key, 2)
+    t = sample_time(
+        k_t,
+        x0.shape[0],
+        device=x0.device,
+        t_sampling=t_sampling,
+        logit_mean=logit_mean,
+        logit_std=logit_std,
+    )
+    eps = _noise.randn_like(k_eps, x0)
+    return t, eps, add_noise(x0, eps, t)
+
+
 def check_t_sampling(t_sampling: str, logit_std: float) -> None:
     """Refuse an unknown ``t_sampling`` or a ``logit_std`` that is not positive."""
     if t_sampling not in _T_SAMPLINGS:
@@ -127,9 +139,7 @@ def flow_matching_loss(
 ) -> RoleLossFn:
     """The flow-matching loss of one role, as a loss function for :func:`fvstep.update`.
 
-    ``loss_fn(state, batch, key) -> (loss, metrics)``: splits ``key`` into a time key and a
-    noise key, draws ``t`` (:func:`sample_time`) and ``eps ~ N(0, I)`` from generators made
-    from them (never the global RNG), forms ``x_t = (1 - t) x0 + t eps`` with
+    ``loss_fn(state, batch, key)`` draws ``(t, eps, x_t)`` (:func:`sample_x_t`) for
     ``x0 = batch["latents"]`` and returns ``MSE(v(x_t, 1000 t, batch["text"]), eps - x0)``
     (in fp32) with metrics ``{"t_mean": mean t}``.
 
@@ -155,17 +165,9 @@ def flow_matching_loss(
     ) -> tuple[torch.Tensor, dict[str, Any]]:
         batch = check_batch(state, batch, role)
         x0 = batch["latents"]
-        k_t, k_eps = fsrandom.split(key, 2)
-        t = sample_time(
-            k_t,
-            x0.shape[0],
-            device=x0.device,
-            t_sampling=t_sampling,
-            logit_mean=logit_mean,
-            logit_std=logit_std,
+        t, eps, x_t = sample_x_t(
+            key, x0, t_sampling=t_sampling, logit_mean=logit_mean, logit_std=logit_std
         )
-        eps = _noise.randn_like(k_eps, x0)
-        x_t = add_noise(x0, eps, t)
         v = predict(state.module(role), x_t, t * 1000, batch["text"])
         loss = F.mse_loss(v.float(), (eps - x0).float())
         return loss, {"t_mean": t.mean().detach()}
@@ -190,6 +192,9 @@ def finetune(
 
     Returns:
         The method (one update unit named ``"finetune"``).
+
+    Raises:
+        ValueError: For an unknown ``t_sampling`` or ``logit_std <= 0``.
 
     Examples:
         >>> state = fvstep.TrainState.create(

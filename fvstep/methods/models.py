@@ -1,30 +1,12 @@
 """Tiny models and data for examples and tests, and the forward contract of the methods.
 
-FORWARD CONTRACT. The reference methods (:mod:`fvstep.methods`) call a role's module as
-a flow-matching velocity predictor, through :func:`predict`::
-
-    velocity = module(
-        hidden_states=x,                # (B, C, F, H, W) noisy latents x_t
-        timestep=t,                     # (B,) float, flow-matching time t in [0, 1] times 1000
-        encoder_hidden_states=text,     # (B, L, D) text embeddings
-        return_dict=False,
-    )[0]                                # (B, C, F, H, W), the velocity eps - x0
-
-with the flow-matching path ``x_t = (1 - t) * x0 + t * eps``, so that
-``x0 = x_t - t * velocity``. ``diffusers.WanTransformer3DModel`` has this signature; so
-can any ``nn.Module`` (a user's own network works with every reference method as long
-as its ``forward`` accepts these keyword arguments and returns a tuple whose first item
-is the velocity).
-
-Batches are dicts with ``"latents"`` (clean latents ``x0``, ``(B, C, F, H, W)``) and
-``"text"`` (text embeddings, ``(B, L, D)``).
+The reference methods call a role's module as a flow-matching velocity predictor through
+:func:`predict`, whose docstring states the contract. Batches are dicts with
+``"latents"`` (clean latents ``x0``, ``(B, C, F, H, W)``) and ``"text"`` (``(B, L, D)``).
 
 Examples:
-    >>> net = tiny_wan(seed=0)
     >>> batch = synthetic_batch(fvstep.random.key(0), batch_size=2)
-    >>> t = torch.full((2,), 500.0)
-    >>> predict(net, batch["latents"], t, batch["text"]).shape
-    torch.Size([2, 4, 2, 4, 4])
+    >>> v = predict(tiny_wan(seed=0), batch["latents"], torch.full((2,), 500.0), batch["text"])
 """
 
 from __future__ import annotations
@@ -36,6 +18,7 @@ from torch import nn
 
 from fvstep.core import random as fsrandom
 from fvstep.core._optional import needs_extra
+from fvstep.methods import _noise
 
 if TYPE_CHECKING:
     from diffusers import WanTransformer3DModel
@@ -56,11 +39,9 @@ def tiny_wan(
     patch_size: tuple[int, int, int] = (1, 2, 2),
     rope_max_seq_len: int = 32,
 ) -> WanTransformer3DModel:
-    """A tiny ``diffusers.WanTransformer3DModel``, built from a config on the CPU.
+    """A tiny ``diffusers.WanTransformer3DModel``, built from a config on the CPU (no download).
 
-    No download. The weights are a pure function of ``seed``: construction runs inside
-    ``torch.random.fork_rng`` seeded with ``seed``, so the global RNG is left untouched.
-    The output has as many channels as the input (a velocity).
+    The weights are a pure function of ``seed`` (the global RNG is left untouched).
 
     Args:
         seed: The initialisation seed.
@@ -140,28 +121,30 @@ def synthetic_batch(
         >>> batch = synthetic_batch(fvstep.random.fold_in(data_key, step), batch_size=2)
     """
     k_latents, k_text = fsrandom.split(key, 2)
-    latents = torch.randn(
-        (batch_size, channels, frames, height, width),
-        generator=fsrandom.generator(k_latents, device),
-        device=device,
-        dtype=dtype,
-    )
-    text = torch.randn(
-        (batch_size, text_len, text_dim),
-        generator=fsrandom.generator(k_text, device),
-        device=device,
-        dtype=dtype,
-    )
+    shape = (batch_size, channels, frames, height, width)
+    latents = _noise.randn(k_latents, shape, device=device, dtype=dtype)
+    text = _noise.randn(k_text, (batch_size, text_len, text_dim), device=device, dtype=dtype)
     return {"latents": latents, "text": text}
 
 
 def predict(
     module: nn.Module, x: torch.Tensor, t: torch.Tensor, text: torch.Tensor
 ) -> torch.Tensor:
-    """The velocity that ``module`` predicts at ``x``, through the forward contract.
+    """The velocity that ``module`` predicts at ``x``, through the forward contract::
+
+        velocity = module(
+            hidden_states=x,                # (B, C, F, H, W) noisy latents x_t
+            timestep=t,                     # (B,) float, flow-matching time in [0, 1] times 1000
+            encoder_hidden_states=text,     # (B, L, D) text embeddings
+            return_dict=False,
+        )[0]                                # (B, C, F, H, W), the velocity eps - x0
+
+    on the path ``x_t = (1 - t) * x0 + t * eps``, so ``x0 = x_t - t * velocity``.
+    ``diffusers.WanTransformer3DModel`` has this signature; any ``nn.Module`` whose
+    ``forward`` takes these keywords and returns a tuple works with every method.
 
     Args:
-        module: Any module with the forward contract (see the module docstring).
+        module: Any module with the forward contract.
         x: Noisy latents ``(B, C, F, H, W)``.
         t: ``(B,)`` float timesteps in ``[0, 1000]`` (flow-matching time times 1000).
         text: Text embeddings ``(B, L, D)``.

@@ -1,32 +1,26 @@
-"""The old policy of the RL methods: its Euler rollouts and its soft update toward the policy.
+"""What the RL methods share: the old policy's rollouts and soft update, the reference anchor.
 
-The RL methods (:mod:`fvstep.methods.rl`, :mod:`fvstep.methods.diffusion_nft`) keep a
-frozen ``old`` role that generates the rollouts of an outer step and is then moved toward
-the trained policy, in place:
-
-- :func:`euler_sample`: ``x0`` from noise at ``t = 1`` by uniform Euler steps of a role's
-  velocity (DiffusionNFT's default rollout, :func:`fvstep.methods.diffusion_nft.euler_rollout`,
-  and the simple RL step's sampler);
-- :func:`blend_`: ``old = beta * old + (1 - beta) * policy`` over the role's parameters
-  (the RL step's ``blend``, DiffusionNFT's soft update).
+:mod:`fvstep.methods.rl` and :mod:`fvstep.methods.diffusion_nft` keep a frozen ``old``
+role that samples an outer step's rollouts (:func:`euler_sample`) and is then moved toward
+the policy in place (:func:`blend_`); both may anchor the policy to a frozen reference
+(:func:`reference_kl`) and run their inner updates by :func:`run_inner_updates`.
 
 Examples:
-    >>> with torch.no_grad():
-    ...     x0 = euler_sample(state.module("old"), noise, text, num_steps=4)
     >>> blend_(state.roles["old"].params, state.roles["policy"].params, 0.5)
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import torch
 from torch import nn
 
 from fvstep.methods.models import predict
 
-__all__ = ["blend_", "euler_sample"]
+__all__ = ["blend_", "euler_sample", "reference_kl", "run_inner_updates"]
 
 
 def euler_sample(
@@ -88,3 +82,46 @@ def blend_(
     sources = [source[n].detach().to(target[n].dtype) for n in names]
     torch._foreach_mul_(targets, beta)
     torch._foreach_add_(targets, sources, alpha=1.0 - beta)
+
+
+def reference_kl(
+    state: Any,
+    reference: str,
+    v: torch.Tensor,
+    x_t: torch.Tensor,
+    timestep: torch.Tensor,
+    text: torch.Tensor,
+    kl_weight: float,
+) -> torch.Tensor:
+    """``mean((v - v_ref)^2)`` in fp32, ``v_ref`` read under ``torch.no_grad()``; ``0`` when
+    ``kl_weight == 0`` (the reference is then not read).
+    """
+    if not kl_weight > 0:
+        return torch.zeros((), device=v.device)
+    with torch.no_grad():
+        v_ref = predict(state.module(reference), x_t, timestep, text).float()
+    return ((v - v_ref) ** 2).mean()
+
+
+def run_inner_updates(
+    ctx: Any,
+    state: Any,
+    unit: Any,
+    parts: Iterable[tuple[Any, torch.Tensor]],
+    *,
+    role: str,
+    accumulation: Any,
+) -> tuple[Any, dict[str, Any], torch.Tensor]:
+    """Run ``unit`` through ``ctx.update`` on each ``(batch, key)`` of ``parts``, in order.
+
+    Returns:
+        The state, the updates' metrics (the later ones win) and the mean of ``role``'s
+        losses, fp32.
+    """
+    metrics: dict[str, Any] = {}
+    losses = []
+    for part, key in parts:
+        state, inner = ctx.update(state, unit, part, key, accumulation=accumulation)
+        losses.append(torch.as_tensor(inner[f"{role}/loss"], dtype=torch.float32))
+        metrics.update(inner)
+    return state, metrics, torch.stack(losses).mean()

@@ -1,32 +1,12 @@
-"""Rewards for RL methods: the protocol, a check, and rewards that run anywhere.
+"""Rewards for the RL methods: the protocol, its checks, and rewards that run anywhere.
 
-A reward function scores generated samples, one number a sample::
-
-    rewards = reward_fn(samples, batch)   # samples (N, C, F, H, W) latents -> (N,) rewards
-
-``batch`` is the method's batch with every tensor repeated per sample (each prompt's
-``group_size`` samples see their prompt's rows), so a reward can read the prompt's text
-embedding or a target. A reward over pixels is a latent reward through a decoder:
-:func:`decoded` turns ``pixel_reward(pixels, batch)`` into a latent one, with any
-``decode(latents) -> pixels`` (``functools.partial(fvstep.observe.sampling.decode_latents, vae)``
-decodes as ``WanPipeline`` does).
-
-- :class:`RewardFn`: the protocol.
-- :func:`check_rewards`: what a method checks of a reward function's answer.
-- :func:`decoded`: a pixel reward as a latent reward.
-- :func:`latent_mse_reward`: a stated latent reward, ``-mean((x0 - batch["latents"])^2)``.
-- :func:`optimality_probabilities`: rewards to DiffusionNFT's optimality probabilities,
-  normalised per prompt group.
-- :func:`group_advantages`: rewards to the simple RL step's advantages
-  (:mod:`fvstep.methods.rl`), normalised per prompt group.
-- :func:`colorfulness`: the colourfulness of Hasler and Süsstrunk (2003), a published
-  no-reference image measure with no weights to download: a real reward that runs on a
-  CPU without a network (learned rewards, CLIP or aesthetic scorers, need their weights).
+``rewards = reward_fn(samples, batch)`` scores latents ``(N, C, F, H, W)``, one number a
+sample; ``batch`` is the method's batch repeated per sample (:func:`group_batch`). A pixel
+reward becomes a latent one through a decoder (:func:`decoded`). Rewards become
+DiffusionNFT's optimality probabilities or the simple RL step's advantages per prompt group.
 
 Examples:
     >>> reward = decoded(colorfulness, functools.partial(decode_latents, vae))
-    >>> reward(latents, batch).shape
-    torch.Size([8])
 """
 
 from __future__ import annotations
@@ -35,6 +15,8 @@ from collections.abc import Callable, Mapping
 from typing import Any, Literal, Protocol
 
 import torch
+
+from fvstep.methods._checks import check_count
 
 __all__ = [
     "GroupStd",
@@ -45,6 +27,7 @@ __all__ = [
     "colorfulness",
     "decoded",
     "group_advantages",
+    "group_batch",
     "latent_mse_reward",
     "optimality_probabilities",
 ]
@@ -56,10 +39,9 @@ GroupStd = Literal["group", "batch"]
 class RewardFn(Protocol):
     """``reward_fn(samples, batch) -> (N,)``: one reward per sample (higher is better).
 
-    ``samples`` are the generated latents ``(N, C, F, H, W)`` (no gradient); ``batch``
-    holds the method's batch repeated per sample. It runs under ``torch.no_grad()``,
-    inside the step's RNG scope: a reward that draws noise must draw it from the global
-    RNG only (which the step seeds from its key) or be deterministic.
+    ``samples`` are the generated latents ``(N, C, F, H, W)`` (no gradient). It runs under
+    ``torch.no_grad()`` in the step's RNG scope: a reward that draws noise draws it from
+    the global RNG (seeded from the step's key) or is deterministic.
     """
 
     def __call__(self, samples: torch.Tensor, batch: Mapping[str, Any]) -> torch.Tensor:
@@ -72,10 +54,7 @@ PixelRewardFn = Callable[[torch.Tensor, Mapping[str, Any]], torch.Tensor]
 
 
 def check_rewards(rewards: object, num_samples: int, *, what: str = "reward_fn") -> torch.Tensor:
-    """Refuse what is not one floating reward a sample; return the rewards.
-
-    Only shapes and dtypes are checked (no device sync): a NaN reward turns the loss NaN,
-    which the step's ``sanitize`` catches.
+    """Refuse what is not one floating reward a sample (shapes and dtypes: no device sync).
 
     Args:
         rewards: What the reward function returned.
@@ -87,9 +66,7 @@ def check_rewards(rewards: object, num_samples: int, *, what: str = "reward_fn")
 
     Raises:
         TypeError: If it is not a floating tensor.
-        ValueError: If its shape is not ``(N,)``, or it requires grad (a reward is a
-            constant of the loss: a reward built from the samples with gradient, or a
-            learned scorer run with grad on, would be silently detached).
+        ValueError: If its shape is not ``(N,)``, or it requires grad.
 
     Examples:
         >>> check_rewards(torch.zeros(4), 4)
@@ -114,14 +91,11 @@ def check_rewards(rewards: object, num_samples: int, *, what: str = "reward_fn")
 def decoded(
     pixel_reward: PixelRewardFn, decode: Callable[[torch.Tensor], torch.Tensor]
 ) -> RewardFn:
-    """A latent reward that decodes the samples and scores their pixels.
+    """A latent reward ``reward_fn(samples, batch) = pixel_reward(decode(samples), batch)``.
 
     Args:
         pixel_reward: ``(pixels, batch) -> (N,)``, pixels ``(N, F, H, W, 3)`` in ``[0, 1]``.
         decode: ``latents -> pixels``, e.g. ``functools.partial(decode_latents, vae)``.
-
-    Returns:
-        ``reward_fn(samples, batch) = pixel_reward(decode(samples), batch)``.
 
     Raises:
         TypeError: If either is not callable.
@@ -144,8 +118,7 @@ def colorfulness(pixels: torch.Tensor, batch: Mapping[str, Any] | None = None) -
 
     With ``rg = R - G`` and ``yb = (R + G) / 2 - B`` over all pixels of all frames of a
     video: ``C = sqrt(std(rg)^2 + std(yb)^2) + 0.3 sqrt(mean(rg)^2 + mean(yb)^2)``
-    (population standard deviations, fp32). A grey video scores 0; saturated, varied
-    colour scores high (about 110 for the most colourful natural images).
+    (population standard deviations, fp32). A grey video scores 0.
 
     Args:
         pixels: ``(N, F, H, W, 3)`` (or ``(N, H, W, 3)``) RGB in ``[0, 1]``.
@@ -175,14 +148,7 @@ def colorfulness(pixels: torch.Tensor, batch: Mapping[str, Any] | None = None) -
 
 
 def latent_mse_reward(samples: torch.Tensor, batch: Mapping[str, Any]) -> torch.Tensor:
-    """A cheap deterministic reward: ``-mean((x0 - batch["latents"])^2)`` per sample (fp32).
-
-    Args:
-        samples: ``(N, ...)`` generated latents.
-        batch: Holds ``"latents"``, the targets, shaped like ``samples``.
-
-    Returns:
-        ``(N,)`` fp32 (0 for a sample equal to its target, negative otherwise).
+    """A cheap deterministic reward: ``-mean((x0 - batch["latents"])^2)`` per sample, fp32.
 
     Raises:
         ValueError: If the batch has no ``"latents"`` of the samples' shape.
@@ -203,16 +169,30 @@ def latent_mse_reward(samples: torch.Tensor, batch: Mapping[str, Any]) -> torch.
 
 
 def check_group_size(group_size: int) -> None:
-    """Refuse a group size that is not an int >= 2.
+    """Refuse a group size that is not an int >= 2."""
+    check_count(group_size, "group_size", 2)
 
-    Raises:
-        ValueError: Naming the value.
+
+def _check_grouped(rewards: torch.Tensor, group_size: int) -> None:
+    check_group_size(group_size)
+    if rewards.dim() != 1 or rewards.shape[0] % group_size:
+        raise ValueError(
+            f"rewards must be (N,) with N divisible by group_size={group_size}, "
+            f"got shape {tuple(rewards.shape)}"
+        )
+
+
+def group_batch(batch: Mapping[str, Any], group_size: int) -> dict[str, Any]:
+    """``batch`` with every tensor repeated ``group_size`` times along dim 0 (one row a sample).
 
     Examples:
-        >>> check_group_size(4)
+        >>> group_batch({"text": torch.zeros(2, 3, 4)}, 2)["text"].shape
+        torch.Size([4, 3, 4])
     """
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 2:
-        raise ValueError(f"group_size must be an int >= 2, got {group_size!r}")
+    return {
+        k: v.repeat_interleave(group_size, dim=0) if isinstance(v, torch.Tensor) else v
+        for k, v in batch.items()
+    }
 
 
 def optimality_probabilities(
@@ -225,19 +205,16 @@ def optimality_probabilities(
 ) -> torch.Tensor:
     """Rewards to optimality probabilities in ``[0, 1]``, normalised per prompt group.
 
-    ``A = (R - mean_g R) / (s + eps)`` with ``mean_g`` the mean of the sample's group
-    (rows ``g G .. g G + G - 1``) and ``s`` the population standard deviation of the group
-    (``std="group"``) or of all the rewards given (``"batch"``, the authors' default; on
-    several ranks, of this rank's rewards); then ``r = 1/2 + 1/2 clip(A / c, -1, 1)``
-    with ``c = clip_max``. Up to ``eps``, ``r`` is invariant to ``R -> a R + b`` (``a >
-    0``) within each group (``"group"``, each group its own ``a`` and ``b``) or applied
-    to all the rewards alike (``"batch"``).
+    ``A = (R - mean_g R) / (s + eps)``, ``mean_g`` over the sample's group (rows ``g G ..
+    g G + G - 1``) and ``s`` the population standard deviation of the group (``"group"``)
+    or of all the rewards given (``"batch"``, the authors' default; per rank); then
+    ``r = 1/2 + 1/2 clip(A / clip_max, -1, 1)``.
 
     Args:
         rewards: ``(N,)``, ``N`` divisible by ``group_size``; computed in fp32.
         group_size: ``G`` (>= 2).
         std: Which spread normalises.
-        clip_max: ``c``: advantages beyond ``+-c`` standard deviations saturate (> 0).
+        clip_max: Advantages beyond ``+-clip_max`` standard deviations saturate (> 0).
         eps: Added to the standard deviation (>= 0).
 
     Returns:
@@ -250,12 +227,7 @@ def optimality_probabilities(
         >>> optimality_probabilities(torch.tensor([0.0, 2.0, 5.0, 5.0]), 2, clip_max=1.0, eps=0.0)
         tensor([0.0000, 1.0000, 0.5000, 0.5000])
     """
-    check_group_size(group_size)
-    if rewards.dim() != 1 or rewards.shape[0] % group_size:
-        raise ValueError(
-            f"rewards must be (N,) with N divisible by group_size={group_size}, "
-            f"got shape {tuple(rewards.shape)}"
-        )
+    _check_grouped(rewards, group_size)
     if std not in ("group", "batch"):
         raise ValueError(f"std must be 'group' or 'batch', got {std!r}")
     if not clip_max > 0:
@@ -273,16 +245,9 @@ def optimality_probabilities(
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
-    """Normalise rewards within consecutive groups: ``(r - mean_g) / (std_g + eps)``.
+    """Normalise rewards within consecutive groups of ``group_size``: ``(r - mean_g) / (std_g + eps)``.
 
-    Args:
-        rewards: ``(N,)`` with ``N`` divisible by ``group_size``; rows ``g * G .. g * G + G - 1``
-            are one group.
-        group_size: ``G`` (>= 2).
-        eps: Added to the (population) standard deviation.
-
-    Returns:
-        ``(N,)`` advantages (zero for a group of equal rewards).
+    ``std_g`` is the population standard deviation; zero for a group of equal rewards.
 
     Raises:
         ValueError: For a bad shape or group size.
@@ -291,12 +256,7 @@ def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) 
         >>> group_advantages(torch.tensor([1.0, 3.0, 5.0, 5.0]), 2)
         tensor([-1.0000,  1.0000,  0.0000,  0.0000])
     """
-    check_group_size(group_size)
-    if rewards.dim() != 1 or rewards.shape[0] % group_size:
-        raise ValueError(
-            f"rewards must be (N,) with N divisible by group_size={group_size}, "
-            f"got shape {tuple(rewards.shape)}"
-        )
+    _check_grouped(rewards, group_size)
     grouped = rewards.reshape(-1, group_size)
     mean = grouped.mean(dim=1, keepdim=True)
     std = grouped.std(dim=1, keepdim=True, unbiased=False)

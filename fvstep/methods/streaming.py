@@ -22,13 +22,13 @@ from fvstep.core.accumulation import Accumulation
 from fvstep.core.managed import Managed, managed
 from fvstep.core.state import TrainState
 from fvstep.core.steps import update
-from fvstep.core.tree import frozen
+from fvstep.core.tree import frozen, replace
 from fvstep.methods._checks import (
     check_batch,
     check_bidirectional,
     check_cache_fits,
-    check_denoising_steps,
-    check_score_options,
+    check_count,
+    check_rollout_options,
     upcast_for,
 )
 from fvstep.methods.causal_rollout import exit_steps, regenerate, rollout, shifted_steps
@@ -71,17 +71,11 @@ def init_stream(
         window_frames: The latest frames the cache and ``frames`` keep; at least a step's.
         sink_frames: The stream's first frames the cache keeps for the whole stream.
         cache_dtype: The cache's dtype (:func:`~fvstep.methods.causal_wan.init_cache`'s
-            ``dtype``; e.g. ``torch.bfloat16`` for a run under bf16 autocast: half the
-            memory, the keys rounded to bf16 before the rotary embedding, so the attention
-            is close to, not bitwise, that of an fp32 cache; on CUDA the keys' RMSNorm runs
-            in fp32 under autocast).
+            ``dtype``; e.g. ``torch.bfloat16`` under bf16 autocast: half the memory, the
+            attention close to, not bitwise, that of an fp32 cache).
 
     Returns:
-        A :class:`StreamState` holding no frame.
-
-    Latents or text of lower precision than the student (a bf16 dataset, an fp32 model)
-    are upcast first, as the step upcasts its batches (so the stream's ``frames``,
-    ``text`` and, without ``cache_dtype``, cache are in the student's dtype).
+        A :class:`StreamState` holding no frame, in the dtype the step casts batches to.
 
     Raises:
         ValueError: If the window is smaller than a step's frames or the chunk, a step's
@@ -139,12 +133,12 @@ class _Whole:
 def _restarted(stream: StreamState, text: torch.Tensor) -> StreamState:
     cache = stream.cache
     return StreamState(
-        cache=KVCache(
+        cache=replace(
+            cache,
             keys=torch.zeros_like(cache.keys),
             values=torch.zeros_like(cache.values),
             num_frames=torch.zeros_like(cache.num_frames),
-            frame_tokens=cache.frame_tokens,
-            sink_frames=cache.sink_frames,
+            slots=None,
         ),
         frames=torch.zeros_like(stream.frames),
         text=text.detach().to(stream.text.dtype).clone(),
@@ -190,32 +184,23 @@ def streaming(
         A managed step that trains ``student`` and ``critic``.
 
     Raises:
-        ValueError: For out-of-range settings (as :func:`fvstep.methods.self_forcing.self_forcing`'s);
-            at a step, before it changes anything (the input state stays usable): if
-            ``state.extra`` has no stream of this window and sink, its cache was made for
-            another model, the student is not causal, the teacher or critic is causal, or
-            the batch does not fit the stream (its batch size, channels, height and width;
-            more frames than the window, or frames not a multiple of the chunk; a new
-            stream's text shaped otherwise than the stream's).
+        ValueError: For out-of-range settings; at a step, before it changes anything, if
+            ``state.extra`` has no stream of this window and sink or of this model, the
+            student is not causal, the teacher or critic is, or the batch does not fit the
+            stream (``docs/methods/streaming.md`` lists the refusals).
 
     Examples:
         >>> step = fvstep.compile(streaming(steps_per_stream=8, window_frames=6),
         ...                       accumulation=fvstep.Accumulation(2))
     """
-    for label, value, low in (
-        ("steps_per_stream", steps_per_stream, 1),
-        ("window_frames", window_frames, 1),
-        ("sink_frames", sink_frames, 0),
-        ("generator_update_interval", generator_update_interval, 1),
-    ):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"{label} must be an int >= {low}, got {value!r}")
-    steps = check_denoising_steps(denoising_steps)
-    check_score_options(
-        guidance_scale=guidance_scale, shift=shift, min_ratio=min_ratio, max_ratio=max_ratio
-    )
-    if not 0.0 <= context_time < 1.0:
-        raise ValueError(f"context_time must be in [0, 1), got {context_time}")
+    check_count(steps_per_stream, "steps_per_stream")
+    check_count(window_frames, "window_frames")
+    check_count(sink_frames, "sink_frames", 0)
+    check_count(generator_update_interval, "generator_update_interval")
+    steps = check_rollout_options(
+        denoising_steps, guidance_scale=guidance_scale, shift=shift, min_ratio=min_ratio,
+        max_ratio=max_ratio, context_time=context_time,
+    )  # fmt: skip
     score: dict[str, Any] = {"shift": shift, "min_ratio": min_ratio, "max_ratio": max_ratio}
     capacity = sink_frames + window_frames
 

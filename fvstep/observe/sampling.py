@@ -1,30 +1,16 @@
 """Sampling from a role: flow-matching samplers, VAE decoding, sample videos for validation.
 
-- :class:`EulerSampler`: ``N``-step flow-matching Euler with the times of diffusers'
-  ``FlowMatchEulerDiscreteScheduler`` (and its ``step``), optionally classifier-free
-  guided: the sampler a ``WanPipeline`` with that scheduler runs, so an exported pipeline
-  (``fvstep.checkpoint.export(..., format="pipeline")``) reproduces it.
-- :class:`FewStepSampler`: a few-step student's sampler (DMD2's ``denoising_steps``):
-  predict ``x0 = x - t v`` at each step, re-noise it to the next step with fresh keyed
-  noise, return the last ``x0``.
-- :func:`sample`: run a sampler with a module (a causal Wan autoregressively, chunk by
-  chunk with its KV cache, as :func:`fvstep.methods.causal_rollout.rollout` generates);
-  :func:`decode_latents`: latents to pixels with a diffusers VAE (``AutoencoderKLWan``),
-  as ``WanPipeline`` decodes them;
-- :func:`sample_videos`: a validation function that samples a role (or its EMA) for
-  each prompt embedding and returns :class:`fvstep.executor.media.Video` values, which the
-  trackers write as MP4 and PNG strip.
+:class:`EulerSampler` runs what a ``WanPipeline`` runs with diffusers' flow-matching Euler
+scheduler; :class:`FewStepSampler` is a few-step student's (DMD2's ``denoising_steps``).
+:func:`sample` runs either (a causal Wan chunk by chunk), :func:`decode_latents` decodes
+as ``WanPipeline`` does, and :func:`sample_videos` is a validation function of videos.
 
 Examples:
-    >>> fn = sample_videos(prompts, latent_shape=(16, 21, 60, 104), vae=vae,
-    ...                    sampler=FewStepSampler((1.0, 0.75, 0.5, 0.25)))
-    >>> fvstep.run(step, state, data, num_steps=1000,
-    ...            validation=fvstep.Validation(fn, every=500))
+    >>> fn = sample_videos(prompts, latent_shape=(16, 21, 60, 104), vae=vae)
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +22,8 @@ from fvstep.core import random as fsrandom
 from fvstep.core._optional import needs_extra
 from fvstep.core.state import TrainState
 from fvstep.executor.media import Video, frames_from_pixels
+from fvstep.methods import _noise
+from fvstep.methods._checks import check_count, check_denoising_steps
 from fvstep.methods.causal_wan import (
     causal_forward,
     chunk_frames_of,
@@ -62,19 +50,17 @@ __all__ = [
 
 
 def _positive_int(_: object, attribute: attrs.Attribute, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{attribute.name} must be an int >= 1, got {value!r}")
+    check_count(value, attribute.name)
 
 
 @attrs.frozen
 class EulerSampler:
     """``num_steps`` flow-matching Euler steps from ``t = 1`` to ``0``.
 
-    The times are those of ``FlowMatchEulerDiscreteScheduler(shift=shift)`` after
-    ``set_timesteps(num_steps)``, and each step is its ``step`` (``x += (t' - t) v`` in
-    fp32): exactly what ``WanPipeline`` runs with that scheduler. With
-    ``guidance_scale > 1`` the velocity is classifier-free guided,
-    ``v = v_neg + s (v - v_neg)``, on the negative text (zeros unless given).
+    The times and steps of ``FlowMatchEulerDiscreteScheduler(shift=shift)`` (in fp32):
+    exactly what ``WanPipeline`` runs with that scheduler. With ``guidance_scale > 1`` the
+    velocity is classifier-free guided, ``v = v_neg + s (v - v_neg)``, on the negative text
+    (zeros unless given).
 
     Attributes:
         num_steps: Model evaluations (twice as many forwards with guidance).
@@ -90,17 +76,10 @@ class EulerSampler:
     guidance_scale: float = 1.0
 
     def scheduler(self) -> FlowMatchEulerDiscreteScheduler:
-        """A fresh diffusers scheduler with this sampler's times (for a pipeline, too).
-
-        Returns:
-            ``FlowMatchEulerDiscreteScheduler(shift=self.shift)``.
+        """A fresh diffusers ``FlowMatchEulerDiscreteScheduler(shift=self.shift)`` (for a pipeline, too).
 
         Raises:
             ImportError: If diffusers is not installed.
-
-        Examples:
-            >>> EulerSampler(4).scheduler().config.shift
-            1.0
         """
         with needs_extra("models", "EulerSampler"):
             from diffusers import FlowMatchEulerDiscreteScheduler
@@ -128,11 +107,7 @@ class FewStepSampler:
     )
 
     def __attrs_post_init__(self) -> None:
-        steps = self.denoising_steps
-        if not steps or any(not 0.0 < s <= 1.0 for s in steps):
-            raise ValueError(f"denoising_steps must be non-empty times in (0, 1], got {steps}")
-        if any(a <= b for a, b in itertools.pairwise(steps)):
-            raise ValueError(f"denoising_steps must be strictly decreasing, got {steps}")
+        check_denoising_steps(self.denoising_steps)
 
 
 Sampler = EulerSampler | FewStepSampler
@@ -166,14 +141,11 @@ def sample(
     """Generate clean latents from ``noise`` with ``module`` (the forward contract).
 
     Runs under ``torch.no_grad()``. A causal Wan (:func:`fvstep.methods.make_causal`)
-    generates as at inference: chunk by chunk, each chunk's frames (from their slice of
-    ``noise``) run through the whole sampler attending to the KV cache of the chunks
-    before, then the clean chunk (``t = 0``) is appended to the cache. With a
-    :class:`FewStepSampler`, chunk ``c`` re-noises before step ``i + 1`` with
-    ``fold_in(split(fold_in(key, c), 3)[1], i)``: the keys of
-    :func:`fvstep.methods.causal_rollout.rollout`, so that ``sample`` is bitwise the
-    rollout whose every chunk exits at the last step, given the rollout's noise. A
-    guided :class:`EulerSampler` keeps a second cache for the negative text.
+    generates as at inference: chunk by chunk through the whole sampler, attending to the
+    KV cache of the clean chunks before (a guided sampler keeps a second cache for the
+    negative text). Its :class:`FewStepSampler` re-noises with the keys of
+    :func:`fvstep.methods.causal_rollout.rollout`: bitwise the rollout whose every chunk
+    exits at the last step, given the rollout's noise.
 
     Args:
         module: A velocity predictor (:mod:`fvstep.methods.models`' forward contract).
@@ -191,8 +163,8 @@ def sample(
     Raises:
         ValueError: If a multi-step :class:`FewStepSampler` has no ``key``, a causal
             model's frames are not a multiple of its chunk, or the module's config
-            records a causal Wan that it is not (a causal export loaded with a plain
-            ``from_pretrained``: :func:`fvstep.methods.causal_wan.load_causal` loads it).
+            records a causal Wan that it is not (load it with
+            :func:`fvstep.methods.causal_wan.load_causal`).
 
     Examples:
         >>> x0 = sample(net, noise, text, sampler=EulerSampler(4))
@@ -202,15 +174,10 @@ def sample(
     if recorded_chunk_frames(module) is not None:
         chunk_frames_of(module)  # raises: the record of a causal model that is not causal
     _check_key(sampler, key)
-    if isinstance(sampler, EulerSampler):
-        scale = sampler.guidance_scale
+    scale = sampler.guidance_scale if isinstance(sampler, EulerSampler) else 1.0
 
-        def velocity(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-            return _guided(module, x, t, text, negative_text, scale)
-    else:
-
-        def velocity(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-            return predict(module, x, t, text)
+    def velocity(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return _guided(module, x, t, text, negative_text, scale)
 
     with torch.no_grad():
         return _run(velocity, noise, sampler, key)
@@ -228,7 +195,8 @@ def _run(
     key: torch.Tensor | None,
 ) -> torch.Tensor:
     """The sampler's loop from ``x`` with ``velocity(x, timestep)`` (timesteps x 1000);
-    a few-step sampler re-noises before step ``i + 1`` from ``fold_in(key, i)``."""
+    a few-step sampler re-noises before step ``i + 1`` from ``fold_in(key, i)``.
+    """
     batch = x.shape[0]
     if isinstance(sampler, EulerSampler):
         scheduler: Any = sampler.scheduler()
@@ -243,12 +211,7 @@ def _run(
         x0 = x0_from_velocity(x, t, velocity(x, t * 1000))
         if i + 1 < len(steps):
             assert key is not None
-            eps = torch.randn(
-                x0.shape,
-                generator=fsrandom.generator(fsrandom.fold_in(key, i), x0.device),
-                device=x0.device,
-                dtype=x0.dtype,
-            )
+            eps = _noise.randn_like(fsrandom.fold_in(key, i), x0)
             x = add_noise(x0, eps, torch.full((batch,), steps[i + 1], device=x.device))
     return x0
 
@@ -298,16 +261,13 @@ def _sample_causal(
 def decode_latents(vae: nn.Module, latents: torch.Tensor) -> torch.Tensor:
     """Pixels ``(B, F, H, W, 3)`` in ``[0, 1]`` from latents, as ``WanPipeline`` decodes.
 
-    ``latents * std + mean`` with the VAE config's ``latents_mean``/``latents_std``, then
-    ``vae.decode``, then diffusers' ``VideoProcessor.postprocess_video``; the latents are
-    cast to the VAE's device and dtype. Runs under ``torch.no_grad()``.
+    The latents are cast to the VAE's device and dtype, de-normalised with the VAE config's
+    ``latents_mean``/``latents_std``, decoded and post-processed as diffusers'
+    ``VideoProcessor`` does, under ``torch.no_grad()``.
 
     Args:
         vae: A diffusers ``AutoencoderKLWan`` (or any VAE with that config and ``decode``).
         latents: ``(B, C, F, H, W)``.
-
-    Returns:
-        Float pixels, channels last.
 
     Examples:
         >>> video = decode_latents(vae, sample(net, noise, text, sampler=EulerSampler(4)))
@@ -347,12 +307,10 @@ def sample_videos(
 ) -> Callable[[TrainState, torch.Tensor], Mapping[str, Any]]:
     """A validation function that samples ``role`` once per prompt embedding.
 
-    Prompt ``i`` starts from noise drawn from ``fold_in(key, i)`` (and a
-    :class:`FewStepSampler` re-noises from keys split from it): fixed noise, so the
-    videos of successive validations differ only by the weights. Every rank samples
-    (sharded roles need all of them); global rank 0 decodes with ``vae`` and returns
-    ``{"sample_<i>": Video}`` (the others ``{}``); the run's trackers then write each as
-    MP4 and PNG strip.
+    Prompt ``i`` starts from fixed noise drawn from ``fold_in(key, i)``, so successive
+    validations differ only by the weights. Every rank samples (sharded roles need all of
+    them); global rank 0 decodes with ``vae`` and returns ``{"sample_<i>": Video}`` (the
+    others ``{}``), which the run's trackers write as MP4 and PNG strip.
 
     Args:
         text: Prompt embeddings ``(P, L, D)``, one per video.
@@ -398,7 +356,7 @@ def sample_videos(
             device = module_device(module)
             for i in range(num):
                 k_noise, k_renoise = fsrandom.split(fsrandom.fold_in(base_key, i), 2)
-                noise = torch.randn((1, *shape), generator=fsrandom.generator(k_noise)).to(device)
+                noise = _noise.randn(k_noise, (1, *shape)).to(device)
                 latents = sample(
                     module,
                     noise,

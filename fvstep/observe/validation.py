@@ -1,15 +1,10 @@
 """Validation functions: ``(state, key) -> metrics``, for :class:`fvstep.Validation`.
 
-- :func:`validation_loss`: the flow-matching loss of a role on fixed held-out latents at
-  fixed timesteps with fixed noise: a deterministic number, the same at the same step in
-  an uninterrupted and a resumed run, comparable from step to step.
-- :func:`role_module`: a role's module computing with its live weights or, chosen
-  explicitly, its EMA weights, for any validation function.
-
-Samples (videos) come from :func:`fvstep.observe.sampling.sample_videos`.
+:func:`validation_loss` is a role's flow-matching loss on fixed held-out latents, times and
+noise (the same number at the same step in any run); :func:`role_module` gives a role's
+module computing with its live or its EMA weights. Samples: :mod:`fvstep.observe.sampling`.
 
 Examples:
-    >>> held_out = synthetic_batch(fvstep.random.key(123), batch_size=4)
     >>> fvstep.run(step, state, data, num_steps=1000, validation=fvstep.Validation(
     ...     validation_loss(held_out["latents"], held_out["text"]), every=100))
 """
@@ -32,6 +27,7 @@ from fvstep.core.weights import (
     roles_holding_other_weights,
     select_weights,
 )
+from fvstep.methods import _noise
 from fvstep.methods.finetune import add_noise
 from fvstep.methods.models import predict
 from fvstep.parallel.grad_sync import release_modules
@@ -47,20 +43,12 @@ def role_module(
 ) -> Iterator[nn.Module]:
     """The module of ``role``, computing with its live weights or its EMA weights.
 
-    With ``weights="ema"`` the role's trainable parameters hold the EMA values (cast to
-    their dtype) inside the ``with`` block and their own values again after it (also
-    when the block raises), bit for bit: the live values are kept aside in a copy of the
-    role's (local shards of its) trainable parameters. Which weights are the EMA weights
-    is :func:`fvstep.core.weights.select_weights`'s rule, the one every export follows: an EMA
-    that has not started yet (before its ``start_step``) stands for the live weights, as
-    the EMA restarts from them. For FSDP2-sharded roles every rank must enter it (the
-    copies are local; the module's forward gathers): every FSDP2 group of the state is
-    resharded before the swap and after the block (:func:`fvstep.parallel.release_modules`;
-    after the block also without a swap), so no forward inside the block reads a copy
-    gathered before it, nor one after it a copy gathered inside. Inside the block the
-    parameters *are* the EMA: ``fvstep.checkpoint.save``, the exports and a nested
-    ``role_module(weights="params")`` of the role refuse there (they would take the EMA
-    for the live weights); save and export after the block.
+    With ``weights="ema"`` the role's trainable parameters hold the EMA values inside the
+    ``with`` block (by :func:`fvstep.core.weights.select_weights`'s rule) and their own
+    values again after it, bit for bit, also when the block raises. Every FSDP2 group of
+    the state is resharded before the swap and after the block, so every rank of a sharded
+    role enters it (``docs/concepts/validation.md``). Inside the block ``checkpoint.save``,
+    the exports and a nested ``weights="params"`` of the role refuse: do them after it.
 
     Args:
         state: The state (not changed).
@@ -94,10 +82,8 @@ def role_module(
         finally:
             release_modules(state)  # at rest after the block, as after a swap
         return
-    # FSDP2 keeps a group unsharded after a forward under no_grad (always the root; every
-    # group with reshard_after_forward=False): such a group computes with its gathered
-    # copy, not with the shards written here. Every module is returned to rest before
-    # each swap and after it, so the next forward gathers what the shards hold.
+    # FSDP2 keeps some groups unsharded after a no_grad forward, computing with the gathered
+    # copy: at rest before the swap and after it, the next forward gathers what is written.
     release_modules(state)
     with torch.no_grad():
         kept = {n: live.params[n].detach().clone() for n in swapped}
@@ -116,12 +102,6 @@ def role_module(
 
 def module_device(module: nn.Module) -> torch.device:
     """The device of a module's first parameter or buffer (CPU for an empty module).
-
-    Args:
-        module: The module (a DTensor parameter gives its local device).
-
-    Returns:
-        The device.
 
     Examples:
         >>> module_device(torch.nn.Linear(2, 2))
@@ -144,12 +124,10 @@ def validation_loss(
 ) -> Callable[[TrainState, torch.Tensor], Mapping[str, Any]]:
     """The flow-matching loss of ``role`` on fixed held-out latents at fixed timesteps.
 
-    For every ``t`` in ``timesteps``: ``x_t = (1 - t) x0 + t eps`` with ``eps`` drawn
-    once, here, from ``key`` (the same noise at every validation), and
-    ``MSE(v(x_t, 1000 t, text), eps - x0)`` in fp32. The returned function reports
-    ``{"loss": mean over timesteps, "loss_t0.50": loss at t = 0.5, ...}`` as 0-d tensors
-    (read later, with no sync of its own); it ignores the key it is given, so the number
-    depends on the weights alone: the same at the same step in any run.
+    For every ``t`` in ``timesteps``: ``MSE(v(x_t, 1000 t, text), eps - x0)`` in fp32 with
+    ``x_t = (1 - t) x0 + t eps`` and ``eps`` drawn once, here, from ``key``. The function
+    ignores the key it is given (the number depends on the weights alone) and reports
+    ``{"loss": mean over timesteps, "loss_t0.50": loss at t = 0.5, ...}`` as 0-d tensors.
 
     Args:
         latents: Held-out clean latents ``x0`` ``(N, C, F, H, W)`` (moved to the role's
@@ -189,11 +167,7 @@ def validation_loss(
     noise_key = fsrandom.key(0) if key is None else key
     eps_all = torch.stack(
         [
-            torch.randn(
-                x0_all.shape,
-                generator=fsrandom.generator(fsrandom.fold_in(noise_key, i)),
-                dtype=x0_all.dtype,
-            )
+            _noise.randn(fsrandom.fold_in(noise_key, i), x0_all.shape, dtype=x0_all.dtype)
             for i in range(len(times))
         ]
     )
