@@ -8,6 +8,8 @@ Examples:
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import functools
 import json
 from pathlib import Path
@@ -22,6 +24,7 @@ from fvstep import parallel as fsp
 from fvstep.executor.trackers import TensorBoardTracker, WandbTracker
 from fvstep.parallel.activation_checkpoint import resolve_checkpointing
 from fvstep.recipes import RunSpec
+from fvstep.recipes import init as init_
 from fvstep.recipes.options import (
     DataOptions,
     LoRAOptions,
@@ -41,17 +44,23 @@ __all__ = [
     "check_paths",
     "close_data",
     "compute_dtype",
+    "copied_roles",
     "device_for",
+    "dmd2_roles",
     "dtype_of",
     "held_out_indices",
     "held_out_items",
     "load_transformer",
+    "lora_over_base",
     "make_data",
+    "make_ema",
     "make_mesh",
     "make_optimizer",
     "make_run_options",
     "precision_name",
     "prepare_role",
+    "run_spec",
+    "takes_init_weights",
 ]
 
 
@@ -307,6 +316,69 @@ def make_optimizer(optim: OptimOptions) -> Any:
     return fs.optim.adamw(
         lr=lr, betas=optim.betas, weight_decay=optim.weight_decay, fused=optim.fused or None
     )
+
+
+def make_ema(optim: OptimOptions) -> Any:
+    """An EMA of decay ``optim.ema`` for a trained role, or ``None``."""
+    return fs.EMA(optim.ema) if optim.ema is not None else None
+
+
+def takes_init_weights(options: Any, *, fresh: bool) -> bool:
+    """Whether ``options.init_from`` fills the trained roles' weights: a fresh run from a
+    ``kind="weights"`` source."""
+    source = options.init_from
+    return fresh and source.path is not None and source.kind == "weights"
+
+
+def dmd2_roles(options: Any, student: Any, teacher: Any, critic: Any) -> dict[str, fs.Role]:
+    """The roles of DMD2-style recipes over prepared modules: the ``student`` (AdamW of
+    ``optim``, an EMA), the frozen ``teacher`` saved by its digest, the ``critic`` (AdamW
+    at ``critic_lr``)."""
+    critic_optim = dataclasses.replace(options.optim, lr=options.critic_lr)
+    return {
+        "student": fs.Role(
+            student, optimizer=make_optimizer(options.optim), ema=make_ema(options.optim)
+        ),
+        "teacher": fs.Role(teacher, save_frozen=False),
+        "critic": fs.Role(critic, optimizer=make_optimizer(critic_optim)),
+    }
+
+
+def copied_roles(
+    options: Any, teacher: nn.Module, student: nn.Module, *, fresh: bool, device: torch.device
+) -> dict[str, fs.Role]:
+    """:func:`dmd2_roles` of a ``student`` and a critic copied from ``teacher``: both
+    filled from ``init_from`` on a fresh run, then all three prepared."""
+    critic = copy.deepcopy(teacher)
+    if takes_init_weights(options, fresh=fresh):
+        init_.init_from(options.init_from, {"student": student, "critic": critic})
+    mesh = make_mesh(device)
+    prepared = {
+        name: prepare_role(m.to(device), options.prepare, mesh, trainable=name != "teacher")
+        for name, m in (("student", student), ("teacher", teacher), ("critic", critic))
+    }
+    return dmd2_roles(options, **prepared)
+
+
+def lora_over_base(
+    options: Any, base: nn.Module, roles: tuple[str, ...], *, fresh: bool, mesh: Any,
+    base_role: str,
+) -> tuple[nn.Module, dict[str, Any]]:  # fmt: skip
+    """``roles``' adapters over ``base`` (:func:`add_lora`) and the base, prepared frozen.
+
+    On a fresh run the adapters are filled from ``init_from``, refused when it was trained
+    on another base (its frozen ``base_role``); with ``mesh``, they are sharded over it.
+    """
+    adapters = add_lora(base, options.lora, roles)
+    base = prepare_role(base, options.prepare, mesh, trainable=False)
+    source = options.init_from
+    if takes_init_weights(options, fresh=fresh) and source.path is not None:
+        init_.check_base_digest(source.path, base, base_role=base_role)
+        init_.init_from(source, dict(adapters))
+    if mesh is not None:
+        for module in adapters.values():
+            fsp.shard_module(module, mesh=mesh)
+    return base, adapters
 
 
 def check_paths(options: Any) -> None:

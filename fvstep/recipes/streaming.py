@@ -1,17 +1,10 @@
 """The ``streaming`` recipe: self-forcing on a long rollout that spans several steps.
 
-Roles: those of ``self_forcing`` (:func:`fvstep.recipes.self_forcing.causal_roles`: a
-causal ``student`` and a ``critic``, trained; the ``teacher``, frozen, saved by its
-digest). The method is :func:`fvstep.methods.streaming`: each step generates the next
-frames of the stream (the latents' frames, a multiple of ``chunk_frames`` and at most
-``window_frames``) from its KV cache, trains on them, and moves the stream on; a new
-stream starts every ``steps_per_stream`` steps. The stream (its rolling cache of
-``sink_frames + window_frames`` frames, latest frames, prompt and frame count) is
-``state.extra["stream"]`` (:func:`fvstep.methods.init_stream`, shaped by the run's first
-batch): checkpointed per rank and restored like every other leaf, so a checkpoint resumes
-on the same number of ranks. Its cache is kept in the student's compute dtype (bf16 when
-the student computes in bf16: FSDP2's ``param_dtype``, or autocast on one process). With
-no options it trains the embedded tiny Wan on the CPU, a chunk of 3 frames a step.
+Roles: those of ``self_forcing`` (:func:`fvstep.recipes.self_forcing.causal_roles`). The
+method is :func:`fvstep.methods.streaming`: each step generates the stream's next frames
+from its KV cache, trains on them and moves the stream on; a new stream starts every
+``steps_per_stream`` steps. The stream is ``state.extra["stream"]``, checkpointed per rank
+(a checkpoint resumes on the same number of ranks). With no options: the tiny Wan on the CPU.
 
 Examples:
     $ fvstep train streaming --model.path Wan2.1-T2V-1.3B-Diffusers --data.path latents/ \\
@@ -31,24 +24,14 @@ from fvstep.methods import init_stream, streaming
 from fvstep.methods.causal_rollout import shifted_steps
 from fvstep.observe.sampling import FewStepSampler
 from fvstep.recipes import Recipe, RunSpec, parts
-from fvstep.recipes.options import (
-    DataOptions,
-    InitFrom,
-    ModelOptions,
-    OptimOptions,
-    ParallelOptions,
-    PrepareOptions,
-    RunOptions,
-    TrackerOptions,
-    ValidationOptions,
-)
+from fvstep.recipes.options import DataOptions, OptimOptions, RecipeOptions, RunOptions
 from fvstep.recipes.self_forcing import causal_roles, check_latent_frames
 
 __all__ = ["RECIPE", "StreamingOptions", "build"]
 
 
 @dataclass(frozen=True)
-class StreamingOptions:
+class StreamingOptions(RecipeOptions):
     """The options of the ``streaming`` recipe (see :mod:`fvstep.recipes.options`).
 
     Attributes:
@@ -65,17 +48,11 @@ class StreamingOptions:
         guidance_scale: The teacher's classifier-free guidance scale.
     """
 
-    model: ModelOptions = field(default_factory=ModelOptions)
     data: DataOptions = field(default_factory=lambda: DataOptions(latent_shape=(4, 3, 4, 4)))
     optim: OptimOptions = field(default_factory=lambda: OptimOptions(lr=2e-4))
-    prepare: PrepareOptions = field(default_factory=PrepareOptions)
-    parallel: ParallelOptions = field(default_factory=ParallelOptions)
     run: RunOptions = field(
         default_factory=lambda: RunOptions(out="runs/streaming", num_steps=10, every=5)
     )
-    validation: ValidationOptions = field(default_factory=ValidationOptions)
-    trackers: TrackerOptions = field(default_factory=TrackerOptions)
-    init_from: InitFrom = field(default_factory=InitFrom)
     chunk_frames: int = 3
     window_frames: int = 6
     sink_frames: int = 3
@@ -116,12 +93,13 @@ def build(options: StreamingOptions, *, fresh: bool = True) -> RunSpec:
         (['stream'], 0)
     """
     check_latent_frames(options.data, options.chunk_frames)
+    steps = shifted_steps(options.denoising_steps, options.denoising_shift)
     method = streaming(
         steps_per_stream=options.steps_per_stream,
         window_frames=options.window_frames,
         sink_frames=options.sink_frames,
         generator_update_interval=options.generator_update_interval,
-        denoising_steps=shifted_steps(options.denoising_steps, options.denoising_shift),
+        denoising_steps=steps,
         guidance_scale=options.guidance_scale,
     )
     device = parts.device_for(options.run)
@@ -139,7 +117,6 @@ def build(options: StreamingOptions, *, fresh: bool = True) -> RunSpec:
     state = fs.TrainState.create(
         roles, key=fs.random.key(options.run.seed), extra={"stream": stream}
     )
-    steps = shifted_steps(options.denoising_steps, options.denoising_shift)
     return parts.run_spec(
         options,
         state,
