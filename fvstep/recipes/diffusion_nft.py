@@ -1,15 +1,12 @@
 """The ``diffusion_nft`` recipe: online RL of a flow-matching model by DiffusionNFT.
 
-Roles: ``student`` (the policy: trained, with an EMA), ``old`` (a frozen copy of the
-starting student that samples the rollouts, moved toward the student after each step, kept
-in the student's dtype and saved) and, with ``kl_weight > 0``, ``reference`` (a frozen copy
-of the starting student). The method is :func:`fvstep.methods.diffusion_nft`. ``reward``:
-``latent_mse`` (:func:`~fvstep.methods.rewards.latent_mse_reward`, no decoding) or
-``colorfulness`` of the videos decoded by the VAE of the pipeline folder at ``model.path``.
+Roles: ``student`` (the policy, trained), ``old`` (a frozen copy of the starting student
+that samples the rollouts, moved toward the student after each step, kept in its dtype and
+saved) and, with ``kl_weight > 0``, ``reference`` (a frozen copy). The method is
+:func:`fvstep.methods.diffusion_nft`, scored by ``reward``.
 
 Examples:
-    $ fvstep train diffusion_nft --model.path Wan2.1-T2V-1.3B-Diffusers \\
-          --data.path latents/ --reward colorfulness --group_size 8 --optim.lr 3e-6
+    $ fvstep train diffusion_nft --model.path Wan2.1-T2V-1.3B-Diffusers --data.path latents/
 """
 
 from __future__ import annotations
@@ -55,8 +52,8 @@ class DiffusionNFTOptions(RecipeOptions):
     """The options of the ``diffusion_nft`` recipe (see :mod:`fvstep.recipes.options`).
 
     Attributes:
-        reward: The reward, by name: ``"latent_mse"`` or ``"colorfulness"`` (the module
-            docstring).
+        reward: The reward (:mod:`fvstep.methods.rewards`): ``"latent_mse"`` or
+            ``"colorfulness"`` (needs a pipeline folder's VAE at ``model.path``).
         group_size: Rollouts a prompt (>= 2); a step rolls out ``data.batch_size *
             group_size`` samples.
         rollout_steps: Euler steps of the old policy's rollouts.

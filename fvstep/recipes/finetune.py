@@ -5,8 +5,6 @@ above 0 the student is a LoRA adapter over a frozen ``base`` role saved by its d
 method is :func:`fvstep.methods.finetune`. With no options: the tiny Wan on the CPU.
 
 Examples:
-    $ fvstep train finetune --model.path Wan2.1-T2V-1.3B-Diffusers \\
-          --data.path latents/ --optim.lr 1e-5 --run.num_steps 2000 --run.out runs/ft
     $ fvstep train finetune --model.path Wan2.1-T2V-14B-Diffusers --data.path latents/ \\
           --lora.rank 64 --optim.lr 1e-4 --run.out runs/lora_ft
 """

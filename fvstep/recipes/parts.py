@@ -1,5 +1,5 @@
-"""What the shipped recipes share: the model, its preparation, the data, the optimizer,
-validation, trackers and the options of :func:`fvstep.run`, each from its options group.
+"""What the shipped recipes share: the model, its preparation, the roles, the data, the
+optimizer, validation, trackers and the options of :func:`fvstep.run`, from their options.
 
 Examples:
     >>> module = load_transformer(ModelOptions())          # the tiny Wan
@@ -95,9 +95,8 @@ def load_transformer(model: ModelOptions, *, device: torch.device | None = None)
     """The transformer of ``model``: a diffusers folder's weights, or a random init of a
     config (``model.config``, else the tiny Wan of ``model.tiny``) seeded by ``model.seed``.
 
-    A config's random init is drawn on ``device`` (a 14B model is then not built in host
-    memory first, once per rank); the folder's weights and the tiny Wan are loaded on the
-    CPU. The caller moves the module to its device either way.
+    A config's random init is drawn on ``device`` (not in host memory once per rank), the
+    rest on the CPU; the caller moves the module to its device.
 
     Raises:
         ValueError: If ``model.path`` is not a diffusers folder, or holds a causal Wan
@@ -262,13 +261,10 @@ def prepare_role(
 ) -> nn.Module:
     """:func:`fvstep.parallel.prepare` with the recipe's options (FSDP2 over ``mesh``).
 
-    The compute dtype (:func:`compute_dtype`) is FSDP2's ``param_dtype`` with a mesh and
-    autocast on one process, for frozen roles too (stored in ``frozen_dtype``, bf16 by
-    default under bf16 compute). Checkpointing, activation offloading and compile apply to
-    every role: a role read under ``no_grad`` (a DMD2 teacher) pays nothing for the first
-    two, and a frozen LoRA base needs them (its adapters' gradients flow through it). With
-    ``options.flash_attention_4``, FlashAttention-4 is enabled for the process (it raises
-    where it cannot run) and the role's attention backend is ``"_native_flash"``.
+    Every role computes in :func:`compute_dtype` (frozen ones stored in ``frozen_dtype``,
+    bf16 by default under bf16 compute) and takes checkpointing, offloading and compile
+    (free under ``no_grad``; a frozen LoRA base needs them). ``flash_attention_4`` enables
+    FlashAttention-4 for the process and sets the role's attention backend.
 
     Raises:
         ValueError: For FlashAttention-4 under fp32 compute (it has no fp32 kernel).
@@ -440,9 +436,7 @@ def make_data(data: DataOptions, *, held_out: int = 0, device: torch.device | No
         device: Where the batches are delivered (the rank's device; ``None``: the CPU).
             A dataset's loader copies them from pinned memory without blocking.
         held_out: With ``data.path``, the items :func:`held_out_indices` keeps for
-            validation (``validation.num_samples``, whether validation runs or not):
-            the loader never draws them. A fixed split: it follows from the recorded
-            options and the dataset, whose digest a resume checks.
+            validation (``validation.num_samples``): the loader never draws them.
 
     Raises:
         ValueError: If the items left after the held-out ones do not fill a global batch.

@@ -1,9 +1,8 @@
 """The ``self_forcing`` recipe: a causal student trained by DMD on its own chunked rollouts.
 
-Roles: ``student`` (a causal copy of the model, :func:`fvstep.methods.make_causal`; trained,
-with an EMA), ``teacher`` (the model, frozen, saved by its digest), ``critic`` (a copy,
-trained). The method is :func:`fvstep.methods.self_forcing`. The latents' frames must be a
-multiple of ``chunk_frames``. With no options: the tiny Wan on the CPU, 2 chunks of 3.
+Roles: ``student`` (a causal copy of the model, :func:`fvstep.methods.make_causal`),
+``teacher`` (the model, frozen, saved by its digest), ``critic`` (a copy). The method is
+:func:`fvstep.methods.self_forcing`; the latents' frames must be a multiple of ``chunk_frames``.
 
 Examples:
     $ fvstep train self_forcing --model.path Wan2.1-T2V-1.3B-Diffusers \\

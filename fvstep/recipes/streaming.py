@@ -1,10 +1,8 @@
 """The ``streaming`` recipe: self-forcing on a long rollout that spans several steps.
 
-Roles: those of ``self_forcing`` (:func:`fvstep.recipes.self_forcing.causal_roles`). The
-method is :func:`fvstep.methods.streaming`: each step generates the stream's next frames
-from its KV cache, trains on them and moves the stream on; a new stream starts every
-``steps_per_stream`` steps. The stream is ``state.extra["stream"]``, checkpointed per rank
-(a checkpoint resumes on the same number of ranks). With no options: the tiny Wan on the CPU.
+Roles: those of ``self_forcing`` (:func:`~fvstep.recipes.self_forcing.causal_roles`). The
+method is :func:`fvstep.methods.streaming`: each step generates, from the stream's KV cache,
+its next frames and trains on them. The stream is ``state.extra["stream"]``, saved per rank.
 
 Examples:
     $ fvstep train streaming --model.path Wan2.1-T2V-1.3B-Diffusers --data.path latents/ \\
