@@ -62,9 +62,8 @@ class DemoConfig:
             raise ValueError(f"sync must be every, no_sync or deferred, got {self.sync!r}")
         if self.num_steps < min_steps(self.every):
             raise ValueError(
-                f"num_steps must be >= {min_steps(self.every)} with every={self.every} (the "
-                f"crash falls after the first checkpoint and before the last step), "
-                f"got {self.num_steps}"
+                f"num_steps must be >= {min_steps(self.every)} with every={self.every} (the crash "
+                f"falls between the first checkpoint and the last step), got {self.num_steps}"
             )
 
     @property

@@ -32,9 +32,8 @@ def _load_run(checkpoint: str) -> tuple[Any, Any]:
     saved = read_config(folder.parent)
     if saved is None:
         raise CLIError(
-            f"fvstep export: no config.yaml in {str(folder.parent)!r}: export reads the run's "
-            "config (written by fvstep train) to rebuild its state; for a run of your own "
-            "script, call fvstep.checkpoint.export on its loaded state"
+            f"fvstep export: no config.yaml in {str(folder.parent)!r} (fvstep train writes it); for "
+            "a run of your own script, call fvstep.checkpoint.export on its loaded state"
         )
     recipe = get_recipe(saved["recipe"])
     options = _options_from(recipe, saved["options"])

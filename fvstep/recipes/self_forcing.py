@@ -25,7 +25,15 @@ from fvstep.observe.sampling import FewStepSampler
 from fvstep.recipes import Recipe, RunSpec, parts
 from fvstep.recipes.options import DataOptions, OptimOptions, RecipeOptions, RunOptions
 
-__all__ = ["RECIPE", "SelfForcingOptions", "build", "causal_roles", "check_latent_frames"]
+__all__ = [
+    "RECIPE",
+    "SelfForcingOptions",
+    "build",
+    "causal_roles",
+    "causal_run_spec",
+    "check_latent_frames",
+    "student_cache_dtype",
+]
 
 
 @dataclass(frozen=True)
@@ -103,6 +111,34 @@ def causal_roles(options: Any, *, fresh: bool, device: torch.device) -> dict[str
     return parts.copied_roles(options, teacher, student, fresh=fresh, device=device)
 
 
+def student_cache_dtype(roles: dict[str, fs.Role]) -> torch.dtype | None:
+    """The student's compute dtype, which its KV cache keeps (the keys are computed in it)."""
+    prepared = fsp.preparation(roles["student"].module)
+    return None if prepared is None else prepared.param_dtype
+
+
+def causal_run_spec(
+    options: Any,
+    roles: dict[str, fs.Role],
+    method: Any,
+    *,
+    device: torch.device,
+    extra: dict[str, Any] | None = None,
+) -> RunSpec:
+    """The run of a causal recipe's ``method`` over ``roles``; the student samples its own
+    schedule, chunk by chunk."""
+    state = fs.TrainState.create(roles, key=fs.random.key(options.run.seed), extra=extra)
+    steps = shifted_steps(options.denoising_steps, options.denoising_shift)
+    return parts.run_spec(
+        options,
+        state,
+        method,
+        trained=("student", "critic"),
+        device=device,
+        sampler=FewStepSampler(steps),
+    )
+
+
 def build(options: SelfForcingOptions, *, fresh: bool = True) -> RunSpec:
     """The self-forcing run of ``options``: a causal student and a critic, both copies of
     the teacher (or from ``init_from`` on a fresh run).
@@ -121,23 +157,13 @@ def build(options: SelfForcingOptions, *, fresh: bool = True) -> RunSpec:
     self_forcing_losses(denoising_steps=steps, guidance_scale=options.guidance_scale)  # checks
     device = parts.device_for(options.run)
     roles = causal_roles(options, fresh=fresh, device=device)
-    prepared = fsp.preparation(roles["student"].module)
     method = self_forcing(
         generator_update_interval=options.generator_update_interval,
         denoising_steps=steps,
         guidance_scale=options.guidance_scale,
-        # the keys are computed in the student's compute dtype: keep the cache in it
-        cache_dtype=None if prepared is None else prepared.param_dtype,
+        cache_dtype=student_cache_dtype(roles),
     )
-    state = fs.TrainState.create(roles, key=fs.random.key(options.run.seed))
-    return parts.run_spec(
-        options,
-        state,
-        method,
-        trained=("student", "critic"),
-        device=device,
-        sampler=FewStepSampler(steps),  # the causal student samples chunk by chunk
-    )
+    return causal_run_spec(options, roles, method, device=device)
 
 
 RECIPE = Recipe(

@@ -16,14 +16,17 @@ from dataclasses import dataclass, field
 
 import torch
 
-import fvstep as fs
 from fvstep import parallel as fsp
 from fvstep.methods import init_stream, streaming
 from fvstep.methods.causal_rollout import shifted_steps
-from fvstep.observe.sampling import FewStepSampler
 from fvstep.recipes import Recipe, RunSpec, parts
 from fvstep.recipes.options import DataOptions, OptimOptions, RecipeOptions, RunOptions
-from fvstep.recipes.self_forcing import causal_roles, check_latent_frames
+from fvstep.recipes.self_forcing import (
+    causal_roles,
+    causal_run_spec,
+    check_latent_frames,
+    student_cache_dtype,
+)
 
 __all__ = ["RECIPE", "StreamingOptions", "build"]
 
@@ -91,38 +94,24 @@ def build(options: StreamingOptions, *, fresh: bool = True) -> RunSpec:
         (['stream'], 0)
     """
     check_latent_frames(options.data, options.chunk_frames)
-    steps = shifted_steps(options.denoising_steps, options.denoising_shift)
     method = streaming(
         steps_per_stream=options.steps_per_stream,
         window_frames=options.window_frames,
         sink_frames=options.sink_frames,
         generator_update_interval=options.generator_update_interval,
-        denoising_steps=steps,
+        denoising_steps=shifted_steps(options.denoising_steps, options.denoising_shift),
         guidance_scale=options.guidance_scale,
     )
     device = parts.device_for(options.run)
     roles = causal_roles(options, fresh=fresh, device=device)
-    student = roles["student"].module
-    prepared = fsp.preparation(student)
     stream = init_stream(
-        student,
+        roles["student"].module,
         _first_batch(options, device),
         window_frames=options.window_frames,
         sink_frames=options.sink_frames,
-        # the keys are computed in the student's compute dtype: keep them in it
-        cache_dtype=None if prepared is None else prepared.param_dtype,
+        cache_dtype=student_cache_dtype(roles),
     )
-    state = fs.TrainState.create(
-        roles, key=fs.random.key(options.run.seed), extra={"stream": stream}
-    )
-    return parts.run_spec(
-        options,
-        state,
-        method,
-        trained=("student", "critic"),
-        device=device,
-        sampler=FewStepSampler(steps),  # the causal student samples chunk by chunk
-    )
+    return causal_run_spec(options, roles, method, device=device, extra={"stream": stream})
 
 
 RECIPE = Recipe(
