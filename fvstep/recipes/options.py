@@ -192,9 +192,8 @@ class RunOptions:
         num_steps: The step to reach (a resumed run may raise it).
         every: Save a checkpoint every ``every`` steps (and at the end).
         keep: Keep the newest ``keep`` checkpoints (``None``: all).
-        log_every: Hand the metrics to ``metrics.jsonl`` and the trackers every
-            ``log_every`` steps (every step gets its line; this is how often they are
-            flushed, each flush one transfer from the device).
+        log_every: Flush the metrics to ``metrics.jsonl`` and the trackers every
+            ``log_every`` steps (every step gets its line; a flush is one device transfer).
         microbatches: Gradient accumulation: micro-batches a step.
         seed: Seeds the training key (noise, timesteps).
         device: ``"auto"`` (CUDA when available, else the CPU), ``"cpu"`` or ``"cuda"``.
@@ -230,16 +229,12 @@ class ValidationOptions:
             never), written as ``<run.out>/media/step_<n>/samples_sample_<i>.mp4`` and
             ``.png`` (the frames side by side). Needs a VAE: ``model.path`` a diffusers
             pipeline folder with a ``vae/``.
-        num_videos: Videos a sampling: the prompts (text embeddings) of the first
-            ``num_videos`` held-out items, each from fixed noise, at the held-out
-            latents' shape (at most ``num_samples``).
+        num_videos: Videos a sampling, one per held-out item's prompt, each from fixed
+            noise (at most ``num_samples``).
         sample_steps: Euler steps of a bidirectional student (``finetune``,
-            ``diffusion_nft``; the time shift of the pipeline's scheduler). A distilled
-            student (``dmd2``, ``lora_dmd2``, ``self_forcing``, ``streaming``) samples with
-            its own few-step schedule (a causal one chunk by chunk) and ignores it.
+            ``diffusion_nft``); a distilled student samples its own few-step schedule.
         sample_weights: The student's weights the videos show: ``"ema"``, ``"params"``
-            (live), or ``"auto"``: the EMA when the run keeps one (``optim.ema``), else
-            the live weights.
+            (live), or ``"auto"``: the EMA when the run keeps one, else the live weights.
     """
 
     every: int = 0
