@@ -1,14 +1,9 @@
-"""The ``fvstep`` command line: ``train``, ``plan``, ``export``, ``demo``, ``verify-resume``,
-``verify-compile``, ``data``.
+"""The ``fvstep`` command line: the table of commands and the dispatch.
 
-A command is a function whose signature is its options: jsonargparse builds its parser
-and ``--help`` from it (:func:`fvstep.cli.common.command_parser`); ``train`` and ``plan``
-add the recipe's options. Each lives in its own module (:mod:`fvstep.cli.train`,
-:mod:`fvstep.cli.plan`, :mod:`fvstep.cli.export`, :mod:`fvstep.cli.demo`,
-:mod:`fvstep.cli.verify`, :mod:`fvstep.executor.latents.cli`); this one is the table and the
-dispatch. Errors are one line on stderr and a non-zero exit; ``--debug`` shows the
-traceback. Ctrl-C exits 130 with one line. Each command imports what it needs
-(``fvstep --help`` imports no torch).
+A command is a function whose signature is its options: jsonargparse builds its parser and
+``--help`` from it (:func:`fvstep.cli.common.command_parser`); ``train`` and ``plan`` add
+the recipe's options. Errors are one line on stderr and a non-zero exit (``--debug``: the
+traceback); Ctrl-C exits 130. Each command imports what it needs (``--help`` imports no torch).
 """
 
 from __future__ import annotations

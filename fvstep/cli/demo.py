@@ -105,9 +105,8 @@ def run_demo(
     check_positive(nproc=nproc, microbatches=microbatches, every=every)
     if steps < min_steps(every):
         raise CLIError(
-            f"fvstep: --steps must be >= {min_steps(every)} with --every {every} (the demo "
-            f"crashes after its first checkpoint and before its last step), got {steps}: "
-            "use more steps or a smaller --every"
+            f"fvstep: --steps must be >= {min_steps(every)} with --every {every} (the crash falls "
+            f"between the first checkpoint and the last step), got {steps}: raise it or lower --every"
         )
     folder = _demo_out_dir(out, overwrite)
     config = DemoConfig(

@@ -1,25 +1,10 @@
 """The work of ``fvstep demo``: a tiny DMD2 distillation run twice, interrupted and not.
 
-Roles: a student (trained), a frozen teacher (the student's initialisation) and a critic
-(trained), each a tiny diffusers ``WanTransformer3DModel``, FSDP2-sharded when run on
-several ranks. Synthetic latents come from :class:`fvstep.executor.data.ShuffledSource`. The demo
-runs twice from the same start:
-
-1. *uninterrupted*: ``num_steps`` steps, checkpoints every ``every`` steps;
-2. *interrupted*: a simulated crash before step ``crash_at`` (as a killed job), then a
-   fresh process state — new modules, new optimizer objects — resumes from the newest
-   checkpoint and finishes.
-
-Both runs validate as they go (:class:`fvstep.Validation`): the student's
-flow-matching loss on fixed held-out latents every ``every`` steps, and, at the end, a
-one-step sample of the student decoded by a tiny diffusers ``AutoencoderKLWan`` and
-written as an MP4 and a PNG strip under ``<run>/media/``. Validation changes nothing, so
-the two runs stay bitwise equal and log the same validation losses.
-
-It then checks that the two final states are bitwise identical (every rank, every leaf)
-and writes metrics JSONL for both runs and a PNG of the loss curves (training losses and
-the validation loss) with the resume point marked. Every checkpoint is kept (they are small), so that the summary can list
-the one the restart resumed from.
+Both runs (a tiny Wan student, frozen teacher and critic; FSDP2 on several ranks) start
+alike; the *interrupted* one crashes before ``crash_at`` and a fresh process state resumes
+it from the newest checkpoint. Both validate as they go (a held-out loss, and a one-step
+sample written under ``<run>/media/``: validation changes nothing). The demo then checks
+the two final states are bitwise equal, and plots their losses with the resume point.
 """
 
 from __future__ import annotations
@@ -77,9 +62,8 @@ class DemoConfig:
             raise ValueError(f"sync must be every, no_sync or deferred, got {self.sync!r}")
         if self.num_steps < min_steps(self.every):
             raise ValueError(
-                f"num_steps must be >= {min_steps(self.every)} with every={self.every} (the "
-                f"crash falls after the first checkpoint and before the last step), "
-                f"got {self.num_steps}"
+                f"num_steps must be >= {min_steps(self.every)} with every={self.every} (the crash "
+                f"falls between the first checkpoint and the last step), got {self.num_steps}"
             )
 
     @property

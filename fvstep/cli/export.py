@@ -1,13 +1,9 @@
 """``fvstep export CHECKPOINT --out DIR``: a trained role of a ``fvstep train`` run, for
 inference.
 
-The run's ``config.yaml`` (written by ``fvstep train``) rebuilds the state's structure (its
-``model.path``, relative to where the run was started, must still be there: a frozen base
-saved by digest is verified against it; the dataset is not read), the checkpoint is loaded
-into it, and one role is written by :func:`fvstep.checkpoint.export` in one of its formats
-(:func:`run_export`). Of a LoRA run, a LoRA role (student, critic) is written as ``lora``,
-``merged`` or ``safetensors`` (its adapter), its base (the teacher) as ``model``,
-``pipeline`` or ``safetensors``; another format is refused, naming one that applies. Run it
+The run's ``config.yaml`` rebuilds the state's structure (its ``model.path`` must still be
+there; a frozen base saved by digest is verified against it), the checkpoint is loaded into
+it, and one role is written by :func:`fvstep.checkpoint.export` (:func:`run_export`). Run it
 on one process (a checkpoint saved on several ranks reshards on load), or under ``torchrun``.
 """
 
@@ -36,9 +32,8 @@ def _load_run(checkpoint: str) -> tuple[Any, Any]:
     saved = read_config(folder.parent)
     if saved is None:
         raise CLIError(
-            f"fvstep export: no config.yaml in {str(folder.parent)!r}: export reads the run's "
-            "config (written by fvstep train) to rebuild its state; for a run of your own "
-            "script, call fvstep.checkpoint.export on its loaded state"
+            f"fvstep export: no config.yaml in {str(folder.parent)!r} (fvstep train writes it); for "
+            "a run of your own script, call fvstep.checkpoint.export on its loaded state"
         )
     recipe = get_recipe(saved["recipe"])
     options = _options_from(recipe, saved["options"])

@@ -1,12 +1,8 @@
 """``fvstep plan RECIPE``: a run's memory and step time per GPU, before it allocates.
 
-It reads the recipe's options as ``fvstep train`` does (``--config`` files and
-``--dotted.key value`` flags), builds the model on the ``meta`` device and prints
-:func:`fvstep.recipes.planning.plan_run`'s plan; when the run does not fit, the changes that make
-it fit, fastest first (:func:`fvstep.recipes.planning.suggest_changes`). ``--nproc``,
-``--nodes`` and ``--context`` give the layout (FSDP2 over every GPU; each sample's tokens
-over ``--context`` of them). ``--calibrate FILE`` measures this machine's kernels and writes
-them as a table for ``--kernels FILE``.
+It reads the recipe's options as ``fvstep train`` does and prints
+:func:`fvstep.recipes.planning.plan_run`'s plan, and, when the run does not fit,
+:func:`~fvstep.recipes.planning.suggest_changes`' (:func:`run_plan`).
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """``fvstep train RECIPE [--config F] [--key value ...]``: run a recipe.
 
-One parser reads the recipe's options (``--config`` files, YAML or TOML, and
-``--dotted.key value`` flags: :mod:`fvstep.recipes.config`) and the command's own, the
-keyword parameters of :func:`run_train` (:func:`recipe_parser`; ``fvstep plan`` reads its
-words so too). With ``--nproc N`` it launches N local ranks (torch's elastic launcher),
-each parsing the words again; under ``torchrun`` it runs in place on each rank.
-
-Exit codes: 0 when ``run.num_steps`` was reached; :data:`EXIT_INTERRUPTED` (75) when
-SIGTERM or Ctrl-C stopped the run after it saved (run the same command again to resume);
-2 for a user error (one line: an unknown key or value, a ``data.path`` or ``model.path``
-that holds nothing, a run folder another run holds, a refused config change such as
-another ``--nproc`` than the run's); 1 for any other error.
+One parser (:func:`recipe_parser`; ``fvstep plan`` uses it too) reads the recipe's options
+(:mod:`fvstep.recipes.config`) and the keyword parameters of :func:`run_train`. With
+``--nproc N`` it launches N local ranks, each parsing the words again; under ``torchrun``
+it runs in place on each rank. Exit codes: 0 done; :data:`EXIT_INTERRUPTED` (75) stopped
+by a signal after saving (run it again to resume); 2 a user error; 1 another error.
 """
 
 from __future__ import annotations

@@ -1,23 +1,12 @@
 """Recipes: a run as a Python function of typed options (``fvstep train RECIPE``).
 
 A :class:`Recipe` is a name, an options dataclass (:mod:`fvstep.recipes.options`) and a
-``build`` function that turns an options object into a :class:`RunSpec`: the state, the
-step, the data and the options of :func:`fvstep.run`. The options come from a YAML or
-TOML file and ``--dotted.key value`` flags (:mod:`fvstep.recipes.config`);
-:func:`fvstep.recipes.running.train` writes the resolved config into the run's folder,
-checks it on resume, starts from ``init_from`` (:mod:`fvstep.recipes.init`) and runs.
-
-Shipped recipes, one module each: ``finetune`` (:mod:`fvstep.recipes.finetune`),
-``dmd2`` (:mod:`fvstep.recipes.dmd2`), ``lora_dmd2`` (:mod:`fvstep.recipes.lora_dmd2`),
-``self_forcing`` (:mod:`fvstep.recipes.self_forcing`), ``streaming``
-(:mod:`fvstep.recipes.streaming`), ``diffusion_nft`` (:mod:`fvstep.recipes.diffusion_nft`).
-A recipe of your own is any module-level :class:`Recipe`: ``fvstep train
-my_package.my_module:RECIPE``.
+``build`` function that turns options into a :class:`RunSpec`. :data:`RECIPES` lists the
+shipped ones; any module-level :class:`Recipe` runs by ``fvstep train package.module:RECIPE``.
 
 Examples:
     >>> recipe = get_recipe("finetune")
     >>> spec = recipe.build(recipe.options(), fresh=True)
-    >>> state = fvstep.run(spec.step, spec.state, spec.data, **spec.run_options)
 """
 
 from __future__ import annotations

@@ -1,29 +1,11 @@
 """A recipe's options from a file and flags, and the resolved config kept with the run.
 
-Parsing is jsonargparse's: ``--config F`` (YAML, or TOML by its ``.toml`` suffix) and
-``--dotted.key value`` flags (``--optim.lr 3e-4``, ``--run.num_steps 100``), later ones
-over earlier ones, every value checked against the options' types (a wrong type, an
-unknown key or a value outside a ``Literal`` is an error naming the key). jsonargparse
-was chosen because it does exactly this on plain dataclasses (nested groups as dotted
-keys, config files and flags in one parser, the resolved tree dumped back), with one
-small dependency (PyYAML); tyro needs a loader of its own for config files, and draccus
-is less used.
-
-The resolved config (every option, defaults included) is written as ``config.yaml`` in
-the run's folder, with the world size (the number of ranks: ``data.batch_size`` is per
-rank, so the global batch and each rank's keys and data depend on it), the resolved
-precision (``"bf16"`` or ``"fp32"``: ``prepare.precision="auto"`` depends on the device)
-and the digest of the dataset. On resume it is compared with the
-new one: a change to a key of :data:`MAY_CHANGE` (or to any learning rate, a key ending
-in ``lr``) applies; any other change, another world size or another dataset alters the
-math of the run and is refused with :class:`ConfigChangeError`, naming the key and both
-values. With ``data.path``, ``validation.num_samples`` is no key that may change: it
-decides which items are held out of training (:func:`fvstep.recipes.parts.make_data`).
+Parsing is jsonargparse's: ``--config F`` (YAML or TOML) and ``--dotted.key value`` flags,
+later ones winning, every value type-checked. The resolved ``config.yaml`` is checked on
+resume (:func:`check_config_change`; the rules: ``docs/recipes.md``).
 
 Examples:
-    >>> from fvstep.recipes import get_recipe
-    >>> options = parse_options(get_recipe("finetune"), ["--optim.lr", "3e-4"])
-    >>> options.optim.lr
+    >>> parse_options(get_recipe("finetune"), ["--optim.lr", "3e-4"]).optim.lr
     0.0003
 """
 

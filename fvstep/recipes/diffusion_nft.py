@@ -1,29 +1,12 @@
 """The ``diffusion_nft`` recipe: online RL of a flow-matching model by DiffusionNFT.
 
-Roles: ``student`` (the policy, ``diffusion_nft(policy="student")``: trained, with an EMA
-when ``optim.ema`` is set; named as in every recipe, so ``validation``, ``fvstep export``
-and ``init_from`` find it), ``old`` (a frozen copy of the student, made after
-``init_from``: it samples the rollouts and is moved toward the student by the soft update
-after each step, so it is saved with the state; kept in the student's dtype whatever
-``prepare.frozen_dtype`` says, so the blend is not rounded to bf16) and, with
-``kl_weight > 0``, ``reference`` (a frozen copy of the starting student, saved). The
-method is :func:`fvstep.methods.diffusion_nft`: each step repeats each prompt
-``group_size`` times, rolls out ``rollout_steps`` Euler steps of the old policy, scores
-the samples by ``reward`` and makes ``num_inner * minibatches`` optimizer steps of the
-student on the negative-aware loss.
-
-Rewards (:mod:`fvstep.methods.rewards`), by name:
-
-- ``latent_mse`` (default): :func:`~fvstep.methods.rewards.latent_mse_reward`,
-  ``-mean((x0 - batch["latents"])^2)``, the stated latent reward of the benchmarks (no
-  weights, no decoding);
-- ``colorfulness``: :func:`~fvstep.methods.rewards.colorfulness` of the samples decoded
-  by the VAE of the pipeline folder at ``model.path`` (``vae/``), as ``WanPipeline``
-  decodes them.
+Roles: ``student`` (the policy, trained), ``old`` (a frozen copy of the starting student
+that samples the rollouts, moved toward the student after each step, kept in its dtype and
+saved) and, with ``kl_weight > 0``, ``reference`` (a frozen copy). The method is
+:func:`fvstep.methods.diffusion_nft`, scored by ``reward``.
 
 Examples:
-    $ fvstep train diffusion_nft --model.path Wan2.1-T2V-1.3B-Diffusers \\
-          --data.path latents/ --reward colorfulness --group_size 8 --optim.lr 3e-6
+    $ fvstep train diffusion_nft --model.path Wan2.1-T2V-1.3B-Diffusers --data.path latents/
 """
 
 from __future__ import annotations
@@ -43,17 +26,7 @@ from fvstep.methods.diffusion_nft import euler_rollout
 from fvstep.methods.rewards import RewardFn, colorfulness, decoded, latent_mse_reward
 from fvstep.recipes import Recipe, RunSpec, parts
 from fvstep.recipes import init as init_
-from fvstep.recipes.options import (
-    DataOptions,
-    InitFrom,
-    ModelOptions,
-    OptimOptions,
-    ParallelOptions,
-    PrepareOptions,
-    RunOptions,
-    TrackerOptions,
-    ValidationOptions,
-)
+from fvstep.recipes.options import OptimOptions, RecipeOptions, RunOptions
 
 __all__ = ["RECIPE", "DiffusionNFTOptions", "SoftUpdateOptions", "build"]
 
@@ -75,12 +48,12 @@ class SoftUpdateOptions:
 
 
 @dataclass(frozen=True)
-class DiffusionNFTOptions:
+class DiffusionNFTOptions(RecipeOptions):
     """The options of the ``diffusion_nft`` recipe (see :mod:`fvstep.recipes.options`).
 
     Attributes:
-        reward: The reward, by name: ``"latent_mse"`` or ``"colorfulness"`` (the module
-            docstring).
+        reward: The reward (:mod:`fvstep.methods.rewards`): ``"latent_mse"`` or
+            ``"colorfulness"`` (needs a pipeline folder's VAE at ``model.path``).
         group_size: Rollouts a prompt (>= 2); a step rolls out ``data.batch_size *
             group_size`` samples.
         rollout_steps: Euler steps of the old policy's rollouts.
@@ -92,17 +65,10 @@ class DiffusionNFTOptions:
         soft_update: The old policy's decay.
     """
 
-    model: ModelOptions = field(default_factory=ModelOptions)
-    data: DataOptions = field(default_factory=DataOptions)
     optim: OptimOptions = field(default_factory=lambda: OptimOptions(lr=3e-4))
-    prepare: PrepareOptions = field(default_factory=PrepareOptions)
-    parallel: ParallelOptions = field(default_factory=ParallelOptions)
     run: RunOptions = field(
         default_factory=lambda: RunOptions(out="runs/diffusion_nft", num_steps=10, every=5)
     )
-    validation: ValidationOptions = field(default_factory=ValidationOptions)
-    trackers: TrackerOptions = field(default_factory=TrackerOptions)
-    init_from: InitFrom = field(default_factory=InitFrom)
     reward: Literal["latent_mse", "colorfulness"] = "latent_mse"
     group_size: int = 4
     rollout_steps: int = 10
@@ -157,7 +123,7 @@ def build(options: DiffusionNFTOptions, *, fresh: bool = True) -> RunSpec:
         policy="student",
     )
     student = parts.load_transformer(options.model, device=device)
-    if fresh and options.init_from.path is not None and options.init_from.kind == "weights":
+    if parts.takes_init_weights(options, fresh=fresh):
         init_.init_from(options.init_from, {"student": student})
     frozen = {"old": copy.deepcopy(student)}  # copies of the starting student
     if options.kl_weight > 0:
@@ -165,12 +131,11 @@ def build(options: DiffusionNFTOptions, *, fresh: bool = True) -> RunSpec:
     mesh = parts.make_mesh(device)
     # old blends toward the student in the student's storage dtype, never rounded to bf16
     in_place = dataclasses.replace(options.prepare, frozen_dtype=options.model.dtype)
-    ema = fs.EMA(options.optim.ema) if options.optim.ema is not None else None
     roles = {
         "student": fs.Role(
             parts.prepare_role(student.to(device), options.prepare, mesh, trainable=True),
             optimizer=parts.make_optimizer(options.optim),
-            ema=ema,
+            ema=parts.make_ema(options.optim),
         ),
         "old": fs.Role(
             parts.prepare_role(frozen["old"].to(device), in_place, mesh, trainable=False)

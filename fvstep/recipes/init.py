@@ -1,28 +1,12 @@
-"""Start a run from somewhere else: a diffusers model folder, another run's weights, or
-another run's whole state (``init_from``).
+"""Start a run from somewhere else (``init_from``): a diffusers model folder, another run's
+weights, or another run's whole state.
 
-- :func:`source_weights`: one role's weights (live or EMA) from another run's checkpoint,
-  or a diffusers model folder's weights, as a ``name -> tensor`` dict read on the CPU and
-  verified against the checkpoint's checksums.
-- :func:`load_weights_into`: copy such a dict into a module before it is sharded (the
-  names must match exactly; the message lists the first that do not).
-- :func:`init_from`: the state a new run starts from, given :class:`InitFrom` options:
-  ``kind="weights"`` fills the named roles' modules (then a fresh state is made around
-  them: fresh optimizer state, step 0); ``kind="state"`` loads the whole state of the
-  checkpoint (step, optimizer state, EMA, key), to be continued in a new folder.
-
-A diffusers folder of a causal Wan (an fvstep export: its config records the chunk) fills
-only a causal module of that chunk: its weights in a bidirectional module would compute
-another model without a word, so :func:`init_from` refuses (a causal module may start from
-a bidirectional Wan: that is how a causal student starts).
-
-The frozen-base rule of LoRA holds: a checkpoint that recorded a frozen base by its digest
-(``Role(save_frozen=False)``) gives its adapters only to a run whose base has that digest
-(:func:`check_base_digest`); ``fvstep.checkpoint.load`` checks it for a whole state.
+:func:`source_weights` reads one role's weights, verified; :func:`load_weights_into` copies
+them into a module before sharding; :func:`init_from` applies :class:`InitFrom` options.
+``docs/recipes.md`` gives the rules (causal exports, LoRA's frozen base).
 
 Examples:
-    >>> weights = source_weights("runs/a", role="student", weights="ema")
-    >>> load_weights_into(student, weights)
+    >>> load_weights_into(student, source_weights("runs/a", role="student", weights="ema"))
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
 """The typed options of the shipped recipes: one dataclass per concern, shared by all.
 
-A recipe's options are a tree of these (``FinetuneOptions.model.path``, ``.optim.lr``,
-...). :mod:`fvstep.recipes.config` sets them from a YAML or TOML file and from
-``--dotted.key value`` flags, checks their types, and writes the resolved tree next to
-the checkpoints. Each field's comment is its help text.
-
-Which keys a resumed run may change is :data:`fvstep.recipes.config.MAY_CHANGE`: the
-learning rates, ``run.num_steps`` and the cadences of saving, logging and validation;
-any other change alters the math and is refused, and so is another world size
-(``data.batch_size`` is per rank).
+A recipe's options subclass :class:`RecipeOptions` (``FinetuneOptions.model.path``,
+``.optim.lr``, ...); :mod:`fvstep.recipes.config` parses them and says which keys a resumed
+run may change. Each field's entry under ``Attributes`` is its help text.
 
 Examples:
     >>> ModelOptions().path is None  # the embedded tiny Wan, randomly initialised
@@ -28,6 +22,7 @@ __all__ = [
     "OptimOptions",
     "ParallelOptions",
     "PrepareOptions",
+    "RecipeOptions",
     "RunOptions",
     "TinyWan",
     "TrackerOptions",
@@ -117,10 +112,8 @@ class OptimOptions:
         betas: AdamW's betas.
         clip: Clip the global gradient norm to this (``None``: no clipping).
         ema: The decay of an EMA of the trained weights (``None``: no EMA).
-        fused: torch's fused AdamW kernel (one pass over each parameter, on CPU and
-            CUDA); ``False``: torch's default implementation for the device (foreach on
-            CUDA). The fused kernel is the faster (``docs/benchmarks.md``). The two round
-            differently, so a resumed run may not change it.
+        fused: torch's fused AdamW kernel (the faster); ``False``: torch's default for
+            the device. The two round differently, so a resumed run may not change it.
     """
 
     lr: float = 1e-4
@@ -135,9 +128,7 @@ class OptimOptions:
 @dataclass(frozen=True)
 class PrepareOptions:
     """How every role is prepared (:func:`fvstep.parallel.prepare`): precision, memory
-    and kernels. The defaults on a GPU are the benchmarks' numerics (bf16 compute over
-    fp32 masters); ``docs/recipes.md`` gives the plan that reached 99 % of the kernel floor
-    at 480x832x81.
+    and kernels (``docs/recipes.md`` gives a fast plan).
 
     Attributes:
         precision: ``"bf16"``: bf16 compute over fp32 master weights (FSDP2's
@@ -155,7 +146,7 @@ class PrepareOptions:
         compile: ``torch.compile`` each block (Inductor, with fvstep's safe options).
         compile_memory_budget: Inductor's activation memory budget for the compiled
             blocks' min-cut partitioner (``0``-``1``; ``None``: torch's default, 1.0:
-            save everything it can). The realshape fine-tune used 0.65.
+            save everything it can).
         inductor_options: Inductor options merged over fvstep's safe ones (e.g.
             ``{"coordinate_descent_tuning": true}``).
         verify_compile: Check every compiled graph's gradients against eager ones once
@@ -165,8 +156,7 @@ class PrepareOptions:
         flash_attention_4: Every role's attention on FlashAttention-4
             (:func:`fvstep.parallel.enable_flash_attention_4`, backend
             ``"_native_flash"``; Hopper/Blackwell GPUs, ``fvstep[flash4]``; needs bf16
-            compute). It is kept in the run's ``config.yaml``, so a resumed run takes the
-            same kernels.
+            compute). A resumed run may not change it.
     """
 
     precision: Literal["auto", "bf16", "fp32"] = "auto"
@@ -202,9 +192,8 @@ class RunOptions:
         num_steps: The step to reach (a resumed run may raise it).
         every: Save a checkpoint every ``every`` steps (and at the end).
         keep: Keep the newest ``keep`` checkpoints (``None``: all).
-        log_every: Hand the metrics to ``metrics.jsonl`` and the trackers every
-            ``log_every`` steps (every step gets its line; this is how often they are
-            flushed, each flush one transfer from the device).
+        log_every: Flush the metrics to ``metrics.jsonl`` and the trackers every
+            ``log_every`` steps (every step gets its line; a flush is one device transfer).
         microbatches: Gradient accumulation: micro-batches a step.
         seed: Seeds the training key (noise, timesteps).
         device: ``"auto"`` (CUDA when available, else the CPU), ``"cpu"`` or ``"cuda"``.
@@ -240,16 +229,12 @@ class ValidationOptions:
             never), written as ``<run.out>/media/step_<n>/samples_sample_<i>.mp4`` and
             ``.png`` (the frames side by side). Needs a VAE: ``model.path`` a diffusers
             pipeline folder with a ``vae/``.
-        num_videos: Videos a sampling: the prompts (text embeddings) of the first
-            ``num_videos`` held-out items, each from fixed noise, at the held-out
-            latents' shape (at most ``num_samples``).
+        num_videos: Videos a sampling, one per held-out item's prompt, each from fixed
+            noise (at most ``num_samples``).
         sample_steps: Euler steps of a bidirectional student (``finetune``,
-            ``diffusion_nft``; the time shift of the pipeline's scheduler). A distilled
-            student (``dmd2``, ``lora_dmd2``, ``self_forcing``, ``streaming``) samples with
-            its own few-step schedule (a causal one chunk by chunk) and ignores it.
+            ``diffusion_nft``); a distilled student samples its own few-step schedule.
         sample_weights: The student's weights the videos show: ``"ema"``, ``"params"``
-            (live), or ``"auto"``: the EMA when the run keeps one (``optim.ema``), else
-            the live weights.
+            (live), or ``"auto"``: the EMA when the run keeps one, else the live weights.
     """
 
     every: int = 0
@@ -312,3 +297,19 @@ class LoRAOptions:
     alpha: int = 8
     targets: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
     seed: int = 0
+
+
+@dataclass(frozen=True)
+class RecipeOptions:
+    """The option groups every shipped recipe has; a recipe's options subclass it, adding
+    their own fields and overriding a group's default where the recipe needs another."""
+
+    model: ModelOptions = field(default_factory=ModelOptions)
+    data: DataOptions = field(default_factory=DataOptions)
+    optim: OptimOptions = field(default_factory=OptimOptions)
+    prepare: PrepareOptions = field(default_factory=PrepareOptions)
+    parallel: ParallelOptions = field(default_factory=ParallelOptions)
+    run: RunOptions = field(default_factory=RunOptions)
+    validation: ValidationOptions = field(default_factory=ValidationOptions)
+    trackers: TrackerOptions = field(default_factory=TrackerOptions)
+    init_from: InitFrom = field(default_factory=InitFrom)

@@ -1,5 +1,5 @@
-"""What the shipped recipes share: the model, its preparation, the data, the optimizer,
-validation, trackers and the options of :func:`fvstep.run`, each from its options group.
+"""What the shipped recipes share: the model, its preparation, the roles, the data, the
+optimizer, validation, trackers and the options of :func:`fvstep.run`, from their options.
 
 Examples:
     >>> module = load_transformer(ModelOptions())          # the tiny Wan
@@ -8,6 +8,8 @@ Examples:
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import functools
 import json
 from pathlib import Path
@@ -22,6 +24,7 @@ from fvstep import parallel as fsp
 from fvstep.executor.trackers import TensorBoardTracker, WandbTracker
 from fvstep.parallel.activation_checkpoint import resolve_checkpointing
 from fvstep.recipes import RunSpec
+from fvstep.recipes import init as init_
 from fvstep.recipes.options import (
     DataOptions,
     LoRAOptions,
@@ -41,17 +44,23 @@ __all__ = [
     "check_paths",
     "close_data",
     "compute_dtype",
+    "copied_roles",
     "device_for",
+    "dmd2_roles",
     "dtype_of",
     "held_out_indices",
     "held_out_items",
     "load_transformer",
+    "lora_over_base",
     "make_data",
+    "make_ema",
     "make_mesh",
     "make_optimizer",
     "make_run_options",
     "precision_name",
     "prepare_role",
+    "run_spec",
+    "takes_init_weights",
 ]
 
 
@@ -86,9 +95,8 @@ def load_transformer(model: ModelOptions, *, device: torch.device | None = None)
     """The transformer of ``model``: a diffusers folder's weights, or a random init of a
     config (``model.config``, else the tiny Wan of ``model.tiny``) seeded by ``model.seed``.
 
-    A config's random init is drawn on ``device`` (a 14B model is then not built in host
-    memory first, once per rank); the folder's weights and the tiny Wan are loaded on the
-    CPU. The caller moves the module to its device either way.
+    A config's random init is drawn on ``device`` (not in host memory once per rank), the
+    rest on the CPU; the caller moves the module to its device.
 
     Raises:
         ValueError: If ``model.path`` is not a diffusers folder, or holds a causal Wan
@@ -253,13 +261,10 @@ def prepare_role(
 ) -> nn.Module:
     """:func:`fvstep.parallel.prepare` with the recipe's options (FSDP2 over ``mesh``).
 
-    The compute dtype (:func:`compute_dtype`) is FSDP2's ``param_dtype`` with a mesh and
-    autocast on one process, for frozen roles too (stored in ``frozen_dtype``, bf16 by
-    default under bf16 compute). Checkpointing, activation offloading and compile apply to
-    every role: a role read under ``no_grad`` (a DMD2 teacher) pays nothing for the first
-    two, and a frozen LoRA base needs them (its adapters' gradients flow through it). With
-    ``options.flash_attention_4``, FlashAttention-4 is enabled for the process (it raises
-    where it cannot run) and the role's attention backend is ``"_native_flash"``.
+    Every role computes in :func:`compute_dtype` (frozen ones stored in ``frozen_dtype``,
+    bf16 by default under bf16 compute) and takes checkpointing, offloading and compile
+    (free under ``no_grad``; a frozen LoRA base needs them). ``flash_attention_4`` enables
+    FlashAttention-4 for the process and sets the role's attention backend.
 
     Raises:
         ValueError: For FlashAttention-4 under fp32 compute (it has no fp32 kernel).
@@ -307,6 +312,69 @@ def make_optimizer(optim: OptimOptions) -> Any:
     return fs.optim.adamw(
         lr=lr, betas=optim.betas, weight_decay=optim.weight_decay, fused=optim.fused or None
     )
+
+
+def make_ema(optim: OptimOptions) -> Any:
+    """An EMA of decay ``optim.ema`` for a trained role, or ``None``."""
+    return fs.EMA(optim.ema) if optim.ema is not None else None
+
+
+def takes_init_weights(options: Any, *, fresh: bool) -> bool:
+    """Whether ``options.init_from`` fills the trained roles' weights: a fresh run from a
+    ``kind="weights"`` source."""
+    source = options.init_from
+    return fresh and source.path is not None and source.kind == "weights"
+
+
+def dmd2_roles(options: Any, student: Any, teacher: Any, critic: Any) -> dict[str, fs.Role]:
+    """The roles of DMD2-style recipes over prepared modules: the ``student`` (AdamW of
+    ``optim``, an EMA), the frozen ``teacher`` saved by its digest, the ``critic`` (AdamW
+    at ``critic_lr``)."""
+    critic_optim = dataclasses.replace(options.optim, lr=options.critic_lr)
+    return {
+        "student": fs.Role(
+            student, optimizer=make_optimizer(options.optim), ema=make_ema(options.optim)
+        ),
+        "teacher": fs.Role(teacher, save_frozen=False),
+        "critic": fs.Role(critic, optimizer=make_optimizer(critic_optim)),
+    }
+
+
+def copied_roles(
+    options: Any, teacher: nn.Module, student: nn.Module, *, fresh: bool, device: torch.device
+) -> dict[str, fs.Role]:
+    """:func:`dmd2_roles` of a ``student`` and a critic copied from ``teacher``: both
+    filled from ``init_from`` on a fresh run, then all three prepared."""
+    critic = copy.deepcopy(teacher)
+    if takes_init_weights(options, fresh=fresh):
+        init_.init_from(options.init_from, {"student": student, "critic": critic})
+    mesh = make_mesh(device)
+    prepared = {
+        name: prepare_role(m.to(device), options.prepare, mesh, trainable=name != "teacher")
+        for name, m in (("student", student), ("teacher", teacher), ("critic", critic))
+    }
+    return dmd2_roles(options, **prepared)
+
+
+def lora_over_base(
+    options: Any, base: nn.Module, roles: tuple[str, ...], *, fresh: bool, mesh: Any,
+    base_role: str,
+) -> tuple[nn.Module, dict[str, Any]]:  # fmt: skip
+    """``roles``' adapters over ``base`` (:func:`add_lora`) and the base, prepared frozen.
+
+    On a fresh run the adapters are filled from ``init_from``, refused when it was trained
+    on another base (its frozen ``base_role``); with ``mesh``, they are sharded over it.
+    """
+    adapters = add_lora(base, options.lora, roles)
+    base = prepare_role(base, options.prepare, mesh, trainable=False)
+    source = options.init_from
+    if takes_init_weights(options, fresh=fresh) and source.path is not None:
+        init_.check_base_digest(source.path, base, base_role=base_role)
+        init_.init_from(source, dict(adapters))
+    if mesh is not None:
+        for module in adapters.values():
+            fsp.shard_module(module, mesh=mesh)
+    return base, adapters
 
 
 def check_paths(options: Any) -> None:
@@ -368,9 +436,7 @@ def make_data(data: DataOptions, *, held_out: int = 0, device: torch.device | No
         device: Where the batches are delivered (the rank's device; ``None``: the CPU).
             A dataset's loader copies them from pinned memory without blocking.
         held_out: With ``data.path``, the items :func:`held_out_indices` keeps for
-            validation (``validation.num_samples``, whether validation runs or not):
-            the loader never draws them. A fixed split: it follows from the recorded
-            options and the dataset, whose digest a resume checks.
+            validation (``validation.num_samples``): the loader never draws them.
 
     Raises:
         ValueError: If the items left after the held-out ones do not fill a global batch.

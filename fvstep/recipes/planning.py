@@ -1,50 +1,12 @@
-"""Plan before you allocate: a run's memory and step time from its config, on the meta device.
+"""Plan before you allocate: a run's memory and step time per GPU, from its config alone.
 
-:func:`plan_run` takes a shipped recipe's resolved options (every recipe: ``finetune``,
-``dmd2``, ``lora_dmd2``, ``self_forcing``, ``streaming``, ``diffusion_nft``) and the
-process layout, reads the transformer's shape from its config (no weights, no GPU), and
-says, per GPU:
-
-- **static** memory per role: the stored weights (fp32 masters of a trained role, the
-  frozen dtype of a frozen one, LoRA adapters in fp32, DiffusionNFT's old policy in the
-  student's dtype), AdamW's two fp32 moments, an fp32 EMA copy, and the fp32 gradients of
-  each trained parameter; FSDP2 divides all of them by the world size;
-- **saved activations** per block under the chosen checkpointing, a model of bytes per
-  token (:data:`SAVED_BYTES_PER_TOKEN`, measured on a CPU Wan block op by op,
-  ``tests/test_planning.py``) with Inductor's partitioner folded in for compiled
-  blocks without checkpointing (:data:`COMPILED_NONE_FRACTION`, from the measured H200
-  rows); offloading removes every n-th block's from the GPU (one block in flight back);
-  context parallel divides them by its degree;
-- the **KV caches** of the causal recipes (``self_forcing``: one of the video's frames;
-  ``streaming``: the stream's, the rollout's and its contexts' one buffer), in the dtype
-  the recipe's code gives them (:func:`_cache_dtype_bytes`);
-- the **largest transient** of a backward (a block's gradient buffers, the gathered
-  parameters of FSDP2's two blocks in flight, a cached call's keys) and the **predicted
-  peak** (what ``torch.cuda.max_memory_allocated`` reports), walked phase by phase (a
-  rollout without grad, each backward) for each kind of step of the method;
-- the **step time**: the model FLOPs of each call (attention and every linear layer;
-  a causal chunk's self-attention over its cache's whole capacity, masked, at
-  :attr:`KernelTable.masked_attention_forward`), times the method's calls (no grad, frozen
-  under grad, trained), plus what the checkpointing recomputes, at the kernel rates of a
-  :class:`KernelTable` (shipped for the H200 from ``docs/benchmarks.md``; ``fvstep plan
-  --calibrate`` measures one), plus the element-wise work the floor counts as free
-  (:attr:`KernelTable.elementwise`, :attr:`KernelTable.elementwise_eager` for eager
-  calls), a cached call's pass over its cache's keys (:data:`CACHE_PASS_BYTES`), the
-  cache appends' copies, context parallel's all-to-alls and the optimizer; and the
-  fraction of the floor that is.
-
-:func:`suggest_changes` re-plans a run that does not fit under cheaper settings
-(checkpointing, offloading, LoRA, context parallel, more GPUs) and ranks those that fit by
-step time. ``docs/plan.md`` says what the model leaves out; ``docs/benchmarks.md`` compares
-it with the measured rows.
+:func:`plan_run` reads a recipe's options and the transformer's config (no weights, no GPU)
+and predicts each role's static bytes, the saved activations, the KV caches, each kind of
+step's peak, and the step time at a :class:`KernelTable`'s rates; :func:`suggest_changes`
+ranks cheaper settings that fit. ``docs/plan.md`` says what the model counts.
 
 Examples:
-    >>> from fvstep.recipes import get_recipe
-    >>> from fvstep.recipes.config import parse_options
-    >>> recipe = get_recipe("finetune")
-    >>> options = parse_options(recipe, ["--config", "examples/wan2.1_1.3b_finetune.yaml"])
-    >>> plan = plan_run(recipe.name, options)
-    >>> print(plan.format())  # doctest: +SKIP
+    >>> print(plan_run("finetune", FinetuneOptions()).format())  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -116,14 +78,12 @@ class KernelTable:
         interconnect: GB/s per GPU of collectives within a node (FSDP2, context
             parallel's all-to-alls).
         network: GB/s per GPU of collectives across nodes.
-        elementwise: The step time beyond the kernel floor, as a fraction of it (norms,
-            modulation, rotary, GELU: what the floor counts as free), for compiled blocks.
-        masked_attention_forward: A causal chunk's self-attention over its KV cache, with
-            the boolean mask of the filled slots, TFLOP/s (its FLOPs counted over the
-            cache's whole capacity: the masked slots are computed too).
+        elementwise: The step time beyond the kernel floor (norms, modulation, rotary,
+            GELU), as a fraction of the floor, for compiled blocks.
+        masked_attention_forward: A causal chunk's masked self-attention over its KV
+            cache, TFLOP/s (FLOPs counted over the cache's whole capacity).
         masked_attention_forward_backward: The same, forward + backward.
-        elementwise_eager: :attr:`elementwise` for blocks that run eagerly (not compiled,
-            and every causal cache-filling pass).
+        elementwise_eager: :attr:`elementwise` for eager blocks (and cache-filling passes).
         source: Where the numbers come from.
     """
 
@@ -176,7 +136,7 @@ KERNEL_TABLES: dict[str, KernelTable] = {
 def load_kernel_table(name_or_path: str | None) -> KernelTable:
     """A shipped kernel table by name, or one written by ``fvstep plan --calibrate``.
 
-    A table written before a field existed gets the field's default (the H200's).
+    A missing field gets its default.
 
     Args:
         name_or_path: ``"h200"``, ``"h100"``, a JSON file, or ``None`` (the H200's).
@@ -256,13 +216,10 @@ def calibrate_kernels(
 ) -> KernelTable:
     """Measure this machine's attention and GEMM rates at ``shape``'s sizes.
 
-    Self-attention (``scaled_dot_product_attention``, PyTorch's default backend choice,
-    bf16 on CUDA, fp32 elsewhere) forward and forward + backward; the masked attention of
-    a causal chunk (a seventh of the tokens as queries over all of them and the chunk's
-    own, with a boolean mask); and the feed-forward up-projection's GEMM, each the median
-    of ``repeats`` calls after a warm-up. FlashAttention-4's rate is not measured (it is
-    the H200 table's, scaled by the measured PyTorch rate); the other fields are the H200
-    table's.
+    SDPA (bf16 on CUDA, fp32 elsewhere) forward and forward + backward, a causal chunk's
+    masked attention, and the up-projection's GEMM, each the median of ``repeats`` calls
+    after a warm-up. FlashAttention-4's rate is the H200 table's scaled by the measured
+    SDPA rate; the other fields are the H200 table's.
 
     Args:
         shape: The model (its heads, head dim and FFN width).
@@ -329,11 +286,9 @@ class ModelShape:
         linears: ``(name, fan_in, fan_out)`` of every linear layer (and the patch
             embedding, a linear map per token).
         tensors: Parameter tensors of the whole model (AdamW keeps a step count a tensor).
-        convs: The names in ``linears`` that are convolutions (not ``nn.Linear``: LoRA
-            targets only linear layers).
+        convs: The names in ``linears`` that are convolutions (LoRA skips them).
         fp32_numel: Parameters a frozen role keeps in fp32 whatever its dtype (diffusers'
-            ``_keep_in_fp32_modules``: Wan's time embedder, ``scale_shift_table`` and
-            norms; :func:`fvstep.parallel.precision.store_in_dtype`).
+            ``_keep_in_fp32_modules``).
     """
 
     num_layers: int
@@ -404,11 +359,8 @@ _WAN_DEFAULTS: dict[str, Any] = {
 
 def _wan_shape(config: dict[str, Any]) -> ModelShape | None:
     """The :class:`ModelShape` of a text-to-video ``WanTransformer3DModel`` config, counted
-    from its layers (diffusers' ``transformer_wan``: the patch embedding, the time and text
-    embedders, the blocks' attentions with their RMS norms, the cross-attention's norm,
-    the feed-forward, the output projection) without importing diffusers, which takes
-    seconds; ``tests/test_planning.py`` checks it against the module diffusers builds.
-    ``None`` for another class or an image-conditioned config (the plan builds those)."""
+    layer by layer without importing diffusers (slow to import); ``None`` for another class
+    or an image-conditioned config."""
     if config.get("_class_name", "WanTransformer3DModel") != "WanTransformer3DModel":
         return None
     if any(
@@ -501,11 +453,7 @@ def _model_config(model: Any) -> dict[str, Any]:
 
 
 def meta_transformer(model: Any) -> nn.Module:
-    """The transformer of a recipe's ``ModelOptions``, built on the ``meta`` device.
-
-    The config of ``model.path`` (a transformer folder, or a pipeline's ``transformer/``),
-    else ``model.config``, else the tiny Wan of ``model.tiny``; no weights are read and
-    nothing is allocated.
+    """The transformer of a recipe's ``ModelOptions`` (:func:`_model_config`), on ``meta``.
 
     Args:
         model: A :class:`fvstep.recipes.options.ModelOptions`.
@@ -561,10 +509,8 @@ def _tokens_of(name: str, video: float, text: int) -> float:
 def forward_flops(shape: ModelShape, video: int, text: int) -> tuple[float, float, float]:
     """FLOPs of one sample's forward: ``(self-attention, cross-attention, linear layers)``.
 
-    ``2 * weights * tokens`` for each linear layer (the tokens it acts on), ``4 * T^2 * D``
-    per layer for self-attention (``QK^T`` and ``AV``) and ``4 * T * L * D`` for
-    cross-attention; norms and element-wise ops are not counted (``benchmarks/analytic.py``
-    counts the same, times 3 for forward + backward).
+    ``2 * weights * tokens`` a linear layer, ``4 * T^2 * D`` a layer's self-attention and
+    ``4 * T * L * D`` its cross-attention; element-wise ops are not counted.
 
     Args:
         shape: The model.
@@ -601,26 +547,16 @@ SAVED_BYTES_PER_TOKEN: dict[tuple[str, str], tuple[float, float, float]] = {
     ("attention", "fp32"): (12.0, 0.0, 8.0),
     ("narrow", "fp32"): (40.0, 0.0, 8.0),
 }
-"""Bytes a Wan block keeps for its backward, per video token, by checkpointing and compute
-dtype (bf16 autocast over fp32 masters, or fp32): ``a * dim + b * ffn_dim + c * heads``.
-Read off the op list of ``WanTransformerBlock.forward`` and measured on CPU blocks of
-several widths (``tests/test_planning.py`` re-measures them): ``full`` keeps the block's
-input (the bf16 hidden stream), ``attention`` adds the two attention outputs and their
-log-sum-exp, ``narrow`` every matmul that does not widen, ``selective`` the up-projection
-too, ``none`` everything (norm outputs, modulations, q/k/v before and after the norms and
-rotary, GELU's input and output)."""
+"""Bytes a Wan block keeps for its backward per video token, by checkpointing and compute
+dtype: ``a * dim + b * ffn_dim + c * heads`` (docs/plan.md says what each mode keeps)."""
 
 COMPILED_NONE_FRACTION: tuple[tuple[float, float], ...] = ((0.65, 0.289), (1.0, 0.375))
-"""Compiled blocks without checkpointing: Inductor's min-cut partitioner keeps less than
-eager, as a fraction of eager's ``none`` bytes, by ``compile_memory_budget`` (the
-fraction of the first row whose budget is above the given one; ``None``: torch's default,
-:data:`COMPILED_DEFAULT_FRACTION`). Fitted to the measured H200 fine-tune rows: budget
-0.5 and 0.6 gave 56.3 GiB, 0.65-0.8 gave 67.6 GiB (the partitioner's budget has cliffs,
-not a slope)."""
+"""Compiled blocks without checkpointing: the fraction of eager's ``none`` bytes that
+Inductor's partitioner keeps, by ``compile_memory_budget`` (the first row whose limit is
+above the budget; ``None``: :data:`COMPILED_DEFAULT_FRACTION`). Fitted to measured rows."""
 
 COMPILED_DEFAULT_FRACTION = 0.65
-"""Compiled blocks, no checkpointing, torch's default budget: fitted to ``fvstep train``'s
-89.4 GiB fine-tune on one H200 (offload every 4th block, EMA)."""
+"""Compiled blocks, no checkpointing, torch's default budget (fitted to a measured row)."""
 
 
 def block_saved_bytes(
@@ -668,9 +604,8 @@ def block_saved_bytes(
 
 
 def _transient_bytes(shape: ModelShape, tokens: float) -> float:
-    """The largest short-lived buffers of a block's backward: the gradients of its hidden
-    stream and feed-forward activations (fp32 and bf16), 8 bytes per token per
-    ``dim + ffn_dim`` (fitted to the measured fine-tune rows: 2.4-3.5 GiB at 1.3B)."""
+    """The largest short-lived buffers of a block's backward (its hidden stream's and
+    feed-forward's gradients): 8 bytes per token per ``dim + ffn_dim``, fitted."""
     return 8.0 * tokens * (shape.dim + shape.ffn_dim)
 
 
@@ -680,33 +615,21 @@ def _forward_transient_bytes(shape: ModelShape, tokens: float) -> float:
 
 
 CACHE_PASS_BYTES: dict[str, float] = {"compiled": 8.0, "eager": 46.0}
-"""Bytes a causal chunk's cached call moves per element of the keys it reads (the cache's
-capacity and its own tokens, times ``dim``, every layer) besides its attention and GEMM
-kernels: picking its layer of the cache, concatenating its own keys and values, rotating
-every key (the rotary embedding is applied at attention time, by slot). Counted from
-``fvstep.methods._causal_attention``'s ops: a compiled block fuses them into one pass that
-reads the cached keys and values and writes the rotated keys and the values (2 + 2 + 2 +
-2 bytes); an eager one (every cache-filling pass runs eagerly) runs them as separate
-kernels, the rotation in fp32 (index_select and cat of keys and values, 16; the rotation's
-products, sums and strided stores, 30). A call under grad makes the pass three times
-(forward, the checkpoint's recomputation, backward), twice without checkpointing."""
+"""Bytes a causal chunk's cached call moves per key element it reads (keys x ``dim``,
+every layer) beyond its attention and GEMMs: selecting, concatenating and rotating the
+keys, compiled (one fused pass) or eager. Counted from the ops (docs/plan.md)."""
 
 APPEND_COPIES: dict[str, float] = {"grows": 3.5, "evicts": 6.0}
-"""Cache-sized copies (read + write, in the cache's bytes) of one cache-filling pass's
-append (``causal_wan._append``): two concatenations (the filled slots and the new frames,
-then the zero padding) when the cache grows, three when it evicts (the sink and the
-latest frames); counted from the code, times the cache's bytes."""
+"""Cache-sized copies (read + write) of one cache-filling pass's append
+(``causal_wan._append``), when the cache grows or evicts; counted from the code."""
 
 CACHED_TRANSIENT_BYTES = 14.0
-"""A cached call's backward's short-lived bytes per key element (keys x ``dim``), beyond a
-block's own (:func:`_transient_bytes` at its queries): the cache's keys and values
-concatenated with the chunk's (2 + 2), the keys rotated in fp32 and back (4 + 2), the
-attention's gradients of every key and value (2 + 2); counted from the ops."""
+"""A cached call's backward's short-lived bytes per key element (keys x ``dim``) beyond
+:func:`_transient_bytes`: concatenated, rotated keys and values and their gradients."""
 
 ROTARY_SAVED_BYTES = 16.0
-"""Bytes a cached call under grad keeps per key and head dimension: its rotary tables,
-cosine and sine over the cache's slots and its own (fp32, 4 + 4), and the whole table they
-are sliced from (4 + 4), held by the checkpoint's saved ``rotary_emb`` argument."""
+"""Bytes a cached call under grad keeps per key and head dimension: its fp32 rotary
+tables and the table they are sliced from (held by the checkpoint)."""
 
 
 def _cache_frame_bytes(shape: ModelShape, frame_tokens: int, dtype_bytes: int) -> float:
@@ -714,13 +637,14 @@ def _cache_frame_bytes(shape: ModelShape, frame_tokens: int, dtype_bytes: int) -
     return 2.0 * shape.num_layers * frame_tokens * shape.dim * dtype_bytes
 
 
-def _cache_dtype_bytes(recipe: str, options: Any, *, benchmark: bool = False) -> int:
-    """The KV cache's bytes per element, as the recipe's code makes it: the student's
-    compute dtype (``streaming``'s ``init_stream(cache_dtype=)``, ``self_forcing``'s
-    ``self_forcing(cache_dtype=)``: bf16 under bf16 compute), as ``benchmarks.realshape``'s
-    step under autocast makes it too (``benchmark``)."""
-    model_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}[options.model.dtype]
-    return 2 if _compute(options) == "bf16" else model_bytes
+def _model_bytes(options: Any) -> int:
+    return {"float32": 4, "bfloat16": 2, "float16": 2}[options.model.dtype]
+
+
+def _cache_dtype_bytes(options: Any) -> int:
+    """The KV cache's bytes per element: the student's compute dtype, as the causal
+    recipes keep it."""
+    return 2 if _compute(options) == "bf16" else _model_bytes(options)
 
 
 # ------------------------------------------------------------------ roles
@@ -800,7 +724,7 @@ def _roles(recipe: str, options: Any, shape: ModelShape, world: int) -> list[Rol
         )
         else 4
     )
-    model_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}[options.model.dtype]
+    model_bytes = _model_bytes(options)
     ema = options.optim.ema is not None
     counters = 4.0 * shape.tensors + 8.0  # AdamW's fp32 step a tensor and its int64 count
 
@@ -872,13 +796,11 @@ def _compute(options: Any) -> str:
 class _Call:
     """Calls of one role's model alike in a pass of a phase.
 
-    ``kind``: ``"no_grad"``, ``"frozen"`` (under grad, the gradient to its input only) or
-    ``"trained"``; ``count``: how many (an expectation where the method draws them: a
-    causal rollout's exit steps); ``frames``: the latent frames of its queries (``None``:
-    the sample's whole video); ``keys``: the frames its self-attention reads from a KV
-    cache and itself, masked (``None``: dense over its own); ``fills``: a cache-filling
-    pass, run eagerly whatever the preparation, whose append copies the cache
-    (``"grows"`` or ``"evicts"``: :data:`APPEND_COPIES`).
+    ``kind``: ``"no_grad"``, ``"frozen"`` (under grad, gradient to its input only) or
+    ``"trained"``; ``count``: how many (an expectation where the method draws them);
+    ``frames``: its queries' latent frames (``None``: the whole video); ``keys``: the
+    frames its masked self-attention reads from a KV cache (``None``: dense);
+    ``fills``: a cache-filling pass, run eagerly (:data:`APPEND_COPIES`' key).
     """
 
     role: str
@@ -891,12 +813,11 @@ class _Call:
 
 @attrs.frozen
 class _Phase:
-    """A stretch of a step with one memory picture: a rollout without grad, or one
-    backward's calls. ``samples``: samples a call; ``repeat``: passes a step (micro-batches,
-    inner updates); ``held``: bytes beyond the static ones alive through it (caches, a
-    stream's contexts); ``transient``: its own short-lived bytes (a cache's append);
-    ``accumulates``: the roles whose gradients of earlier passes it holds (accumulation
-    over micro-batches)."""
+    """A stretch of a step with one memory picture (a no-grad rollout, or one backward).
+
+    ``samples``: samples a call; ``repeat``: passes a step; ``held``: bytes beyond the
+    static ones alive through it; ``transient``: its own short-lived bytes;
+    ``accumulates``: the roles whose earlier passes' gradients it holds."""
 
     name: str
     calls: tuple[_Call, ...]
@@ -926,11 +847,7 @@ _DMD2_CALLS: dict[str, tuple[_Call, ...]] = {
         _Call("critic", "trained"),
     ),
 }
-"""DMD2's model calls per kind of step (``benchmarks/floor.py``'s ``STEPS``): the
-critic-only step rolls the student out without grad and trains the critic; the
-student+critic step trains the student through the teacher's two guidance calls and the
-critic's fake score (no grad), then trains the critic. In the ``fused`` ordering both
-trained calls' activations are alive together (one backward)."""
+"""DMD2's model calls per kind of step (as ``benchmarks/floor.py``'s ``STEPS``)."""
 
 
 @functools.lru_cache(maxsize=8)
@@ -977,9 +894,8 @@ def _step_kinds(
 ) -> dict[str, _Kind]:
     """The kinds of step of the recipe's method, keyed as :func:`fvstep.plan` names them.
 
-    A causal rollout's chunks exit at a step drawn uniformly from the schedule's: each
-    chunk runs ``exit_mean`` denoising steps before its exit step (default: the draw's
-    mean, ``(steps - 1) / 2``)."""
+    ``exit_mean``: the denoising steps a causal chunk runs before its exit step (default:
+    the uniform draw's mean, ``(steps - 1) / 2``)."""
     m, b = g.microbatches, g.batch
     per = b / m  # samples a micro-batch
     if recipe == "finetune":
@@ -1121,18 +1037,15 @@ class StepPlan:
     Attributes:
         name: ``"student"`` (fine-tune, DiffusionNFT), ``"critic-only"``,
             ``"student+critic"``.
-        calls: ``(role, kind)`` of each model call (each alike group of calls once), in
-            order.
+        calls: ``(role, kind)`` of each group of alike model calls, in order.
         activations: The saved activations at the step's peak, bytes per GPU.
         transient: The largest transient at the peak, bytes.
         peak: Predicted ``max_memory_allocated``, bytes.
-        floor: Seconds of the attention and GEMM kernels, no recomputation (a causal
-            chunk's attention over its cache's capacity at the masked rate).
+        floor: Seconds of the attention and GEMM kernels, no recomputation.
         recompute: Seconds the checkpointing recomputes.
         seconds: The predicted step time.
         share: The fraction of the method's steps of this kind.
-        held: Bytes beyond the static ones held at most in the step (KV caches, a
-            stream's contexts, DiffusionNFT's rollouts).
+        held: Bytes beyond the static ones held at most in the step (caches, rollouts).
     """
 
     name: str
@@ -1166,10 +1079,9 @@ class RunPlan:
         capacity: The GPU's memory, bytes.
         margin: Bytes kept free for the allocator's fragmentation.
         settings: The preparation planned (checkpointing, offload, compile, budget).
-        context: The context-parallel degree (each sample's tokens split over this many
-            GPUs).
-        cache: For the causal recipes, ``(bytes of one KV cache per GPU, its capacity in
-            latent frames, bytes per element)``; ``None`` otherwise.
+        context: The context-parallel degree.
+        cache: The causal recipes' ``(KV cache bytes per GPU, capacity in latent frames,
+            bytes per element)``; ``None`` otherwise.
     """
 
     recipe: str
@@ -1508,10 +1420,8 @@ def plan_run(
         kernels: A :class:`KernelTable`, a shipped table's name or a calibrated table's
             file (default: the H200's).
         margin_gib: Memory kept free for the caching allocator's fragmentation.
-        context: The context-parallel degree: each sample's tokens split over this many
-            GPUs of the world (Ulysses: the attention's heads split, four all-to-alls a
-            self-attention), the rest data parallel (default: ``options.parallel.context``
-            where the options have it, else 1).
+        context: The context-parallel degree (Ulysses), the rest data parallel (default:
+            ``options.parallel.context`` where the options have it, else 1).
 
     Returns:
         The :class:`RunPlan`.
@@ -1574,7 +1484,7 @@ def plan_run(
     if _is_lora(recipe, options):
         _, layers, fan_in = _lora_numel(shape, options.lora.rank, options.lora.targets)
         lora = (layers, fan_in, options.lora.rank)
-    cache_dtype = _cache_dtype_bytes(recipe, options, benchmark=_benchmark)
+    cache_dtype = _cache_dtype_bytes(options)
     planner = _Planner(
         shape, table, prepare, compute, {r.name: r for r in roles}, world, nodes, cp, video,
         frames // pf, data.text_shape[0], _cache_frame_bytes(shape, frame_tokens, cache_dtype),
@@ -1659,10 +1569,9 @@ def suggest_changes(
     limit: int = 5,
     context: int | None = None,
 ) -> list[Suggestion]:
-    """Changes that make a run fit, fastest first: checkpointing and offloading, LoRA
-    (``--lora.rank 64`` of ``finetune``, ``dmd2`` -> ``lora_dmd2``), context parallel over
-    2, 4 or 8 of a node's GPUs (``--context N``, eager: compile refuses a context mesh; not
-    for the causal recipes), more GPUs; each re-planned with :func:`plan_run`.
+    """Changes that make a run fit, fastest first: checkpointing and offloading, LoRA,
+    context parallel over 2, 4 or 8 of a node's GPUs, more GPUs; each re-planned with
+    :func:`plan_run`.
 
     Args:
         recipe: The recipe.
@@ -1675,9 +1584,7 @@ def suggest_changes(
 
     Returns:
         The changes that fit: those on the same GPUs first, then by predicted step time
-        (with context parallel, times its degree: its GPUs share a sample, so that a
-        sample costs as many GPU-seconds as the other layouts' steps), then by fewer
-        changed settings.
+        (times the context-parallel degree: GPU-seconds a sample), then by fewer changes.
 
     Examples:
         >>> for s in suggest_changes("dmd2", options):  # doctest: +SKIP

@@ -1,21 +1,8 @@
 """Running a recipe: the resolved config checked and kept, ``init_from``, then :func:`fvstep.run`.
 
-:func:`train` is what ``fvstep train`` runs on every rank:
-
-1. Rank 0 takes the lock of the run folder (:func:`fvstep.checkpoint.lock_dir`) and keeps
-   it to the end of the run, so that a second command on the folder is refused before it
-   reads or writes anything (``--dry-run`` takes no lock and writes nothing).
-2. A run folder that holds a checkpoint is resumed: its ``config.yaml`` is compared with
-   the new options and world size (:func:`fvstep.recipes.config.check_config_change`: a
-   learning-rate or ``run.num_steps`` change applies, a change that alters the math is
-   refused, naming the key). Otherwise the run is fresh and ``init_from`` applies.
-3. The recipe builds the run; ``init_from`` with ``kind="state"`` replaces its state by
-   the other run's.
-4. Rank 0 writes the resolved config as ``<run.out>/config.yaml`` (so a run refused so
-   far leaves none: nor a folder, for a wrong ``data.path`` or ``model.path``).
-5. :func:`fvstep.run` trains to ``run.num_steps`` under the lock taken in 1 (handed over
-   as ``Checkpoints.lock``), resuming from the folder's newest checkpoint; on SIGTERM or
-   Ctrl-C it saves and raises :class:`fvstep.Interrupted`.
+:func:`train` is what ``fvstep train`` runs on every rank: rank 0 locks the run folder; a
+folder holding a checkpoint is resumed (its config checked), else ``init_from`` applies;
+rank 0 writes ``config.yaml`` (a refused run leaves nothing); :func:`fvstep.run` trains.
 
 Examples:
     >>> recipe = get_recipe("finetune")
@@ -104,8 +91,7 @@ def run_prepared(spec: RunSpec, options: Any, **extra: Any) -> Any:
 def check_resume(recipe: Recipe, options: Any, *, world_size: int) -> tuple[Path | None, list[str]]:
     """Whether ``options.run.out`` holds a run to resume, and the changes that apply to it.
 
-    Reads only (rank 0 of :func:`prepare_run` calls it under the folder's lock;
-    ``fvstep train --nproc N`` calls it before it launches the ranks).
+    Reads only.
 
     Args:
         recipe: The recipe.
@@ -142,8 +128,8 @@ def check_resume(recipe: Recipe, options: Any, *, world_size: int) -> tuple[Path
 def prepare_run(
     recipe: Recipe, options: Any, *, log: Callable[[str], None] = print, write: bool = True
 ) -> RunSpec:
-    """Steps 1 to 4 of :func:`train`: lock the run folder, check the config, build the run,
-    apply ``init_from`` and (with ``write``) keep the config. Collective on several ranks.
+    """What :func:`train` does before it runs: lock the run folder, check the config, build
+    the run, apply ``init_from`` and (with ``write``) keep the config. Collective.
 
     With ``write``, the returned spec holds the lock of ``run.out`` (rank 0), as the
     ``checkpoints`` of its ``run_options`` hand it to :func:`fvstep.run`; ``spec.close()``

@@ -1,23 +1,12 @@
 """Sample videos of a recipe's student at a cadence (``validation.sample_every``).
 
-:func:`sample_validation` turns the ``validation`` options into a
-:class:`fvstep.Validation` of :func:`fvstep.observe.sampling.sample_videos`: the student (its EMA
-when the run keeps one, by default) samples one video for each of the first
-``validation.num_videos`` held-out items' prompt embeddings (the split the validation loss
-uses, never trained on), from fixed noise at the held-out latents' shape, and the VAE of
-the pipeline folder at ``model.path`` decodes them. The run's JSONL tracker writes each as
-``<run.out>/media/step_<n>/samples_sample_<i>.mp4`` and ``.png`` (the frames side by
-side), so they can be watched with no TensorBoard or W&B; a resumed run writes those of
-its start step again, the same bit for bit.
-
-Sampling never changes the training: it runs as every validation does (no autograd, the
-global RNG scoped, the state's leaves untouched; :func:`fvstep.executor.reporting.observe`).
+:func:`sample_validation` makes a :class:`fvstep.Validation` that samples one video per
+held-out prompt from fixed noise and decodes it by the VAE at ``model.path``; the files are
+``<run.out>/media/step_<n>/samples_sample_<i>.mp4`` and ``.png``. Sampling never changes
+the training (:func:`fvstep.executor.reporting.observe`).
 
 Examples:
-    >>> held = held_out_items(options.data, options.validation.num_samples)
-    >>> samples = sample_validation(options, held, device=torch.device("cpu"),
-    ...                             sampler=FewStepSampler((1.0,)))  # a DMD2 student
-    >>> fvstep.run(step, state, data, num_steps=100, validation=[loss, samples])
+    >>> samples = sample_validation(options, held, device=torch.device("cpu"))
 """
 
 from __future__ import annotations
@@ -124,23 +113,18 @@ def sample_validation(
 ) -> Validation | None:
     """The sample videos of ``options.validation`` as a :class:`fvstep.Validation`.
 
-    Every rank samples (a sharded role needs all of them); rank 0 alone loads the VAE,
-    decodes and returns the videos, which the run's trackers write (the JSONL tracker as
-    ``<run.out>/media/step_<n>/samples_sample_<i>.mp4`` and ``.png``). The noise is fixed
-    (:func:`fvstep.observe.sampling.sample_videos`' key), so the videos of two validations differ
-    by the weights alone, and a resumed run's equal an uninterrupted run's.
+    Every rank samples (a sharded role needs all of them); rank 0 alone decodes and
+    returns the videos. The noise is fixed, so two validations' videos differ by the
+    weights alone.
 
     Args:
         options: A recipe's options.
-        held_out: The validation's held-out items, ``{"latents": (N, C, F, H, W), "text":
-            (N, L, D)}`` (:func:`fvstep.recipes.parts.held_out_items`): the videos' prompts
-            are the first ``validation.num_videos`` texts, their shape the latents'.
+        held_out: The held-out items (:func:`fvstep.recipes.parts.held_out_items`): the
+            first ``validation.num_videos`` texts are the prompts, the latents the shape.
         device: The rank's device (where the VAE decodes).
         role: The role to sample.
-        sampler: The student's sampler: a :class:`~fvstep.observe.sampling.FewStepSampler` of
-            its schedule for a distilled student (a causal one samples chunk by chunk);
-            ``None``: ``validation.sample_steps`` Euler steps with the shift of the
-            pipeline's scheduler.
+        sampler: The student's sampler (a distilled student's few-step schedule); ``None``:
+            ``validation.sample_steps`` Euler steps at the pipeline scheduler's shift.
 
     Returns:
         The validation, or ``None`` when ``validation.sample_every`` is 0.

@@ -1,14 +1,8 @@
 """The ``self_forcing`` recipe: a causal student trained by DMD on its own chunked rollouts.
 
-Roles: ``student`` (a causal copy of the model, :func:`fvstep.methods.make_causal` with
-``chunk_frames``; trained, with an EMA when ``optim.ema`` is set), ``teacher`` (the model,
-bidirectional, frozen, left out of checkpoints by its digest:
-``Role(save_frozen=False)``), ``critic`` (a bidirectional copy of the model, trained). The
-method is :func:`fvstep.methods.self_forcing`: the critic steps every step, student and
-critic together every ``generator_update_interval`` steps. The latents' frames must be a
-multiple of ``chunk_frames``; the recipe refuses other ones before anything runs. With no
-options it trains the embedded tiny Wan on synthetic latents of 6 frames (2 chunks of 3)
-on the CPU, in seconds.
+Roles: ``student`` (a causal copy of the model, :func:`fvstep.methods.make_causal`),
+``teacher`` (the model, frozen, saved by its digest), ``critic`` (a copy). The method is
+:func:`fvstep.methods.self_forcing`; the latents' frames must be a multiple of ``chunk_frames``.
 
 Examples:
     $ fvstep train self_forcing --model.path Wan2.1-T2V-1.3B-Diffusers \\
@@ -18,7 +12,6 @@ Examples:
 from __future__ import annotations
 
 import copy
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,24 +23,21 @@ from fvstep.methods import make_causal, self_forcing, self_forcing_losses
 from fvstep.methods.causal_rollout import shifted_steps
 from fvstep.observe.sampling import FewStepSampler
 from fvstep.recipes import Recipe, RunSpec, parts
-from fvstep.recipes import init as init_
-from fvstep.recipes.options import (
-    DataOptions,
-    InitFrom,
-    ModelOptions,
-    OptimOptions,
-    ParallelOptions,
-    PrepareOptions,
-    RunOptions,
-    TrackerOptions,
-    ValidationOptions,
-)
+from fvstep.recipes.options import DataOptions, OptimOptions, RecipeOptions, RunOptions
 
-__all__ = ["RECIPE", "SelfForcingOptions", "build", "causal_roles", "check_latent_frames"]
+__all__ = [
+    "RECIPE",
+    "SelfForcingOptions",
+    "build",
+    "causal_roles",
+    "causal_run_spec",
+    "check_latent_frames",
+    "student_cache_dtype",
+]
 
 
 @dataclass(frozen=True)
-class SelfForcingOptions:
+class SelfForcingOptions(RecipeOptions):
     """The options of the ``self_forcing`` recipe (see :mod:`fvstep.recipes.options`).
 
     Attributes:
@@ -63,17 +53,11 @@ class SelfForcingOptions:
         guidance_scale: The teacher's classifier-free guidance scale.
     """
 
-    model: ModelOptions = field(default_factory=ModelOptions)
     data: DataOptions = field(default_factory=lambda: DataOptions(latent_shape=(4, 6, 4, 4)))
     optim: OptimOptions = field(default_factory=lambda: OptimOptions(lr=2e-4))
-    prepare: PrepareOptions = field(default_factory=PrepareOptions)
-    parallel: ParallelOptions = field(default_factory=ParallelOptions)
     run: RunOptions = field(
         default_factory=lambda: RunOptions(out="runs/self_forcing", num_steps=10, every=5)
     )
-    validation: ValidationOptions = field(default_factory=ValidationOptions)
-    trackers: TrackerOptions = field(default_factory=TrackerOptions)
-    init_from: InitFrom = field(default_factory=InitFrom)
     chunk_frames: int = 3
     critic_lr: float = 4e-4
     generator_update_interval: int = 2
@@ -112,20 +96,10 @@ def check_latent_frames(data: DataOptions, chunk_frames: int) -> None:
 
 
 def causal_roles(options: Any, *, fresh: bool, device: torch.device) -> dict[str, fs.Role]:
-    """The roles of the causal recipes (``self_forcing``, ``streaming``), prepared.
+    """The prepared roles of the causal recipes (``self_forcing``, ``streaming``).
 
-    ``student``: a causal copy of the model (``options.chunk_frames``), ``critic``: a
-    copy, both filled from ``options.init_from`` on a fresh run, then trained;
-    ``teacher``: the model, frozen and saved by its digest.
-
-    Args:
-        options: Options with the shared groups, ``chunk_frames`` and ``critic_lr``.
-        fresh: Whether the run starts afresh (then ``init_from`` with ``kind="weights"``
-            fills the student and the critic).
-        device: The rank's device.
-
-    Returns:
-        The roles, by name.
+    ``student``: a causal copy of the model (``options.chunk_frames``); ``critic``: a copy
+    (both from ``init_from`` on a fresh run, then trained); ``teacher``: the model, frozen.
 
     Examples:
         >>> roles = causal_roles(SelfForcingOptions(), fresh=True, device=torch.device("cpu"))
@@ -134,23 +108,35 @@ def causal_roles(options: Any, *, fresh: bool, device: torch.device) -> dict[str
     """
     teacher = parts.load_transformer(options.model, device=device)
     student = make_causal(copy.deepcopy(teacher), chunk_frames=options.chunk_frames)
-    critic = copy.deepcopy(teacher)
-    if fresh and options.init_from.path is not None and options.init_from.kind == "weights":
-        init_.init_from(options.init_from, {"student": student, "critic": critic})
-    mesh = parts.make_mesh(device)
-    prepared = {
-        name: parts.prepare_role(m.to(device), options.prepare, mesh, trainable=name != "teacher")
-        for name, m in (("student", student), ("teacher", teacher), ("critic", critic))
-    }
-    ema = fs.EMA(options.optim.ema) if options.optim.ema is not None else None
-    critic_optim = dataclasses.replace(options.optim, lr=options.critic_lr)
-    return {
-        "student": fs.Role(
-            prepared["student"], optimizer=parts.make_optimizer(options.optim), ema=ema
-        ),
-        "teacher": fs.Role(prepared["teacher"], save_frozen=False),
-        "critic": fs.Role(prepared["critic"], optimizer=parts.make_optimizer(critic_optim)),
-    }
+    return parts.copied_roles(options, teacher, student, fresh=fresh, device=device)
+
+
+def student_cache_dtype(roles: dict[str, fs.Role]) -> torch.dtype | None:
+    """The student's compute dtype, which its KV cache keeps (the keys are computed in it)."""
+    prepared = fsp.preparation(roles["student"].module)
+    return None if prepared is None else prepared.param_dtype
+
+
+def causal_run_spec(
+    options: Any,
+    roles: dict[str, fs.Role],
+    method: Any,
+    *,
+    device: torch.device,
+    extra: dict[str, Any] | None = None,
+) -> RunSpec:
+    """The run of a causal recipe's ``method`` over ``roles``; the student samples its own
+    schedule, chunk by chunk."""
+    state = fs.TrainState.create(roles, key=fs.random.key(options.run.seed), extra=extra)
+    steps = shifted_steps(options.denoising_steps, options.denoising_shift)
+    return parts.run_spec(
+        options,
+        state,
+        method,
+        trained=("student", "critic"),
+        device=device,
+        sampler=FewStepSampler(steps),
+    )
 
 
 def build(options: SelfForcingOptions, *, fresh: bool = True) -> RunSpec:
@@ -171,23 +157,13 @@ def build(options: SelfForcingOptions, *, fresh: bool = True) -> RunSpec:
     self_forcing_losses(denoising_steps=steps, guidance_scale=options.guidance_scale)  # checks
     device = parts.device_for(options.run)
     roles = causal_roles(options, fresh=fresh, device=device)
-    prepared = fsp.preparation(roles["student"].module)
     method = self_forcing(
         generator_update_interval=options.generator_update_interval,
         denoising_steps=steps,
         guidance_scale=options.guidance_scale,
-        # the keys are computed in the student's compute dtype: keep the cache in it
-        cache_dtype=None if prepared is None else prepared.param_dtype,
+        cache_dtype=student_cache_dtype(roles),
     )
-    state = fs.TrainState.create(roles, key=fs.random.key(options.run.seed))
-    return parts.run_spec(
-        options,
-        state,
-        method,
-        trained=("student", "critic"),
-        device=device,
-        sampler=FewStepSampler(steps),  # the causal student samples chunk by chunk
-    )
+    return causal_run_spec(options, roles, method, device=device)
 
 
 RECIPE = Recipe(

@@ -1,17 +1,8 @@
 """The ``streaming`` recipe: self-forcing on a long rollout that spans several steps.
 
-Roles: those of ``self_forcing`` (:func:`fvstep.recipes.self_forcing.causal_roles`: a
-causal ``student`` and a ``critic``, trained; the ``teacher``, frozen, saved by its
-digest). The method is :func:`fvstep.methods.streaming`: each step generates the next
-frames of the stream (the latents' frames, a multiple of ``chunk_frames`` and at most
-``window_frames``) from its KV cache, trains on them, and moves the stream on; a new
-stream starts every ``steps_per_stream`` steps. The stream (its rolling cache of
-``sink_frames + window_frames`` frames, latest frames, prompt and frame count) is
-``state.extra["stream"]`` (:func:`fvstep.methods.init_stream`, shaped by the run's first
-batch): checkpointed per rank and restored like every other leaf, so a checkpoint resumes
-on the same number of ranks. Its cache is kept in the student's compute dtype (bf16 when
-the student computes in bf16: FSDP2's ``param_dtype``, or autocast on one process). With
-no options it trains the embedded tiny Wan on the CPU, a chunk of 3 frames a step.
+Roles: those of ``self_forcing`` (:func:`~fvstep.recipes.self_forcing.causal_roles`). The
+method is :func:`fvstep.methods.streaming`: each step generates, from the stream's KV cache,
+its next frames and trains on them. The stream is ``state.extra["stream"]``, saved per rank.
 
 Examples:
     $ fvstep train streaming --model.path Wan2.1-T2V-1.3B-Diffusers --data.path latents/ \\
@@ -25,30 +16,23 @@ from dataclasses import dataclass, field
 
 import torch
 
-import fvstep as fs
 from fvstep import parallel as fsp
 from fvstep.methods import init_stream, streaming
 from fvstep.methods.causal_rollout import shifted_steps
-from fvstep.observe.sampling import FewStepSampler
 from fvstep.recipes import Recipe, RunSpec, parts
-from fvstep.recipes.options import (
-    DataOptions,
-    InitFrom,
-    ModelOptions,
-    OptimOptions,
-    ParallelOptions,
-    PrepareOptions,
-    RunOptions,
-    TrackerOptions,
-    ValidationOptions,
+from fvstep.recipes.options import DataOptions, OptimOptions, RecipeOptions, RunOptions
+from fvstep.recipes.self_forcing import (
+    causal_roles,
+    causal_run_spec,
+    check_latent_frames,
+    student_cache_dtype,
 )
-from fvstep.recipes.self_forcing import causal_roles, check_latent_frames
 
 __all__ = ["RECIPE", "StreamingOptions", "build"]
 
 
 @dataclass(frozen=True)
-class StreamingOptions:
+class StreamingOptions(RecipeOptions):
     """The options of the ``streaming`` recipe (see :mod:`fvstep.recipes.options`).
 
     Attributes:
@@ -65,17 +49,11 @@ class StreamingOptions:
         guidance_scale: The teacher's classifier-free guidance scale.
     """
 
-    model: ModelOptions = field(default_factory=ModelOptions)
     data: DataOptions = field(default_factory=lambda: DataOptions(latent_shape=(4, 3, 4, 4)))
     optim: OptimOptions = field(default_factory=lambda: OptimOptions(lr=2e-4))
-    prepare: PrepareOptions = field(default_factory=PrepareOptions)
-    parallel: ParallelOptions = field(default_factory=ParallelOptions)
     run: RunOptions = field(
         default_factory=lambda: RunOptions(out="runs/streaming", num_steps=10, every=5)
     )
-    validation: ValidationOptions = field(default_factory=ValidationOptions)
-    trackers: TrackerOptions = field(default_factory=TrackerOptions)
-    init_from: InitFrom = field(default_factory=InitFrom)
     chunk_frames: int = 3
     window_frames: int = 6
     sink_frames: int = 3
@@ -126,28 +104,14 @@ def build(options: StreamingOptions, *, fresh: bool = True) -> RunSpec:
     )
     device = parts.device_for(options.run)
     roles = causal_roles(options, fresh=fresh, device=device)
-    student = roles["student"].module
-    prepared = fsp.preparation(student)
     stream = init_stream(
-        student,
+        roles["student"].module,
         _first_batch(options, device),
         window_frames=options.window_frames,
         sink_frames=options.sink_frames,
-        # the keys are computed in the student's compute dtype: keep them in it
-        cache_dtype=None if prepared is None else prepared.param_dtype,
+        cache_dtype=student_cache_dtype(roles),
     )
-    state = fs.TrainState.create(
-        roles, key=fs.random.key(options.run.seed), extra={"stream": stream}
-    )
-    steps = shifted_steps(options.denoising_steps, options.denoising_shift)
-    return parts.run_spec(
-        options,
-        state,
-        method,
-        trained=("student", "critic"),
-        device=device,
-        sampler=FewStepSampler(steps),  # the causal student samples chunk by chunk
-    )
+    return causal_run_spec(options, roles, method, device=device, extra={"stream": stream})
 
 
 RECIPE = Recipe(

@@ -1,19 +1,12 @@
 """A tiny diffusers ``WanPipeline`` folder, built from configs on the CPU, for trying the
-whole path without a download: ``fvstep data encode --model`` reads its VAE, text encoder
-and tokenizer, ``fvstep train --model.path`` its transformer, and ``fvstep export
---format pipeline --base`` copies its other parts.
+whole path without a download (``fvstep data encode``, ``train``, ``export``).
 
-The parts: the tiny Wan of :func:`fvstep.methods.models.tiny_wan` (4 latent channels, 16 text
-features), an ``AutoencoderKLWan`` with ``z_dim=4`` (frames ``4k+1``, 8x spatial), a
-one-layer ``UMT5EncoderModel`` with ``d_model=16``, transformers' ``ByT5Tokenizer`` (bytes:
-no vocabulary file) and a ``FlowMatchEulerDiscreteScheduler``. Weights are random and a
-pure function of ``seed``: what it samples is noise, but every shape and file is a real
-pipeline's.
+The parts: the tiny Wan (:func:`fvstep.methods.models.tiny_wan`), an ``AutoencoderKLWan``
+with ``z_dim=4``, a one-layer ``UMT5EncoderModel``, a ``ByT5Tokenizer`` and a flow-matching
+scheduler; random weights, a pure function of ``seed``.
 
 Examples:
-    >>> save_tiny_pipeline("tiny-wan")
-    PosixPath('tiny-wan')
-    >>> pipe = diffusers.WanPipeline.from_pretrained("tiny-wan")
+    >>> save_tiny_pipeline("tiny-wan")  # PosixPath('tiny-wan')
 """
 
 from __future__ import annotations
