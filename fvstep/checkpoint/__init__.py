@@ -20,17 +20,17 @@
 """
 
 from fvstep.checkpoint.async_saving import AsyncSaver
-from fvstep.checkpoint.directories import checkpoint_dir, latest, list_complete, lock_dir, prune
+from fvstep.checkpoint.directories import (
+    CheckpointSkippedWarning,
+    checkpoint_dir,
+    latest,
+    list_complete,
+    lock_dir,
+    prune,
+)
 from fvstep.checkpoint.exporting import export, gather_weights
 from fvstep.checkpoint.loading import load
-from fvstep.checkpoint.manifest import (
-    FORMAT_VERSION,
-    CheckpointSkippedWarning,
-    Manifest,
-    frozen_digest,
-    read_manifest,
-)
-from fvstep.checkpoint.saving import save
+from fvstep.checkpoint.saving import FORMAT_VERSION, Manifest, frozen_digest, read_manifest, save
 from fvstep.core.errors import (
     CheckpointError,
     CheckpointLockedError,

@@ -21,12 +21,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fvstep.checkpoint.fingerprint import fingerprint, local_checks
-from fvstep.checkpoint.frozen import split_frozen
 from fvstep.checkpoint.saving import (
     WRITER_THREADS,
+    fingerprint,
+    local_checks,
     make_temp_dir,
     refuse_nonfinite,
+    split_frozen,
     write_checkpoint,
 )
 from fvstep.core._checks import check_int

@@ -1,14 +1,9 @@
-"""Checkpoint directories: names, atomic commit, "latest", and keep-last-N.
+"""The directory of a run's checkpoints: names, "latest", keep-last-N, set-aside and the lock.
 
-A root holds one directory per complete checkpoint, ``step_000000120``. A save writes
-into ``.tmp-step_000000120`` and is committed by writing the manifest (fsynced) and
-renaming the directory (atomic on POSIX), then fsyncing the root. A crash at any point
-leaves either the previous set of complete checkpoints or the new one: a directory
-without a valid manifest, or still named ``.tmp-*``, is never "latest".
-
-A checkpoint that :func:`fvstep.run` found damaged is renamed ``step_<n>.damaged``
-(:func:`set_aside`): kept for inspection, never listed, pruned or counted in ``keep``.
-``.lock`` is the lock file of the run that writes the root (:func:`lock_dir`).
+A root holds one ``step_<n>`` directory per complete checkpoint (committed by
+:func:`fvstep.checkpoint.save`); a directory without a valid manifest, or still named
+``.tmp-*``, is never "latest". A checkpoint :func:`fvstep.run` found damaged is renamed
+``step_<n>.damaged`` (:func:`set_aside`). ``.lock`` is the run's lock (:func:`lock_dir`).
 """
 
 from __future__ import annotations
@@ -24,16 +19,14 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from fvstep.checkpoint.manifest import read_manifest
+from fvstep.checkpoint.saving import discard, fsync, read_manifest
 from fvstep.core.errors import CheckpointError, CheckpointLockedError, NewerFormatError
 
 __all__ = [
     "LOCK_NAME",
+    "CheckpointSkippedWarning",
     "DirectoryLock",
     "checkpoint_dir",
-    "commit",
-    "discard",
-    "fsync",
     "latest",
     "list_complete",
     "list_step_dirs",
@@ -46,6 +39,10 @@ __all__ = [
 LOCK_NAME = ".lock"
 
 _NAME = re.compile(r"^step_(\d{9,})$")
+
+
+class CheckpointSkippedWarning(UserWarning):
+    """:func:`fvstep.run` skipped a damaged checkpoint and resumed from an older one."""
 
 
 def checkpoint_dir(root: str | os.PathLike[str], step: int) -> Path:
@@ -74,52 +71,12 @@ def temp_dir(root: str | os.PathLike[str], step: int) -> Path:
     return Path(root) / f".tmp-step_{step:09d}"
 
 
-def fsync(path: str | os.PathLike[str]) -> None:
-    """Flush a file, or a directory's entries, to disk (``os.fsync``).
-
-    A directory is fsynced after a file in it is created or renamed, so that the new
-    name survives a crash. On Windows, where directories cannot be opened for fsync,
-    a directory is skipped.
-
-    Raises:
-        OSError: If ``path`` cannot be opened or flushed.
-    """
-    path = Path(path)
-    is_dir = path.is_dir()
-    if is_dir and os.name != "posix":
-        return
-    fd = os.open(path, os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if is_dir else 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def commit(tmp: Path, final: Path) -> None:
-    """Atomically publish a fully written checkpoint directory ``tmp`` as ``final``.
-
-    Args:
-        tmp: The written directory (manifest included).
-        final: Its name once committed.
-
-    Raises:
-        CheckpointError: If ``final`` exists (the caller decides about overwriting).
-        OSError: If the rename or an fsync fails.
-    """
-    if final.exists():
-        raise CheckpointError(f"checkpoint {str(final)!r} already exists")
-    fsync(tmp)
-    os.replace(tmp, final)
-    fsync(final.parent)
-
-
 def list_complete(root: str | os.PathLike[str]) -> list[tuple[int, Path]]:
     """Complete checkpoints under ``root`` as ``(step, path)``, oldest first.
 
-    A directory counts only if its name is ``step_<digits>`` and its manifest is valid.
-    One written by a newer format counts too (loading it then says to upgrade), so an
-    older fvstep never silently resumes from an older step. A malformed manifest never
-    raises here: that directory is simply not listed.
+    A ``step_<n>`` directory counts if its manifest is valid, or written by a newer format
+    (loading it then says to upgrade, so an older fvstep never resumes from an older
+    step). A malformed manifest never raises here: its directory is not listed.
 
     Args:
         root: A directory of checkpoints.
@@ -127,35 +84,26 @@ def list_complete(root: str | os.PathLike[str]) -> list[tuple[int, Path]]:
     Returns:
         ``[(step, path), ...]``; ``[]`` if ``root`` is not a directory.
     """
-    root = Path(root)
-    if not root.is_dir():
-        return []
     found = []
-    for entry in root.iterdir():
-        match = _NAME.match(entry.name)
-        if not match or not entry.is_dir():
-            continue
+    for step, entry in list_step_dirs(root):
         try:
             read_manifest(entry)
         except NewerFormatError:
             pass
         except (CheckpointError, OSError):
             continue
-        found.append((int(match.group(1)), entry))
-    return sorted(found)
+        found.append((step, entry))
+    return found
 
 
 def list_step_dirs(root: str | os.PathLike[str]) -> list[tuple[int, Path]]:
     """Every ``step_<n>`` directory under ``root``, complete or not, oldest first.
 
-    :func:`list_complete` keeps those with a valid manifest; this one also lists the
-    damaged ones, so that a resume can say which newer checkpoints it skipped.
-
     Args:
         root: A directory of checkpoints.
 
     Returns:
-        ``[(step, path), ...]``, by step; ``[]`` if ``root`` is not a directory.
+        ``[(step, path), ...]``; ``[]`` if ``root`` is not a directory.
     """
     root = Path(root)
     if not root.is_dir():
@@ -233,26 +181,6 @@ def prune(root: str | os.PathLike[str], keep: int | None, *, keep_temp: Path | N
     complete = list_complete(root)
     for _, path in complete[: max(len(complete) - max(keep, 1), 0)]:
         discard(path)
-
-
-def discard(path: Path) -> None:
-    """Delete a checkpoint directory so that a crash midway never leaves a listed, broken one.
-
-    It is first renamed to ``.tmp-deleting-<name>`` (atomic; temporaries are never
-    listed and are swept by later prunes), then deleted.
-
-    Args:
-        path: The checkpoint directory.
-
-    Raises:
-        OSError: If it cannot be renamed.
-    """
-    aside = path.with_name(f".tmp-deleting-{path.name}")
-    if aside.exists():
-        shutil.rmtree(aside)
-    os.replace(path, aside)
-    fsync(path.parent)
-    shutil.rmtree(aside, ignore_errors=True)
 
 
 class DirectoryLock:

@@ -39,7 +39,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from fvstep.checkpoint.directories import fsync
+from fvstep.checkpoint.saving import fsync
 from fvstep.core._optional import needs_extra
 from fvstep.core.state import RoleState, TrainState
 from fvstep.core.weights import Weights, roles_holding_other_weights, select_weights

@@ -9,6 +9,7 @@ between ranks: a damaged shard of one rank makes every rank raise.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -20,10 +21,15 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from fvstep.checkpoint.directories import list_complete
-from fvstep.checkpoint.fingerprint import fingerprint
-from fvstep.checkpoint.frozen import check_frozen
-from fvstep.checkpoint.manifest import Manifest, read_manifest
-from fvstep.checkpoint.saving import exception_text, failure_text, quiet_single_process, rank_key
+from fvstep.checkpoint.saving import (
+    Manifest,
+    exception_text,
+    failure_text,
+    fingerprint,
+    frozen_entries,
+    rank_key,
+    read_manifest,
+)
 from fvstep.core.errors import CheckpointError, DamagedCheckpointError
 from fvstep.core.state import TrainState
 from fvstep.core.tree import flatten_with_paths
@@ -106,6 +112,46 @@ def _check_fits(
 def _subtrees(paths: list[str]) -> tuple[str, ...]:
     """The subtrees (``extra.<name>``, ``roles.<role>``) that hold ``paths``, each once."""
     return tuple(dict.fromkeys(".".join(p.split(".")[:2]) for p in paths))
+
+
+def check_frozen(
+    manifest: Manifest, path: Path, paths: list[str], leaves: list[Any], group: Any
+) -> None:
+    """Collective when the checkpoint has frozen entries: ``like``'s frozen parameters
+    must be those the checkpoint was saved with (dtype, shape and checksum)."""
+    if not manifest.frozen:
+        return
+    index = {p: i for i, p in enumerate(paths)}
+    missing = sorted(set(manifest.frozen) - set(index))
+    if missing:
+        roles = sorted({p.split(".")[1] for p in missing})
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} does not fit the state: it was saved with the frozen "
+            f"parameters {missing[:4]}{'...' if len(missing) > 4 else ''} (of roles {roles}, "
+            "saved by checksum), which the state does not have"
+        )
+    pinned = sorted(manifest.frozen, key=index.__getitem__)
+    mine, _ = frozen_entries(pinned, [leaves[index[p]] for p in pinned], group)
+    for p in pinned:
+        if mine.get(p) != manifest.frozen[p]:
+            role = p.split(".")[1]
+            name = p.split(".", 3)[3]
+            here = mine.get(p, {"checksum": "differs between ranks"})
+            digest = manifest.frozen_digests[role]
+            raise CheckpointError(
+                f"checkpoint {str(path)!r} was saved on other frozen weights of role "
+                f"{role!r} (base digest {digest[:16]}...): its parameter {name!r} was "
+                f"{_entry_text(manifest.frozen[p])}, the state has {_entry_text(here)}. "
+                "The checkpoint holds only the digest of these weights, not their values: "
+                "load it into a state built on the same base model (same weights, dtype and "
+                "revision) it was trained on"
+            )
+
+
+def _entry_text(entry: dict[str, Any]) -> str:
+    if "dtype" not in entry:
+        return str(entry["checksum"])
+    return f"{entry['dtype']}{tuple(entry['shape'])} with checksum {entry['checksum']}"
 
 
 def _copy(x: Any) -> Any:
@@ -194,7 +240,8 @@ def load(
     fresh = [_empty_like(x) for x in leaves]
     flat = {(rank_key(p, rank) if p in manifest.per_rank else p): x for p, x in zip(paths, fresh)}
     try:
-        with quiet_single_process(world):
+        with warnings.catch_warnings():  # no_dist on one process is the intent
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(flat, checkpoint_id=path, process_group=group, no_dist=world == 1)
     except (Exception, CheckpointException) as e:  # DCP's exception is a BaseException
         detail = (

@@ -13,7 +13,7 @@ import attrs
 
 from fvstep import checkpoint as ckpt
 from fvstep.checkpoint import directories
-from fvstep.checkpoint.manifest import CheckpointSkippedWarning
+from fvstep.checkpoint.directories import CheckpointSkippedWarning
 from fvstep.core.errors import CheckpointError, DamagedCheckpointError
 from fvstep.core.state import TrainState
 from fvstep.parallel.ranks import broadcast_object, rank_and_world
