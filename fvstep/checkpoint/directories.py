@@ -119,9 +119,8 @@ def list_step_dirs(root: str | os.PathLike[str]) -> list[tuple[int, Path]]:
 def set_aside(path: Path) -> Path:
     """Rename a damaged checkpoint ``step_<n>`` to ``step_<n>.damaged`` (or ``.damaged-<k>``).
 
-    It is kept for inspection but no longer a checkpoint: never "latest", never counted
-    in ``keep`` (so it cannot push good checkpoints out), never pruned, and never
-    overwritten by a later save of the same step. Delete it yourself when done.
+    It is kept for inspection but no longer a checkpoint: never "latest", counted in
+    ``keep``, pruned or overwritten by a later save of the same step.
 
     Args:
         path: The checkpoint directory.
@@ -230,16 +229,10 @@ def _holder(fd: int) -> dict[str, Any]:
 def lock_dir(root: str | os.PathLike[str]) -> DirectoryLock:
     """Take the exclusive lock of a directory of checkpoints, without waiting.
 
-    :func:`fvstep.run` holds it for a whole run, so that a second run writing the same
-    directory fails at once instead of both overwriting each other's checkpoints. It is
-    an ``flock`` on ``<root>/.lock`` (created if needed, never deleted), into which the
-    holder writes its host, pid and start time; the kernel releases it when the holder's
-    process ends, so a crashed run leaves no stale lock. Locks conflict between
-    processes and between separate calls of one process.
-
-    ``flock`` on a network filesystem may not be honoured (some NFS, Lustre or FUSE
-    mounts ignore it, or lock per host only): there the lock is best effort. A
-    filesystem that refuses ``flock`` outright gives a warning and an unheld lock.
+    An ``flock`` on ``<root>/.lock`` (created if needed, never deleted) into which the holder
+    writes its host, pid and start time; the kernel releases it when the holder's process
+    ends. It is best effort where the filesystem ignores ``flock``, and a warning and an
+    unheld lock where it refuses it (``docs/concepts/checkpoints.md``).
 
     Args:
         root: The directory of checkpoints (created if missing).
@@ -282,10 +275,8 @@ def lock_dir(root: str | os.PathLike[str]) -> DirectoryLock:
             else "a process that has not yet written its name into it"
         )
         raise CheckpointLockedError(
-            f"the checkpoint directory {str(root)!r} is in use by another run: {who} "
-            f"holds {str(path)!r}. Two runs writing one directory would overwrite each "
-            "other's checkpoints: wait for that run to end or stop it, or use another "
-            "directory"
+            f"the checkpoint directory {str(root)!r} is in use by another run: {who} holds "
+            f"{str(path)!r}; wait for that run to end or stop it, or use another directory"
         ) from None
     except OSError as e:
         if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):

@@ -817,7 +817,8 @@ class _CheckedWriter(FileSystemWriter):
                 failures.append(e)
                 raise
 
-        self.fs.create_stream = create_stream  # type: ignore[method-assign]  # this writer's FileSystem only
+        # this writer's FileSystem only
+        self.fs.create_stream = create_stream  # type: ignore[method-assign]
 
     def write_data(self, plan: Any, planner: Any) -> Any:
         written = super().write_data(plan, planner)
