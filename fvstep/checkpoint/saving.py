@@ -856,8 +856,9 @@ def write_checkpoint(
         with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
             if prints is None:
                 # Plain leaves of several ranks first: their checksums decide which are per rank.
-                early = [i for i, x in enumerate(leaves) if world > 1 and not is_dtensor(x)]
-                late = [i for i in range(len(leaves)) if i not in set(early)]
+                plain = [world > 1 and not is_dtensor(x) for x in leaves]
+                early = [i for i, is_plain in enumerate(plain) if is_plain]
+                late = [i for i, is_plain in enumerate(plain) if not is_plain]
                 check = not allow_nonfinite
                 pending = pool.submit(local_checks, [leaves[i] for i in late], check_finite=check)
                 early_sums, early_finite = local_checks(
