@@ -21,6 +21,7 @@ Usage: python -m benchmarks.async_save_vs_dcp [--mib 256] [--rounds 7]
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import statistics
 import tempfile
@@ -36,15 +37,15 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 import fvstep as fs
 from fvstep import checkpoint as ckpt
-from fvstep.checkpoint.fingerprint import fingerprint, local_checks
-from fvstep.checkpoint.frozen import split_frozen
-from fvstep.checkpoint.manifest import Manifest
 from fvstep.checkpoint.saving import (
     _FVSTEP_VERSION,
-    _describe_leaf,
-    _publish,
+    Manifest,
+    fingerprint,
+    fsync,
+    local_checks,
     make_temp_dir,
     refuse_nonfinite,
+    split_frozen,
 )
 from fvstep.core.tree import flatten_with_paths
 
@@ -79,7 +80,11 @@ class DcpAsyncSaver:
         manifest = Manifest(
             step=step,
             world_size=1,
-            leaves={p: _describe_leaf(x, False) for p, x in zip(paths, leaves)},
+            leaves={
+                p: {"dtype": str(x.dtype).removeprefix("torch."), "shape": list(x.shape)}
+                | {"sharded": False, "per_rank": False}
+                for p, x in zip(paths, leaves)
+            },
             checksums=checksums,
             per_rank=per_rank,
             fvstep_version=_FVSTEP_VERSION,
@@ -92,7 +97,10 @@ class DcpAsyncSaver:
         if pending is not None:
             future, path, tmp, manifest = pending
             future.result()
-            _publish(path, tmp, manifest, overwrite=False)
+            manifest.write(tmp)  # the commit of fvstep.checkpoint.save
+            fsync(tmp)
+            os.replace(tmp, path)
+            fsync(path.parent)
 
     def close(self) -> None:
         self.wait()

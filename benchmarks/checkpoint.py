@@ -10,7 +10,7 @@ together (barrier first; the time is the slowest rank's):
   sequential write bandwidth for these bytes, measured in the same run;
 - ``sync save``: :func:`fvstep.checkpoint.save` (checksums, DCP write with fsync,
   manifest, atomic rename), and separately the checksums alone
-  (:func:`fvstep.checkpoint.fingerprint.fingerprint`, which save and load both run);
+  (:func:`fvstep.checkpoint.saving.fingerprint`, which save and load both run);
 - ``async save``: :meth:`fvstep.checkpoint.AsyncSaver.save`'s blocking time (target
   dir, staging copy) and the time until the checkpoint is committed;
 - ``load``: :func:`fvstep.checkpoint.load` into a new state (checksums verified).
@@ -43,8 +43,7 @@ from benchmarks import common as c
 from benchmarks import presets
 from fvstep import checkpoint as ckpt
 from fvstep import parallel as fsd
-from fvstep.checkpoint.fingerprint import fingerprint
-from fvstep.checkpoint.saving import WRITER_THREADS
+from fvstep.checkpoint.saving import WRITER_THREADS, fingerprint
 from fvstep.core.tree import flatten_with_paths
 
 __all__ = ["main", "write_with_fsync"]

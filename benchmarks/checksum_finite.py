@@ -4,7 +4,7 @@
 
 A save checksums every leaf; ``checkpoint.save`` also refuses non-finite leaves, and
 takes the finiteness of each chunk while the checksum reads it
-(``fvstep.checkpoint.fingerprint.local_checks``). Printed: the median time of the
+(``fvstep.checkpoint.saving.local_checks``). Printed: the median time of the
 checksum alone, of the checksum with the folded check, and of the checksum followed by
 a separate ``torch.isfinite(x).all()`` pass, for fp32 and bf16 leaves (every variant
 timed side by side in each round).
@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from fvstep.checkpoint.fingerprint import local_checks, local_sums
+from fvstep.checkpoint.saving import local_checks, local_sums
 
 
 def _timed(fn, device: torch.device) -> float:

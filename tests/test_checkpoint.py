@@ -51,7 +51,7 @@ from fvstep.checkpoint import (
     save,
     saving,
 )
-from fvstep.checkpoint.manifest import FORMAT_VERSION, MANIFEST_NAME, read_manifest
+from fvstep.checkpoint.saving import FORMAT_VERSION, MANIFEST_NAME, read_manifest
 from fvstep.core import tree
 from fvstep.testing import train_states
 
@@ -274,14 +274,14 @@ def async_round_trip_on_ranks(rank: int, world_size: int, root: str, slow_commit
     extra = {"per_rank": torch.tensor([rank]), "shared": torch.tensor([7])}
     state = wan_state(rank, sharded=True, extra=extra)
     expected = tree.clone(state)
-    publish = saving._publish
+    write = saving.Manifest.write  # rank 0's commit: the manifest, then the rename
 
-    def slow_publish(*args, **kwargs):
+    def slow_write(*args, **kwargs):
         time.sleep(slow_commit_s)  # widens the window of a race; synchronises nothing
-        return publish(*args, **kwargs)
+        return write(*args, **kwargs)
 
     if slow_commit_s and rank == 0:
-        saving._publish = slow_publish
+        saving.Manifest.write = slow_write
     try:
         with ckpt.AsyncSaver() as saver:
             saver.save(state, checkpoint_dir(root, 5))
@@ -290,7 +290,7 @@ def async_round_trip_on_ranks(rank: int, world_size: int, root: str, slow_commit
                     if x.is_floating_point():
                         x.add_(1.0)
     finally:
-        saving._publish = publish  # the ranks outlive this test
+        saving.Manifest.write = write  # the ranks outlive this test
     # AsyncSaver's contract: once close() returns, on any rank, the checkpoint is committed.
     committed = sorted(os.listdir(root))
     assert committed == ["step_000000005"], f"rank {rank}: after close(), {root} holds {committed}"
@@ -820,7 +820,7 @@ def test_async_save_captures_the_state_at_call_time(state):
     tree.assert_trees_equal(loaded, at_call)
 
 
-def fail_publish(*args, **kwargs):
+def fail_commit(*args, **kwargs):
     raise OSError("disk full while committing")
 
 
@@ -830,7 +830,7 @@ def test_a_background_failure_surfaces_at_the_next_call(tmp_path, monkeypatch, s
     saver = ckpt.AsyncSaver()
     try:
         with monkeypatch.context() as m:
-            m.setattr(saving, "_publish", fail_publish)
+            m.setattr(saving.Manifest, "write", fail_commit)  # rank 0's commit
             saver.save(state, checkpoint_dir(tmp_path, 1))
             with pytest.raises(CheckpointError, match="disk full while committing") as info:
                 if surfaces_at == "wait":
@@ -858,7 +858,7 @@ def test_a_background_failure_surfaces_at_the_next_call(tmp_path, monkeypatch, s
     "dtype", [torch.float64, torch.int64, torch.float32, torch.bfloat16, torch.bool]
 )
 def test_checksums_never_modify_the_leaves(dtype):
-    from fvstep.checkpoint.fingerprint import leaf_checksum
+    from fvstep.checkpoint.saving import leaf_checksum
 
     x = (torch.randn(3000, generator=torch.Generator().manual_seed(0)) * 100).to(dtype)
     before = x.clone()

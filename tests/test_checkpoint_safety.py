@@ -40,8 +40,7 @@ from fvstep.checkpoint import (
     save,
     saving,
 )
-from fvstep.checkpoint import fingerprint as fp
-from fvstep.checkpoint.manifest import MANIFEST_NAME, Manifest, NewerFormatError, read_manifest
+from fvstep.checkpoint.saving import MANIFEST_NAME, Manifest, NewerFormatError, read_manifest
 from fvstep.core import tree
 from tests.test_checkpoint import (
     corrupt_leaf_bytes,
@@ -138,7 +137,7 @@ def test_async_save_refuses_a_nonfinite_leaf(tmp_path):
 def test_the_finiteness_check_rides_on_the_checksum_pass(monkeypatch, dtype):
     """``local_checks`` gives ``leaf_checksum``'s sums and a correct finiteness flag, also
     when the bad element lies in a later chunk of the pass."""
-    monkeypatch.setattr(fp, "_CPU_CHUNK", 64)
+    monkeypatch.setattr(saving, "_CPU_CHUNK", 64)
     gen = torch.Generator().manual_seed(0)
     clean = torch.randn(300, generator=gen).to(dtype)
     leaves = [clean, torch.arange(10), torch.ones(3, dtype=torch.bool), torch.empty(0)]
@@ -148,10 +147,12 @@ def test_the_finiteness_check_rides_on_the_checksum_pass(monkeypatch, dtype):
                 continue  # e4m3fn has no infinity (it saturates to 448)
             dirty = clean.clone()
             dirty[position] = bad
-            sums, finite = fp.local_checks([*leaves, dirty])
+            sums, finite = saving.local_checks([*leaves, dirty])
             assert finite == [True, True, True, True, False], (position, bad)
-            assert [int(v) for v in sums] == [int(fp.leaf_checksum(x)) for x in [*leaves, dirty]]
-    assert fp.local_checks([clean], check_finite=False)[1] == [True]
+            assert [int(v) for v in sums] == [
+                int(saving.leaf_checksum(x)) for x in [*leaves, dirty]
+            ]
+    assert saving.local_checks([clean], check_finite=False)[1] == [True]
 
 
 def _reference_checksum(x: torch.Tensor, start: int = 0) -> int:
@@ -176,20 +177,20 @@ def test_the_chunked_checksum_equals_the_formula(monkeypatch, dtype, threads):
     """The pass reuses its buffers and advances the index chunk by chunk (a leaf of 3 chunks
     and a partial one, a shard starting at a nonzero row), on one thread or cut into
     segments summed by several: the sums are the formula's."""
-    monkeypatch.setattr(fp, "_CPU_CHUNK", 64 if threads == 1 else 8)
-    monkeypatch.setattr(fp, "_SEGMENT_CHUNKS", 2)
-    monkeypatch.setattr(fp, "_threads", lambda: threads)
+    monkeypatch.setattr(saving, "_CPU_CHUNK", 64 if threads == 1 else 8)
+    monkeypatch.setattr(saving, "_SEGMENT_CHUNKS", 2)
+    monkeypatch.setattr(saving, "_threads", lambda: threads)
     gen = torch.Generator().manual_seed(1)
     x = (torch.randn(7, 30, generator=gen) * 50).to(dtype)
-    assert int(fp.leaf_checksum(x)) == _reference_checksum(x)
+    assert int(saving.leaf_checksum(x)) == _reference_checksum(x)
     flat = x.reshape(-1)
     start = 2**40 + 3
-    assert int(fp._rows_checks(flat, start, check_finite=False)[0]) == _reference_checksum(
+    assert int(saving._rows_checks(flat, start, check_finite=False)[0]) == _reference_checksum(
         flat, start
     )
     one_off = x.clone().reshape(-1)
     one_off[130] = one_off[131] if one_off[130] != one_off[131] else one_off[130] + 1
-    assert int(fp.leaf_checksum(one_off)) != _reference_checksum(x)
+    assert int(saving.leaf_checksum(one_off)) != _reference_checksum(x)
 
 
 def save_nonfinite_on_ranks(rank: int, world_size: int, root: str, kind: str, mode: str):
@@ -633,14 +634,14 @@ def test_a_forked_child_checks_finiteness_without_waiting_on_the_parents_threads
     x = torch.randn(2**18 * 5 + 11)  # several segments: the checksum threads run
     leaves = [x, x.to(torch.bfloat16), x.double()] * 2
     leaves[1][5] = math.inf
-    expected = fp.local_checks(leaves)
+    expected = saving.local_checks(leaves)
     pid = os.fork()
     if pid == 0:  # the child: exit at once, whatever happens; a hang ends by SIGALRM
         code = 1
         try:
             signal.alarm(30)
-            fp.local_sums(leaves)  # the child's own checksum threads start
-            sums, finite = fp.local_checks(leaves)
+            saving.local_sums(leaves)  # the child's own checksum threads start
+            sums, finite = saving.local_checks(leaves)
             same = [int(v) for v in sums] == [int(v) for v in expected[0]]
             code = 0 if same and finite == expected[1] else 1
         finally:
@@ -657,18 +658,18 @@ def test_a_forked_child_checks_finiteness_without_waiting_on_the_parents_threads
 def test_the_checksum_threads_work_in_a_forked_child(monkeypatch):
     """A child forked after the checksum pool started has none of its threads: it starts
     its own instead of waiting forever on the inherited one."""
-    monkeypatch.setattr(fp, "_CPU_CHUNK", 8)
-    monkeypatch.setattr(fp, "_SEGMENT_CHUNKS", 2)
-    monkeypatch.setattr(fp, "_threads", lambda: 2)
+    monkeypatch.setattr(saving, "_CPU_CHUNK", 8)
+    monkeypatch.setattr(saving, "_SEGMENT_CHUNKS", 2)
+    monkeypatch.setattr(saving, "_threads", lambda: 2)
     x = torch.randn(400)
-    expected = int(fp.leaf_checksum(x))
-    assert fp._POOL is not None
+    expected = int(saving.leaf_checksum(x))
+    assert saving._POOL is not None
     pid = os.fork()
     if pid == 0:  # the child: exit at once, whatever happens; a hang ends by SIGALRM
         code = 1
         try:
             signal.alarm(30)
-            code = 0 if int(fp.leaf_checksum(x)) == expected else 1
+            code = 0 if int(saving.leaf_checksum(x)) == expected else 1
         finally:
             os._exit(code)
     _, status = os.waitpid(pid, 0)

@@ -20,8 +20,8 @@ import torch
 import fvstep
 from fvstep import parallel as fsp
 from fvstep.checkpoint import saving
-from fvstep.checkpoint.directories import checkpoint_dir, fsync
-from fvstep.checkpoint.manifest import read_manifest
+from fvstep.checkpoint.directories import checkpoint_dir
+from fvstep.checkpoint.saving import fsync, read_manifest
 
 PACKAGE = Path(fvstep.__file__).parent
 

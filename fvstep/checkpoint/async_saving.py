@@ -1,13 +1,9 @@
 """Background saves: :class:`AsyncSaver` stages a state, then writes and commits it on a thread.
 
-The write is :func:`fvstep.checkpoint.save`'s own (shards, then manifest, then the atomic
-rename, the outcome agreed between ranks), run on a background thread with a gloo group
-of its own; only the check of the target and the host copy of the state block the caller.
-
-Why not DCP's ``async_save``: its future never exposes the staged copy, so the manifest's
-checksums would have to be taken from the live state before it returns. 256 MiB on CPU,
-``python benchmarks/async_save_vs_dcp.py --mib 256 --rounds 7``: median blocking 0.099 s
-here vs 6.93 s with ``async_save`` (its ``DefaultStager`` alone: 0.11 s; checksums: 2.7-3.7 s).
+The write is :func:`fvstep.checkpoint.save`'s own, run on a background thread with a gloo
+group of its own; only the check of the target and the host copy of the state block the
+caller. DCP's ``async_save`` would not do: its future never exposes the staged copy, so the
+checksums would have to be taken from the live state first (``docs/benchmarks.md``).
 """
 
 from __future__ import annotations
@@ -21,12 +17,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fvstep.checkpoint.fingerprint import fingerprint, local_checks
-from fvstep.checkpoint.frozen import split_frozen
 from fvstep.checkpoint.saving import (
     WRITER_THREADS,
+    fingerprint,
+    local_checks,
     make_temp_dir,
     refuse_nonfinite,
+    split_frozen,
     write_checkpoint,
 )
 from fvstep.core._checks import check_int
@@ -83,15 +80,12 @@ class _Stager:
 class AsyncSaver:
     """Saves in the background; one save in flight at a time.
 
-    :meth:`save` blocks only to check the target and to *stage* the state — a host copy
-    of every tensor (pinned and asynchronous from a GPU; the buffers are reused from save
-    to save) — so the caller may update the state in place as soon as it returns. On a
-    GPU the content checksums are computed on the device before staging (milliseconds);
-    on a CPU they are computed in the background. DCP's write and the commit run on a
-    background thread, with a gloo process group of their own so that their collectives
-    never interleave with a training step's. A failure there (a full disk, a non-finite
-    leaf found by the background checksums) is raised, as a ``CheckpointError`` naming
-    the path, by the next :meth:`save`, :meth:`wait` or :meth:`close`.
+    :meth:`save` blocks only to check the target and to stage the state (a host copy of
+    every tensor, its buffers reused from save to save), so the caller may update the state
+    in place as soon as it returns. The write and the commit run on a background thread,
+    with a gloo group of their own so that their collectives never interleave with a step's;
+    their failure is raised, as a ``CheckpointError`` naming the path, by the next
+    :meth:`save`, :meth:`wait` or :meth:`close`.
 
     Examples:
         >>> with AsyncSaver() as saver:
@@ -125,11 +119,9 @@ class AsyncSaver:
     ) -> None:
         """Start saving ``state`` to ``path``; returns once the state has been staged.
 
-        Every rank calls it. A non-finite leaf is refused as by :func:`save`: on a GPU
-        the check runs with the checksums before staging, so this call raises; on a CPU
-        it runs with the checksums in the background, so the next :meth:`save`,
-        :meth:`wait` or :meth:`close` raises. Either way nothing non-finite is committed,
-        and a failed save leaves no ``.tmp-*`` directory.
+        Every rank calls it. A non-finite leaf is refused as by :func:`save`: from a GPU the
+        checksums run before staging, so this call raises; from a CPU they run in the
+        background, so the next call raises. A failed save leaves no ``.tmp-*`` directory.
 
         Args:
             state: The state to save; it may be updated in place once this returns.

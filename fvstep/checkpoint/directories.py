@@ -1,14 +1,9 @@
-"""Checkpoint directories: names, atomic commit, "latest", and keep-last-N.
+"""The directory of a run's checkpoints: names, "latest", keep-last-N, set-aside and the lock.
 
-A root holds one directory per complete checkpoint, ``step_000000120``. A save writes
-into ``.tmp-step_000000120`` and is committed by writing the manifest (fsynced) and
-renaming the directory (atomic on POSIX), then fsyncing the root. A crash at any point
-leaves either the previous set of complete checkpoints or the new one: a directory
-without a valid manifest, or still named ``.tmp-*``, is never "latest".
-
-A checkpoint that :func:`fvstep.run` found damaged is renamed ``step_<n>.damaged``
-(:func:`set_aside`): kept for inspection, never listed, pruned or counted in ``keep``.
-``.lock`` is the lock file of the run that writes the root (:func:`lock_dir`).
+A root holds one ``step_<n>`` directory per complete checkpoint (committed by
+:func:`fvstep.checkpoint.save`); a directory without a valid manifest, or still named
+``.tmp-*``, is never "latest". A checkpoint :func:`fvstep.run` found damaged is renamed
+``step_<n>.damaged`` (:func:`set_aside`). ``.lock`` is the run's lock (:func:`lock_dir`).
 """
 
 from __future__ import annotations
@@ -24,16 +19,14 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from fvstep.checkpoint.manifest import read_manifest
+from fvstep.checkpoint.saving import discard, fsync, read_manifest
 from fvstep.core.errors import CheckpointError, CheckpointLockedError, NewerFormatError
 
 __all__ = [
     "LOCK_NAME",
+    "CheckpointSkippedWarning",
     "DirectoryLock",
     "checkpoint_dir",
-    "commit",
-    "discard",
-    "fsync",
     "latest",
     "list_complete",
     "list_step_dirs",
@@ -46,6 +39,10 @@ __all__ = [
 LOCK_NAME = ".lock"
 
 _NAME = re.compile(r"^step_(\d{9,})$")
+
+
+class CheckpointSkippedWarning(UserWarning):
+    """:func:`fvstep.run` skipped a damaged checkpoint and resumed from an older one."""
 
 
 def checkpoint_dir(root: str | os.PathLike[str], step: int) -> Path:
@@ -74,52 +71,12 @@ def temp_dir(root: str | os.PathLike[str], step: int) -> Path:
     return Path(root) / f".tmp-step_{step:09d}"
 
 
-def fsync(path: str | os.PathLike[str]) -> None:
-    """Flush a file, or a directory's entries, to disk (``os.fsync``).
-
-    A directory is fsynced after a file in it is created or renamed, so that the new
-    name survives a crash. On Windows, where directories cannot be opened for fsync,
-    a directory is skipped.
-
-    Raises:
-        OSError: If ``path`` cannot be opened or flushed.
-    """
-    path = Path(path)
-    is_dir = path.is_dir()
-    if is_dir and os.name != "posix":
-        return
-    fd = os.open(path, os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if is_dir else 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def commit(tmp: Path, final: Path) -> None:
-    """Atomically publish a fully written checkpoint directory ``tmp`` as ``final``.
-
-    Args:
-        tmp: The written directory (manifest included).
-        final: Its name once committed.
-
-    Raises:
-        CheckpointError: If ``final`` exists (the caller decides about overwriting).
-        OSError: If the rename or an fsync fails.
-    """
-    if final.exists():
-        raise CheckpointError(f"checkpoint {str(final)!r} already exists")
-    fsync(tmp)
-    os.replace(tmp, final)
-    fsync(final.parent)
-
-
 def list_complete(root: str | os.PathLike[str]) -> list[tuple[int, Path]]:
     """Complete checkpoints under ``root`` as ``(step, path)``, oldest first.
 
-    A directory counts only if its name is ``step_<digits>`` and its manifest is valid.
-    One written by a newer format counts too (loading it then says to upgrade), so an
-    older fvstep never silently resumes from an older step. A malformed manifest never
-    raises here: that directory is simply not listed.
+    A ``step_<n>`` directory counts if its manifest is valid, or written by a newer format
+    (loading it then says to upgrade, so an older fvstep never resumes from an older
+    step). A malformed manifest never raises here: its directory is not listed.
 
     Args:
         root: A directory of checkpoints.
@@ -127,35 +84,26 @@ def list_complete(root: str | os.PathLike[str]) -> list[tuple[int, Path]]:
     Returns:
         ``[(step, path), ...]``; ``[]`` if ``root`` is not a directory.
     """
-    root = Path(root)
-    if not root.is_dir():
-        return []
     found = []
-    for entry in root.iterdir():
-        match = _NAME.match(entry.name)
-        if not match or not entry.is_dir():
-            continue
+    for step, entry in list_step_dirs(root):
         try:
             read_manifest(entry)
         except NewerFormatError:
             pass
         except (CheckpointError, OSError):
             continue
-        found.append((int(match.group(1)), entry))
-    return sorted(found)
+        found.append((step, entry))
+    return found
 
 
 def list_step_dirs(root: str | os.PathLike[str]) -> list[tuple[int, Path]]:
     """Every ``step_<n>`` directory under ``root``, complete or not, oldest first.
 
-    :func:`list_complete` keeps those with a valid manifest; this one also lists the
-    damaged ones, so that a resume can say which newer checkpoints it skipped.
-
     Args:
         root: A directory of checkpoints.
 
     Returns:
-        ``[(step, path), ...]``, by step; ``[]`` if ``root`` is not a directory.
+        ``[(step, path), ...]``; ``[]`` if ``root`` is not a directory.
     """
     root = Path(root)
     if not root.is_dir():
@@ -171,9 +119,8 @@ def list_step_dirs(root: str | os.PathLike[str]) -> list[tuple[int, Path]]:
 def set_aside(path: Path) -> Path:
     """Rename a damaged checkpoint ``step_<n>`` to ``step_<n>.damaged`` (or ``.damaged-<k>``).
 
-    It is kept for inspection but no longer a checkpoint: never "latest", never counted
-    in ``keep`` (so it cannot push good checkpoints out), never pruned, and never
-    overwritten by a later save of the same step. Delete it yourself when done.
+    It is kept for inspection but no longer a checkpoint: never "latest", counted in
+    ``keep``, pruned or overwritten by a later save of the same step.
 
     Args:
         path: The checkpoint directory.
@@ -235,26 +182,6 @@ def prune(root: str | os.PathLike[str], keep: int | None, *, keep_temp: Path | N
         discard(path)
 
 
-def discard(path: Path) -> None:
-    """Delete a checkpoint directory so that a crash midway never leaves a listed, broken one.
-
-    It is first renamed to ``.tmp-deleting-<name>`` (atomic; temporaries are never
-    listed and are swept by later prunes), then deleted.
-
-    Args:
-        path: The checkpoint directory.
-
-    Raises:
-        OSError: If it cannot be renamed.
-    """
-    aside = path.with_name(f".tmp-deleting-{path.name}")
-    if aside.exists():
-        shutil.rmtree(aside)
-    os.replace(path, aside)
-    fsync(path.parent)
-    shutil.rmtree(aside, ignore_errors=True)
-
-
 class DirectoryLock:
     """An exclusive ``flock`` on ``<root>/.lock``, held until :meth:`release` (see :func:`lock_dir`).
 
@@ -302,16 +229,10 @@ def _holder(fd: int) -> dict[str, Any]:
 def lock_dir(root: str | os.PathLike[str]) -> DirectoryLock:
     """Take the exclusive lock of a directory of checkpoints, without waiting.
 
-    :func:`fvstep.run` holds it for a whole run, so that a second run writing the same
-    directory fails at once instead of both overwriting each other's checkpoints. It is
-    an ``flock`` on ``<root>/.lock`` (created if needed, never deleted), into which the
-    holder writes its host, pid and start time; the kernel releases it when the holder's
-    process ends, so a crashed run leaves no stale lock. Locks conflict between
-    processes and between separate calls of one process.
-
-    ``flock`` on a network filesystem may not be honoured (some NFS, Lustre or FUSE
-    mounts ignore it, or lock per host only): there the lock is best effort. A
-    filesystem that refuses ``flock`` outright gives a warning and an unheld lock.
+    An ``flock`` on ``<root>/.lock`` (created if needed, never deleted) into which the holder
+    writes its host, pid and start time; the kernel releases it when the holder's process
+    ends. It is best effort where the filesystem ignores ``flock``, and a warning and an
+    unheld lock where it refuses it (``docs/concepts/checkpoints.md``).
 
     Args:
         root: The directory of checkpoints (created if missing).
@@ -354,10 +275,8 @@ def lock_dir(root: str | os.PathLike[str]) -> DirectoryLock:
             else "a process that has not yet written its name into it"
         )
         raise CheckpointLockedError(
-            f"the checkpoint directory {str(root)!r} is in use by another run: {who} "
-            f"holds {str(path)!r}. Two runs writing one directory would overwrite each "
-            "other's checkpoints: wait for that run to end or stop it, or use another "
-            "directory"
+            f"the checkpoint directory {str(root)!r} is in use by another run: {who} holds "
+            f"{str(path)!r}; wait for that run to end or stop it, or use another directory"
         ) from None
     except OSError as e:
         if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):

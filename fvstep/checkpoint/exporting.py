@@ -1,24 +1,11 @@
 """Export of one role for inference: :func:`export`, one mechanism over a table of formats.
 
 :func:`export` checks once what every format needs (the role, its weights, the target),
-gathers the role's tensors and writes them atomically; a format (:data:`FORMATS`) says
-only which tensors, under which names, and what it writes around them. This layer
-registers ``"safetensors"``, ``"diffusers"`` and ``"pipeline"``; :mod:`fvstep.lora`
-registers ``"lora"`` and ``"merged"`` when it is imported (before that, a role cannot be
-a LoRA role: the two names refuse it).
-
-A role's parameters may be FSDP2 shards (DTensors): each is gathered with
-``full_tensor()``, a collective, so **every rank calls** :func:`export`; global rank 0
-writes. The writing ranks' checks of the target are shared before the gathers (a refusal
-is raised on every rank instead of leaving the others waiting in a gather), and the
-write's outcome after it (every rank returns, or raises, together). A file is written
-into a temporary file beside the target, a folder into a temporary folder, fsynced, then
-renamed into place: a crash leaves the old target or the new one, never a partial one.
-
-Examples:
-    >>> export(state, "student", "out/student.safetensors", weights="ema")
-    >>> export(state, "student", "out/student", format="diffusers", dtype=torch.bfloat16)
-    >>> export(state, "student", "out/pipe", format="pipeline", base="Wan2.1-T2V-1.3B-Diffusers")
+gathers the role's tensors and writes them atomically; a format (:data:`FORMATS`) says only
+which tensors, under which names, and what it writes around them. This layer registers
+``"safetensors"``, ``"diffusers"`` and ``"pipeline"``; :mod:`fvstep.lora` registers ``"lora"``
+and ``"merged"``. Sharded parameters are gathered collectively, so every rank calls
+:func:`export`; the ranks agree on the target's checks and on the write's outcome.
 """
 
 from __future__ import annotations
@@ -39,7 +26,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from fvstep.checkpoint.directories import fsync
+from fvstep.checkpoint.saving import fsync
 from fvstep.core._optional import needs_extra
 from fvstep.core.state import RoleState, TrainState
 from fvstep.core.weights import Weights, roles_holding_other_weights, select_weights
@@ -124,36 +111,28 @@ def export(
 ) -> Path | None:
     """Write one role's full weights for inference, in one of :data:`FORMATS`.
 
-    - ``"safetensors"``: one file (``path`` ending in ``.safetensors``, or a folder in
-      which ``model.safetensors`` is written), keyed like the module's ``state_dict``, a
-      tied tensor under each of its names. A causal Wan's file (or that of a LoRA role's
-      adapters over one) records its chunk in the metadata (:data:`CAUSAL_METADATA_KEY`:
-      ``'{"chunk_frames": n}'``): rebuild the module with ``make_causal`` to load it.
-    - ``"diffusers"``: a diffusers model folder (``config.json`` naming the diffusers
-      class, also of a module wrapped by ``fully_shard``; ``diffusion_pytorch_model.
-      safetensors``), for ``ModelClass.from_pretrained(path)``. With ``dtype``, the
-      class's ``_keep_in_fp32_modules`` stay fp32. A causal Wan's config records its
-      chunk (``fvstep.methods.causal_wan.load_causal`` restores it); a module whose config
-      records causality it does not have is refused.
-    - ``"pipeline"``: a whole diffusers pipeline folder, options ``base=`` (a pipeline
-      folder, required), ``component="transformer"`` (what the role replaces, written as
-      ``"diffusers"`` does), ``scheduler=None`` (a diffusers scheduler whose config
-      replaces the base's, e.g. ``EulerSampler(...).scheduler()``), ``link=False``
-      (symlink the base's other parts instead of copying them).
-    - ``"lora"``, ``"merged"`` (registered by :mod:`fvstep.lora`): a LoRA role's adapter
-      in diffusers' LoRA format, or the base with the adapter merged in.
+    Global rank 0 writes (every rank with ``rank0_only=False``), into a temporary file or
+    folder renamed into place. The formats and their options are described in
+    ``docs/concepts/checkpoints.md`` ("Export for inference"): ``"safetensors"`` (one file,
+    keyed like the module's ``state_dict``), ``"diffusers"`` (a model folder),
+    ``"pipeline"`` (a whole pipeline folder over ``base=``), and with :mod:`fvstep.lora`
+    ``"lora"`` and ``"merged"``. A module with peft layers is named as :func:`export_names`
+    says.
 
-    A module carrying peft layers whose adapters it does not compute with (the base of
-    LoRA roles: the teacher of ``lora_dmd2``) is written as the plain model it computes
-    (:func:`export_names`); one peft model as one role keeps its names in a safetensors
-    file and is refused by the diffusers formats.
+    Args:
+        state: The state.
+        role: The role to export.
+        path: The file or folder to write.
+        format: One of :data:`FORMATS`.
+        weights: ``"params"`` or ``"ema"`` (:func:`gather_weights`).
+        dtype: Cast floating-point tensors to it (``None``: keep each one's).
+        overwrite: Replace an existing target (a file is never replaced by a folder).
+        rank0_only: Only global rank 0 writes; else every rank writes ``path``.
+        **options: The format's own options (``"pipeline"``: ``base``, ``component``,
+            ``scheduler``, ``link``).
 
-    ``weights`` and ``dtype`` are :func:`gather_weights`'s. ``overwrite`` replaces an
-    existing target (a folder is moved aside, the new one renamed into place, the old
-    one removed; a file is never replaced by a folder). With ``rank0_only=False`` every
-    rank writes to ``path`` (e.g. to node-local disks) and returns it. ``options`` are a
-    format's (``"pipeline"``'s above). Returns the path written (the file, or the
-    folder) on a writing rank, ``None`` on the others.
+    Returns:
+        The path written (the file, or the folder) on a writing rank, ``None`` on the others.
 
     Raises:
         ImportError: If a format's package (diffusers, peft) is not installed.
@@ -224,15 +203,11 @@ def gather_weights(
 ) -> Tensors | None:
     """The full (unsharded) weights of one role, on the CPU, keyed like its ``state_dict``.
 
-    The keys are the parameter and persistent buffer names, a tied tensor
-    (:attr:`~fvstep.core.state.RoleState.tied`) under each of its names, gathered once and
-    copied; no two tensors share storage. DTensor leaves are gathered with
-    ``full_tensor()``, a collective: call this on every rank. ``weights="ema"`` is the
-    fp32 moving average of the trainable parameters (the rest keep their live values),
-    or, before the EMA's ``start_step``, the live values, as validation computes with
-    (:func:`fvstep.core.weights.select_weights`, the one rule). ``dtype`` casts the
-    floating-point tensors (``None`` keeps each one's). With ``rank0_only`` (the
-    default), the other ranks drop each gathered tensor at once and return ``None``.
+    A tied tensor is gathered once and copied under each of its names; no two tensors share
+    storage. DTensors are gathered with ``full_tensor()``, a collective: call it on every
+    rank. ``weights="ema"`` takes the EMA as :func:`fvstep.core.weights.select_weights`
+    says (the one rule, validation's too); ``dtype`` casts the floating-point tensors. With
+    ``rank0_only``, the other ranks drop each gathered tensor and return ``None``.
 
     Raises:
         ValueError: For an unknown role or ``weights``, ``weights="ema"`` for a role
@@ -250,16 +225,12 @@ def export_names(
 ) -> Callable[[str], str | None] | None:
     """How an export names a role's tensors when its module carries peft layers.
 
-    A peft layer (``peft.tuners.tuners_utils.BaseTunerLayer``) holds the weights it wraps
-    under ``base_layer``; what the module computes decides the names. A layer neither
-    merged nor computing with an adapter (disabled, as the base of
-    :func:`fvstep.lora.add_adapters` is between calls) computes its base layer alone:
-    ``x.base_layer.weight`` is exported as ``x.weight`` and its adapter tensors (another
-    role's, or unused) are left out, so the plain class loads the export and computes
-    bitwise what the role does. A module computing with adapters registered in it (one
-    peft model as one role) keeps its ``state_dict`` names with ``keep_own_adapters`` (a
-    file that loads back into that peft model); otherwise it is refused, as a plain
-    export would silently drop what the adapter adds.
+    A peft layer neither merged nor computing with an adapter computes its base layer alone:
+    ``x.base_layer.weight`` is exported as ``x.weight`` and its adapter tensors are left out,
+    so the plain class loads the export and computes bitwise what the role does. A module
+    computing with its own adapters (one peft model as one role) keeps its ``state_dict``
+    names with ``keep_own_adapters``; otherwise it is refused, as a plain export would drop
+    what the adapter adds.
 
     Args:
         module: The role's module.
@@ -294,9 +265,8 @@ def export_names(
     for path, layer in layers.items():
         if layer.merged:
             raise ValueError(
-                f"role {role!r} has peft adapters {layer.merged_adapters} merged into "
-                f"{path!r}: an export cannot tell them from the base weights; unmerge them "
-                "(peft's unmerge_adapter) or make the merge final (merge_and_unload) first"
+                f"role {role!r} has peft adapters {layer.merged_adapters} merged into {path!r}: "
+                "unmerge them (peft's unmerge_adapter) or make the merge final (merge_and_unload)"
             )
         if layer.disable_adapters:
             continue
@@ -312,15 +282,12 @@ def export_names(
         path, adapter, own = (not_own if keep_own_adapters else computing)[0]
         if not own:
             raise ValueError(
-                f"role {role!r} computes with the peft adapter {adapter!r} at {path!r}, whose "
-                "weights are not the role's (an adapter switched on outside its LoRAModule's "
-                "call?): export with every other role's adapter off, or export that LoRA role"
+                f"role {role!r} computes with the peft adapter {adapter!r} at {path!r}, whose weights "
+                "are not the role's: export with every other role's adapter off, or export that role"
             )
         raise ValueError(
-            f"role {role!r} computes with the peft adapter {adapter!r} at {path!r}, which "
-            "a plain model cannot hold: merge it into the weights first (peft's "
-            "merge_and_unload), or make the adapter a role (fvstep.lora.add_adapters) and "
-            "export it with format='lora' or format='merged'"
+            f"role {role!r} computes with the peft adapter {adapter!r} at {path!r}, which a plain "
+            "model cannot hold: merge it first (merge_and_unload), or make it a role (add_adapters)"
         )
 
     def rename(name: str) -> str | None:
@@ -428,9 +395,8 @@ def _pipeline(job: ExportJob) -> Writer:
 
 def _not_a_lora_role(job: ExportJob) -> Writer:
     raise ValueError(  # fvstep.lora replaces this entry when imported: before, no LoRA role exists
-        f"role {job.role!r} holds a {type(job.module).__name__}, not a fvstep.lora.LoRAModule "
-        "(made by fvstep.lora.add_adapters): it has no adapter to write; write its weights "
-        "as a diffusers model (format='diffusers'; fvstep export --format model)"
+        f"role {job.role!r} holds a {type(job.module).__name__}, not a fvstep.lora.LoRAModule: "
+        "it has no adapter; write it as a diffusers model (format='diffusers'; --format model)"
     )
 
 
@@ -453,8 +419,7 @@ def _check(state: TrainState, role: str, weights: str, dtype: torch.dtype | None
     if role in roles_holding_other_weights(state):
         raise ValueError(
             f"role {role!r} holds its EMA in its parameters here (inside "
-            "fvstep.observe.validation.role_module(weights='ema')): an export would take them for "
-            "the live weights; export after the with block"
+            "fvstep.observe.validation.role_module(weights='ema')): export after the with block"
         )
     if weights not in ("params", "ema"):
         raise ValueError(f"weights must be 'params' or 'ema', got {weights!r}")
@@ -484,10 +449,8 @@ def _diffusers_class(module: nn.Module, role: str) -> type[Any]:
 
     if not isinstance(module, ModelMixin) and isinstance(module.__dict__.get("base"), ModelMixin):
         raise ValueError(  # a fvstep.lora.LoRAModule (the checkpoint layer may not import it)
-            f"role {role!r} is a LoRA adapter over a base model, not a diffusers model: "
-            "write the base with the adapter merged in (format='merged'; fvstep export "
-            "--format merged) or the adapter alone in diffusers' LoRA format "
-            "(format='lora'; --format lora)"
+            f"role {role!r} is a LoRA adapter over a base model, not a diffusers model: use "
+            "format='merged' (--format merged) or format='lora' (--format lora)"
         )
     if not isinstance(module, ModelMixin):
         raise ValueError(
@@ -508,11 +471,10 @@ def _check_causal_record(module: nn.Module, role: str) -> None:
         return
     actual = _causal_chunk(module)
     if actual is None or record.get("chunk_frames") != actual:
+        kind = "bidirectional" if actual is None else f"causal of chunk {actual}"
         raise ValueError(
             f"role {role!r}'s config records a causal Wan ({CAUSAL_METADATA_KEY}={dict(record)}) "
-            f"but its module is {'bidirectional' if actual is None else f'causal of chunk {actual}'}"
-            " (a causal export loaded with a plain from_pretrained?): load it with "
-            "fvstep.methods.causal_wan.load_causal"
+            f"but its module is {kind}: load it with fvstep.methods.causal_wan.load_causal"
         )
 
 

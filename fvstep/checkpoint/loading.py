@@ -1,14 +1,14 @@
 """Load a whole state saved by :func:`fvstep.checkpoint.save`, verified, into a new state.
 
-The checkpoint's leaves are read by DCP into fresh tensors shaped like a given state
-(resharding DTensors to its layout; per-rank values back to their own rank), then their
-checksums are compared with the manifest's on every rank. Every outcome is agreed
-between ranks: a damaged shard of one rank makes every rank raise.
+DCP reads the leaves into fresh tensors shaped like a given state (DTensors resharded,
+per-rank values back to their rank); their checksums are then compared with the manifest's,
+and every rank agrees on the outcome.
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -20,10 +20,15 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from fvstep.checkpoint.directories import list_complete
-from fvstep.checkpoint.fingerprint import fingerprint
-from fvstep.checkpoint.frozen import check_frozen
-from fvstep.checkpoint.manifest import Manifest, read_manifest
-from fvstep.checkpoint.saving import exception_text, failure_text, quiet_single_process, rank_key
+from fvstep.checkpoint.saving import (
+    Manifest,
+    exception_text,
+    failure_text,
+    fingerprint,
+    frozen_entries,
+    rank_key,
+    read_manifest,
+)
 from fvstep.core.errors import CheckpointError, DamagedCheckpointError
 from fvstep.core.state import TrainState
 from fvstep.core.tree import flatten_with_paths
@@ -51,9 +56,8 @@ def _check_optimizer_states(like: Any, path: Path) -> None:
             optimizer.check_state(rs.trainable_params(), rs.opt_state)
         except (TypeError, ValueError) as e:
             raise CheckpointError(
-                f"cannot load {str(path)!r} into this state: the optimizer state of role "
-                f"{name!r} of `like` does not fit its parameters ({e}); build `like` with "
-                "TrainState.create"
+                f"cannot load {str(path)!r}: the optimizer state of role {name!r} of `like` "
+                f"does not fit its parameters ({e}); build `like` with TrainState.create"
             ) from None
 
 
@@ -79,10 +83,12 @@ def _check_fits(
             hint += f" roles added since the save: {sorted(roles_mine - roles_saved)};"
         if roles_saved - roles_mine:
             hint += f" roles removed since the save: {sorted(roles_saved - roles_mine)};"
+        missing_text, extra_text = (
+            f"{x[:4]}{'...' if len(x) > 4 else ''}" for x in (missing, extra)
+        )
         raise CheckpointError(
             f"checkpoint {str(path)!r} does not fit the state:{hint} leaves only in the state: "
-            f"{missing[:4]}{'...' if len(missing) > 4 else ''}; only in the checkpoint: "
-            f"{extra[:4]}{'...' if len(extra) > 4 else ''}"
+            f"{missing_text}; only in the checkpoint: {extra_text} (see docs/troubleshooting.md)"
         )
     for p, x in zip(paths, leaves):
         entry = manifest.leaves[p]
@@ -95,17 +101,53 @@ def _check_fits(
     per_rank = sorted(p for p in manifest.per_rank if not _under(p, reset))
     if per_rank and manifest.world_size != world:
         shown = ", ".join(per_rank[:4]) + (", ..." if len(per_rank) > 4 else "")
+        saved_by, reset_hint = manifest.world_size, _subtrees(per_rank)
         raise CheckpointError(
-            f"checkpoint {str(path)!r} holds per-rank values ({shown}) saved by "
-            f"{manifest.world_size} ranks; they cannot be loaded on {world}. To start them "
-            f"afresh from `like` instead, pass reset={_subtrees(per_rank)!r} to "
-            "fvstep.checkpoint.load (fvstep.run: Checkpoints(..., reset=...))"
+            f"checkpoint {str(path)!r}: per-rank values ({shown}) saved by {saved_by} ranks cannot be "
+            f"loaded on {world}; pass reset={reset_hint!r} to start them afresh (fvstep.run: Checkpoints(reset=...))"
         )
 
 
 def _subtrees(paths: list[str]) -> tuple[str, ...]:
     """The subtrees (``extra.<name>``, ``roles.<role>``) that hold ``paths``, each once."""
     return tuple(dict.fromkeys(".".join(p.split(".")[:2]) for p in paths))
+
+
+def check_frozen(
+    manifest: Manifest, path: Path, paths: list[str], leaves: list[Any], group: Any
+) -> None:
+    """Collective when the checkpoint has frozen entries: ``like``'s frozen parameters
+    must be those the checkpoint was saved with (dtype, shape and checksum)."""
+    if not manifest.frozen:
+        return
+    index = {p: i for i, p in enumerate(paths)}
+    missing = sorted(set(manifest.frozen) - set(index))
+    if missing:
+        roles = sorted({p.split(".")[1] for p in missing})
+        shown = f"{missing[:4]}{'...' if len(missing) > 4 else ''}"
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} does not fit the state: it was saved with the frozen "
+            f"parameters {shown} (of roles {roles}, saved by checksum), which the state lacks"
+        )
+    pinned = sorted(manifest.frozen, key=index.__getitem__)
+    mine, _ = frozen_entries(pinned, [leaves[index[p]] for p in pinned], group)
+    for p in pinned:
+        if mine.get(p) != manifest.frozen[p]:
+            role = p.split(".")[1]
+            name = p.split(".", 3)[3]
+            here = mine.get(p, {"checksum": "differs between ranks"})
+            digest = manifest.frozen_digests[role]
+            saved = f"{_entry_text(manifest.frozen[p])}, the state has {_entry_text(here)}"
+            raise CheckpointError(
+                f"checkpoint {str(path)!r} was saved on other frozen weights of role {role!r} ({digest[:16]}...): "
+                f"{name!r} was {saved}; load it into a state on the same base model (docs/troubleshooting.md)"
+            )
+
+
+def _entry_text(entry: dict[str, Any]) -> str:
+    if "dtype" not in entry:
+        return str(entry["checksum"])
+    return f"{entry['dtype']}{tuple(entry['shape'])} with checksum {entry['checksum']}"
 
 
 def _copy(x: Any) -> Any:
@@ -129,39 +171,29 @@ def load(
 ) -> T:
     """Load the checkpoint at ``path`` into a *new* state shaped like ``like``.
 
-    ``like`` gives the structure, static metadata (modules, optimizers) and sharding; it
-    is not changed. The loaded leaves are fresh tensors: if anything fails — a missing
-    or truncated shard, a checksum mismatch — no state is returned and ``like`` and the
-    files are untouched. The returned state computes with the loaded values from its
-    first step on (``fvstep.core.state.adopt``). Loading on another world size reshards.
-
-    Frozen parameters that the checkpoint holds by checksum only (roles with
-    ``Role(save_frozen=False)``, :attr:`Manifest.frozen`) are not read: ``like``'s own
-    tensors are verified against those checksums and kept in the returned state.
+    ``like`` gives the structure, static metadata and sharding, and is not changed. If
+    anything fails, no state is returned and ``like`` and the files are untouched. Loading
+    on another world size reshards. Frozen parameters saved by checksum only
+    (``Role(save_frozen=False)``) are not read: ``like``'s own are verified and kept.
 
     Args:
         path: A checkpoint directory (see :func:`fvstep.checkpoint.latest`).
         like: A state of the same structure (e.g. the freshly created initial state).
         group: The process group (default: the world).
-        reset: Leaf paths (``"extra.stream"``: that leaf or every leaf under it) that are
-            not read: the returned state has copies of ``like``'s values there, whatever
-            the checkpoint holds under them (nor are they checked against it, frozen
-            weights saved by checksum included). E.g. per-rank streams on another world
-            size: ``load(path, like=fresh_state, reset=("extra.stream",))``.
+        reset: Leaf paths (``"extra.stream"``: that leaf or every leaf under it) not read
+            nor checked: the returned state has copies of ``like``'s values there.
 
     Returns:
         The loaded state.
 
     Raises:
         FileNotFoundError: If ``path`` does not exist.
-        DamagedCheckpointError: (a ``CheckpointError``) If ``path`` has no valid manifest,
-            a shard is missing or truncated, or the loaded content does not match the
-            manifest's checksums (on any rank: every rank raises).
-        CheckpointError: If ``path`` was written by a newer format
-            (``NewerFormatError``), or does not fit ``like`` (a role added or removed, a
-            shape or dtype changed, per-rank values on another world size), or if
-            ``like``'s frozen parameters saved by checksum differ from the checkpoint's
-            (another base model: naming the role and the first differing parameter).
+        DamagedCheckpointError: If ``path`` has no valid manifest, a shard is missing or
+            damaged, or the content does not match the manifest's checksums (on any rank:
+            every rank raises).
+        CheckpointError: If ``path`` was written by a newer format (``NewerFormatError``),
+            does not fit ``like`` (roles, shapes, dtypes, per-rank values on another world
+            size), or ``like``'s frozen weights saved by checksum differ from the saved ones.
         ValueError: If an entry of ``reset`` names no leaf of ``like``.
 
     Examples:
@@ -194,7 +226,8 @@ def load(
     fresh = [_empty_like(x) for x in leaves]
     flat = {(rank_key(p, rank) if p in manifest.per_rank else p): x for p, x in zip(paths, fresh)}
     try:
-        with quiet_single_process(world):
+        with warnings.catch_warnings():  # no_dist on one process is the intent
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(flat, checkpoint_id=path, process_group=group, no_dist=world == 1)
     except (Exception, CheckpointException) as e:  # DCP's exception is a BaseException
         detail = (

@@ -1,62 +1,70 @@
-"""Save a whole state through torch.distributed.checkpoint (DCP), atomically.
+"""Save a whole state through DCP: checksums, manifest and atomic commit, in one place.
 
-The DCP keys are the state's optree paths (``roles.student.params.blocks.0.ffn.net.0.proj.weight``),
-so the checkpoint layout *is* the state layout. DTensor leaves (FSDP2 shards) are saved
-as DTensors and reshard on load; plain tensors equal on every rank are saved once;
-plain tensors that differ between ranks are saved under per-rank keys
-(``<path>@rank<r>``) and come back to their own rank — never collapsed to rank 0's.
-
-The shards are written into ``.tmp-<name>``; the manifest (checksums included) is
-written after them, and only then is the directory renamed to its final name. Every
-outcome is agreed between ranks: a failure on one rank (a non-finite leaf of its shard,
-a full disk) makes every rank raise the same ``CheckpointError``, and no rank waits for a
-collective that another has left. :mod:`fvstep.checkpoint.loading` reads it back;
-:mod:`fvstep.checkpoint.async_saving` runs the same write in the background.
+The DCP keys are the state's optree paths, so the checkpoint layout is the state layout.
+:func:`save` reads top to bottom: check the target, split off the frozen weights saved by
+checksum, write the shards while the checksums are computed, refuse a non-finite state,
+write the manifest, rename ``.tmp-<name>`` to its name. Every outcome is agreed between
+ranks. What is written and why it can be trusted: ``docs/concepts/checkpoints.md``.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import hashlib
 import importlib.metadata
+import json
 import os
 import shutil
+import threading
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import attrs
+import numpy as np
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
-from fvstep.checkpoint.directories import commit, discard
-from fvstep.checkpoint.fingerprint import fingerprint, local_checks
-from fvstep.checkpoint.frozen import split_frozen
-from fvstep.checkpoint.manifest import Manifest
 from fvstep.core._checks import check_int
-from fvstep.core.errors import CheckpointError
-from fvstep.core.tree import flatten_with_paths, is_dtensor
+from fvstep.core._compat import local_shape_and_global_offset
+from fvstep.core.errors import CheckpointError, DamagedCheckpointError, NewerFormatError
+from fvstep.core.tree import flatten_with_paths, is_dtensor, local_tensor
 from fvstep.core.weights import roles_holding_other_weights
-from fvstep.parallel.ranks import broadcast_object, min_over_ranks, rank_and_world
+from fvstep.parallel.ranks import collective_device, gather_objects, rank_and_world
 
 __all__ = [
+    "FORMAT",
+    "FORMAT_VERSION",
+    "MANIFEST_NAME",
     "WRITER_THREADS",
+    "Manifest",
+    "discard",
     "exception_text",
     "failure_text",
+    "fingerprint",
+    "frozen_digest",
+    "frozen_entries",
+    "fsync",
+    "leaf_checksum",
+    "local_checks",
+    "local_sums",
     "make_temp_dir",
-    "quiet_single_process",
     "rank_key",
+    "read_manifest",
     "refuse_nonfinite",
     "save",
+    "split_frozen",
     "write_checkpoint",
 ]
 
 
 def _installed_version() -> str:
-    """fvstep's version from the installed distribution's metadata (as equinox reads its
-    own): no module inside fvstep imports the package face for it."""
+    """fvstep's version from the installed distribution (no module imports the package face)."""
     try:
         return importlib.metadata.version("fvstep")
     except importlib.metadata.PackageNotFoundError:  # a checkout on sys.path, not installed
@@ -65,29 +73,675 @@ def _installed_version() -> str:
 
 _FVSTEP_VERSION = _installed_version()
 
-#: Files each rank writes at once by default (DCP ``FileSystemWriter``'s ``thread_count``):
-#: one, as DCP's own save. ``save(..., writer_threads=4)`` splits a rank's shards by size
-#: into 4 files, each written and fsynced on its own thread, so one file's fsync overlaps
-#: the next one's writes: on the H200 host a sync save went from 1.09x to 0.94x of DCP's
-#: own save from CUDA (2 GiB) and from 0.99x to 0.62x from the CPU (512 MiB)
-#: (``docs/benchmarks.md``, "Checkpoint writes on several threads"). It is not the
-#: default because when a write fails on one of DCP's helper threads, DCP neither raises
-#: it nor stops the other threads: fvstep refuses such a save (:class:`_CheckedWriter`),
-#: but the helper threads print their own tracebacks.
+#: Files each rank writes at once by default (DCP's ``thread_count``). Not more, because a
+#: write that fails on one of DCP's helper threads prints its own traceback (fvstep still
+#: refuses the save); ``docs/benchmarks.md`` measures several.
 WRITER_THREADS = 1
 
+# ---------------------------------------------------------------------------------------
+# The manifest: what a checkpoint holds
+# ---------------------------------------------------------------------------------------
 
-@contextlib.contextmanager
-def quiet_single_process(world: int) -> Iterator[None]:
-    """DCP warns that it runs without a process group; on one process that is the intent."""
-    with warnings.catch_warnings():
-        if world == 1:
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
+FORMAT = "fvstep-checkpoint"
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+
+
+@attrs.frozen
+class Manifest:
+    """What a checkpoint holds.
+
+    Attributes:
+        step: The state's step counter.
+        world_size: Ranks that saved it.
+        leaves: ``path -> {"dtype", "shape", "sharded", "per_rank"}`` (global shapes).
+        checksums: ``path -> int``: global content checksums of shared leaves.
+        per_rank: ``path -> [int by rank]``: checksums of values saved per rank.
+        fvstep_version: The fvstep that saved it.
+        torch_version: The torch that saved it.
+        format_version: The layout version (a newer one is refused).
+        frozen: ``path -> {"dtype", "shape", "checksum"}``: frozen parameters saved by
+            checksum only (``Role(save_frozen=False)``), not in ``leaves``.
+    """
+
+    step: int
+    world_size: int
+    leaves: dict[str, dict[str, Any]]
+    checksums: dict[str, int]
+    per_rank: dict[str, list[int]]
+    fvstep_version: str
+    torch_version: str = torch.__version__
+    format_version: int = FORMAT_VERSION
+    frozen: dict[str, dict[str, Any]] = attrs.Factory(dict)
+
+    @property
+    def digest(self) -> str:
+        """SHA-256 of the checksums: one string that names the checkpoint's content."""
+        parts: list[Any] = [self.checksums, self.per_rank]
+        if self.frozen:  # absent from older manifests, whose digests must still verify
+            parts.append(self.frozen)
+        return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+    @property
+    def frozen_digests(self) -> dict[str, str]:
+        """Role name to the :func:`frozen_digest` of its frozen parameters saved by checksum
+        (keyed by their names within the role, so a digest names weights, not a role)."""
+        by_role: dict[str, dict[str, dict[str, Any]]] = {}
+        for path, entry in self.frozen.items():
+            _, role, _, name = path.split(".", 3)
+            by_role.setdefault(role, {})[name] = entry
+        return {role: frozen_digest(entries) for role, entries in by_role.items()}
+
+    def to_json(self) -> str:
+        """The manifest as JSON text (with ``format`` and ``digest``)."""
+        body = {"format": FORMAT, **attrs.asdict(self), "digest": self.digest}
+        return json.dumps(body, indent=1, sort_keys=True)
+
+    def write(self, directory: Path) -> None:
+        """Write ``manifest.json`` into ``directory`` and fsync it.
+
+        Raises:
+            OSError: If the file cannot be written (e.g. a full disk).
+        """
+        with open(directory / MANIFEST_NAME, "w") as f:
+            f.write(self.to_json())
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def frozen_digest(entries: dict[str, dict[str, Any]]) -> str:
+    """SHA-256 of frozen weights' ``name -> {"dtype", "shape", "checksum"}`` entries.
+
+    The checksums are :func:`fingerprint`'s (of the global tensor), so the digest does not
+    depend on the world size.
+
+    Args:
+        entries: Parameter name to its dtype (as ``"float32"``), shape and checksum.
+
+    Returns:
+        A hexadecimal SHA-256.
+
+    Examples:
+        >>> len(frozen_digest({"w": {"dtype": "float32", "shape": [2], "checksum": 7}}))
+        64
+    """
+    rows = sorted(
+        (name, e["dtype"], list(e["shape"]), int(e["checksum"])) for name, e in entries.items()
+    )
+    return hashlib.sha256(json.dumps(rows).encode()).hexdigest()
+
+
+def _malformed(path: Path, what: str) -> DamagedCheckpointError:
+    return DamagedCheckpointError(f"the manifest {str(path)!r} is malformed: {what}")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_shape(v: Any) -> bool:
+    return isinstance(v, list) and all(_is_int(d) and d >= 0 for d in v)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _check_fields(path: Path, where: str, body: dict[str, Any], kinds: dict[str, Any]) -> None:
+    """Each ``key: (ok, kind)`` of ``kinds`` is present in ``body`` and ``ok``."""
+    for key, (ok, kind) in kinds.items():
+        if key not in body:
+            raise _malformed(path, f"{where or 'it'} has no {key!r}")
+        if not ok(body[key]):
+            field = f"{where}[{key!r}]" if where else repr(key)
+            raise _malformed(path, f"{field} is {_short(body[key])}, not {kind}")
+
+
+_BODY_KINDS: dict[str, Any] = {
+    "step": (lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
+    "world_size": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
+    "leaves": (lambda v: isinstance(v, dict), "an object"),
+    "checksums": (
+        lambda v: isinstance(v, dict) and all(_is_int(c) for c in v.values()),
+        "an object of integers",
+    ),
+    "per_rank": (
+        lambda v: (
+            isinstance(v, dict)
+            and all(isinstance(c, list) and all(_is_int(x) for x in c) for c in v.values())
+        ),
+        "an object of integer lists",
+    ),
+    "fvstep_version": (lambda v: isinstance(v, str), "a string"),
+    "torch_version": (lambda v: isinstance(v, str), "a string"),
+    "digest": (lambda v: isinstance(v, str), "a string"),
+}
+_LEAF_KINDS: dict[str, Any] = {
+    "dtype": (lambda v: isinstance(v, str), "a string"),
+    "shape": (_is_shape, "a list of sizes"),
+    "sharded": (lambda v: isinstance(v, bool), "true or false"),
+    "per_rank": (lambda v: isinstance(v, bool), "true or false"),
+}
+
+
+def _check_body(path: Path, body: dict[str, Any]) -> None:
+    """Every field of a manifest body, by type and consistency."""
+    _check_fields(path, "", body, _BODY_KINDS)
+    leaves, checksums, per_rank = body["leaves"], body["checksums"], body["per_rank"]
+    for name, entry in leaves.items():
+        where = f"leaves[{name!r}]"
+        if not isinstance(entry, dict):
+            raise _malformed(path, f"{where} is {type(entry).__name__}, not an object")
+        _check_fields(path, where, entry, _LEAF_KINDS)
+    for name, entry in leaves.items():
+        if (name in checksums) == (name in per_rank):
+            where = "both 'checksums' and 'per_rank'" if name in checksums else "neither"
+            raise _malformed(
+                path, f"leaf {name!r} has a checksum in {where} (exactly one is needed)"
+            )
+        if entry["per_rank"] != (name in per_rank):
+            shared = "per rank" if name in per_rank else "shared"
+            raise _malformed(
+                path,
+                f"leaves[{name!r}]['per_rank'] is {entry['per_rank']}, but its checksum is {shared}",
+            )
+    frozen = body.get("frozen", {})
+    if not isinstance(frozen, dict):
+        raise _malformed(path, f"'frozen' is {_short(frozen)}, not an object")
+    for name, entry in frozen.items():
+        where = f"frozen[{name!r}]"
+        if not isinstance(name, str) or len(name.split(".", 3)) != 4:
+            raise _malformed(path, f"{where} is not a path roles.<role>.params.<name>")
+        if name in leaves:
+            raise _malformed(path, f"{where} is also a saved leaf")
+        if not (
+            isinstance(entry, dict)
+            and isinstance(entry.get("dtype"), str)
+            and _is_shape(entry.get("shape"))
+            and _is_int(entry.get("checksum"))
+        ):
+            raise _malformed(path, f"{where} is {_short(entry)}, not a dtype, shape and checksum")
+    if extra := sorted((set(checksums) | set(per_rank)) - set(leaves)):
+        raise _malformed(path, f"checksums of leaves it does not list: {extra[:4]}")
+    for name, sums in per_rank.items():
+        if len(sums) != body["world_size"]:
+            raise _malformed(
+                path,
+                f"per_rank[{name!r}] has {len(sums)} checksums for {body['world_size']} ranks",
+            )
+
+
+def read_manifest(directory: str | os.PathLike[str]) -> Manifest:
+    """Read and validate the manifest of the checkpoint in ``directory``.
+
+    Every field is checked (type and consistency), so a malformed manifest is refused here,
+    naming the file and the field, never later with a bare ``KeyError``.
+
+    Args:
+        directory: A checkpoint directory (``step_<n>``).
+
+    Returns:
+        The manifest.
+
+    Raises:
+        FileNotFoundError: If ``directory`` does not exist.
+        DamagedCheckpointError: If it has no manifest, or the manifest is unreadable,
+            malformed or does not match its own digest.
+        NewerFormatError: If its format version is newer than this fvstep reads.
+
+    Examples:
+        >>> read_manifest("ckpt/step_000000100").step
+        100
+    """
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise FileNotFoundError(f"checkpoint directory {str(directory)!r} does not exist")
+    path = directory / MANIFEST_NAME
+    if not path.is_file():
+        raise DamagedCheckpointError(
+            f"{str(directory)!r} is not an fvstep checkpoint (no {MANIFEST_NAME}); "
+            "an interrupted save leaves no manifest, so it is never loaded"
+        )
+    try:
+        body = json.loads(path.read_bytes().decode("utf-8"))
+    except OSError as e:
+        raise DamagedCheckpointError(f"the manifest {str(path)!r} is damaged: {e}") from None
+    except UnicodeDecodeError as e:
+        raise DamagedCheckpointError(
+            f"the manifest {str(path)!r} is damaged: it is not valid UTF-8 ({e})"
+        ) from None
+    except (ValueError, RecursionError) as e:
+        raise DamagedCheckpointError(
+            f"the manifest {str(path)!r} is damaged: it is not valid JSON ({e})"
+        ) from None
+    if not isinstance(body, dict) or body.get("format") != FORMAT:
+        raise DamagedCheckpointError(f"{str(path)!r} is not an fvstep checkpoint manifest")
+    version = body.get("format_version")
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        what = (
+            "it has no 'format_version'"
+            if "format_version" not in body
+            else f"'format_version' is {_short(version)}, not an integer >= 1"
+        )
+        raise _malformed(path, what)
+    if version > FORMAT_VERSION:
+        raise NewerFormatError(
+            f"the checkpoint {str(directory)!r} has format version {version}, newer than the "
+            f"{FORMAT_VERSION} this fvstep reads: upgrade fvstep"
+        )
+    _check_body(path, body)
+    fields = {a.name for a in attrs.fields(Manifest)}
+    manifest = Manifest(**{k: v for k, v in body.items() if k in fields})
+    if body["digest"] != manifest.digest:
+        raise DamagedCheckpointError(f"the manifest {str(path)!r} does not match its own digest")
+    return manifest
+
+
+# ---------------------------------------------------------------------------------------
+# Checksums of the global tensors, whatever their sharding
+# ---------------------------------------------------------------------------------------
+# checksum = sum over elements e of mix(bits(e) ^ K2 * global_index(e))  (mod 2**64), where
+# mix is a multiply-xorshift: each step a bijection, so any change of one element changes
+# the sum, and the index term makes swapped elements count. The sum is exact in int64 and
+# independent of order, so each rank sums its shard and one all-reduce adds the shards
+# (a replica, as on HSDP's replicate axis, counts once). A complex leaf counts as its real
+# view. On a CPU the mixing runs in numpy: its ufuncs release the GIL and run no intra-op
+# threads, so the checksum threads scale, and a child forked after the parent used torch's
+# intra-op threads never waits on them (it checks NaN and infinity on the bits it reads).
+
+_K1 = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64
+_K2 = -4658895280553007687  # 0xBF58476D1CE4E5B9
+_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_CPU_CHUNK = 1 << 18  # elements per numpy operation: int64 buffers of 2 MiB, reused
+_DEVICE_CHUNK = 1 << 26
+_SEGMENT_CHUNKS = 4  # at least this many chunks per checksum thread
+_POOL: concurrent.futures.ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+_POOL_PID = 0
+
+#: ``(mask, value)`` of the raw bits of each CPU float dtype the numpy pass checks for
+#: finiteness itself: an element is NaN or infinite exactly when ``bits & mask == value``
+#: (an all-ones exponent; e4m3fn has only NaN, S.1111.111; the fnuz formats only one NaN,
+#: 0x80). Other float dtypes are checked by :func:`_finite`.
+_NONFINITE_BITS: dict[torch.dtype, tuple[int, int]] = {
+    torch.float16: (0x7C00, 0x7C00),
+    torch.bfloat16: (0x7F80, 0x7F80),
+    torch.float32: (0x7F800000, 0x7F800000),
+    torch.float64: (0x7FF0000000000000, 0x7FF0000000000000),
+    **{
+        dtype: bits
+        for name, bits in (
+            ("float8_e5m2", (0x7C, 0x7C)),
+            ("float8_e4m3fn", (0x7F, 0x7F)),
+            ("float8_e5m2fnuz", (0xFF, 0x80)),
+            ("float8_e4m3fnuz", (0xFF, 0x80)),
+        )
+        if (dtype := getattr(torch, name, None)) is not None
+    },
+}
+
+
+def _threads() -> int:
+    """How many checksum threads a large leaf may use: torch's intra-op thread count."""
+    return torch.get_num_threads()
+
+
+def _pool() -> concurrent.futures.ThreadPoolExecutor:
+    """The checksum threads of this process, started on first use (again in a forked
+    child, which inherits the pool object but none of its threads)."""
+    global _POOL, _POOL_PID
+    with _POOL_LOCK:
+        if _POOL is None or os.getpid() != _POOL_PID:
+            workers = max(1, min(8, os.cpu_count() or 1))
+            _POOL = concurrent.futures.ThreadPoolExecutor(workers, "fvstep-checksum")
+            _POOL_PID = os.getpid()
+        return _POOL
+
+
+def _finite(part: torch.Tensor) -> torch.Tensor:
+    """Whether every element of ``part`` is finite, as a 0-d bool tensor on its device.
+
+    ``aminmax`` propagates NaN and returns an infinity when there is one: one read, nothing
+    of the chunk's size allocated. One-byte floats (no ``aminmax`` kernel) are widened.
+    """
+    if part.is_complex():
+        part = torch.view_as_real(part)
+    if not part.is_floating_point():
+        return torch.ones((), dtype=torch.bool, device=part.device)
+    if part.element_size() == 1:
+        part = part.float()
+    lo, hi = torch.aminmax(part)
+    return torch.isfinite(lo) & torch.isfinite(hi)
+
+
+def _segment_sum(ints: torch.Tensor, start: int, chunk: int) -> torch.Tensor:
+    """The checksum terms of the 1-d raw bits ``ints`` on a device, the first at global
+    index ``start``: each chunk mixed in place in reused buffers (``bitwise_xor`` with the
+    int64 ``index * K2`` widens the bits as ``to(int64)`` does)."""
+    device = ints.device
+    chunk = min(chunk, ints.numel())
+    index_k2 = torch.arange(start, start + chunk, dtype=torch.int64, device=device)
+    index_k2 *= _K2  # int64 arithmetic wraps, as the formula's
+    advance = int(torch.tensor(chunk) * _K2)
+    bits = torch.empty(chunk, dtype=torch.int64, device=device)
+    high = torch.empty(chunk, dtype=torch.int64, device=device)
+    count = -(-ints.numel() // chunk)
+    partial = torch.empty(count, dtype=torch.int64, device=device)
+    for k in range(count):
+        part = ints[k * chunk : (k + 1) * chunk]
+        b, h = bits[: part.numel()], high[: part.numel()]
+        torch.bitwise_xor(part, index_k2[: part.numel()], out=b)
+        b *= _K1
+        torch.bitwise_right_shift(b, 32, out=h)
+        b ^= h
+        torch.sum(b, dim=0, out=partial[k])
+        index_k2 += advance
+    return partial.sum()
+
+
+def _segment_sum_cpu(
+    ints: torch.Tensor, start: int, chunk: int, nonfinite: tuple[int, int] | None = None
+) -> tuple[torch.Tensor, bool]:
+    """:func:`_segment_sum` of a CPU tensor, in numpy (the same wrapping int64 arithmetic),
+    and whether no element's bits are NaN or infinity (``nonfinite``: its
+    :data:`_NONFINITE_BITS` entry; ``None``: not checked, ``True``)."""
+    values = ints.numpy()
+    chunk = min(chunk, values.size)
+    index_k2 = np.arange(start, start + chunk, dtype=np.int64)
+    index_k2 *= np.int64(_K2)
+    advance = np.multiply(chunk, _K2, dtype=np.int64)
+    bits = np.empty(chunk, dtype=np.int64)
+    high = np.empty(chunk, dtype=np.int64)
+    partial = np.empty(-(-values.size // chunk), dtype=np.int64)
+    masked = np.empty(chunk, dtype=values.dtype) if nonfinite is not None else None
+    mask, value = (values.dtype.type(v) for v in nonfinite) if nonfinite else (0, 0)
+    finite = True
+    for k, lo in enumerate(range(0, values.size, chunk)):
+        part = values[lo : lo + chunk]
+        b, h = bits[: part.size], high[: part.size]
+        np.bitwise_xor(part, index_k2[: part.size], out=b)
+        np.multiply(b, np.int64(_K1), out=b)
+        np.right_shift(b, 32, out=h)
+        np.bitwise_xor(b, h, out=b)
+        partial[k] = b.sum(dtype=np.int64)
+        index_k2 += advance
+        if masked is not None and finite:
+            m = masked[: part.size]
+            np.bitwise_and(part, mask, out=m)
+            # an all-ones exponent is the largest value ``bits & mask`` can take: one max
+            finite = bool(m.max() < mask) if value == mask else not bool((m == value).any())
+    return torch.tensor(int(partial.sum()), dtype=torch.int64), finite
+
+
+def _rows_checks(
+    flat: torch.Tensor, start: int, check_finite: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The checksum terms of the contiguous 1-d ``flat`` whose first element has global
+    flat index ``start``, and whether it is finite.
+
+    On a CPU a leaf of several segments is summed by the checksum threads, a segment each;
+    on a device the finiteness of a float leaf is one ``aminmax``.
+    """
+    device = flat.device
+    finite = torch.ones((), dtype=torch.bool, device=device)
+    values = torch.view_as_real(flat).reshape(-1) if flat.is_complex() else flat
+    if values.dtype == torch.bool:
+        values = values.view(torch.uint8)
+    ints = values.view(_INT[values.element_size()])
+    start *= 2 if flat.is_complex() else 1  # complex: two parts per element, indexed as such
+    nonfinite = _NONFINITE_BITS.get(values.dtype) if check_finite else None
+    if check_finite and (device.type != "cpu" or nonfinite is None):
+        finite = _finite(values)
+    if device.type != "cpu":
+        return _segment_sum(ints, start, _DEVICE_CHUNK), finite
+    per_thread = _CPU_CHUNK * _SEGMENT_CHUNKS
+    threads = min(_threads(), -(-ints.numel() // per_thread)) if ints.numel() > per_thread else 1
+    if threads <= 1:
+        pieces = [_segment_sum_cpu(ints, start, _CPU_CHUNK, nonfinite)]
+    else:
+        step = -(-ints.numel() // (threads * _CPU_CHUNK)) * _CPU_CHUNK
+        futures = [
+            _pool().submit(
+                _segment_sum_cpu, ints[lo : lo + step], start + lo, _CPU_CHUNK, nonfinite
+            )
+            for lo in range(0, ints.numel(), step)
+        ]
+        pieces = [f.result() for f in futures]
+    if nonfinite is not None:
+        finite = torch.tensor(all(ok for _, ok in pieces))
+    return torch.stack([total for total, _ in pieces]).sum(), finite
+
+
+def local_checks(
+    leaves: list[torch.Tensor], *, check_finite: bool = True
+) -> tuple[list[torch.Tensor], list[bool]]:
+    """Each leaf's local checksum contribution and whether its local values are finite.
+
+    One pass over each leaf's memory computes both; no communication. Integer and bool
+    leaves are always finite; a DTensor's replica is not counted and reported finite (the
+    rank that counts it checks it). It only reads the leaves, so a save runs it while DCP
+    writes them.
+
+    Args:
+        leaves: The leaves (tensors or DTensors).
+        check_finite: Also check finiteness (else every leaf is reported finite).
+
+    Returns:
+        ``(sums, finite)``: CPU 0-d int64 tensors, and one bool per leaf.
+    """
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    x: Any  # a tensor or a DTensor
+    for x in leaves:
+        sharded = is_dtensor(x)
+        local = (local_tensor(x) if sharded else x).detach()
+        zero = torch.zeros((), dtype=torch.int64, device=local.device)
+        finite = torch.ones((), dtype=torch.bool, device=local.device)
+        if sharded:
+            coordinate = x.device_mesh.get_coordinate()
+            if coordinate is None or any(  # a replica: the rank that counts it checks it
+                c != 0 for c, p in zip(coordinate, x.placements) if not p.is_shard()
+            ):
+                pairs.append((zero, finite))
+                continue
+            shape, offset = local_shape_and_global_offset(x.shape, x.device_mesh, x.placements)
+            global_shape = tuple(x.shape)
+        else:
+            shape, offset, global_shape = tuple(local.shape), (0,) * local.dim(), tuple(local.shape)
+        if local.numel() == 0:
+            pairs.append((zero, finite))
+            continue
+        leaf_finite = check_finite and (local.is_floating_point() or local.is_complex())
+        flat = local.contiguous().reshape(-1)
+        if all(o == 0 for o in offset[1:]) and tuple(shape[1:]) == tuple(global_shape[1:]):
+            # A block of whole rows (FSDP2's Shard(0)): global flat index = start + local index.
+            start = offset[0] * (flat.numel() // max(shape[0], 1)) if shape else 0
+            pairs.append(_rows_checks(flat, start, leaf_finite))
+            continue
+        if leaf_finite:
+            finite &= _finite(flat)
+        index = zero
+        stride = 1
+        for dim in reversed(range(len(global_shape))):  # each element's global flat index
+            axis = torch.arange(shape[dim], dtype=torch.int64, device=local.device) + offset[dim]
+            view = [1] * len(global_shape)
+            view[dim] = shape[dim]
+            index = index + axis.view(view) * stride
+            stride *= global_shape[dim]
+        bits = flat.to(torch.uint8) if flat.dtype == torch.bool else flat
+        bits = torch.view_as_real(bits) if bits.is_complex() else bits
+        bits = bits.contiguous().view(_INT[bits.element_size()]).to(torch.int64, copy=True)
+        bits ^= index.reshape(-1) * _K2
+        bits *= _K1
+        bits ^= bits >> 32
+        pairs.append((bits.sum(), finite))
+    by_device: dict[torch.device, list[int]] = {}
+    for i, (v, _) in enumerate(pairs):
+        by_device.setdefault(v.device, []).append(i)
+    sums: list[torch.Tensor] = [torch.zeros((), dtype=torch.int64)] * len(pairs)
+    finite_list = [True] * len(pairs)
+    for indices in by_device.values():  # one device-to-host copy per device
+        both = torch.stack(
+            [torch.stack([pairs[i][0], pairs[i][1].to(torch.int64)]) for i in indices]
+        ).cpu()
+        for i, (v, ok) in zip(indices, both):
+            sums[i] = v
+            finite_list[i] = bool(ok)
+    return sums, finite_list
+
+
+def leaf_checksum(x: Any) -> torch.Tensor:
+    """This rank's contribution to the global checksum of ``x`` (a tensor or a DTensor).
+
+    Returns:
+        A 0-d int64 tensor on ``x``'s device; the global checksum is the sum over ranks.
+    """
+    return local_checks([x], check_finite=False)[0][0].to(x.device)
+
+
+def local_sums(leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each leaf's local checksum contribution, as CPU 0-d tensors (:func:`local_checks`)."""
+    return local_checks(leaves, check_finite=False)[0]
+
+
+def fingerprint(
+    paths: list[str],
+    leaves: list[torch.Tensor],
+    *,
+    group: Any = None,
+    sums: list[torch.Tensor] | None = None,
+) -> tuple[dict[str, int], dict[str, list[int]]]:
+    """Collective: global checksums of every leaf, and the per-rank checksums of those that differ.
+
+    DTensor leaves are summed across ranks (one all-reduce for all); a plain tensor's
+    checksum is its own, and with several ranks a plain leaf whose checksums differ between
+    ranks is a per-rank value.
+
+    Args:
+        paths: The leaves' paths.
+        leaves: The leaves.
+        group: The process group.
+        sums: :func:`local_sums` of the leaves, if already computed.
+
+    Returns:
+        ``(checksums, per_rank)``: ``checksums[path]`` for shared leaves,
+        ``per_rank[path][rank]`` for leaves that differ between ranks.
+    """
+    sums = list(sums) if sums is not None else local_sums(leaves)
+    world = rank_and_world(group)[1]
+    per_rank: dict[str, list[int]] = {}
+    if world > 1:
+        sharded: list[int] = []
+        plain: list[int] = []
+        for i, x in enumerate(leaves):
+            (sharded if is_dtensor(x) else plain).append(i)
+        device = collective_device(group)
+        if sharded:
+            total = torch.stack([sums[i] for i in sharded]).to(device)
+            dist.all_reduce(total, group=group)
+            for i, v in zip(sharded, total.cpu()):
+                sums[i] = v
+        if plain:
+            mine = torch.stack([sums[i] for i in plain]).to(device)
+            gathered = [torch.empty_like(mine) for _ in range(world)]
+            dist.all_gather(gathered, mine, group=group)
+            table = torch.stack([g.cpu() for g in gathered])  # (world, num_plain)
+            for column, i in enumerate(plain):
+                if not bool((table[:, column] == table[0, column]).all()):
+                    per_rank[paths[i]] = [int(v) for v in table[:, column]]
+    checksums = {p: int(s) for p, s in zip(paths, sums) if p not in per_rank}
+    return checksums, per_rank
+
+
+# ---------------------------------------------------------------------------------------
+# Frozen weights saved by checksum only (Role(save_frozen=False))
+# ---------------------------------------------------------------------------------------
+
+
+def frozen_entries(
+    paths: list[str], leaves: list[torch.Tensor], group: Any
+) -> tuple[dict[str, dict[str, Any]], list[str]]:
+    """Collective: ``path -> {dtype, shape, checksum}`` of frozen leaves, and the paths of
+    those whose (plain) values differ between ranks."""
+    checksums, per_rank = fingerprint(paths, leaves, group=group)
+    entries = {
+        p: {
+            "dtype": str(x.dtype).removeprefix("torch."),
+            "shape": list(x.shape),
+            "checksum": checksums[p],
+        }
+        for p, x in zip(paths, leaves)
+        if p in checksums
+    }
+    return entries, sorted(per_rank)
+
+
+def split_frozen(
+    state: Any, paths: list[str], leaves: list[torch.Tensor], final: Path, group: Any
+) -> tuple[list[str], list[torch.Tensor], dict[str, dict[str, Any]]]:
+    """Collective: the leaves saved by value, and the entries of the frozen parameters of
+    roles with ``Role(save_frozen=False)``, saved by checksum."""
+    frozen: set[str] = set()
+    roles = getattr(state, "roles", None)
+    for name, rs in roles.items() if isinstance(roles, dict) else ():
+        role = getattr(rs, "role", None)
+        if role is not None and not getattr(role, "save_frozen", True):
+            trainable = set(rs.trainable_names)
+            frozen.update(f"roles.{name}.params.{n}" for n in rs.params if n not in trainable)
+    if not frozen:
+        return paths, leaves, {}
+    pinned = [i for i, p in enumerate(paths) if p in frozen]
+    entries, differ = frozen_entries([paths[i] for i in pinned], [leaves[i] for i in pinned], group)
+    if differ:
+        raise CheckpointError(
+            f"refusing to save checkpoint {str(final)!r}: the frozen parameter '{differ[0]}' "
+            "differs between ranks; a frozen role's weights must be equal on every rank, or sharded"
+        )
+    keep = [i for i, p in enumerate(paths) if p not in frozen]
+    return [paths[i] for i in keep], [leaves[i] for i in keep], entries
+
+
+# ---------------------------------------------------------------------------------------
+# The save
+# ---------------------------------------------------------------------------------------
+
+
+def fsync(path: str | os.PathLike[str]) -> None:
+    """Flush a file, or a directory's entries, to disk (skipped for a directory off POSIX).
+
+    Raises:
+        OSError: If ``path`` cannot be opened or flushed.
+    """
+    path = Path(path)
+    is_dir = path.is_dir()
+    if is_dir and os.name != "posix":
+        return
+    fd = os.open(path, os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if is_dir else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def discard(path: Path) -> None:
+    """Delete a checkpoint directory; a crash midway never leaves a listed, broken one.
+
+    It is first renamed ``.tmp-deleting-<name>`` (atomic; temporaries are never listed and
+    later prunes sweep them), then deleted.
+
+    Raises:
+        OSError: If it cannot be renamed.
+    """
+    aside = path.with_name(f".tmp-deleting-{path.name}")
+    if aside.exists():
+        shutil.rmtree(aside)
+    os.replace(path, aside)
+    fsync(path.parent)
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def exception_text(exc: Any) -> str:
-    """One line for an exception, or a DCP failure ``(exception, traceback)``: its type and message."""
+    """One line for an exception, or a DCP failure ``(exception, traceback)``."""
     if isinstance(exc, tuple):  # DCP's failures are (exception, traceback summary)
         exc = exc[0]
     return f"{type(exc).__name__}: {exc}"
@@ -101,44 +755,16 @@ def failure_text(e: BaseException) -> str:
     return "; ".join(f"rank {r}: {exception_text(f)}" for r, f in sorted(failures.items()))
 
 
-def refuse_nonfinite(
-    paths: list[str], finite: list[bool], step: int, final: Path, group: Any
-) -> None:
-    """Collective: raise on every rank if any rank holds a non-finite leaf (the first by path
-    order, then by rank, is named)."""
-    rank, world = rank_and_world(group)
-    bad = next((i for i, ok in enumerate(finite) if not ok), len(paths))
-    first = min_over_ranks([bad * world + rank], group=group)[0]
-    if first < len(paths) * world:
-        where = f" on rank {first % world}" if world > 1 else ""
-        raise CheckpointError(
-            f"refusing to save checkpoint {str(final)!r}: leaf '{paths[first // world]}' holds "
-            f"NaN or Inf{where} at step {step}. A non-finite state cannot continue training; "
-            "resume from an older checkpoint, or pass allow_nonfinite=True to keep it for "
-            "inspection"
-        )
-
-
 def rank_key(path: str, rank: int) -> str:
     """The key of ``path``'s own copy on ``rank`` in a checkpoint (a per-rank leaf)."""
     return f"{path}@rank{rank}"
 
 
-def _describe_leaf(x: torch.Tensor, per_rank: bool) -> dict[str, Any]:
-    return {
-        "dtype": str(x.dtype).removeprefix("torch."),
-        "shape": list(x.shape),
-        "sharded": is_dtensor(x),
-        "per_rank": per_rank,
-    }
-
-
 def make_temp_dir(final: Path, overwrite: bool, group: Any) -> Path:
-    """Collective: rank 0 checks ``final`` and makes a fresh temporary directory."""
-    rank, _ = rank_and_world(group)
+    """Collective: rank 0 checks ``final`` and makes a fresh ``.tmp-<name>`` beside it."""
     tmp = final.parent / f".tmp-{final.name}"
     error: str | None = None
-    if rank == 0:
+    if rank_and_world(group)[0] == 0:
         try:
             if final.exists() and not overwrite:
                 error = f"checkpoint {str(final)!r} already exists (pass overwrite=True)"
@@ -148,19 +774,33 @@ def make_temp_dir(final: Path, overwrite: bool, group: Any) -> Path:
                 tmp.mkdir(parents=True)
         except OSError as e:
             error = f"could not save checkpoint {str(final)!r}: {exception_text(e)}"
-    error = broadcast_object(error, group=group)
+    error = gather_objects(error, group=group)[0]  # rank 0's verdict, on every rank
     if error is not None:
         raise CheckpointError(error)
     return tmp
 
 
-class _CheckedWriter(FileSystemWriter):
-    """DCP's ``FileSystemWriter``, whose writes are all accounted for.
+def refuse_nonfinite(
+    paths: list[str], finite: list[bool], step: int, final: Path, group: Any
+) -> None:
+    """Collective: raise on every rank if any rank holds a non-finite leaf (the first by
+    path order, then by rank, is named)."""
+    bad = next((i for i, ok in enumerate(finite) if not ok), len(paths))
+    leaf, rank = min((b, r) for r, b in enumerate(gather_objects(bad, group=group)))
+    if leaf < len(paths):
+        where = f" on rank {rank}" if rank_and_world(group)[1] > 1 else ""
+        raise CheckpointError(
+            f"refusing to save checkpoint {str(final)!r}: leaf '{paths[leaf]}' holds NaN or Inf"
+            f"{where} at step {step}; resume from an older checkpoint, or pass allow_nonfinite=True"
+        )
 
-    With ``thread_count > 1``, DCP writes files on helper threads and a failure there is
-    lost: the thread dies, its items' results are missing, and DCP writes the metadata
-    of a checkpoint that cannot load. This writer records any exception that passes
-    through a file stream and raises when fewer items were written than planned.
+
+class _CheckedWriter(FileSystemWriter):
+    """DCP's ``FileSystemWriter``, whose writes on helper threads are all accounted for.
+
+    DCP loses a failure on a helper thread (``thread_count > 1``): the thread dies and its
+    items' results are missing. This writer records any exception that passes through a
+    file stream and raises when fewer items were written than planned.
     """
 
     def __init__(self, path: Path, thread_count: int) -> None:
@@ -177,7 +817,8 @@ class _CheckedWriter(FileSystemWriter):
                 failures.append(e)
                 raise
 
-        self.fs.create_stream = create_stream  # type: ignore[method-assign]  # this writer's FileSystem only
+        # this writer's FileSystem only
+        self.fs.create_stream = create_stream  # type: ignore[method-assign]
 
     def write_data(self, plan: Any, planner: Any) -> Any:
         written = super().write_data(plan, planner)
@@ -187,87 +828,6 @@ class _CheckedWriter(FileSystemWriter):
             text = exception_text(cause) if cause is not None else "no error was raised"
             raise OSError(f"{missing} of {len(plan.items)} items were not written ({text})")
         return written
-
-
-def _dcp_save(
-    flat: dict[str, torch.Tensor], final: Path, tmp: Path, group: Any, writer_threads: int
-) -> None:
-    world = rank_and_world(group)[1]
-    writer = _CheckedWriter(tmp, thread_count=writer_threads)
-    try:
-        with quiet_single_process(world):
-            dcp.save(
-                flat,
-                checkpoint_id=tmp,
-                storage_writer=writer,
-                process_group=group,
-                no_dist=world == 1,
-            )
-    except (Exception, CheckpointException) as e:  # DCP's exception is a BaseException
-        # DCP gathers every rank's failure and raises it on all of them.
-        raise CheckpointError(
-            f"could not save checkpoint {str(final)!r}: {failure_text(e)}"
-        ) from None
-
-
-def _write_shards(
-    paths: list[str],
-    leaves: list[torch.Tensor],
-    step: int,
-    final: Path,
-    tmp: Path,
-    group: Any,
-    prints: tuple[dict[str, int], dict[str, list[int]]] | None,
-    allow_nonfinite: bool,
-    writer_threads: int,
-) -> tuple[dict[str, int], dict[str, list[int]]]:
-    """Collective: write the shards into ``tmp``; return the fingerprint.
-
-    Unless ``prints`` are given (then the leaves were checked already), the checksums and
-    finiteness of sharded leaves (and, on one process, of every leaf) are computed on a
-    second thread while DCP writes: the file writes wait on the disk, the checksums on
-    the processor. Plain leaves of several ranks are checksummed first, because whether
-    a value is saved per rank depends on them. A non-finite leaf on any rank is refused
-    after the write, before the commit.
-    """
-    rank, world = rank_and_world(group)
-    if prints is not None:
-        checksums, per_rank = prints
-        flat = {
-            (rank_key(p, rank) if p in per_rank else p): x.detach() for p, x in zip(paths, leaves)
-        }
-        _dcp_save(flat, final, tmp, group, writer_threads)
-        return checksums, per_rank
-    check = not allow_nonfinite
-    early = [i for i, x in enumerate(leaves) if world > 1 and not is_dtensor(x)]
-    early_set = set(early)
-    late = [i for i in range(len(leaves)) if i not in early_set]
-    early_sums: list[torch.Tensor] = []
-    early_finite: list[bool] = []
-    per_rank = {}
-    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
-        pending = pool.submit(local_checks, [leaves[i] for i in late], check_finite=check)
-        if early:  # (one process: none)
-            early_sums, early_finite = local_checks([leaves[i] for i in early], check_finite=check)
-            _, per_rank = fingerprint(
-                [paths[i] for i in early], [leaves[i] for i in early], group=group, sums=early_sums
-            )
-        flat = {
-            (rank_key(p, rank) if p in per_rank else p): x.detach() for p, x in zip(paths, leaves)
-        }
-        _dcp_save(flat, final, tmp, group, writer_threads)
-        late_sums, late_finite = pending.result()
-    sums: list[torch.Tensor] = [torch.zeros((), dtype=torch.int64)] * len(leaves)
-    finite = [True] * len(leaves)
-    for indices, part_sums, part_finite in (
-        (early, early_sums, early_finite),
-        (late, late_sums, late_finite),
-    ):
-        for i, v, ok in zip(indices, part_sums, part_finite):
-            sums[i], finite[i] = v, ok
-    if check:
-        refuse_nonfinite(paths, finite, step, final, group)
-    return fingerprint(paths, leaves, group=group, sums=sums)
 
 
 def write_checkpoint(
@@ -283,20 +843,89 @@ def write_checkpoint(
     frozen: dict[str, dict[str, Any]] | None = None,
     writer_threads: int = WRITER_THREADS,
 ) -> None:
-    """Collective: write the shards, (rank 0) commit, and agree on the outcome.
+    """Collective: write the shards into ``tmp``, then (rank 0) the manifest, and commit.
 
-    On any failure every rank raises a ``CheckpointError`` naming ``final`` and the cause,
-    and rank 0 removes ``tmp``. When it returns, on any rank, the checkpoint is committed.
+    Unless ``prints`` (the :func:`fingerprint` of leaves checked already) are given, the
+    checksums and finiteness of sharded leaves (on one process, of every leaf) are computed
+    on a second thread while DCP writes. On any failure every rank raises a
+    ``CheckpointError`` naming ``final`` and the cause, and rank 0 removes ``tmp``; once it
+    returns, on any rank, the checkpoint is committed.
     """
     rank, world = rank_and_world(group)
     try:
-        checksums, per_rank = _write_shards(
-            paths, leaves, step, final, tmp, group, prints, allow_nonfinite, writer_threads
-        )
+        with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+            if prints is None:
+                # Plain leaves of several ranks first: their checksums decide which are per rank.
+                plain = [world > 1 and not is_dtensor(x) for x in leaves]
+                early = [i for i, is_plain in enumerate(plain) if is_plain]
+                late = [i for i, is_plain in enumerate(plain) if not is_plain]
+                check = not allow_nonfinite
+                pending = pool.submit(local_checks, [leaves[i] for i in late], check_finite=check)
+                early_sums, early_finite = local_checks(
+                    [leaves[i] for i in early], check_finite=check
+                )
+                per_rank: dict[str, list[int]] = {}
+                if early:
+                    _, per_rank = fingerprint(
+                        [paths[i] for i in early],
+                        [leaves[i] for i in early],
+                        group=group,
+                        sums=early_sums,
+                    )
+            else:
+                per_rank = prints[1]
+            flat = {
+                (rank_key(p, rank) if p in per_rank else p): x.detach()
+                for p, x in zip(paths, leaves)
+            }
+            # DCP's own writer raises a failed write; on helper threads it would lose it.
+            writer = (
+                FileSystemWriter(tmp)
+                if writer_threads == 1
+                else _CheckedWriter(tmp, writer_threads)
+            )
+            try:
+                with warnings.catch_warnings():  # no_dist on one process is the intent
+                    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                    dcp.save(
+                        flat,
+                        checkpoint_id=tmp,
+                        storage_writer=writer,
+                        process_group=group,
+                        no_dist=world == 1,
+                    )
+            except (Exception, CheckpointException) as e:  # DCP's exception is a BaseException
+                # DCP gathers every rank's failure and raises it on all of them.
+                raise CheckpointError(
+                    f"could not save checkpoint {str(final)!r}: {failure_text(e)}"
+                ) from None
+            if prints is None:
+                late_sums, late_finite = pending.result()
+        if prints is None:
+            sums: list[torch.Tensor] = [torch.zeros((), dtype=torch.int64)] * len(leaves)
+            finite = [True] * len(leaves)
+            for indices, part_sums, part_finite in (
+                (early, early_sums, early_finite),
+                (late, late_sums, late_finite),
+            ):
+                for i, v, ok in zip(indices, part_sums, part_finite):
+                    sums[i], finite[i] = v, ok
+            if not allow_nonfinite:
+                refuse_nonfinite(paths, finite, step, final, group)
+            prints = fingerprint(paths, leaves, group=group, sums=sums)
+        checksums, per_rank = prints
         manifest = Manifest(
             step=step,
             world_size=world,
-            leaves={p: _describe_leaf(x, p in per_rank) for p, x in zip(paths, leaves)},
+            leaves={
+                p: {
+                    "dtype": str(x.dtype).removeprefix("torch."),
+                    "shape": list(x.shape),
+                    "sharded": is_dtensor(x),
+                    "per_rank": p in per_rank,
+                }
+                for p, x in zip(paths, leaves)
+            },
             checksums=checksums,
             per_rank=per_rank,
             fvstep_version=_FVSTEP_VERSION,
@@ -305,29 +934,29 @@ def write_checkpoint(
         error: CheckpointError | None = None
         if rank == 0:
             try:
-                _publish(final, tmp, manifest, overwrite)
+                manifest.write(tmp)
+                if overwrite and final.exists():
+                    # Between the two renames no step_<n> exists: a crash there leaves the
+                    # older checkpoints "latest", never a half-deleted one.
+                    discard(final)
+                if final.exists():
+                    raise CheckpointError(f"checkpoint {str(final)!r} already exists")
+                fsync(tmp)
+                os.replace(tmp, final)  # the commit: atomic on POSIX
+                fsync(final.parent)
             except CheckpointError as e:
                 error = e
             except Exception as e:  # a full disk, a read-only or vanished directory
                 error = CheckpointError(
                     f"could not save checkpoint {str(final)!r}: {exception_text(e)}"
                 )
-        error = broadcast_object(error, group=group)  # also: no rank returns before the commit
+        error = gather_objects(error, group=group)[0]  # also: no rank returns before the commit
         if error is not None:
             raise error
     except Exception:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
-
-
-def _publish(final: Path, tmp: Path, manifest: Manifest, overwrite: bool) -> None:
-    manifest.write(tmp)
-    if overwrite and final.exists():
-        # Between these two renames no step_<n> exists; a crash there leaves the older
-        # checkpoints as "latest", never a half-deleted one.
-        discard(final)
-    commit(tmp, final)
 
 
 def save(
@@ -341,36 +970,29 @@ def save(
 ) -> Path:
     """Save ``state`` (a ``TrainState`` or any fvstep pytree of tensors) to ``path``, atomically.
 
-    Every rank calls it. Shards are written into ``.tmp-<name>`` beside ``path``; rank 0
-    then writes the manifest (versions, world size, structure, checksums) and renames the
-    directory to ``path``. A crash before the rename leaves no checkpoint at ``path``; a
-    failure (a full disk, a read-only directory, a non-finite leaf) raises on every rank
-    and removes the ``.tmp-<name>`` directory.
-
-    A state with a NaN or infinite value in a floating-point leaf (parameters, optimizer
-    moments, EMA, ``extra``), on any rank, is refused: resuming from it could only
-    continue a diverged run. The check rides on the checksum call (one ``aminmax`` of each
-    leaf, read at memory speed: a few percent of the checksums' time).
+    Every rank calls it. The shards are written into ``.tmp-<name>`` beside ``path``; rank 0
+    then writes the manifest and renames the directory to ``path``. A crash before the
+    rename leaves no checkpoint at ``path``; a failure raises on every rank and removes the
+    temporary directory. A NaN or infinity in a floating-point leaf, on any rank, is refused:
+    resuming from it could only continue a diverged run.
 
     Args:
         state: The state to save; it is not consumed or changed.
-        path: The checkpoint directory to create (e.g. ``directories.checkpoint_dir(root, step)``).
+        path: The checkpoint directory to create (e.g. ``checkpoint_dir(root, step)``).
         overwrite: Replace an existing checkpoint at ``path``.
         group: The process group (default: the world).
         allow_nonfinite: Save a state with NaN or Inf values anyway (for inspection).
-        writer_threads: Files each rank writes at once (default :data:`WRITER_THREADS`,
-            1; DCP's ``thread_count``; ``docs/benchmarks.md`` measures 4). A failed
-            write on a helper thread is refused all the same, but that thread prints
-            its own traceback. Loading reads any number of files.
+        writer_threads: Files each rank writes at once (DCP's ``thread_count``); loading
+            reads any number.
 
     Returns:
         ``path`` as a ``Path``.
 
     Raises:
-        CheckpointError: If ``path`` exists and ``overwrite`` is false; if a leaf is
-            not finite (naming the first such leaf, the rank and the step) and
-            ``allow_nonfinite`` is false; or if writing fails (naming ``path`` and the
-            cause, e.g. ``No space left on device``).
+        CheckpointError: If ``path`` exists and ``overwrite`` is false; if a leaf is not
+            finite and ``allow_nonfinite`` is false (naming the leaf, the rank and the
+            step); if a role holds its EMA in its parameters; or if writing fails (naming
+            ``path`` and the cause).
         TypeError: If ``writer_threads`` is not an integer.
         ValueError: If ``writer_threads`` is smaller than 1.
 
@@ -382,8 +1004,7 @@ def save(
     if swapped:
         raise CheckpointError(
             f"roles {swapped} hold their EMA in their parameters here (inside "
-            "fvstep.observe.validation.role_module(weights='ema')): a checkpoint would save it as "
-            "the live parameters; save after the with block"
+            "fvstep.observe.validation.role_module(weights='ema')): save after the with block"
         )
     final = Path(path)
     tmp = make_temp_dir(final, overwrite, group)

@@ -13,7 +13,7 @@ import attrs
 
 from fvstep import checkpoint as ckpt
 from fvstep.checkpoint import directories
-from fvstep.checkpoint.manifest import CheckpointSkippedWarning
+from fvstep.checkpoint.directories import CheckpointSkippedWarning
 from fvstep.core.errors import CheckpointError, DamagedCheckpointError
 from fvstep.core.state import TrainState
 from fvstep.parallel.ranks import broadcast_object, rank_and_world
@@ -36,20 +36,17 @@ class Checkpoints:
         keep: Keep the newest ``keep`` complete checkpoints (``None``: all). When
             :func:`run` returns, exactly ``keep`` remain (also with ``async_save``).
         async_save: Write in the background (:class:`fvstep.checkpoint.AsyncSaver`).
-        on_damaged: What :func:`run` does when a checkpoint newer than the one it
-            resumes from cannot be loaded (damaged shard, checksum mismatch, damaged
-            manifest): ``"skip"`` (default) warns with
-            :class:`~fvstep.checkpoint.CheckpointSkippedWarning`, renames it
-            ``step_<n>.damaged`` (kept, never listed, pruned or counted in ``keep``) and
-            tries the next older one; ``"error"`` raises.
+        on_damaged: What :func:`run` does with a damaged checkpoint newer than the one it
+            resumes from: ``"skip"`` (default) warns
+            (:class:`~fvstep.checkpoint.CheckpointSkippedWarning`), sets it aside as
+            ``step_<n>.damaged`` and tries the next older one; ``"error"`` raises.
         reset: Leaf paths a resume takes from the initial state instead of the checkpoint
             (:func:`fvstep.checkpoint.load`'s ``reset``), e.g. ``("extra.stream",)`` to
             resume a streaming run on another world size with new streams.
         lock: The lock of ``dir`` (:func:`fvstep.checkpoint.lock_dir`) that the caller
-            took on rank 0 and still holds: :func:`run` then takes none and leaves it
-            held, so that the folder stays locked from before the run (``fvstep train``
-            checks and writes ``config.yaml`` under it) to after. ``None`` (default, and
-            on the other ranks): :func:`run` takes the lock and releases it when it returns.
+            took on rank 0 and still holds, left held by :func:`run` (``fvstep train``
+            locks the folder before it writes ``config.yaml``). ``None`` (default, and on
+            the other ranks): :func:`run` takes the lock and releases it when it returns.
 
     Examples:
         >>> Checkpoints("runs/a/ckpt", every=100, keep=3, async_save=True)
@@ -116,9 +113,8 @@ def resume(
     )
     assert listed is not None
     candidates, complete = listed
-    # Only a committed checkpoint (with its manifest) can be past num_steps: a folder
-    # without one is an unfinished save, skipped and set aside below like a damaged one
-    # (as latest() ignores it), never a reason to refuse the run.
+    # Only a committed checkpoint can be past num_steps: a folder without a manifest is an
+    # unfinished save, set aside below like a damaged one, never a reason to refuse the run.
     if complete and complete[-1][0] > num_steps:
         newest = complete[-1][0]
         raise ValueError(
@@ -137,10 +133,10 @@ def resume(
         _set_aside(skipped, path, rank)
         return loaded, path
     if skipped:
+        causes = "; ".join(f"{p.name}: {e}" for p, e in skipped)
         raise CheckpointError(
-            f"no checkpoint under {str(root)!r} can be loaded, every one is damaged: "
-            + "; ".join(f"{p.name}: {e}" for p, e in skipped)
-            + ". Move them away to start afresh"
+            f"no checkpoint under {str(root)!r} can be loaded, every one is damaged: {causes}. "
+            "Move them away to start afresh"
         )
     return state, None
 

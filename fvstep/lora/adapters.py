@@ -285,8 +285,7 @@ def base_digest(base: nn.Module) -> str:
         >>> base_digest(base) == read_manifest(path).frozen_digests["teacher"]
         True
     """
-    from fvstep.checkpoint.fingerprint import fingerprint
-    from fvstep.checkpoint.manifest import frozen_digest
+    from fvstep.checkpoint.saving import fingerprint, frozen_digest
 
     named = dict(base.named_parameters())
     checksums, _ = fingerprint(list(named), [p.detach() for p in named.values()])

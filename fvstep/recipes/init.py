@@ -124,7 +124,7 @@ def source_weights(
     """
     import torch.distributed.checkpoint as dcp
 
-    from fvstep.checkpoint.fingerprint import fingerprint
+    from fvstep.checkpoint.saving import fingerprint
 
     path = Path(path)
     if _is_diffusers_folder(path) and not (path / "manifest.json").is_file():

@@ -32,7 +32,7 @@ import fvstep.checkpoint as ckpt
 from benchmarks import common as c
 from benchmarks.checkpoint import build_state
 from fvstep.checkpoint import saving
-from fvstep.checkpoint.fingerprint import fingerprint, local_checks
+from fvstep.checkpoint.saving import fingerprint, local_checks
 from fvstep.core.tree import flatten_with_paths
 
 
