@@ -23,6 +23,7 @@ from fvstep.checkpoint.saving import (
     local_checks,
     make_temp_dir,
     refuse_nonfinite,
+    refuse_swapped_weights,
     split_frozen,
     write_checkpoint,
 )
@@ -137,6 +138,7 @@ class AsyncSaver:
             ValueError: If ``writer_threads`` is smaller than 1.
         """
         writer_threads = check_int(writer_threads, "writer_threads", minimum=1)
+        refuse_swapped_weights(state)
         self.wait()
         upload_group = self._uploads()
         final = Path(path)

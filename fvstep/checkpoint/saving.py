@@ -57,6 +57,7 @@ __all__ = [
     "rank_key",
     "read_manifest",
     "refuse_nonfinite",
+    "refuse_swapped_weights",
     "save",
     "split_frozen",
     "write_checkpoint",
@@ -959,6 +960,21 @@ def write_checkpoint(
         raise
 
 
+def refuse_swapped_weights(state: Any) -> None:
+    """Refuse a state whose roles hold their EMA in their parameters (a save would store it
+    as the live weights).
+
+    Raises:
+        CheckpointError: Inside ``fvstep.observe.validation.role_module(weights='ema')``.
+    """
+    swapped = roles_holding_other_weights(state)
+    if swapped:
+        raise CheckpointError(
+            f"roles {swapped} hold their EMA in their parameters here (inside "
+            "fvstep.observe.validation.role_module(weights='ema')): save after the with block"
+        )
+
+
 def save(
     state: Any,
     path: str | os.PathLike[str],
@@ -1000,12 +1016,7 @@ def save(
         >>> save(state, "ckpt/step_000000100")
     """
     writer_threads = check_int(writer_threads, "writer_threads", minimum=1)
-    swapped = roles_holding_other_weights(state)
-    if swapped:
-        raise CheckpointError(
-            f"roles {swapped} hold their EMA in their parameters here (inside "
-            "fvstep.observe.validation.role_module(weights='ema')): save after the with block"
-        )
+    refuse_swapped_weights(state)
     final = Path(path)
     tmp = make_temp_dir(final, overwrite, group)
     paths, leaves, _ = flatten_with_paths(state)

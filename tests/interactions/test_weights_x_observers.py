@@ -217,6 +217,10 @@ def test_inside_an_ema_block_readers_of_the_live_weights_refuse(tmp_path):
     with role_module(state, "student", weights="ema"):
         with pytest.raises(fs.checkpoint.CheckpointError, match="hold their EMA"):
             fs.checkpoint.save(state, tmp_path / "inside")
+        saver = fs.checkpoint.AsyncSaver()
+        with pytest.raises(fs.checkpoint.CheckpointError, match="hold their EMA"):
+            saver.save(state, tmp_path / "inside")
+        saver.close()
         with pytest.raises(ValueError, match="holds its EMA"):
             export(state, "student", tmp_path / "inside.safetensors")
         with pytest.raises(ValueError, match="holds its EMA"):
