@@ -1,15 +1,7 @@
 """The index of a dataset (``index.json``): writing it, reading it, and whole datasets.
 
-The index lists the shards in order with their row counts and each row's shapes
-(:class:`~fvstep.executor.latents.ShardInfo`, see :mod:`fvstep.executor.latents.format`); it is written
-last, so a dataset is readable only once every shard is.
-
-Examples:
-    >>> import tempfile, torch
-    >>> root = tempfile.mkdtemp()
-    >>> infos = write_dataset(root, [[{"x": torch.ones(1)}]])
-    >>> read_index(root) == infos
-    True
+The index lists the shards in order with their row counts and each row's shapes; it is
+written last, so a dataset is readable only once every shard is.
 """
 
 from __future__ import annotations
