@@ -1,18 +1,8 @@
 """The executor: loop a step over data, log metrics, save and resume checkpoints.
 
-``run(step, state, data, num_steps=..., checkpoints=Checkpoints(dir, every, keep))``
-locks ``dir`` for the run, resumes from the newest checkpoint under ``dir`` that loads
-(skipping damaged ones, with a warning), runs steps ``state.step .. num_steps - 1``,
-saves every ``every`` steps and at the end, and on SIGTERM or a first Ctrl-C saves at the
-next step boundary and raises :class:`Interrupted` (so that a script cannot go on as if
-the run had completed). :func:`run_until` returns a :class:`RunResult` instead, which says
-why the loop ended and where the state was saved.
-Data is a function of the step, so resuming at step ``s`` needs nothing but ``s``.
-
-``validation=Validation(fn, every=n)`` runs ``fn(state, key)`` between steps without
-changing the state or the training key stream (:class:`Validation`), and ``trackers=``
-(:mod:`fvstep.executor.trackers`) receive metrics in batches, with no GPU sync per step, and
-validation media.
+:func:`run` and :func:`run_until` (which returns a :class:`RunResult` instead of raising
+:class:`Interrupted` when a signal stops the run). Data is a function of the step, so
+resuming at step ``s`` needs nothing but ``s``.
 """
 
 from __future__ import annotations
@@ -153,13 +143,9 @@ def run(
 ) -> TrainState:
     """Run ``step`` until the state's step counter reaches ``num_steps``; return the state.
 
-    As :func:`run_until` (the same options; see it for each and for the errors), but a run that a signal
-    stops early raises: on SIGTERM or a first Ctrl-C it finishes the step in progress,
-    saves, releases the lock of ``checkpoints.dir`` and raises :class:`Interrupted`
-    (naming the signal, the step and the checkpoint). So a script never goes on to
-    export or evaluate a half-trained state as if the run had completed; running it
-    again resumes from that checkpoint. A caller that would rather look at why the loop
-    ended calls :func:`run_until`, which returns a :class:`RunResult`.
+    As :func:`run_until` (the same options and errors), but a run that a signal stops early
+    raises :class:`Interrupted` after saving and releasing the lock, so a script never goes
+    on with a half-trained state as if the run had completed.
 
     Returns:
         The state at ``num_steps``.
@@ -216,39 +202,14 @@ def run_until(
 ) -> RunResult:
     """Run ``step`` until the state's step counter reaches ``num_steps``, or a signal.
 
-    With ``checkpoints``, it first takes the lock of ``checkpoints.dir``
-    (:func:`fvstep.checkpoint.lock_dir`, held until it returns; or uses
-    ``checkpoints.lock``, one its caller holds and keeps), so a second run on the
-    same directory fails at once (an ``flock``, which a network filesystem may not
-    honour). It resumes from the newest checkpoint under
-    ``checkpoints.dir`` that loads (the loaded state replaces ``state``, which only
-    supplies the structure); a newer one that is damaged is skipped with a
-    :class:`~fvstep.checkpoint.CheckpointSkippedWarning` and renamed
-    ``step_<n>.damaged`` (see ``Checkpoints.on_damaged``). It saves after every
-    ``checkpoints.every`` steps and at the end, keeping the newest ``checkpoints.keep``.
-    It never saves a state with a NaN or infinite leaf.
-
-    On SIGTERM (a job scheduler's preemption) or a first Ctrl-C (SIGINT) it finishes the
-    step in progress, saves, prints one line on rank 0's stderr naming the checkpoint,
-    and returns early with ``stopped_by`` saying which signal (:func:`run` raises
-    :class:`Interrupted` instead); a second Ctrl-C raises
-    ``KeyboardInterrupt`` at once, without saving. A signal that reaches only some ranks
-    stops all of them at the same step. The handlers are installed in the main thread
-    only, and the SIGINT one only when Python's default handler is in place (a caller
-    that handles or ignores SIGINT keeps its own handling).
-
-    Metrics are written as strict JSON, one object per line: a NaN or infinite metric is
-    written as ``null``; only scalars are logged; a step that trained nothing (no
-    metrics) writes no line. The progress bar shows the latest losses. Metrics reach the
-    file and the trackers every ``log_every`` steps, before each checkpoint and at the
-    end, read from the device with one transfer per flush (no GPU sync per step).
-
-    Each :class:`Validation` runs when it is due (see :meth:`Validation.due`), on every
-    rank, between steps and before a save; it never changes the state, the training key
-    stream or a checkpoint, so a resumed run equals an uninterrupted one with validation
-    on. Its scalars are logged at the validated step under ``<prefix>/<name>``, its
-    videos through the trackers' ``log_media``. A run stopped by a signal skips the
-    validation of its last step (the resumed run computes it at its start).
+    With ``checkpoints`` it holds the lock of ``checkpoints.dir`` (or the caller's
+    ``checkpoints.lock``), resumes from the newest checkpoint that loads (a damaged newer
+    one is skipped with a warning and set aside), and saves every ``checkpoints.every``
+    steps and at the end, never a state with a NaN or infinite leaf. On SIGTERM or a
+    first Ctrl-C it finishes the step in progress, saves and returns early, on every rank
+    at the same step; a second Ctrl-C raises ``KeyboardInterrupt`` at once. Validations
+    run between steps and never change the state. The rules in full:
+    docs/concepts/checkpoints.md and docs/concepts/validation.md.
 
     Args:
         step: A compiled step (``fvstep.compile``) or any ``(state, batch) -> (state, metrics)``.
@@ -257,35 +218,29 @@ def run_until(
             such as :class:`fvstep.executor.data.ShuffledSource`.
         num_steps: The step count to reach.
         checkpoints: Where and how often to save; ``None`` for no checkpoints.
-        metrics_path: A JSONL file for metrics (rank 0); default
-            ``<checkpoints.dir>/metrics.jsonl`` when checkpointing. Lines of steps that a
-            resume recomputes are dropped. NaN and infinities are written as ``null``.
+        metrics_path: A strict-JSONL file for metrics (rank 0); default
+            ``<checkpoints.dir>/metrics.jsonl`` when checkpointing.
         progress: Show a progress bar on rank 0 (tqdm, when installed).
         on_metrics: Called with ``(step, metrics)`` after every step, on every rank.
-        handle_signals: Stop at the next step boundary on SIGTERM and a first SIGINT, as
-            above; ``False`` leaves both signals to the caller.
+        handle_signals: Stop at the next step boundary on SIGTERM and a first SIGINT (in
+            the main thread, over Python's default SIGINT handler only); ``False`` leaves
+            both signals to the caller.
         validation: A :class:`Validation`, or several.
         trackers: Where metrics and media go besides the JSONL file (rank 0):
-            :class:`fvstep.executor.trackers.Tracker` objects such as
-            :class:`~fvstep.executor.trackers.TensorBoardTracker` or
-            :class:`~fvstep.executor.trackers.WandbTracker`; ``None``: only the JSONL file.
-            Validation media go to ``<metrics file's folder>/media`` (MP4 and PNG strip)
-            and to every tracker.
-        log_every: Hand metrics to the file and the trackers every ``log_every`` steps.
+            :class:`~fvstep.executor.trackers.Tracker` objects; ``None``: only the file.
+        log_every: Hand metrics to the file and the trackers every ``log_every`` steps
+            (and before each checkpoint, and at the end): one host sync per flush.
         parallelism: The process layout every step is called with
             (:class:`fvstep.parallel.Layout`); it also maps this rank to the data it reads
-            (``data.batch(step, rank=replica, world_size=replicas)``: the ranks of one
-            context-parallel group read the same batch). Default
-            :func:`fvstep.parallel.default_layout`: ``Layout()`` on several ranks or for
-            a state with sharded roles, else one process.
+            (``data.batch(step, rank=replica, world_size=replicas)``). Default
+            :func:`fvstep.parallel.default_layout`.
 
     Returns:
         A :class:`RunResult`: the final state, why the loop ended, and the checkpoint
         that holds the state.
 
     Raises:
-        CheckpointLockedError: (a ``CheckpointError``) If another run holds the lock of
-            ``checkpoints.dir``; the message names its host and pid.
+        CheckpointLockedError: If another run holds the lock of ``checkpoints.dir``.
         CheckpointError: If the newest checkpoint does not fit ``state`` or is of a newer
             format; if a checkpoint is damaged and ``on_damaged="error"``, or every
             checkpoint is damaged; if a save fails or the state to save holds NaN or Inf.

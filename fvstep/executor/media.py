@@ -1,9 +1,7 @@
 """Videos as values, and the files they are written to: MP4, GIF and a PNG strip.
 
-A :class:`Video` is what a validation function returns for a tracker to log: ``uint8``
-frames ``(F, H, W, 3)`` on the CPU, a frame rate and a caption. :func:`write_mp4`,
-:func:`write_gif` and :func:`write_png_strip` write one with ``imageio`` (MP4 through
-``imageio-ffmpeg``; ``pip install fvstep[media]``).
+A :class:`Video` is what a validation function returns for a tracker to log. The writers
+use ``imageio`` (MP4 through ``imageio-ffmpeg``; ``pip install fvstep[media]``).
 
 Examples:
     >>> video = Video(frames_from_pixels(pixels[0]), fps=16, caption="a cat")
@@ -14,6 +12,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import attrs
 import torch
@@ -55,8 +54,7 @@ class Video:
 def frames_from_pixels(pixels: torch.Tensor) -> torch.Tensor:
     """``uint8`` frames ``(F, H, W, 3)`` from float pixels ``(F, H, W, 3)`` in ``[0, 1]``.
 
-    Values are clamped to ``[0, 1]``, scaled by 255 and rounded (as diffusers'
-    ``numpy_to_pil`` does), then moved to the CPU.
+    Values are clamped, scaled by 255 and rounded (as diffusers' ``numpy_to_pil`` does).
 
     Args:
         pixels: Floating-point frames in ``[0, 1]``, channels last.
@@ -159,13 +157,7 @@ def write_gif(video: Video, path: str | os.PathLike[str]) -> Path:
     Examples:
         >>> write_gif(video, "samples/step_100/0.gif")
     """
-    with needs_extra("media", "validation media"):
-        import imageio.v3 as iio
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    iio.imwrite(path, video.frames.numpy(), duration=1000 / video.fps, loop=0)
-    return path
+    return _write_image(path, video.frames, duration=1000 / video.fps, loop=0)
 
 
 def write_png_strip(video: Video, path: str | os.PathLike[str], *, max_frames: int = 8) -> Path:
@@ -185,10 +177,15 @@ def write_png_strip(video: Video, path: str | os.PathLike[str], *, max_frames: i
     Examples:
         >>> write_png_strip(video, "samples/step_100/0.png")
     """
+    return _write_image(path, strip(video, max_frames=max_frames))
+
+
+def _write_image(path: str | os.PathLike[str], image: torch.Tensor, **options: Any) -> Path:
+    """Write ``image`` with ``imageio.v3.imwrite`` (its format from the suffix), making the folder."""
     with needs_extra("media", "validation media"):
         import imageio.v3 as iio
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    iio.imwrite(path, strip(video, max_frames=max_frames).numpy())
+    iio.imwrite(path, image.numpy(), **options)
     return path

@@ -1,14 +1,9 @@
 """What a run reports, beside its state: validation, trackers and the progress bar.
 
-- :class:`Validation` — a validation function and when :func:`fvstep.run` calls it;
-  :func:`observe` runs one leaving no trace (no autograd, eval mode, the global RNG seeded
-  from the validation key, modes, RNG and FSDP2 groups restored after);
-- :func:`open_trackers` — rank 0's trackers for a run (the JSONL file, then the user's);
-- :class:`Sinks` — those trackers and the progress bar, fed in batches through one
-  :class:`fvstep.executor.trackers.MetricsQueue` (no GPU sync per step).
-
-The executor (:mod:`fvstep.executor.loop`) drives them; nothing here touches the state's
-leaves or the training key stream.
+:class:`Validation` and :func:`observe` (a validation that leaves no trace);
+:func:`open_trackers` and :class:`Sinks` (rank 0's trackers and progress bar, fed in
+batches through one :class:`~fvstep.executor.trackers.MetricsQueue`). The executor
+(:mod:`fvstep.executor.loop`) drives them.
 """
 
 from __future__ import annotations
@@ -55,18 +50,9 @@ def _default_validation_key() -> torch.Tensor:
 class Validation:
     """A validation function and when :func:`run` calls it.
 
-    At step ``s`` (the state after ``s`` steps) the validation is *due* when ``every``
-    divides ``s``, when ``s == num_steps`` and ``at_end``, or when ``s`` is the step the
-    run starts (or resumes) at and ``at_start``. A run checks its start step too, so a
-    resumed run recomputes the validation of the checkpoint's step (which the metrics
-    file dropped) exactly as the uninterrupted run computed it.
-
-    ``fn(state, key)`` runs on every rank (sharded roles need all of them) under
-    ``torch.no_grad()``, with every role's modules in eval mode and the global RNG seeded
-    from ``key`` (all three restored after), and every FSDP2 group resharded after: it
-    never changes the state, the training key stream or a checkpoint. ``key`` is
-    ``fold_in(self.key, s)``, never drawn from the state's key. Rank 0's results are
-    logged, named ``<prefix>/<name>``.
+    ``fn(state, key)`` runs on every rank when due (:meth:`due`), through :func:`observe`,
+    with ``key = fold_in(self.key, s)``; rank 0's results are logged as
+    ``<prefix>/<name>``. The guarantees: docs/concepts/validation.md.
 
     Attributes:
         fn: The validation function (:data:`ValidationFn`), e.g.
@@ -98,6 +84,10 @@ class Validation:
 
     def due(self, step: int, *, start: int, num_steps: int) -> bool:
         """Whether the validation runs on the state at ``step``.
+
+        It is due when ``every`` divides ``step``, at ``num_steps`` with ``at_end``, and at
+        ``start`` with ``at_start``. A run checks its start step too, so a resumed run
+        recomputes the validation of its checkpoint's step.
 
         Args:
             step: The state's step (the number of steps taken).
