@@ -256,9 +256,11 @@ def run_until(
     if isinstance(log_every, bool) or not isinstance(log_every, int) or log_every < 1:
         raise ValueError(f"log_every must be an int >= 1, got {log_every!r}")
     rank, _ = rank_and_world()
-    lock = lock_run_dir(checkpoints.dir, rank, checkpoints.lock) if checkpoints else None
-    resumed_from = None
-    try:
+    with contextlib.ExitStack() as locked:
+        lock = lock_run_dir(checkpoints.dir, rank, checkpoints.lock) if checkpoints else None
+        if lock is not None:  # rank 0's, unless the caller holds it
+            locked.callback(lock.release)
+        resumed_from = None
         if checkpoints is not None:
             state, resumed_from = resume(state, checkpoints, num_steps, rank)
         if int(state.step) > num_steps:
@@ -269,107 +271,76 @@ def run_until(
         check_schedule_lengths(step, state, num_steps=num_steps)
         if parallelism is None:
             parallelism = default_layout(state)
-        result = _loop(
-            step,
-            state,
-            data,
-            num_steps,
-            checkpoints,
-            metrics_path,
-            progress,
-            on_metrics,
-            handle_signals,
-            validations(validation),
-            trackers,
-            log_every,
-            parallelism,
-        )
-        return attrs.evolve(result, resumed_from=resumed_from)
-    finally:
-        if lock is not None:
-            lock.release()
-
-
-def _loop(
-    step: Callable[[TrainState, Any], tuple[TrainState, dict[str, Any]]],
-    state: TrainState,
-    data: Any,
-    num_steps: int,
-    checkpoints: Checkpoints | None,
-    metrics_path: str | os.PathLike[str] | None,
-    progress: bool,
-    on_metrics: Callable[[int, dict[str, Any]], None] | None,
-    handle_signals: bool,
-    validations: tuple[Validation, ...],
-    trackers: Sequence[Tracker] | None,
-    log_every: int,
-    parallelism: Parallelism | None,
-) -> RunResult:
-    rank, _ = rank_and_world()
-    replica, replicas = parallelism.data_parallel_rank_and_size() if parallelism else (0, 1)
-    layout = {"parallelism": parallelism} if isinstance(step, Step) and parallelism else {}
-    start = int(state.step)
-    if metrics_path is None and checkpoints is not None:
-        metrics_path = checkpoints.dir / "metrics.jsonl"
-    saver = ckpt.AsyncSaver() if checkpoints is not None and checkpoints.async_save else None
-    bar = progress_bar(progress and rank == 0, start, num_steps)
-    sinks = Sinks(
-        open_trackers(Path(metrics_path) if metrics_path else None, trackers, start, rank), bar
-    )
-    last_saved = start
-    stop = 0
-
-    def validate(at: int) -> None:
-        for v in validations:
-            if v.due(at, start=start, num_steps=num_steps):
-                sinks.put_validation(at, v.prefix, observe(v, state, at))
-
-    try:
-        validate(start)
-        with _stop_signals(rank, enabled=handle_signals) as flag, host_group() as control:
-            for s in range(start, num_steps):
-                state, metrics = step(state, _batch(data, s, replica, replicas), **layout)
-                sinks.put(s, metrics)
-                if on_metrics is not None:
-                    on_metrics(s, metrics)
-                if bar is not None:
-                    bar.update(1)
-                if (s + 1) % log_every == 0:
-                    sinks.flush()
-                stop = _agree_to_stop(flag["stop"], control)  # on the CPU: no GPU sync
-                if not stop:
-                    validate(s + 1)
-                done = s + 1 == num_steps
-                if checkpoints is not None and ((s + 1) % checkpoints.every == 0 or done or stop):
-                    sinks.flush()  # the lines of the steps a checkpoint holds are written first
-                    save_run_state(state, checkpoints, saver)
-                    last_saved = s + 1
-                if stop:
-                    break
-        sinks.flush()
-        if checkpoints is not None and last_saved != int(state.step):
-            save_run_state(state, checkpoints, saver)
-        if saver is not None and checkpoints is not None:
-            saver.wait()
-            # The last save was in flight when _save pruned: prune again now that it is
-            # committed, so that exactly `keep` remain.
-            if rank == 0:
-                ckpt.prune(checkpoints.dir, checkpoints.keep)
-    finally:
-        try:
-            if saver is not None:
-                saver.close()
-        finally:
-            sinks.close()
+        checks = validations(validation)
+        replica, replicas = parallelism.data_parallel_rank_and_size() if parallelism else (0, 1)
+        layout = {"parallelism": parallelism} if isinstance(step, Step) and parallelism else {}
+        start = int(state.step)
+        if metrics_path is None and checkpoints is not None:
+            metrics_path = checkpoints.dir / "metrics.jsonl"
+        last_saved = start
+        stop = 0
+        with contextlib.ExitStack() as opened:  # closed in reverse: saver, sinks, bar
+            saver = (
+                ckpt.AsyncSaver() if checkpoints is not None and checkpoints.async_save else None
+            )
+            bar = progress_bar(progress and rank == 0, start, num_steps)
             if bar is not None:
-                bar.close()
-    stopped_by: StopReason = "completed" if int(state.step) >= num_steps else _REASONS[stop]
-    saved = ckpt.checkpoint_dir(checkpoints.dir, int(state.step)) if checkpoints else None
-    if stopped_by != "completed" and rank == 0:
-        where = f"saved {str(saved)!r}" if saved is not None else "no checkpoints: nothing saved"
-        print(
-            f"fvstep: stopped by {stopped_by} at step {int(state.step)} of {num_steps}; {where}",
-            file=sys.stderr,
-            flush=True,
-        )
-    return RunResult(state, stopped_by, saved if saved is not None and saved.exists() else None)
+                opened.callback(bar.close)
+            sinks = Sinks(
+                open_trackers(Path(metrics_path) if metrics_path else None, trackers, start, rank),
+                bar,
+            )
+            opened.callback(sinks.close)
+            if saver is not None:
+                opened.callback(saver.close)
+
+            def validate(at: int) -> None:
+                for v in checks:
+                    if v.due(at, start=start, num_steps=num_steps):
+                        sinks.put_validation(at, v.prefix, observe(v, state, at))
+
+            validate(start)
+            with _stop_signals(rank, enabled=handle_signals) as flag, host_group() as control:
+                for s in range(start, num_steps):
+                    state, metrics = step(state, _batch(data, s, replica, replicas), **layout)
+                    sinks.put(s, metrics)
+                    if on_metrics is not None:
+                        on_metrics(s, metrics)
+                    if bar is not None:
+                        bar.update(1)
+                    if (s + 1) % log_every == 0:
+                        sinks.flush()
+                    stop = _agree_to_stop(flag["stop"], control)  # on the CPU: no GPU sync
+                    if not stop:
+                        validate(s + 1)
+                    done = s + 1 == num_steps
+                    if checkpoints is not None and (
+                        (s + 1) % checkpoints.every == 0 or done or stop
+                    ):
+                        sinks.flush()  # the lines of the steps a checkpoint holds are written first
+                        save_run_state(state, checkpoints, saver)
+                        last_saved = s + 1
+                    if stop:
+                        break
+            sinks.flush()
+            if checkpoints is not None and last_saved != int(state.step):
+                save_run_state(state, checkpoints, saver)
+            if saver is not None and checkpoints is not None:
+                saver.wait()
+                # The last save was in flight when _save pruned: prune again now that it is
+                # committed, so that exactly `keep` remain.
+                if rank == 0:
+                    ckpt.prune(checkpoints.dir, checkpoints.keep)
+        stopped_by: StopReason = "completed" if int(state.step) >= num_steps else _REASONS[stop]
+        saved = ckpt.checkpoint_dir(checkpoints.dir, int(state.step)) if checkpoints else None
+        if stopped_by != "completed" and rank == 0:
+            where = (
+                f"saved {str(saved)!r}" if saved is not None else "no checkpoints: nothing saved"
+            )
+            print(
+                f"fvstep: stopped by {stopped_by} at step {int(state.step)} of {num_steps}; {where}",
+                file=sys.stderr,
+                flush=True,
+            )
+        saved = saved if saved is not None and saved.exists() else None
+        return RunResult(state, stopped_by, saved, resumed_from)

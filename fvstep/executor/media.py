@@ -41,9 +41,6 @@ class Video:
         frames: The frames, RGB, ``uint8``, on the CPU.
         fps: Frames per second when played.
         caption: A line that trackers show with it (e.g. the prompt).
-
-    Examples:
-        >>> Video(torch.zeros(5, 32, 32, 3, dtype=torch.uint8), fps=8, caption="a cat")
     """
 
     frames: torch.Tensor = attrs.field(validator=_check_frames)
@@ -55,12 +52,6 @@ def frames_from_pixels(pixels: torch.Tensor) -> torch.Tensor:
     """``uint8`` frames ``(F, H, W, 3)`` from float pixels ``(F, H, W, 3)`` in ``[0, 1]``.
 
     Values are clamped, scaled by 255 and rounded (as diffusers' ``numpy_to_pil`` does).
-
-    Args:
-        pixels: Floating-point frames in ``[0, 1]``, channels last.
-
-    Returns:
-        The ``uint8`` frames on the CPU.
 
     Raises:
         ValueError: If ``pixels`` is not floating point of shape ``(F, H, W, 3)``.
@@ -142,41 +133,12 @@ def write_mp4(video: Video, path: str | os.PathLike[str]) -> Path:
 
 
 def write_gif(video: Video, path: str | os.PathLike[str]) -> Path:
-    """Write ``video`` as a looping GIF (``imageio`` with Pillow).
-
-    Args:
-        video: The video.
-        path: The file to write (its folder is created).
-
-    Returns:
-        The path written.
-
-    Raises:
-        ImportError: If ``imageio`` is not installed (``pip install fvstep[media]``).
-
-    Examples:
-        >>> write_gif(video, "samples/step_100/0.gif")
-    """
+    """Write ``video`` as a looping GIF (``imageio`` with Pillow); otherwise as :func:`write_mp4`."""
     return _write_image(path, video.frames, duration=1000 / video.fps, loop=0)
 
 
 def write_png_strip(video: Video, path: str | os.PathLike[str], *, max_frames: int = 8) -> Path:
-    """Write up to ``max_frames`` evenly spaced frames side by side as one PNG (:func:`strip`).
-
-    Args:
-        video: The video.
-        path: The file to write (its folder is created).
-        max_frames: The most frames to show.
-
-    Returns:
-        The path written.
-
-    Raises:
-        ImportError: If ``imageio`` is not installed (``pip install fvstep[media]``).
-
-    Examples:
-        >>> write_png_strip(video, "samples/step_100/0.png")
-    """
+    """Write :func:`strip`'s image of ``video`` as one PNG; otherwise as :func:`write_mp4`."""
     return _write_image(path, strip(video, max_frames=max_frames))
 
 

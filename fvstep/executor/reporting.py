@@ -86,16 +86,13 @@ class Validation:
         """Whether the validation runs on the state at ``step``.
 
         It is due when ``every`` divides ``step``, at ``num_steps`` with ``at_end``, and at
-        ``start`` with ``at_start``. A run checks its start step too, so a resumed run
+        ``start`` with ``at_start``. A run asks at its start step too, so a resumed run
         recomputes the validation of its checkpoint's step.
 
         Args:
             step: The state's step (the number of steps taken).
             start: The step the run started or resumed at.
             num_steps: The step the run ends at.
-
-        Returns:
-            Whether it is due.
 
         Examples:
             >>> Validation(fn, every=10).due(20, start=0, num_steps=100)
@@ -229,9 +226,6 @@ def progress_bar(enabled: bool, start: int, total: int) -> Any:
     multiprocessing one: that is a named semaphore, which a rank ended by a signal (the
     launcher's SIGTERM after a Ctrl-C) leaves behind ("resource_tracker: There appear to
     be 1 leaked semaphore objects").
-
-    Examples:
-        >>> bar = progress_bar(True, 0, 100)
     """
     if not enabled:
         return None
@@ -245,11 +239,7 @@ def progress_bar(enabled: bool, start: int, total: int) -> Any:
 
 def console_line(message: str) -> None:
     """Print ``message`` as a line of its own on stderr, above a progress bar if one is
-    drawn (not glued to its end), else as it is.
-
-    Examples:
-        >>> console_line("fvstep: Ctrl-C: saving at the end of this step")
-    """
+    drawn (not glued to its end), else as it is."""
     tqdm = sys.modules.get("tqdm.auto")
     bars = getattr(getattr(tqdm, "tqdm", None), "_instances", None)
     if tqdm is not None and bars:

@@ -16,7 +16,7 @@ from fvstep.parallel.ranks import rank_and_world
 __all__ = ["ScheduleLengthWarning", "check_schedule_lengths", "schedule_length"]
 
 _MAX_PLANNED = 1_000_000
-"""Longer runs are not planned step by step (about 1 s per million steps)."""
+"""Longer runs are not planned step by step (planning takes time linear in the steps)."""
 
 
 class ScheduleLengthWarning(UserWarning):

@@ -162,9 +162,6 @@ class JsonlTracker:
         path: The JSONL file.
         media_dir: Where media go; default ``<path's folder>/media``.
         gif: Also write a GIF of each video.
-
-    Examples:
-        >>> tracker = JsonlTracker("runs/a/metrics.jsonl")
     """
 
     def __init__(
@@ -231,9 +228,6 @@ class TensorBoardTracker:
 
     Args:
         log_dir: The event files' folder.
-
-    Examples:
-        >>> tracker = TensorBoardTracker("runs/a/tensorboard")
     """
 
     def __init__(self, log_dir: str | os.PathLike[str]) -> None:

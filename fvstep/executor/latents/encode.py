@@ -184,11 +184,9 @@ def encode_clips(
     clips = find_clips(source, captions=captions)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    fit = {"num_frames": num_frames, "height": height, "width": width, "multiple": multiple}
     options = {
-        "num_frames": num_frames,
-        "height": height,
-        "width": width,
-        "multiple": multiple,
+        **fit,
         "max_tokens": max_tokens,
         "shard_size": shard_size,
         "dtype": dtype_name(dtype),
@@ -197,6 +195,7 @@ def encode_clips(
         clips, options, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer
     )
     agree_on_settings(out, settings)
+    fit["temporal_factor"] = factor
     num_shards = -(-len(clips) // shard_size)
     result = EncodeResult(len(clips), num_shards)
     device = next(vae.parameters()).device
@@ -217,13 +216,7 @@ def encode_clips(
                     vae=vae,
                     text_encoder=text_encoder,
                     tokenizer=tokenizer,
-                    fit={
-                        "num_frames": num_frames,
-                        "height": height,
-                        "width": width,
-                        "temporal_factor": factor,
-                        "multiple": multiple,
-                    },
+                    fit=fit,
                     max_tokens=max_tokens,
                     dtype=dtype,
                     devices=(device, text_device),

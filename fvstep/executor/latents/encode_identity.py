@@ -158,15 +158,6 @@ def describe_encode(
         ``{"num_clips", "clips_sha256", **options, "models": {"vae", "text_encoder",
         "tokenizer"}}``, JSON-able.
 
-    Examples:
-        >>> from fvstep.executor.latents.clips import Clip
-        >>> class Tokenizer:
-        ...     def get_vocab(self): return {"a": 0}
-        >>> tiny = torch.nn.Linear(1, 1)
-        >>> ident = describe_encode([Clip("a", Path("a"), "video", "a cat")], {"height": 8},
-        ...                         vae=tiny, text_encoder=tiny, tokenizer=Tokenizer())
-        >>> ident["num_clips"], ident["height"], ident["models"]["vae"]["dtype"]
-        (1, 8, 'float32')
     """
     return {
         "num_clips": len(clips),

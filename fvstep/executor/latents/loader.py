@@ -195,16 +195,12 @@ class WorkerSource:
         self._next = (s + 1, r, w)
         if isinstance(payload, WorkerFailure):
             self._stop()
-            items = f"items {payload.indices}"
+            where += f" (items {payload.indices})"
             if payload.is_shard:
-                raise self._report(ShardError(f"{where} ({items}): {payload.message}"), w)
-            raise self._report(
-                RuntimeError(
-                    f"{where} ({items}): {payload.kind}: {payload.message}\n"
-                    f"in the data loader (traceback there):\n{payload.trace}"
-                ),
-                w,
-            )
+                raise self._report(ShardError(f"{where}: {payload.message}"), w)
+            trace = f"in the data loader (traceback there):\n{payload.trace}"
+            message = f"{where}: {payload.kind}: {payload.message}\n{trace}"
+            raise self._report(RuntimeError(message), w)
         assert got == s, f"the loader yielded step {got} for step {s}"
         return payload if self._device is None else _to_device(payload, self._device)
 
@@ -255,9 +251,9 @@ def latent_source(
         key: An fvstep key; it alone decides the order.
         batch_size: The per-rank batch size.
         num_workers: Worker processes (``0``: read in the calling process).
-        fields: The fields to read (default all).
+        fields: As :class:`LatentDataset`.
         drop_last: As :class:`BucketedOrder`.
-        verify: Check the shards' page checksums on read (as :class:`LatentDataset`).
+        verify: As :class:`LatentDataset`.
         **loader_options: More options of :class:`WorkerSource` (``prefetch``, ``device``...).
 
     Returns:
@@ -268,13 +264,8 @@ def latent_source(
         ShardError: If the index is malformed or lists a missing shard.
 
     Examples:
-        >>> import tempfile
-        >>> from fvstep import random as fr
-        >>> from fvstep.executor.latents import write_dataset
-        >>> root = tempfile.mkdtemp()
-        >>> _ = write_dataset(root, [[{"x": torch.ones(1)}] * 2])
-        >>> latent_source(root, key=fr.key(0), batch_size=1, num_workers=0).batch(1)["x"]
-        tensor([[1.]])
+        >>> with latent_source("latents", key=fs.random.key(0), batch_size=1) as data:
+        ...     batch = data.batch(0, rank=0, world_size=1)
     """
     from fvstep.executor.latents.dataset import LatentDataset
     from fvstep.executor.latents.order import BucketedOrder

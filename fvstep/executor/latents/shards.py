@@ -155,13 +155,7 @@ def open_shard(path: Path, *, verify: bool = True) -> tuple[Any, list[str]]:
 
 
 def describe_shard(path: str | os.PathLike[str]) -> ShardInfo:
-    """Read a shard's row count and shapes (only its small ``*_shape`` columns).
-
-    Args:
-        path: The shard file.
-
-    Returns:
-        Its :class:`ShardInfo`.
+    """Read a shard's :class:`ShardInfo` (only its small ``*_shape`` columns).
 
     Raises:
         ShardError: If the file is missing, is not an fvstep shard, or is damaged.
