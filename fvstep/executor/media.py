@@ -134,20 +134,24 @@ def write_mp4(video: Video, path: str | os.PathLike[str]) -> Path:
 
 def write_gif(video: Video, path: str | os.PathLike[str]) -> Path:
     """Write ``video`` as a looping GIF (``imageio`` with Pillow); otherwise as :func:`write_mp4`."""
-    return _write_image(path, video.frames, duration=1000 / video.fps, loop=0)
+    iio, path = _prepare_write(path)
+    iio.imwrite(path, video.frames.numpy(), duration=1000 / video.fps, loop=0)
+    return path
 
 
 def write_png_strip(video: Video, path: str | os.PathLike[str], *, max_frames: int = 8) -> Path:
     """Write :func:`strip`'s image of ``video`` as one PNG; otherwise as :func:`write_mp4`."""
-    return _write_image(path, strip(video, max_frames=max_frames))
+    iio, path = _prepare_write(path)
+    iio.imwrite(path, strip(video, max_frames=max_frames).numpy())
+    return path
 
 
-def _write_image(path: str | os.PathLike[str], image: torch.Tensor, **options: Any) -> Path:
-    """Write ``image`` with ``imageio.v3.imwrite`` (its format from the suffix), making the folder."""
+def _prepare_write(path: str | os.PathLike[str]) -> tuple[Any, Path]:
+    """``imageio.v3`` (first: a missing extra is the error, whatever the arguments) and
+    ``path``, its folder made."""
     with needs_extra("media", "validation media"):
         import imageio.v3 as iio
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    iio.imwrite(path, image.numpy(), **options)
-    return path
+    return iio, path

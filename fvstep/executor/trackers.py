@@ -97,10 +97,7 @@ class MetricsQueue:
         row: dict[str, Any] = {}
         for k, v in metrics.items():
             if isinstance(v, torch.Tensor):
-                if v.numel() == 1:
-                    # a copy (on the device, no sync): the step may update the metric's
-                    # tensor in place later (a counter, a state leaf), and the value logged
-                    # must be the one of this step
+                if v.numel() == 1:  # a copy on the device: no sync
                     row[k] = v.detach().reshape(()).clone()
             elif isinstance(v, (bool, int, float)):
                 row[k] = v
