@@ -51,8 +51,9 @@ class Validation:
     """A validation function and when :func:`run` calls it.
 
     ``fn(state, key)`` runs on every rank when due (:meth:`due`), through :func:`observe`,
-    with ``key = fold_in(self.key, s)``; rank 0's results are logged as
-    ``<prefix>/<name>``. The guarantees: docs/concepts/validation.md.
+    with ``key = fold_in(self.key, s)``; it never changes the state, the training key
+    stream or a checkpoint. Rank 0's results are logged as ``<prefix>/<name>``. See
+    docs/concepts/validation.md.
 
     Attributes:
         fn: The validation function (:data:`ValidationFn`), e.g.

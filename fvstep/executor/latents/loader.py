@@ -4,7 +4,7 @@ It answers ``batch(step, rank=, world_size=)`` as its *order* does, but reads an
 in worker processes, ``prefetch`` steps ahead. Asked for any step but the next one (a
 resume, another rank or world size), it starts a new DataLoader at that step, so a batch
 never depends on where the run started. A worker's error is raised by the call for that
-step, naming the rank, the step and the items; the workers ignore SIGINT and SIGTERM
+step, naming the rank and the step; the workers ignore SIGINT and SIGTERM
 (:mod:`~fvstep.executor.latents.workers`). See docs/concepts/data.md.
 """
 

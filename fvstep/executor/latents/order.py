@@ -49,7 +49,8 @@ class BucketedOrder:
     smaller than it is never drawn). Epoch ``e`` is ``sum(d_b)`` steps: which bucket step
     ``s`` draws from is entry ``s mod sum(d_b)`` of a permutation, seeded by
     ``fold_in(fold_in_name(key, "buckets"), e)``, of the multiset holding each ``b``
-    ``d_b`` times. With a single shape the order is ``ShuffledSource``'s.
+    ``d_b`` times; its items are the next step of that bucket's source (counting earlier
+    epochs). With a single shape the order is ``ShuffledSource``'s.
 
     Args:
         shapes: One entry per item: its shapes (``{field: shape}``, a shape, or any
@@ -66,8 +67,8 @@ class BucketedOrder:
         >>> from fvstep import random as fr
         >>> shapes = [{"x": (2,)}, {"x": (3,)}] * 4           # two buckets of 4 items
         >>> order = BucketedOrder(shapes, key=fr.key(0), batch_size=2)
-        >>> order.buckets, order.steps_per_epoch()
-        ([(('x', (2,)),), (('x', (3,)),)], 4)
+        >>> order.steps_per_epoch(), len({shapes[i]["x"] for i in order.indices(5)})
+        (4, 1)
     """
 
     def __init__(
