@@ -1,40 +1,8 @@
 """Data as a function of the step: a deterministic, key-seeded, rank-sharded shuffle.
 
-:class:`ShuffledSource` wraps a map-style dataset (anything with ``__len__`` and
-``__getitem__``) and answers "which batch does rank ``r`` of ``world_size`` ranks train on
-at step ``s``?" as a pure function of ``(s, r, world_size)``. Nothing is iterated and no
-cursor is kept, so resuming at step ``s`` needs only ``s`` (which the checkpointed state
-already holds), and the same source serves any world size.
-
-The order is defined by one infinite *stream* of dataset indices: epoch ``e`` contributes
-``torch.randperm(len(dataset), generator=generator(fold_in(key, e)))``. Each step takes
-the next *global batch* of ``batch_size * world_size`` indices and rank ``r`` takes the
-``r``-th contiguous slice of ``batch_size`` of them. Two consequences are laws (tested):
-
-- the ranks of one step partition its global batch, in rank order;
-- resharding: ``world_size=1`` with ``batch_size=B * W`` sees at each step exactly the
-  concatenation, in rank order, of what ``W`` ranks with ``batch_size=B`` see.
-
-With ``drop_last=True`` (the default) an epoch is ``len(dataset) // global_batch`` whole
-steps and the tail of each permutation is never used, so step and epoch boundaries line
-up. With ``drop_last=False`` nothing is dropped: the permutations are concatenated and a
-step that reaches the end of epoch ``e`` is filled from the start of epoch ``e + 1``'s
-permutation, so every index appears exactly once in each run of ``len(dataset)`` stream
-positions starting at a multiple of ``len(dataset)``; epoch boundaries then fall inside a
-step unless the global batch divides the dataset size, and such a step may hold the same
-item twice (once from each epoch, possibly on different ranks).
-
-This module never talks to ``torch.distributed``: the caller passes ``rank`` and
-``world_size``.
-
-Examples:
-    >>> from fvstep import random as fr
-    >>> from fvstep.executor.data import ShuffledSource, SyntheticLatents
-    >>> data = ShuffledSource(SyntheticLatents(64, key=fr.key(1)), key=fr.key(0), batch_size=4)
-    >>> data(10)["latents"].shape                      # single process: data(step)
-    torch.Size([4, 4, 2, 4, 4])
-    >>> data.indices(10, rank=1, world_size=2)          # rank 1 of 2 at step 10
-    [50, 10, 61, 60]
+:class:`ShuffledSource` answers "which batch does rank ``r`` of ``world_size`` train on at
+step ``s``?" as a pure function of the three: no cursor, so resuming needs only the step.
+The caller passes ``rank`` and ``world_size``; nothing here talks to ``torch.distributed``.
 """
 
 from __future__ import annotations
@@ -73,29 +41,29 @@ def _check_key(k: torch.Tensor) -> torch.Tensor:
 class ShuffledSource:
     """A deterministic, key-seeded shuffle over a map-style dataset, sharded by rank.
 
+    The order is one infinite stream of indices: epoch ``e`` contributes
+    ``randperm(len(dataset))`` seeded by ``fold_in(key, e)``. Each step takes the next
+    global batch of ``batch_size * world_size`` indices and rank ``r`` its ``r``-th slice.
+    So the ranks of a step partition its global batch in rank order, and one rank with
+    ``batch_size=B * W`` sees what ``W`` ranks with ``B`` see, concatenated (resharding).
+    With ``drop_last=False`` a step that reaches an epoch's end is filled from the next
+    epoch's start, so it may hold an item twice.
+
     Args:
-        dataset: Any object with ``__len__`` and ``__getitem__`` (a ``TensorDataset``, a
-            list, :class:`SyntheticLatents`, ...); must not be empty.
+        dataset: Any object with ``__len__`` and ``__getitem__``; must not be empty.
         key: An fvstep key (:func:`fvstep.core.random.key`); it alone decides the order.
-        batch_size: The per-rank batch size, ``>= 1``. A step's global batch is
-            ``batch_size * world_size`` items.
-        collate: Turns a list of items into a batch; defaults to
-            ``torch.utils.data.default_collate`` (stacks tensors, recurses into dicts,
-            tuples and lists, turns numbers into tensors).
-        drop_last: If true (default) the tail of each epoch's permutation that does not
-            fill a global batch is skipped; if false it is completed with the start of the
-            next epoch's permutation (see the module docstring).
+        batch_size: The per-rank batch size, ``>= 1``.
+        collate: Turns a list of items into a batch (default ``default_collate``).
+        drop_last: Skip the tail of each epoch's permutation that does not fill a global
+            batch (default), or complete it from the next epoch.
 
     Raises:
         TypeError: If ``dataset`` is not map-style or ``key`` is not an fvstep key.
-        ValueError: If ``dataset`` is empty, ``batch_size < 1`` or ``batch_size`` exceeds
-            the dataset size.
+        ValueError: If ``dataset`` is empty or ``batch_size`` is not in ``[1, len(dataset)]``.
 
     Examples:
         >>> from fvstep import random as fr
         >>> data = ShuffledSource(list(range(10)), key=fr.key(0), batch_size=2)
-        >>> data.steps_per_epoch(world_size=2)
-        2
         >>> data.indices(3, rank=0, world_size=2), data.epoch_of(3, world_size=2)
         ([6, 1], 1)
     """
@@ -164,16 +132,8 @@ class ShuffledSource:
     def steps_per_epoch(self, world_size: int = 1) -> int:
         """Steps per epoch: ``len(dataset) // global_batch``, or its ceiling if ``drop_last=False``.
 
-        With ``drop_last=False`` and a global batch that does not divide the dataset size,
-        epoch boundaries fall inside steps; the ceiling is then the number of steps that
-        finish the first epoch, and ``ceil(k * len(dataset) / global_batch)`` steps finish
-        the first ``k``.
-
         Args:
             world_size: The number of data-parallel ranks, ``>= 1``.
-
-        Returns:
-            The number of steps, ``>= 1``.
 
         Raises:
             ValueError: If ``world_size < 1`` or the global batch exceeds the dataset.
@@ -184,16 +144,8 @@ class ShuffledSource:
     def epoch_of(self, step: SupportsIndex, *, world_size: int = 1) -> int:
         """The epoch that ``step`` belongs to (with ``drop_last=False``: of its first item).
 
-        Args:
-            step: The step, ``>= 0``.
-            world_size: The number of data-parallel ranks, ``>= 1``.
-
-        Returns:
-            The epoch, ``>= 0``.
-
         Raises:
-            ValueError: If ``step < 0``, ``world_size < 1`` or the global batch exceeds
-                the dataset.
+            ValueError: As :meth:`indices`.
         """
         s = check_int(step, "step", minimum=0)
         g = self._global_batch(world_size)
@@ -257,14 +209,6 @@ class ShuffledSource:
     ) -> Any:
         """``rank``'s batch at ``step``: ``collate([dataset[i] for i in indices(...)])``.
 
-        Args:
-            step: The step, ``>= 0``.
-            rank: This rank, ``0 <= rank < world_size``.
-            world_size: The number of data-parallel ranks, ``>= 1``.
-
-        Returns:
-            The collated batch.
-
         Raises:
             ValueError: As :meth:`indices`.
         """
@@ -279,8 +223,8 @@ class ShuffledSource:
 class SyntheticLatents:
     """A map-style dataset of random video latents and text embeddings, for demos and tests.
 
-    Item ``i`` is ``{"latents": randn(shape), "text": randn(text_shape)}`` (float32),
-    drawn in that order from ``generator(fold_in(key, i))``: a pure function of ``i``.
+    Item ``i`` is ``{"latents": randn(shape), "text": randn(text_shape)}`` (float32), drawn
+    from ``generator(fold_in(key, i))``.
 
     Args:
         num: The number of items, ``>= 0``.

@@ -1,18 +1,8 @@
 """The executor: loop a step over data, log metrics, save and resume checkpoints.
 
-``run(step, state, data, num_steps=..., checkpoints=Checkpoints(dir, every, keep))``
-locks ``dir`` for the run, resumes from the newest checkpoint under ``dir`` that loads
-(skipping damaged ones, with a warning), runs steps ``state.step .. num_steps - 1``,
-saves every ``every`` steps and at the end, and on SIGTERM or a first Ctrl-C saves at the
-next step boundary and raises :class:`Interrupted` (so that a script cannot go on as if
-the run had completed). :func:`run_until` returns a :class:`RunResult` instead, which says
-why the loop ended and where the state was saved.
-Data is a function of the step, so resuming at step ``s`` needs nothing but ``s``.
-
-``validation=Validation(fn, every=n)`` runs ``fn(state, key)`` between steps without
-changing the state or the training key stream (:class:`Validation`), and ``trackers=``
-(:mod:`fvstep.executor.trackers`) receive metrics in batches, with no GPU sync per step, and
-validation media.
+:func:`run` and :func:`run_until` (which returns a :class:`RunResult` instead of raising
+:class:`Interrupted` when a signal stops the run). Data is a function of the step, so
+resuming at step ``s`` needs nothing but ``s``.
 """
 
 from __future__ import annotations
@@ -153,13 +143,9 @@ def run(
 ) -> TrainState:
     """Run ``step`` until the state's step counter reaches ``num_steps``; return the state.
 
-    As :func:`run_until` (the same options; see it for each and for the errors), but a run that a signal
-    stops early raises: on SIGTERM or a first Ctrl-C it finishes the step in progress,
-    saves, releases the lock of ``checkpoints.dir`` and raises :class:`Interrupted`
-    (naming the signal, the step and the checkpoint). So a script never goes on to
-    export or evaluate a half-trained state as if the run had completed; running it
-    again resumes from that checkpoint. A caller that would rather look at why the loop
-    ended calls :func:`run_until`, which returns a :class:`RunResult`.
+    As :func:`run_until` (the same options and errors), but a run that a signal stops early
+    raises :class:`Interrupted` after saving and releasing the lock, so a script never goes
+    on with a half-trained state as if the run had completed.
 
     Returns:
         The state at ``num_steps``.
@@ -216,39 +202,14 @@ def run_until(
 ) -> RunResult:
     """Run ``step`` until the state's step counter reaches ``num_steps``, or a signal.
 
-    With ``checkpoints``, it first takes the lock of ``checkpoints.dir``
-    (:func:`fvstep.checkpoint.lock_dir`, held until it returns; or uses
-    ``checkpoints.lock``, one its caller holds and keeps), so a second run on the
-    same directory fails at once (an ``flock``, which a network filesystem may not
-    honour). It resumes from the newest checkpoint under
-    ``checkpoints.dir`` that loads (the loaded state replaces ``state``, which only
-    supplies the structure); a newer one that is damaged is skipped with a
-    :class:`~fvstep.checkpoint.CheckpointSkippedWarning` and renamed
-    ``step_<n>.damaged`` (see ``Checkpoints.on_damaged``). It saves after every
-    ``checkpoints.every`` steps and at the end, keeping the newest ``checkpoints.keep``.
-    It never saves a state with a NaN or infinite leaf.
-
-    On SIGTERM (a job scheduler's preemption) or a first Ctrl-C (SIGINT) it finishes the
-    step in progress, saves, prints one line on rank 0's stderr naming the checkpoint,
-    and returns early with ``stopped_by`` saying which signal (:func:`run` raises
-    :class:`Interrupted` instead); a second Ctrl-C raises
-    ``KeyboardInterrupt`` at once, without saving. A signal that reaches only some ranks
-    stops all of them at the same step. The handlers are installed in the main thread
-    only, and the SIGINT one only when Python's default handler is in place (a caller
-    that handles or ignores SIGINT keeps its own handling).
-
-    Metrics are written as strict JSON, one object per line: a NaN or infinite metric is
-    written as ``null``; only scalars are logged; a step that trained nothing (no
-    metrics) writes no line. The progress bar shows the latest losses. Metrics reach the
-    file and the trackers every ``log_every`` steps, before each checkpoint and at the
-    end, read from the device with one transfer per flush (no GPU sync per step).
-
-    Each :class:`Validation` runs when it is due (see :meth:`Validation.due`), on every
-    rank, between steps and before a save; it never changes the state, the training key
-    stream or a checkpoint, so a resumed run equals an uninterrupted one with validation
-    on. Its scalars are logged at the validated step under ``<prefix>/<name>``, its
-    videos through the trackers' ``log_media``. A run stopped by a signal skips the
-    validation of its last step (the resumed run computes it at its start).
+    With ``checkpoints`` it holds the lock of ``checkpoints.dir`` (or the caller's
+    ``checkpoints.lock``), resumes from the newest checkpoint that loads (a damaged newer
+    one is skipped with a warning and set aside), and saves every ``checkpoints.every``
+    steps and at the end, never a state with a NaN or infinite leaf. On SIGTERM or a
+    first Ctrl-C it finishes the step in progress, saves and returns early, on every rank
+    at the same step; a second Ctrl-C raises ``KeyboardInterrupt`` at once. Validations
+    run between steps and never change the state. The rules in full:
+    docs/concepts/checkpoints.md and docs/concepts/validation.md.
 
     Args:
         step: A compiled step (``fvstep.compile``) or any ``(state, batch) -> (state, metrics)``.
@@ -257,35 +218,29 @@ def run_until(
             such as :class:`fvstep.executor.data.ShuffledSource`.
         num_steps: The step count to reach.
         checkpoints: Where and how often to save; ``None`` for no checkpoints.
-        metrics_path: A JSONL file for metrics (rank 0); default
-            ``<checkpoints.dir>/metrics.jsonl`` when checkpointing. Lines of steps that a
-            resume recomputes are dropped. NaN and infinities are written as ``null``.
+        metrics_path: A strict-JSONL file for metrics (rank 0); default
+            ``<checkpoints.dir>/metrics.jsonl`` when checkpointing.
         progress: Show a progress bar on rank 0 (tqdm, when installed).
         on_metrics: Called with ``(step, metrics)`` after every step, on every rank.
-        handle_signals: Stop at the next step boundary on SIGTERM and a first SIGINT, as
-            above; ``False`` leaves both signals to the caller.
+        handle_signals: Stop at the next step boundary on SIGTERM and a first SIGINT (in
+            the main thread, over Python's default SIGINT handler only); ``False`` leaves
+            both signals to the caller.
         validation: A :class:`Validation`, or several.
         trackers: Where metrics and media go besides the JSONL file (rank 0):
-            :class:`fvstep.executor.trackers.Tracker` objects such as
-            :class:`~fvstep.executor.trackers.TensorBoardTracker` or
-            :class:`~fvstep.executor.trackers.WandbTracker`; ``None``: only the JSONL file.
-            Validation media go to ``<metrics file's folder>/media`` (MP4 and PNG strip)
-            and to every tracker.
-        log_every: Hand metrics to the file and the trackers every ``log_every`` steps.
+            :class:`~fvstep.executor.trackers.Tracker` objects; ``None``: only the file.
+        log_every: Hand metrics to the file and the trackers every ``log_every`` steps
+            (and before each checkpoint, and at the end): one host sync per flush.
         parallelism: The process layout every step is called with
             (:class:`fvstep.parallel.Layout`); it also maps this rank to the data it reads
-            (``data.batch(step, rank=replica, world_size=replicas)``: the ranks of one
-            context-parallel group read the same batch). Default
-            :func:`fvstep.parallel.default_layout`: ``Layout()`` on several ranks or for
-            a state with sharded roles, else one process.
+            (``data.batch(step, rank=replica, world_size=replicas)``). Default
+            :func:`fvstep.parallel.default_layout`.
 
     Returns:
         A :class:`RunResult`: the final state, why the loop ended, and the checkpoint
         that holds the state.
 
     Raises:
-        CheckpointLockedError: (a ``CheckpointError``) If another run holds the lock of
-            ``checkpoints.dir``; the message names its host and pid.
+        CheckpointLockedError: If another run holds the lock of ``checkpoints.dir``.
         CheckpointError: If the newest checkpoint does not fit ``state`` or is of a newer
             format; if a checkpoint is damaged and ``on_damaged="error"``, or every
             checkpoint is damaged; if a save fails or the state to save holds NaN or Inf.
@@ -301,9 +256,11 @@ def run_until(
     if isinstance(log_every, bool) or not isinstance(log_every, int) or log_every < 1:
         raise ValueError(f"log_every must be an int >= 1, got {log_every!r}")
     rank, _ = rank_and_world()
-    lock = lock_run_dir(checkpoints.dir, rank, checkpoints.lock) if checkpoints else None
-    resumed_from = None
-    try:
+    with contextlib.ExitStack() as locked:
+        lock = lock_run_dir(checkpoints.dir, rank, checkpoints.lock) if checkpoints else None
+        if lock is not None:  # rank 0's, unless the caller holds it
+            locked.callback(lock.release)
+        resumed_from = None
         if checkpoints is not None:
             state, resumed_from = resume(state, checkpoints, num_steps, rank)
         if int(state.step) > num_steps:
@@ -314,107 +271,76 @@ def run_until(
         check_schedule_lengths(step, state, num_steps=num_steps)
         if parallelism is None:
             parallelism = default_layout(state)
-        result = _loop(
-            step,
-            state,
-            data,
-            num_steps,
-            checkpoints,
-            metrics_path,
-            progress,
-            on_metrics,
-            handle_signals,
-            validations(validation),
-            trackers,
-            log_every,
-            parallelism,
-        )
-        return attrs.evolve(result, resumed_from=resumed_from)
-    finally:
-        if lock is not None:
-            lock.release()
-
-
-def _loop(
-    step: Callable[[TrainState, Any], tuple[TrainState, dict[str, Any]]],
-    state: TrainState,
-    data: Any,
-    num_steps: int,
-    checkpoints: Checkpoints | None,
-    metrics_path: str | os.PathLike[str] | None,
-    progress: bool,
-    on_metrics: Callable[[int, dict[str, Any]], None] | None,
-    handle_signals: bool,
-    validations: tuple[Validation, ...],
-    trackers: Sequence[Tracker] | None,
-    log_every: int,
-    parallelism: Parallelism | None,
-) -> RunResult:
-    rank, _ = rank_and_world()
-    replica, replicas = parallelism.data_parallel_rank_and_size() if parallelism else (0, 1)
-    layout = {"parallelism": parallelism} if isinstance(step, Step) and parallelism else {}
-    start = int(state.step)
-    if metrics_path is None and checkpoints is not None:
-        metrics_path = checkpoints.dir / "metrics.jsonl"
-    saver = ckpt.AsyncSaver() if checkpoints is not None and checkpoints.async_save else None
-    bar = progress_bar(progress and rank == 0, start, num_steps)
-    sinks = Sinks(
-        open_trackers(Path(metrics_path) if metrics_path else None, trackers, start, rank), bar
-    )
-    last_saved = start
-    stop = 0
-
-    def validate(at: int) -> None:
-        for v in validations:
-            if v.due(at, start=start, num_steps=num_steps):
-                sinks.put_validation(at, v.prefix, observe(v, state, at))
-
-    try:
-        validate(start)
-        with _stop_signals(rank, enabled=handle_signals) as flag, host_group() as control:
-            for s in range(start, num_steps):
-                state, metrics = step(state, _batch(data, s, replica, replicas), **layout)
-                sinks.put(s, metrics)
-                if on_metrics is not None:
-                    on_metrics(s, metrics)
-                if bar is not None:
-                    bar.update(1)
-                if (s + 1) % log_every == 0:
-                    sinks.flush()
-                stop = _agree_to_stop(flag["stop"], control)  # on the CPU: no GPU sync
-                if not stop:
-                    validate(s + 1)
-                done = s + 1 == num_steps
-                if checkpoints is not None and ((s + 1) % checkpoints.every == 0 or done or stop):
-                    sinks.flush()  # the lines of the steps a checkpoint holds are written first
-                    save_run_state(state, checkpoints, saver)
-                    last_saved = s + 1
-                if stop:
-                    break
-        sinks.flush()
-        if checkpoints is not None and last_saved != int(state.step):
-            save_run_state(state, checkpoints, saver)
-        if saver is not None and checkpoints is not None:
-            saver.wait()
-            # The last save was in flight when _save pruned: prune again now that it is
-            # committed, so that exactly `keep` remain.
-            if rank == 0:
-                ckpt.prune(checkpoints.dir, checkpoints.keep)
-    finally:
-        try:
-            if saver is not None:
-                saver.close()
-        finally:
-            sinks.close()
+        checks = validations(validation)
+        replica, replicas = parallelism.data_parallel_rank_and_size() if parallelism else (0, 1)
+        layout = {"parallelism": parallelism} if isinstance(step, Step) and parallelism else {}
+        start = int(state.step)
+        if metrics_path is None and checkpoints is not None:
+            metrics_path = checkpoints.dir / "metrics.jsonl"
+        last_saved = start
+        stop = 0
+        with contextlib.ExitStack() as opened:  # closed in reverse: saver, sinks, bar
+            saver = (
+                ckpt.AsyncSaver() if checkpoints is not None and checkpoints.async_save else None
+            )
+            bar = progress_bar(progress and rank == 0, start, num_steps)
             if bar is not None:
-                bar.close()
-    stopped_by: StopReason = "completed" if int(state.step) >= num_steps else _REASONS[stop]
-    saved = ckpt.checkpoint_dir(checkpoints.dir, int(state.step)) if checkpoints else None
-    if stopped_by != "completed" and rank == 0:
-        where = f"saved {str(saved)!r}" if saved is not None else "no checkpoints: nothing saved"
-        print(
-            f"fvstep: stopped by {stopped_by} at step {int(state.step)} of {num_steps}; {where}",
-            file=sys.stderr,
-            flush=True,
-        )
-    return RunResult(state, stopped_by, saved if saved is not None and saved.exists() else None)
+                opened.callback(bar.close)
+            sinks = Sinks(
+                open_trackers(Path(metrics_path) if metrics_path else None, trackers, start, rank),
+                bar,
+            )
+            opened.callback(sinks.close)
+            if saver is not None:
+                opened.callback(saver.close)
+
+            def validate(at: int) -> None:
+                for v in checks:
+                    if v.due(at, start=start, num_steps=num_steps):
+                        sinks.put_validation(at, v.prefix, observe(v, state, at))
+
+            validate(start)
+            with _stop_signals(rank, enabled=handle_signals) as flag, host_group() as control:
+                for s in range(start, num_steps):
+                    state, metrics = step(state, _batch(data, s, replica, replicas), **layout)
+                    sinks.put(s, metrics)
+                    if on_metrics is not None:
+                        on_metrics(s, metrics)
+                    if bar is not None:
+                        bar.update(1)
+                    if (s + 1) % log_every == 0:
+                        sinks.flush()
+                    stop = _agree_to_stop(flag["stop"], control)  # on the CPU: no GPU sync
+                    if not stop:
+                        validate(s + 1)
+                    done = s + 1 == num_steps
+                    if checkpoints is not None and (
+                        (s + 1) % checkpoints.every == 0 or done or stop
+                    ):
+                        sinks.flush()  # the lines of the steps a checkpoint holds are written first
+                        save_run_state(state, checkpoints, saver)
+                        last_saved = s + 1
+                    if stop:
+                        break
+            sinks.flush()
+            if checkpoints is not None and last_saved != int(state.step):
+                save_run_state(state, checkpoints, saver)
+            if saver is not None and checkpoints is not None:
+                saver.wait()
+                # The last save was in flight when _save pruned: prune again now that it is
+                # committed, so that exactly `keep` remain.
+                if rank == 0:
+                    ckpt.prune(checkpoints.dir, checkpoints.keep)
+        stopped_by: StopReason = "completed" if int(state.step) >= num_steps else _REASONS[stop]
+        saved = ckpt.checkpoint_dir(checkpoints.dir, int(state.step)) if checkpoints else None
+        if stopped_by != "completed" and rank == 0:
+            where = (
+                f"saved {str(saved)!r}" if saved is not None else "no checkpoints: nothing saved"
+            )
+            print(
+                f"fvstep: stopped by {stopped_by} at step {int(state.step)} of {num_steps}; {where}",
+                file=sys.stderr,
+                flush=True,
+            )
+        saved = saved if saved is not None and saved.exists() else None
+        return RunResult(state, stopped_by, saved, resumed_from)

@@ -1,9 +1,7 @@
 """Videos as values, and the files they are written to: MP4, GIF and a PNG strip.
 
-A :class:`Video` is what a validation function returns for a tracker to log: ``uint8``
-frames ``(F, H, W, 3)`` on the CPU, a frame rate and a caption. :func:`write_mp4`,
-:func:`write_gif` and :func:`write_png_strip` write one with ``imageio`` (MP4 through
-``imageio-ffmpeg``; ``pip install fvstep[media]``).
+A :class:`Video` is what a validation function returns for a tracker to log. The writers
+use ``imageio`` (MP4 through ``imageio-ffmpeg``; ``pip install fvstep[media]``).
 
 Examples:
     >>> video = Video(frames_from_pixels(pixels[0]), fps=16, caption="a cat")
@@ -14,6 +12,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import attrs
 import torch
@@ -42,9 +41,6 @@ class Video:
         frames: The frames, RGB, ``uint8``, on the CPU.
         fps: Frames per second when played.
         caption: A line that trackers show with it (e.g. the prompt).
-
-    Examples:
-        >>> Video(torch.zeros(5, 32, 32, 3, dtype=torch.uint8), fps=8, caption="a cat")
     """
 
     frames: torch.Tensor = attrs.field(validator=_check_frames)
@@ -55,14 +51,7 @@ class Video:
 def frames_from_pixels(pixels: torch.Tensor) -> torch.Tensor:
     """``uint8`` frames ``(F, H, W, 3)`` from float pixels ``(F, H, W, 3)`` in ``[0, 1]``.
 
-    Values are clamped to ``[0, 1]``, scaled by 255 and rounded (as diffusers'
-    ``numpy_to_pil`` does), then moved to the CPU.
-
-    Args:
-        pixels: Floating-point frames in ``[0, 1]``, channels last.
-
-    Returns:
-        The ``uint8`` frames on the CPU.
+    Values are clamped, scaled by 255 and rounded (as diffusers' ``numpy_to_pil`` does).
 
     Raises:
         ValueError: If ``pixels`` is not floating point of shape ``(F, H, W, 3)``.
@@ -144,51 +133,25 @@ def write_mp4(video: Video, path: str | os.PathLike[str]) -> Path:
 
 
 def write_gif(video: Video, path: str | os.PathLike[str]) -> Path:
-    """Write ``video`` as a looping GIF (``imageio`` with Pillow).
-
-    Args:
-        video: The video.
-        path: The file to write (its folder is created).
-
-    Returns:
-        The path written.
-
-    Raises:
-        ImportError: If ``imageio`` is not installed (``pip install fvstep[media]``).
-
-    Examples:
-        >>> write_gif(video, "samples/step_100/0.gif")
-    """
-    with needs_extra("media", "validation media"):
-        import imageio.v3 as iio
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Write ``video`` as a looping GIF (``imageio`` with Pillow); otherwise as :func:`write_mp4`."""
+    iio, path = _prepare_write(path)
     iio.imwrite(path, video.frames.numpy(), duration=1000 / video.fps, loop=0)
     return path
 
 
 def write_png_strip(video: Video, path: str | os.PathLike[str], *, max_frames: int = 8) -> Path:
-    """Write up to ``max_frames`` evenly spaced frames side by side as one PNG (:func:`strip`).
+    """Write :func:`strip`'s image of ``video`` as one PNG; otherwise as :func:`write_mp4`."""
+    iio, path = _prepare_write(path)
+    iio.imwrite(path, strip(video, max_frames=max_frames).numpy())
+    return path
 
-    Args:
-        video: The video.
-        path: The file to write (its folder is created).
-        max_frames: The most frames to show.
 
-    Returns:
-        The path written.
-
-    Raises:
-        ImportError: If ``imageio`` is not installed (``pip install fvstep[media]``).
-
-    Examples:
-        >>> write_png_strip(video, "samples/step_100/0.png")
-    """
+def _prepare_write(path: str | os.PathLike[str]) -> tuple[Any, Path]:
+    """``imageio.v3`` (first: a missing extra is the error, whatever the arguments) and
+    ``path``, its folder made."""
     with needs_extra("media", "validation media"):
         import imageio.v3 as iio
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    iio.imwrite(path, strip(video, max_frames=max_frames).numpy())
-    return path
+    return iio, path

@@ -1,14 +1,9 @@
 """What a run reports, beside its state: validation, trackers and the progress bar.
 
-- :class:`Validation` — a validation function and when :func:`fvstep.run` calls it;
-  :func:`observe` runs one leaving no trace (no autograd, eval mode, the global RNG seeded
-  from the validation key, modes, RNG and FSDP2 groups restored after);
-- :func:`open_trackers` — rank 0's trackers for a run (the JSONL file, then the user's);
-- :class:`Sinks` — those trackers and the progress bar, fed in batches through one
-  :class:`fvstep.executor.trackers.MetricsQueue` (no GPU sync per step).
-
-The executor (:mod:`fvstep.executor.loop`) drives them; nothing here touches the state's
-leaves or the training key stream.
+:class:`Validation` and :func:`observe` (a validation that leaves no trace);
+:func:`open_trackers` and :class:`Sinks` (rank 0's trackers and progress bar, fed in
+batches through one :class:`~fvstep.executor.trackers.MetricsQueue`). The executor
+(:mod:`fvstep.executor.loop`) drives them.
 """
 
 from __future__ import annotations
@@ -55,18 +50,10 @@ def _default_validation_key() -> torch.Tensor:
 class Validation:
     """A validation function and when :func:`run` calls it.
 
-    At step ``s`` (the state after ``s`` steps) the validation is *due* when ``every``
-    divides ``s``, when ``s == num_steps`` and ``at_end``, or when ``s`` is the step the
-    run starts (or resumes) at and ``at_start``. A run checks its start step too, so a
-    resumed run recomputes the validation of the checkpoint's step (which the metrics
-    file dropped) exactly as the uninterrupted run computed it.
-
-    ``fn(state, key)`` runs on every rank (sharded roles need all of them) under
-    ``torch.no_grad()``, with every role's modules in eval mode and the global RNG seeded
-    from ``key`` (all three restored after), and every FSDP2 group resharded after: it
-    never changes the state, the training key stream or a checkpoint. ``key`` is
-    ``fold_in(self.key, s)``, never drawn from the state's key. Rank 0's results are
-    logged, named ``<prefix>/<name>``.
+    ``fn(state, key)`` runs on every rank when due (:meth:`due`), through :func:`observe`,
+    with ``key = fold_in(self.key, s)``; it never changes the state, the training key
+    stream or a checkpoint. Rank 0's results are logged as ``<prefix>/<name>``. See
+    docs/concepts/validation.md.
 
     Attributes:
         fn: The validation function (:data:`ValidationFn`), e.g.
@@ -99,13 +86,14 @@ class Validation:
     def due(self, step: int, *, start: int, num_steps: int) -> bool:
         """Whether the validation runs on the state at ``step``.
 
+        It is due when ``every`` divides ``step``, at ``num_steps`` with ``at_end``, and at
+        ``start`` with ``at_start``. A run asks at its start step too, so a resumed run
+        recomputes the validation of its checkpoint's step.
+
         Args:
             step: The state's step (the number of steps taken).
             start: The step the run started or resumed at.
             num_steps: The step the run ends at.
-
-        Returns:
-            Whether it is due.
 
         Examples:
             >>> Validation(fn, every=10).due(20, start=0, num_steps=100)
@@ -239,9 +227,6 @@ def progress_bar(enabled: bool, start: int, total: int) -> Any:
     multiprocessing one: that is a named semaphore, which a rank ended by a signal (the
     launcher's SIGTERM after a Ctrl-C) leaves behind ("resource_tracker: There appear to
     be 1 leaked semaphore objects").
-
-    Examples:
-        >>> bar = progress_bar(True, 0, 100)
     """
     if not enabled:
         return None
@@ -255,11 +240,7 @@ def progress_bar(enabled: bool, start: int, total: int) -> Any:
 
 def console_line(message: str) -> None:
     """Print ``message`` as a line of its own on stderr, above a progress bar if one is
-    drawn (not glued to its end), else as it is.
-
-    Examples:
-        >>> console_line("fvstep: Ctrl-C: saving at the end of this step")
-    """
+    drawn (not glued to its end), else as it is."""
     tqdm = sys.modules.get("tqdm.auto")
     bars = getattr(getattr(tqdm, "tqdm", None), "_instances", None)
     if tqdm is not None and bars:

@@ -1,17 +1,6 @@
 """Whether a run's learning-rate schedules end where the run does: schedules count updates.
 
-A schedule is a function of a role's *update count*, not of the step: a student that
-updates every second step of a 100-step run makes 50 updates, so a
-``warmup_cosine(..., total_steps=100)`` of its optimizer stops half-way down its cosine.
-:func:`fvstep.run` calls :func:`check_schedule_lengths` once before its first step: it
-counts, from the step's plan, the updates each role will have made at ``num_steps`` and
-warns (:class:`ScheduleLengthWarning`, on rank 0 only) for each role whose schedule is laid out
-over another number (``schedule.total_steps``, which the decaying factories of
-:mod:`fvstep.core.schedules` set).
-
-Examples:
-    >>> lr = fs.schedules.warmup_cosine(1e-4, warmup_steps=5, total_steps=50)
-    >>> check_schedule_lengths(step, state, num_steps=100)   # the student updates every 2nd step
+:func:`fvstep.run` calls :func:`check_schedule_lengths` once before its first step.
 """
 
 from __future__ import annotations
@@ -27,7 +16,7 @@ from fvstep.parallel.ranks import rank_and_world
 __all__ = ["ScheduleLengthWarning", "check_schedule_lengths", "schedule_length"]
 
 _MAX_PLANNED = 1_000_000
-"""Longer runs are not planned step by step (about 1 s per million steps)."""
+"""Longer runs are not planned step by step (planning takes time linear in the steps)."""
 
 
 class ScheduleLengthWarning(UserWarning):
@@ -51,10 +40,12 @@ def schedule_length(schedule: Any) -> int | None:
 def check_schedule_lengths(step: Any, state: TrainState, *, num_steps: int) -> None:
     """Warn for each role whose schedule's length differs from its updates at ``num_steps``.
 
-    The updates are counted from the role's optimizer count now and ``plan(step, i)`` for
-    each step ``i`` from ``state.step`` to ``num_steps``. Nothing is checked for a step that
-    is not a :class:`~fvstep.Step` (no plan), for a role trained by a managed step (its
-    inner loop's updates are its own), or for a run of more than a million steps.
+    A schedule counts the role's *updates*, not the run's steps: a student that updates
+    every second step of a 100-step run makes 50. The updates are counted from the role's
+    optimizer count now and ``plan(step, i)`` for each step ``i`` up to ``num_steps``, on
+    rank 0; the schedule's length is its ``total_steps``. Nothing is checked for a step that
+    is not a :class:`~fvstep.Step`, for a role trained by a managed step (its inner loop's
+    updates are its own), or for a run of more than a million steps.
 
     Args:
         step: The run's step.
@@ -66,7 +57,8 @@ def check_schedule_lengths(step: Any, state: TrainState, *, num_steps: int) -> N
             it will have made and the value to use.
 
     Examples:
-        >>> check_schedule_lengths(step, state, num_steps=100)
+        >>> lr = fs.schedules.warmup_cosine(1e-4, warmup_steps=5, total_steps=50)
+        >>> check_schedule_lengths(step, state, num_steps=100)  # the student updates every 2nd step
     """
     if not isinstance(step, Step) or rank_and_world()[0] != 0:
         return

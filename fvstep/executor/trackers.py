@@ -1,25 +1,12 @@
-"""Trackers: where a run's metrics and media go, behind one small protocol.
+"""Trackers: where a run's metrics and media go, behind one small protocol (:class:`Tracker`).
 
-A tracker has ``log(metrics, step)``, ``log_media(media, step)`` and ``close()`` (and
-optionally ``start(step)``, told the step a run starts or resumes at). ``fvstep.run``
-calls them on rank 0 only. Three ship here, each optional:
-
-- :class:`JsonlTracker`: one strict-JSON object a step (today's ``metrics.jsonl``), and
-  media as MP4 + PNG strip (+ GIF) files under ``media/step_<n>/``;
-- :class:`TensorBoardTracker`: ``torch.utils.tensorboard`` event files (scalars; a video
-  as the image of its frames side by side);
-- :class:`WandbTracker`: Weights & Biases, offline by default (``wandb sync`` uploads
-  later); videos as MP4.
-
-Metrics reach trackers without a GPU sync per step: :class:`MetricsQueue` keeps the
-step's tensors and turns every pending one into numbers with one transfer per device
-when flushed (every ``log_every`` steps, before a checkpoint and at the end).
+Three ship here, each optional: :class:`JsonlTracker`, :class:`TensorBoardTracker` and
+:class:`WandbTracker`. Metrics reach them without a GPU sync per step, through
+:class:`MetricsQueue`. See docs/concepts/validation.md.
 
 Examples:
     >>> fvstep.run(step, state, data, num_steps=1000,
-    ...            trackers=[JsonlTracker("runs/a/metrics.jsonl"),
-    ...                      TensorBoardTracker("runs/a/tb"),
-    ...                      WandbTracker(project="distill", dir="runs/a")])
+    ...            trackers=[JsonlTracker("runs/a/metrics.jsonl"), TensorBoardTracker("runs/a/tb")])
 """
 
 from __future__ import annotations
@@ -87,11 +74,10 @@ def _number(v: Any) -> Any:
 class MetricsQueue:
     """Per-step metrics held as they are (tensors included) until :meth:`flush`.
 
-    Scalar tensors are detached and copied where they are (the step may change them in
-    place later); :meth:`flush` stacks the pending
-    ones of each device (as fp32) and reads them with one ``.tolist()``: one host sync per
-    device per flush, never one per metric. Tensors with more than one element and
-    values that are not numbers are not logged. NaN and infinities become ``None``.
+    Scalar tensors are copied where they are (the step may change them in place later);
+    :meth:`flush` reads the pending ones of each device with one ``.tolist()``: one host
+    sync per device per flush. Tensors with more than one element and values that are not
+    numbers are not logged. NaN and infinities become ``None``.
 
     Examples:
         >>> q = MetricsQueue()
@@ -111,10 +97,7 @@ class MetricsQueue:
         row: dict[str, Any] = {}
         for k, v in metrics.items():
             if isinstance(v, torch.Tensor):
-                if v.numel() == 1:
-                    # a copy (on the device, no sync): the step may update the metric's
-                    # tensor in place later (a counter, a state leaf), and the value logged
-                    # must be the one of this step
+                if v.numel() == 1:  # a copy on the device: no sync
                     row[k] = v.detach().reshape(()).clone()
             elif isinstance(v, (bool, int, float)):
                 row[k] = v
@@ -132,18 +115,11 @@ class MetricsQueue:
         for tensors in by_device.values():
             numbers = torch.stack([t.float() for t in tensors]).tolist()
             values.update({id(t): n for t, n in zip(tensors, numbers)})
-        out = []
-        for step, row in rows:
-            out.append(
-                (
-                    step,
-                    {
-                        k: _number(values[id(v)] if isinstance(v, torch.Tensor) else v)
-                        for k, v in row.items()
-                    },
-                )
-            )
-        return out
+
+        def read(v: Any) -> Scalar:
+            return _number(values[id(v)] if isinstance(v, torch.Tensor) else v)
+
+        return [(step, {k: read(v) for k, v in row.items()}) for step, row in rows]
 
 
 def scalar_rows(metrics: Mapping[str, Any]) -> dict[str, Scalar]:
@@ -183,9 +159,6 @@ class JsonlTracker:
         path: The JSONL file.
         media_dir: Where media go; default ``<path's folder>/media``.
         gif: Also write a GIF of each video.
-
-    Examples:
-        >>> tracker = JsonlTracker("runs/a/metrics.jsonl")
     """
 
     def __init__(
@@ -252,9 +225,6 @@ class TensorBoardTracker:
 
     Args:
         log_dir: The event files' folder.
-
-    Examples:
-        >>> tracker = TensorBoardTracker("runs/a/tensorboard")
     """
 
     def __init__(self, log_dir: str | os.PathLike[str]) -> None:

@@ -1,32 +1,10 @@
 """Real training inputs: precomputed latents on disk, encoded once, read by workers.
 
-- :mod:`fvstep.executor.latents.format` — the on-disk format (Parquet shards + ``index.json``):
-  its names and :class:`ShardInfo`; :mod:`fvstep.executor.latents.shards` writes and opens shards,
-  :mod:`fvstep.executor.latents.index` writes and reads the index;
-  :mod:`fvstep.executor.latents.dataset` — :class:`LatentDataset` (map-style).
-- :mod:`fvstep.executor.latents.order` — :class:`BucketedOrder`: shape buckets as a pure function
-  of ``(step, rank, world_size)``, with :class:`fvstep.executor.data.ShuffledSource`'s laws.
-- :mod:`fvstep.executor.latents.loader` — :class:`WorkerSource`: a ``DataLoader`` with worker
-  processes, prefetch and pinned memory, fed by that order; what ``fvstep.run`` takes.
-  :mod:`fvstep.executor.latents.workers` — what runs in those processes, their signals and end.
-- :mod:`fvstep.executor.latents.encode` — :func:`encode_clips`: videos (or frame folders) plus
-  captions -> shards, with a diffusers ``AutoencoderKLWan`` and a text encoder; batched,
-  resumable, on any number of ranks (``fvstep data encode``). Its inputs
-  (:func:`find_clips`) are :mod:`fvstep.executor.latents.clips`; the identity it checks on reruns
-  (``encode.json``) is :mod:`fvstep.executor.latents.encode_identity`.
-
-pyarrow is imported when a shard is read or written, diffusers, transformers and
-imageio when clips are encoded: importing this package needs only torch.
-
-Examples:
-    >>> import tempfile, torch
-    >>> from fvstep import random as fr
-    >>> from fvstep.executor.latents import latent_source, write_dataset
-    >>> root = tempfile.mkdtemp()
-    >>> _ = write_dataset(root, [[{"latents": torch.zeros(4, 1, 2, 2)} for _ in range(4)]])
-    >>> with latent_source(root, key=fr.key(0), batch_size=2, num_workers=0) as data:
-    ...     data.batch(0, rank=1, world_size=2)["latents"].shape
-    torch.Size([2, 4, 1, 2, 2])
+The modules: ``format``, ``shards`` and ``index`` (the on-disk format), ``dataset`` (its
+reader), ``order`` (which items a step reads, by shape bucket), ``loader`` and ``workers``
+(the worker loader), and ``encode``, ``clips``, ``encode_identity`` and ``cli`` (``fvstep
+data encode``). See docs/concepts/data.md. pyarrow is imported when a shard is read or
+written; diffusers, transformers and imageio when clips are encoded.
 """
 
 from __future__ import annotations
@@ -35,51 +13,23 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # what type checkers see; at run time __getattr__ imports on first use
-    from fvstep.core.errors import (
-        ShardError as ShardError,
-    )
-    from fvstep.executor.latents.clips import (
-        find_clips as find_clips,
-    )
+    from fvstep.core.errors import ShardError as ShardError
+    from fvstep.executor.latents.clips import find_clips as find_clips
     from fvstep.executor.latents.dataset import LatentDataset as LatentDataset
-    from fvstep.executor.latents.encode import (
-        EncodeResult as EncodeResult,
-    )
-    from fvstep.executor.latents.encode import (
-        encode_clips as encode_clips,
-    )
-    from fvstep.executor.latents.format import (
-        ShardInfo as ShardInfo,
-    )
-    from fvstep.executor.latents.format import (
-        shard_name as shard_name,
-    )
-    from fvstep.executor.latents.index import (
-        read_index as read_index,
-    )
-    from fvstep.executor.latents.index import (
-        write_dataset as write_dataset,
-    )
-    from fvstep.executor.latents.index import (
-        write_index as write_index,
-    )
-    from fvstep.executor.latents.loader import (
-        Order as Order,
-    )
-    from fvstep.executor.latents.loader import (
-        WorkerSource as WorkerSource,
-    )
-    from fvstep.executor.latents.loader import (
-        latent_source as latent_source,
-    )
+    from fvstep.executor.latents.encode import EncodeResult as EncodeResult
+    from fvstep.executor.latents.encode import encode_clips as encode_clips
+    from fvstep.executor.latents.format import ShardInfo as ShardInfo
+    from fvstep.executor.latents.format import shard_name as shard_name
+    from fvstep.executor.latents.index import read_index as read_index
+    from fvstep.executor.latents.index import write_dataset as write_dataset
+    from fvstep.executor.latents.index import write_index as write_index
+    from fvstep.executor.latents.loader import Order as Order
+    from fvstep.executor.latents.loader import WorkerSource as WorkerSource
+    from fvstep.executor.latents.loader import latent_source as latent_source
     from fvstep.executor.latents.order import BucketedOrder as BucketedOrder
     from fvstep.executor.latents.order import bucket_key as bucket_key
-    from fvstep.executor.latents.shards import (
-        describe_shard as describe_shard,
-    )
-    from fvstep.executor.latents.shards import (
-        write_shard as write_shard,
-    )
+    from fvstep.executor.latents.shards import describe_shard as describe_shard
+    from fvstep.executor.latents.shards import write_shard as write_shard
 
 # Where each public name lives: importing this package (and so ``fvstep data --help``)
 # loads no torch; a name's module is imported the first time the name is read (PEP 562).

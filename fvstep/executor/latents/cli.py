@@ -1,13 +1,8 @@
 """``fvstep data``: the command line of :mod:`fvstep.executor.latents` (``fvstep data encode``).
 
-:func:`run_encode` is ``fvstep data encode``: its signature is the command's options
-(:mod:`fvstep.cli` builds the parser from it). Only the standard library is imported
-here; the function imports the models' libraries.
-
-Examples:
-    $ fvstep data encode clips/ latents/ --model Wan2.1-T2V-1.3B-Diffusers \\
-          --num-frames 81 --height 480 --width 832 --device cuda
-    $ torchrun --nproc_per_node 8 -m fvstep data encode clips/ latents/ --model ... --device cuda
+:func:`run_encode`'s signature is the command's options (:mod:`fvstep.cli` builds the
+parser from it). Only the standard library is imported here; the function imports the
+models' libraries. Usage: docs/concepts/data.md.
 """
 
 from __future__ import annotations

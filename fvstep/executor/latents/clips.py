@@ -1,21 +1,6 @@
 """The inputs of an encode: clips found in a folder, their frames read and fitted.
 
-**Clips.** A folder whose clips are video files (``.mp4``, ``.webm``, ``.mov``,
-``.mkv``, ``.avi``, ``.gif``) or *frame folders* (a
-directory holding images, in name order), found recursively. A clip's caption is the
-text file beside it with the same stem (``a/b.mp4`` -> ``a/b.txt``; frame folder ``a/c/``
--> ``a/c.txt`` or ``a/c/caption.txt``), or an entry of a ``captions`` mapping (a JSONL
-file of ``{"file": ..., "caption": ...}`` lines in the CLI). A clip's *key* is its path
-relative to the folder; clips are sorted by key.
-
-**Frames.** The first ``num_frames`` (default all), cut to the largest count of the form
-``k * t + 1`` (``t`` the VAE's temporal factor, 4 for Wan). Pixels: resized to cover
-``height x width`` and centre-cropped, or (without a size) centre-cropped to a multiple
-of ``multiple`` (16: the VAE's 8 times Wan's 2 x 2 patch). :mod:`fvstep.executor.latents.encode`
-encodes them.
-
 Examples:
-    >>> from fvstep.executor.latents.clips import fit_frames
     >>> fit_frames(torch.zeros(11, 30, 40, 3, dtype=torch.uint8), multiple=16).shape
     torch.Size([9, 16, 32, 3])
 """
@@ -58,6 +43,11 @@ def find_clips(
 ) -> list[Clip]:
     """The clips under ``root`` with their captions, sorted by key.
 
+    A clip is a video file or a frame folder (a directory of images, in name order), found
+    recursively; its key is its path relative to ``root``. Its caption is the text file of
+    the same stem beside it (``a/b.mp4`` -> ``a/b.txt``; frame folder ``a/c/`` -> ``a/c.txt``
+    or ``a/c/caption.txt``), unless ``captions`` has it.
+
     Args:
         root: The input folder.
         captions: Captions by clip key (relative path, ``/``-separated); these win over
@@ -69,16 +59,6 @@ def find_clips(
     Raises:
         FileNotFoundError: If ``root`` is not a directory.
         ValueError: If there are no clips, or some have no caption (the first few named).
-
-    Examples:
-        >>> import tempfile
-        >>> from pathlib import Path
-        >>> root = Path(tempfile.mkdtemp())
-        >>> (root / "a.mp4").write_bytes(b""); (root / "a.txt").write_text("a cat")
-        0
-        5
-        >>> [(c.key, c.caption) for c in find_clips(root)]
-        [('a.mp4', 'a cat')]
     """
     root = Path(root)
     if not root.is_dir():
@@ -136,14 +116,6 @@ def read_frames(clip: Clip, *, max_frames: int | None = None) -> torch.Tensor:
 
     Raises:
         ValueError: If the clip cannot be read or has no frames (naming the file).
-
-    Examples:
-        >>> import tempfile, numpy as np, imageio.v3 as iio
-        >>> from pathlib import Path
-        >>> folder = Path(tempfile.mkdtemp()) / "clip"; folder.mkdir()
-        >>> for i in range(2): iio.imwrite(folder / f"{i}.png", np.zeros((8, 8, 3), np.uint8))
-        >>> read_frames(Clip("clip", folder, "frames", "x")).shape
-        torch.Size([2, 8, 8, 3])
     """
     with needs_extra("data", "reading clips"):
         import imageio.v3 as iio
@@ -183,12 +155,15 @@ def fit_frames(
     temporal_factor: int = 4,
     multiple: int = 16,
 ) -> torch.Tensor:
-    """Cut frames to ``k * temporal_factor + 1`` and fit them to the size (see the module).
+    """Cut frames to ``k * temporal_factor + 1`` and fit them to the size.
+
+    With a size, resize to cover ``height x width`` and centre-crop; without one, centre-crop
+    to a multiple of ``multiple`` (16: the VAE's 8 times Wan's 2 x 2 patch).
 
     Args:
         frames: ``uint8`` frames ``(T, H, W, 3)``.
         num_frames: At most this many frames (default all).
-        height: The output height (with ``width``): resize to cover, then centre-crop.
+        height: The output height (with ``width``).
         width: The output width.
         temporal_factor: The VAE's temporal compression.
         multiple: Without a size: centre-crop height and width to a multiple of this.

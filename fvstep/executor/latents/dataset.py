@@ -1,17 +1,8 @@
 """Reading a dataset: :class:`LatentDataset`, a map-style dataset over the shards.
 
-Item ``i`` is row ``i - start`` of the shard whose rows start at ``start`` (from the
-index). A tensor's bytes are copied once, by torch, out of the Parquet page that was read
-(with its CRC checksum verified unless ``verify=False``); a missing, damaged or
-inconsistent shard is a :class:`~fvstep.executor.latents.ShardError` naming the file and row.
-
-Examples:
-    >>> import tempfile, torch
-    >>> from fvstep.executor.latents import LatentDataset, write_dataset
-    >>> root = tempfile.mkdtemp()
-    >>> _ = write_dataset(root, [[{"x": torch.arange(2.0), "caption": "a"}]])
-    >>> LatentDataset(root)[0]
-    {'x': tensor([0., 1.]), 'caption': 'a'}
+A tensor's bytes are copied once, by torch, out of the Parquet page that was read (its CRC
+checksum verified unless ``verify=False``); a missing, damaged or inconsistent shard is a
+:class:`~fvstep.core.errors.ShardError` naming the file and row.
 """
 
 from __future__ import annotations
@@ -37,16 +28,15 @@ __all__ = ["LatentDataset"]
 class LatentDataset:
     """A map-style dataset over a directory of shards: item ``i`` is one sample's dict.
 
-    Tensors come back in the dtype they were stored in, strings and numbers as Python
-    values. Files are opened lazily and kept open per process (worker processes open
-    their own). The shapes of every item are known from the index alone
-    (:attr:`shapes`), which :class:`fvstep.executor.latents.BucketedOrder` uses to plan batches.
+    Item ``i`` is row ``i - start`` of the shard whose rows start at ``start``. Tensors come
+    back in their stored dtype, strings and numbers as Python values. Files open lazily,
+    once per process; every item's shapes are known from the index alone (:attr:`shapes`).
 
     Args:
         root: The dataset directory (with ``index.json``).
         fields: The fields to read (default: all). A tensor field brings its shape and
             dtype columns along.
-        verify: Check Parquet page checksums on read (default true; costs a CRC32 pass).
+        verify: Check Parquet page checksums on read (a CRC32 pass).
 
     Raises:
         FileNotFoundError: If ``root`` has no index.
@@ -113,25 +103,10 @@ class LatentDataset:
         )
 
     def locate(self, index: int) -> tuple[Path, int]:
-        """The shard file and row of item ``index``.
-
-        Args:
-            index: The item, ``0 <= index < len(self)``.
-
-        Returns:
-            ``(path, row)``.
+        """The shard file and row of item ``index``: ``(path, row)``.
 
         Raises:
             IndexError: If ``index`` is out of range.
-
-        Examples:
-            >>> import tempfile
-            >>> from fvstep.executor.latents import write_dataset
-            >>> root = tempfile.mkdtemp()
-            >>> _ = write_dataset(root, [[{"x": torch.ones(1)}] * 2] * 2)
-            >>> path, row = LatentDataset(root).locate(3)
-            >>> path.name, row
-            ('shard-00001.parquet', 1)
         """
         i = operator.index(index)
         if not 0 <= i < self._len:
@@ -182,15 +157,7 @@ class LatentDataset:
         return _decode(values, tensors, path, row)
 
     def close(self) -> None:
-        """Forget the open files (they close when collected); reading opens them again.
-
-        Examples:
-            >>> import tempfile
-            >>> from fvstep.executor.latents import write_dataset
-            >>> root = tempfile.mkdtemp(); _ = write_dataset(root, [[{"x": torch.ones(1)}]])
-            >>> ds = LatentDataset(root); _ = ds[0]; ds.close(); ds[0]["x"]
-            tensor([1.])
-        """
+        """Forget the open files (they close when collected); reading opens them again."""
         self._files = {}
 
 

@@ -1,24 +1,5 @@
 """Encoding clips into the on-disk format: :func:`encode_clips` (``fvstep data encode``).
 
-**Per clip.** Frames are read and fitted as :mod:`fvstep.executor.latents.clips` says. Latents: the
-VAE posterior's mean (``latent_dist.mode()``; nothing random: the models run in eval mode,
-whatever mode they come in, and get theirs back), normalised as Wan's
-pipelines expect, ``(z - latents_mean) / latents_std``. Text: the caption tokenised to
-``max_tokens`` (padded, truncated), encoded, positions past its length set to zero (as
-``WanPipeline`` does), stored with ``text_length``. Clips of different sizes give
-different latent shapes: the loader's shape buckets keep them apart.
-
-**Shards, ranks, resume.** Clip ``i`` goes to shard ``i // shard_size``, and rank ``r``
-of ``world_size`` encodes the shards ``k`` with ``k % world_size == r``: the output does
-not depend on the number of ranks (nor need the ranks talk to each other). A finished
-shard is renamed into place, so a killed run loses only the shards in progress; a rerun
-(with any number of ranks) skips the finished ones. ``encode.json`` records the
-encode's identity (settings, clip list, models: :mod:`fvstep.executor.latents.encode_identity`),
-and every rank checks it before it writes anything: a rerun that differs is refused,
-naming each key that differs with both values, instead of mixing two encodings in one
-dataset. The rank that finds every shard finished writes ``index.json``; until then the
-dataset is not readable.
-
 Examples:
     >>> # vae, text_encoder, tokenizer: see docs/concepts/data.md for tiny ones
     >>> # encode_clips("clips/", "latents/", vae=vae, text_encoder=te, tokenizer=tok)
@@ -151,7 +132,15 @@ def encode_clips(
     captions: Mapping[str, str] | None = None,
     log: Callable[[str], None] | None = None,
 ) -> EncodeResult:
-    """Encode the clips under ``source`` into a dataset in ``out`` (see the module).
+    """Encode the clips under ``source`` into a dataset in ``out``.
+
+    Latents are the VAE posterior's mean, normalised as Wan's pipelines expect,
+    ``(z - latents_mean) / latents_std``; text is padded or truncated to ``max_tokens`` and
+    zeroed past the caption. The models run in eval mode and get their modes back. Clip ``i``
+    goes to shard ``i // shard_size``; rank ``r`` encodes the shards ``k`` with
+    ``k % world_size == r``, so the output does not depend on the ranks. A rerun skips
+    finished shards and refuses an ``out`` encoded otherwise (``encode.json``). See
+    docs/concepts/data.md.
 
     Args:
         source: The clips folder.
@@ -160,8 +149,8 @@ def encode_clips(
         text_encoder: A transformers encoder (``UMT5EncoderModel``, ``T5EncoderModel``...):
             ``text_encoder(ids, attention_mask=mask).last_hidden_state``.
         tokenizer: Its tokenizer.
-        num_frames: At most this many frames a clip (default all); ``k * t + 1`` frames
-            are kept (``t`` the VAE's temporal factor).
+        num_frames: At most this many frames a clip (default all), of the form ``k * t + 1``
+            (``t`` the VAE's temporal factor).
         height: Output height (with ``width``); default: each clip's own, cropped.
         width: Output width.
         multiple: Without a size, crop to a multiple of this (default 16).
@@ -169,8 +158,7 @@ def encode_clips(
         shard_size: Clips a shard, ``>= 1``.
         batch_size: Clips a model call, ``>= 1`` (clips of one shape share a VAE call).
         dtype: The stored dtype of latents and text embeddings (default ``bfloat16``).
-        rank: This rank, ``0 <= rank < world_size``: it encodes shards ``k`` with
-            ``k % world_size == rank``.
+        rank: This rank, ``0 <= rank < world_size``.
         world_size: The number of ranks sharing the work, ``>= 1``.
         captions: Captions by clip key, over caption files.
         log: Called with one line per shard (e.g. ``print``).
@@ -180,12 +168,8 @@ def encode_clips(
 
     Raises:
         ValueError: If a clip has no caption or cannot be read (naming it), ``out`` holds
-            an encode with other settings or models (naming each key that differs, e.g.
-            ``models.vae.weights_sha256``), or an argument is out of range.
-
-    Examples:
-        >>> # vae, text_encoder, tokenizer: see docs/concepts/data.md for tiny ones
-        >>> # encode_clips("clips/", "latents/", vae=vae, text_encoder=te, tokenizer=tok)
+            an encode with other settings or models (naming each key that differs), or an
+            argument is out of range.
     """
     shard_size = check_int(shard_size, "shard_size", minimum=1)
     batch_size = check_int(batch_size, "batch_size", minimum=1)
@@ -200,11 +184,9 @@ def encode_clips(
     clips = find_clips(source, captions=captions)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    fit = {"num_frames": num_frames, "height": height, "width": width, "multiple": multiple}
     options = {
-        "num_frames": num_frames,
-        "height": height,
-        "width": width,
-        "multiple": multiple,
+        **fit,
         "max_tokens": max_tokens,
         "shard_size": shard_size,
         "dtype": dtype_name(dtype),
@@ -213,6 +195,7 @@ def encode_clips(
         clips, options, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer
     )
     agree_on_settings(out, settings)
+    fit["temporal_factor"] = factor
     num_shards = -(-len(clips) // shard_size)
     result = EncodeResult(len(clips), num_shards)
     device = next(vae.parameters()).device
@@ -233,13 +216,7 @@ def encode_clips(
                     vae=vae,
                     text_encoder=text_encoder,
                     tokenizer=tokenizer,
-                    fit={
-                        "num_frames": num_frames,
-                        "height": height,
-                        "width": width,
-                        "temporal_factor": factor,
-                        "multiple": multiple,
-                    },
+                    fit=fit,
                     max_tokens=max_tokens,
                     dtype=dtype,
                     devices=(device, text_device),

@@ -1,23 +1,10 @@
 """The identity of an encode (``encode.json``): what decides its latents, checked on reruns.
 
-``encode.json`` records the encode's identity: the settings, a digest of the clip list, and
-for each model its class, a digest of its config (the VAE's includes
-``latents_mean``/``latents_std``; the tokenizer's, its vocabulary and rules), the dtype and
-device type it runs in (with the TF32 switches on CUDA) and a SHA-256 digest of its
-weights. Every rank checks it before it writes anything (:func:`agree_on_settings`): a
-rerun that differs in any of these is refused, naming each key that differs with both
-values, instead of mixing two encodings in one dataset. Not in it: the batch size and the
-GPU model (they change latents by rounding alone, e.g. 2e-7 in fp32 for the batch size),
-library versions, and the clips' pixels (a clip file replaced under the same key and
-caption goes unnoticed).
-
-Examples:
-    >>> import tempfile
-    >>> from pathlib import Path
-    >>> out = Path(tempfile.mkdtemp())
-    >>> agree_on_settings(out, {"dtype": "bfloat16"}); agree_on_settings(out, {"dtype": "bfloat16"})
-    >>> sorted(p.name for p in out.iterdir())
-    ['encode.json']
+The settings, a digest of the clip list, and for each model its class, a digest of its
+config, the dtype and device type it runs in (with the TF32 switches on CUDA) and a digest
+of its weights. A rerun that differs in any of these is refused, naming each key that
+differs with both values (:func:`agree_on_settings`). What is left out, and why:
+docs/concepts/data.md.
 """
 
 from __future__ import annotations
@@ -82,8 +69,8 @@ _CHUNK_BYTES = 64 << 20  # one hash job: a 2 GB embedding spreads over the cores
 def _hash_piece(flat: torch.Tensor, start: int, staging: threading.local) -> bytes:
     part = flat[start : start + _CHUNK_BYTES]
     if part.is_cuda:
-        # Through a pinned buffer of this worker's: a pageable copy from an H200 ran at
-        # 1.2 GB/s, a pinned one at 24 GB/s (8 threads).
+        # Through a pinned buffer of this worker's: a pageable copy is much slower
+        # (docs/concepts/data.md).
         buffer = getattr(staging, "buffer", None)
         if buffer is None:
             buffer = staging.buffer = torch.empty(_CHUNK_BYTES, dtype=torch.uint8, pin_memory=True)
@@ -96,14 +83,10 @@ def _hash_piece(flat: torch.Tensor, start: int, staging: threading.local) -> byt
 def _weights_digest(module: torch.nn.Module) -> str:
     """A digest of ``module``'s weights: every state-dict tensor's name, dtype, shape and bytes.
 
-    Tensors are taken in name order, so the digest depends on the weights alone (not on
-    the device, nor on the order of registration); a tensor tied to an earlier one (an
-    embedding shared with the input layer) is recorded as such, not hashed twice. The bytes
-    are SHA-256-hashed on the CPU in 64 MiB pieces by up to 8 threads (``hashlib``
-    releases the GIL), a GPU's through pinned buffers. Measured on a UMT5-XXL-shaped bf16
-    encoder (5.7 B parameters, 11.4 GB): 1.3 s on an H200 host (16 cores; the same on its
-    CPU), 7.6 s on 2 cores; a Wan-VAE-sized fp32 one (0.5 GB) 0.1 s. It is a digest of the
-    weights *as loaded*: the same checkpoint loaded in another dtype gives another one.
+    Tensors are taken in name order, so the digest depends on the weights alone (not on the
+    device, nor on the order of registration); a tensor tied to an earlier one is recorded
+    as such, not hashed twice. The bytes are hashed in 64 MiB pieces by up to 8 threads
+    (``hashlib`` releases the GIL).
     """
     state = module.state_dict()
     lines: list[str] = []
@@ -161,7 +144,7 @@ def describe_encode(
     text_encoder: Any,
     tokenizer: Any,
 ) -> dict[str, Any]:
-    """The identity of an encode, as ``encode.json`` records it (see the module).
+    """The identity of an encode, as ``encode.json`` records it.
 
     Args:
         clips: The clips of the whole folder.
@@ -175,15 +158,6 @@ def describe_encode(
         ``{"num_clips", "clips_sha256", **options, "models": {"vae", "text_encoder",
         "tokenizer"}}``, JSON-able.
 
-    Examples:
-        >>> from fvstep.executor.latents.clips import Clip
-        >>> class Tokenizer:
-        ...     def get_vocab(self): return {"a": 0}
-        >>> tiny = torch.nn.Linear(1, 1)
-        >>> ident = describe_encode([Clip("a", Path("a"), "video", "a cat")], {"height": 8},
-        ...                         vae=tiny, text_encoder=tiny, tokenizer=Tokenizer())
-        >>> ident["num_clips"], ident["height"], ident["models"]["vae"]["dtype"]
-        (1, 8, 'float32')
     """
     return {
         "num_clips": len(clips),
@@ -228,10 +202,9 @@ def _differences(previous: Mapping[str, Any], settings: Mapping[str, Any]) -> st
 def agree_on_settings(out: Path, settings: dict[str, Any]) -> None:
     """Record ``settings`` in ``out``, or refuse if it holds an encode with other ones.
 
-    Every rank calls it before it writes anything. The first to come publishes its
-    settings with a hard link, which fails if the file exists: of ranks starting at once,
-    exactly one publishes and the others compare with it (a rename would let each replace
-    the other's and pass).
+    Every rank calls it before it writes anything. The first publishes its settings with a
+    hard link, which fails if the file exists, so of ranks starting at once exactly one
+    publishes (a rename would let each replace the other's and pass).
 
     Args:
         out: The dataset folder.

@@ -1,15 +1,7 @@
 """The index of a dataset (``index.json``): writing it, reading it, and whole datasets.
 
-The index lists the shards in order with their row counts and each row's shapes
-(:class:`~fvstep.executor.latents.ShardInfo`, see :mod:`fvstep.executor.latents.format`); it is written
-last, so a dataset is readable only once every shard is.
-
-Examples:
-    >>> import tempfile, torch
-    >>> root = tempfile.mkdtemp()
-    >>> infos = write_dataset(root, [[{"x": torch.ones(1)}]])
-    >>> read_index(root) == infos
-    True
+The index lists the shards in order with their row counts and each row's shapes; it is
+written last, so a dataset is readable only once every shard is.
 """
 
 from __future__ import annotations
@@ -50,11 +42,6 @@ def write_index(
 
     Returns:
         The index's path.
-
-    Examples:
-        >>> import tempfile
-        >>> write_index(tempfile.mkdtemp(), []).name
-        'index.json'
     """
     root = Path(root)
     index = {
@@ -74,21 +61,9 @@ def write_index(
 def read_index(root: str | os.PathLike[str]) -> list[ShardInfo]:
     """The shards listed by ``root/index.json``, in dataset order.
 
-    Args:
-        root: The dataset directory.
-
-    Returns:
-        One :class:`ShardInfo` per shard.
-
     Raises:
         FileNotFoundError: If there is no index (an encode that has not finished).
         ShardError: If the index is malformed or of a newer format version.
-
-    Examples:
-        >>> import tempfile
-        >>> root = tempfile.mkdtemp(); _ = write_index(root, [])
-        >>> read_index(root)
-        []
     """
     path = Path(root) / INDEX_FILE
     if not path.exists():

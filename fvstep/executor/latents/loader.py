@@ -1,47 +1,11 @@
 """Worker loading in step order: :class:`WorkerSource`, a data source backed by a DataLoader.
 
-The executor asks its data for ``data.batch(step, rank=, world_size=)`` once a step, in
-step order, from the step it started or resumed at. :class:`WorkerSource` answers the
-same question as :class:`fvstep.executor.data.ShuffledSource` (the *order* object decides which
-items make the batch of ``(step, rank, world_size)``), but reads and collates in worker
-processes of a ``torch.utils.data.DataLoader``, ``prefetch`` steps ahead, into pinned
-memory when a GPU is present:
-
-- Its batch sampler yields the index lists of steps ``s, s + 1, s + 2, ...`` (from
-  ``order.indices``). Asked for a step other than the next one (the first call, a resume,
-  another rank or world size), it shuts the workers down and starts a new DataLoader at
-  that step. So the batch of step ``s`` does not depend on where the run started, and
-  world size 2 -> 1 re-partitions exactly as the order does.
-- Errors are raised in the main process, by the call that asks for the failing step, and
-  name the rank, the step and (for a shard) the file and row: a worker catches what its
-  dataset raises and hands it back in place of the batch. A worker that *dies* (killed,
-  out of memory) is a ``RuntimeError`` in the main process too: torch's DataLoader raises
-  ``DataLoader worker (pid N) is killed by signal: ...`` as soon as it notices, which may
-  be outside :meth:`WorkerSource.batch`; inside it, the error reads ``rank r of w, step
-  s: the data loader failed: ...``. On several ranks, each rank reads only its own items, so an error
-  surfaces on one rank: that rank raises and exits; under ``torchrun`` the launcher then
-  stops the others; with a bare process group they wait in the next collective until its
-  timeout. To make that visible, a failing rank also prints one line with its rank to
-  stderr at once.
-- Preemption: the workers ignore SIGINT and SIGTERM, so that a signal to the whole process
-  group (what torchrun, ``kill -- -PGID``, SLURM and Ctrl-C in a terminal deliver) is
-  handled by the trainer alone, which saves at the next step boundary (:func:`fvstep.run`)
-  with its loader intact. They end when their trainer does, at the latest at interpreter
-  exit (:mod:`fvstep.executor.latents.workers` says how).
-- :meth:`WorkerSource.close` (or ``with WorkerSource(...) as data:``) shuts the workers
-  down; so does garbage collection, and the end of the interpreter.
-
-Examples:
-    >>> import tempfile, torch
-    >>> from fvstep import random as fr
-    >>> from fvstep.executor.latents import BucketedOrder, LatentDataset, WorkerSource, write_dataset
-    >>> root = tempfile.mkdtemp()
-    >>> _ = write_dataset(root, [[{"x": torch.full((2,), float(i))} for i in range(8)]])
-    >>> ds = LatentDataset(root)
-    >>> order = BucketedOrder(ds.shapes, key=fr.key(0), batch_size=2)
-    >>> with WorkerSource(ds, order, num_workers=0) as data:
-    ...     data.batch(3)["x"].shape
-    torch.Size([2, 2])
+It answers ``batch(step, rank=, world_size=)`` as its *order* does, but reads and collates
+in worker processes, ``prefetch`` steps ahead. Asked for any step but the next one (a
+resume, another rank or world size), it starts a new DataLoader at that step, so a batch
+never depends on where the run started. A worker's error is raised by the call for that
+step, naming the rank and the step; the workers ignore SIGINT and SIGTERM
+(:mod:`~fvstep.executor.latents.workers`). See docs/concepts/data.md.
 """
 
 from __future__ import annotations
@@ -71,8 +35,8 @@ __all__ = ["Order", "WorkerSource", "latent_source"]
 
 
 class Order(Protocol):
-    """What decides the items of a batch: :class:`fvstep.executor.data.ShuffledSource`,
-    :class:`fvstep.executor.latents.BucketedOrder`, or any object with this method."""
+    """What decides the items of a batch: a ``ShuffledSource``, a ``BucketedOrder``, or any
+    object with this method."""
 
     def indices(
         self, step: SupportsIndex, *, rank: SupportsIndex = 0, world_size: SupportsIndex = 1
@@ -106,24 +70,19 @@ class WorkerSource:
     """A data source that reads ``order``'s batches of ``dataset`` in worker processes.
 
     Args:
-        dataset: A map-style dataset (:class:`fvstep.executor.latents.LatentDataset`, ...). With
-            workers it must pickle (it is sent to them or inherited by fork).
-        order: Decides the items of each ``(step, rank, world_size)``: a
-            :class:`fvstep.executor.latents.BucketedOrder` (shape buckets), a
-            :class:`fvstep.executor.data.ShuffledSource`, or any :class:`Order`.
+        dataset: A map-style dataset (a ``LatentDataset``, ...); with workers it must pickle.
+        order: Decides the items of each ``(step, rank, world_size)`` (an :class:`Order`).
         num_workers: Worker processes (``0``: read in the calling process, no prefetch).
         prefetch: Batches each worker prepares ahead (``prefetch_factor``), ``>= 1``.
         pin_memory: Copy batches into pinned memory (default: when CUDA is available).
-        collate: Turns a step's items into a batch (default ``default_collate``: stacks
-            tensors, lists strings).
+        collate: Turns a step's items into a batch (default ``default_collate``).
         multiprocessing_context: The workers' start method (``"fork"``, ``"spawn"``,
             ``"forkserver"``; default: the platform's).
         timeout_s: Give up waiting for a batch after this many seconds (``0``: never).
         device: Move each batch's tensors there (``non_blocking``: from pinned memory the
             copy to a GPU overlaps the step); default: leave them in host memory.
-        worker_init_fn: Called with the worker's id in each worker process as it starts,
-            after fvstep has made the worker ignore preemption signals (as
-            ``DataLoader``'s option; it must pickle for ``spawn``).
+        worker_init_fn: Called with the worker's id in each worker as it starts, after it
+            is made to ignore preemption signals (``DataLoader``'s option).
 
     Raises:
         ValueError: If ``num_workers < 0`` or ``prefetch < 1``.
@@ -179,26 +138,7 @@ class WorkerSource:
     def indices(
         self, step: SupportsIndex, *, rank: SupportsIndex = 0, world_size: SupportsIndex = 1
     ) -> list[int]:
-        """The items of ``rank``'s batch at ``step``: ``order.indices(...)``.
-
-        Args:
-            step: The step, ``>= 0``.
-            rank: This rank.
-            world_size: The number of data-parallel ranks.
-
-        Returns:
-            The dataset indices of the batch.
-
-        Raises:
-            ValueError: As ``order.indices``.
-
-        Examples:
-            >>> from fvstep import random as fr
-            >>> from fvstep.executor.data import ShuffledSource
-            >>> order = ShuffledSource(list(range(4)), key=fr.key(0), batch_size=2)
-            >>> WorkerSource(list(range(4)), order).indices(1) == order.indices(1)
-            True
-        """
+        """The items of ``rank``'s batch at ``step``: ``order.indices(...)``."""
         return self._order.indices(step, rank=rank, world_size=world_size)
 
     def _start(self, step: int, rank: int, world: int) -> None:
@@ -229,21 +169,14 @@ class WorkerSource:
     ) -> Any:
         """``rank``'s batch at ``step``, prefetched when the calls come in step order.
 
-        Args:
-            step: The step, ``>= 0``.
-            rank: This rank, ``0 <= rank < world_size``.
-            world_size: The number of data-parallel ranks, ``>= 1``.
-
         Returns:
-            The collated batch (in pinned memory when pinning is on, on ``device`` if
-            one was given).
+            The collated batch (pinned when pinning is on, on ``device`` if one was given).
 
         Raises:
-            ShardError: If a shard of the batch is missing or damaged; the message names
-                the rank, the step, the file and the row.
-            RuntimeError: If reading or collating raised anything else (the message names
-                the rank and the step and holds the worker's traceback), or a worker died
-                (torch's message; see the module docstring).
+            ShardError: If a shard of the batch is missing or damaged (naming the rank, the
+                step, the file and the row).
+            RuntimeError: If reading or collating raised anything else (with the worker's
+                traceback), or a worker died.
             ValueError: As ``order.indices``.
         """
         s = check_int(step, "step", minimum=0)
@@ -262,16 +195,12 @@ class WorkerSource:
         self._next = (s + 1, r, w)
         if isinstance(payload, WorkerFailure):
             self._stop()
-            items = f"items {payload.indices}"
+            where += f" (items {payload.indices})"
             if payload.is_shard:
-                raise self._report(ShardError(f"{where} ({items}): {payload.message}"), w)
-            raise self._report(
-                RuntimeError(
-                    f"{where} ({items}): {payload.kind}: {payload.message}\n"
-                    f"in the data loader (traceback there):\n{payload.trace}"
-                ),
-                w,
-            )
+                raise self._report(ShardError(f"{where}: {payload.message}"), w)
+            trace = f"in the data loader (traceback there):\n{payload.trace}"
+            message = f"{where}: {payload.kind}: {payload.message}\n{trace}"
+            raise self._report(RuntimeError(message), w)
         assert got == s, f"the loader yielded step {got} for step {s}"
         return payload if self._device is None else _to_device(payload, self._device)
 
@@ -286,15 +215,7 @@ class WorkerSource:
         return self.batch(step)
 
     def close(self) -> None:
-        """Shut the worker processes down; a later :meth:`batch` starts new ones.
-
-        Examples:
-            >>> from fvstep import random as fr
-            >>> from fvstep.executor.data import ShuffledSource
-            >>> items = [torch.tensor(i) for i in range(4)]
-            >>> data = WorkerSource(items, ShuffledSource(items, key=fr.key(0), batch_size=2))
-            >>> data.close()
-        """
+        """Shut the worker processes down; a later :meth:`batch` starts new ones."""
         self._stop()
 
     def __enter__(self) -> WorkerSource:
@@ -323,21 +244,17 @@ def latent_source(
 ) -> WorkerSource:
     """The usual data of a run: a dataset directory, shape-bucketed, read by workers.
 
-    ``WorkerSource(LatentDataset(root, fields=fields, verify=verify), BucketedOrder(dataset.shapes,
-    key=key, batch_size=batch_size, drop_last=drop_last), num_workers=num_workers,
-    **loader_options)``.
+    ``WorkerSource(LatentDataset(root, ...), BucketedOrder(dataset.shapes, ...), ...)``.
 
     Args:
         root: The dataset directory (``fvstep data encode``'s output).
         key: An fvstep key; it alone decides the order.
         batch_size: The per-rank batch size.
         num_workers: Worker processes (``0``: read in the calling process).
-        fields: The fields to read (default all).
+        fields: As :class:`LatentDataset`.
         drop_last: As :class:`BucketedOrder`.
-        verify: Check the shards' page checksums on read (as :class:`LatentDataset`).
-        **loader_options: More options of :class:`WorkerSource` (``prefetch``,
-            ``pin_memory``, ``multiprocessing_context``, ``timeout_s``, ``collate``,
-            ``device``, ``worker_init_fn``).
+        verify: As :class:`LatentDataset`.
+        **loader_options: More options of :class:`WorkerSource` (``prefetch``, ``device``...).
 
     Returns:
         A :class:`WorkerSource`; close it (or use it in a ``with``) when done.
@@ -347,13 +264,8 @@ def latent_source(
         ShardError: If the index is malformed or lists a missing shard.
 
     Examples:
-        >>> import tempfile
-        >>> from fvstep import random as fr
-        >>> from fvstep.executor.latents import write_dataset
-        >>> root = tempfile.mkdtemp()
-        >>> _ = write_dataset(root, [[{"x": torch.ones(1)}] * 2])
-        >>> latent_source(root, key=fr.key(0), batch_size=1, num_workers=0).batch(1)["x"]
-        tensor([[1.]])
+        >>> with latent_source("latents", key=fs.random.key(0), batch_size=1) as data:
+        ...     batch = data.batch(0, rank=0, world_size=1)
     """
     from fvstep.executor.latents.dataset import LatentDataset
     from fvstep.executor.latents.order import BucketedOrder

@@ -1,34 +1,8 @@
 """Shape buckets as a pure function of the step: :class:`BucketedOrder`.
 
-A batch stacks only if its samples have equal shapes, and a video dataset mixes shapes
-(clip lengths, resolutions). :class:`BucketedOrder` groups the items by their shapes
-(a *bucket* per distinct shape, buckets sorted by shape) and keeps
-:class:`fvstep.executor.data.ShuffledSource`'s laws:
-
-- Bucket ``b``, of ``n_b`` items, is a :class:`~fvstep.executor.data.ShuffledSource` over its
-  members (in dataset order) with the key ``fold_in(key, b)``; it yields
-  ``d_b = n_b // global_batch`` steps an epoch (``ceil`` with ``drop_last=False``), and a
-  bucket smaller than the global batch is never drawn.
-- Epoch ``e`` of the whole order is ``E = sum(d_b)`` steps. Which bucket step ``s`` draws
-  from is entry ``s mod E`` of a permutation, seeded by ``fold_in(fold_in_name(key,
-  "buckets"), e)``, of the multiset holding each ``b`` ``d_b`` times; the step is then
-  the ``j``-th draw of ``b`` in the order (counting earlier epochs), and its items are
-  step ``j`` of bucket ``b``'s source.
-
-So the batch of ``(step, rank, world_size)`` is a pure function of the three; every
-rank of a step draws from the same bucket; and since ``d_b`` depends on the *global*
-batch only, world size ``W`` with ``batch_size=B`` and world size 1 with
-``batch_size=B * W`` see the same global batch at every step, in rank order (the
-resharding law of :class:`~fvstep.executor.data.ShuffledSource`). With a single shape the order
-*is* ``ShuffledSource(range(n), key=key, ...)``'s.
-
-Examples:
-    >>> from fvstep import random as fr
-    >>> from fvstep.executor.latents import BucketedOrder
-    >>> shapes = [{"x": (2,)}, {"x": (3,)}] * 4           # two buckets of 4 items
-    >>> order = BucketedOrder(shapes, key=fr.key(0), batch_size=2)
-    >>> order.steps_per_epoch(), len({shapes[i]["x"] for i in order.indices(5)})
-    (4, 1)
+A batch stacks only if its samples have equal shapes; :class:`BucketedOrder` groups the
+items by shape and keeps :class:`~fvstep.executor.data.ShuffledSource`'s laws (every rank
+of a step draws from one bucket; resharding holds). See docs/concepts/data.md.
 """
 
 from __future__ import annotations
@@ -70,12 +44,20 @@ def bucket_key(shapes: Any) -> Hashable:
 class BucketedOrder:
     """A step-indexed order over a dataset whose items fall into shape buckets.
 
+    Bucket ``b`` (buckets sorted by label) is a ``ShuffledSource`` over its members keyed
+    by ``fold_in(key, b)``, giving ``d_b`` steps an epoch for the *global* batch (a bucket
+    smaller than it is never drawn). Epoch ``e`` is ``sum(d_b)`` steps: which bucket step
+    ``s`` draws from is entry ``s mod sum(d_b)`` of a permutation, seeded by
+    ``fold_in(fold_in_name(key, "buckets"), e)``, of the multiset holding each ``b``
+    ``d_b`` times; its items are the next step of that bucket's source (counting earlier
+    epochs). With a single shape the order is ``ShuffledSource``'s.
+
     Args:
         shapes: One entry per item: its shapes (``{field: shape}``, a shape, or any
             hashable bucket label; see :func:`bucket_key`).
         key: An fvstep key; it alone decides the order.
         batch_size: The per-rank batch size, ``>= 1``.
-        drop_last: As :class:`fvstep.executor.data.ShuffledSource` (default true).
+        drop_last: As :class:`~fvstep.executor.data.ShuffledSource`.
 
     Raises:
         TypeError: If ``key`` is not an fvstep key.
@@ -83,11 +65,10 @@ class BucketedOrder:
 
     Examples:
         >>> from fvstep import random as fr
-        >>> order = BucketedOrder([(1,), (1,), (2,)], key=fr.key(0), batch_size=1)
-        >>> order.buckets
-        [(1,), (2,)]
-        >>> sorted(order.indices(s)[0] for s in range(3))
-        [0, 1, 2]
+        >>> shapes = [{"x": (2,)}, {"x": (3,)}] * 4           # two buckets of 4 items
+        >>> order = BucketedOrder(shapes, key=fr.key(0), batch_size=2)
+        >>> order.steps_per_epoch(), len({shapes[i]["x"] for i in order.indices(5)})
+        (4, 1)
     """
 
     def __init__(
@@ -126,22 +107,7 @@ class BucketedOrder:
         return self._batch_size
 
     def members(self, bucket: int) -> list[int]:
-        """The items of bucket ``bucket``, in dataset order.
-
-        Args:
-            bucket: An index into :attr:`buckets`.
-
-        Returns:
-            The item indices.
-
-        Raises:
-            IndexError: If there is no such bucket.
-
-        Examples:
-            >>> from fvstep import random as fr
-            >>> BucketedOrder([(2,), (1,), (2,)], key=fr.key(0), batch_size=1).members(1)
-            [0, 2]
-        """
+        """The items of bucket ``bucket`` (an index into :attr:`buckets`), in dataset order."""
         return list(self._members[bucket])
 
     def __len__(self) -> int:
@@ -162,20 +128,8 @@ class BucketedOrder:
     def steps_per_epoch(self, world_size: int = 1) -> int:
         """Steps of one epoch: the sum over buckets of their steps.
 
-        Args:
-            world_size: The number of data-parallel ranks, ``>= 1``.
-
-        Returns:
-            The number of steps, ``>= 1``.
-
         Raises:
             ValueError: If no bucket holds a global batch.
-
-        Examples:
-            >>> from fvstep import random as fr
-            >>> order = BucketedOrder([(1,)] * 5 + [(2,)] * 3, key=fr.key(0), batch_size=2)
-            >>> order.steps_per_epoch(), order.steps_per_epoch(world_size=2)
-            (3, 1)
         """
         g = self._batch_size * check_int(world_size, "world_size", minimum=1)
         total = sum(self._draws(g))
@@ -219,24 +173,7 @@ class BucketedOrder:
         return cached
 
     def bucket_of(self, step: SupportsIndex, *, world_size: SupportsIndex = 1) -> int:
-        """The bucket that every rank draws from at ``step``.
-
-        Args:
-            step: The step, ``>= 0``.
-            world_size: The number of data-parallel ranks, ``>= 1``.
-
-        Returns:
-            An index into :attr:`buckets`.
-
-        Raises:
-            ValueError: If ``step < 0`` or no bucket holds a global batch.
-
-        Examples:
-            >>> from fvstep import random as fr
-            >>> order = BucketedOrder([(1,), (2,)], key=fr.key(0), batch_size=1)
-            >>> sorted(order.bucket_of(s) for s in range(2))
-            [0, 1]
-        """
+        """The bucket (an index into :attr:`buckets`) that every rank draws from at ``step``."""
         return self._locate(step, world_size)[0]
 
     def _locate(self, step: SupportsIndex, world_size: SupportsIndex) -> tuple[int, int]:
@@ -249,15 +186,7 @@ class BucketedOrder:
     def indices(
         self, step: SupportsIndex, *, rank: SupportsIndex = 0, world_size: SupportsIndex = 1
     ) -> list[int]:
-        """The dataset indices of ``rank``'s batch at ``step``: all from one bucket.
-
-        Args:
-            step: The step, ``>= 0``.
-            rank: This rank, ``0 <= rank < world_size``.
-            world_size: The number of data-parallel ranks, ``>= 1``.
-
-        Returns:
-            ``batch_size`` item indices of equal shapes.
+        """The dataset indices of ``rank``'s batch at ``step``: ``batch_size`` of one bucket.
 
         Raises:
             ValueError: If ``step < 0``, ``rank`` is out of range, or no bucket holds a

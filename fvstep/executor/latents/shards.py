@@ -2,14 +2,6 @@
 
 A shard is written under a temporary name, flushed to disk and renamed, so one that exists
 is whole; opening one checks that it is an fvstep shard of a version this fvstep reads.
-
-Examples:
-    >>> import tempfile, torch
-    >>> from pathlib import Path
-    >>> from fvstep.executor.latents.format import shard_name
-    >>> path = Path(tempfile.mkdtemp()) / shard_name(0)
-    >>> write_shard(path, [{"x": torch.ones(2)}]) == describe_shard(path)
-    True
 """
 
 from __future__ import annotations
@@ -92,8 +84,7 @@ def write_shard(
     """Write ``rows`` (dicts of tensors, strings and numbers) as one Parquet shard, atomically.
 
     Every row must have the same fields; tensor fields may differ in shape and dtype from
-    row to row. The file is written under a temporary name, flushed to disk and renamed, so
-    ``path`` either does not exist or holds the whole shard.
+    row to row.
 
     Args:
         path: The shard's path (conventionally ``DIR / shard_name(k)``).
@@ -105,13 +96,6 @@ def write_shard(
 
     Raises:
         ValueError: If ``rows`` is empty or its rows have different fields.
-
-    Examples:
-        >>> import tempfile, torch
-        >>> from pathlib import Path
-        >>> path = Path(tempfile.mkdtemp()) / "shard-00000.parquet"
-        >>> write_shard(path, [{"latents": torch.ones(2, 3), "caption": "a"}]).num_rows
-        1
     """
     if not rows:
         raise ValueError("a shard needs at least one row")
@@ -152,13 +136,6 @@ def open_shard(path: Path, *, verify: bool = True) -> tuple[Any, list[str]]:
     Raises:
         ShardError: If the file is missing, is not an fvstep shard (or of a newer format
             version), or is damaged.
-
-    Examples:
-        >>> import tempfile, torch
-        >>> path = Path(tempfile.mkdtemp()) / "shard-00000.parquet"
-        >>> _ = write_shard(path, [{"x": torch.ones(2), "caption": "a"}])
-        >>> open_shard(path)[1]
-        ['x']
     """
     _, pq = _arrow()
     if not path.exists():
@@ -178,13 +155,7 @@ def open_shard(path: Path, *, verify: bool = True) -> tuple[Any, list[str]]:
 
 
 def describe_shard(path: str | os.PathLike[str]) -> ShardInfo:
-    """Read a shard's row count and shapes (only its small ``*_shape`` columns).
-
-    Args:
-        path: The shard file.
-
-    Returns:
-        Its :class:`ShardInfo`.
+    """Read a shard's :class:`ShardInfo` (only its small ``*_shape`` columns).
 
     Raises:
         ShardError: If the file is missing, is not an fvstep shard, or is damaged.

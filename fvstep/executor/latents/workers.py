@@ -1,30 +1,12 @@
-"""The worker processes of :class:`~fvstep.executor.latents.WorkerSource`: what runs in them, how
-they take signals, and how they end.
+"""The worker processes of :class:`~fvstep.executor.latents.WorkerSource`: what they run,
+how they take signals, and how they end.
 
-- What the workers run: :class:`StepItems` reads a step's items (the batch sampler sends
-  :class:`StepIndices`, a step's indices tagged with the step) and :class:`StepCollate`
-  collates them. Either catches what the dataset or the collate function raises and hands
-  a :class:`WorkerFailure` back in place of the batch, so that the main process raises it,
-  in the call that asks for that step.
-- Preemption: the workers ignore SIGINT and SIGTERM (a handler that does nothing, so that
-  processes a dataset starts get the default disposition back at exec), so that a signal to the whole process
-  group (what torchrun, ``kill -- -PGID``, SLURM and Ctrl-C in a terminal deliver) is
-  handled by the trainer alone, which saves at the next step boundary (:func:`fvstep.run`)
-  with its loader intact; before, the workers died and torch raised ``DataLoader worker
-  ... killed by signal: Terminated`` in the trainer, in the middle of that save
-  (:class:`WorkerInit`; :func:`start_workers` holds the two signals while it forks). With
-  the ``spawn`` or ``forkserver`` start methods a signal that reaches a worker while it is
-  still starting can end it.
-- The end: the workers end when their trainer does: a DataLoader's workers exit within
-  seconds of their parent's death (torch's workers watch it), and at interpreter exit the
-  workers of every :class:`~fvstep.executor.latents.WorkerSource` still open are shut down (the
-  DataLoader's own shutdown, then ``SIGKILL`` for any that does not end).
-
-Examples:
-    >>> items = StepItems([10, 11, 12])
-    >>> step, got, indices = items.__getitems__(StepIndices(4, [2, 0]))
-    >>> step, got, StepCollate(sum)((step, got, indices))
-    (4, [12, 10], (4, 22))
+:class:`StepItems` and :class:`StepCollate` hand a :class:`WorkerFailure` back in place of
+a batch, so that the main process raises it in the call for that step. The workers ignore
+SIGINT and SIGTERM (:class:`WorkerInit`): a signal to the whole process group is the
+trainer's, which saves at the next step boundary with its loader intact. They end with
+their trainer: torch's workers watch their parent, and at interpreter exit the workers of
+every source still open are shut down, then killed if need be (:func:`start_workers`).
 """
 
 from __future__ import annotations
@@ -121,9 +103,9 @@ _PREEMPTION_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 def _preemption_signals_held() -> Iterator[None]:
     """Hold SIGINT and SIGTERM in this thread while it forks workers.
 
-    A forked child starts with its parent's signal mask, so a signal to the process group
-    that arrives before :class:`WorkerInit` runs stays pending in the worker (which then
-    discards it) instead of killing it; here it is delivered once the workers are up.
+    A forked child starts with its parent's mask, so a signal that arrives before
+    :class:`WorkerInit` runs stays pending in the worker instead of killing it. (With
+    ``spawn`` or ``forkserver`` such a signal can still end a starting worker.)
     """
     if not hasattr(signal, "pthread_sigmask"):  # Windows: no process groups to fear
         yield
@@ -140,8 +122,8 @@ def _discard_preemption_signal(signum: int, frame: Any) -> None:
 
 
 class WorkerInit:
-    """The workers' ``worker_init_fn``: ignore SIGINT and SIGTERM (see the module
-    docstring), then run the user's ``worker_init_fn``, if any."""
+    """The workers' ``worker_init_fn``: ignore SIGINT and SIGTERM, then run the user's
+    ``worker_init_fn``, if any."""
 
     def __init__(self, user: Callable[[int], None] | None) -> None:
         self.user = user
@@ -175,7 +157,7 @@ so the exit hook must know them."""
 
 
 def _stop_all_workers() -> None:
-    """At interpreter exit, end the workers of every :class:`~fvstep.executor.latents.WorkerSource` left open.
+    """At interpreter exit, end the workers of every ``WorkerSource`` left open.
 
     Registered after torch's and multiprocessing's exit hooks, so it runs first: after
     torch's, a DataLoader no longer shuts its workers down, and multiprocessing's
@@ -202,27 +184,16 @@ atexit.register(_stop_all_workers)
 def start_workers(loader: DataLoader[Any], owner: _Closable) -> Iterator[Any]:
     """Start ``loader``'s worker processes, and end them at interpreter exit if need be.
 
-    SIGINT and SIGTERM are held while the workers fork (see the module). At interpreter
-    exit, ``owner.close()`` is called unless :func:`forget_workers` was called for it
-    first, and any of these workers still alive after it is killed.
+    SIGINT and SIGTERM are held while the workers fork. At interpreter exit
+    ``owner.close()`` is called unless :func:`forget_workers` was called for it first, and
+    any of these workers still alive after it is killed.
 
     Args:
         loader: A DataLoader with workers, whose ``worker_init_fn`` is a :class:`WorkerInit`.
-        owner: What shuts the workers down (a :class:`~fvstep.executor.latents.WorkerSource`).
+        owner: What shuts the workers down (a ``WorkerSource``).
 
     Returns:
         The loader's iterator, its workers started.
-
-    Examples:
-        >>> loader = DataLoader(StepItems(list(range(4))), batch_sampler=[StepIndices(0, [1])],
-        ...                     collate_fn=StepCollate(list), num_workers=1,
-        ...                     worker_init_fn=WorkerInit(None))
-        >>> class Owner:
-        ...     def close(self): pass
-        >>> owner = Owner(); batches = start_workers(loader, owner)
-        >>> next(batches)
-        (0, [1])
-        >>> forget_workers(owner)
     """
     before = {p.pid for p in multiprocessing.active_children()}
     with _preemption_signals_held():
@@ -241,10 +212,5 @@ def forget_workers(owner: _Closable) -> None:
 
     Args:
         owner: What :func:`start_workers` was given (nothing happens if it was not).
-
-    Examples:
-        >>> class Owner:
-        ...     def close(self): pass
-        >>> forget_workers(Owner())  # never started: nothing to forget
     """
     _open_sources.pop(owner, None)
