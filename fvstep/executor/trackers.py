@@ -30,7 +30,6 @@ __all__ = [
     "TensorBoardTracker",
     "Tracker",
     "WandbTracker",
-    "scalar_rows",
 ]
 
 Scalar = bool | int | float | None
@@ -120,24 +119,6 @@ class MetricsQueue:
             return _number(values[id(v)] if isinstance(v, torch.Tensor) else v)
 
         return [(step, {k: read(v) for k, v in row.items()}) for step, row in rows]
-
-
-def scalar_rows(metrics: Mapping[str, Any]) -> dict[str, Scalar]:
-    """The loggable scalars of ``metrics`` as Python numbers, now (one host sync per device).
-
-    Args:
-        metrics: A step's metrics.
-
-    Returns:
-        Name to number (``None`` for NaN and infinities); non-scalars are left out.
-
-    Examples:
-        >>> scalar_rows({"loss": torch.tensor(float("nan")), "v": torch.ones(3)})
-        {'loss': None}
-    """
-    queue = MetricsQueue()
-    queue.put(0, metrics)
-    return queue.flush()[0][1]
 
 
 def _line_step(line: str) -> int:
