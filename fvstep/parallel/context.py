@@ -52,18 +52,7 @@ class _Applied:
 
 
 def context_parallel_degree(module: nn.Module) -> int:
-    """Ranks per context group of a module prepared by :func:`apply_context_parallel`.
-
-    Args:
-        module: Any module.
-
-    Returns:
-        The degree it was prepared with; 1 for a module that was not.
-
-    Examples:
-        >>> context_parallel_degree(apply_context_parallel(net, mesh=mesh))
-        2
-    """
+    """Ranks per context group of a module prepared by :func:`apply_context_parallel`, else 1."""
     applied = getattr(module, _APPLIED, None)
     return applied.degree if isinstance(applied, _Applied) else 1
 
@@ -234,21 +223,10 @@ def _pre_forward(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
         _set_grad_reduction(module, applied)
 
 
-def _attention_backends(module: nn.Module) -> set[str]:
-    """The attention backend names of ``module``'s attention processors (diffusers)."""
-    with needs_extra("models", "context parallelism"):
-        from diffusers.models.attention_dispatch import _AttentionBackendRegistry
-
-    names = set()
-    for sub in module.modules():
-        processor = getattr(sub, "processor", None)
-        if processor is None or not hasattr(processor, "_parallel_config"):
-            continue
-        backend = getattr(processor, "_attention_backend", None)
-        if backend is None:
-            backend, _ = _AttentionBackendRegistry.get_active_backend()
-        names.add(str(getattr(backend, "value", backend)))
-    return names
+def _processors(module: nn.Module) -> list[Any]:
+    """diffusers' attention processors in ``module`` that take a parallel config."""
+    processors = (getattr(sub, "processor", None) for sub in module.modules())
+    return [p for p in processors if hasattr(p, "_parallel_config")]
 
 
 def _check_backends(module: nn.Module, mode: str) -> None:
@@ -256,7 +234,12 @@ def _check_backends(module: nn.Module, mode: str) -> None:
     with needs_extra("models", "context parallelism"):
         from diffusers.models.attention_dispatch import _AttentionBackendRegistry
 
-    backends = _attention_backends(module)
+    backends = set()
+    for processor in _processors(module):
+        backend = getattr(processor, "_attention_backend", None)
+        if backend is None:
+            backend, _ = _AttentionBackendRegistry.get_active_backend()
+        backends.add(str(getattr(backend, "value", backend)))
     unsupported = sorted(
         b for b in backends if b not in _AttentionBackendRegistry._supports_context_parallel
     )
@@ -389,10 +372,8 @@ def apply_context_parallel(
     # with the plan installed as nn.Module hooks (see _install_plan).
     config.setup(rank, world, device, mesh=_diffusers_mesh(mesh, dim, mode))
     setattr(module, "_parallel_config", config)  # noqa: B010 (what enable_parallelism sets)
-    for sub in module.modules():
-        processor = getattr(sub, "processor", None)
-        if processor is not None and hasattr(processor, "_parallel_config"):
-            processor._parallel_config = config
+    for processor in _processors(module):
+        processor._parallel_config = config
     _install_plan(module, plan, mesh[axis])
 
     group_ranks = tuple(dist.get_process_group_ranks(mesh[axis].get_group()))
@@ -404,11 +385,6 @@ def apply_context_parallel(
 
 def applied_context_group(module: nn.Module) -> tuple[int, ...] | None:
     """The global ranks of the context group ``module`` was prepared for by
-    :func:`apply_context_parallel`, or ``None`` for a module that was not.
-
-    Examples:
-        >>> applied_context_group(apply_context_parallel(model, mesh))   # rank 0 of 4
-        (0, 1)
-    """
+    :func:`apply_context_parallel`, or ``None`` for a module that was not."""
     applied = getattr(module, _APPLIED, None)
     return applied.group_ranks if isinstance(applied, _Applied) else None

@@ -30,10 +30,6 @@ __all__ = [
 ]
 
 
-def _unsharded_grad_bytes(module: nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
-
-
 class FSDPGradSync:
     """Applies an accumulation policy to the FSDP2 roots of the roles one unit trains.
 
@@ -71,7 +67,10 @@ class FSDPGradSync:
                 and num_microbatches > 1
                 and not rs.role.allow_no_sync
             ):
-                mib = _unsharded_grad_bytes(module) / 2**20
+                grads = (
+                    p.numel() * p.element_size() for p in module.parameters() if p.requires_grad
+                )
+                mib = sum(grads) / 2**20
                 raise ValueError(
                     f"sync='no_sync' keeps an unsharded gradient of up to {mib:.1f} MiB per rank for {type(module).__name__}: "
                     "opt in with Role(..., allow_no_sync=True), or use sync='deferred' (same result, sharded)"
@@ -103,10 +102,6 @@ class FSDPGradSync:
         return {}
 
 
-def _fsdp_modules(module: nn.Module) -> list[FSDPModule]:
-    return [m for m in module.modules() if isinstance(m, FSDPModule)]
-
-
 def release_modules(state: TrainState, *, after_error: bool = False) -> None:
     """Return every FSDP2 module of every role of ``state`` to rest: all groups sharded.
 
@@ -117,22 +112,19 @@ def release_modules(state: TrainState, *, after_error: bool = False) -> None:
     such state survives a unit; :func:`unrested_modules` checks it.
 
     Args:
-        state: The state whose roles' modules to release.
         after_error: A forward or backward raised midway: wait for and discard in-flight
             collectives and partial reductions too (FSDP2's ``reset_iter_state`` where the
             installed torch has it).
     """
     for rs in state.roles.values():
-        modules = _fsdp_modules(rs.role.module)
+        modules = [m for m in rs.role.module.modules() if isinstance(m, FSDPModule)]
         if not modules:
             continue
         root = modules[0]
         if root is rs.role.module and not after_error:
-            # FSDP2 fixes a group's gradient dtypes at its lazy init, from the parameters
-            # that have requires_grad on then. A role whose first use came while a unit
-            # had turned its requires_grad off (a DMD2 student first read by a critic-only
-            # step) would get none, and a bf16 gradient later meets an fp32 parameter.
-            # At rest every trainable parameter requires grad: initialise here, first.
+            # FSDP2 fixes a group's gradient dtypes at lazy init from the parameters that
+            # require grad then; a role first used while a unit had turned that off (a DMD2
+            # student read by a critic-only step) would get none. At rest all do: init here.
             fsdp_lazy_init(rs.role.module)
         reset = getattr(root, "reset_iter_state", None)
         if after_error and reset is not None and is_fsdp_root(cast(nn.Module, root)):
@@ -192,8 +184,7 @@ def check_roles_are_data_parallel(state: TrainState) -> None:
 def grad_sync_for(state: TrainState, accumulation: Accumulation) -> FSDPGradSync | None:
     """The gradient-sync controller for ``state``'s roles, or ``None`` if none is sharded.
 
-    It checks nothing: :meth:`fvstep.parallel.Layout.check` refused a bad state once,
-    before the call began (:func:`check_roles_are_data_parallel`).
+    It checks nothing: :meth:`fvstep.parallel.Layout.check` did, once per call.
     """
     if not any(is_sharded(rs.role.module) for rs in state.roles.values()):
         return None

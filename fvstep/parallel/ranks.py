@@ -31,11 +31,7 @@ __all__ = [
 
 
 def rank_and_world(group: Any = None) -> tuple[int, int]:
-    """``(rank, world_size)`` in ``group`` (default: the world); ``(0, 1)`` without a process group.
-
-    Examples:
-        >>> rank, world = rank_and_world()
-    """
+    """``(rank, world_size)`` in ``group`` (default: the world); ``(0, 1)`` without a process group."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(group), dist.get_world_size(group)
     return 0, 1
@@ -48,11 +44,7 @@ def barrier(group: Any = None) -> None:
 
 
 def gather_objects(obj: Any, *, group: Any = None) -> list[Any]:
-    """Every rank's ``obj`` (picklable), by rank; ``[obj]`` on one process.
-
-    Examples:
-        >>> verdicts = gather_objects(first_difference)
-    """
+    """Every rank's ``obj`` (picklable), by rank; ``[obj]`` on one process."""
     world = rank_and_world(group)[1]
     if world == 1:
         return [obj]
@@ -107,12 +99,7 @@ def max_over_ranks(
     numbers as ``float`` (float64). Every rank must pass as many values.
 
     Args:
-        values: This rank's numbers.
         device: Where the reduction runs; default :func:`collective_device`.
-        group: The process group (default: the world).
-
-    Returns:
-        The maxima, in order, on every rank.
 
     Examples:
         >>> slowest = max_over_ranks([seconds])[0]
@@ -124,11 +111,7 @@ def max_over_ranks(
 def min_over_ranks(
     values: Sequence[float], *, device: torch.device | None = None, group: Any = None
 ) -> list[Any]:
-    """Element-wise minimum of ``values`` over the ranks of ``group`` (see :func:`max_over_ranks`).
-
-    Examples:
-        >>> first_bad = min_over_ranks([bad_index])[0]
-    """
+    """Element-wise minimum of ``values`` over the ranks of ``group`` (see :func:`max_over_ranks`)."""
     return _reduce_over_ranks(values, dist.ReduceOp.MIN, device, group)
 
 
