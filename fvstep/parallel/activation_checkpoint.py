@@ -67,18 +67,14 @@ class ActivationCheckpointing:
     """Which blocks recompute their activations in backward, and how much of them.
 
     Attributes:
-        mode: ``"none"``; ``"full"`` (a block keeps only its inputs and recomputes its
-            whole forward in backward); ``"selective"`` (op-level: the outputs of
-            ``save_ops`` — matmuls and attention by default — are kept, everything else,
-            norms, activations, element-wise ops, is recomputed).
+        mode: ``"none"``; ``"full"`` (a block keeps only its inputs); ``"selective"``
+            (op-level: the outputs of ``save_ops`` are kept, everything else recomputed).
         every: Checkpoint every ``every``-th block (blocks ``0, every, 2 * every, ...``);
             ``1`` checkpoints all of them.
         save_ops: For ``"selective"``: the ATen ops (``OpOverloadPacket`` or
             ``OpOverload``) whose outputs are saved.
-        save_widening: For ``"selective"``: whether a matmul that widens its input (an
-            output wider than its inner dimension: a feed-forward up-projection) is saved
-            too; ``False`` recomputes those, the largest activations of a transformer
-            block, and keeps the other matmuls' and attention's outputs.
+        save_widening: For ``"selective"``: whether a matmul that widens its input (a
+            feed-forward up-projection, the largest activations of a block) is saved too.
 
     Raises:
         ValueError: On an unknown mode or ``every < 1``.
@@ -234,11 +230,9 @@ def apply_activation_checkpointing(
 
     Args:
         blocks: The blocks by qualified name, in module order (``ac.every`` counts them).
-        checkpoint_context: ``context_fn -> context_fn``: wraps the checkpointing context
-            of every checkpointed block (``None`` for full, selective's otherwise), for
-            modules whose recomputation needs state set back (a LoRA base:
-            :func:`fvstep.lora.recompute_context`). Not used under ``torch.compile``,
-            whose recomputation runs no Python.
+        checkpoint_context: ``context_fn -> context_fn`` around every checkpointed block's
+            context (``None`` for full), for a recomputation that needs state set back
+            (:func:`fvstep.lora.recompute_context`). Not used under ``torch.compile``.
 
     Returns:
         The qualified names of the checkpointed blocks, in order.

@@ -37,8 +37,7 @@ _OFFLOADED_ATTR = "_fvstep_activation_offload"
 
 @attrs.frozen
 class ActivationOffloading:
-    """Which blocks keep their saved activations in pinned host memory between forward
-    and backward.
+    """Which blocks keep their saved activations in pinned host memory until backward.
 
     Attributes:
         every: Offload every ``every``-th block (blocks ``0, every, 2 * every, ...``),
@@ -178,23 +177,6 @@ class _Moved:
 
 class _Call:
     """One grad-enabled call of a hooked block: what it moved to the host, and how it comes back."""
-
-    __slots__ = (
-        "__weakref__",
-        "back",
-        "changed",
-        "host",
-        "ids",
-        "offloader",
-        "offloads",
-        "pending",
-        "prefetch",
-        "seq",
-        "started",
-        "unpacks",
-        "uses",
-        "watched",
-    )
 
     def __init__(self, offloader: _Offloader, offloads: bool, seq: int, prefetch: Any) -> None:
         self.offloader = offloader
@@ -379,11 +361,9 @@ def apply_activation_offloading(
 ) -> tuple[str, ...]:
     """Offload the saved activations of the blocks ``offload`` chooses.
 
-    In place: every block gets a forward pre-hook and a forward hook (skipped by dynamo,
-    so they work around compiled blocks); the chosen ones move what they save to pinned
-    host memory, and the others only say when their backward starts, so that the
-    offloaded block before them is brought back in time. Under ``no_grad`` nothing is
-    hooked. Parameter names do not change.
+    In place, with forward hooks that work around compiled blocks: the chosen blocks move
+    what they save to pinned host memory; the others say when their backward starts, so
+    that the offloaded block before them comes back in time. Parameter names do not change.
 
     Args:
         blocks: The blocks by qualified name, in the order their forwards run.

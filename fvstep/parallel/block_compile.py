@@ -38,10 +38,8 @@ RECOMPILE_LIMIT = 64
 def resolve_compile_options(compile: bool | Mapping[str, Any]) -> dict[str, Any] | None:
     """The ``torch.compile`` arguments that ``prepare(..., compile=compile)`` compiles with.
 
-    ``fullgraph=True, dynamic=False``, with the caller's mapping merged over them. With
-    Inductor (the default backend) the Inductor ``options`` default to
-    :data:`SAFE_INDUCTOR_OPTIONS` (those this torch knows), with a ``mode`` turned into
-    its options and the caller's ``options`` merged over both.
+    ``fullgraph=True, dynamic=False``, the caller's mapping merged over them. Under Inductor,
+    ``options`` start from :data:`SAFE_INDUCTOR_OPTIONS` and a ``mode``'s options.
 
     Returns:
         The keyword arguments of ``block.compile``, or ``None`` for ``False``.

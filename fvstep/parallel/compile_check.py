@@ -550,18 +550,16 @@ class Comparison:
             self.fp32 = None
 
     def report(self) -> CompiledGradientReport:
-        if not self.names:
-            return self._report(())
-        n = len(self.names)
-        zero, nan = torch.zeros(()), torch.full((), math.nan)
-        noise = self.norms.get("noise") or [zero] * n  # fp32: eager is the reference
-        probe = self.norms.get("probe") or [nan] * n  # no probe
-        columns = [self.norms["error"], self.norms["eager"], self.norms["compiled"], noise, probe]
-        rows = [torch.stack([x.to(row[0].device) for x in row]) for row in zip(*columns)]
-        values = torch.stack(rows).cpu().tolist()  # one host sync for the whole block
-        return self._report(self._differences(values))
-
-    def _report(self, differences: tuple[GradientDifference, ...]) -> CompiledGradientReport:
+        differences: tuple[GradientDifference, ...] = ()
+        if self.names:
+            n = len(self.names)
+            zero, nan = torch.zeros(()), torch.full((), math.nan)
+            noise = self.norms.get("noise") or [zero] * n  # fp32: eager is the reference
+            probe = self.norms.get("probe") or [nan] * n  # no probe
+            columns = [self.norms[k] for k in ("error", "eager", "compiled")] + [noise, probe]
+            rows = [torch.stack([x.to(row[0].device) for x in row]) for row in zip(*columns)]
+            values = torch.stack(rows).cpu().tolist()  # one host sync for the whole block
+            differences = self._differences(values)
         return CompiledGradientReport(
             block=self.block,
             threshold=self.threshold,
@@ -868,7 +866,6 @@ def install_compile_check(
     same compiled graph). A graph that failed is checked again on its next call.
 
     Args:
-        block: A module compiled in place (``block.compile(...)``).
         mesh: The FSDP2 mesh the block is sharded over: the verdict is agreed over it
             (one all-reduce per check), so every rank must call the block with the same
             shapes in the same calls.

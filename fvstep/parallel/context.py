@@ -10,6 +10,7 @@ gradients. How it works and why: ``docs/concepts/context-parallel.md``.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 import attrs
@@ -71,6 +72,15 @@ def _shard(value: Any, spec: Any, mesh: DeviceMesh) -> Any:
     return EquipartitionSharder.shard(value, spec.split_dim, mesh)
 
 
+def _map_outputs(output: Any, specs: Mapping[int, Any], fn: Callable[[Any, Any], Any]) -> Any:
+    """``output`` (a tensor or a sequence) with ``fn(item, spec)`` for each item that has a spec."""
+    items = [output] if isinstance(output, torch.Tensor) else list(output)
+    for index, spec in specs.items():
+        if spec is not None:
+            items[index] = fn(items[index], spec)
+    return items[0] if isinstance(output, torch.Tensor) else type(output)(items)
+
+
 def _install_plan(module: nn.Module, plan: dict[str, Any], mesh: DeviceMesh) -> None:
     """diffusers' context-parallel plan as ``nn.Module`` hooks.
 
@@ -107,10 +117,7 @@ def _install_plan(module: nn.Module, plan: dict[str, Any], mesh: DeviceMesh) -> 
             def split_outputs(
                 m: nn.Module, args: Any, output: Any, outputs: dict[Any, Any] = outputs
             ) -> Any:
-                items = [output] if isinstance(output, torch.Tensor) else list(output)
-                for index, spec in outputs.items():
-                    items[index] = _shard(items[index], spec, mesh)
-                return items[0] if isinstance(output, torch.Tensor) else type(output)(items)
+                return _map_outputs(output, outputs, lambda x, spec: _shard(x, spec, mesh))
 
             if inputs:
                 sub.register_forward_pre_hook(split_inputs, with_kwargs=True)
@@ -119,16 +126,13 @@ def _install_plan(module: nn.Module, plan: dict[str, Any], mesh: DeviceMesh) -> 
         else:
             specs = [entry] if isinstance(entry, ContextParallelOutput) else list(entry)
 
+            def gather(x: torch.Tensor, spec: Any) -> torch.Tensor:
+                return EquipartitionSharder.unshard(x.contiguous(), spec.gather_dim, mesh)
+
             def gather_outputs(
                 m: nn.Module, args: Any, output: Any, specs: list[Any] = specs
             ) -> Any:
-                items = [output] if isinstance(output, torch.Tensor) else list(output)
-                for index, spec in enumerate(specs):
-                    if spec is not None:
-                        items[index] = EquipartitionSharder.unshard(
-                            items[index].contiguous(), spec.gather_dim, mesh
-                        )
-                return items[0] if isinstance(output, torch.Tensor) else type(output)(items)
+                return _map_outputs(output, dict(enumerate(specs)), gather)
 
             sub.register_forward_hook(gather_outputs)
 
@@ -301,24 +305,18 @@ def apply_context_parallel(
 ) -> nn.Module:
     """Shard ``module``'s token sequence over the ``axis`` of ``mesh``, for training.
 
-    The model's ``_cp_plan`` is installed as ``nn.Module`` hooks: the sequence is split
-    before the first block and the output gathered, so it is whole and identical on
-    every rank of a context group. Parameter names and state-dict keys do not change.
-    Call this before ``fully_shard`` and before wrapping blocks in modules, and shard
-    trained roles over every rank (:func:`fvstep.parallel.make_mesh`); steps are then
-    called with ``parallelism=fvstep.parallel.Layout(mesh)``.
+    The model's ``_cp_plan`` is installed as ``nn.Module`` hooks; the output is whole on
+    every rank of a context group, and parameter names do not change. Call this before
+    ``fully_shard`` and before wrapping blocks in modules; call steps with
+    ``parallelism=fvstep.parallel.Layout(mesh)`` (``docs/concepts/context-parallel.md``).
 
     Args:
         module: The role's model (``diffusers.ModelMixin`` with ``_cp_plan``).
         mesh: A mesh with a context axis (:func:`make_context_mesh`), on every rank.
-        axis: The name of the context axis of ``mesh``.
         mode: ``"ulysses"`` (all-to-all; the heads must divide by the degree) or
             ``"ring"`` (a backend that returns the log-sum-exp: CUDA only).
         check_inputs: At each forward, check that the ranks of the group were given the
             same inputs (one small all-gather and a host sync).
-
-    Returns:
-        The same module, prepared.
 
     Raises:
         ValueError: If the module has no plan, is already parallel, or is wrapped; if the
@@ -326,11 +324,6 @@ def apply_context_parallel(
             Ulysses, if the heads do not divide by the degree; for ring, with a backend that
             cannot; at a forward, if the token count does not divide by the degree, or the
             ranks of a group were given different inputs.
-
-    Examples:
-        >>> mesh = make_context_mesh(context=2)
-        >>> student = apply_context_parallel(tiny_wan(num_heads=2), mesh=mesh)
-        >>> student = shard_module(student, mesh=make_mesh())
     """
     with needs_extra("models", "context parallelism"):
         from diffusers.models._modeling_parallel import ContextParallelConfig, ParallelConfig

@@ -105,11 +105,9 @@ class FSDPGradSync:
 def release_modules(state: TrainState, *, after_error: bool = False) -> None:
     """Return every FSDP2 module of every role of ``state`` to rest: all groups sharded.
 
-    FSDP2 does not reshard the root group after forward (its backward would gather it
-    again at once), so a role read under ``torch.no_grad()`` keeps its root group
-    unsharded, and that group's unsharded parameters keep the ``requires_grad`` they had
-    when they were gathered. fvstep calls this before and after every unit, so that no
-    such state survives a unit; :func:`unrested_modules` checks it.
+    FSDP2 does not reshard the root group after forward, so a role read under
+    ``torch.no_grad()`` keeps it unsharded, with the ``requires_grad`` it was gathered with.
+    fvstep calls this before and after every unit; :func:`unrested_modules` checks it.
 
     Args:
         after_error: A forward or backward raised midway: wait for and discard in-flight

@@ -47,10 +47,8 @@ def _launched(entry: tuple[str, str], args: tuple[Any, ...]) -> Any:
 def launch(fn: Callable[..., Any], *args: Any, nproc: int = 2) -> list[Any]:
     """Run ``fn(*args)`` on ``nproc`` local ranks with torch.distributed's elastic launcher.
 
-    Each rank initialises the default process group (NCCL with GPUs, else gloo) from
-    the launcher's environment before calling ``fn``, and destroys it after. ``fn``
-    must be a module-level function (ranks import it by name); its results must be
-    picklable.
+    Each rank runs ``fn`` inside a default process group (NCCL with GPUs, else gloo).
+    ``fn`` must be a module-level function; its results must be picklable.
 
     Returns:
         The results, by rank.

@@ -105,11 +105,9 @@ def cast_at_boundary(
     first such input. Unlike FSDP2's ``cast_forward_inputs``, timesteps are left alone.
 
     Args:
-        full_precision_inputs: Names of ``module.forward``'s arguments never cast,
-            whatever their shape, positional or keyword (default
-            :data:`FULL_PRECISION_INPUTS`). Positional arguments are named by the
-            signature (or the module's ``forward_signature``); an argument with no known
-            name is judged by rank: 0-D and 1-D (per-sample scalars) are kept.
+        full_precision_inputs: Names of ``module.forward``'s arguments never cast, whatever
+            their shape (positional ones named by the signature or ``forward_signature``);
+            an argument with no known name is kept when 0-D or 1-D.
 
     Raises:
         TypeError: If ``full_precision_inputs`` is a string, not a collection of names.
@@ -154,9 +152,8 @@ def cast_at_boundary(
 def autocast_forward(module: nn.Module, dtype: torch.dtype) -> None:
     """Run ``module``'s forward under ``torch.autocast(dtype)`` on its parameters' device.
 
-    Mixed precision on one process, made a property of the role so that training,
-    validation and sampling all see it: the parameters stay as stored, the matmuls and
-    attention compute in ``dtype``.
+    Mixed precision on one process, a property of the role that training, validation and
+    sampling all see: the parameters stay as stored.
 
     Raises:
         ValueError: If ``dtype`` is not a 16-bit floating dtype.

@@ -132,38 +132,27 @@ def prepare(
 
     Args:
         module: The role's module, its parameters on the device they will run on.
-        mesh: Shard with FSDP2 over this mesh (2-D ``("replicate", "shard")``: HSDP;
-            :func:`fvstep.parallel.make_mesh`); ``None`` leaves it unsharded.
-        trainable: ``False`` for a frozen role: stored in ``frozen_dtype`` (diffusers'
-            ``_keep_in_fp32_modules`` stay fp32), no ``requires_grad``, activations cast
-            at its boundary (:func:`~fvstep.parallel.precision.cast_at_boundary`).
-        checkpointing: ``"none"`` (default), ``"full"``, ``"selective"``,
-            ``"attention"``, ``"narrow"`` (:data:`~fvstep.parallel.activation_checkpoint.CheckpointName`)
-            or an :class:`ActivationCheckpointing`.
-        offload_activations: ``True`` (every block) or an :class:`ActivationOffloading`:
-            the blocks' saved activations wait in pinned host memory (CUDA only).
-        compile: ``True`` for ``block.compile(fullgraph=True, dynamic=False)`` on each
-            block, or a mapping of ``torch.compile`` arguments merged over those
-            (:func:`~fvstep.parallel.block_compile.resolve_compile_options`).
-        verify_compile: ``True`` (:data:`~fvstep.parallel.compile_check.DEFAULT_THRESHOLD`)
-            or a threshold: each compiled graph's gradients are checked against eager
-            ones once (:mod:`fvstep.parallel.compile_check`).
-        param_dtype: The compute dtype over the stored parameters: FSDP2's
-            ``param_dtype`` with ``mesh`` (the ``full_precision_inputs`` not cast), else
-            the forward runs under ``torch.autocast(param_dtype)``.
+        mesh: Shard with FSDP2 over this mesh (:func:`fvstep.parallel.make_mesh`; 2-D: HSDP).
+        trainable: ``False`` for a frozen role: stored in ``frozen_dtype``, no
+            ``requires_grad``, activations cast at its boundary.
+        checkpointing: A :data:`~fvstep.parallel.activation_checkpoint.CheckpointName` or an
+            :class:`ActivationCheckpointing`.
+        offload_activations: ``True`` (every block) or an :class:`ActivationOffloading` (CUDA only).
+        compile: ``True`` for ``block.compile(fullgraph=True, dynamic=False)`` per block, or
+            ``torch.compile`` arguments merged over those.
+        verify_compile: ``True`` or a threshold: check each compiled graph's gradients
+            against eager ones once (:mod:`fvstep.parallel.compile_check`).
+        param_dtype: The compute dtype: FSDP2's ``param_dtype`` with ``mesh``, else
+            ``torch.autocast(param_dtype)``.
         offload: FSDP2's ``CPUOffloadPolicy``. Needs ``mesh``.
         frozen_dtype: The dtype a frozen role is stored in (``None`` keeps it).
-        attention_backend: A diffusers attention backend name, set on this module only
-            (``"_native_flash"`` runs FlashAttention-4 once
-            :func:`~fvstep.parallel.enable_flash_attention_4` was called).
-        checkpoint_context: ``context_fn -> context_fn`` around every checkpointed
-            block's recomputation (see
-            :func:`~fvstep.parallel.activation_checkpoint.apply_activation_checkpointing`);
-            ``None`` takes the one the module carries (:func:`fvstep.lora.add_adapters`).
-        context_mesh: Shard each sample's tokens over this mesh's ``"context"`` axis
-            first (:func:`fvstep.parallel.apply_context_parallel`). Not with ``compile``.
-        full_precision_inputs: Names of ``module.forward``'s arguments a boundary cast
-            never touches (default :data:`FULL_PRECISION_INPUTS`, the timesteps).
+        attention_backend: A diffusers attention backend name, set on this module only.
+        checkpoint_context: ``context_fn -> context_fn`` around every checkpointed block's
+            recomputation; ``None`` takes the one the module carries (:func:`fvstep.lora.add_adapters`).
+        context_mesh: Shard each sample's tokens over this mesh's ``"context"`` axis first
+            (:func:`fvstep.parallel.apply_context_parallel`). Not with ``compile``.
+        full_precision_inputs: Names of ``module.forward``'s arguments a boundary cast never
+            touches (default :data:`FULL_PRECISION_INPUTS`, the timesteps).
 
     Returns:
         The same module; :func:`preparation` tells what was done.

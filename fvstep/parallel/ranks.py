@@ -117,9 +117,9 @@ def min_over_ranks(
 
 @contextlib.contextmanager
 def host_group() -> Iterator[Any]:
-    """A gloo group over every rank, for the duration of the block: control messages
-    that must not wait for the GPU (an NCCL collective read on the host waits for every
-    kernel queued before it). Collective: every rank enters and leaves it together.
+    """A gloo group over every rank, for control messages that must not wait for the GPU.
+
+    Collective: every rank enters and leaves it together.
 
     Yields:
         ``None`` on one process; else the gloo group, destroyed on exit.
