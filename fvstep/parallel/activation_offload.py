@@ -1,11 +1,8 @@
 """Activation offloading per block: saved activations wait in pinned host memory.
 
-A chosen block's forward runs under ``torch.autograd.graph.saved_tensors_hooks``: what it
-saves for backward (plain contiguous CUDA tensors of at least ``min_bytes``) is copied to
-pinned host memory on a side stream, and comes back on a second one when the backward of
-the block after it starts. The copies are exact, and the hooks check version counters as
-autograd would. What moves, what is checked and what it costs:
-``docs/concepts/prepare.md`` (Activation offloading).
+What a chosen block saves for backward is copied to the host on a side stream and comes
+back when the backward of the block after it starts; the hooks check version counters
+as autograd would. Details and costs: ``docs/concepts/prepare.md`` (Activation offloading).
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """Compiled gradients checked against eager ones, block by block, once per compiled graph.
 
-:func:`install_compile_check` (what ``prepare(..., verify_compile=True)`` installs) arms a
-block compiled in place; :func:`compare_compiled_gradients` runs one comparison on its
-own. A block whose compiled gradients are off by more than the threshold times eager's
-rounding noise raises :class:`CompiledGradientError` before any gradient reaches a
-parameter. What is compared, the ratios, the fp32 probe and the cost:
-``docs/concepts/prepare.md`` (Checking compiled gradients).
+:func:`install_compile_check` (``prepare(..., verify_compile=True)``) arms a block compiled
+in place; :func:`compare_compiled_gradients` runs one comparison on its own. The ratios,
+the fp32 probe and the cost: ``docs/concepts/prepare.md`` (Checking compiled gradients).
 """
 
 from __future__ import annotations

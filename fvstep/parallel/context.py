@@ -1,10 +1,8 @@
 """Context (sequence) parallelism: one sample's tokens sharded over a mesh axis.
 
-:func:`apply_context_parallel` prepares a diffusers transformer with a ``_cp_plan`` with
-diffusers' own machinery (``ContextParallelConfig``, its sharder, the Ulysses and ring
-attention of ``diffusers.models.attention_dispatch``), and adds what training needs:
-inputs checked to agree over a context group and FSDP2 made to sum the group's partial
-gradients. How it works and why: ``docs/concepts/context-parallel.md``.
+:func:`apply_context_parallel` prepares a diffusers transformer with diffusers' own
+machinery, and adds what training needs: inputs checked to agree over a context group and
+FSDP2 made to sum the group's partial gradients. ``docs/concepts/context-parallel.md``.
 """
 
 from __future__ import annotations
@@ -72,13 +70,17 @@ def _shard(value: Any, spec: Any, mesh: DeviceMesh) -> Any:
     return EquipartitionSharder.shard(value, spec.split_dim, mesh)
 
 
-def _map_outputs(output: Any, specs: Mapping[int, Any], fn: Callable[[Any, Any], Any]) -> Any:
-    """``output`` (a tensor or a sequence) with ``fn(item, spec)`` for each item that has a spec."""
-    items = [output] if isinstance(output, torch.Tensor) else list(output)
-    for index, spec in specs.items():
-        if spec is not None:
-            items[index] = fn(items[index], spec)
-    return items[0] if isinstance(output, torch.Tensor) else type(output)(items)
+def _output_hook(specs: Mapping[int, Any], fn: Callable[[Any, Any], Any]) -> Callable[..., Any]:
+    """A forward hook applying ``fn(item, spec)`` to each output item (or the tensor) with a spec."""
+
+    def hook(m: nn.Module, args: Any, output: Any) -> Any:
+        items = [output] if isinstance(output, torch.Tensor) else list(output)
+        for index, spec in specs.items():
+            if spec is not None:
+                items[index] = fn(items[index], spec)
+        return items[0] if isinstance(output, torch.Tensor) else type(output)(items)
+
+    return hook
 
 
 def _install_plan(module: nn.Module, plan: dict[str, Any], mesh: DeviceMesh) -> None:
@@ -91,6 +93,12 @@ def _install_plan(module: nn.Module, plan: dict[str, Any], mesh: DeviceMesh) -> 
     with needs_extra("models", "context parallelism"):
         from diffusers.hooks.context_parallel import EquipartitionSharder
         from diffusers.models._modeling_parallel import ContextParallelOutput
+
+    def split(x: Any, spec: Any) -> Any:
+        return _shard(x, spec, mesh)
+
+    def gather(x: torch.Tensor, spec: Any) -> torch.Tensor:
+        return EquipartitionSharder.unshard(x.contiguous(), spec.gather_dim, mesh)
 
     for name, entry in plan.items():
         sub = module.get_submodule(name) if name else module
@@ -108,33 +116,19 @@ def _install_plan(module: nn.Module, plan: dict[str, Any], mesh: DeviceMesh) -> 
                 listed = list(args)
                 for key, spec in inputs.items():
                     if key in kwargs:
-                        kwargs[key] = _shard(kwargs[key], spec, mesh)
+                        kwargs[key] = split(kwargs[key], spec)
                     elif params.index(key) < len(listed):
                         index = params.index(key)
-                        listed[index] = _shard(listed[index], spec, mesh)
+                        listed[index] = split(listed[index], spec)
                 return tuple(listed), kwargs
-
-            def split_outputs(
-                m: nn.Module, args: Any, output: Any, outputs: dict[Any, Any] = outputs
-            ) -> Any:
-                return _map_outputs(output, outputs, lambda x, spec: _shard(x, spec, mesh))
 
             if inputs:
                 sub.register_forward_pre_hook(split_inputs, with_kwargs=True)
             if outputs:
-                sub.register_forward_hook(split_outputs)
+                sub.register_forward_hook(_output_hook(outputs, split))
         else:
             specs = [entry] if isinstance(entry, ContextParallelOutput) else list(entry)
-
-            def gather(x: torch.Tensor, spec: Any) -> torch.Tensor:
-                return EquipartitionSharder.unshard(x.contiguous(), spec.gather_dim, mesh)
-
-            def gather_outputs(
-                m: nn.Module, args: Any, output: Any, specs: list[Any] = specs
-            ) -> Any:
-                return _map_outputs(output, dict(enumerate(specs)), gather)
-
-            sub.register_forward_hook(gather_outputs)
+            sub.register_forward_hook(_output_hook(dict(enumerate(specs)), gather))
 
 
 def _diffusers_mesh(mesh: DeviceMesh, dim: int, mode: str) -> DeviceMesh:

@@ -1,11 +1,8 @@
 """FlashAttention-4 behind PyTorch's flash SDPA backend: opt-in, for the whole process.
 
-:func:`enable_flash_attention_4` registers the ``flash-attn-4`` kernels with PyTorch's
-registry of flash attention implementations: from then on every SDPA call on the flash
-backend, eager or compiled, runs FA4 in this process; :func:`disable_flash_attention_4`
-gives PyTorch's kernels back. This module is also the import path PyTorch's FA4 glue reads,
-adapting FA4's return values to what the glue expects. What to know (Inductor wrappers,
-devices, determinism, resume) and why: ``docs/concepts/prepare.md`` (FlashAttention-4).
+This module is also the import path PyTorch's FA4 glue reads, adapting FA4's return
+values to what the glue expects. What to know and why: ``docs/concepts/prepare.md``
+(FlashAttention-4).
 """
 
 from __future__ import annotations

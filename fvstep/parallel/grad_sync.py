@@ -1,8 +1,5 @@
 """The FSDP2 gradient-sync policy of accumulation, and FSDP2 modules returned to rest.
 
-:class:`FSDPGradSync` applies an :class:`~fvstep.core.accumulation.Accumulation` policy per
-micro-batch to the FSDP2 roots a unit trains; :func:`release_modules` reshards every group
-and :func:`unrested_modules` says what a module holds that the state does not.
 :class:`fvstep.parallel.Layout` puts these behind the core's
 :class:`~fvstep.core.layout.Parallelism` protocol.
 """

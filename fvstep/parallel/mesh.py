@@ -1,12 +1,4 @@
-"""Device meshes and FSDP2 sharding of a role's module.
-
-:func:`make_mesh` (FSDP2 or HSDP) and :func:`make_context_mesh` over every rank;
-:func:`shard_module` shards each block, then the root, keeping parameter names.
-
-Examples:
-    >>> mesh = make_mesh()                       # FSDP over all ranks
-    >>> student = shard_module(student, mesh=mesh)
-"""
+"""Device meshes (FSDP2, HSDP, context parallel) and FSDP2 sharding of a role's module."""
 
 from __future__ import annotations
 

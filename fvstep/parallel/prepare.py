@@ -1,10 +1,7 @@
 """Prepare a role's module for real scale: activation checkpointing, compile, FSDP2, precision.
 
-One call per role composes PyTorch's own machinery in torchtitan's order, one step a
-module: :mod:`~fvstep.parallel.activation_checkpoint`, ``activation_offload``,
-``block_compile``, then FSDP2 (:func:`~fvstep.parallel.shard_module`), with frozen roles
-and the casts at a role's boundary in :mod:`~fvstep.parallel.precision`. Parameter names,
-and so checkpoint keys, do not change. The options and their laws:
+One call per role composes PyTorch's own machinery in torchtitan's order, one module a
+step. Parameter names, and so checkpoint keys, do not change. The options and their laws:
 ``docs/concepts/prepare.md``.
 """
 

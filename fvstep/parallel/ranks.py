@@ -1,12 +1,7 @@
 """Rank helpers: who am I, wait for the others, share a value, reduce a few numbers.
 
 Without a process group (or on a group of one rank) every helper returns the
-single-process answer at once. The object helpers pickle: use them for small control
-values, not tensors.
-
-Examples:
-    >>> rank, world = rank_and_world()
-    >>> slowest = max_over_ranks([seconds])[0]
+single-process answer at once. The object helpers pickle: small control values only.
 """
 
 from __future__ import annotations
