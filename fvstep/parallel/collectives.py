@@ -55,9 +55,7 @@ class CollectiveCounter(TorchDispatchMode):
             if not kind.startswith(("wait", "wrap_tensor_autograd")):
                 self.counts[kind] += 1
                 first = args[0] if args else None
-                if isinstance(first, (list, tuple)) and first:
-                    first = first[0]
-                if isinstance(first, (list, tuple)) and first:
+                while isinstance(first, (list, tuple)) and first:  # a list (of lists) of tensors
                     first = first[0]
                 if isinstance(first, torch.Tensor):
                     self.bytes[kind] += first.numel() * first.element_size()

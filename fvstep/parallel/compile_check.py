@@ -749,8 +749,6 @@ class CompileCheck:
     """The check installed on one compiled block (:func:`install_compile_check`).
 
     Attributes:
-        name: The block's qualified name.
-        threshold: The largest ratio of compiled error to eager rounding noise that passes.
         reports: The reports of the comparisons it ran, in order: one per graph.
     """
 

@@ -14,7 +14,7 @@ import attrs
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
 from fvstep.core._optional import needs_extra
 from fvstep.parallel.activation_checkpoint import (
@@ -191,8 +191,7 @@ def prepare(
             "compile with context parallel is not supported: diffusers' attention "
             "backward under context parallel cannot be traced (docs/concepts/context-parallel.md)"
         )
-    submodules = dict(module.named_modules())
-    named_blocks = {name: submodules[name] for name in names}
+    named_blocks = {name: module.get_submodule(name) for name in names}
     if attention_backend is not None:
         setter = getattr(module, "set_attention_backend", None)
         if setter is None:
@@ -231,7 +230,6 @@ def prepare(
     if mesh is None and param_dtype is not None:  # one process: autocast, as FSDP2 casts
         autocast_forward(module, param_dtype)
     if mesh is not None:
-        offload_policy: OffloadPolicy = CPUOffloadPolicy() if offload else OffloadPolicy()
         shard_module(
             module,
             mesh=mesh,
@@ -240,7 +238,7 @@ def prepare(
                 param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False
             ),
             reshard_after_forward=reshard_after_forward,
-            offload_policy=offload_policy,
+            offload_policy=CPUOffloadPolicy() if offload else None,
         )
     elements: dict[torch.dtype, int] = {}
     for p in module.parameters():
