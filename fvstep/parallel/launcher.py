@@ -55,9 +55,6 @@ def launch(fn: Callable[..., Any], *args: Any, nproc: int = 2) -> list[Any]:
 
     Raises:
         torch.distributed.elastic.multiprocessing.errors.ChildFailedError: If a rank failed.
-
-    Examples:
-        >>> results = launch(train_and_report, "runs/a", nproc=2)
     """
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 

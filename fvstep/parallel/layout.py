@@ -103,10 +103,6 @@ class Layout:
 def default_layout(state: TrainState) -> Layout | None:
     """``Layout()`` on several ranks or for a state with sharded roles, else ``None``
     (the layout of one process). What ``fvstep.run`` uses when given no ``parallelism``.
-
-    Examples:
-        >>> default_layout(state) is None   # one process, plain modules
-        True
     """
     sharded = any_dtensor(p for rs in state.roles.values() for p in rs.params.values())
     return Layout() if sharded or rank_and_world()[1] > 1 else None

@@ -115,9 +115,6 @@ def shard_module(
 
     Raises:
         ValueError: If the module is already sharded.
-
-    Examples:
-        >>> shard_module(student, mesh=make_mesh(), mp_policy=MixedPrecisionPolicy(torch.bfloat16))
     """
     if is_sharded(module):
         raise ValueError("the module is already sharded (fully_shard was applied)")
