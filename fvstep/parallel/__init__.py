@@ -1,12 +1,7 @@
 """The parallel layer: everything of fvstep that knows about ranks, FSDP2 and collectives.
 
-One module a concern, as torchtitan's ``distributed/``: ``mesh`` (meshes, FSDP2 sharding),
-``layout`` (:class:`Layout`, what a call is given on several ranks), ``grad_sync``,
-``prepare`` with its steps (``activation_checkpoint``, ``activation_offload``,
-``block_compile``, ``precision``), ``flash_attention``, ``compile_check``, ``context``,
-``collectives``, ``launcher`` and ``ranks``. The core imports nothing from here; the
-executor and ``fvstep.checkpoint`` use the rank helpers. The table of modules:
-``docs/architecture.md``; the API: ``docs/api/parallel.md``.
+One module a concern, as torchtitan's ``distributed/``. The core imports nothing from
+here. The table of modules: ``docs/architecture.md``; the API: ``docs/api/parallel.md``.
 """
 
 from torch.distributed.fsdp import MixedPrecisionPolicy

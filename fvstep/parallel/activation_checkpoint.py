@@ -3,10 +3,6 @@
 None, full, every n-th block, or selective (op-level, as torchtitan's). A chosen block
 gets an instance ``forward`` that runs the class's under ``checkpoint``: no wrapper
 module, so parameter names and checkpoint keys are those of the plain module.
-
-Examples:
-    >>> apply_activation_checkpointing({"blocks.0": block}, ActivationCheckpointing("selective"))
-    ('blocks.0',)
 """
 
 from __future__ import annotations
@@ -71,18 +67,14 @@ class ActivationCheckpointing:
     """Which blocks recompute their activations in backward, and how much of them.
 
     Attributes:
-        mode: ``"none"``; ``"full"`` (a block keeps only its inputs and recomputes its
-            whole forward in backward); ``"selective"`` (op-level: the outputs of
-            ``save_ops`` — matmuls and attention by default — are kept, everything else,
-            norms, activations, element-wise ops, is recomputed).
+        mode: ``"none"``; ``"full"`` (a block keeps only its inputs); ``"selective"``
+            (op-level: the outputs of ``save_ops`` are kept, everything else recomputed).
         every: Checkpoint every ``every``-th block (blocks ``0, every, 2 * every, ...``);
             ``1`` checkpoints all of them.
         save_ops: For ``"selective"``: the ATen ops (``OpOverloadPacket`` or
             ``OpOverload``) whose outputs are saved.
-        save_widening: For ``"selective"``: whether a matmul that widens its input (an
-            output wider than its inner dimension: a feed-forward up-projection) is saved
-            too; ``False`` recomputes those, the largest activations of a transformer
-            block, and keeps the other matmuls' and attention's outputs.
+        save_widening: For ``"selective"``: whether a matmul that widens its input (a
+            feed-forward up-projection, the largest activations of a block) is saved too.
 
     Raises:
         ValueError: On an unknown mode or ``every < 1``.
@@ -113,8 +105,7 @@ class ActivationCheckpointing:
             raise ValueError(f"every must be an int >= 1, not {self.every!r}")
 
     def describe(self) -> str:
-        """The name of this choice: ``"none"``, ``"full"``, ``"selective"`` (matmuls and
-        attention kept), ``"attention"``, ``"narrow"`` or ``"selective (custom ops)"``."""
+        """The name of this choice: a :data:`CheckpointName` or ``"selective (custom ops)"``."""
         if self.mode != "selective":
             return self.mode
         if self.save_ops == DEFAULT_SAVE_OPS:
@@ -164,21 +155,12 @@ def resolve_checkpointing(
 ) -> ActivationCheckpointing:
     """The :class:`ActivationCheckpointing` that ``prepare(..., checkpointing=value)`` means.
 
-    Args:
-        value: ``None`` (no checkpointing), a mode name, ``"attention"`` (selective,
-            saving :data:`ATTENTION_SAVE_OPS` only), or an :class:`ActivationCheckpointing`
-            (returned as it is).
-
-    Returns:
-        The checkpointing choice.
+    ``None`` is no checkpointing; a :data:`CheckpointName` is its choice; an
+    :class:`ActivationCheckpointing` is returned as it is.
 
     Raises:
         TypeError: If ``value`` is none of these.
         ValueError: On an unknown mode name.
-
-    Examples:
-        >>> resolve_checkpointing("full").mode
-        'full'
     """
     if value is None:
         return ActivationCheckpointing("none")
@@ -203,10 +185,8 @@ def _checkpointed_forward(
     *args: Any,
     **kwargs: Any,
 ) -> Any:
-    # Under torch.compile the recomputation is part of the compiled backward graph: no
-    # Python runs again, so a context that sets Python state back for it (``checkpoint_
-    # context``: a LoRA base's adapter flags) has nothing to do, and torch.compile accepts
-    # only selective checkpointing's dispatch modes as a context_fn.
+    # Compiled, the recomputation runs no Python, so ``checkpoint_context`` has nothing to
+    # set back, and torch.compile accepts only selective checkpointing's context_fn.
     if torch.compiler.is_compiling():
         context_fn = compiled_context_fn
     if context_fn is None:
@@ -225,9 +205,8 @@ def _checkpoint_block(
     ac: ActivationCheckpointing,
     checkpoint_context: Callable[[Callable[[], Any] | None], Callable[[], Any]] | None,
 ) -> None:
-    # The class's forward, bound to this block, run under checkpoint: an instance
-    # attribute, so nn.Module.__call__ (and compile, and FSDP2's hooks around it) sees it
-    # while the module tree, and so every parameter name, stays as it was.
+    # An instance attribute: __call__, compile and FSDP2's hooks see it, while the module
+    # tree, and so every parameter name, stays as it was.
     original = type(block).forward.__get__(block)
     compiled_context_fn = ac.context_fn()
     context_fn = compiled_context_fn
@@ -246,17 +225,14 @@ def apply_activation_checkpointing(
 ) -> tuple[str, ...]:
     """Give each block that ``ac`` chooses a forward that runs under ``checkpoint``.
 
-    In place, with ``use_reentrant=False``; the module tree and the parameter names stay
-    as they were. Under ``no_grad`` a checkpointed block just runs its forward.
+    In place, with ``use_reentrant=False``; the parameter names stay as they were. Under
+    ``no_grad`` a checkpointed block just runs its forward.
 
     Args:
         blocks: The blocks by qualified name, in module order (``ac.every`` counts them).
-        ac: Which blocks, and full or selective.
-        checkpoint_context: ``context_fn -> context_fn``: wraps the checkpointing context
-            of every checkpointed block (``None`` for full, selective's otherwise), for
-            modules whose recomputation needs state set back (a LoRA base:
-            :func:`fvstep.lora.recompute_context`). Not used under ``torch.compile``,
-            whose recomputation runs no Python.
+        checkpoint_context: ``context_fn -> context_fn`` around every checkpointed block's
+            context (``None`` for full), for a recomputation that needs state set back
+            (:func:`fvstep.lora.recompute_context`). Not used under ``torch.compile``.
 
     Returns:
         The qualified names of the checkpointed blocks, in order.

@@ -1,11 +1,8 @@
 """Activation offloading per block: saved activations wait in pinned host memory.
 
-A chosen block's forward runs under ``torch.autograd.graph.saved_tensors_hooks``: what it
-saves for backward (plain contiguous CUDA tensors of at least ``min_bytes``) is copied to
-pinned host memory on a side stream, and comes back on a second one when the backward of
-the block after it starts. The copies are exact, and the hooks check version counters as
-autograd would. What moves, what is checked and what it costs:
-``docs/concepts/prepare.md`` (Activation offloading).
+What a chosen block saves for backward is copied to the host on a side stream and comes
+back when the backward of the block after it starts; the hooks check version counters
+as autograd would. Details and costs: ``docs/concepts/prepare.md`` (Activation offloading).
 """
 
 from __future__ import annotations
@@ -37,8 +34,7 @@ _OFFLOADED_ATTR = "_fvstep_activation_offload"
 
 @attrs.frozen
 class ActivationOffloading:
-    """Which blocks keep their saved activations in pinned host memory between forward
-    and backward.
+    """Which blocks keep their saved activations in pinned host memory until backward.
 
     Attributes:
         every: Offload every ``every``-th block (blocks ``0, every, 2 * every, ...``),
@@ -70,10 +66,6 @@ def resolve_offloading(value: ActivationOffloading | bool | None) -> ActivationO
 
     Raises:
         TypeError: On any other value.
-
-    Examples:
-        >>> resolve_offloading(True)
-        ActivationOffloading(every=1, min_bytes=1048576)
     """
     if value is None or value is False:
         return None
@@ -112,8 +104,7 @@ class CudaCopies:
         return self._streams[device]
 
     def movable(self, t: torch.Tensor, min_bytes: int) -> bool:
-        """Whether ``t`` is worth moving: a plain contiguous CUDA tensor of ``min_bytes``
-        or more (a parameter, a subclass, a view with gaps or a CPU tensor stays)."""
+        """Whether ``t`` is a plain contiguous CUDA tensor of ``min_bytes`` or more."""
         return (
             type(t) is torch.Tensor  # not a Parameter, DTensor or other subclass
             and t.device.type == "cuda"
@@ -153,8 +144,7 @@ class CudaCopies:
 
 
 class _Kept:
-    """A saved tensor that stays where it is, with its version then: autograd checks no
-    version under saved-tensor hooks, so this does."""
+    """A saved tensor left in place, with its version (autograd checks none under the hooks)."""
 
     __slots__ = ("tensor", "version")
 
@@ -173,14 +163,8 @@ def _memory(t: torch.Tensor) -> tuple[Any, ...]:
     return (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
 
 
-def _output_tensors(output: Any) -> list[torch.Tensor]:
-    """The tensors of a block's output (a tensor, or a tree of them)."""
-    return [t for t in optree.tree_leaves(output) if isinstance(t, torch.Tensor)]
-
-
 class _Moved:
-    """A saved tensor copied to the host: its index in its call's copies (the call that
-    saved it is the one whose ``unpack`` gets it back)."""
+    """A saved tensor copied to the host: its index in its call's copies."""
 
     __slots__ = ("index",)
 
@@ -189,25 +173,7 @@ class _Moved:
 
 
 class _Call:
-    """One grad-enabled call of a hooked block: what it moved to the host, and how it
-    comes back."""
-
-    __slots__ = (
-        "__weakref__",
-        "back",
-        "changed",
-        "host",
-        "ids",
-        "offloader",
-        "offloads",
-        "pending",
-        "prefetch",
-        "seq",
-        "started",
-        "unpacks",
-        "uses",
-        "watched",
-    )
+    """One grad-enabled call of a hooked block: what it moved to the host, and how it comes back."""
 
     def __init__(self, offloader: _Offloader, offloads: bool, seq: int, prefetch: Any) -> None:
         self.offloader = offloader
@@ -246,12 +212,11 @@ class _Call:
         return _Moved(index)
 
     def end_forward(self, outputs: Sequence[torch.Tensor] = ()) -> None:
-        """The block's forward returned: check what it changed in place since it saved it,
-        and watch the rest through weakrefs (the tensors may now be freed).
+        """The forward returned: check what it changed in place, watch the rest through weakrefs.
 
-        An output that is the same memory as a saved tensor (same address, layout and
-        version) is watched too: a compiled function may save a separate object sharing
-        the memory and version counter of one it returns."""
+        An output with the same memory and version as a saved tensor is watched too: a
+        compiled function may save another object sharing the version counter of one it returns.
+        """
         aliases: dict[tuple[Any, ...], list[torch.Tensor]] = {}
         for o in outputs:
             aliases.setdefault(_memory(o), []).append(o)
@@ -313,8 +278,7 @@ _LOOKAHEAD = 1
 
 
 class _Offloader:
-    """The offloading of one prepared module's blocks: the copies, the order of the calls
-    (which to bring back next) and the bytes moved so far."""
+    """One prepared module's offloading: the copies, the order of the calls, the bytes moved."""
 
     def __init__(self, min_bytes: int, copies: Any = None) -> None:
         self.min_bytes = min_bytes
@@ -349,8 +313,8 @@ def _leave(contexts: list[Any], output: Any) -> None:
     if entered is not None:
         context, call = entered
         context.__exit__(None, None, None)
-        # (the outputs are read only when the call moved something: no flatten otherwise)
-        call.end_forward(_output_tensors(output) if call.pending else ())
+        leaves = optree.tree_leaves(output) if call.pending else ()  # only if something moved
+        call.end_forward([t for t in leaves if isinstance(t, torch.Tensor)])
 
 
 def _install(block: nn.Module, offloader: _Offloader, offloads: bool) -> None:
@@ -377,14 +341,9 @@ def is_offloaded(block: nn.Module) -> bool:
 
 
 def offloaded_bytes(module: nn.Module) -> int:
-    """The bytes of saved activations that ``module``'s offloaded blocks have moved to
-    host memory so far (each crosses back once per backward): 0 on a CPU.
+    """The bytes of saved activations ``module``'s offloaded blocks moved to host memory so far.
 
-    Examples:
-        >>> before = offloaded_bytes(student)
-        >>> state, _ = step(state, batch)
-        >>> offloaded_bytes(student) - before   # one step's traffic each way
-        10737418240
+    Each crosses back once per backward; 0 on a CPU.
     """
     offloaders = {
         id(hooked[0]): hooked[0]
@@ -399,15 +358,12 @@ def apply_activation_offloading(
 ) -> tuple[str, ...]:
     """Offload the saved activations of the blocks ``offload`` chooses.
 
-    In place: every block gets a forward pre-hook and a forward hook (skipped by dynamo,
-    so they work around compiled blocks); the chosen ones move what they save to pinned
-    host memory, and the others only say when their backward starts, so that the
-    offloaded block before them is brought back in time. Under ``no_grad`` nothing is
-    hooked. Parameter names do not change.
+    In place, with forward hooks that work around compiled blocks: the chosen blocks move
+    what they save to pinned host memory; the others say when their backward starts, so
+    that the offloaded block before them comes back in time. Parameter names do not change.
 
     Args:
         blocks: The blocks by qualified name, in the order their forwards run.
-        offload: Which blocks, and the smallest tensor worth moving.
 
     Returns:
         The qualified names of the offloaded blocks, in order.

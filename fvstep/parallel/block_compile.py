@@ -3,10 +3,6 @@
 Each block is compiled in place (``block.compile()``, no ``_orig_mod``: parameter names
 do not change) with ``fullgraph=True, dynamic=False`` and, under Inductor,
 :data:`SAFE_INDUCTOR_OPTIONS`. Why compiles stay bounded: ``docs/concepts/prepare.md``.
-
-Examples:
-    >>> apply_compile(model.blocks, resolve_compile_options(True))
-    >>> before = compile_counts()
 """
 
 from __future__ import annotations
@@ -42,14 +38,8 @@ RECOMPILE_LIMIT = 64
 def resolve_compile_options(compile: bool | Mapping[str, Any]) -> dict[str, Any] | None:
     """The ``torch.compile`` arguments that ``prepare(..., compile=compile)`` compiles with.
 
-    ``fullgraph=True, dynamic=False``, with the caller's mapping merged over them. With
-    Inductor (the default backend) the Inductor ``options`` default to
-    :data:`SAFE_INDUCTOR_OPTIONS` (those this torch knows), with a ``mode`` turned into
-    its options and the caller's ``options`` merged over both.
-
-    Args:
-        compile: ``False`` (no compile), ``True`` (the defaults), or a mapping of
-            ``torch.compile`` arguments.
+    ``fullgraph=True, dynamic=False``, the caller's mapping merged over them. Under Inductor,
+    ``options`` start from :data:`SAFE_INDUCTOR_OPTIONS` and a ``mode``'s options.
 
     Returns:
         The keyword arguments of ``block.compile``, or ``None`` for ``False``.
@@ -81,17 +71,9 @@ def resolve_compile_options(compile: bool | Mapping[str, Any]) -> dict[str, Any]
 
 
 def apply_compile(blocks: Iterable[nn.Module], options: Mapping[str, Any]) -> None:
-    """Compile each block in place with ``options``, the recompile limit raised first.
+    """Compile each block in place with ``options`` (:func:`resolve_compile_options`).
 
-    Dynamo's recompile limit, a process-wide setting, is raised to
-    :data:`RECOMPILE_LIMIT` at least.
-
-    Args:
-        blocks: The blocks to compile.
-        options: ``block.compile``'s keyword arguments (:func:`resolve_compile_options`).
-
-    Examples:
-        >>> apply_compile(model.blocks, resolve_compile_options({"backend": "aot_eager"}))
+    Dynamo's process-wide recompile limit is raised to :data:`RECOMPILE_LIMIT` at least first.
     """
     torch_compat.raise_recompile_limit(RECOMPILE_LIMIT)
     for block in blocks:
@@ -103,9 +85,6 @@ def compile_counts() -> dict[str, int]:
 
     Process-wide, as dynamo counts them: take the difference of two calls around the
     code of interest.
-
-    Returns:
-        ``{"graphs": ..., "graph_breaks": ...}``.
 
     Examples:
         >>> before = compile_counts()

@@ -16,24 +16,13 @@ from fvstep.core._compat import TorchDispatchMode
 
 __all__ = ["CollectiveCounter"]
 
-_KINDS = {
-    "allgather": "all_gather",
-    "reduce_scatter": "reduce_scatter",
-    "allreduce": "all_reduce",
-    "all_reduce": "all_reduce",
-    "all_gather": "all_gather",
-    "broadcast": "broadcast",
-    "alltoall": "all_to_all",
-    "all_to_all": "all_to_all",
-}
+_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "all_to_all")
 
 
 def _kind(op_name: str) -> str:
+    """The kind of a c10d op (``allgather_into_tensor_coalesced`` is an ``all_gather``)."""
     base = op_name.split("::")[-1].strip("_").split(".")[0]
-    for key, kind in _KINDS.items():
-        if base.startswith(key) or base.startswith(key.replace("_", "")):
-            return kind
-    return base
+    return next((k for k in _KINDS if base.startswith((k, k.replace("_", "")))), base)
 
 
 class CollectiveCounter(TorchDispatchMode):
@@ -42,9 +31,7 @@ class CollectiveCounter(TorchDispatchMode):
     The bytes are those of each op's first tensor argument: the gathered output of an
     all-gather, the output shard of a reduce-scatter, the buffer of an all-reduce.
 
-    A ``TorchDispatchMode`` that sees every ``c10d`` op (FSDP2's all-gathers and
-    reduce-scatters, the all-reduces of a clip norm); it adds Python overhead to every
-    op, so use it for checks and debugging, not in timed runs.
+    It adds Python overhead to every op: use it for checks and debugging, not in timed runs.
 
     Examples:
         >>> with CollectiveCounter() as counter:
@@ -68,9 +55,7 @@ class CollectiveCounter(TorchDispatchMode):
             if not kind.startswith(("wait", "wrap_tensor_autograd")):
                 self.counts[kind] += 1
                 first = args[0] if args else None
-                if isinstance(first, (list, tuple)) and first:
-                    first = first[0]
-                if isinstance(first, (list, tuple)) and first:
+                while isinstance(first, (list, tuple)) and first:  # a list (of lists) of tensors
                     first = first[0]
                 if isinstance(first, torch.Tensor):
                     self.bytes[kind] += first.numel() * first.element_size()

@@ -1,11 +1,8 @@
 """Compiled gradients checked against eager ones, block by block, once per compiled graph.
 
-:func:`install_compile_check` (what ``prepare(..., verify_compile=True)`` installs) arms a
-block compiled in place; :func:`compare_compiled_gradients` runs one comparison on its
-own. A block whose compiled gradients are off by more than the threshold times eager's
-rounding noise raises :class:`CompiledGradientError` before any gradient reaches a
-parameter. What is compared, the ratios, the fp32 probe and the cost:
-``docs/concepts/prepare.md`` (Checking compiled gradients).
+:func:`install_compile_check` (``prepare(..., verify_compile=True)``) arms a block compiled
+in place; :func:`compare_compiled_gradients` runs one comparison on its own. The ratios,
+the fp32 probe and the cost: ``docs/concepts/prepare.md`` (Checking compiled gradients).
 """
 
 from __future__ import annotations
@@ -237,19 +234,11 @@ def compiled_gradient_error(report: CompiledGradientReport) -> CompiledGradientE
 
 
 def resolve_threshold(verify: bool | float) -> float:
-    """The threshold that a ``verify_compile`` value asks for.
-
-    Args:
-        verify: ``True`` (or ``False``, which checks nothing) for
-            :data:`DEFAULT_THRESHOLD`, else the threshold itself.
+    """The threshold a ``verify_compile`` value asks for: a bool means :data:`DEFAULT_THRESHOLD`.
 
     Raises:
         TypeError: If ``verify`` is neither a bool nor a number.
         ValueError: If it is a number that is not positive and finite.
-
-    Examples:
-        >>> resolve_threshold(True), resolve_threshold(30)
-        (20.0, 30.0)
     """
     if isinstance(verify, bool):
         return DEFAULT_THRESHOLD
@@ -300,10 +289,8 @@ def input_names(
 def _clone_inputs(
     args: Sequence[Any], kwargs: Mapping[str, Any], *, float32: bool = False
 ) -> tuple[Any, Any]:
-    # Detached clones with the caller's requires_grad: the same guards as the real call, so
-    # the compiled run uses the graph training uses (and compiles nothing more), and the
-    # gradients asked for are exactly those training computes. One clone per distinct
-    # tensor keeps aliasing (dynamo guards on it too). ``float32``: bf16/fp16 ones in fp32.
+    # Detached clones with the caller's requires_grad and aliasing: the same dynamo guards as
+    # the real call, so the compiled run uses training's graph and compiles nothing more.
     memo: dict[int, torch.Tensor] = {}
 
     def clone(t: torch.Tensor) -> torch.Tensor:
@@ -346,9 +333,7 @@ def _cuda_devices(tensors: Sequence[torch.Tensor]) -> list[int]:
 
 
 class _BufferState:
-    """Copies of a block's buffers (BatchNorm's running statistics, counters), put back
-    after each run: both runs start from the state the real call starts from, and the
-    real call finds it as it would have without the check."""
+    """A block's buffers, put back after each run as the real call would find them."""
 
     def __init__(self, buffers: Sequence[torch.Tensor]) -> None:
         with torch.no_grad():
@@ -361,8 +346,7 @@ class _BufferState:
 
 
 class _RngState:
-    """The global CPU and CUDA RNG state, to give both runs the same draws (dropout) and
-    to hand the real call the state it would have had without the check."""
+    """The global CPU and CUDA RNG state: the same draws for every run and the real call."""
 
     def __init__(self, cuda_devices: Sequence[int]) -> None:
         self.cpu = torch.random.get_rng_state()
@@ -376,11 +360,7 @@ class _RngState:
 
 @contextlib.contextmanager
 def _in_float32(tensors: Sequence[torch.Tensor], device_types: Sequence[str]) -> Iterator[None]:
-    """Autocast and TF32 off, the bf16/fp16 ``tensors`` holding fp32 copies in ``.data``.
-
-    The same objects, put back after, so that the caller's names and FSDP2's
-    registrations stay.
-    """
+    """Autocast and TF32 off, the bf16/fp16 ``tensors`` holding fp32 copies in ``.data`` (same objects)."""
     swapped: list[tuple[torch.Tensor, torch.Tensor]] = []
     seen: set[int] = set()
     precision = torch.get_float32_matmul_precision()
@@ -567,18 +547,16 @@ class Comparison:
             self.fp32 = None
 
     def report(self) -> CompiledGradientReport:
-        if not self.names:
-            return self._report(())
-        n = len(self.names)
-        zero, nan = torch.zeros(()), torch.full((), math.nan)
-        noise = self.norms.get("noise") or [zero] * n  # fp32: eager is the reference
-        probe = self.norms.get("probe") or [nan] * n  # no probe
-        columns = [self.norms["error"], self.norms["eager"], self.norms["compiled"], noise, probe]
-        rows = [torch.stack([x.to(row[0].device) for x in row]) for row in zip(*columns)]
-        values = torch.stack(rows).cpu().tolist()  # one host sync for the whole block
-        return self._report(self._differences(values))
-
-    def _report(self, differences: tuple[GradientDifference, ...]) -> CompiledGradientReport:
+        differences: tuple[GradientDifference, ...] = ()
+        if self.names:
+            n = len(self.names)
+            zero, nan = torch.zeros(()), torch.full((), math.nan)
+            noise = self.norms.get("noise") or [zero] * n  # fp32: eager is the reference
+            probe = self.norms.get("probe") or [nan] * n  # no probe
+            columns = [self.norms[k] for k in ("error", "eager", "compiled")] + [noise, probe]
+            rows = [torch.stack([x.to(row[0].device) for x in row]) for row in zip(*columns)]
+            values = torch.stack(rows).cpu().tolist()  # one host sync for the whole block
+            differences = self._differences(values)
         return CompiledGradientReport(
             block=self.block,
             threshold=self.threshold,
@@ -680,29 +658,22 @@ def compare_compiled_gradients(
     """Compare a block's compiled gradients with its eager ones on one input.
 
     Both forwards run on detached clones of the inputs from the same RNG state and are
-    pulled back with the same seeded cotangent by ``torch.autograd.grad``; below fp32 an
-    eager fp32 run measures eager's rounding noise (``docs/concepts/prepare.md``). Nothing
-    is left behind: no ``.grad``, the RNG state and an ``eager`` module's buffers as they
-    were; only forward hooks of the block's submodules see every run.
+    pulled back with the same seeded cotangent; below fp32 an eager fp32 run measures
+    eager's rounding noise (``docs/concepts/prepare.md``). No ``.grad`` is left, and the RNG
+    state and an ``eager`` module's buffers are as they were.
 
     Args:
-        eager: The block's eager forward (run with every ``torch.compile`` ignored:
-            ``torch.compiler.set_stance("force_eager")``).
+        eager: The block's eager forward (run under ``set_stance("force_eager")``).
         compiled: Its compiled forward (e.g. ``torch.compile(block)``).
-        args: Positional inputs.
-        kwargs: Keyword inputs.
-        params: The block's parameters by name (all that it computes with: below fp32
-            the reference needs the low-precision ones in fp32).
-        block: The block's name, for the report.
-        threshold: The largest ratio of compiled error to eager rounding noise that
-            passes.
+        params: The block's parameters by name (all it computes with: below fp32 the
+            reference needs the low-precision ones in fp32).
+        threshold: The largest ratio of compiled error to eager rounding noise that passes.
         seed: The cotangent's seed.
         arg_names: Names of the positional inputs, for the report (default: those of
             ``eager``'s forward if it is a module, else ``args[i]``).
 
     Returns:
-        The :class:`CompiledGradientReport` (check ``passed``: it does not raise on a
-        difference).
+        The report (check ``passed``: it does not raise on a difference).
 
     Raises:
         CompiledGradientError: If the forwards return different outputs.
@@ -727,13 +698,7 @@ def compare_compiled_gradients(
 
 def block_parameters(block: nn.Module) -> dict[str, torch.Tensor]:
     """The parameters a block computes with, by name: its own, and those of modules held
-    as plain attributes (the adapters of :func:`fvstep.lora.add_adapters`), so that a
-    LoRA base's check compares the adapters' gradients too.
-
-    Examples:
-        >>> [n for n in block_parameters(base.blocks[0]) if ".lora_A." in n][:1]
-        ['attn1.to_q.lora_A.student.weight']
-    """
+    as plain attributes (the adapters of :func:`fvstep.lora.add_adapters`)."""
     params: dict[str, torch.Tensor] = dict(block.named_parameters())
     seen = {id(p) for p in params.values()}
     for prefix, sub in block.named_modules():
@@ -755,11 +720,6 @@ def graph_key(
     The tensor inputs' shapes, strides, dtypes, devices and ``requires_grad``, the other
     inputs' values, the parameters' ``requires_grad``, dtypes and shapes, and autocast:
     two calls with the same key run the same compiled graph.
-
-    Examples:
-        >>> graph_key(dict(block.named_parameters()), (x,), {}) == graph_key(
-        ...     dict(block.named_parameters()), (x.clone(),), {})
-        True
     """
     tensors = list(params.values())
     inputs = (_signature(args, tensors), _signature(dict(kwargs), tensors))
@@ -789,8 +749,6 @@ class CompileCheck:
     """The check installed on one compiled block (:func:`install_compile_check`).
 
     Attributes:
-        name: The block's qualified name.
-        threshold: The largest ratio of compiled error to eager rounding noise that passes.
         reports: The reports of the comparisons it ran, in order: one per graph.
     """
 
@@ -862,8 +820,6 @@ class CompileCheck:
     def _pre_forward(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> None:
-        # dynamo compiles every frame called from here: only the block's forward, between
-        # the comparison's disabled steps, is compiled, with the real call's guards.
         if not torch.is_grad_enabled():
             return None
         try:
@@ -875,16 +831,12 @@ class CompileCheck:
         except CompiledGradientError:
             raise
         except Exception as error:  # say where it broke: inside the check, not training
-            raise _check_failed(self.name, error) from error
+            raise RuntimeError(
+                f"fvstep's compile check of {self.name} failed inside the check ({type(error).__name__}: "
+                f"{error}; torch {torch.__version__}): try without verify_compile; see docs/concepts/prepare.md"
+            ) from error
         _conclude(self, report, key)
         return None
-
-
-def _check_failed(name: str, error: Exception) -> RuntimeError:
-    return RuntimeError(
-        f"fvstep's compile check of {name} failed inside the check ({type(error).__name__}: "
-        f"{error}; torch {torch.__version__}): try without verify_compile; see docs/concepts/prepare.md"
-    )
 
 
 _begin = torch.compiler.disable(CompileCheck._begin)
@@ -909,13 +861,9 @@ def install_compile_check(
     same compiled graph). A graph that failed is checked again on its next call.
 
     Args:
-        block: A module compiled in place (``block.compile(...)``).
-        name: Its qualified name, for the error.
-        threshold: The largest ratio that passes.
         mesh: The FSDP2 mesh the block is sharded over: the verdict is agreed over it
             (one all-reduce per check), so every rank must call the block with the same
             shapes in the same calls.
-        seed: The cotangent's seed.
 
     Returns:
         The :class:`CompileCheck` (``.reports``; ``.remove()`` disarms it).

@@ -1,15 +1,14 @@
 """Context (sequence) parallelism: one sample's tokens sharded over a mesh axis.
 
-:func:`apply_context_parallel` prepares a diffusers transformer with a ``_cp_plan`` with
-diffusers' own machinery (``ContextParallelConfig``, its sharder, the Ulysses and ring
-attention of ``diffusers.models.attention_dispatch``), and adds what training needs:
-inputs checked to agree over a context group and FSDP2 made to sum the group's partial
-gradients. How it works and why: ``docs/concepts/context-parallel.md``.
+:func:`apply_context_parallel` prepares a diffusers transformer with diffusers' own
+machinery, and adds what training needs: inputs checked to agree over a context group and
+FSDP2 made to sum the group's partial gradients. ``docs/concepts/context-parallel.md``.
 """
 
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 import attrs
@@ -52,18 +51,7 @@ class _Applied:
 
 
 def context_parallel_degree(module: nn.Module) -> int:
-    """Ranks per context group of a module prepared by :func:`apply_context_parallel`.
-
-    Args:
-        module: Any module.
-
-    Returns:
-        The degree it was prepared with; 1 for a module that was not.
-
-    Examples:
-        >>> context_parallel_degree(apply_context_parallel(net, mesh=mesh))
-        2
-    """
+    """Ranks per context group of a module prepared by :func:`apply_context_parallel`, else 1."""
     applied = getattr(module, _APPLIED, None)
     return applied.degree if isinstance(applied, _Applied) else 1
 
@@ -82,6 +70,19 @@ def _shard(value: Any, spec: Any, mesh: DeviceMesh) -> Any:
     return EquipartitionSharder.shard(value, spec.split_dim, mesh)
 
 
+def _output_hook(specs: Mapping[int, Any], fn: Callable[[Any, Any], Any]) -> Callable[..., Any]:
+    """A forward hook applying ``fn(item, spec)`` to each output item (or the tensor) with a spec."""
+
+    def hook(m: nn.Module, args: Any, output: Any) -> Any:
+        items = [output] if isinstance(output, torch.Tensor) else list(output)
+        for index, spec in specs.items():
+            if spec is not None:
+                items[index] = fn(items[index], spec)
+        return items[0] if isinstance(output, torch.Tensor) else type(output)(items)
+
+    return hook
+
+
 def _install_plan(module: nn.Module, plan: dict[str, Any], mesh: DeviceMesh) -> None:
     """diffusers' context-parallel plan as ``nn.Module`` hooks.
 
@@ -92,6 +93,12 @@ def _install_plan(module: nn.Module, plan: dict[str, Any], mesh: DeviceMesh) -> 
     with needs_extra("models", "context parallelism"):
         from diffusers.hooks.context_parallel import EquipartitionSharder
         from diffusers.models._modeling_parallel import ContextParallelOutput
+
+    def split(x: Any, spec: Any) -> Any:
+        return _shard(x, spec, mesh)
+
+    def gather(x: torch.Tensor, spec: Any) -> torch.Tensor:
+        return EquipartitionSharder.unshard(x.contiguous(), spec.gather_dim, mesh)
 
     for name, entry in plan.items():
         sub = module.get_submodule(name) if name else module
@@ -109,39 +116,19 @@ def _install_plan(module: nn.Module, plan: dict[str, Any], mesh: DeviceMesh) -> 
                 listed = list(args)
                 for key, spec in inputs.items():
                     if key in kwargs:
-                        kwargs[key] = _shard(kwargs[key], spec, mesh)
+                        kwargs[key] = split(kwargs[key], spec)
                     elif params.index(key) < len(listed):
                         index = params.index(key)
-                        listed[index] = _shard(listed[index], spec, mesh)
+                        listed[index] = split(listed[index], spec)
                 return tuple(listed), kwargs
-
-            def split_outputs(
-                m: nn.Module, args: Any, output: Any, outputs: dict[Any, Any] = outputs
-            ) -> Any:
-                items = [output] if isinstance(output, torch.Tensor) else list(output)
-                for index, spec in outputs.items():
-                    items[index] = _shard(items[index], spec, mesh)
-                return items[0] if isinstance(output, torch.Tensor) else type(output)(items)
 
             if inputs:
                 sub.register_forward_pre_hook(split_inputs, with_kwargs=True)
             if outputs:
-                sub.register_forward_hook(split_outputs)
+                sub.register_forward_hook(_output_hook(outputs, split))
         else:
             specs = [entry] if isinstance(entry, ContextParallelOutput) else list(entry)
-
-            def gather_outputs(
-                m: nn.Module, args: Any, output: Any, specs: list[Any] = specs
-            ) -> Any:
-                items = [output] if isinstance(output, torch.Tensor) else list(output)
-                for index, spec in enumerate(specs):
-                    if spec is not None:
-                        items[index] = EquipartitionSharder.unshard(
-                            items[index].contiguous(), spec.gather_dim, mesh
-                        )
-                return items[0] if isinstance(output, torch.Tensor) else type(output)(items)
-
-            sub.register_forward_hook(gather_outputs)
+            sub.register_forward_hook(_output_hook(dict(enumerate(specs)), gather))
 
 
 def _diffusers_mesh(mesh: DeviceMesh, dim: int, mode: str) -> DeviceMesh:
@@ -234,21 +221,10 @@ def _pre_forward(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
         _set_grad_reduction(module, applied)
 
 
-def _attention_backends(module: nn.Module) -> set[str]:
-    """The attention backend names of ``module``'s attention processors (diffusers)."""
-    with needs_extra("models", "context parallelism"):
-        from diffusers.models.attention_dispatch import _AttentionBackendRegistry
-
-    names = set()
-    for sub in module.modules():
-        processor = getattr(sub, "processor", None)
-        if processor is None or not hasattr(processor, "_parallel_config"):
-            continue
-        backend = getattr(processor, "_attention_backend", None)
-        if backend is None:
-            backend, _ = _AttentionBackendRegistry.get_active_backend()
-        names.add(str(getattr(backend, "value", backend)))
-    return names
+def _processors(module: nn.Module) -> list[Any]:
+    """diffusers' attention processors in ``module`` that take a parallel config."""
+    processors = (getattr(sub, "processor", None) for sub in module.modules())
+    return [p for p in processors if hasattr(p, "_parallel_config")]
 
 
 def _check_backends(module: nn.Module, mode: str) -> None:
@@ -256,7 +232,12 @@ def _check_backends(module: nn.Module, mode: str) -> None:
     with needs_extra("models", "context parallelism"):
         from diffusers.models.attention_dispatch import _AttentionBackendRegistry
 
-    backends = _attention_backends(module)
+    backends = set()
+    for processor in _processors(module):
+        backend = getattr(processor, "_attention_backend", None)
+        if backend is None:
+            backend, _ = _AttentionBackendRegistry.get_active_backend()
+        backends.add(str(getattr(backend, "value", backend)))
     unsupported = sorted(
         b for b in backends if b not in _AttentionBackendRegistry._supports_context_parallel
     )
@@ -318,24 +299,18 @@ def apply_context_parallel(
 ) -> nn.Module:
     """Shard ``module``'s token sequence over the ``axis`` of ``mesh``, for training.
 
-    The model's ``_cp_plan`` is installed as ``nn.Module`` hooks: the sequence is split
-    before the first block and the output gathered, so it is whole and identical on
-    every rank of a context group. Parameter names and state-dict keys do not change.
-    Call this before ``fully_shard`` and before wrapping blocks in modules, and shard
-    trained roles over every rank (:func:`fvstep.parallel.make_mesh`); steps are then
-    called with ``parallelism=fvstep.parallel.Layout(mesh)``.
+    The model's ``_cp_plan`` is installed as ``nn.Module`` hooks; the output is whole on
+    every rank of a context group, and parameter names do not change. Call this before
+    ``fully_shard`` and before wrapping blocks in modules; call steps with
+    ``parallelism=fvstep.parallel.Layout(mesh)`` (``docs/concepts/context-parallel.md``).
 
     Args:
         module: The role's model (``diffusers.ModelMixin`` with ``_cp_plan``).
         mesh: A mesh with a context axis (:func:`make_context_mesh`), on every rank.
-        axis: The name of the context axis of ``mesh``.
         mode: ``"ulysses"`` (all-to-all; the heads must divide by the degree) or
             ``"ring"`` (a backend that returns the log-sum-exp: CUDA only).
         check_inputs: At each forward, check that the ranks of the group were given the
             same inputs (one small all-gather and a host sync).
-
-    Returns:
-        The same module, prepared.
 
     Raises:
         ValueError: If the module has no plan, is already parallel, or is wrapped; if the
@@ -343,11 +318,6 @@ def apply_context_parallel(
             Ulysses, if the heads do not divide by the degree; for ring, with a backend that
             cannot; at a forward, if the token count does not divide by the degree, or the
             ranks of a group were given different inputs.
-
-    Examples:
-        >>> mesh = make_context_mesh(context=2)
-        >>> student = apply_context_parallel(tiny_wan(num_heads=2), mesh=mesh)
-        >>> student = shard_module(student, mesh=make_mesh())
     """
     with needs_extra("models", "context parallelism"):
         from diffusers.models._modeling_parallel import ContextParallelConfig, ParallelConfig
@@ -389,10 +359,8 @@ def apply_context_parallel(
     # with the plan installed as nn.Module hooks (see _install_plan).
     config.setup(rank, world, device, mesh=_diffusers_mesh(mesh, dim, mode))
     setattr(module, "_parallel_config", config)  # noqa: B010 (what enable_parallelism sets)
-    for sub in module.modules():
-        processor = getattr(sub, "processor", None)
-        if processor is not None and hasattr(processor, "_parallel_config"):
-            processor._parallel_config = config
+    for processor in _processors(module):
+        processor._parallel_config = config
     _install_plan(module, plan, mesh[axis])
 
     group_ranks = tuple(dist.get_process_group_ranks(mesh[axis].get_group()))
@@ -404,11 +372,6 @@ def apply_context_parallel(
 
 def applied_context_group(module: nn.Module) -> tuple[int, ...] | None:
     """The global ranks of the context group ``module`` was prepared for by
-    :func:`apply_context_parallel`, or ``None`` for a module that was not.
-
-    Examples:
-        >>> applied_context_group(apply_context_parallel(model, mesh))   # rank 0 of 4
-        (0, 1)
-    """
+    :func:`apply_context_parallel`, or ``None`` for a module that was not."""
     applied = getattr(module, _APPLIED, None)
     return applied.group_ranks if isinstance(applied, _Applied) else None

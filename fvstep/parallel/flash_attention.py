@@ -1,11 +1,8 @@
 """FlashAttention-4 behind PyTorch's flash SDPA backend: opt-in, for the whole process.
 
-:func:`enable_flash_attention_4` registers the ``flash-attn-4`` kernels with PyTorch's
-registry of flash attention implementations: from then on every SDPA call on the flash
-backend, eager or compiled, runs FA4 in this process; :func:`disable_flash_attention_4`
-gives PyTorch's kernels back. This module is also the import path PyTorch's FA4 glue reads,
-adapting FA4's return values to what the glue expects. What to know (Inductor wrappers,
-devices, determinism, resume) and why: ``docs/concepts/prepare.md`` (FlashAttention-4).
+This module is also the import path PyTorch's FA4 glue reads, adapting FA4's return
+values to what the glue expects. What to know and why: ``docs/concepts/prepare.md``
+(FlashAttention-4).
 """
 
 from __future__ import annotations
@@ -54,11 +51,7 @@ def _unbroadcast(tensor: torch.Tensor) -> torch.Tensor:
 def _flash_attn_fwd(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kwargs: Any
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """FA4's forward as PyTorch's glue calls it: ``(out, lse)`` of FA4's longer tuple.
-
-    The output buffer the glue passes (``out``) and the inputs lose the zero strides of
-    their size-1 dimensions first (:func:`_unbroadcast`); FA4 writes into the same memory.
-    """
+    """FA4's forward as PyTorch's glue calls it: ``(out, lse)``, inputs and ``out`` unbroadcast."""
     if kwargs.get("out") is not None:
         kwargs["out"] = _unbroadcast(kwargs["out"])
     query, key, value = (_unbroadcast(t) for t in (query, key, value))
@@ -75,14 +68,11 @@ def _flash_attn_bwd(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tens
 def enable_flash_attention_4(device: torch.device | int | None = None) -> None:
     """Run PyTorch's flash SDPA backend on FlashAttention-4, in this whole process.
 
-    Idempotent. Roles whose attention backend is ``"_native_flash"`` (``prepare``'s
-    ``attention_backend``) then run FA4. Call it before their first step; compiled
-    blocks call the overridden op at run time, so the order with ``compile`` does not
-    matter.
+    Idempotent. Roles whose attention backend is ``"_native_flash"`` then run FA4; call
+    it before their first step (the order with ``compile`` does not matter).
 
     Args:
-        device: The CUDA device whose compute capability is checked (default: the
-            current one).
+        device: The CUDA device whose compute capability is checked (default: current).
 
     Raises:
         MissingExtraError: If ``flash_attn.cute.interface`` cannot be imported;

@@ -1,8 +1,5 @@
 """The FSDP2 gradient-sync policy of accumulation, and FSDP2 modules returned to rest.
 
-:class:`FSDPGradSync` applies an :class:`~fvstep.core.accumulation.Accumulation` policy per
-micro-batch to the FSDP2 roots a unit trains; :func:`release_modules` reshards every group
-and :func:`unrested_modules` says what a module holds that the state does not.
 :class:`fvstep.parallel.Layout` puts these behind the core's
 :class:`~fvstep.core.layout.Parallelism` protocol.
 """
@@ -28,10 +25,6 @@ __all__ = [
     "release_modules",
     "unrested_modules",
 ]
-
-
-def _unsharded_grad_bytes(module: nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
 
 
 class FSDPGradSync:
@@ -71,7 +64,10 @@ class FSDPGradSync:
                 and num_microbatches > 1
                 and not rs.role.allow_no_sync
             ):
-                mib = _unsharded_grad_bytes(module) / 2**20
+                grads = (
+                    p.numel() * p.element_size() for p in module.parameters() if p.requires_grad
+                )
+                mib = sum(grads) / 2**20
                 raise ValueError(
                     f"sync='no_sync' keeps an unsharded gradient of up to {mib:.1f} MiB per rank for {type(module).__name__}: "
                     "opt in with Role(..., allow_no_sync=True), or use sync='deferred' (same result, sharded)"
@@ -103,36 +99,27 @@ class FSDPGradSync:
         return {}
 
 
-def _fsdp_modules(module: nn.Module) -> list[FSDPModule]:
-    return [m for m in module.modules() if isinstance(m, FSDPModule)]
-
-
 def release_modules(state: TrainState, *, after_error: bool = False) -> None:
     """Return every FSDP2 module of every role of ``state`` to rest: all groups sharded.
 
-    FSDP2 does not reshard the root group after forward (its backward would gather it
-    again at once), so a role read under ``torch.no_grad()`` keeps its root group
-    unsharded, and that group's unsharded parameters keep the ``requires_grad`` they had
-    when they were gathered. fvstep calls this before and after every unit, so that no
-    such state survives a unit; :func:`unrested_modules` checks it.
+    FSDP2 does not reshard the root group after forward, so a role read under
+    ``torch.no_grad()`` keeps it unsharded, with the ``requires_grad`` it was gathered with.
+    fvstep calls this before and after every unit; :func:`unrested_modules` checks it.
 
     Args:
-        state: The state whose roles' modules to release.
         after_error: A forward or backward raised midway: wait for and discard in-flight
             collectives and partial reductions too (FSDP2's ``reset_iter_state`` where the
             installed torch has it).
     """
     for rs in state.roles.values():
-        modules = _fsdp_modules(rs.role.module)
+        modules = [m for m in rs.role.module.modules() if isinstance(m, FSDPModule)]
         if not modules:
             continue
         root = modules[0]
         if root is rs.role.module and not after_error:
-            # FSDP2 fixes a group's gradient dtypes at its lazy init, from the parameters
-            # that have requires_grad on then. A role whose first use came while a unit
-            # had turned its requires_grad off (a DMD2 student first read by a critic-only
-            # step) would get none, and a bf16 gradient later meets an fp32 parameter.
-            # At rest every trainable parameter requires grad: initialise here, first.
+            # FSDP2 fixes a group's gradient dtypes at lazy init from the parameters that
+            # require grad then; a role first used while a unit had turned that off (a DMD2
+            # student read by a critic-only step) would get none. At rest all do: init here.
             fsdp_lazy_init(rs.role.module)
         reset = getattr(root, "reset_iter_state", None)
         if after_error and reset is not None and is_fsdp_root(cast(nn.Module, root)):
@@ -147,10 +134,6 @@ def unrested_modules(state: TrainState) -> list[str]:
     At rest (after every unit and every step): each role's module holds exactly the
     state's parameter tensors (no FSDP2 group unsharded), every trainable parameter has
     ``requires_grad`` on and every frozen one off, and no parameter has a ``.grad``.
-
-    Examples:
-        >>> state, _ = step(state, batch)
-        >>> assert unrested_modules(state) == []
     """
     problems: list[str] = []
     for name, rs in state.roles.items():
@@ -192,8 +175,7 @@ def check_roles_are_data_parallel(state: TrainState) -> None:
 def grad_sync_for(state: TrainState, accumulation: Accumulation) -> FSDPGradSync | None:
     """The gradient-sync controller for ``state``'s roles, or ``None`` if none is sharded.
 
-    It checks nothing: :meth:`fvstep.parallel.Layout.check` refused a bad state once,
-    before the call began (:func:`check_roles_are_data_parallel`).
+    It checks nothing: :meth:`fvstep.parallel.Layout.check` did, once per call.
     """
     if not any(is_sharded(rs.role.module) for rs in state.roles.values()):
         return None

@@ -1,13 +1,5 @@
-"""Starting and stopping ranks: local launch, ``torchrun``'s environment, tear-down.
-
-- :func:`launch` runs a function on ``nproc`` local ranks (torch's elastic launcher):
-  multi-rank tests, ``fvstep demo --nproc 2``, trying FSDP2 on a laptop.
-- :func:`init_from_env` initialises the default process group under ``torchrun``;
-  :func:`destroy` tears it down.
-
-Examples:
-    >>> results = launch(train_and_report, "runs/a", nproc=2)   # one result per rank
-"""
+"""Starting and stopping ranks: local launch (:func:`launch`), ``torchrun``'s environment
+(:func:`init_from_env`), tear-down (:func:`destroy`)."""
 
 from __future__ import annotations
 
@@ -34,7 +26,7 @@ def _default_backend() -> str:
 
 
 def _launched(entry: tuple[str, str], args: tuple[Any, ...]) -> Any:
-    """The body of each launched rank: a gloo (or NCCL) process group from the env, then ``entry``."""
+    """Each launched rank: a process group from the env, then ``entry``."""
     backend = _default_backend()
     if backend == "gloo":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
@@ -55,19 +47,14 @@ def _launched(entry: tuple[str, str], args: tuple[Any, ...]) -> Any:
 def launch(fn: Callable[..., Any], *args: Any, nproc: int = 2) -> list[Any]:
     """Run ``fn(*args)`` on ``nproc`` local ranks with torch.distributed's elastic launcher.
 
-    Each rank initialises the default process group (NCCL with GPUs, else gloo) from
-    the launcher's environment before calling ``fn``, and destroys it after. ``fn``
-    must be a module-level function (ranks import it by name); its results must be
-    picklable.
+    Each rank runs ``fn`` inside a default process group (NCCL with GPUs, else gloo).
+    ``fn`` must be a module-level function; its results must be picklable.
 
     Returns:
         The results, by rank.
 
     Raises:
         torch.distributed.elastic.multiprocessing.errors.ChildFailedError: If a rank failed.
-
-    Examples:
-        >>> results = launch(train_and_report, "runs/a", nproc=2)
     """
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -89,9 +76,7 @@ def launch(fn: Callable[..., Any], *args: Any, nproc: int = 2) -> list[Any]:
 
 @contextlib.contextmanager
 def _child_tracebacks_not_logged() -> Iterator[None]:
-    """The elastic launcher logs a failed rank's whole traceback (about 50 lines on stderr)
-    before it raises ``ChildFailedError``, which carries the same traceback: let the error
-    alone say it, so that a command's one-line error stays one line."""
+    """Silence the launcher's log of a failed rank's traceback: ``ChildFailedError`` carries it."""
     from torch.distributed.elastic.multiprocessing import api as processes_api
 
     # and torch.multiprocessing's "Terminating process ... via signal SIGTERM" of the others
@@ -115,12 +100,6 @@ def init_from_env(*, backend: str | None = None, timeout_s: float | None = None)
 
     Returns:
         Whether this call created the group (the caller then owns :func:`destroy`).
-
-    Examples:
-        >>> started = init_from_env()
-        >>> ...
-        >>> if started:
-        ...     destroy()
     """
     if dist.is_initialized():
         return False

@@ -1,11 +1,8 @@
 """The process layout of a call: data-parallel replicas, context-parallel groups, FSDP2.
 
 :class:`Layout` is the :class:`~fvstep.core.layout.Parallelism` a step is called with on
-several ranks (``step(state, batch, parallelism=Layout())``; ``fvstep.run`` passes
-``Layout()`` by itself under ``torchrun``). Like torchtitan's ``ParallelDims``, one object
-owns the rank mapping: which data-parallel replica this rank is (that keys its noise and
-picks its batch), which ranks form a context-parallel group (they share both), and how
-a unit's gradients are synchronised (FSDP2, :mod:`fvstep.parallel.grad_sync`).
+several ranks. Like torchtitan's ``ParallelDims``, one object owns the rank mapping: this
+rank's replica (its noise and batch), its context group, and how gradients are synced.
 """
 
 from __future__ import annotations
@@ -44,8 +41,6 @@ class Layout:
       and every context-parallel role must have been prepared on this mesh's groups.
 
     Attributes:
-        mesh: The mesh with the context axis, or ``None`` (data parallel only).
-        context_axis: The name of that axis.
         count_collectives: Report ``collectives/*`` counts and bytes in a step's metrics.
 
     Examples:
@@ -64,11 +59,7 @@ class Layout:
 
     def check(self, state: TrainState) -> None:
         """Refuse, on several ranks, a trained role that is neither sharded nor replicated,
-        and a context-parallel role prepared for other groups than this mesh's.
-
-        Raises:
-            ValueError: Naming the role and what to do.
-        """
+        and a context-parallel role prepared for other groups than this mesh's (``ValueError``)."""
         check_roles_are_data_parallel(state)
         mine = None
         if self.mesh is not None:
@@ -97,8 +88,7 @@ class Layout:
         return CollectiveCounter() if self.count_collectives else None
 
     def sum_over_ranks(self, value: torch.Tensor, like: Sequence[torch.Tensor]) -> torch.Tensor:
-        """``value`` summed over the ranks of the mesh of the first DTensor of ``like``
-        (``value`` itself when none is one), one mesh dim at a time, through DTensor."""
+        """``value`` summed over the mesh of the first DTensor of ``like`` (as it is if none)."""
         mesh = next((cast(DTensor, x).device_mesh for x in like if is_dtensor(x)), None)
         if mesh is None:
             return value
@@ -113,10 +103,6 @@ class Layout:
 def default_layout(state: TrainState) -> Layout | None:
     """``Layout()`` on several ranks or for a state with sharded roles, else ``None``
     (the layout of one process). What ``fvstep.run`` uses when given no ``parallelism``.
-
-    Examples:
-        >>> default_layout(state) is None   # one process, plain modules
-        True
     """
     sharded = any_dtensor(p for rs in state.roles.values() for p in rs.params.values())
     return Layout() if sharded or rank_and_world()[1] > 1 else None

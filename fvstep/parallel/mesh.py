@@ -1,12 +1,4 @@
-"""Device meshes and FSDP2 sharding of a role's module.
-
-:func:`make_mesh` (FSDP2 or HSDP) and :func:`make_context_mesh` over every rank;
-:func:`shard_module` shards each block, then the root, keeping parameter names.
-
-Examples:
-    >>> mesh = make_mesh()                       # FSDP over all ranks
-    >>> student = shard_module(student, mesh=mesh)
-"""
+"""Device meshes (FSDP2, HSDP, context parallel) and FSDP2 sharding of a role's module."""
 
 from __future__ import annotations
 
@@ -64,9 +56,6 @@ def make_mesh(
         shard: Ranks per shard group; default ``world_size // replicate``.
         device_type: ``"cuda"`` or ``"cpu"``; default ``"cuda"`` if available.
 
-    Returns:
-        The mesh (``init_device_mesh``).
-
     Raises:
         RuntimeError: If no process group is initialised.
         ValueError: If ``replicate * shard`` is not the world size.
@@ -90,8 +79,8 @@ def make_mesh(
 def is_block(name: str, module: nn.Module, parent: nn.Module | None) -> bool:
     """The default :data:`BlockFilter`: the blocks of the root's ``nn.ModuleList`` attributes.
 
-    ``blocks.0``, ``blocks.1``, ... of a Wan transformer (``layers.*`` of a Llama-style
-    model); lists nested inside blocks (an attention's ``to_out``) are not wrapped.
+    ``blocks.0``, ``blocks.1``, ... of a Wan transformer; lists nested inside blocks (an
+    attention's ``to_out``) are not.
     """
     return isinstance(parent, nn.ModuleList) and name.count(".") == 1
 
@@ -121,21 +110,11 @@ def shard_module(
     Args:
         module: The role's module (parameters on the mesh's device type).
         mesh: From :func:`make_mesh`; a 2-D mesh gives HSDP.
-        blocks: ``(qualified_name, submodule, parent) -> bool``: which submodules become
-            their own FSDP2 groups (default: the blocks of every ``nn.ModuleList``).
-        mp_policy: e.g. ``MixedPrecisionPolicy(param_dtype=torch.bfloat16,
-            reduce_dtype=torch.float32)``.
-        reshard_after_forward: FSDP2's option, for every group.
-        offload_policy: FSDP2's offload policy (e.g. ``CPUOffloadPolicy()``); default none.
-
-    Returns:
-        The same module, now an ``FSDPModule``.
+        blocks: Which submodules become their own FSDP2 groups.
+        mp_policy, reshard_after_forward, offload_policy: FSDP2's options, for every group.
 
     Raises:
         ValueError: If the module is already sharded.
-
-    Examples:
-        >>> shard_module(student, mesh=make_mesh(), mp_policy=MixedPrecisionPolicy(torch.bfloat16))
     """
     if is_sharded(module):
         raise ValueError("the module is already sharded (fully_shard was applied)")
@@ -160,10 +139,6 @@ def make_context_mesh(*, context: int, device_type: str | None = None) -> Device
 
     Args:
         context: Ranks per context group (the sequence is split ``context`` ways), ``>= 2``.
-        device_type: ``"cuda"`` or ``"cpu"``; default ``"cuda"`` if available.
-
-    Returns:
-        The mesh (``init_device_mesh``), dims named ``("data", "context")``.
 
     Raises:
         RuntimeError: If no process group is initialised.
@@ -171,8 +146,6 @@ def make_context_mesh(*, context: int, device_type: str | None = None) -> Device
 
     Examples:
         >>> mesh = make_context_mesh(context=2)          # 8 ranks: 4 replicas x 2
-        >>> mesh["context"].size()
-        2
     """
     world = _world_size("make_context_mesh")
     if isinstance(context, bool) or not isinstance(context, int) or context < 2:
@@ -201,10 +174,6 @@ def data_parallel_rank_and_size(mesh: DeviceMesh, *, axis: str = "context") -> t
 
     The index is this rank's coordinate on every axis but ``axis``, flattened in row-major
     order; the ranks of one context group share it. Use it for keys and data.
-
-    Args:
-        mesh: A mesh with a context axis (e.g. :func:`make_context_mesh`).
-        axis: The name of the context axis.
 
     Returns:
         ``(index, size)``: ``0 <= index < size``, ``size = mesh.size() // mesh[axis].size()``.

@@ -3,10 +3,6 @@
 What :func:`fvstep.parallel.prepare` does for a role computing in another dtype than its
 callers: :func:`store_in_dtype`, :func:`cast_at_boundary` (timesteps keep their
 precision) and, on one process, :func:`autocast_forward`.
-
-Examples:
-    >>> store_in_dtype(teacher, torch.bfloat16); cast_at_boundary(teacher, torch.bfloat16)
-    >>> teacher(x_fp32, t_fp32).dtype   # torch.float32
 """
 
 from __future__ import annotations
@@ -66,11 +62,10 @@ def _cast_tree(value: Any, dtype: torch.dtype, *, min_ndim: int = 0) -> Any:
 
 
 def _positional_names(module: nn.Module) -> tuple[str, ...]:
-    """The names of ``module.forward``'s positional parameters, in order (``()`` if unknown).
+    """``module.forward``'s positional parameter names (``()`` if unknown).
 
-    A module whose ``forward(*args, **kwargs)`` delegates to another (a
-    :class:`fvstep.lora.LoRAModule` calls its base) names them by its
-    ``forward_signature`` attribute, an ``inspect.Signature``.
+    A module whose ``forward(*args, **kwargs)`` delegates (:class:`fvstep.lora.LoRAModule`)
+    names them by its ``forward_signature`` attribute, an ``inspect.Signature``.
     """
     signature = getattr(module, "forward_signature", None)
     try:
@@ -110,13 +105,9 @@ def cast_at_boundary(
     first such input. Unlike FSDP2's ``cast_forward_inputs``, timesteps are left alone.
 
     Args:
-        module: The role's module (hooked in place).
-        dtype: The dtype it computes in.
-        full_precision_inputs: Names of ``module.forward``'s arguments never cast,
-            whatever their shape, positional or keyword (default
-            :data:`FULL_PRECISION_INPUTS`). Positional arguments are named by the
-            signature (or the module's ``forward_signature``); an argument with no known
-            name is judged by rank: 0-D and 1-D (per-sample scalars) are kept.
+        full_precision_inputs: Names of ``module.forward``'s arguments never cast, whatever
+            their shape (positional ones named by the signature or ``forward_signature``);
+            an argument with no known name is kept when 0-D or 1-D.
 
     Raises:
         TypeError: If ``full_precision_inputs`` is a string, not a collection of names.
@@ -161,14 +152,8 @@ def cast_at_boundary(
 def autocast_forward(module: nn.Module, dtype: torch.dtype) -> None:
     """Run ``module``'s forward under ``torch.autocast(dtype)`` on its parameters' device.
 
-    Mixed precision on one process, made a property of the role so that training,
-    validation and sampling all see it: the parameters stay as stored, the matmuls and
-    attention compute in ``dtype``.
-
-    Args:
-        module: The role's module (hooked in place: a prepended forward pre-hook enters
-            autocast, an ``always_call`` forward hook leaves it).
-        dtype: The autocast dtype (``torch.bfloat16`` or ``torch.float16``).
+    Mixed precision on one process, a property of the role that training, validation and
+    sampling all see: the parameters stay as stored.
 
     Raises:
         ValueError: If ``dtype`` is not a 16-bit floating dtype.
@@ -196,9 +181,7 @@ def autocast_forward(module: nn.Module, dtype: torch.dtype) -> None:
 
 
 def _kept_in_fp32(module: nn.Module) -> set[str]:
-    """The qualified names of the tensors that diffusers keeps in fp32, for every model of
-    ``module``: the root's, or one inside a wrapper (``_keep_in_fp32_modules`` of each
-    submodule, matched against the names below it)."""
+    """The qualified names of the tensors diffusers keeps in fp32, in every model inside ``module``."""
     kept: set[str] = set()
     for prefix, sub in module.named_modules():
         keep = tuple(getattr(sub, "_keep_in_fp32_modules", None) or ())
@@ -216,10 +199,6 @@ def store_in_dtype(module: nn.Module, dtype: torch.dtype) -> None:
     The tensors that diffusers keeps in fp32 (``_keep_in_fp32_modules`` of any model
     inside ``module``) stay as they are, as ``from_pretrained(torch_dtype=...)`` keeps
     them. Tensors keep their identity (their ``.data`` is replaced).
-
-    Args:
-        module: The module, typically a frozen role's.
-        dtype: The storage dtype (e.g. ``torch.bfloat16``).
 
     Examples:
         >>> store_in_dtype(teacher, torch.bfloat16)

@@ -1,10 +1,7 @@
 """Prepare a role's module for real scale: activation checkpointing, compile, FSDP2, precision.
 
-One call per role composes PyTorch's own machinery in torchtitan's order, one step a
-module: :mod:`~fvstep.parallel.activation_checkpoint`, ``activation_offload``,
-``block_compile``, then FSDP2 (:func:`~fvstep.parallel.shard_module`), with frozen roles
-and the casts at a role's boundary in :mod:`~fvstep.parallel.precision`. Parameter names,
-and so checkpoint keys, do not change. The options and their laws:
+One call per role composes PyTorch's own machinery in torchtitan's order, one module a
+step. Parameter names, and so checkpoint keys, do not change. The options and their laws:
 ``docs/concepts/prepare.md``.
 """
 
@@ -17,7 +14,7 @@ import attrs
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
 from fvstep.core._optional import needs_extra
 from fvstep.parallel.activation_checkpoint import (
@@ -52,21 +49,16 @@ class Preparation:
     """What :func:`prepare` did to a module (kept on it; :func:`describe` prints it).
 
     Attributes:
-        trainable: Whether the role is trained.
-        checkpointing: The activation-checkpointing choice.
-        checkpointed_blocks: Qualified names of the checkpointed blocks.
         offloaded_blocks: Qualified names of the blocks whose saved activations wait in
             host memory (``offload_activations``).
-        compiled_blocks: Qualified names of the compiled blocks.
         sharded: Whether ``fully_shard`` was applied (per block and at the root).
-        mesh_shape: The mesh's shape and dim names, or ``None``.
+        mesh_shape: The mesh's dim names and sizes, or ``None``.
         param_dtype: Compute dtype over the stored parameters: FSDP2's with a mesh,
             autocast's on one process (``None``: as stored).
         reduce_dtype: Gradient reduction dtype (``None``: the parameter dtype).
         storage_dtype: The dtype most parameter elements are stored in (a frozen role's
             ``_keep_in_fp32_modules`` stay fp32 beside it).
         offload: Whether parameters are offloaded to the CPU between uses.
-        attention_backend: The diffusers attention backend set, or ``None``.
     """
 
     trainable: bool
@@ -83,12 +75,7 @@ class Preparation:
     attention_backend: str | None
 
     def describe(self) -> dict[str, Any]:
-        """A JSON-friendly summary (for benchmark output and logs).
-
-        ``flash_attention_4`` is the process's state when this is called (whether SDPA's
-        flash backend runs FlashAttention-4, :func:`~fvstep.parallel.enable_flash_attention_4`),
-        not a property of the module: the kernel a ``"_native_flash"`` role runs now.
-        """
+        """A JSON-friendly summary; ``flash_attention_4`` is the process's state now, not the module's."""
         return {
             "trainable": self.trainable,
             "checkpointing": self.checkpointing.describe(),
@@ -137,53 +124,35 @@ def prepare(
 ) -> nn.Module:
     """Prepare a role's module: checkpointing, then compile, then FSDP2 (torchtitan's order).
 
-    The module is changed in place and returned; build the role with it
-    (``fvstep.Role(prepare(...), optimizer=...)``). What each option does, and what it
+    The module is changed in place and returned. What each option does, and what it
     costs: ``docs/concepts/prepare.md``.
 
     Args:
         module: The role's module, its parameters on the device they will run on.
-        mesh: Shard with FSDP2 over this mesh (2-D ``("replicate", "shard")``: HSDP;
-            :func:`fvstep.parallel.make_mesh`); ``None`` leaves it unsharded.
-        trainable: ``False`` for a frozen role: stored in ``frozen_dtype`` (diffusers'
-            ``_keep_in_fp32_modules`` stay fp32), no ``requires_grad``, activations cast
-            at its boundary (:func:`~fvstep.parallel.precision.cast_at_boundary`).
-        checkpointing: ``"none"`` (default), ``"full"``, ``"selective"``,
-            ``"attention"``, ``"narrow"`` (:data:`~fvstep.parallel.activation_checkpoint.CheckpointName`)
-            or an :class:`ActivationCheckpointing`. Under ``no_grad`` a checkpointed
-            block just runs its forward.
-        offload_activations: ``True`` (every block) or an :class:`ActivationOffloading`:
-            the blocks' saved activations wait in pinned host memory (CUDA only).
-        compile: ``True`` for ``block.compile(fullgraph=True, dynamic=False)`` on each
-            block, or a mapping of ``torch.compile`` arguments merged over those
-            (:func:`~fvstep.parallel.block_compile.resolve_compile_options`).
-        verify_compile: ``True`` (the default threshold,
-            :data:`~fvstep.parallel.compile_check.DEFAULT_THRESHOLD`) or a threshold:
-            each compiled graph's gradients are checked against eager ones once
-            (:mod:`fvstep.parallel.compile_check`); off by default.
-        param_dtype: The compute dtype over the stored parameters: FSDP2's
-            ``param_dtype`` with ``mesh`` (the ``full_precision_inputs`` not cast), else
-            the forward runs under ``torch.autocast(param_dtype)``.
-        reduce_dtype: FSDP2's gradient-reduction dtype.
-        reshard_after_forward: FSDP2's option, for every group.
+        mesh: Shard with FSDP2 over this mesh (:func:`fvstep.parallel.make_mesh`; 2-D: HSDP).
+        trainable: ``False`` for a frozen role: stored in ``frozen_dtype``, no
+            ``requires_grad``, activations cast at its boundary.
+        checkpointing: A :data:`~fvstep.parallel.activation_checkpoint.CheckpointName` or an
+            :class:`ActivationCheckpointing`.
+        offload_activations: ``True`` (every block) or an :class:`ActivationOffloading` (CUDA only).
+        compile: ``True`` for ``block.compile(fullgraph=True, dynamic=False)`` per block, or
+            ``torch.compile`` arguments merged over those.
+        verify_compile: ``True`` or a threshold: check each compiled graph's gradients
+            against eager ones once (:mod:`fvstep.parallel.compile_check`).
+        param_dtype: The compute dtype: FSDP2's ``param_dtype`` with ``mesh``, else
+            ``torch.autocast(param_dtype)``.
         offload: FSDP2's ``CPUOffloadPolicy``. Needs ``mesh``.
         frozen_dtype: The dtype a frozen role is stored in (``None`` keeps it).
-        attention_backend: A diffusers attention backend name, set on this module only
-            (``"_native_flash"`` runs FlashAttention-4 once
-            :func:`~fvstep.parallel.enable_flash_attention_4` was called).
-        blocks: Which submodules are blocks (default :func:`~fvstep.parallel.is_block`).
-        checkpoint_context: ``context_fn -> context_fn`` around every checkpointed
-            block's recomputation (see
-            :func:`~fvstep.parallel.activation_checkpoint.apply_activation_checkpointing`);
-            ``None`` takes the one the module carries (:func:`fvstep.lora.add_adapters`).
-        context_mesh: Shard each sample's tokens over this mesh's ``"context"`` axis
-            first (:func:`fvstep.parallel.apply_context_parallel`). Not with ``compile``.
-        context_mode: ``"ulysses"`` or ``"ring"``.
-        full_precision_inputs: Names of ``module.forward``'s arguments a boundary cast
-            never touches (default :data:`FULL_PRECISION_INPUTS`, the timesteps).
+        attention_backend: A diffusers attention backend name, set on this module only.
+        checkpoint_context: ``context_fn -> context_fn`` around every checkpointed block's
+            recomputation; ``None`` takes the one the module carries (:func:`fvstep.lora.add_adapters`).
+        context_mesh: Shard each sample's tokens over this mesh's ``"context"`` axis first
+            (:func:`fvstep.parallel.apply_context_parallel`). Not with ``compile``.
+        full_precision_inputs: Names of ``module.forward``'s arguments a boundary cast never
+            touches (default :data:`FULL_PRECISION_INPUTS`, the timesteps).
 
     Returns:
-        The same module, prepared; :func:`preparation` tells what was done.
+        The same module; :func:`preparation` tells what was done.
 
     Raises:
         ValueError: If the module was prepared or sharded already, if FSDP2 options are
@@ -222,8 +191,7 @@ def prepare(
             "compile with context parallel is not supported: diffusers' attention "
             "backward under context parallel cannot be traced (docs/concepts/context-parallel.md)"
         )
-    submodules = dict(module.named_modules())
-    named_blocks = {name: submodules[name] for name in names}
+    named_blocks = {name: module.get_submodule(name) for name in names}
     if attention_backend is not None:
         setter = getattr(module, "set_attention_backend", None)
         if setter is None:
@@ -234,9 +202,7 @@ def prepare(
         with needs_extra("models", "prepare(attention_backend=...)"):
             from diffusers.models.attention_dispatch import attention_backend as active_backend
 
-        # diffusers' setter also makes its backend the process's default, which every other
-        # model's processors without a backend of their own would then run on; the
-        # context puts the default back, so only this module changes
+        # diffusers' setter also makes its backend the process's default: put that back
         with active_backend():
             setter(attention_backend)
     if not trainable:
@@ -264,7 +230,6 @@ def prepare(
     if mesh is None and param_dtype is not None:  # one process: autocast, as FSDP2 casts
         autocast_forward(module, param_dtype)
     if mesh is not None:
-        offload_policy: OffloadPolicy = CPUOffloadPolicy() if offload else OffloadPolicy()
         shard_module(
             module,
             mesh=mesh,
@@ -273,7 +238,7 @@ def prepare(
                 param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False
             ),
             reshard_after_forward=reshard_after_forward,
-            offload_policy=offload_policy,
+            offload_policy=CPUOffloadPolicy() if offload else None,
         )
     elements: dict[torch.dtype, int] = {}
     for p in module.parameters():

@@ -1,12 +1,7 @@
 """Rank helpers: who am I, wait for the others, share a value, reduce a few numbers.
 
 Without a process group (or on a group of one rank) every helper returns the
-single-process answer at once. The object helpers pickle: use them for small control
-values, not tensors.
-
-Examples:
-    >>> rank, world = rank_and_world()
-    >>> slowest = max_over_ranks([seconds])[0]
+single-process answer at once. The object helpers pickle: small control values only.
 """
 
 from __future__ import annotations
@@ -31,11 +26,7 @@ __all__ = [
 
 
 def rank_and_world(group: Any = None) -> tuple[int, int]:
-    """``(rank, world_size)`` in ``group`` (default: the world); ``(0, 1)`` without a process group.
-
-    Examples:
-        >>> rank, world = rank_and_world()
-    """
+    """``(rank, world_size)`` in ``group`` (default: the world); ``(0, 1)`` without a process group."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(group), dist.get_world_size(group)
     return 0, 1
@@ -48,11 +39,7 @@ def barrier(group: Any = None) -> None:
 
 
 def gather_objects(obj: Any, *, group: Any = None) -> list[Any]:
-    """Every rank's ``obj`` (picklable), by rank; ``[obj]`` on one process.
-
-    Examples:
-        >>> verdicts = gather_objects(first_difference)
-    """
+    """Every rank's ``obj`` (picklable), by rank; ``[obj]`` on one process."""
     world = rank_and_world(group)[1]
     if world == 1:
         return [obj]
@@ -107,12 +94,7 @@ def max_over_ranks(
     numbers as ``float`` (float64). Every rank must pass as many values.
 
     Args:
-        values: This rank's numbers.
         device: Where the reduction runs; default :func:`collective_device`.
-        group: The process group (default: the world).
-
-    Returns:
-        The maxima, in order, on every rank.
 
     Examples:
         >>> slowest = max_over_ranks([seconds])[0]
@@ -124,19 +106,15 @@ def max_over_ranks(
 def min_over_ranks(
     values: Sequence[float], *, device: torch.device | None = None, group: Any = None
 ) -> list[Any]:
-    """Element-wise minimum of ``values`` over the ranks of ``group`` (see :func:`max_over_ranks`).
-
-    Examples:
-        >>> first_bad = min_over_ranks([bad_index])[0]
-    """
+    """Element-wise minimum of ``values`` over the ranks of ``group`` (see :func:`max_over_ranks`)."""
     return _reduce_over_ranks(values, dist.ReduceOp.MIN, device, group)
 
 
 @contextlib.contextmanager
 def host_group() -> Iterator[Any]:
-    """A gloo group over every rank, for the duration of the block: control messages
-    that must not wait for the GPU (an NCCL collective read on the host waits for every
-    kernel queued before it). Collective: every rank enters and leaves it together.
+    """A gloo group over every rank, for control messages that must not wait for the GPU.
+
+    Collective: every rank enters and leaves it together.
 
     Yields:
         ``None`` on one process; else the gloo group, destroyed on exit.
