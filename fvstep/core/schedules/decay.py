@@ -42,9 +42,8 @@ def warmup_cosine(
     ``min_ratio=0`` the schedule equals diffusers' ``get_cosine_schedule_with_warmup``
     (``get_scheduler("cosine")``) bit for bit.
 
-    As in diffusers, ``progress`` is not clamped at 1: past ``total_steps`` the cosine
-    keeps its period, so with the default ``num_cycles=0.5`` the LR climbs back up after
-    ``total_steps``. Use :func:`join` with :func:`constant` to hold the final value.
+    As in diffusers, ``progress`` is not clamped at 1: past ``total_steps`` the LR climbs
+    back up; :func:`join` it with :func:`constant` to hold the final value.
 
     Args:
         lr: The peak learning rate, finite and ``>= 0``.
@@ -54,13 +53,8 @@ def warmup_cosine(
         num_cycles: Number of cosine periods between ``warmup_steps`` and
             ``total_steps``; the default 0.5 is a half cosine from ``lr`` down to the floor.
 
-    Returns:
-        The schedule.
-
     Raises:
-        ValueError: If ``lr`` is negative or not finite, a step count is negative,
-            ``total_steps`` is 0, ``warmup_steps > total_steps``, ``min_ratio`` lies outside
-            ``[0, 1]``, or ``num_cycles`` is not positive and finite.
+        ValueError: If an argument lies outside the range given above.
 
     Examples:
         >>> sched = warmup_cosine(1.0, warmup_steps=2, total_steps=6)
@@ -102,23 +96,7 @@ def cosine(
 ) -> Schedule:
     """A cosine decay from ``lr`` towards ``min_ratio * lr`` over ``total_steps`` steps.
 
-    This is :func:`warmup_cosine` with ``warmup_steps=0``; with ``min_ratio=0`` it equals
-    diffusers' ``get_scheduler("cosine", num_warmup_steps=0, ...)`` bit for bit. As there,
-    the cosine is not clamped past ``total_steps`` (see :func:`warmup_cosine`).
-
-    Args:
-        lr: The initial learning rate, finite and ``>= 0``.
-        total_steps: Step at which the decay has run ``num_cycles`` periods, ``>= 1``.
-        min_ratio: The floor of the decay as a fraction of ``lr``, in ``[0, 1]``.
-        num_cycles: Number of cosine periods over ``total_steps``; the default 0.5 is a
-            half cosine from ``lr`` down to the floor.
-
-    Returns:
-        The schedule.
-
-    Raises:
-        ValueError: If ``lr`` is negative or not finite, ``total_steps < 1``,
-            ``min_ratio`` lies outside ``[0, 1]``, or ``num_cycles`` is not positive.
+    :func:`warmup_cosine` with ``warmup_steps=0`` (its arguments, raises and diffusers' equality).
 
     Examples:
         >>> sched = cosine(1.0, total_steps=4, min_ratio=0.1)
@@ -143,12 +121,8 @@ def warmup_cosine_restarts(
         total_steps: Step at which the last cycle ends, ``>= 1``.
         num_cycles: Number of decay cycles (hard restarts), ``>= 1``.
 
-    Returns:
-        The schedule.
-
     Raises:
-        ValueError: If ``lr`` is negative or not finite, a step count is negative,
-            ``total_steps`` is 0, ``warmup_steps > total_steps``, or ``num_cycles < 1``.
+        ValueError: If an argument lies outside the range given above.
 
     Examples:
         >>> sched = warmup_cosine_restarts(1.0, warmup_steps=0, total_steps=4, num_cycles=2)
@@ -186,13 +160,8 @@ def warmup_linear(
         total_steps: Step at which the decay reaches its floor, ``>= 1``.
         min_ratio: The floor as a fraction of ``lr``, in ``[0, 1]``.
 
-    Returns:
-        The schedule.
-
     Raises:
-        ValueError: If ``lr`` is negative or not finite, a step count is negative,
-            ``total_steps`` is 0, ``warmup_steps > total_steps``, or ``min_ratio`` lies
-            outside ``[0, 1]``.
+        ValueError: If an argument lies outside the range given above.
 
     Examples:
         >>> sched = warmup_linear(1.0, warmup_steps=2, total_steps=6)
@@ -225,19 +194,7 @@ def linear_decay(
 ) -> Schedule:
     """A linear decay from ``lr`` to ``min_ratio * lr`` at ``total_steps``, after an optional warmup.
 
-    This is :func:`warmup_linear` with ``warmup_steps`` defaulting to 0.
-
-    Args:
-        lr: The initial (peak) learning rate, finite and ``>= 0``.
-        total_steps: Step at which the decay reaches its floor, ``>= 1``.
-        warmup_steps: Length of an optional linear warmup from 0, ``<= total_steps``.
-        min_ratio: The floor as a fraction of ``lr``, in ``[0, 1]``.
-
-    Returns:
-        The schedule.
-
-    Raises:
-        ValueError: As :func:`warmup_linear`.
+    :func:`warmup_linear` with ``warmup_steps`` defaulting to 0 (its arguments).
 
     Examples:
         >>> sched = linear_decay(1.0, total_steps=4)
@@ -270,13 +227,8 @@ def polynomial(
         end_lr: The final learning rate, finite and ``>= 0``.
         power: The exponent of the decay, finite and ``> 0`` (1 is linear).
 
-    Returns:
-        The schedule.
-
     Raises:
-        ValueError: If ``lr <= end_lr``, ``end_lr`` is negative, a value is not finite, a
-            step count is negative, ``warmup_steps >= total_steps`` (the decay needs at
-            least one step), or ``power <= 0``.
+        ValueError: If an argument lies outside the range given above.
 
     Examples:
         >>> sched = polynomial(1.0, warmup_steps=0, total_steps=4, end_lr=0.0, power=2.0)
