@@ -279,11 +279,9 @@ class Leaf(Step):
         )
 
 
-def own_routes(leaf: Leaf) -> tuple[Route, ...]:
-    return (Route(leaf, leaf.settings, leaf.settings.resolve()),)
-
-
-ROUTES = attrs.Factory(own_routes, takes_self=True)
+ROUTES = attrs.Factory(
+    lambda leaf: (Route(leaf, leaf.settings, leaf.settings.resolve()),), takes_self=True
+)
 """A leaf's ``routes`` default: itself, its own settings (computed once)."""
 
 
@@ -357,12 +355,6 @@ _RECOVER = (
 )
 
 
-def _unknown_role(role: str, state_roles: list[str]) -> str:
-    close = difflib.get_close_matches(role, state_roles, n=1)
-    hint = f"; did you mean {close[0]!r}?" if close else ""
-    return f"the state has no role {role!r} (it has roles {state_roles}){hint}"
-
-
 def check_call(routes: Sequence[Route], state: TrainState, parallelism: Parallelism | None) -> None:
     """Refuse, before anything is consumed, a leaf (at any step) that trains or mutates a
     missing role or trains a frozen one, and a state or process the layout cannot train."""
@@ -372,9 +364,11 @@ def check_call(routes: Sequence[Route], state: TrainState, parallelism: Parallel
         for role in (*leaf.trains, *leaf.mutates):
             if role not in roles:
                 verb = "trains" if role in leaf.trains else "mutates"
+                close = difflib.get_close_matches(role, sorted(roles), n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
                 raise ValueError(
-                    f"{leaf.describe()} {verb} role {role!r}, but "
-                    f"{_unknown_role(role, sorted(roles))}"
+                    f"{leaf.describe()} {verb} role {role!r}, but the state has no role "
+                    f"{role!r} (it has roles {sorted(roles)}){hint}"
                 )
         for role in leaf.trains:
             if not roles[role].role.trainable:

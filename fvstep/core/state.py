@@ -134,8 +134,6 @@ class RoleState:
         params: Every parameter of the module, by qualified name (the live tensors).
         buffers: The module's persistent buffers, by qualified name.
         opt_state: The optimizer's state (``None`` for a frozen role).
-        ema: The :class:`EMAState`, or ``None``.
-        role: The :class:`Role` (static).
         trainable_names: Names of the parameters the optimizer updates (static).
         tied: ``(alias, canonical)`` pairs (static) of tied tensors: only the canonical
             name is a leaf (``docs/concepts/state.md``).

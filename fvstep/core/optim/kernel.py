@@ -376,9 +376,6 @@ def adamw(
 
     Examples:
         >>> opt = adamw(3e-4, betas=(0.9, 0.95), weight_decay=0.1)
-        >>> state = opt.init(dict(model.named_parameters()))
-        >>> grads = {n: p.grad for n, p in model.named_parameters()}
-        >>> state = opt.update(dict(model.named_parameters()), grads, state)
         >>> warmup = adamw(lambda c: 3e-4 * min(1.0, (c + 1) / 1000))
     """
     return AdamW(
