@@ -147,12 +147,6 @@ class Interrupted(Exception):
         step: The step the state reached (and was saved at).
         num_steps: The step the run was asked to reach.
 
-    Examples:
-        >>> try:
-        ...     state = fs.run(step_fn, state, source, num_steps=1000,
-        ...                    checkpoints=fs.Checkpoints("ckpt", every=100))
-        ... except fs.Interrupted as e:  # preempted: the job scheduler will restart us
-        ...     sys.exit(143)
     """
 
     def __init__(

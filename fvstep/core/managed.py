@@ -32,7 +32,7 @@ class Managed(Leaf):
     trains_label: ClassVar[str] = "trains"
 
     fn: ManagedFn
-    trains: tuple[str, ...]  # a field where Leaf has a property
+    trains: tuple[str, ...]
     name: str = "managed"
     settings: UnitSettings = attrs.Factory(UnitSettings)
     mutates: tuple[str, ...] = ()

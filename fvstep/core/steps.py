@@ -275,16 +275,14 @@ def compile(
 ) -> Compiled:
     """Give a step execution settings; returns a step.
 
-    Compiled steps compose: ``sequence(compile(critic, accumulation=Accumulation(4)),
-    compile(student))`` runs the critic over 4 micro-batches and the student over one. The
-    process layout is not a setting: it is passed to each call (``parallelism=``).
+    Compiled steps compose (the innermost setting wins). The process layout is not a
+    setting: it is passed to each call (``parallelism=``).
 
     Args:
         inner: A unit (``fvstep.update``) or any composed step.
-        accumulation: ``Accumulation(microbatches=K, sync=...)`` for the units inside
-            (the innermost ``compile`` that sets it wins); default one micro-batch.
-        clip: Clipping of units that do not set their own (``None``: off); default the
-            enclosing ``compile``'s, else off.
+        accumulation: ``Accumulation(microbatches=K, sync=...)`` for the units inside;
+            default one micro-batch.
+        clip: Clipping of units that do not set their own (``None``: off); default off.
     sanitize: Non-finite mode of units that do not set their own: ``"error"`` (the
         final default), ``"skip"``, ``"nan_to_num"`` or ``None`` (see :func:`update`).
 
@@ -292,9 +290,7 @@ def compile(
         ValueError: For a bad setting, or two leaves of one name.
 
     Examples:
-        >>> step = compile(update("student", loss), accumulation=Accumulation(4),
-        ...                clip=clip_grad_norm(1.0))
-        >>> state, metrics = step(state, batch)
+        >>> step = compile(update("student", loss), accumulation=Accumulation(4))
     """
     check_step(inner, "compile's step")
     check_unique_names(inner.leaves(), "compile")
@@ -312,9 +308,6 @@ def plan(step_fn: Step, step: int) -> list[PlanEntry]:
 
     Returns:
         One :class:`~fvstep.core.settings.PlanEntry` per leaf that runs, in order.
-
-    Raises:
-        TypeError: If ``step_fn`` is not a step.
 
     Examples:
         >>> [e.roles for e in plan(step_fn, 5)]

@@ -38,9 +38,7 @@ def warmup_cosine(
 
     After warmup the multiplier is
     ``min_ratio + (1 - min_ratio) * max(0, (1 + cos(2π · num_cycles · progress)) / 2)``
-    with ``progress = (step - warmup_steps) / (total_steps - warmup_steps)``. With
-    ``min_ratio=0`` the schedule equals diffusers' ``get_cosine_schedule_with_warmup``
-    (``get_scheduler("cosine")``) bit for bit.
+    with ``progress = (step - warmup_steps) / (total_steps - warmup_steps)``.
 
     As in diffusers, ``progress`` is not clamped at 1: past ``total_steps`` the LR climbs
     back up; :func:`join` it with :func:`constant` to hold the final value.
@@ -96,7 +94,7 @@ def cosine(
 ) -> Schedule:
     """A cosine decay from ``lr`` towards ``min_ratio * lr`` over ``total_steps`` steps.
 
-    :func:`warmup_cosine` with ``warmup_steps=0`` (its arguments, raises and diffusers' equality).
+    :func:`warmup_cosine` with ``warmup_steps=0`` (its arguments and raises).
 
     Examples:
         >>> sched = cosine(1.0, total_steps=4, min_ratio=0.1)
@@ -111,9 +109,7 @@ def warmup_cosine_restarts(
 ) -> Schedule:
     """A linear warmup, then ``num_cycles`` half-cosine decays from ``lr`` to 0 with hard restarts.
 
-    Equal to diffusers ``get_scheduler("cosine_with_restarts", num_cycles=...)``
-    (``get_cosine_with_hard_restarts_schedule_with_warmup``) bit for bit. The LR is 0 from
-    ``total_steps`` on.
+    The LR is 0 from ``total_steps`` on.
 
     Args:
         lr: The peak learning rate, finite and ``>= 0``.
@@ -150,9 +146,7 @@ def warmup_linear(
 ) -> Schedule:
     """A linear warmup from 0 to ``lr``, then a linear decay to ``min_ratio * lr`` at ``total_steps``.
 
-    Equal to diffusers ``get_scheduler("linear")`` bit for bit; ``min_ratio`` is
-    ``get_linear_schedule_with_warmup``'s ``f_min`` (with ``f_max=1``). The LR stays at
-    ``min_ratio * lr`` after ``total_steps``.
+    The LR stays at ``min_ratio * lr`` after ``total_steps``.
 
     Args:
         lr: The peak learning rate, finite and ``>= 0``.
@@ -215,10 +209,7 @@ def polynomial(
     """A linear warmup from 0 to ``lr``, then a polynomial decay to ``end_lr`` at ``total_steps``.
 
     After warmup the LR is ``(lr - end_lr) * (1 - progress) ** power + end_lr`` and
-    ``end_lr`` after ``total_steps``. Equal to diffusers'
-    ``get_polynomial_decay_schedule_with_warmup(lr_end=end_lr, power=power)`` bit for bit
-    (including its ``lr * (decay / lr)`` round trip through a multiplier), and so to
-    ``get_scheduler("polynomial", power=...)`` for the default ``end_lr=1e-7``.
+    ``end_lr`` after ``total_steps`` (through diffusers' ``lr * (decay / lr)`` round trip).
 
     Args:
         lr: The peak learning rate, finite and ``> end_lr``.

@@ -55,9 +55,7 @@ def piecewise_constant(values: Sequence[float], boundaries: Sequence[int]) -> Sc
     """A step function: ``values[i]`` for steps in ``[boundaries[i-1], boundaries[i])``.
 
     ``values[0]`` is used for steps ``< boundaries[0]`` and ``values[-1]`` for steps
-    ``>= boundaries[-1]``. The values are learning rates, not multipliers: diffusers'
-    ``"piecewise_constant"`` with ``step_rules="m0:b0,m1:b1,...,mk"`` and base ``lr`` equals
-    ``piecewise_constant([lr * m0, lr * m1, ..., lr * mk], [b0, b1, ...])`` bit for bit.
+    ``>= boundaries[-1]``. The values are learning rates, not diffusers' multipliers.
 
     Args:
         values: ``len(boundaries) + 1`` learning rates, finite and ``>= 0``.
