@@ -7,6 +7,7 @@ class objects are these, so ``isinstance`` and pickling do not depend on the pat
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -36,10 +37,6 @@ __all__ = [
 class ConsumedStateError(RuntimeError):
     """A consumed (donated) state was used after a step took it: raised by the step, or
     by any use of the state, that finds it consumed."""
-
-
-def _rebuild_error(cls: type, args: tuple, details: dict) -> NonFiniteGradientError:
-    return cls(*args, **details)
 
 
 class NonFiniteGradientError(FloatingPointError):
@@ -84,7 +81,7 @@ class NonFiniteGradientError(FloatingPointError):
         details = {
             k: getattr(self, k) for k in ("step", "unit", "role", "parameter", "microbatch", "kind")
         }
-        return (_rebuild_error, (type(self), self.args, details))
+        return (functools.partial(type(self), **details), self.args)
 
 
 class StepFailedError(RuntimeError):

@@ -56,9 +56,8 @@ def check_sanitize(sanitize: object) -> None:
 class UnitSettings:
     """How a unit runs: micro-batching and sync, clipping, the non-finite mode.
 
-    A field left unset (``None`` for ``accumulation``, :data:`UNSET` for the others)
-    takes the enclosing setting (:meth:`over`), then the default (:meth:`resolve`). The
-    builders (``update``, ``managed``, ``compile``) check the values once.
+    Unset fields (``None`` for ``accumulation``, :data:`UNSET` for the others) are merged
+    as the module says; the builders (``update``, ``managed``, ``compile``) check values.
 
     Examples:
         >>> UnitSettings(clip=None).over(UnitSettings(Accumulation(4), sanitize="skip")).resolve()

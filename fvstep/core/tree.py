@@ -162,8 +162,6 @@ def _describe(x: Any) -> str:
 
 def _max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> str:
     a, b = local_tensor(a).detach(), local_tensor(b).detach()
-    if a.dtype == torch.bool or not (a.is_floating_point() or a.is_complex()):
-        return f"{(a.to(torch.float64) - b.to(torch.float64)).abs().max().item():g}"
     diff = (a.to(torch.float64) - b.to(torch.float64)).abs()
     finite = diff[torch.isfinite(diff)]
     worst = finite.max().item() if finite.numel() else float("nan")
