@@ -689,7 +689,7 @@ def split_microbatches(batch: Any, num: int) -> list[Any]:
         return list(batch)
     if num == 1:
         return [batch]
-    _paths, flat, spec = optree.tree_flatten_with_path(batch)
+    flat, spec = optree.tree_flatten(batch)
     sizes = {int(x.shape[0]) for x in flat if isinstance(x, torch.Tensor) and x.dim() > 0}
     if len(sizes) > 1:
         raise ValueError(f"batch tensors disagree on dim 0: sizes {sorted(sizes)}")
