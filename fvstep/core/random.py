@@ -92,12 +92,8 @@ def fold_in(k: torch.Tensor, data: int) -> torch.Tensor:
 def fold_in_name(k: torch.Tensor, name: str) -> torch.Tensor:
     """Derive a new key from ``k`` and a name (a unit's name, a role's name).
 
-    ``fold_in(k, d)`` with ``d`` the first 8 bytes of the name's SHA-256 (UTF-8), so the
-    key depends on the name alone: stable across processes, Python versions and the
-    position of whatever carries the name.
-
-    Examples:
-        >>> unit_key = fold_in_name(step_key, "dmd2_critic")
+    ``fold_in(k, d)`` with ``d`` the first 8 bytes of the name's SHA-256 (UTF-8): the key
+    depends on the name alone, whatever carries it, in any process.
     """
     if not isinstance(name, str):
         raise TypeError(f"fold_in_name needs a str, got {type(name).__name__}")

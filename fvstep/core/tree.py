@@ -269,10 +269,8 @@ def assert_trees_close(
 def tree_digest(tree: Any) -> str:
     """A stable SHA-256 hex digest of ``tree``'s paths, leaf metadata and every leaf's bytes.
 
-    Stable across processes and runs (no ``id``/``hash`` of Python objects enters it); it
-    covers each tensor's path, dtype, shape and bytes, and the ``repr`` of non-tensor
-    leaves. Static metadata (modules, hyper-parameters) is not part of it. For a DTensor
-    it covers the local shard, so it is a per-rank digest.
+    Stable across processes and runs; non-tensor leaves enter by ``repr``, static metadata
+    not at all. For a DTensor it covers the local shard: a per-rank digest.
 
     Examples:
         >>> tree_digest(state) == tree_digest(clone(state))
