@@ -103,16 +103,7 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    """Import a public name or submodule the first time it is read (PEP 562).
-
-    Raises:
-        AttributeError: ``name`` is neither.
-
-    Examples:
-        >>> import fvstep
-        >>> fvstep.TrainState.__name__
-        'TrainState'
-    """
+    """Import a public name or submodule the first time it is read (PEP 562)."""
     if name in _NAMES:
         value = getattr(importlib.import_module(_NAMES[name]), name)
         globals()[name] = value

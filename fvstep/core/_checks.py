@@ -21,10 +21,6 @@ def check_int(value: SupportsIndex, name: str, *, minimum: int = 0) -> int:
     Raises:
         TypeError: If ``value`` is not an integer (a float, even an integral one, is not).
         ValueError: If it is smaller than ``minimum``.
-
-    Examples:
-        >>> check_int(3, "warmup_steps")
-        3
     """
     try:
         v = operator.index(value)
@@ -43,10 +39,6 @@ def check_real(value: SupportsFloat, name: str) -> float:
     Raises:
         TypeError: If ``value`` is not a real number.
         ValueError: If it is NaN or infinite.
-
-    Examples:
-        >>> check_real(0.5, "min_ratio")
-        0.5
     """
     v = _as_float(value, name)
     if not math.isfinite(v):
@@ -60,10 +52,6 @@ def check_learning_rate(value: SupportsFloat, name: str = "lr") -> float:
     Raises:
         TypeError: If ``value`` is not a real number.
         ValueError: If it is negative, NaN or infinite.
-
-    Examples:
-        >>> check_learning_rate(1e-4)
-        0.0001
     """
     v = _as_float(value, name)
     if not math.isfinite(v):

@@ -17,15 +17,8 @@ __all__ = ["needs_extra"]
 
 @contextlib.contextmanager
 def needs_extra(extra: str, feature: str) -> Iterator[None]:
-    """Turn an ``ImportError`` inside the block into one naming ``fvstep[extra]``.
-
-    Args:
-        extra: The extra of ``pyproject.toml`` that installs the package (``"data"``).
-        feature: What needs it, for the message (``"fvstep data encode"``).
-
-    Raises:
-        MissingExtraError: If an import in the block fails (a ``ModuleNotFoundError``
-            too); it names the module, ``feature`` and ``pip install 'fvstep[extra]'``.
+    """Turn an ``ImportError`` inside the block into a ``MissingExtraError`` naming the module,
+    ``feature`` (what needs it) and ``pip install 'fvstep[extra]'``.
 
     Examples:
         >>> with needs_extra("tracking", "TensorBoardTracker"):

@@ -24,8 +24,7 @@ _LOW_PRECISION = (torch.bfloat16, torch.float16)
 def _named_buffers(
     module: nn.Module, *, persistent: bool = True
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every name of the module's persistent (or non-persistent) buffers, in
-    ``state_dict`` order: a buffer held under several names appears under each."""
+    """The module's (non-)persistent buffers under every name, in ``state_dict`` order."""
     for mod_name, mod in module.named_modules(remove_duplicate=False):
         for buf_name, buf in mod._buffers.items():
             if buf is not None and (buf_name not in mod._non_persistent_buffers_set) == persistent:
@@ -35,8 +34,7 @@ def _named_buffers(
 def distinct_tensors(
     module: nn.Module,
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], tuple[tuple[str, str], ...]]:
-    """The module's distinct parameters and persistent buffers, each under its first name,
-    and the ``(alias, canonical)`` pairs of the other names of the same tensors."""
+    """The module's distinct params and persistent buffers (first names), and the tied pairs."""
     first_name: dict[int, str] = {}  # id() is safe: the module keeps every tensor alive
     tied: list[tuple[str, str]] = []
     slots: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]] = ({}, {})
@@ -61,8 +59,7 @@ def _storage_key(tensor: torch.Tensor) -> tuple[str, int] | None:
 def check_no_partial_aliasing(
     role_name: str, module: nn.Module, tensors: Mapping[str, torch.Tensor]
 ) -> None:
-    """Refuse different tensors of one role that share storage: a checkpoint restores
-    them as independent tensors, so a resumed run would silently differ."""
+    """Refuse different tensors of one role that share storage (a checkpoint would untie them)."""
     seen: dict[tuple[str, int], str] = {}
     for name, tensor in tensors.items():
         where = _storage_key(tensor)
@@ -86,7 +83,7 @@ def check_no_partial_aliasing(
 
 
 def check_no_aliasing(roles: Mapping[str, Role]) -> None:
-    """Refuse roles that share a module or a parameter's storage (a ``ValueError`` naming both)."""
+    """Refuse roles that share a module or a parameter's storage."""
     seen_modules: dict[int, tuple[str, str]] = {}
     seen_storage: dict[tuple[str, int], tuple[str, str]] = {}
     for role_name, role in roles.items():
@@ -119,9 +116,7 @@ def check_no_aliasing(roles: Mapping[str, Role]) -> None:
 def resolve_trainable_names(
     name: str, role: Role, params: Mapping[str, torch.Tensor]
 ) -> tuple[str, ...]:
-    """The parameters a trainable role's optimizer updates (those with ``requires_grad``),
-    refused in bf16/fp16 when the optimizer needs fp32 master weights and the role did not
-    opt in."""
+    """The names of the params with ``requires_grad``; low precision refused unless opted in."""
     assert role.optimizer is not None
     trainable = tuple(n for n, p in params.items() if p.requires_grad)
     if not trainable:
@@ -137,7 +132,7 @@ def resolve_trainable_names(
 
 
 def check_tensor_leaves(tree: Any, what: str) -> None:
-    """Refuse a leaf of ``tree`` (``what``) that is not a tensor (a ``TypeError`` naming it)."""
+    """Refuse a leaf of ``tree`` (``what``) that is not a tensor."""
     paths, flat, _ = flatten_with_paths(tree)
     for path, leaf in zip(paths, flat, strict=False):
         if not isinstance(leaf, torch.Tensor):
@@ -158,8 +153,7 @@ def live_tensors(
     buffers: Mapping[str, torch.Tensor],
     tied: tuple[tuple[str, str], ...],
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """The module's parameters and persistent buffers under every name, refused unless the
-    names are those of the state (``params``, ``buffers`` and the aliases of ``tied``)."""
+    """The module's params and persistent buffers under every name, if those are the state's."""
     live_params: dict[str, torch.Tensor] = dict(module.named_parameters(remove_duplicate=False))
     live_buffers = dict(_named_buffers(module))
     if (
@@ -182,10 +176,8 @@ def bind_tensors(
     mine: Mapping[str, torch.Tensor],
     aliases: Mapping[str, str],
 ) -> None:
-    """Put the state's tensors (``mine``) into every slot of ``module`` (``live``'s names),
-    an alias's slot getting its canonical tensor."""
+    """Put the state's tensors (``mine``) into every slot of ``module``, aliases included."""
     for name in live:
         owner, leaf = _locate(module, name)
-        # the state's own tensor, bound as is (a leaf may be a plain tensor or DTensor)
         slot: dict[str, Any] = owner._parameters if name in live_params else owner._buffers
         slot[leaf] = mine[aliases.get(name, name)]

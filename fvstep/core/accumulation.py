@@ -24,10 +24,8 @@ class Accumulation:
 
     Attributes:
         microbatches: ``K >= 1``.
-        sync: ``"every"`` (reduce-scatter after each micro-batch, lowest memory),
-            ``"deferred"`` (wait only after the last; bit-identical to ``"every"``) or
-            ``"no_sync"`` (reduce once; unsharded gradients in between, so each trained
-            role opts in with ``Role(..., allow_no_sync=True)``).
+        sync: ``"every"``, ``"deferred"`` or ``"no_sync"`` (each trained role opts in with
+            ``Role(..., allow_no_sync=True)``): ``docs/concepts/sync-policies.md``.
         keep_params_gathered: Keep FSDP2 parameters unsharded between micro-batches
             (``set_reshard_after_backward(last)``): fewer all-gathers, more memory.
         defer_all_reduce: With HSDP, all-reduce across replicas only after the last

@@ -68,14 +68,10 @@ class Route:
     """One leaf of a step as the step runs it, resolved when the step is built.
 
     Attributes:
-        leaf: The unit or managed step.
-        settings: Its own settings merged over the enclosing ``compile``s' (fields still
-            unset are left to a ``compile`` built around this step).
+        settings: The leaf's settings over the enclosing ``compile``s' (some may be unset).
         resolved: ``settings`` over the defaults: what runs.
-        gates: The ``every`` and ``cond`` conditions between the step and the leaf,
-            outermost first; the leaf runs at a step where all of them open.
-        named: Whether the leaf reports its metrics as ``<its name>/<key>``: it trains a
-            role an earlier leaf of the step trains too (see :func:`name_routes`).
+        gates: The ``every``/``cond`` gates to the leaf, outermost first; all must open.
+        named: Whether its metrics are ``<its name>/<key>`` (see :func:`name_routes`).
     """
 
     leaf: Leaf
@@ -189,9 +185,8 @@ class Step(abc.ABC):
             state: The current state; consumed by the call (from its first change on).
             batch: A pytree of tensors split along dim 0 into the micro-batches, or a
                 list of exactly ``microbatches`` micro-batches.
-            key: A key to derive this step's randomness from; default ``state.key``.
-            parallelism: The process layout of the call (``fvstep.parallel.Layout(...)``
-                on several ranks); ``None``, the default, is one process.
+            key: The key of this step's randomness; default ``state.key``.
+            parallelism: ``fvstep.parallel.Layout(...)`` on several ranks; ``None``: one process.
 
         Returns:
             ``(new_state, metrics)``.
@@ -272,8 +267,7 @@ class Leaf(Step):
     def run(
         self, state: TrainState, batch: Any, key: torch.Tensor, settings: UnitSettings, call: Call
     ) -> tuple[TrainState, dict[str, Any]]:
-        """Run this leaf once in ``call`` with its resolved ``settings`` and ``key``; call
-        ``call.change()`` right before first changing ``state``."""
+        """Run this leaf once; call ``call.change()`` right before first changing ``state``."""
 
     def describe(self, position: int | None = None) -> str:
         """``unit 'name'`` or ``managed step 'name'``; with ``position``, also the roles."""
@@ -285,13 +279,10 @@ class Leaf(Step):
         )
 
 
-def own_routes(leaf: Leaf) -> tuple[Route, ...]:
-    """A leaf's routes when it is called as a step by itself: itself, its own settings."""
-    return (Route(leaf, leaf.settings, leaf.settings.resolve()),)
-
-
-ROUTES = attrs.Factory(own_routes, takes_self=True)
-"""A leaf's ``routes`` default (computed once: steps are frozen)."""
+ROUTES = attrs.Factory(
+    lambda leaf: (Route(leaf, leaf.settings, leaf.settings.resolve()),), takes_self=True
+)
+"""A leaf's ``routes`` default: itself, its own settings (computed once)."""
 
 
 class Call:
@@ -300,15 +291,8 @@ class Call:
     Loss functions may change buffers or ``extra`` tensors in place (a BatchNorm forward),
     so their version counters are watched: a failed step never calls such an input
     unchanged (best effort: a kernel writing behind autograd's back moves no counter).
-
-    Attributes:
-        step: The step being run.
-        batch: The step's batch.
-        parallelism: The process layout of the call (``None``: one process).
-        splits: The step's batch split into micro-batches, by their number (shared).
-        position: The running leaf's position among the step's leaves.
-        leaf: The running leaf (``None`` before the first).
-        changed: ``(position, leaf)`` of each leaf that has changed the state, in order.
+    ``splits`` holds the step's batch split once per number of micro-batches; ``changed``,
+    the ``(position, leaf)`` of each leaf that has changed the state, in order.
     """
 
     def __init__(
@@ -371,30 +355,20 @@ _RECOVER = (
 )
 
 
-def _unknown_role(role: str, state_roles: list[str]) -> str:
-    close = difflib.get_close_matches(role, state_roles, n=1)
-    hint = f"; did you mean {close[0]!r}?" if close else ""
-    return f"the state has no role {role!r} (it has roles {state_roles}){hint}"
-
-
 def check_call(routes: Sequence[Route], state: TrainState, parallelism: Parallelism | None) -> None:
-    """Check a call before anything is consumed: the roles of every leaf exist, trained
-    ones are trainable, and the layout accepts the state.
-
-    Raises:
-        ValueError: A leaf (at any step) trains or mutates a role the state lacks, or
-            trains a frozen role; ``parallelism=None`` and a sharded role, or a process
-            that is one of several ranks (each rank would train its own copy).
-    """
+    """Refuse, before anything is consumed, a leaf (at any step) that trains or mutates a
+    missing role or trains a frozen one, and a state or process the layout cannot train."""
     roles = state.roles
     for route in routes:
         leaf = route.leaf
         for role in (*leaf.trains, *leaf.mutates):
             if role not in roles:
                 verb = "trains" if role in leaf.trains else "mutates"
+                close = difflib.get_close_matches(role, sorted(roles), n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
                 raise ValueError(
-                    f"{leaf.describe()} {verb} role {role!r}, but "
-                    f"{_unknown_role(role, sorted(roles))}"
+                    f"{leaf.describe()} {verb} role {role!r}, but the state has no role "
+                    f"{role!r} (it has roles {sorted(roles)}){hint}"
                 )
         for role in leaf.trains:
             if not roles[role].role.trainable:
@@ -422,8 +396,7 @@ def check_call(routes: Sequence[Route], state: TrainState, parallelism: Parallel
 def run_unit(
     leaf: Any, state: TrainState, batch: Any, key: torch.Tensor, settings: UnitSettings, call: Call
 ) -> tuple[TrainState, dict[str, Any]]:
-    """How a unit runs itself (``Unit.run``): split ``batch``, :func:`backward`, consume the
-    input (``call.change()``), :func:`apply`."""
+    """``Unit.run``: split ``batch``, :func:`backward`, ``call.change()``, :func:`apply`."""
     accumulation, clip, sanitize = settings.accumulation, settings.clip, settings.sanitize
     assert accumulation is not None and clip is not UNSET and sanitize is not UNSET
     num = accumulation.microbatches
@@ -451,17 +424,13 @@ def run_unit(
     return apply(state, gradients, clip=clip, sanitize=sanitize)
 
 
-# One unit in two phases, so that the engine consumes the input between them: backward
-# (micro-batches, gradients, norms, the non-finite verdict; changes no leaf), then apply.
-
 LossFn = Callable[[TrainState, Any, torch.Tensor], Any]
 """``(state, batch, key) -> loss | (loss, metrics) | ({role: loss}, metrics)``."""
 
 
 @attrs.define
 class Group:
-    """Roles updated together (one role, or all of a unit's under a joint clip), with the
-    global norm of their gradients, measured before anything changes."""
+    """Roles updated together (one, or a unit's all under a joint clip) and their grad norm."""
 
     names: list[str]
     role_states: list[RoleState]
@@ -473,12 +442,8 @@ class Group:
 
 @attrs.define
 class Gradients:
-    """What :func:`backward` leaves for :func:`apply`: the unit's measured gradients.
-
-    Attributes:
-        groups: The groups of roles to update, their norms measured.
-        metrics: The losses and the loss function's metrics, means over micro-batches.
-    """
+    """What :func:`backward` leaves for :func:`apply`: the groups, norms measured, and the
+    losses and loss function's metrics (means over micro-batches)."""
 
     groups: list[Group]
     metrics: dict[str, Any]
@@ -634,8 +599,7 @@ def _check_finite(
     groups: list[Group],
     parallelism: Parallelism | None,
 ) -> None:
-    """``sanitize="error"``: one device sync for the verdict of every rank (the norms are
-    global; the non-finite losses are counted over ranks)."""
+    """``sanitize="error"``'s verdict over every rank, in one device sync."""
     losses = local_tensors([loss for r in roles for loss in loss_log[r]])
     device = losses[0].device
     bad = (~torch.isfinite(torch.stack([x.float().reshape(()) for x in losses]))).sum().float()
@@ -698,11 +662,7 @@ def _update_ema(
     initialized: torch.Tensor,
     decay: float,
 ) -> None:
-    """``ema = decay * ema + (1 - decay) * param`` in fp32; the first call copies.
-
-    The EMA is sharded like the parameters: DTensors are updated on their local shards
-    (no communication; foreach kernels apply).
-    """
+    """``ema = decay * ema + (1 - decay) * param`` in fp32 on local shards; the first copies."""
     targets = local_tensors([ema[n] for n in params])
     sources = [x.to(torch.float32) for x in local_tensors([p.detach() for p in params.values()])]
     if not bool(initialized):
@@ -716,15 +676,8 @@ def _update_ema(
 def split_microbatches(batch: Any, num: int) -> list[Any]:
     """Split ``batch`` into ``num`` micro-batches along dim 0 of every tensor leaf.
 
-    A ``list`` (or tuple) of exactly ``num`` items is taken as already split. Non-tensor
-    leaves (ints, strings) are shared by every micro-batch.
-
-    Args:
-        batch: A pytree (dicts, tuples, lists) of tensors, or a list of ``num`` micro-batches.
-        num: The number of micro-batches.
-
-    Returns:
-        A list of ``num`` pytrees of the same structure.
+    A ``list`` (or tuple, not of tensors only) of exactly ``num`` items is taken as already
+    split. Non-tensor leaves (ints, strings) are shared by every micro-batch.
 
     Raises:
         ValueError: If a tensor's dim 0 is not divisible by ``num``, tensors disagree on
@@ -736,7 +689,7 @@ def split_microbatches(batch: Any, num: int) -> list[Any]:
         return list(batch)
     if num == 1:
         return [batch]
-    _paths, flat, spec = optree.tree_flatten_with_path(batch)
+    flat, spec = optree.tree_flatten(batch)
     sizes = {int(x.shape[0]) for x in flat if isinstance(x, torch.Tensor) and x.dim() > 0}
     if len(sizes) > 1:
         raise ValueError(f"batch tensors disagree on dim 0: sizes {sorted(sizes)}")
@@ -752,6 +705,5 @@ def split_microbatches(batch: Any, num: int) -> list[Any]:
     return [optree.tree_unflatten(spec, [col[m] for col in columns]) for m in range(num)]
 
 
-def _is_tensor_tree(batch: Sequence[Any]) -> bool:
-    """A tuple/list whose items are tensors is one batch (e.g. ``(x, y)``), not micro-batches."""
+def _is_tensor_tree(batch: Sequence[Any]) -> bool:  # ``(x, y)`` is one batch
     return len(batch) > 0 and all(isinstance(x, torch.Tensor) for x in batch)

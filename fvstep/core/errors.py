@@ -7,6 +7,7 @@ class objects are these, so ``isinstance`` and pickling do not depend on the pat
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -36,11 +37,6 @@ __all__ = [
 class ConsumedStateError(RuntimeError):
     """A consumed (donated) state was used after a step took it: raised by the step, or
     by any use of the state, that finds it consumed."""
-
-
-def _rebuild_error(cls: type, args: tuple, details: dict) -> NonFiniteGradientError:
-    """Rebuild an unpickled error with its attributes (``NonFiniteGradientError.__reduce__``)."""
-    return cls(*args, **details)
 
 
 class NonFiniteGradientError(FloatingPointError):
@@ -83,24 +79,16 @@ class NonFiniteGradientError(FloatingPointError):
     def __reduce__(self) -> tuple:
         # Keep the attributes when the error crosses a process boundary (pickled).
         details = {
-            "step": self.step,
-            "unit": self.unit,
-            "role": self.role,
-            "parameter": self.parameter,
-            "microbatch": self.microbatch,
-            "kind": self.kind,
+            k: getattr(self, k) for k in ("step", "unit", "role", "parameter", "microbatch", "kind")
         }
-        return (_rebuild_error, (type(self), self.args, details))
+        return (functools.partial(type(self), **details), self.args)
 
 
 class StepFailedError(RuntimeError):
     """A step raised after it had changed some leaves of its input state in place.
 
-    The input state is consumed and partly updated (the units named in the message had
-    already changed it), so training cannot continue from it: reload the last checkpoint
-    (``fvstep.checkpoint.load(fvstep.checkpoint.latest(dir), like=...)``). The error
-    that stopped the step is ``__cause__``. A step that fails *before* changing a leaf
-    raises that error itself and leaves its input usable.
+    The input is consumed and partly updated: reload the last checkpoint. The error that
+    stopped the step is ``__cause__`` (the failure rule: ``docs/concepts/purity.md``).
     """
 
 
@@ -115,8 +103,6 @@ class CompiledGradientError(ValueError):
     Attributes:
         report: The failing block's ``fvstep.parallel.CompiledGradientReport`` (``None`` on
             a rank whose own comparison passed while another rank's failed).
-
-    Raised by ``prepare(..., verify_compile=...)`` and ``fvstep.testing.check_compiled_gradients``.
     """
 
     def __init__(self, message: str, report: Any = None) -> None:
@@ -135,12 +121,10 @@ class NewerFormatError(CheckpointError):
 
 
 class DamagedCheckpointError(CheckpointError):
-    """A checkpoint's files are damaged: a manifest that is missing, unreadable or malformed,
-    a shard that is missing or truncated, or content that does not match its checksums.
+    """A checkpoint's manifest, shards or checksums are damaged (missing, truncated, malformed).
 
-    Unlike a checkpoint that does not fit the state (the state changed) or one of a newer
-    format (fvstep is too old), an older checkpoint of the same run may still be good:
-    :func:`fvstep.run` skips damaged ones (see ``Checkpoints.on_damaged``).
+    An older checkpoint of the same run may still be good: :func:`fvstep.run` skips damaged
+    ones (see ``Checkpoints.on_damaged``).
     """
 
 
@@ -152,22 +136,14 @@ class CheckpointLockedError(CheckpointError):
 class Interrupted(Exception):
     """:func:`run` was stopped by a signal before ``num_steps``, after saving its state.
 
-    Raised after the state was saved and the lock of the run's folder released, so that
-    the same command run again resumes from :attr:`checkpoint`.
+    The run's folder is unlocked, so the same command run again resumes from
+    :attr:`checkpoint` (``None`` without checkpoints).
 
     Attributes:
         signal: ``"SIGTERM"`` or ``"SIGINT"`` (a first Ctrl-C).
         step: The step the state reached (and was saved at).
         num_steps: The step the run was asked to reach.
-        checkpoint: The checkpoint that holds the state (``None`` without checkpoints).
-        state: The state at ``step``.
 
-    Examples:
-        >>> try:
-        ...     state = fs.run(step_fn, state, source, num_steps=1000,
-        ...                    checkpoints=fs.Checkpoints("ckpt", every=100))
-        ... except fs.Interrupted as e:  # preempted: the job scheduler will restart us
-        ...     sys.exit(143)
     """
 
     def __init__(

@@ -36,19 +36,8 @@ def raise_non_finite(
     groups: list[Group],
     verdict: list[float],
 ) -> NoReturn:
-    """Raise the :class:`~fvstep.core.grads.NonFiniteGradientError` of a failed verdict.
-
-    Args:
-        step: The step counter.
-        unit: The unit's name.
-        roles: The roles it trains.
-        loss_log: Each role's losses, by micro-batch.
-        groups: The unit's groups (``full_norm`` set where measured).
-        verdict: ``[non-finite losses over ranks, each measured group's norm]``.
-
-    Raises:
-        NonFiniteGradientError: Always, naming the first non-finite loss or gradient.
-    """
+    """Raise the ``NonFiniteGradientError`` of ``verdict`` (``[non-finite losses over ranks,
+    each measured group's norm]``), naming the first non-finite loss or gradient."""
     where = f"step {step}, unit {unit!r}"
     if verdict[0] != 0:
         _raise_for_loss(step, unit, roles, loss_log, where)

@@ -62,22 +62,14 @@ def clip_grad_norm(
         max_norm: The maximum norm (> 0).
         norm_type: The p of the p-norm (``float("inf")`` allowed).
         foreach: torch's foreach switch (``None``: torch's default).
-        joint: Clip the roles of a multi-role unit together.
 
     Returns:
-        A :class:`ClipGradNorm` to pass as ``clip=`` to ``fvstep.compile`` or ``fvstep.update``.
+        The ``clip=`` of ``fvstep.compile`` or ``fvstep.update``.
 
     Examples:
         >>> step = fvstep.compile(method, clip=clip_grad_norm(1.0))
     """
     return ClipGradNorm(max_norm=max_norm, norm_type=norm_type, foreach=foreach, joint=joint)
-
-
-def _non_finite_kind(x: torch.Tensor) -> str | None:
-    """``"NaN"`` or ``"Inf"`` if ``x`` (a local tensor) has such an entry, else ``None``."""
-    if bool(torch.isfinite(x).all()):
-        return None
-    return "NaN" if bool(torch.isnan(x).any()) else "Inf"
 
 
 def first_non_finite(named: Sequence[tuple[str, torch.Tensor]]) -> tuple[str, str] | None:
@@ -87,10 +79,9 @@ def first_non_finite(named: Sequence[tuple[str, torch.Tensor]]) -> tuple[str, st
     tensor: for error messages, not for the hot path.
     """
     for name, x in named:
-        local = local_tensor(x)
-        kind = _non_finite_kind(local.detach())
-        if kind is not None:
-            return name, kind
+        local = local_tensor(x).detach()
+        if not bool(torch.isfinite(local).all()):
+            return name, "NaN" if bool(torch.isnan(local).any()) else "Inf"
     return None
 
 

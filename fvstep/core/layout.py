@@ -30,8 +30,7 @@ class GradSync(Protocol):
     """
 
     def release(self, state: TrainState, *, after_error: bool = False) -> None:
-        """Return every role's module of ``state`` to rest (``after_error``: a forward or
-        backward raised midway; discard partial reductions too)."""
+        """Return every role's module to rest (``after_error``: discard partial reductions too)."""
 
     def begin(self, roles: Sequence[RoleState], num_microbatches: int) -> None:
         """Called once before the first micro-batch of a unit."""

@@ -32,7 +32,7 @@ class Managed(Leaf):
     trains_label: ClassVar[str] = "trains"
 
     fn: ManagedFn
-    trains: tuple[str, ...]  # a field where Leaf has a property
+    trains: tuple[str, ...]
     name: str = "managed"
     settings: UnitSettings = attrs.Factory(UnitSettings)
     mutates: tuple[str, ...] = ()
@@ -42,8 +42,7 @@ class Managed(Leaf):
     def run(
         self, state: TrainState, batch: Any, key: torch.Tensor, settings: UnitSettings, call: Call
     ) -> tuple[TrainState, dict[str, Any]]:
-        """Run ``fn(state, batch, key, ctx)`` inside ``rng_scope(key)``; it counts as changing
-        the state from its start (see :meth:`~fvstep.core.engine.Leaf.run`)."""
+        """Run ``fn`` inside ``rng_scope(key)``; it counts as changing the state from its start."""
         call.change()
         accumulation = settings.accumulation
         assert accumulation is not None
@@ -81,19 +80,15 @@ def managed(
     policy).
 
     Args:
-        fn: The outer step.
         trains: Roles whose optimizers it steps.
         mutates: Frozen roles it changes in place (e.g. ``"old"``).
         clip: Default clipping of its inner updates (else the enclosing ``compile``'s).
         sanitize: Default non-finite mode of its inner updates.
-        name: Keys its randomness; a label for metrics and plans.
+        name: Keys its randomness; labels its metrics.
         check: ``check(state, batch, accumulation)``, run on the step's input before any
             leaf of a step this managed step runs at: it raises on what ``fn`` cannot take
             (leaving the input unchanged, where an error inside ``fn`` consumes it) and
             must change nothing.
-
-    Returns:
-        A :class:`Managed` step.
 
     Examples:
         >>> managed(rl_outer_step, trains="student")
@@ -115,14 +110,8 @@ def managed(
 
 @attrs.define
 class ManagedContext:
-    """What a managed step gets to run its inner updates with the step's machinery.
-
-    Attributes:
-        step: The global step being run.
-        position: The managed step's index among the leaves of the called step.
-        accumulation: The default accumulation of inner updates (the enclosing
-            ``compile``'s).
-    """
+    """What a managed step runs its inner updates with: the ``step``, its ``position`` among
+    the leaves, and the inner updates' default ``accumulation`` (the enclosing ``compile``'s)."""
 
     step: int
     position: int
@@ -145,9 +134,6 @@ class ManagedContext:
         ``accumulation`` defaults to the enclosing ``compile``'s; the unit's own
         ``clip``/``sanitize`` apply, else the managed step's, else the enclosing
         ``compile``'s (keys: ``docs/concepts/keys.md``).
-
-        Returns:
-            The new state and the unit's metrics.
 
         Raises:
             TypeError: If ``unit_`` is not a unit (``fvstep.update(...)``).

@@ -65,12 +65,6 @@ def is_key(x: object) -> bool:
 def key(seed: int) -> torch.Tensor:
     """Make a key from an integer seed (any Python int; reduced modulo 2**64).
 
-    Args:
-        seed: The seed.
-
-    Returns:
-        A key: a CPU int64 tensor of shape ``(2,)``.
-
     Raises:
         TypeError: If ``seed`` is not an integer.
     """
@@ -83,14 +77,8 @@ def key(seed: int) -> torch.Tensor:
 def fold_in(k: torch.Tensor, data: int) -> torch.Tensor:
     """Derive a new key from ``k`` and an integer (a step, a rank, a micro-batch index).
 
-    Different ``data`` give independent keys; the same ``(k, data)`` always gives the same key.
-
-    Args:
-        k: A key.
-        data: Any Python int (reduced modulo 2**64).
-
-    Returns:
-        A new key; ``k`` is not modified.
+    Different ``data`` (any int, reduced modulo 2**64) give independent keys; the same
+    ``(k, data)`` always gives the same key.
     """
     if isinstance(data, torch.Tensor):
         data = int(data.item())
@@ -104,12 +92,8 @@ def fold_in(k: torch.Tensor, data: int) -> torch.Tensor:
 def fold_in_name(k: torch.Tensor, name: str) -> torch.Tensor:
     """Derive a new key from ``k`` and a name (a unit's name, a role's name).
 
-    ``fold_in(k, d)`` with ``d`` the first 8 bytes of the name's SHA-256 (UTF-8), so the
-    key depends on the name alone: stable across processes, Python versions and the
-    position of whatever carries the name.
-
-    Examples:
-        >>> unit_key = fold_in_name(step_key, "dmd2_critic")
+    ``fold_in(k, d)`` with ``d`` the first 8 bytes of the name's SHA-256 (UTF-8): the key
+    depends on the name alone, whatever carries it, in any process.
     """
     if not isinstance(name, str):
         raise TypeError(f"fold_in_name needs a str, got {type(name).__name__}")
@@ -118,15 +102,7 @@ def fold_in_name(k: torch.Tensor, name: str) -> torch.Tensor:
 
 
 def split(k: torch.Tensor, num: int = 2) -> tuple[torch.Tensor, ...]:
-    """Split ``k`` into ``num`` independent keys.
-
-    Args:
-        k: A key.
-        num: How many keys (at least 1).
-
-    Returns:
-        A tuple of ``num`` new keys.
-    """
+    """Split ``k`` into ``num >= 1`` independent keys."""
     if num < 1:
         raise ValueError(f"split needs num >= 1, got {num}")
     a, b = _words(k)
@@ -140,15 +116,7 @@ def seed_of(k: torch.Tensor) -> int:
 
 
 def generator(k: torch.Tensor, device: torch.device | str = "cpu") -> torch.Generator:
-    """A fresh ``torch.Generator`` on ``device`` seeded from ``k``.
-
-    Args:
-        k: A key.
-        device: Any device with a generator (``"cpu"``, ``"cuda:0"``, ...).
-
-    Returns:
-        A new generator; drawing from it never touches the global RNG.
-    """
+    """A fresh ``torch.Generator`` on ``device`` seeded from ``k`` (not the global RNG)."""
     g = torch.Generator(device=device)
     g.manual_seed(seed_of(k))
     return g
@@ -159,8 +127,7 @@ def rng_scope(k: torch.Tensor) -> Iterator[None]:
     """Seed the global CPU (and every CUDA device's) RNG from ``k``; restore it on exit.
 
     Use it around modules that draw from the global RNG (dropout), so that they are
-    deterministic functions of the key. The previous global state comes back on exit,
-    also when the body raises.
+    deterministic functions of the key.
 
     Examples:
         >>> with rng_scope(k):

@@ -41,21 +41,13 @@ UNSET: Final = Unset.UNSET
 
 
 def check_clip(clip: object) -> None:
-    """Refuse a ``clip`` that is not ``clip_grad_norm(...)``, ``None`` or :data:`UNSET`.
-
-    Raises:
-        TypeError: Saying what ``clip`` must be.
-    """
+    """Refuse (``TypeError``) a ``clip`` not ``clip_grad_norm(...)``, ``None`` or :data:`UNSET`."""
     if clip is not UNSET and clip is not None and not isinstance(clip, ClipGradNorm):
         raise TypeError("clip must be fvstep.clip_grad_norm(...) or None")
 
 
 def check_sanitize(sanitize: object) -> None:
-    """Refuse an unknown non-finite mode.
-
-    Raises:
-        ValueError: Naming the modes there are.
-    """
+    """Refuse (``ValueError``) an unknown non-finite mode."""
     if sanitize is not UNSET and sanitize not in SANITIZE_MODES:
         raise ValueError(f"unknown sanitize mode {sanitize!r}; choose one of {SANITIZE_MODES}")
 
@@ -64,9 +56,8 @@ def check_sanitize(sanitize: object) -> None:
 class UnitSettings:
     """How a unit runs: micro-batching and sync, clipping, the non-finite mode.
 
-    A field left unset (``None`` for ``accumulation``, :data:`UNSET` for the others)
-    takes the enclosing setting (:meth:`over`), then the default (:meth:`resolve`). The
-    builders (``update``, ``managed``, ``compile``) check the values once.
+    Unset fields (``None`` for ``accumulation``, :data:`UNSET` for the others) are merged
+    as the module says; the builders (``update``, ``managed``, ``compile``) check values.
 
     Examples:
         >>> UnitSettings(clip=None).over(UnitSettings(Accumulation(4), sanitize="skip")).resolve()
@@ -101,14 +92,9 @@ class PlanEntry:
     Attributes:
         position: The leaf's index among all the leaves of the step (depth first, every
             branch); for messages only: keys come from the name.
-        name: The unit's or managed step's name (keys its randomness).
         roles: The roles whose optimizers step.
-        managed: Whether it runs its own inner loop.
-        clip: The resolved clipping (``None``: none).
-        sanitize: The resolved non-finite mode.
         mutates: Frozen roles it changes in place (managed steps only).
-        accumulation: The resolved micro-batching (for a managed step, that of its inner
-            updates unless they pass their own).
+        accumulation: For a managed step, that of its inner updates unless they pass theirs.
     """
 
     position: int

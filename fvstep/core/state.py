@@ -73,21 +73,17 @@ class Role:
         module: The role's ``nn.Module``. Its parameters become the state's leaves.
         optimizer: A functional optimizer (``fvstep.optim.adamw(...)``) for a trained
             role; ``None`` for a frozen role.
-        trainable: Defaults to ``optimizer is not None``. ``trainable=False`` with an
-            optimizer, or ``trainable=True`` without one, is a ``ValueError``.
+        trainable: Defaults to ``optimizer is not None`` (and must agree with it).
         ema: An :class:`EMA` of the trainable parameters, or ``None``.
         allow_low_precision: Opt in to bf16/fp16 trainable parameters with an optimizer
             that needs fp32 master weights (updates smaller than an ulp are lost).
         allow_no_sync: Opt in to the ``no_sync`` accumulation policy for this role
             (it holds a full unsharded gradient between micro-batches).
-        save_frozen: Whether a checkpoint holds the values of this role's frozen
-            parameters. ``False``: only their digest
-            (:attr:`fvstep.checkpoint.Manifest.frozen_digests`), which
-            ``fvstep.checkpoint.load`` checks against the state it loads into; for a large
-            frozen base (a teacher, LoRA's base).
+        save_frozen: Whether a checkpoint holds this role's frozen parameters; ``False``
+            (a large teacher, LoRA's base): only their digest, checked on load.
 
     Raises:
-        ValueError: For an inconsistent combination, as above.
+        ValueError: For an inconsistent combination of ``optimizer``, ``trainable``, ``ema``.
 
     Examples:
         >>> Role(student, optimizer=fvstep.optim.adamw(lr=1e-4), ema=EMA(0.999))
@@ -138,14 +134,9 @@ class RoleState:
         params: Every parameter of the module, by qualified name (the live tensors).
         buffers: The module's persistent buffers, by qualified name.
         opt_state: The optimizer's state (``None`` for a frozen role).
-        ema: The :class:`EMAState`, or ``None``.
-        role: The :class:`Role` (static).
         trainable_names: Names of the parameters the optimizer updates (static).
-        tied: ``(alias, canonical)`` pairs (static): the module holds the tensor of
-            ``params[canonical]`` (or ``buffers[canonical]``) under the name ``alias``
-            too, as with tied weights. Only canonical names are leaves (and checkpoint
-            keys), so a tied tensor has one optimizer state and one EMA;
-            :func:`adopt` puts it into every aliased slot.
+        tied: ``(alias, canonical)`` pairs (static) of tied tensors: only the canonical
+            name is a leaf (``docs/concepts/state.md``).
     """
 
     params: dict[str, torch.Tensor]
@@ -168,7 +159,7 @@ class RoleState:
 
 @attrs.define
 class _Lease:
-    """Mutable bookkeeping that is not part of the pytree: who consumed the state."""
+    """Who consumed the state: mutable, not part of the pytree."""
 
     consumed_by: str | None = None
 
@@ -324,7 +315,7 @@ def _create_role_state(name: str, role: Role) -> RoleState:
         trainable = resolve_trainable_names(name, role, params)
         trainable_params = {n: params[n] for n in trainable}
         opt_state = role.optimizer.init(trainable_params)
-        # the one structure check (update relies on it); a loaded state needs it too
+        # update relies on this one structure check
         role.optimizer.check_state(trainable_params, opt_state)
         ema = None
         if role.ema is not None:
@@ -359,12 +350,6 @@ def adopt(role_state: RoleState) -> RoleState:
     the module's slots (and their aliases', :attr:`RoleState.tied`). DTensor parameters
     cannot be swapped: their values are copied into the live shards, so another state
     holding those shards sees the copy (run steps on one lineage at a time).
-
-    Args:
-        role_state: The role state whose values the module should compute with.
-
-    Returns:
-        The role state whose tensors the module holds.
 
     Raises:
         ValueError: If the module's parameter or buffer names no longer match the state's

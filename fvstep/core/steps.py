@@ -44,11 +44,7 @@ __all__ = [
 
 
 def check_step(step: object, where: str) -> None:
-    """Refuse what is not a step.
-
-    Raises:
-        TypeError: Naming ``where``.
-    """
+    """Refuse what is not a step (a ``TypeError`` naming ``where``)."""
     if not isinstance(step, Step):
         raise TypeError(
             f"{where} must be a step (a method: fvstep.update(...), sequence, every, cond, "
@@ -57,11 +53,7 @@ def check_step(step: object, where: str) -> None:
 
 
 def check_unique_names(leaves: tuple[Leaf, ...], where: str) -> None:
-    """Refuse two leaves of one name: their keys would be the same.
-
-    Raises:
-        ValueError: Naming the name and how to rename.
-    """
+    """Refuse two leaves of one name (a ``ValueError``): their keys would be the same."""
     seen: dict[str, Leaf] = {}
     for leaf in leaves:
         other = seen.setdefault(leaf.name, leaf)
@@ -80,14 +72,7 @@ def check_unique_names(leaves: tuple[Leaf, ...], where: str) -> None:
 
 @attrs.frozen(eq=False)
 class Unit(Leaf):
-    """One update unit (see :func:`update`): a step, and a leaf of composed steps.
-
-    Attributes:
-        roles: The roles it trains.
-        loss_fn: ``(state, batch, key) -> loss | (loss, metrics) | ({role: loss}, metrics)``.
-        settings: Its own clip and sanitize (unset: the enclosing ones).
-        name: Keys its randomness and labels its metrics.
-    """
+    """One update unit (see :func:`update`): a step, and a leaf of composed steps."""
 
     kind: ClassVar[str] = "unit"
 
@@ -97,7 +82,7 @@ class Unit(Leaf):
     name: str = ""
     trains: tuple[str, ...] = attrs.field(init=False, repr=False)  # its roles, as a leaf
     routes: tuple[Route, ...] = attrs.field(init=False, repr=False, eq=False, default=ROUTES)
-    run = run_unit  # how a unit runs itself, beside the engine's call (fvstep.core.engine)
+    run = run_unit
 
     @trains.default
     def _trains(self) -> tuple[str, ...]:
@@ -142,9 +127,6 @@ def update(
         name: Keys the unit's randomness and labels its metrics (default: the roles
             joined by ``+``); unique among the units of a composed step.
 
-    Returns:
-        A :class:`Unit`, a step composable with ``sequence``, ``every``, ``cond``, ``compile``.
-
     Examples:
         >>> unit = update("student", flow_matching_loss, clip=clip_grad_norm(1.0))
     """
@@ -173,7 +155,6 @@ class Chain(Step):
 
     @routes.default
     def _build(self) -> tuple[Route, ...]:
-        """Each step's routes, in order, their naming resolved over all of them."""
         return name_routes([route for s in self.steps for route in s.routes])
 
 
@@ -207,7 +188,6 @@ class Every(Step):
 
     @routes.default
     def _build(self) -> tuple[Route, ...]:
-        """The wrapped step's routes, behind the gate of this interval."""
         gate = Gate(self.n, self.offset)
         return tuple(route.behind(gate) for route in self.inner.routes)
 
@@ -220,11 +200,8 @@ def every(n: int, inner: Step, *, offset: int = 0) -> Every:
 
     Args:
         n: The interval (>= 1); DMD2's ``generator_update_interval``.
-        inner: A unit or any composed step.
-        offset: The first step it runs at (>= 0).
-
-    Returns:
-        An :class:`Every` step.
+    inner: A unit or any composed step.
+    offset: The first step it runs at (>= 0).
 
     Examples:
         >>> every(5, update("student", gen_loss))   # steps 0, 5, 10, ...
@@ -248,7 +225,6 @@ class Cond(Step):
 
     @routes.default
     def _build(self) -> tuple[Route, ...]:
-        """Both branches' routes (``if_true`` first), each behind its side of the predicate."""
         yes = Gate(pred=self.pred, branch=True)
         no = attrs.evolve(yes, branch=False)
         routes = [route.behind(yes) for route in self.if_true.routes]
@@ -262,9 +238,6 @@ def cond(pred: Callable[[int], bool], if_true: Step, if_false: Step | None = Non
 
     ``pred`` must be a pure function of the step (an int). The leaves of both branches
     need distinct names (each leaf is keyed by its name).
-
-    Returns:
-        A :class:`Cond` step.
 
     Examples:
         >>> cond(lambda i: i % 5 == 0, update(("student", "critic"), fused_loss),
@@ -282,13 +255,7 @@ def cond(pred: Callable[[int], bool], if_true: Step, if_false: Step | None = Non
 
 @attrs.frozen(eq=False)
 class Compiled(Step):
-    """A step with execution settings for its units (see :func:`compile`).
-
-    Attributes:
-        inner: The step it runs.
-        settings: Defaults for the units of ``inner`` that do not set their own (the
-            innermost ``compile`` wins).
-    """
+    """A step with execution settings for its units (see :func:`compile`)."""
 
     inner: Step
     settings: UnitSettings = attrs.Factory(UnitSettings)
@@ -296,7 +263,6 @@ class Compiled(Step):
 
     @routes.default
     def _build(self) -> tuple[Route, ...]:
-        """The wrapped step's routes, with these settings under theirs."""
         return tuple(route.under(self.settings) for route in self.inner.routes)
 
 
@@ -309,29 +275,22 @@ def compile(
 ) -> Compiled:
     """Give a step execution settings; returns a step.
 
-    Compiled steps compose: ``sequence(compile(critic, accumulation=Accumulation(4)),
-    compile(student))`` runs the critic over 4 micro-batches and the student over one. The
-    process layout is not a setting: it is passed to each call (``parallelism=``).
+    Compiled steps compose (the innermost setting wins). The process layout is not a
+    setting: it is passed to each call (``parallelism=``).
 
     Args:
         inner: A unit (``fvstep.update``) or any composed step.
-        accumulation: ``Accumulation(microbatches=K, sync=...)`` for the units inside
-            (the innermost ``compile`` that sets it wins); default one micro-batch.
-        clip: Clipping of units that do not set their own (``None``: off); default the
-            enclosing ``compile``'s, else off.
-        sanitize: Non-finite mode of units that do not set their own: ``"error"`` (the
-            final default), ``"skip"``, ``"nan_to_num"`` or ``None`` (see :func:`update`).
-
-    Returns:
-        A :class:`Compiled` step.
+        accumulation: ``Accumulation(microbatches=K, sync=...)`` for the units inside;
+            default one micro-batch.
+        clip: Clipping of units that do not set their own (``None``: off); default off.
+    sanitize: Non-finite mode of units that do not set their own: ``"error"`` (the
+        final default), ``"skip"``, ``"nan_to_num"`` or ``None`` (see :func:`update`).
 
     Raises:
         ValueError: For a bad setting, or two leaves of one name.
 
     Examples:
-        >>> step = compile(update("student", loss), accumulation=Accumulation(4),
-        ...                clip=clip_grad_norm(1.0))
-        >>> state, metrics = step(state, batch)
+        >>> step = compile(update("student", loss), accumulation=Accumulation(4))
     """
     check_step(inner, "compile's step")
     check_unique_names(inner.leaves(), "compile")
@@ -349,9 +308,6 @@ def plan(step_fn: Step, step: int) -> list[PlanEntry]:
 
     Returns:
         One :class:`~fvstep.core.settings.PlanEntry` per leaf that runs, in order.
-
-    Raises:
-        TypeError: If ``step_fn`` is not a step.
 
     Examples:
         >>> [e.roles for e in plan(step_fn, 5)]

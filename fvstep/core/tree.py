@@ -80,10 +80,7 @@ def path_str(path: tuple[Any, ...]) -> str:
 
 
 def flatten_with_paths(tree: Any) -> tuple[list[str], list[Any], optree.PyTreeSpec]:
-    """Flatten ``tree`` into (dotted paths, leaves, treespec).
-
-    The dotted paths are the checkpoint keys of the leaves.
-    """
+    """``(dotted paths, leaves, treespec)`` of ``tree``; the paths are the checkpoint keys."""
     paths, flat, spec = optree.tree_flatten_with_path(tree, namespace=NAMESPACE)
     return [path_str(p) for p in paths], flat, spec
 
@@ -111,45 +108,25 @@ def clone(tree: T) -> T:
 
 
 def is_dtensor(x: object) -> bool:
-    """Whether ``x`` is a DTensor (a sharded or replicated tensor on a device mesh).
+    """Whether ``x`` is a DTensor: fvstep's one test of "is this sharded?".
 
-    The one test of "is this sharded?" in fvstep. It reads the attribute every DTensor
-    has, so that the core can ask without importing ``torch.distributed``.
-
-    Examples:
-        >>> is_dtensor(torch.zeros(2))
-        False
+    It reads an attribute every DTensor has, so the core asks without ``torch.distributed``.
     """
     return getattr(x, "device_mesh", None) is not None
 
 
 def local_tensor(x: torch.Tensor) -> torch.Tensor:
-    """The local shard of a DTensor (``to_local()``), the tensor itself otherwise.
-
-    Examples:
-        >>> local_tensor(torch.ones(1))
-        tensor([1.])
-    """
+    """The local shard of a DTensor (``to_local()``), the tensor itself otherwise."""
     return x.to_local() if is_dtensor(x) else x  # type: ignore[attr-defined]
 
 
 def any_dtensor(xs: Iterable[object]) -> bool:
-    """Whether any of ``xs`` is a DTensor (:func:`is_dtensor`; one call for a collection).
-
-    Examples:
-        >>> any_dtensor([torch.zeros(1), torch.ones(1)])
-        False
-    """
+    """Whether any of ``xs`` is a DTensor (:func:`is_dtensor`)."""
     return any(getattr(x, "device_mesh", None) is not None for x in xs)
 
 
 def local_tensors(xs: list[torch.Tensor]) -> list[torch.Tensor]:
-    """:func:`local_tensor` of each of ``xs`` (one call for a list: the hot path's form).
-
-    Examples:
-        >>> local_tensors([torch.ones(1)])
-        [tensor([1.])]
-    """
+    """:func:`local_tensor` of each of ``xs``."""
     # is_dtensor's test, inline: this runs once per parameter on the hot path
     return [
         x.to_local() if getattr(x, "device_mesh", None) is not None else x  # type: ignore[attr-defined]
@@ -158,19 +135,14 @@ def local_tensors(xs: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def full_tensor(x: torch.Tensor) -> torch.Tensor:
-    """The whole tensor of a DTensor (``full_tensor()``: a collective over its mesh, so
-    every rank of it must call it), the tensor itself otherwise.
-
-    Examples:
-        >>> full_tensor(torch.ones(1))
-        tensor([1.])
-    """
+    """The whole tensor of a DTensor (a collective: every rank of its mesh must call it),
+    the tensor itself otherwise."""
     is_d = getattr(x, "device_mesh", None) is not None  # is_dtensor, inline: the hot path
     return x.full_tensor() if is_d else x  # type: ignore[attr-defined]
 
 
 def _bits(x: torch.Tensor) -> torch.Tensor:
-    """A view of ``x``'s bytes as unsigned integers of the same width (bitwise identity)."""
+    """``x``'s bytes viewed as integers of the same width."""
     x = local_tensor(x).detach()
     if x.dtype == torch.bool:
         return x.to(torch.uint8)
@@ -190,16 +162,13 @@ def _describe(x: Any) -> str:
 
 def _max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> str:
     a, b = local_tensor(a).detach(), local_tensor(b).detach()
-    if a.dtype == torch.bool or not (a.is_floating_point() or a.is_complex()):
-        return f"{(a.to(torch.float64) - b.to(torch.float64)).abs().max().item():g}"
     diff = (a.to(torch.float64) - b.to(torch.float64)).abs()
     finite = diff[torch.isfinite(diff)]
     worst = finite.max().item() if finite.numel() else float("nan")
     return f"{worst:g}"
 
 
-def _leaf_mismatch(a: Any, b: Any) -> str | None:
-    """Why two leaves differ bitwise, or ``None`` if they are identical."""
+def _leaf_mismatch(a: Any, b: Any) -> str | None:  # None: bitwise identical
     if isinstance(a, torch.Tensor) != isinstance(b, torch.Tensor):
         return f"one leaf is a tensor and the other is not: {_describe(a)} vs {_describe(b)}"
     if not isinstance(a, torch.Tensor):
@@ -247,8 +216,6 @@ def assert_trees_equal(a: Any, b: Any, *, check_static: bool = True) -> None:
     DTensors shard by shard on each rank.
 
     Args:
-        a: A pytree.
-        b: A pytree.
         check_static: Whether static metadata (modules, hyper-parameters) must be equal;
             ``False`` compares the paths only (states of different module objects, e.g. a
             resumed run against an uninterrupted one).
@@ -278,10 +245,6 @@ def assert_trees_close(
     must be equal.
 
     Args:
-        a: A pytree.
-        b: A pytree.
-        rtol: Relative tolerance.
-        atol: Absolute tolerance.
         check_static: Whether static metadata must be equal too (default: paths only).
 
     Raises:
@@ -306,10 +269,8 @@ def assert_trees_close(
 def tree_digest(tree: Any) -> str:
     """A stable SHA-256 hex digest of ``tree``'s paths, leaf metadata and every leaf's bytes.
 
-    Stable across processes and runs (no ``id``/``hash`` of Python objects enters it); it
-    covers each tensor's path, dtype, shape and bytes, and the ``repr`` of non-tensor
-    leaves. Static metadata (modules, hyper-parameters) is not part of it. For a DTensor
-    it covers the local shard, so it is a per-rank digest.
+    Stable across processes and runs; non-tensor leaves enter by ``repr``, static metadata
+    not at all. For a DTensor it covers the local shard: a per-rank digest.
 
     Examples:
         >>> tree_digest(state) == tree_digest(clone(state))

@@ -46,12 +46,7 @@ def holding_other_weights(module: nn.Module) -> Iterator[None]:
 
 
 def roles_holding_other_weights(state: Any) -> list[str]:
-    """The roles of ``state`` whose modules hold other values than their live weights now.
-
-    Examples:
-        >>> roles_holding_other_weights(state)   # inside role_module(state, "student", weights="ema")
-        ['student']
-    """
+    """The roles of ``state`` whose modules hold other values than their live weights now."""
     roles = getattr(state, "roles", None)
     if not isinstance(roles, Mapping):
         return []
@@ -71,8 +66,6 @@ def select_weights(
     the stored copy is stale, so the live parameter); other parameters are live.
 
     Args:
-        role_state: The role's state.
-        weights: ``"params"`` or ``"ema"``.
         role: The role's name (for the error messages).
 
     Returns:

@@ -28,12 +28,6 @@ class Optimizer(Protocol[StateT]):
 
     An optimizer is immutable static metadata (its hyper-parameters); all mutable data
     lives in the state pytree returned by :meth:`init`, advanced in place by :meth:`update`.
-
-    Examples:
-        >>> opt = fvstep.optim.adamw(1e-3)
-        >>> state = opt.init(params)  # every moment, eagerly
-        >>> opt.check_state(params, state)  # passes; a loaded state needs it once
-        >>> state = opt.update(params, grads, state)  # params updated in place
     """
 
     @property
@@ -45,8 +39,8 @@ class Optimizer(Protocol[StateT]):
         """Allocate the full state for ``params``: every moment, eagerly, as torch would lazily.
 
         Args:
-            params: The trainable params by name (tensors, ``nn.Parameter`` s or DTensors;
-                moments are made with ``torch.zeros_like``, which keeps DTensor placements).
+            params: The trainable params by name (moments are made with ``torch.zeros_like``,
+                which keeps DTensor placements).
 
         Returns:
             The state: ``count = 0``, and one dict keyed by param name per moment (empty
@@ -67,25 +61,22 @@ class Optimizer(Protocol[StateT]):
     ) -> StateT:
         """Apply one update in place to ``params`` and the state's tensors.
 
-        Everything handed in anew is checked before any kernel runs: the state's class, the
-        params' names against the state's, each grad and moment against its param.
+        Everything handed in anew is checked before any kernel runs.
 
         Args:
             params: The params by name, the same names as at :meth:`init`.
             grads: Gradients by name; a name that is missing or maps to ``None`` is skipped
                 (as ``torch.optim`` skips a param whose ``.grad`` is ``None``).
             state: The state from :meth:`init`, the previous :meth:`update`, or one that
-                passed :meth:`check_state` (a loaded one). Its tensors are updated in
-                place, so it must not be reused afterwards.
+                passed :meth:`check_state`. Updated in place: do not reuse it.
 
         Returns:
             A new state holding the (in-place updated) tensors, ``count`` incremented.
 
         Raises:
             TypeError: If ``state`` is of another optimizer, or a grad is not a tensor.
-            ValueError: If grads has names not in params, a grad's shape, dtype or device
-                differs from its param's, a grad is sparse, a moment does not fit its
-                param, or params has other names than the state.
+            ValueError: If a grad or moment does not fit its param (shape, dtype, device,
+                sparse), or the names of grads, params and state disagree.
         """
         ...
 
@@ -96,16 +87,12 @@ class Optimizer(Protocol[StateT]):
         a state that :meth:`init` did not just make (``TrainState.create`` and a checkpoint
         load do).
 
-        Args:
-            params: The params by name, the same names as at :meth:`init`.
-            state: The state to check.
-
         Raises:
             TypeError: If ``state`` is of another optimizer, or params is not a mapping of
                 names to tensors.
             ValueError: If a dict's names differ from the params', two names share one
-                tensor, a moment's shape or dtype differs from its param's, or a dict is
-                filled that this configuration keeps empty (or the reverse).
+                tensor, a moment does not fit its param, or a dict is filled that this
+                configuration keeps empty (or the reverse).
         """
         ...
 

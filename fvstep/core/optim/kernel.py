@@ -32,12 +32,10 @@ class AdamWState:
 
     Attributes:
         count: 0-d int64 CPU tensor, the number of updates applied (drives the schedule).
-        step: Per-param step tensor exactly as ``torch.optim.AdamW`` creates it: a 0-d
-            float32 CPU tensor (float64 if that is the default dtype at ``init``), or a 0-d
-            float32 tensor on the param's device when ``fused=True``. It counts the updates
-            in which the param had a gradient (the bias-correction step ``t``).
-        exp_avg: First moments ``m``, ``zeros_like(param)`` at init.
-        exp_avg_sq: Second moments ``v``, ``zeros_like(param)`` at init.
+        step: Per-param step tensor exactly as ``torch.optim.AdamW`` creates it (0-d, on CPU,
+            or on the param's device when ``fused=True``): the bias-correction step ``t``.
+        exp_avg: First moments ``m``.
+        exp_avg_sq: Second moments ``v``.
         max_exp_avg_sq: ``max`` of second moments (amsgrad), ``{}`` when amsgrad is off.
     """
 
@@ -54,10 +52,9 @@ class SGDState:
 
     Attributes:
         count: 0-d int64 CPU tensor, the number of updates applied (drives the schedule).
-        momentum_buffer: Momentum buffers ``b``, ``zeros_like(param)`` at init and set to
-            torch's ``clone(grad)`` on a param's first step; ``{}`` when momentum is 0.
-        initialized: Per-param 0-d bool CPU tensor, whether the param's buffer holds
-            torch's (the param has had a gradient); ``{}`` when momentum is 0.
+        momentum_buffer: Momentum buffers ``b``; ``{}`` when momentum is 0.
+        initialized: Per-param 0-d bool CPU tensor: the param has had a gradient (its
+            buffer holds torch's ``clone(grad)``); ``{}`` when momentum is 0.
     """
 
     count: torch.Tensor
@@ -69,8 +66,7 @@ StateT = TypeVar("StateT", AdamWState, SGDState)
 
 
 class _Slot(NamedTuple):
-    """A per-param dict of a state: how ``init`` makes an entry from its param, and whether
-    the entry is a moment (the param's shape and dtype, checked before every kernel)."""
+    """A per-param dict of a state: how ``init`` makes an entry, and whether it is a moment."""
 
     new: Callable[[torch.Tensor], torch.Tensor]
     moment: bool
@@ -81,9 +77,8 @@ _FLAG = _Slot(lambda p: torch.zeros((), dtype=torch.bool), False)
 
 
 class _KernelOptimizer(Generic[StateT]):
-    """``init``, ``check_state``, ``update`` (:class:`~fvstep.core.optim.base.Optimizer`) for an
-    attrs class with fields ``lr``, ``foreach``, ``fused``, and ``_state_class``, ``_slots``
-    (the state's per-param dicts by field name; ``None``: kept empty) and ``_apply``."""
+    """The :class:`~fvstep.core.optim.base.Optimizer` methods over ``_state_class``, ``_slots``
+    (per-param dicts by field; ``None``: kept empty) and ``_apply`` (the kernel)."""
 
     __slots__ = ()
     _state_class: ClassVar[type]
@@ -96,7 +91,7 @@ class _KernelOptimizer(Generic[StateT]):
 
     @property
     def needs_fp32_master(self) -> bool:
-        """True: the small updates of AdamW and SGD are rounded away in bf16/fp16 params."""
+        """True: AdamW's and SGD's small updates round away in bf16/fp16 params."""
         return True
 
     def learning_rate(self, count: int) -> float:
@@ -140,8 +135,7 @@ class _KernelOptimizer(Generic[StateT]):
         lr = self.learning_rate(int(state.count))
         p_list = [params[n] for n in names]
         with torch.no_grad():
-            # No .detach(): torch.optim hands the parameters to the kernels as they are
-            # under no_grad, and detaching a DTensor costs host time per parameter.
+            # No .detach(), as torch.optim: detaching a DTensor costs host time per parameter.
             g_list: _Tensors = [grads[n] for n in names]  # type: ignore[misc]
             lists = {f: [d[n] for n in names] for f, d in dicts.items()}
             # foreach=fused=None: torch's kernel picks its default for these params' device
@@ -372,14 +366,9 @@ def adamw(
         betas: ``(beta1, beta2)``, each in ``[0, 1)`` (``beta1 = 0`` is allowed).
         eps: Denominator term :math:`\epsilon`, ``>= 0``.
         weight_decay: Decoupled weight decay :math:`\lambda`, ``>= 0``.
-        amsgrad: Use the AMSGrad variant.
-        maximize: Maximize the objective.
         foreach: ``None`` picks torch's default for the params' device (foreach on
             CUDA-like devices, the single-tensor loop on CPU).
         fused: Use torch's fused kernel (CPU and CUDA support it); only when asked for.
-
-    Returns:
-        The :class:`AdamW` optimizer.
 
     Raises:
         ValueError: On out-of-range hyper-parameters or ``foreach=fused=True``.
@@ -387,9 +376,6 @@ def adamw(
 
     Examples:
         >>> opt = adamw(3e-4, betas=(0.9, 0.95), weight_decay=0.1)
-        >>> state = opt.init(dict(model.named_parameters()))
-        >>> grads = {n: p.grad for n, p in model.named_parameters()}
-        >>> state = opt.update(dict(model.named_parameters()), grads, state)
         >>> warmup = adamw(lambda c: 3e-4 * min(1.0, (c + 1) / 1000))
     """
     return AdamW(
@@ -440,16 +426,10 @@ def sgd(
         dampening: Dampening :math:`\tau` of the momentum (not applied on a param's first
             step).
         weight_decay: L2 penalty :math:`\lambda`, ``>= 0``.
-        nesterov: Nesterov momentum; requires ``momentum > 0`` and ``dampening == 0``.
-        maximize: Maximize the objective.
-        foreach: ``None`` picks torch's default for the params' device (foreach on
-            CUDA-like devices, the single-tensor loop on CPU).
-        fused: Use torch's fused kernel (CPU and CUDA support it); only when asked for.
-            Not deterministic for bf16/fp16 params with momentum on CPU (torch's
-            ``FusedSGDKernel.cpp`` reads such a buffer as float32, past its end).
-
-    Returns:
-        The :class:`SGD` optimizer.
+        nesterov: Requires ``momentum > 0`` and ``dampening == 0``.
+        foreach: As :func:`adamw`'s.
+        fused: As :func:`adamw`'s. Not deterministic for bf16/fp16 params with momentum on
+            CPU (torch's ``FusedSGDKernel.cpp`` reads such a buffer as float32, past its end).
 
     Raises:
         ValueError: On out-of-range hyper-parameters, nesterov without momentum or with
@@ -458,8 +438,6 @@ def sgd(
 
     Examples:
         >>> opt = sgd(0.1, momentum=0.9, nesterov=True, weight_decay=5e-4)
-        >>> state = opt.init(params)
-        >>> state = opt.update(params, grads, state)
     """
     return SGD(
         lr=lr,
@@ -503,8 +481,7 @@ def _check_params(params: Mapping[str, torch.Tensor], *, fused: bool = False) ->
 def _check_state_dict(
     field: str, tensors: Mapping[str, Any], params: Mapping[str, torch.Tensor], slot: _Slot | None
 ) -> None:
-    """Raise unless ``state.<field>`` has exactly the names of params (none if ``slot`` is
-    ``None``), each its own tensor, and a moment the shape and dtype of its param."""
+    """Raise unless ``state.<field>`` fits ``params`` and ``slot`` as :meth:`init` makes it."""
     if not isinstance(tensors, Mapping):
         raise TypeError(f"state.{field} must be a dict, got {type(tensors).__name__}")
     if slot is None:
@@ -550,12 +527,8 @@ def _grad_names(
     keyed: tuple[str, Mapping[str, torch.Tensor]] | None,
     moments: Sequence[tuple[str, Mapping[str, torch.Tensor]]],
 ) -> list[str]:
-    """The names (in params order) that have a grad, after checking params' names against
-    the state's dict ``keyed``, and each grad and ``moments`` entry against its param.
-
-    Torch would fail badly on each: another shape broadcasts silently (or the fused kernel
-    reads out of bounds); another dtype, device or a sparse grad fails after earlier
-    params were updated."""
+    """The names (in params order) that have a grad, after checking each grad and moment
+    against its param: torch would broadcast silently, read out of bounds, or fail midway."""
     if not isinstance(params, Mapping):
         raise TypeError(
             f"params must be a mapping of names to tensors, got {type(params).__name__}"
@@ -575,7 +548,6 @@ def _grad_names(
         g = grads.get(name)
         if g is None:
             continue
-        # one short-circuit test on the common path; the message is built on failure only
         if (
             not isinstance(g, torch.Tensor)
             or g.shape != p.shape

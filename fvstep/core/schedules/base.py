@@ -7,7 +7,6 @@ wrap a multiplier exactly as ``torch.optim.lr_scheduler.LambdaLR`` applies it.
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Callable, Sequence
 from typing import SupportsIndex
 
@@ -15,7 +14,6 @@ from fvstep.core._checks import check_int, check_real
 
 __all__ = [
     "Schedule",
-    "as_step",
     "check_boundaries",
     "check_ratio",
     "check_warmup_total",
@@ -24,20 +22,6 @@ __all__ = [
 
 Schedule = Callable[[int], float]
 """A learning-rate schedule: a pure function from a step count ``>= 0`` to a learning rate."""
-
-
-def as_step(step: SupportsIndex) -> int:
-    """Convert a step (a Python int, NumPy integer or 0-d integer tensor) to a non-negative int."""
-    try:
-        s = operator.index(step)
-    except TypeError:
-        raise TypeError(
-            f"step must be an integer (int, NumPy integer or 0-d integer tensor), "
-            f"got {type(step).__name__}: {step!r}"
-        ) from None
-    if s < 0:
-        raise ValueError(f"step must be >= 0, got {s}")
-    return s
 
 
 def check_ratio(value: float, name: str) -> float:
@@ -83,7 +67,7 @@ def lambda_lr(
 
     def schedule(step: SupportsIndex) -> float:
         # LambdaLR.get_lr computes `base_lr * lmbda(last_epoch)`; same operands, same order.
-        return lr * factor(as_step(step))
+        return lr * factor(check_int(step, "step"))
 
     schedule.__name__ = name
     schedule.__qualname__ = name

@@ -38,13 +38,10 @@ def warmup_cosine(
 
     After warmup the multiplier is
     ``min_ratio + (1 - min_ratio) * max(0, (1 + cos(2π · num_cycles · progress)) / 2)``
-    with ``progress = (step - warmup_steps) / (total_steps - warmup_steps)``. With
-    ``min_ratio=0`` the schedule equals diffusers' ``get_cosine_schedule_with_warmup``
-    (``get_scheduler("cosine")``) bit for bit.
+    with ``progress = (step - warmup_steps) / (total_steps - warmup_steps)``.
 
-    As in diffusers, ``progress`` is not clamped at 1: past ``total_steps`` the cosine
-    keeps its period, so with the default ``num_cycles=0.5`` the LR climbs back up after
-    ``total_steps``. Use :func:`join` with :func:`constant` to hold the final value.
+    As in diffusers, ``progress`` is not clamped at 1: past ``total_steps`` the LR climbs
+    back up; :func:`join` it with :func:`constant` to hold the final value.
 
     Args:
         lr: The peak learning rate, finite and ``>= 0``.
@@ -54,13 +51,8 @@ def warmup_cosine(
         num_cycles: Number of cosine periods between ``warmup_steps`` and
             ``total_steps``; the default 0.5 is a half cosine from ``lr`` down to the floor.
 
-    Returns:
-        The schedule.
-
     Raises:
-        ValueError: If ``lr`` is negative or not finite, a step count is negative,
-            ``total_steps`` is 0, ``warmup_steps > total_steps``, ``min_ratio`` lies outside
-            ``[0, 1]``, or ``num_cycles`` is not positive and finite.
+        ValueError: If an argument lies outside the range given above.
 
     Examples:
         >>> sched = warmup_cosine(1.0, warmup_steps=2, total_steps=6)
@@ -102,23 +94,7 @@ def cosine(
 ) -> Schedule:
     """A cosine decay from ``lr`` towards ``min_ratio * lr`` over ``total_steps`` steps.
 
-    This is :func:`warmup_cosine` with ``warmup_steps=0``; with ``min_ratio=0`` it equals
-    diffusers' ``get_scheduler("cosine", num_warmup_steps=0, ...)`` bit for bit. As there,
-    the cosine is not clamped past ``total_steps`` (see :func:`warmup_cosine`).
-
-    Args:
-        lr: The initial learning rate, finite and ``>= 0``.
-        total_steps: Step at which the decay has run ``num_cycles`` periods, ``>= 1``.
-        min_ratio: The floor of the decay as a fraction of ``lr``, in ``[0, 1]``.
-        num_cycles: Number of cosine periods over ``total_steps``; the default 0.5 is a
-            half cosine from ``lr`` down to the floor.
-
-    Returns:
-        The schedule.
-
-    Raises:
-        ValueError: If ``lr`` is negative or not finite, ``total_steps < 1``,
-            ``min_ratio`` lies outside ``[0, 1]``, or ``num_cycles`` is not positive.
+    :func:`warmup_cosine` with ``warmup_steps=0`` (its arguments and raises).
 
     Examples:
         >>> sched = cosine(1.0, total_steps=4, min_ratio=0.1)
@@ -133,9 +109,7 @@ def warmup_cosine_restarts(
 ) -> Schedule:
     """A linear warmup, then ``num_cycles`` half-cosine decays from ``lr`` to 0 with hard restarts.
 
-    Equal to diffusers ``get_scheduler("cosine_with_restarts", num_cycles=...)``
-    (``get_cosine_with_hard_restarts_schedule_with_warmup``) bit for bit. The LR is 0 from
-    ``total_steps`` on.
+    The LR is 0 from ``total_steps`` on.
 
     Args:
         lr: The peak learning rate, finite and ``>= 0``.
@@ -143,12 +117,8 @@ def warmup_cosine_restarts(
         total_steps: Step at which the last cycle ends, ``>= 1``.
         num_cycles: Number of decay cycles (hard restarts), ``>= 1``.
 
-    Returns:
-        The schedule.
-
     Raises:
-        ValueError: If ``lr`` is negative or not finite, a step count is negative,
-            ``total_steps`` is 0, ``warmup_steps > total_steps``, or ``num_cycles < 1``.
+        ValueError: If an argument lies outside the range given above.
 
     Examples:
         >>> sched = warmup_cosine_restarts(1.0, warmup_steps=0, total_steps=4, num_cycles=2)
@@ -176,9 +146,7 @@ def warmup_linear(
 ) -> Schedule:
     """A linear warmup from 0 to ``lr``, then a linear decay to ``min_ratio * lr`` at ``total_steps``.
 
-    Equal to diffusers ``get_scheduler("linear")`` bit for bit; ``min_ratio`` is
-    ``get_linear_schedule_with_warmup``'s ``f_min`` (with ``f_max=1``). The LR stays at
-    ``min_ratio * lr`` after ``total_steps``.
+    The LR stays at ``min_ratio * lr`` after ``total_steps``.
 
     Args:
         lr: The peak learning rate, finite and ``>= 0``.
@@ -186,13 +154,8 @@ def warmup_linear(
         total_steps: Step at which the decay reaches its floor, ``>= 1``.
         min_ratio: The floor as a fraction of ``lr``, in ``[0, 1]``.
 
-    Returns:
-        The schedule.
-
     Raises:
-        ValueError: If ``lr`` is negative or not finite, a step count is negative,
-            ``total_steps`` is 0, ``warmup_steps > total_steps``, or ``min_ratio`` lies
-            outside ``[0, 1]``.
+        ValueError: If an argument lies outside the range given above.
 
     Examples:
         >>> sched = warmup_linear(1.0, warmup_steps=2, total_steps=6)
@@ -225,19 +188,7 @@ def linear_decay(
 ) -> Schedule:
     """A linear decay from ``lr`` to ``min_ratio * lr`` at ``total_steps``, after an optional warmup.
 
-    This is :func:`warmup_linear` with ``warmup_steps`` defaulting to 0.
-
-    Args:
-        lr: The initial (peak) learning rate, finite and ``>= 0``.
-        total_steps: Step at which the decay reaches its floor, ``>= 1``.
-        warmup_steps: Length of an optional linear warmup from 0, ``<= total_steps``.
-        min_ratio: The floor as a fraction of ``lr``, in ``[0, 1]``.
-
-    Returns:
-        The schedule.
-
-    Raises:
-        ValueError: As :func:`warmup_linear`.
+    :func:`warmup_linear` with ``warmup_steps`` defaulting to 0 (its arguments).
 
     Examples:
         >>> sched = linear_decay(1.0, total_steps=4)
@@ -258,10 +209,7 @@ def polynomial(
     """A linear warmup from 0 to ``lr``, then a polynomial decay to ``end_lr`` at ``total_steps``.
 
     After warmup the LR is ``(lr - end_lr) * (1 - progress) ** power + end_lr`` and
-    ``end_lr`` after ``total_steps``. Equal to diffusers'
-    ``get_polynomial_decay_schedule_with_warmup(lr_end=end_lr, power=power)`` bit for bit
-    (including its ``lr * (decay / lr)`` round trip through a multiplier), and so to
-    ``get_scheduler("polynomial", power=...)`` for the default ``end_lr=1e-7``.
+    ``end_lr`` after ``total_steps`` (through diffusers' ``lr * (decay / lr)`` round trip).
 
     Args:
         lr: The peak learning rate, finite and ``> end_lr``.
@@ -270,13 +218,8 @@ def polynomial(
         end_lr: The final learning rate, finite and ``>= 0``.
         power: The exponent of the decay, finite and ``> 0`` (1 is linear).
 
-    Returns:
-        The schedule.
-
     Raises:
-        ValueError: If ``lr <= end_lr``, ``end_lr`` is negative, a value is not finite, a
-            step count is negative, ``warmup_steps >= total_steps`` (the decay needs at
-            least one step), or ``power <= 0``.
+        ValueError: If an argument lies outside the range given above.
 
     Examples:
         >>> sched = polynomial(1.0, warmup_steps=0, total_steps=4, end_lr=0.0, power=2.0)

@@ -9,15 +9,7 @@ __all__ = ["constant", "constant_with_warmup"]
 
 
 def constant(lr: float) -> Schedule:
-    """A constant learning rate.
-
-    Equal to diffusers ``get_scheduler("constant")``.
-
-    Args:
-        lr: The learning rate, finite and ``>= 0``.
-
-    Returns:
-        A schedule returning ``lr`` at every step.
+    """A constant learning rate, finite and ``>= 0``: diffusers' ``get_scheduler("constant")``.
 
     Raises:
         ValueError: If ``lr`` is negative or not finite.
@@ -38,25 +30,17 @@ def constant_with_warmup(lr: float, *, warmup_steps: int, init_ratio: float = 0.
     """A linear warmup from ``init_ratio * lr`` to ``lr`` over ``warmup_steps`` steps, then ``lr``.
 
     The multiplier is the closed form of torch's ``LinearLR(start_factor=init_ratio,
-    end_factor=1.0, total_iters=warmup_steps)``:
-    ``init_ratio + (1 - init_ratio) * min(warmup_steps, step) / warmup_steps``. With the
-    default ``init_ratio=0`` this is, bit for bit, diffusers'
-    ``get_scheduler("constant_with_warmup", num_warmup_steps=...)``: ``lr * step /
-    warmup_steps`` for ``step < warmup_steps`` and ``lr`` afterwards. With
-    ``init_ratio > 0`` the held value can differ from ``lr`` by one rounding, exactly as
-    torch's does.
+    end_factor=1.0, total_iters=warmup_steps)``; with the default ``init_ratio=0`` the
+    schedule is diffusers' ``get_scheduler("constant_with_warmup")`` bit for bit. With
+    ``init_ratio > 0`` the held value can differ from ``lr`` by one rounding, as torch's does.
 
     Args:
         lr: The learning rate after warmup, finite and ``>= 0``.
         warmup_steps: Length of the warmup, ``>= 0`` (0 means the schedule is constant).
         init_ratio: The LR at step 0 as a fraction of ``lr``, in ``[0, 1]``.
 
-    Returns:
-        The schedule.
-
     Raises:
-        ValueError: If ``lr`` is negative or not finite, ``warmup_steps`` is negative, or
-            ``init_ratio`` lies outside ``[0, 1]``.
+        ValueError: If an argument lies outside the range given above.
 
     Examples:
         >>> sched = constant_with_warmup(1.0, warmup_steps=4)
@@ -73,9 +57,8 @@ def constant_with_warmup(lr: float, *, warmup_steps: int, init_ratio: float = 0.
     def factor(step: int) -> float:
         if warmup == 0:
             return 1.0
-        # torch.optim.lr_scheduler.LinearLR._get_closed_form_lr with end_factor=1.0. For
-        # init == 0 it is `0.0 + 1.0 * step / warmup`, i.e. float(step) / float(warmup)
-        # until warmup and 1.0 after: diffusers' get_constant_schedule_with_warmup.
+        # LinearLR._get_closed_form_lr with end_factor=1.0; for init == 0 it is diffusers'
+        # get_constant_schedule_with_warmup (`0.0 + 1.0 * step / warmup` is `step / warmup`).
         return init + (1.0 - init) * min(warmup, step) / warmup
 
     return lambda_lr(lr, factor, "constant_with_warmup")

@@ -6,8 +6,8 @@ import bisect
 from collections.abc import Sequence
 from typing import SupportsIndex
 
-from fvstep.core._checks import check_learning_rate
-from fvstep.core.schedules.base import Schedule, as_step, check_boundaries
+from fvstep.core._checks import check_int, check_learning_rate
+from fvstep.core.schedules.base import Schedule, check_boundaries
 
 __all__ = ["join", "piecewise_constant"]
 
@@ -24,13 +24,8 @@ def join(schedules: Sequence[Schedule], boundaries: Sequence[int]) -> Schedule:
         schedules: One or more schedules.
         boundaries: ``len(schedules) - 1`` strictly increasing step counts ``>= 0``.
 
-    Returns:
-        The joined schedule.
-
     Raises:
-        ValueError: If ``schedules`` is empty, the number of boundaries is not
-            ``len(schedules) - 1``, or the boundaries are negative or not strictly
-            increasing.
+        ValueError: If ``schedules`` is empty or the boundaries are not as above.
         TypeError: If a schedule is not callable or a boundary is not an integer.
 
     Examples:
@@ -48,7 +43,7 @@ def join(schedules: Sequence[Schedule], boundaries: Sequence[int]) -> Schedule:
     offsets = (0, *bounds)
 
     def joined(step: SupportsIndex) -> float:
-        s = as_step(step)
+        s = check_int(step, "step")
         i = bisect.bisect_right(bounds, s)
         return pieces[i](s - offsets[i])
 
@@ -60,20 +55,14 @@ def piecewise_constant(values: Sequence[float], boundaries: Sequence[int]) -> Sc
     """A step function: ``values[i]`` for steps in ``[boundaries[i-1], boundaries[i])``.
 
     ``values[0]`` is used for steps ``< boundaries[0]`` and ``values[-1]`` for steps
-    ``>= boundaries[-1]``. The values are learning rates, not multipliers: diffusers'
-    ``"piecewise_constant"`` with ``step_rules="m0:b0,m1:b1,...,mk"`` and base ``lr`` equals
-    ``piecewise_constant([lr * m0, lr * m1, ..., lr * mk], [b0, b1, ...])`` bit for bit.
+    ``>= boundaries[-1]``. The values are learning rates, not diffusers' multipliers.
 
     Args:
         values: ``len(boundaries) + 1`` learning rates, finite and ``>= 0``.
         boundaries: Strictly increasing step counts ``>= 0``.
 
-    Returns:
-        The schedule.
-
     Raises:
-        ValueError: If ``values`` is empty or has the wrong length, a value is negative or
-            not finite, or the boundaries are negative or not strictly increasing.
+        ValueError: If an argument is not as above.
 
     Examples:
         >>> sched = piecewise_constant([1e-3, 1e-4, 1e-5], [10, 20])
@@ -86,7 +75,7 @@ def piecewise_constant(values: Sequence[float], boundaries: Sequence[int]) -> Sc
     bounds = check_boundaries(boundaries, len(vals), "values")
 
     def step_function(step: SupportsIndex) -> float:
-        return vals[bisect.bisect_right(bounds, as_step(step))]
+        return vals[bisect.bisect_right(bounds, check_int(step, "step"))]
 
     step_function.__name__ = step_function.__qualname__ = "piecewise_constant"
     return step_function
