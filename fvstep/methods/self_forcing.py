@@ -136,9 +136,7 @@ def self_forcing_losses(
         cache_dtype: The rollout's KV cache dtype; default
             :func:`~fvstep.methods.causal_wan.init_cache`'s. Give the student's compute
             dtype when it is lower than the latents' (a prepared bf16 role).
-        student: The causal student role's name.
-        teacher: The teacher role's name.
-        critic: The critic role's name.
+        student: The causal student role's name; ``teacher`` and ``critic`` likewise.
 
     Returns:
         A :class:`SelfForcingLosses`.
@@ -147,9 +145,6 @@ def self_forcing_losses(
         ValueError: For out-of-range settings; at a step, before it changes anything, for
             a student that is not causal, a causal teacher or critic, or a batch that does
             not fit the student.
-
-    Examples:
-        >>> losses = self_forcing_losses(denoising_steps=(1.0, 0.5))
     """
     steps = check_rollout_options(
         denoising_steps, guidance_scale=guidance_scale, shift=shift, min_ratio=min_ratio,
@@ -158,8 +153,6 @@ def self_forcing_losses(
     score: dict[str, Any] = {"shift": shift, "min_ratio": min_ratio, "max_ratio": max_ratio}
 
     def rolled_out(state: TrainState, batch: Any, key: torch.Tensor) -> tuple[Any, Any, Any]:
-        """``(video, text, keys)`` of the checked batch: causal student, bidirectional
-        teacher and critic (a loss's error, before any change: the state stays usable)."""
         module = state.module(student)
         chunk = chunk_frames_of(module)  # raises for a student that is not causal
         check_bidirectional(state, (teacher, critic), method="self_forcing")
@@ -219,15 +212,8 @@ def self_forcing(*, generator_update_interval: int = 5, **loss_options: Any) -> 
         generator_update_interval: ``n``.
         **loss_options: :func:`self_forcing_losses`'s options.
 
-    Returns:
-        The method, for :func:`fvstep.compile`.
-
     Raises:
         ValueError: If ``n < 1``, or for the loss options' errors.
-
-    Examples:
-        >>> step = fvstep.compile(self_forcing(generator_update_interval=2),
-        ...                       accumulation=fvstep.Accumulation(2))
     """
     n = generator_update_interval
     check_count(n, "generator_update_interval")
