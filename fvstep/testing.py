@@ -4,9 +4,6 @@
 the hypothesis strategies :func:`resume_scenarios` and :func:`train_states`,
 :func:`assert_trees_equal`, and :func:`check_compiled_gradients` (compiled gradients
 against eager ones, block by block; ``fvstep verify-compile`` runs it).
-
-Examples:
-    >>> assert_resume_exact(factory, num_steps=6, interruptions=[2, 4], workdir=tmp_path)
 """
 
 from __future__ import annotations
@@ -85,11 +82,9 @@ def assert_resume_exact(
 
     Args:
         factory: ``() -> (initial_state, step_fn, data)``.
-        num_steps: The final step count.
         interruptions: Steps (``0 <= s < num_steps``) before which the run crashes.
         workdir: An empty directory for the checkpoints (shared by all ranks).
-        checkpoint_every: The checkpoint interval of the interrupted run.
-        async_save: Use background saves in the interrupted run.
+        checkpoint_every: And ``async_save``: the interrupted run's checkpointing.
         parallelism: The layout every run is called with (``fvstep.run``'s; default
             :func:`fvstep.parallel.default_layout`), e.g. ``Layout(mesh)`` for context
             parallel roles.
@@ -181,9 +176,8 @@ def resume_scenarios(
 
 
 def train_states(*, max_roles: int = 3) -> Any:
-    """A hypothesis strategy of small :class:`TrainState` s: MLP roles of drawn widths and
-    dtypes (fp32, bf16, fp16), AdamW/SGD or frozen, optional EMA, and method-owned extra
-    state; the leaves are filled with drawn bits."""
+    """A hypothesis strategy of small :class:`TrainState` s with drawn roles, dtypes,
+    optimizers, EMAs, extra state and leaf values."""
     from hypothesis import strategies as st
 
     from fvstep.core import optim

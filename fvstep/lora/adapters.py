@@ -40,12 +40,7 @@ _ADAPTER_ATTRS = (
 
 
 def lora_layers(base: nn.Module) -> list[tuple[str, Any]]:
-    """The peft LoRA layers of ``base``, as ``(qualified name, layer)`` in module order.
-
-    Examples:
-        >>> [name for name, _ in lora_layers(base)][:1]
-        ['blocks.0.attn1.to_q']
-    """
+    """The peft LoRA layers of ``base``, as ``(qualified name, layer)`` in module order."""
     with needs_extra("lora", "LoRA roles"):
         from peft.tuners.lora import LoraLayer
 
@@ -75,9 +70,6 @@ class LoRAModule(nn.Module):
         base: The shared base module (not a submodule).
         adapter: The adapter's name.
         config: The adapter's ``peft.LoraConfig``.
-
-    Examples:
-        >>> lora["student"](hidden_states=x, timestep=t, encoder_hidden_states=text)
     """
 
     base: nn.Module
@@ -111,12 +103,7 @@ class LoRAModule(nn.Module):
 
     @contextlib.contextmanager
     def active(self) -> Iterator[nn.Module]:
-        """A context in which the base computes with this adapter; yields the base.
-
-        Examples:
-            >>> with lora["student"].active() as net:
-            ...     out = net(hidden_states=x, timestep=t, encoder_hidden_states=text)
-        """
+        """A context in which the base computes with this adapter; yields the base."""
         layers = self.__dict__["_layers"]
         with _flags_set(layers, [(self.adapter, False)] * len(layers)):
             yield self.base
@@ -156,8 +143,7 @@ def _flags_set(
 ) -> Iterator[None]:
     """Each layer's active adapter and disabled flag set to ``flags`` inside ``inner``.
 
-    Only the flags forward reads: peft's ``set_adapter`` would also set ``requires_grad``
-    on the adapters, which fvstep's units own.
+    Not peft's ``set_adapter``: it would also set ``requires_grad``, which the units own.
     """
     saved = [(layer._active_adapter, layer._disable_adapters) for layer in layers]
     for layer, (name, disabled) in zip(layers, flags):

@@ -4,9 +4,6 @@
 scheduler; :class:`FewStepSampler` is a few-step student's (DMD2's ``denoising_steps``).
 :func:`sample` runs either (a causal Wan chunk by chunk), :func:`decode_latents` decodes
 as ``WanPipeline`` does, and :func:`sample_videos` is a validation function of videos.
-
-Examples:
-    >>> fn = sample_videos(prompts, latent_shape=(16, 21, 60, 104), vae=vae)
 """
 
 from __future__ import annotations
@@ -66,9 +63,6 @@ class EulerSampler:
         num_steps: Model evaluations (twice as many forwards with guidance).
         shift: The scheduler's time shift (``1``: none; Wan uses 3 to 5).
         guidance_scale: ``s``; ``<= 1`` is unguided.
-
-    Examples:
-        >>> EulerSampler(50, shift=3.0, guidance_scale=5.0)
     """
 
     num_steps: int = attrs.field(default=50, validator=_positive_int)
@@ -97,9 +91,6 @@ class FewStepSampler:
 
     Attributes:
         denoising_steps: Decreasing times in ``(0, 1]``.
-
-    Examples:
-        >>> FewStepSampler((1.0, 0.75, 0.5, 0.25))
     """
 
     denoising_steps: tuple[float, ...] = attrs.field(
@@ -150,8 +141,6 @@ def sample(
     Args:
         module: A velocity predictor (:mod:`fvstep.methods.models`' forward contract).
         noise: The starting noise ``(B, C, F, H, W)``, on the module's device.
-        text: Text embeddings ``(B, L, D)``.
-        sampler: An :class:`EulerSampler` or a :class:`FewStepSampler`.
         key: The re-noising key of a :class:`FewStepSampler` (needed with more than one
             step).
         negative_text: The negative text of a guided :class:`EulerSampler` (default
@@ -165,9 +154,6 @@ def sample(
             model's frames are not a multiple of its chunk, or the module's config
             records a causal Wan that it is not (load it with
             :func:`fvstep.methods.causal_wan.load_causal`).
-
-    Examples:
-        >>> x0 = sample(net, noise, text, sampler=EulerSampler(4))
     """
     if is_causal(module):
         return _sample_causal(module, noise, text, sampler, key, negative_text)
@@ -194,9 +180,7 @@ def _run(
     sampler: Sampler,
     key: torch.Tensor | None,
 ) -> torch.Tensor:
-    """The sampler's loop from ``x`` with ``velocity(x, timestep)`` (timesteps x 1000);
-    a few-step sampler re-noises before step ``i + 1`` from ``fold_in(key, i)``.
-    """
+    """The sampler's loop; a few-step one re-noises before step ``i + 1`` from ``fold_in(key, i)``."""
     batch = x.shape[0]
     if isinstance(sampler, EulerSampler):
         scheduler: Any = sampler.scheduler()
@@ -268,9 +252,6 @@ def decode_latents(vae: nn.Module, latents: torch.Tensor) -> torch.Tensor:
     Args:
         vae: A diffusers ``AutoencoderKLWan`` (or any VAE with that config and ``decode``).
         latents: ``(B, C, F, H, W)``.
-
-    Examples:
-        >>> video = decode_latents(vae, sample(net, noise, text, sampler=EulerSampler(4)))
     """
     with needs_extra("models", "decode_latents"):
         from diffusers.video_processor import VideoProcessor
@@ -316,14 +297,12 @@ def sample_videos(
         text: Prompt embeddings ``(P, L, D)``, one per video.
         latent_shape: ``(C, F, H, W)`` of one video's latents.
         vae: The VAE that decodes them (``AutoencoderKLWan``), on the device to decode on.
-        role: The role to sample.
         sampler: Default ``EulerSampler(50)``; a DMD2 student's is
             ``FewStepSampler(denoising_steps)``.
         weights: ``"params"`` or ``"ema"`` (:func:`fvstep.observe.validation.role_module`).
         key: The noise key (default ``fvstep.random.key(0)``).
         negative_text: Negative prompt embeddings ``(P, L, D)`` for a guided sampler.
         captions: One caption per video (e.g. the prompts).
-        fps: Frames per second of the videos.
 
     Returns:
         ``fn(state, key) -> {"sample_<i>": Video}`` for :class:`fvstep.Validation`.
