@@ -236,11 +236,10 @@ def check_compiled_gradients(
     dtypes, ``requires_grad`` and compilation as they were).
 
     Args:
-        module: The module to run on the probe. Its blocks compiled in place (a prepared
-            role's, or your ``block.compile()``) are checked one by one; if none is, the
-            module itself is compiled for the check (as :func:`~fvstep.parallel.prepare`
-            would compile a block, or with ``compiled``'s arguments) and checked whole.
-        *args: The probe's positional inputs.
+        module: The module to run on the probe (``*args``, ``**kwargs``). Its blocks
+            compiled in place (a prepared role's, or your ``block.compile()``) are checked
+            one by one; if none is, the module itself is compiled for the check (as
+            :func:`~fvstep.parallel.prepare` would compile a block) and checked whole.
         compiled: ``None`` (the above); a mapping of ``torch.compile`` arguments to
             compile ``module`` with (``{"backend": "aot_eager"}``); or a callable, a
             compiled version of ``module`` (``torch.compile(module)``) to compare with
@@ -248,7 +247,6 @@ def check_compiled_gradients(
         threshold: The largest ratio of a compiled gradient's error to eager's rounding
             noise that passes (:data:`fvstep.parallel.compile_check.DEFAULT_THRESHOLD`).
         seed: The cotangent's seed.
-        **kwargs: The probe's keyword inputs.
 
     Returns:
         One :class:`~fvstep.parallel.compile_check.CompiledGradientReport` per block

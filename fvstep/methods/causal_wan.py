@@ -135,11 +135,6 @@ def make_causal(model: nn.Module, *, chunk_frames: int | None = None) -> nn.Modu
         ValueError: If ``chunk_frames < 1``, the model is not a Wan transformer, has a
             temporal patch size other than 1, is causal, prepared, sharded or
             context-parallel already, or records another ``chunk_frames``.
-
-    Examples:
-        >>> causal = make_causal(tiny_wan(seed=0), chunk_frames=3)
-        >>> causal.load_state_dict(tiny_wan(seed=1).state_dict())
-        <All keys matched successfully>
     """
     with needs_extra("models", "make_causal"):
         from diffusers import WanTransformer3DModel
@@ -233,12 +228,11 @@ def init_cache(
     """An empty :class:`KVCache` for ``model`` and latents shaped like ``like``.
 
     Args:
-        model: A causal Wan (:func:`make_causal`).
         like: Latents ``(B, C, F, H, W)``: their batch size, frame size, device and (unless
             ``dtype``) dtype are the cache's.
         capacity_frames: The frames the cache holds at most; a full cache keeps its first
-            ``sink_frames`` and drops the oldest of the others.
-        sink_frames: Frames kept forever (an attention sink), ``< capacity_frames``.
+            ``sink_frames`` (an attention sink, ``< capacity_frames``) and drops the oldest
+            of the others.
         dtype: The buffers' dtype. Default: the autocast dtype when autocast is on for
             ``like``'s device, else ``like``'s.
 
@@ -321,9 +315,7 @@ def causal_forward(
 
     Args:
         model: A causal Wan (:func:`make_causal`), prepared or not.
-        x: Latents ``(B, C, F, H, W)``.
         timestep: ``(B,)`` or per frame ``(B, F)``, flow-matching time times 1000.
-        text: Text embeddings ``(B, L, D)``.
         cache: The keys and values of the frames before ``x``.
         update_cache: Return the cache with ``x``'s keys and values (computed at
             ``timestep``) appended. Needs ``cache``.

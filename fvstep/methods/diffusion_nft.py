@@ -81,10 +81,6 @@ class SoftUpdate:
         rate: Growth of ``eta`` per outer step (>= 0).
         max_decay: Its cap, in ``[0, 1]``.
         flat: Outer steps of ``eta = 0`` first (>= 0).
-
-    Examples:
-        >>> [SoftUpdate(0.25, 0.5)(i) for i in range(4)]
-        [0.0, 0.25, 0.5, 0.5]
     """
 
     rate: float = 0.001

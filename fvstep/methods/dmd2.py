@@ -206,15 +206,10 @@ def rollout(
     ``torch.no_grad()``; the last follows the caller's grad mode.
 
     Args:
-        student: A module with the forward contract (:func:`fvstep.methods.models.predict`).
         like: A tensor giving the shape, dtype and device of the samples.
-        text: Text embeddings ``(B, L, D)``.
         denoising_steps: Decreasing times in ``(0, 1]``; the first is where noise starts.
         target: The target step's index (:func:`target_step`); pass it on several ranks
             (drawn from a per-rank ``key``, sharded students hang).
-
-    Returns:
-        ``x0_hat``, shaped like ``like``.
 
     Raises:
         ValueError: If ``target`` does not index ``denoising_steps``.
@@ -273,9 +268,6 @@ def dmd2_losses(
         denoising_steps: The student's few-step schedule, decreasing in ``(0, 1]``;
             ``(1.0,)`` is one-step generation.
         student: The student role's name; ``teacher`` and ``critic`` likewise.
-
-    Returns:
-        A :class:`DMD2Losses` with ``generator_loss``, ``critic_loss``, ``fused_loss``.
 
     Raises:
         ValueError: For out-of-range settings.
@@ -356,23 +348,15 @@ def dmd2(
 ) -> Cond | Chain:
     """DMD2 as a composed method: the critic every step, the student every ``n`` steps.
 
-    Roles: ``student`` and ``critic`` trained, ``teacher`` frozen.
-
-    - ``ordering="fused"``: ``cond(i % n == 0, update(("student", "critic"), fused_loss),
-      update("critic", critic_loss))``; on generator steps both roles train from one student
-      forward pass.
-    - ``ordering="sequential"``: ``sequence(every(n, update("student", generator_loss)),
-      update("critic", critic_loss))``; the critic trains after the student, on a fresh
-      rollout of the updated student drawn with its own key.
+    Roles: ``student`` and ``critic`` trained, ``teacher`` frozen. How the orderings
+    compose: ``docs/concepts/composition.md`` (DMD2, both orderings).
 
     Args:
         generator_update_interval: ``n``: the student steps at ``i % n == 0``.
-        ordering: ``"fused"`` or ``"sequential"``.
+        ordering: ``"fused"`` (on generator steps both roles train from one student
+            forward) or ``"sequential"`` (the critic after the student, on a fresh rollout).
         guidance_scale: And ``shift``, ``min_ratio``, ``max_ratio``, ``denoising_steps``:
             see :func:`dmd2_losses`.
-
-    Returns:
-        The method, for :func:`fvstep.compile`.
 
     Raises:
         ValueError: For an unknown ordering, ``n < 1`` or out-of-range loss settings.

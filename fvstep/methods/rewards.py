@@ -119,10 +119,6 @@ def colorfulness(pixels: torch.Tensor, batch: Mapping[str, Any] | None = None) -
 
     Raises:
         ValueError: If the last dimension is not 3 channels.
-
-    Examples:
-        >>> colorfulness(torch.full((2, 1, 4, 4, 3), 0.5))
-        tensor([0., 0.])
     """
     if pixels.dim() < 3 or pixels.shape[-1] != 3:
         raise ValueError(
@@ -142,10 +138,6 @@ def latent_mse_reward(samples: torch.Tensor, batch: Mapping[str, Any]) -> torch.
 
     Raises:
         ValueError: If the batch has no ``"latents"`` of the samples' shape.
-
-    Examples:
-        >>> latent_mse_reward(torch.zeros(2, 1), {"latents": torch.ones(2, 1)})
-        tensor([-1., -1.])
     """
     target = batch.get("latents")
     if not isinstance(target, torch.Tensor) or target.shape != samples.shape:
@@ -233,10 +225,6 @@ def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) 
 
     Raises:
         ValueError: For a bad shape or group size.
-
-    Examples:
-        >>> group_advantages(torch.tensor([1.0, 3.0, 5.0, 5.0]), 2)
-        tensor([-1.0000,  1.0000,  0.0000,  0.0000])
     """
     _check_grouped(rewards, group_size)
     grouped = rewards.reshape(-1, group_size)

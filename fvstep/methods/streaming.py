@@ -24,6 +24,7 @@ from fvstep.core.state import TrainState
 from fvstep.core.steps import update
 from fvstep.core.tree import frozen, replace
 from fvstep.methods._checks import (
+    cast_batch,
     check_batch,
     check_bidirectional,
     check_cache_fits,
@@ -243,13 +244,12 @@ def streaming(
             raise ValueError('streaming needs a batch dict with "latents" and "text"')
         batch = check_batch(state, batch, "student")
         stream = state.extra.get(name)
-        fits = (
+        if not (
             isinstance(stream, StreamState)
             and stream.cache.capacity_frames == capacity
             and stream.cache.sink_frames == sink_frames
             and stream.frames.shape[2] == window_frames
-        )
-        if not fits or not isinstance(stream, StreamState):
+        ):
             got = (
                 f"a stream of window_frames={stream.frames.shape[2]}, sink_frames="
                 f"{stream.cache.sink_frames}"
@@ -290,7 +290,7 @@ def streaming(
     def stream_step(
         state: TrainState, batch: Any, key: torch.Tensor, ctx: Any
     ) -> tuple[TrainState, dict[str, Any]]:
-        batch = check_batch(state, batch, "student")  # checked by check_input; the cast
+        batch = cast_batch(state, batch, "student", keys=("latents", "text"))
         stream = state.extra[name]
         step = int(state.step)
         if starts(state, stream):

@@ -260,13 +260,12 @@ def decode_latents(vae: nn.Module, latents: torch.Tensor) -> torch.Tensor:
     param = next(vae.parameters())
     with torch.no_grad():
         latents = latents.to(param.device, param.dtype)
-        z = config.z_dim
-        mean = (
-            torch.tensor(config.latents_mean).view(1, z, 1, 1, 1).to(latents.device, latents.dtype)
-        )
-        inv_std = 1.0 / torch.tensor(config.latents_std).view(1, z, 1, 1, 1).to(
-            latents.device, latents.dtype
-        )
+
+        def stat(values: Any) -> torch.Tensor:
+            view = torch.tensor(values).view(1, config.z_dim, 1, 1, 1)
+            return view.to(latents.device, latents.dtype)
+
+        mean, inv_std = stat(config.latents_mean), 1.0 / stat(config.latents_std)
         video = vae.decode(latents / inv_std + mean, return_dict=False)[0]  # type: ignore[operator]
         processor = VideoProcessor(vae_scale_factor=config.scale_factor_spatial)
         pixels = processor.postprocess_video(video, output_type="pt")
