@@ -73,7 +73,7 @@ def cast_batch(
     """``batch`` with its floating tensors under ``keys`` upcast for ``role``, shapes unchecked."""
     role_state = state.role(role)
     module = role_state.role.module
-    dtype = _param_dtype(role_state.params)
+    dtype = _param_dtype(role_state.params.values())
     present = [k for k in keys if isinstance(batch.get(k), torch.Tensor)]
     if dtype is None or not present or _decides_dtype(module, batch[present[0]].device):
         return batch
@@ -85,7 +85,7 @@ def cast_batch(
 
 def upcast_for(module: nn.Module, value: torch.Tensor) -> torch.Tensor:
     """``value`` upcast for ``module`` (for code that has a module, not a state)."""
-    dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), None)
+    dtype = _param_dtype(module.parameters())
     if dtype is None or _decides_dtype(module, value.device):
         return value
     result: torch.Tensor = _upcast(value, dtype)
@@ -223,9 +223,9 @@ def _config(module: nn.Module) -> Mapping[str, Any]:
     return {}
 
 
-def _param_dtype(params: Mapping[str, torch.Tensor]) -> torch.dtype | None:
+def _param_dtype(params: Iterable[torch.Tensor]) -> torch.dtype | None:
     """The dtype of the first floating parameter: the one the input meets first."""
-    return next((p.dtype for p in params.values() if p.is_floating_point()), None)
+    return next((p.dtype for p in params if p.is_floating_point()), None)
 
 
 def _decides_dtype(module: nn.Module, device: torch.device) -> bool:

@@ -112,10 +112,8 @@ def rollout(
         student: A causal Wan.
         like: Latents giving the video's shape ``(B, C, F, H, W)`` (``F`` a multiple of the
             chunk), dtype and device.
-        text: Text embeddings ``(B, L, D)``.
         key: The rollout key (per rank).
         exits: Each chunk's exit step (:func:`exit_steps`).
-        denoising_steps: Decreasing times in ``(0, 1]``.
         cache: The cache to continue from (a stream); default an empty one of ``F`` frames.
         context_time: The time at which the clean chunks are fed to the cache (0: clean).
         cache_dtype: The new cache's dtype, without ``cache`` (as :func:`init_cache`'s).

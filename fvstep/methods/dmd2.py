@@ -1,11 +1,8 @@
 """DMD2 distillation: a few-step student, a frozen teacher and a trained critic ("fake score").
 
-Roles: ``student`` (trained), ``teacher`` (frozen), ``critic`` (trained). The student
-rolls out to a target step drawn from the *shared* key (:func:`target_step`: every rank
-runs the same forwards, so FSDP2's all-gathers pair); the critic learns the student's
-score, the student follows the teacher's guided score minus the critic's. The critic steps
-every step, the student every ``generator_update_interval`` (:func:`dmd2`). The losses and
-draw rules: ``docs/methods/dmd2.md``.
+Roles: ``student`` (trained), ``teacher`` (frozen), ``critic`` (trained). The critic
+learns the student's score, the student follows the teacher's guided score minus the
+critic's. The losses and draw rules: ``docs/methods/dmd2.md``.
 """
 
 from __future__ import annotations
@@ -111,7 +108,6 @@ def distribution_matching_loss(
     Args:
         state: Anything with ``module(name)`` (a :class:`~fvstep.TrainState`).
         x0_hat: The generated samples, with the generator's gradient.
-        text: Text embeddings ``(B, L, D)``.
         guidance_scale: The teacher's classifier-free guidance scale (``1``: no
             unconditional pass).
         shift: The score timestep shift; ``min_ratio``, ``max_ratio`` clamp the score

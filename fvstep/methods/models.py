@@ -115,15 +115,6 @@ def predict(
     ``diffusers.WanTransformer3DModel`` has this signature; any ``nn.Module`` whose
     ``forward`` takes these keywords and returns a tuple works with every method.
 
-    Args:
-        module: Any module with the forward contract.
-        x: Noisy latents ``(B, C, F, H, W)``.
-        t: ``(B,)`` float timesteps in ``[0, 1000]`` (flow-matching time times 1000).
-        text: Text embeddings ``(B, L, D)``.
-
-    Returns:
-        The predicted velocity, of ``x``'s shape.
-
     Raises:
         ValueError: If ``t`` is not of shape ``(B,)`` or the output's shape is not ``x``'s.
     """

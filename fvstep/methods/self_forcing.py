@@ -4,8 +4,7 @@ Huang et al. 2025 (arXiv 2506.08009). Roles: ``student`` (a causal Wan,
 :func:`fvstep.methods.causal_wan.make_causal`; trained), ``teacher`` (bidirectional,
 frozen), ``critic`` (bidirectional, trained). The rollout is
 :func:`fvstep.methods.causal_rollout.rollout`, the losses those of
-:mod:`fvstep.methods.dmd2`; ``split(key, 3) = (rollout, generator, critic)``. The
-formulas and draw rules: ``docs/methods/self_forcing.md``.
+:mod:`fvstep.methods.dmd2`. The formulas and keys: ``docs/methods/self_forcing.md``.
 """
 
 from __future__ import annotations
@@ -126,10 +125,8 @@ def self_forcing_losses(
     Args:
         denoising_steps: The student's few-step schedule, decreasing in ``(0, 1]``
             (default: Self-Forcing's ``(1, .75, .5, .25)`` shifted by 5).
-        guidance_scale: The teacher's classifier-free guidance scale.
-        shift: The score timestep shift.
-        min_ratio: Lower clamp of the score time.
-        max_ratio: Upper clamp of the score time.
+        guidance_scale: And ``shift``, ``min_ratio``, ``max_ratio``: as
+            :func:`~fvstep.methods.dmd2.dmd2_losses`'s.
         context_time: Time of the cache's context pass (0: clean chunks).
         same_step_across_chunks: One exit step for every chunk of a rollout.
         last_step_only: Always exit at the last step.
@@ -137,9 +134,6 @@ def self_forcing_losses(
             :func:`~fvstep.methods.causal_wan.init_cache`'s. Give the student's compute
             dtype when it is lower than the latents' (a prepared bf16 role).
         student: The causal student role's name; ``teacher`` and ``critic`` likewise.
-
-    Returns:
-        A :class:`SelfForcingLosses`.
 
     Raises:
         ValueError: For out-of-range settings; at a step, before it changes anything, for

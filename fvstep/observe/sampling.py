@@ -104,22 +104,6 @@ class FewStepSampler:
 Sampler = EulerSampler | FewStepSampler
 
 
-def _guided(
-    module: nn.Module,
-    x: torch.Tensor,
-    timestep: torch.Tensor,
-    text: torch.Tensor,
-    negative_text: torch.Tensor | None,
-    scale: float,
-) -> torch.Tensor:
-    v = predict(module, x, timestep, text)
-    if scale > 1.0:
-        negative = torch.zeros_like(text) if negative_text is None else negative_text
-        v_neg = predict(module, x, timestep, negative)
-        v = v_neg + scale * (v - v_neg)
-    return v
-
-
 def sample(
     module: nn.Module,
     noise: torch.Tensor,
@@ -161,9 +145,14 @@ def sample(
         chunk_frames_of(module)  # raises: the record of a causal model that is not causal
     _check_key(sampler, key)
     scale = sampler.guidance_scale if isinstance(sampler, EulerSampler) else 1.0
+    negative = torch.zeros_like(text) if negative_text is None else negative_text
 
     def velocity(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        return _guided(module, x, t, text, negative_text, scale)
+        v = predict(module, x, t, text)
+        if scale > 1.0:
+            v_neg = predict(module, x, t, negative)
+            v = v_neg + scale * (v - v_neg)
+        return v
 
     with torch.no_grad():
         return _run(velocity, noise, sampler, key)
