@@ -141,10 +141,7 @@ def _flags_set(
     flags: list[tuple[Any, bool]],
     inner: Any = None,
 ) -> Iterator[None]:
-    """Each layer's active adapter and disabled flag set to ``flags`` inside ``inner``.
-
-    Not peft's ``set_adapter``: it would also set ``requires_grad``, which the units own.
-    """
+    """Each layer's active adapter and disabled flag (not peft's ``set_adapter``) inside ``inner``."""
     saved = [(layer._active_adapter, layer._disable_adapters) for layer in layers]
     for layer, (name, disabled) in zip(layers, flags):
         layer._active_adapter = name
@@ -163,9 +160,8 @@ def recompute_context(
 ) -> Callable[[], tuple[Any, Any]]:
     """A ``context_fn`` for ``torch.utils.checkpoint`` that recomputes with the same adapter.
 
-    A block is recomputed during backward, after its :class:`LoRAModule` switched the
-    adapter off again; this ``context_fn`` captures the adapter flags of ``base``'s LoRA
-    layers at the forward and sets them again around the recomputation.
+    It captures the adapter flags of ``base``'s LoRA layers at the forward and sets them
+    again around the recomputation in backward.
 
     Args:
         base: The base module that :func:`add_adapters` injected adapters into.

@@ -221,16 +221,14 @@ class CausalWanAttnProcessor:
             call.collected[self.layer] = (key.detach(), value.detach())
         if call.cache_keys is not None and call.cache_values is not None:
             index = self.layer_index.to(call.cache_keys.device)
-            cached_k = call.cache_keys.index_select(1, index)[:, 0]
-            cached_v = call.cache_values.index_select(1, index)[:, 0]
-            if call.cache_slots is not None:
-                slots = call.cache_slots.to(cached_k.device)
-                cached_k, cached_v = (
-                    cached_k.index_select(1, slots),
-                    cached_v.index_select(1, slots),
-                )
-            cached_k, cached_v = cached_k.to(key.dtype), cached_v.to(value.dtype)
-            key, value = torch.cat([cached_k, key], 1), torch.cat([cached_v, value], 1)
+
+            def with_cached(buffer: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+                cached = buffer.index_select(1, index)[:, 0]
+                if call.cache_slots is not None:
+                    cached = cached.index_select(1, call.cache_slots.to(cached.device))
+                return torch.cat([cached.to(new.dtype), new], 1)
+
+            key, value = with_cached(call.cache_keys, key), with_cached(call.cache_values, value)
         query = _rotate(query, call.cos_q, call.sin_q)
         key = _rotate(key, call.cos_k, call.sin_k)
         # Without a cache, the block-causal attention is one call per chunk of queries over

@@ -144,17 +144,14 @@ def rollout(
         cache = init_cache(student, like, capacity_frames=frames, dtype=cache_dtype)
     else:
         check_cache_fits(student, cache)
-    current = cache
+    current, held = cache, int(cache.num_frames)
     # Without eviction every chunk's context is a prefix of the final cache: one buffer,
     # read by each chunk up to its fill level (the slots past it are masked, never used).
-    grows = int(current.num_frames) + frames <= current.capacity_frames
+    grows = held + frames <= cache.capacity_frames
     shape = (batch, channels, chunk, height, width)
     chunks: list[torch.Tensor] = []
     inputs: list[torch.Tensor] = []
-    times: list[float] = []
     filled: list[torch.Tensor] = []
-    held = int(current.num_frames)
-    start = current  # with eviction, the contexts are windows of its frames and the new ones
     new_frames: list[tuple[torch.Tensor, torch.Tensor]] = []
     for c in range(num_chunks):
         k_noise, k_renoise, k_context = fsrandom.split(fsrandom.fold_in(key, c), 3)
@@ -171,7 +168,6 @@ def rollout(
         x0 = x0_from_velocity(x, t_j, v)
         chunks.append(x0)
         inputs.append(x)
-        times.append(steps[j])
         if grows:
             filled.append(current.num_frames)
         with torch.no_grad():
@@ -192,9 +188,10 @@ def rollout(
                 )
     if grows:
         contexts = [replace(current, num_frames=n) for n in filled]
-    else:
-        contexts = _windows(start, held, new_frames, chunk)
-    return Rollout(torch.cat(chunks, 2), current, tuple(inputs), tuple(times), tuple(contexts))
+    else:  # with eviction, windows of the input cache's frames and the new ones
+        contexts = _windows(cache, held, new_frames, chunk)
+    times = tuple(steps[j] for j in exits)
+    return Rollout(torch.cat(chunks, 2), current, tuple(inputs), times, tuple(contexts))
 
 
 def _windows(

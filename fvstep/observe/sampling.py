@@ -115,12 +115,8 @@ def sample(
 ) -> torch.Tensor:
     """Generate clean latents from ``noise`` with ``module`` (the forward contract).
 
-    Runs under ``torch.no_grad()``. A causal Wan (:func:`fvstep.methods.make_causal`)
-    generates as at inference: chunk by chunk through the whole sampler, attending to the
-    KV cache of the clean chunks before (a guided sampler keeps a second cache for the
-    negative text). Its :class:`FewStepSampler` re-noises with the keys of
-    :func:`fvstep.methods.causal_rollout.rollout`: bitwise the rollout whose every chunk
-    exits at the last step, given the rollout's noise.
+    Runs under ``torch.no_grad()``. A causal Wan generates as at inference, chunk by chunk
+    (``docs/methods/causal_wan.md``).
 
     Args:
         module: A velocity predictor (:mod:`fvstep.methods.models`' forward contract).
