@@ -108,12 +108,8 @@ def init_stream(
     # as long as the run, so a full cache here would be a second one for the whole run.
     zero = torch.zeros((), dtype=empty.keys.dtype, device=empty.keys.device)
     return StreamState(
-        cache=KVCache(
-            keys=zero.expand(empty.keys.shape),
-            values=zero.expand(empty.values.shape),
-            num_frames=empty.num_frames,
-            frame_tokens=empty.frame_tokens,
-            sink_frames=empty.sink_frames,
+        cache=replace(
+            empty, keys=zero.expand(empty.keys.shape), values=zero.expand(empty.values.shape)
         ),
         frames=like.new_zeros((batch_size, channels, window_frames, height, width)),
         text=torch.zeros_like(text),
