@@ -70,11 +70,7 @@ class EulerSampler:
     guidance_scale: float = 1.0
 
     def scheduler(self) -> FlowMatchEulerDiscreteScheduler:
-        """A fresh diffusers ``FlowMatchEulerDiscreteScheduler(shift=self.shift)`` (for a pipeline, too).
-
-        Raises:
-            ImportError: If diffusers is not installed.
-        """
+        """A fresh diffusers ``FlowMatchEulerDiscreteScheduler(shift=self.shift)`` (for a pipeline, too)."""
         with needs_extra("models", "EulerSampler"):
             from diffusers import FlowMatchEulerDiscreteScheduler
 

@@ -40,11 +40,9 @@ def role_module(
     """The module of ``role``, computing with its live weights or its EMA weights.
 
     With ``weights="ema"`` the role's trainable parameters hold the EMA values inside the
-    ``with`` block (by :func:`fvstep.core.weights.select_weights`'s rule) and their own
-    values again after it, bit for bit, also when the block raises. Every FSDP2 group of
-    the state is resharded before the swap and after the block, so every rank of a sharded
-    role enters it (``docs/concepts/validation.md``). Inside the block ``checkpoint.save``,
-    the exports and a nested ``weights="params"`` of the role refuse: do them after it.
+    ``with`` block and their own values again after it, bit for bit, also when it raises.
+    Every rank of a sharded role enters it; inside it ``checkpoint.save``, the exports and
+    a nested ``weights="params"`` refuse (``docs/concepts/validation.md``).
 
     Args:
         state: The state (not changed).
