@@ -253,9 +253,7 @@ def check_compiled_gradients(
         checked, in the order the blocks ran.
 
     Raises:
-        CompiledGradientError: Naming the block, the parameter (or input), its error,
-            eager's rounding noise and the threshold, for the first block whose gradients
-            differ.
+        CompiledGradientError: For the first block whose gradients differ, naming it.
         ValueError: If ``module`` is sharded (use ``prepare(..., verify_compile=True)``),
             or ``compiled`` asks to compile a module whose blocks are compiled already.
 

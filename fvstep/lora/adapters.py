@@ -262,10 +262,6 @@ def base_digest(base: nn.Module) -> str:
 
     Returns:
         A hexadecimal SHA-256.
-
-    Examples:
-        >>> base_digest(base) == read_manifest(path).frozen_digests["teacher"]
-        True
     """
     from fvstep.checkpoint.fingerprint import fingerprint
     from fvstep.checkpoint.manifest import frozen_digest
