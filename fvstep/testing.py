@@ -4,9 +4,6 @@
 the hypothesis strategies :func:`resume_scenarios` and :func:`train_states`,
 :func:`assert_trees_equal`, and :func:`check_compiled_gradients` (compiled gradients
 against eager ones, block by block; ``fvstep verify-compile`` runs it).
-
-Examples:
-    >>> assert_resume_exact(factory, num_steps=6, interruptions=[2, 4], workdir=tmp_path)
 """
 
 from __future__ import annotations
@@ -85,11 +82,9 @@ def assert_resume_exact(
 
     Args:
         factory: ``() -> (initial_state, step_fn, data)``.
-        num_steps: The final step count.
         interruptions: Steps (``0 <= s < num_steps``) before which the run crashes.
         workdir: An empty directory for the checkpoints (shared by all ranks).
-        checkpoint_every: The checkpoint interval of the interrupted run.
-        async_save: Use background saves in the interrupted run.
+        checkpoint_every: And ``async_save``: the interrupted run's checkpointing.
         parallelism: The layout every run is called with (``fvstep.run``'s; default
             :func:`fvstep.parallel.default_layout`), e.g. ``Layout(mesh)`` for context
             parallel roles.
@@ -181,9 +176,8 @@ def resume_scenarios(
 
 
 def train_states(*, max_roles: int = 3) -> Any:
-    """A hypothesis strategy of small :class:`TrainState` s: MLP roles of drawn widths and
-    dtypes (fp32, bf16, fp16), AdamW/SGD or frozen, optional EMA, and method-owned extra
-    state; the leaves are filled with drawn bits."""
+    """A hypothesis strategy of small :class:`TrainState` s with drawn roles, dtypes,
+    optimizers, EMAs, extra state and leaf values."""
     from hypothesis import strategies as st
 
     from fvstep.core import optim
@@ -242,11 +236,10 @@ def check_compiled_gradients(
     dtypes, ``requires_grad`` and compilation as they were).
 
     Args:
-        module: The module to run on the probe. Its blocks compiled in place (a prepared
-            role's, or your ``block.compile()``) are checked one by one; if none is, the
-            module itself is compiled for the check (as :func:`~fvstep.parallel.prepare`
-            would compile a block, or with ``compiled``'s arguments) and checked whole.
-        *args: The probe's positional inputs.
+        module: The module to run on the probe (``*args``, ``**kwargs``). Its blocks
+            compiled in place (a prepared role's, or your ``block.compile()``) are checked
+            one by one; if none is, the module itself is compiled for the check (as
+            :func:`~fvstep.parallel.prepare` would compile a block) and checked whole.
         compiled: ``None`` (the above); a mapping of ``torch.compile`` arguments to
             compile ``module`` with (``{"backend": "aot_eager"}``); or a callable, a
             compiled version of ``module`` (``torch.compile(module)``) to compare with
@@ -254,16 +247,13 @@ def check_compiled_gradients(
         threshold: The largest ratio of a compiled gradient's error to eager's rounding
             noise that passes (:data:`fvstep.parallel.compile_check.DEFAULT_THRESHOLD`).
         seed: The cotangent's seed.
-        **kwargs: The probe's keyword inputs.
 
     Returns:
         One :class:`~fvstep.parallel.compile_check.CompiledGradientReport` per block
         checked, in the order the blocks ran.
 
     Raises:
-        CompiledGradientError: Naming the block, the parameter (or input), its error,
-            eager's rounding noise and the threshold, for the first block whose gradients
-            differ.
+        CompiledGradientError: For the first block whose gradients differ, naming it.
         ValueError: If ``module`` is sharded (use ``prepare(..., verify_compile=True)``),
             or ``compiled`` asks to compile a module whose blocks are compiled already.
 

@@ -4,9 +4,6 @@
 :class:`LoRAModule` role per adapter; the base, every adapter off, is a frozen role.
 Importing this package registers the export formats ``"lora"`` and ``"merged"``
 (:mod:`fvstep.lora.export`). See ``docs/concepts/lora.md``; needs ``fvstep[lora]``.
-
-Examples:
-    >>> lora = add_adapters(base, {"student": config}, seed=0)
 """
 
 from fvstep.lora.adapters import (

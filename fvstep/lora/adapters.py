@@ -40,12 +40,7 @@ _ADAPTER_ATTRS = (
 
 
 def lora_layers(base: nn.Module) -> list[tuple[str, Any]]:
-    """The peft LoRA layers of ``base``, as ``(qualified name, layer)`` in module order.
-
-    Examples:
-        >>> [name for name, _ in lora_layers(base)][:1]
-        ['blocks.0.attn1.to_q']
-    """
+    """The peft LoRA layers of ``base``, as ``(qualified name, layer)`` in module order."""
     with needs_extra("lora", "LoRA roles"):
         from peft.tuners.lora import LoraLayer
 
@@ -75,9 +70,6 @@ class LoRAModule(nn.Module):
         base: The shared base module (not a submodule).
         adapter: The adapter's name.
         config: The adapter's ``peft.LoraConfig``.
-
-    Examples:
-        >>> lora["student"](hidden_states=x, timestep=t, encoder_hidden_states=text)
     """
 
     base: nn.Module
@@ -111,12 +103,7 @@ class LoRAModule(nn.Module):
 
     @contextlib.contextmanager
     def active(self) -> Iterator[nn.Module]:
-        """A context in which the base computes with this adapter; yields the base.
-
-        Examples:
-            >>> with lora["student"].active() as net:
-            ...     out = net(hidden_states=x, timestep=t, encoder_hidden_states=text)
-        """
+        """A context in which the base computes with this adapter; yields the base."""
         layers = self.__dict__["_layers"]
         with _flags_set(layers, [(self.adapter, False)] * len(layers)):
             yield self.base
@@ -154,11 +141,7 @@ def _flags_set(
     flags: list[tuple[Any, bool]],
     inner: Any = None,
 ) -> Iterator[None]:
-    """Each layer's active adapter and disabled flag set to ``flags`` inside ``inner``.
-
-    Only the flags forward reads: peft's ``set_adapter`` would also set ``requires_grad``
-    on the adapters, which fvstep's units own.
-    """
+    """Each layer's active adapter and disabled flag (not peft's ``set_adapter``) inside ``inner``."""
     saved = [(layer._active_adapter, layer._disable_adapters) for layer in layers]
     for layer, (name, disabled) in zip(layers, flags):
         layer._active_adapter = name
@@ -177,9 +160,8 @@ def recompute_context(
 ) -> Callable[[], tuple[Any, Any]]:
     """A ``context_fn`` for ``torch.utils.checkpoint`` that recomputes with the same adapter.
 
-    A block is recomputed during backward, after its :class:`LoRAModule` switched the
-    adapter off again; this ``context_fn`` captures the adapter flags of ``base``'s LoRA
-    layers at the forward and sets them again around the recomputation.
+    It captures the adapter flags of ``base``'s LoRA layers at the forward and sets them
+    again around the recomputation in backward.
 
     Args:
         base: The base module that :func:`add_adapters` injected adapters into.
@@ -280,10 +262,6 @@ def base_digest(base: nn.Module) -> str:
 
     Returns:
         A hexadecimal SHA-256.
-
-    Examples:
-        >>> base_digest(base) == read_manifest(path).frozen_digests["teacher"]
-        True
     """
     from fvstep.checkpoint.saving import fingerprint, frozen_digest
 

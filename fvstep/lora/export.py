@@ -4,9 +4,6 @@
 does (the adapter's ``LoraConfig`` in its metadata), for ``load_lora_weights``;
 ``"merged"`` writes a diffusers model folder of the base with the adapter merged into its
 weights (:func:`merge_weights`), for ``from_pretrained``. Registered on import.
-
-Examples:
-    >>> fvstep.checkpoint.export(state, "student", "out/student_lora", format="lora")
 """
 
 from __future__ import annotations

@@ -2,10 +2,7 @@
 
 Every method calls its roles' modules through the forward contract of
 :mod:`fvstep.methods.models`, so any ``nn.Module`` with that signature works, not only
-``diffusers`` models. Methods: :func:`finetune`, :func:`dmd2`, :func:`rl`,
-:func:`diffusion_nft`, :func:`self_forcing` and :func:`streaming` (over
-:func:`make_causal`'s causal Wan); the RL methods share :mod:`fvstep.methods.rewards` and
-:mod:`fvstep.methods.old_policy`. Each has its page under ``docs/methods/`` or
+``diffusers`` models. Each method has its page under ``docs/methods/`` or
 ``docs/concepts/composition.md``.
 """
 

@@ -80,16 +80,14 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 def _local_mask(frames: int, frame_tokens: int, chunk: int, device: torch.device) -> torch.Tensor:
-    """``(tokens, tokens)``: a token of frame ``i`` sees this call's frames of chunks
-    ``<= i // chunk``."""
+    """``(tokens, tokens)``: frame ``i`` sees this call's frames of chunks ``<= i // chunk``."""
     chunk_of = torch.arange(frames, device=device) // chunk
     local = chunk_of[:, None] >= chunk_of[None, :]
     return local.repeat_interleave(frame_tokens, 0).repeat_interleave(frame_tokens, 1)
 
 
 def _chunks(frames: int, frame_tokens: int, chunk: int) -> tuple[tuple[int, int], ...]:
-    """Without a cache: the queries of chunk ``c`` (up to its end) see the keys up to the
-    same end; ``()`` for one chunk or less (every key)."""
+    """Per chunk, (query end, key end) without a cache; ``()`` for one chunk (every key)."""
     if frames <= chunk:
         return ()
     ends = [min(start + chunk, frames) * frame_tokens for start in range(0, frames, chunk)]
@@ -97,7 +95,6 @@ def _chunks(frames: int, frame_tokens: int, chunk: int) -> tuple[tuple[int, int]
 
 
 def _table_frames(cache: Any, cached_frames: int, frames: int) -> int:
-    """The rotary positions a call needs: the cache's slots and this call's frames."""
     capacity = cache.capacity_frames if cache is not None else 0
     return max(capacity, cached_frames + frames)
 
@@ -118,9 +115,8 @@ def rope_check(module: Any, args: tuple[Any, ...]) -> None:
 def rope_hook(module: Any, args: tuple[Any, ...], output: Any) -> _Rotary:
     """Wan's rotary embedding, extended over the cache's slots, with this call's inputs.
 
-    Runs eagerly, at the root of the forward (outside the compiled blocks): the cache's
-    fill level is read here, as a Python number, and turned into tensors of fixed shapes
-    (the query rotations, the mask of filled slots).
+    Runs eagerly, outside the compiled blocks: the cache's fill level is read here as a
+    Python number and turned into tensors of fixed shapes.
     """
     hidden = args[0]
     _, _, frames, height, width = hidden.shape
@@ -170,11 +166,6 @@ class CausalWanAttnProcessor:
     the causal model's rotary hook. It holds only its layer index: a Python int for the
     (eager) cache-filling pass, and a tensor for reading its layer of the cache, so that
     a compiled block's graph is one for every layer (an int would be a constant of it).
-
-    Examples:
-        >>> model = make_causal(tiny_wan())
-        >>> type(model.blocks[0].attn1.processor).__name__
-        'CausalWanAttnProcessor'
     """
 
     _attention_backend: Any = None
@@ -230,16 +221,14 @@ class CausalWanAttnProcessor:
             call.collected[self.layer] = (key.detach(), value.detach())
         if call.cache_keys is not None and call.cache_values is not None:
             index = self.layer_index.to(call.cache_keys.device)
-            cached_k = call.cache_keys.index_select(1, index)[:, 0]
-            cached_v = call.cache_values.index_select(1, index)[:, 0]
-            if call.cache_slots is not None:
-                slots = call.cache_slots.to(cached_k.device)
-                cached_k, cached_v = (
-                    cached_k.index_select(1, slots),
-                    cached_v.index_select(1, slots),
-                )
-            cached_k, cached_v = cached_k.to(key.dtype), cached_v.to(value.dtype)
-            key, value = torch.cat([cached_k, key], 1), torch.cat([cached_v, value], 1)
+
+            def with_cached(buffer: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+                cached = buffer.index_select(1, index)[:, 0]
+                if call.cache_slots is not None:
+                    cached = cached.index_select(1, call.cache_slots.to(cached.device))
+                return torch.cat([cached.to(new.dtype), new], 1)
+
+            key, value = with_cached(call.cache_keys, key), with_cached(call.cache_values, value)
         query = _rotate(query, call.cos_q, call.sin_q)
         key = _rotate(key, call.cos_k, call.sin_k)
         # Without a cache, the block-causal attention is one call per chunk of queries over

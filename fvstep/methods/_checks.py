@@ -3,8 +3,7 @@
 Each loss starts with ``batch = check_batch(state, batch, role)``: a batch made for another
 model fails naming the key, its shape and the shape the role's module expects (metadata
 only, no host sync), and low-precision tensors are upcast by the rule of
-``docs/concepts/data.md`` (Dtypes). The other checks refuse, before a step changes
-anything, what the DMD and causal methods cannot take.
+``docs/concepts/data.md`` (Dtypes).
 """
 
 from __future__ import annotations
@@ -48,25 +47,8 @@ def check_batch(
     text: str = "text",
     required: Sequence[str] = (),
 ) -> Any:
-    """``batch`` checked against ``role``'s module, its low-precision tensors upcast.
-
-    Args:
-        state: The state whose role computes on the batch.
-        batch: A mapping with video latents ``(B, C, F, H, W)`` under ``video`` and text
-            embeddings ``(B, L, D)`` under ``text`` (anything else is returned as is).
-        role: The role whose module first sees the batch.
-        video: The key of the latents.
-        text: The key of the text embeddings.
-        required: Further keys the method reads.
-
-    Returns:
-        ``batch``, or a copy of it with ``video`` and ``text`` upcast.
-
-    Raises:
-        KeyError: For a missing key, naming the keys the batch has.
-        ValueError: For a rank, channels, text width or spatial size that does not fit the
-            module, naming the key, the shape and the expected one.
-    """
+    """``batch`` (latents under ``video``, text under ``text``) checked against ``role``'s
+    module, and a copy with those two upcast when they are of lower precision."""
     if not isinstance(batch, Mapping):
         return batch
     for key in (video, text, *required):
@@ -91,7 +73,7 @@ def cast_batch(
     """``batch`` with its floating tensors under ``keys`` upcast for ``role``, shapes unchecked."""
     role_state = state.role(role)
     module = role_state.role.module
-    dtype = _param_dtype(role_state.params)
+    dtype = _param_dtype(role_state.params.values())
     present = [k for k in keys if isinstance(batch.get(k), torch.Tensor)]
     if dtype is None or not present or _decides_dtype(module, batch[present[0]].device):
         return batch
@@ -103,7 +85,7 @@ def cast_batch(
 
 def upcast_for(module: nn.Module, value: torch.Tensor) -> torch.Tensor:
     """``value`` upcast for ``module`` (for code that has a module, not a state)."""
-    dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), None)
+    dtype = _param_dtype(module.parameters())
     if dtype is None or _decides_dtype(module, value.device):
         return value
     result: torch.Tensor = _upcast(value, dtype)
@@ -122,10 +104,13 @@ def check_bidirectional(state: Any, roles: Iterable[str], *, method: str) -> Non
             )
 
 
+def _held(module: nn.Module) -> tuple[Any, ...]:
+    """``module`` and the model a wrapper (LoRA's ``base``, a ``module`` attribute) holds."""
+    return (module, getattr(module, "base", None), getattr(module, "module", None))
+
+
 def _computes_causally(module: nn.Module) -> bool:
-    """Whether ``module``, or the base model a wrapper (LoRA) computes through, is causal."""
-    held = (module, getattr(module, "base", None), getattr(module, "module", None))
-    return any(isinstance(m, nn.Module) and is_causal(m) for m in held)
+    return any(isinstance(m, nn.Module) and is_causal(m) for m in _held(module))
 
 
 def check_cache_fits(student: nn.Module, cache: Any, *, what: str = "the cache") -> None:
@@ -231,21 +216,20 @@ def _check_shapes(
 
 def _config(module: nn.Module) -> Mapping[str, Any]:
     """The diffusers config of ``module`` (or of the model a wrapper holds), else empty."""
-    for candidate in (module, getattr(module, "base", None), getattr(module, "module", None)):
+    for candidate in _held(module):
         config = getattr(candidate, "config", None)
         if isinstance(config, Mapping):
             return config
     return {}
 
 
-def _param_dtype(params: Mapping[str, torch.Tensor]) -> torch.dtype | None:
+def _param_dtype(params: Iterable[torch.Tensor]) -> torch.dtype | None:
     """The dtype of the first floating parameter: the one the input meets first."""
-    return next((p.dtype for p in params.values() if p.is_floating_point()), None)
+    return next((p.dtype for p in params if p.is_floating_point()), None)
 
 
 def _decides_dtype(module: nn.Module, device: torch.device) -> bool:
-    """Whether something other than the batch sets the compute dtype: autocast, or an
-    input cast on the module (``prepare``'s boundary cast, FSDP2's mixed precision)."""
+    """Whether autocast or an input cast on the module (``prepare``'s, FSDP2's) sets the dtype."""
     if torch.is_autocast_enabled(device.type):
         return True
     held = (module, getattr(module, "base", None))  # a LoRA role computes through its base

@@ -3,10 +3,6 @@
 Every random tensor of :mod:`fvstep.methods` is drawn from a ``torch.Generator`` made from
 one key (:func:`fvstep.core.random.generator`) on the tensor's device, never from the
 global RNG. One key, one draw: a caller that needs two tensors splits its key first.
-
-Examples:
-    >>> k_t, k_eps = fsrandom.split(key, 2)
-    >>> t, eps = rand(k_t, (x0.shape[0],)), randn_like(k_eps, x0)
 """
 
 from __future__ import annotations

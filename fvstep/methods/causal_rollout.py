@@ -4,9 +4,6 @@ The generation of :mod:`fvstep.methods.self_forcing` and :mod:`fvstep.methods.st
 (``docs/methods/self_forcing.md``): :func:`rollout` generates a video chunk by chunk, with
 gradient only through each chunk's exit step (:func:`exit_steps`, from a key shared by
 every rank); :func:`regenerate` recomputes a rollout's frames from its exit steps.
-
-Examples:
-    >>> ro = rollout(student, like, text, k, exits=(0, 1), denoising_steps=(1.0, 0.5))
 """
 
 from __future__ import annotations
@@ -57,18 +54,11 @@ def exit_steps(
 
     Args:
         key: The state's base key (``state.key``), not a per-rank key.
-        step: The global step.
-        num_chunks: Chunks of the rollout.
-        num_steps: Steps of the few-step schedule.
         same_step_across_chunks: One draw for every chunk.
         last_step_only: Always the last step (no draw).
 
     Raises:
         ValueError: If ``num_steps < 1`` or ``num_chunks < 0``.
-
-    Examples:
-        >>> exit_steps(fvstep.random.key(0), 3, num_chunks=2, num_steps=4)
-        (1, 2)
     """
     check_count(num_steps, "exit_steps: num_steps")
     check_count(num_chunks, "exit_steps: num_chunks", 0)
@@ -122,14 +112,11 @@ def rollout(
         student: A causal Wan.
         like: Latents giving the video's shape ``(B, C, F, H, W)`` (``F`` a multiple of the
             chunk), dtype and device.
-        text: Text embeddings ``(B, L, D)``.
         key: The rollout key (per rank).
         exits: Each chunk's exit step (:func:`exit_steps`).
-        denoising_steps: Decreasing times in ``(0, 1]``.
         cache: The cache to continue from (a stream); default an empty one of ``F`` frames.
         context_time: The time at which the clean chunks are fed to the cache (0: clean).
-        cache_dtype: The new cache's dtype, without ``cache``
-            (:func:`~fvstep.methods.causal_wan.init_cache`'s ``dtype``).
+        cache_dtype: The new cache's dtype, without ``cache`` (as :func:`init_cache`'s).
 
     Returns:
         A :class:`Rollout`; ``video`` has gradient through the exit steps when grad is on.
@@ -137,10 +124,6 @@ def rollout(
     Raises:
         ValueError: If ``F`` is not a multiple of the chunk, ``exits`` has the wrong length
             or an index outside the schedule, or ``cache`` was made for another model.
-
-    Examples:
-        >>> ro = rollout(student, batch["latents"], batch["text"], k, exits=(1, 3),
-        ...              denoising_steps=(1.0, 0.75, 0.5, 0.25))
     """
     chunk = chunk_frames_of(student)
     batch, channels, frames, height, width = like.shape
@@ -157,22 +140,18 @@ def rollout(
             f"exits {tuple(exits)} must index the {len(steps)} denoising steps: each an int "
             f"in 0 .. {len(steps) - 1}, got {bad[0]!r}"
         )
-    if cache is not None:
-        check_cache_fits(student, cache)
     if cache is None:
         cache = init_cache(student, like, capacity_frames=frames, dtype=cache_dtype)
-    current = cache
+    else:
+        check_cache_fits(student, cache)
+    current, held = cache, int(cache.num_frames)
     # Without eviction every chunk's context is a prefix of the final cache: one buffer,
     # read by each chunk up to its fill level (the slots past it are masked, never used).
-    grows = int(current.num_frames) + frames <= current.capacity_frames
+    grows = held + frames <= cache.capacity_frames
     shape = (batch, channels, chunk, height, width)
     chunks: list[torch.Tensor] = []
     inputs: list[torch.Tensor] = []
-    times: list[float] = []
-    contexts: list[KVCache] = []
     filled: list[torch.Tensor] = []
-    held = int(current.num_frames)
-    start = current  # with eviction, the contexts are windows of its frames and the new ones
     new_frames: list[tuple[torch.Tensor, torch.Tensor]] = []
     for c in range(num_chunks):
         k_noise, k_renoise, k_context = fsrandom.split(fsrandom.fold_in(key, c), 3)
@@ -189,7 +168,6 @@ def rollout(
         x0 = x0_from_velocity(x, t_j, v)
         chunks.append(x0)
         inputs.append(x)
-        times.append(steps[j])
         if grows:
             filled.append(current.num_frames)
         with torch.no_grad():
@@ -210,19 +188,18 @@ def rollout(
                 )
     if grows:
         contexts = [replace(current, num_frames=n) for n in filled]
-    else:
-        contexts = _windows(start, held, new_frames, chunk)
-    return Rollout(torch.cat(chunks, 2), current, tuple(inputs), tuple(times), tuple(contexts))
+    else:  # with eviction, windows of the input cache's frames and the new ones
+        contexts = _windows(cache, held, new_frames, chunk)
+    times = tuple(steps[j] for j in exits)
+    return Rollout(torch.cat(chunks, 2), current, tuple(inputs), times, tuple(contexts))
 
 
 def _windows(
     start: KVCache, held: int, new: list[tuple[torch.Tensor, torch.Tensor]], chunk: int
 ) -> list[KVCache]:
-    """Each chunk's context in a rolling cache, as views of one buffer.
+    """Each chunk's context in a rolling cache: the sink and the latest frames, as views of
+    one buffer (``start``'s ``held`` frames, then each chunk's new ones)."""
 
-    The buffer is the ``held`` frames of ``start``, then each chunk's new frames; chunk
-    ``c`` reads the sink frames and the latest that fit (``causal_wan``'s eviction, at once).
-    """
     ft, capacity, sink = start.frame_tokens, start.capacity_frames, start.sink_frames
     keys = torch.cat([start.keys[:, :, : held * ft], *(k for k, _ in new)], 2)
     values = torch.cat([start.values[:, :, : held * ft], *(v for _, v in new)], 2)

@@ -79,10 +79,6 @@ def chunk_frames_of(model: nn.Module) -> int:
 
     Raises:
         ValueError: If ``model`` is not causal.
-
-    Examples:
-        >>> chunk_frames_of(make_causal(tiny_wan(), chunk_frames=3))
-        3
     """
     rope = getattr(model, "rope", None)
     chunk = getattr(rope, CAUSAL_ATTR, None)
@@ -101,12 +97,7 @@ def chunk_frames_of(model: nn.Module) -> int:
 
 
 def is_causal(model: nn.Module) -> bool:
-    """Whether ``model`` is a causal Wan (made so by :func:`make_causal`).
-
-    Examples:
-        >>> is_causal(make_causal(tiny_wan())), is_causal(tiny_wan())
-        (True, False)
-    """
+    """Whether ``model`` is a causal Wan (made so by :func:`make_causal`)."""
     return hasattr(getattr(model, "rope", None), CAUSAL_ATTR)
 
 
@@ -144,15 +135,11 @@ def make_causal(model: nn.Module, *, chunk_frames: int | None = None) -> nn.Modu
         ValueError: If ``chunk_frames < 1``, the model is not a Wan transformer, has a
             temporal patch size other than 1, is causal, prepared, sharded or
             context-parallel already, or records another ``chunk_frames``.
-
-    Examples:
-        >>> causal = make_causal(tiny_wan(seed=0), chunk_frames=3)
-        >>> causal.load_state_dict(tiny_wan(seed=1).state_dict())
-        <All keys matched successfully>
     """
     with needs_extra("models", "make_causal"):
         from diffusers import WanTransformer3DModel
 
+    wan: Any = model
     if not isinstance(model, WanTransformer3DModel):
         raise ValueError(
             f"make_causal takes a diffusers WanTransformer3DModel, got {type(model).__name__}"
@@ -167,11 +154,11 @@ def make_causal(model: nn.Module, *, chunk_frames: int | None = None) -> nn.Modu
             f"the model's config records a causal model of chunk_frames={recorded} (an "
             f"export), not {chunk_frames}: leave chunk_frames unset to restore it"
         )
-    if _wan(model).config.patch_size[0] != 1:
+    if wan.config.patch_size[0] != 1:
         raise ValueError(
-            f"make_causal needs a temporal patch size of 1, got {tuple(_wan(model).config.patch_size)}"
+            f"make_causal needs a temporal patch size of 1, got {tuple(wan.config.patch_size)}"
         )
-    if hasattr(_wan(model).rope, CAUSAL_ATTR):
+    if hasattr(wan.rope, CAUSAL_ATTR):
         raise ValueError("the model is causal already (make_causal was called on it)")
     if getattr(model, "_fvstep_preparation", None) is not None or any(
         hasattr(m, "_fsdp_state") or type(m).__name__.startswith("FSDP") for m in model.modules()
@@ -181,14 +168,14 @@ def make_causal(model: nn.Module, *, chunk_frames: int | None = None) -> nn.Modu
         raise ValueError(
             "the model is context-parallel: the causal Wan does not support context parallel"
         )
-    processors = dict(_wan(model).attn_processors)
-    for i, _block in enumerate(_wan(model).blocks):
+    processors = dict(wan.attn_processors)
+    for i in range(len(wan.blocks)):
         processors[f"blocks.{i}.attn1.processor"] = CausalWanAttnProcessor(i)
-    _wan(model).set_attn_processor(processors)
-    object.__setattr__(_wan(model).rope, CAUSAL_ATTR, chunk_frames)
-    _wan(model).rope.register_forward_pre_hook(rope_check)
-    _wan(model).rope.register_forward_hook(rope_hook)
-    _wan(model).register_to_config(**{CAUSAL_CONFIG_KEY: {"chunk_frames": chunk_frames}})
+    wan.set_attn_processor(processors)
+    object.__setattr__(wan.rope, CAUSAL_ATTR, chunk_frames)
+    wan.rope.register_forward_pre_hook(rope_check)
+    wan.rope.register_forward_hook(rope_hook)
+    wan.register_to_config(**{CAUSAL_CONFIG_KEY: {"chunk_frames": chunk_frames}})
     return model
 
 
@@ -209,9 +196,6 @@ def load_causal(
     Raises:
         ValueError: For a bidirectional folder without ``chunk_frames``, or a
             ``chunk_frames`` other than the recorded one.
-
-    Examples:
-        >>> student = load_causal("exports/student")
     """
     with needs_extra("models", "load_causal"):
         from diffusers import WanTransformer3DModel
@@ -227,14 +211,9 @@ def load_causal(
     return make_causal(model, chunk_frames=chunk_frames)
 
 
-def _wan(model: nn.Module) -> Any:
-    """``model`` as a diffusers Wan transformer (its config, blocks and rotary module)."""
-    return model
-
-
-def _frame_tokens(model: nn.Module, x: torch.Tensor) -> int:
+def _frame_tokens(model: Any, x: torch.Tensor) -> int:
     """Tokens per latent frame of ``x`` ``(B, C, F, H, W)`` in ``model``'s patches."""
-    _, p_h, p_w = tuple(_wan(model).config.patch_size)
+    _, p_h, p_w = tuple(model.config.patch_size)
     return (x.shape[3] // p_h) * (x.shape[4] // p_w)
 
 
@@ -249,20 +228,16 @@ def init_cache(
     """An empty :class:`KVCache` for ``model`` and latents shaped like ``like``.
 
     Args:
-        model: A causal Wan (:func:`make_causal`).
         like: Latents ``(B, C, F, H, W)``: their batch size, frame size, device and (unless
             ``dtype``) dtype are the cache's.
         capacity_frames: The frames the cache holds at most; a full cache keeps its first
-            ``sink_frames`` and drops the oldest of the others.
-        sink_frames: Frames kept forever (an attention sink), ``< capacity_frames``.
+            ``sink_frames`` (an attention sink, ``< capacity_frames``) and drops the oldest
+            of the others.
         dtype: The buffers' dtype. Default: the autocast dtype when autocast is on for
             ``like``'s device, else ``like``'s.
 
     Raises:
         ValueError: If the model is not causal, or the capacities are out of range.
-
-    Examples:
-        >>> cache = init_cache(model, batch["latents"], capacity_frames=21)
     """
     chunk_frames_of(model)
     if not 0 <= sink_frames < capacity_frames:
@@ -270,15 +245,14 @@ def init_cache(
             f"need 0 <= sink_frames < capacity_frames, got sink_frames={sink_frames}, "
             f"capacity_frames={capacity_frames}"
         )
-    frame_tokens = _frame_tokens(model, like)
-    config = _wan(model).config
-    heads, head_dim = int(config.num_attention_heads), int(config.attention_head_dim)
+    wan: Any = model
+    config = wan.config
     shape = (
         like.shape[0],
-        len(_wan(model).blocks),
-        capacity_frames * frame_tokens,
-        heads,
-        head_dim,
+        len(wan.blocks),
+        capacity_frames * _frame_tokens(model, like),
+        int(config.num_attention_heads),
+        int(config.attention_head_dim),
     )
     if dtype is None:
         device = like.device.type
@@ -288,14 +262,13 @@ def init_cache(
         keys=torch.zeros(shape, dtype=dtype, device=like.device),
         values=torch.zeros(shape, dtype=dtype, device=like.device),
         num_frames=torch.zeros((), dtype=torch.int64),
-        frame_tokens=frame_tokens,
+        frame_tokens=_frame_tokens(model, like),
         sink_frames=sink_frames,
     )
 
 
 def _append(cache: KVCache, collected: list[Any], frames: int) -> KVCache:
-    """``cache`` with ``collected`` (this call's keys and values, ``frames`` frames) added;
-    a full cache keeps its sink and the latest frames."""
+    """``cache`` with this call's ``collected`` keys and values; a full one keeps its sink."""
     if cache.slots is not None:  # a rollout's context is a view: read, never appended to
         raise ValueError("cannot append to a KVCache with slots (a rollout's context)")
     cached = int(cache.num_frames)
@@ -342,9 +315,7 @@ def causal_forward(
 
     Args:
         model: A causal Wan (:func:`make_causal`), prepared or not.
-        x: Latents ``(B, C, F, H, W)``.
         timestep: ``(B,)`` or per frame ``(B, F)``, flow-matching time times 1000.
-        text: Text embeddings ``(B, L, D)``.
         cache: The keys and values of the frames before ``x``.
         update_cache: Return the cache with ``x``'s keys and values (computed at
             ``timestep``) appended. Needs ``cache``.
@@ -357,9 +328,6 @@ def causal_forward(
         ValueError: If the model is not causal, ``update_cache`` has no cache, the
             timestep's shape is wrong, the cache does not fit ``x`` or the frames exceed
             the rotary table.
-
-    Examples:
-        >>> v, cache = causal_forward(model, chunk, t, text, cache=cache, update_cache=True)
     """
     chunk_frames_of(model)
     if update_cache and cache is None:
@@ -378,7 +346,8 @@ def causal_forward(
             f"timestep must be (B,) or (B, F) = ({batch}, {frames}), got {tuple(timestep.shape)}"
         )
     cached = int(cache.num_frames) if cache is not None else 0
-    collected: list[Any] | None = [None] * len(_wan(model).blocks) if update_cache else None
+    num_layers = len(model.get_submodule("blocks"))  # type: ignore[arg-type]
+    collected: list[Any] | None = [None] * num_layers if update_cache else None
     token = call_context.set(Call(cache, cached, collected))
     # A cache-filling pass collects each layer's keys and values as it goes: a side effect
     # that a compiled, checkpointed block cannot trace, so that pass runs eagerly.

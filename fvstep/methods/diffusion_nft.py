@@ -57,9 +57,6 @@ def euler_rollout(num_steps: int = 10) -> RolloutFn:
 
     Raises:
         ValueError: If ``num_steps < 1``.
-
-    Examples:
-        >>> x0 = euler_rollout(4)(state.module("old"), noise, text, key)
     """
     check_count(num_steps, "num_steps")
 
@@ -84,10 +81,6 @@ class SoftUpdate:
         rate: Growth of ``eta`` per outer step (>= 0).
         max_decay: Its cap, in ``[0, 1]``.
         flat: Outer steps of ``eta = 0`` first (>= 0).
-
-    Examples:
-        >>> [SoftUpdate(0.25, 0.5)(i) for i in range(4)]
-        [0.0, 0.25, 0.5, 0.5]
     """
 
     rate: float = 0.001
@@ -165,22 +158,16 @@ def diffusion_nft(
         group_size: Samples per prompt (>= 2).
         num_inner: Passes over the rollouts per outer step (>= 1).
         minibatches: Optimizer steps per pass (>= 1; divides ``B * group_size``).
-        beta: The guidance strength of the loss
-            (:func:`~fvstep.methods.diffusion_nft_loss.nft_loss`).
-        std: :func:`~fvstep.methods.rewards.optimality_probabilities`' normaliser.
-        clip_max: :func:`~fvstep.methods.rewards.optimality_probabilities`' clip.
-        weighting: The loss's weighting (``"adaptive"`` or ``"velocity"``).
-        kl_weight: The loss's reference weight (> 0 needs a ``reference`` role).
+        beta: And ``weighting``, ``kl_weight`` (> 0 needs a ``reference`` role),
+            ``t_sampling``: the loss's (:func:`~fvstep.methods.diffusion_nft_loss.nft_loss`).
+        std: And ``clip_max``: :func:`~fvstep.methods.rewards.optimality_probabilities`'.
         soft_update: ``eta`` of the old policy as a function of the outer step.
         rollout: The sampler (default ``euler_rollout(10)``).
         latent_shape: ``(C, F, H, W)`` of a sample, when the batch has no ``"latents"``.
-        t_sampling: How the loss draws times (``"uniform"``, ``"logit_normal"``).
         accumulation: Micro-batching of the inner updates; default the compiled step's.
-        clip: The inner unit's clipping (default: the compile-wide setting).
-        sanitize: The inner unit's non-finite policy (default: the compile-wide setting).
-        policy: The trained role.
-        old: The old policy's role (frozen, mutated by the soft update).
-        reference: The reference role.
+        clip: And ``sanitize``: the inner unit's (default: the compile-wide settings).
+        old: The old policy's role (frozen, mutated by the soft update); ``policy`` the
+            trained one, ``reference`` the KL anchor.
         name: The managed step's name and metrics prefix.
 
     Returns:
@@ -188,9 +175,7 @@ def diffusion_nft(
 
     Raises:
         ValueError: For out-of-range settings; at a step, before it changes anything, for
-            a batch that does not fit the old policy or has no latents' shape, a missing
-            ``reference`` with ``kl_weight > 0``, an old policy whose parameters are not
-            the policy's, or minibatches or an accumulation that do not divide the rollouts.
+            what ``docs/methods/diffusion_nft.md`` (Errors) lists.
         TypeError: If ``reward_fn`` is not callable.
         StepFailedError: At a step, after it has started (the input state is consumed),
             for a reward that :func:`~fvstep.methods.rewards.check_rewards` refuses.
@@ -227,7 +212,6 @@ def diffusion_nft(
     sample = rollout or euler_rollout(10)
 
     def check_input(state: TrainState, batch: Any, compiled: Accumulation) -> None:
-        """Refuse what the outer step cannot take, before the engine consumes anything."""
         if kl_weight > 0 and reference not in state.roles:
             raise ValueError(
                 f"diffusion_nft(kl_weight={kl_weight}) reads a reference role {reference!r} the state lacks "

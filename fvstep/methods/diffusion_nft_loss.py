@@ -3,10 +3,6 @@
 :func:`nft_loss` reads the policy, the old policy (and a reference, for the optional KL
 term) through the state, and the rollouts, their optimality probabilities and text from
 the batch. The equations: ``docs/methods/diffusion_nft.md``.
-
-Examples:
-    >>> unit = fvstep.update("policy", nft_loss(beta=1.0))
-    >>> state, metrics = unit(state, {"samples": x0, "text": text, "probabilities": r})
 """
 
 from __future__ import annotations
@@ -63,27 +59,19 @@ def nft_loss(
     """The negative-aware loss of DiffusionNFT on the forward process (one inner update).
 
     The batch holds ``"samples"`` (``x0``, no gradient), ``"text"`` and
-    ``"probabilities"`` ``r`` ``(N,)``. ``(t, eps, x_t)`` come from
-    :func:`~fvstep.methods.finetune.sample_x_t`; ``v_old`` (and ``v_ref``) are read under
-    ``torch.no_grad()``; everything is fp32. With ``v+ = (1 - beta) v_old + beta
-    v_theta`` and ``v- = (1 + beta) v_old - beta v_theta``, the loss is
-    ``(clip_max / beta) mean_i[r_i l(v+)_i + (1 - r_i) l(v-)_i] + kl_weight
-    mean((v_theta - v_ref)^2)``, where per sample:
-
-    - ``weighting="velocity"``: ``l(v) = mean((v - (eps - x0))^2)``;
-    - ``weighting="adaptive"``: with ``x0(v) = x_t - t v``, ``l(v) =
-      mean((x0(v) - x0)^2) / sg(max(mean|x0(v) - x0|, 1e-5))`` (the authors' code; the
-      weight stops the gradient).
+    ``"probabilities"`` ``r`` ``(N,)``; ``(t, eps, x_t)`` come from
+    :func:`~fvstep.methods.finetune.sample_x_t`. The loss (fp32, ``v_old`` and ``v_ref``
+    without gradient) is step 3 of ``docs/methods/diffusion_nft.md``.
 
     Args:
         beta: The guidance strength (> 0).
         clip_max: The probability clip of :func:`optimality_probabilities` (the scale).
-        weighting: ``"adaptive"`` or ``"velocity"``.
+        weighting: ``"adaptive"`` (the authors' self-normalised ``x0`` error) or
+            ``"velocity"`` (the paper's).
         kl_weight: Weight of the reference term (>= 0; ``0`` skips the reference).
         t_sampling: ``"uniform"`` or ``"logit_normal"`` (:func:`~fvstep.methods.finetune.sample_time`).
-        policy: The trained role.
-        old: The old policy's role.
-        reference: The reference role (read only when ``kl_weight > 0``).
+        old: The old policy's role; ``policy`` the trained one, ``reference`` read only
+            when ``kl_weight > 0``.
 
     Returns:
         ``loss_fn(state, batch, key) -> (loss, {"policy_loss", "kl", "old_deviation",
@@ -91,9 +79,6 @@ def nft_loss(
 
     Raises:
         ValueError: For out-of-range settings.
-
-    Examples:
-        >>> unit = fvstep.update("policy", nft_loss(beta=0.1, kl_weight=1e-4))
     """
     if not beta > 0:
         raise ValueError(f"beta must be > 0, got {beta}")

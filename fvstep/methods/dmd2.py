@@ -1,11 +1,8 @@
 """DMD2 distillation: a few-step student, a frozen teacher and a trained critic ("fake score").
 
-Roles: ``student`` (trained), ``teacher`` (frozen), ``critic`` (trained). The student
-rolls out to a target step drawn from the *shared* key (:func:`target_step`: every rank
-runs the same forwards, so FSDP2's all-gathers pair); the critic learns the student's
-score, the student follows the teacher's guided score minus the critic's. The critic steps
-every step, the student every ``generator_update_interval`` (:func:`dmd2`). The losses and
-draw rules: ``docs/methods/dmd2.md``.
+Roles: ``student`` (trained), ``teacher`` (frozen), ``critic`` (trained). The critic
+learns the student's score, the student follows the teacher's guided score minus the
+critic's. The losses and draw rules: ``docs/methods/dmd2.md``.
 """
 
 from __future__ import annotations
@@ -82,9 +79,6 @@ def score_time(
 
     ``t ~ U[0, 1)``, ``t' = shift t / (1 + (shift - 1) t)``, clamped to
     ``[min_ratio, max_ratio]``. ``shift = 1`` leaves ``t`` unshifted.
-
-    Examples:
-        >>> t = score_time(k, 4, shift=3.0, min_ratio=0.02, max_ratio=0.98)
     """
     t = _noise.rand(key, (batch_size,), device=device)
     t = shift * t / (1 + (shift - 1) * t)
@@ -114,23 +108,13 @@ def distribution_matching_loss(
     Args:
         state: Anything with ``module(name)`` (a :class:`~fvstep.TrainState`).
         x0_hat: The generated samples, with the generator's gradient.
-        text: Text embeddings ``(B, L, D)``.
-        time_key: The score time's key.
-        noise_key: The noise's key.
         guidance_scale: The teacher's classifier-free guidance scale (``1``: no
             unconditional pass).
-        shift: The score timestep shift (:func:`score_time`).
-        min_ratio: Lower clamp of the score time.
-        max_ratio: Upper clamp of the score time.
-        teacher: The teacher role's name.
-        critic: The critic role's name.
+        shift: The score timestep shift; ``min_ratio``, ``max_ratio`` clamp the score
+            time (:func:`score_time`).
 
     Returns:
         ``(loss, {"score_t_mean", "dmd_denominator"})``.
-
-    Examples:
-        >>> options = dict(guidance_scale=3.5, shift=3.0, min_ratio=0.02, max_ratio=0.98)
-        >>> loss, metrics = distribution_matching_loss(state, x0_hat, text, k_t, k_n, **options)
     """
     with torch.no_grad():
         x0 = x0_hat.detach()
@@ -172,10 +156,6 @@ def critic_denoising_loss(
 
     Returns:
         ``(loss, {"critic_t_mean"})``.
-
-    Examples:
-        >>> loss, metrics = critic_denoising_loss(state, x0_hat, text, k_t, k_n, shift=3.0,
-        ...                                       min_ratio=0.02, max_ratio=0.98)
     """
     x0 = x0_hat.detach()
     t = score_time(time_key, len(x0), shift=shift, min_ratio=min_ratio,
@@ -195,14 +175,9 @@ def target_step(key: torch.Tensor, step: int, num_steps: int) -> int:
 
     Args:
         key: The state's base key (``state.key``), not a per-rank key.
-        step: The global step.
-        num_steps: Steps of the few-step schedule (>= 1).
 
     Raises:
         ValueError: If ``num_steps < 1``.
-
-    Examples:
-        >>> j = target_step(state.key, int(state.step), len(denoising_steps))
     """
     check_count(num_steps, "target_step: num_steps")
     if num_steps == 1:
@@ -227,22 +202,13 @@ def rollout(
     ``torch.no_grad()``; the last follows the caller's grad mode.
 
     Args:
-        student: A module with the forward contract (:func:`fvstep.methods.models.predict`).
         like: A tensor giving the shape, dtype and device of the samples.
-        text: Text embeddings ``(B, L, D)``.
-        key: The rollout key.
         denoising_steps: Decreasing times in ``(0, 1]``; the first is where noise starts.
         target: The target step's index (:func:`target_step`); pass it on several ranks
             (drawn from a per-rank ``key``, sharded students hang).
 
-    Returns:
-        ``x0_hat``, shaped like ``like``.
-
     Raises:
         ValueError: If ``target`` does not index ``denoising_steps``.
-
-    Examples:
-        >>> x0_hat = rollout(student, batch["latents"], batch["text"], k, (1.0, 0.5), target=j)
     """
     k_noise, k_target, k_renoise = fsrandom.split(key, 3)
     x = _noise.randn_like(k_noise, like)
@@ -297,12 +263,7 @@ def dmd2_losses(
         max_ratio: Upper clamp of the score timestep.
         denoising_steps: The student's few-step schedule, decreasing in ``(0, 1]``;
             ``(1.0,)`` is one-step generation.
-        student: The student role's name.
-        teacher: The teacher role's name.
-        critic: The critic role's name.
-
-    Returns:
-        A :class:`DMD2Losses` with ``generator_loss``, ``critic_loss``, ``fused_loss``.
+        student: The student role's name; ``teacher`` and ``critic`` likewise.
 
     Raises:
         ValueError: For out-of-range settings.
@@ -329,7 +290,6 @@ def dmd2_losses(
         return critic_denoising_loss(state, x0, text, k_t, k_noise, critic=critic, **score)
 
     def rolled_out(state: TrainState, batch: Any, key: torch.Tensor) -> tuple[Any, Any, Any]:
-        """``(x0_hat, text, keys)``: the checked batch's rollout and the loss keys."""
         batch = check_batch(state, batch, student)
         keys = fsrandom.split(key, _NUM_KEYS)
         text = batch["text"]
@@ -364,12 +324,7 @@ def dmd2_losses(
 
 @attrs.frozen
 class IsMultiple:
-    """The predicate ``step % n == 0`` (a named, comparable callable for :func:`fvstep.cond`).
-
-    Examples:
-        >>> IsMultiple(5)(10), IsMultiple(5)(11)
-        (True, False)
-    """
+    """The predicate ``step % n == 0`` (a named, comparable callable for :func:`fvstep.cond`)."""
 
     n: int
 
@@ -389,26 +344,15 @@ def dmd2(
 ) -> Cond | Chain:
     """DMD2 as a composed method: the critic every step, the student every ``n`` steps.
 
-    Roles: ``student`` and ``critic`` trained, ``teacher`` frozen.
-
-    - ``ordering="fused"``: ``cond(i % n == 0, update(("student", "critic"), fused_loss),
-      update("critic", critic_loss))``; on generator steps both roles train from one student
-      forward pass.
-    - ``ordering="sequential"``: ``sequence(every(n, update("student", generator_loss)),
-      update("critic", critic_loss))``; the critic trains after the student, on a fresh
-      rollout of the updated student drawn with its own key.
+    Roles: ``student`` and ``critic`` trained, ``teacher`` frozen. How the orderings
+    compose: ``docs/concepts/composition.md`` (DMD2, both orderings).
 
     Args:
         generator_update_interval: ``n``: the student steps at ``i % n == 0``.
-        ordering: ``"fused"`` or ``"sequential"``.
-        guidance_scale: See :func:`dmd2_losses`.
-        shift: See :func:`dmd2_losses`.
-        min_ratio: See :func:`dmd2_losses`.
-        max_ratio: See :func:`dmd2_losses`.
-        denoising_steps: See :func:`dmd2_losses`.
-
-    Returns:
-        The method, for :func:`fvstep.compile`.
+        ordering: ``"fused"`` (on generator steps both roles train from one student
+            forward) or ``"sequential"`` (the critic after the student, on a fresh rollout).
+        guidance_scale: And ``shift``, ``min_ratio``, ``max_ratio``, ``denoising_steps``:
+            see :func:`dmd2_losses`.
 
     Raises:
         ValueError: For an unknown ordering, ``n < 1`` or out-of-range loss settings.

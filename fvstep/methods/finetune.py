@@ -3,10 +3,6 @@
 The flow-matching path is ``x_t = (1 - t) * x0 + t * eps`` for ``t`` in ``[0, 1]``; a
 module predicts the velocity ``eps - x0`` (see the forward contract in
 :mod:`fvstep.methods.models`), so ``x0 = x_t - t * v``.
-
-Examples:
-    >>> step = fvstep.compile(finetune(t_sampling="logit_normal"))
-    >>> state, metrics = step(state, {"latents": x0, "text": text})
 """
 
 from __future__ import annotations
@@ -46,12 +42,7 @@ RoleLossFn = Callable[[TrainState, Any, torch.Tensor], tuple[torch.Tensor, dict[
 
 
 def broadcast_time(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """Reshape per-sample times ``(B,)`` to broadcast against ``like`` ``(B, ...)``, in its dtype.
-
-    Examples:
-        >>> broadcast_time(torch.ones(2), torch.zeros(2, 4, 1, 2, 2)).shape
-        torch.Size([2, 1, 1, 1, 1])
-    """
+    """Reshape per-sample times ``(B,)`` to broadcast against ``like`` ``(B, ...)``, in its dtype."""
     return t.to(like.dtype).reshape(-1, *([1] * (like.dim() - 1)))
 
 
@@ -79,18 +70,8 @@ def sample_time(
 
     Args:
         key: An fvstep key; the draw never touches the global RNG.
-        batch_size: How many times.
-        device: Where they are drawn.
         t_sampling: ``"uniform"`` (``U[0, 1)``) or ``"logit_normal"``
             (``sigmoid(N(logit_mean, logit_std^2))``).
-        logit_mean: Mean of the logit-normal's normal.
-        logit_std: Standard deviation of the logit-normal's normal.
-
-    Returns:
-        The times.
-
-    Examples:
-        >>> t = sample_time(k, 4, t_sampling="logit_normal")
     """
     if t_sampling == "uniform":
         return _noise.rand(key, (batch_size,), device=device)
@@ -145,12 +126,8 @@ def flow_matching_loss(
 
     Args:
         role: The role whose module predicts the velocity.
-        t_sampling: ``"uniform"`` or ``"logit_normal"``.
-        logit_mean: The logit-normal's mean.
-        logit_std: The logit-normal's standard deviation (> 0).
-
-    Returns:
-        The loss function.
+        t_sampling: ``"uniform"`` or ``"logit_normal"``; ``logit_mean`` and ``logit_std``
+            (> 0) shape the latter (:func:`sample_time`).
 
     Raises:
         ValueError: For an unknown ``t_sampling`` or ``logit_std <= 0``.
@@ -184,11 +161,7 @@ def finetune(
 ) -> Unit:
     """Flow-matching fine-tuning: ``fvstep.update(role, flow_matching_loss(...))``.
 
-    Args:
-        role: The trained role.
-        t_sampling: ``"uniform"`` or ``"logit_normal"`` (see :func:`flow_matching_loss`).
-        logit_mean: The logit-normal's mean.
-        logit_std: The logit-normal's standard deviation.
+    The options are :func:`flow_matching_loss`'s.
 
     Returns:
         The method (one update unit named ``"finetune"``).

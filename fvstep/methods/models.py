@@ -3,10 +3,6 @@
 The reference methods call a role's module as a flow-matching velocity predictor through
 :func:`predict`, whose docstring states the contract. Batches are dicts with
 ``"latents"`` (clean latents ``x0``, ``(B, C, F, H, W)``) and ``"text"`` (``(B, L, D)``).
-
-Examples:
-    >>> batch = synthetic_batch(fvstep.random.key(0), batch_size=2)
-    >>> v = predict(tiny_wan(seed=0), batch["latents"], torch.full((2,), 500.0), batch["text"])
 """
 
 from __future__ import annotations
@@ -44,16 +40,10 @@ def tiny_wan(
     The weights are a pure function of ``seed`` (the global RNG is left untouched).
 
     Args:
-        seed: The initialisation seed.
-        num_layers: Transformer blocks.
         in_channels: Latent channels (also the output channels).
         dim_per_head: Attention head dimension (``attention_head_dim``).
-        num_heads: Attention heads.
         text_dim: Dimension of the text embeddings (``D`` of ``batch["text"]``).
-        ffn_dim: Feed-forward hidden dimension.
-        freq_dim: Dimension of the sinusoidal timestep embedding.
-        patch_size: ``(frames, height, width)`` patch size; latents' ``F, H, W`` must be
-            divisible by it.
+        patch_size: ``(frames, height, width)``; latents' ``F, H, W`` must be divisible by it.
         rope_max_seq_len: Rotary embedding table length.
 
     Returns:
@@ -61,10 +51,6 @@ def tiny_wan(
 
     Raises:
         ImportError: If diffusers is not installed (``pip install fvstep[models]``).
-
-    Examples:
-        >>> teacher = tiny_wan(seed=0)
-        >>> student = copy.deepcopy(teacher)
     """
     with needs_extra("models", "tiny_wan"):
         from diffusers import WanTransformer3DModel
@@ -102,23 +88,9 @@ def synthetic_batch(
 ) -> dict[str, torch.Tensor]:
     """A random batch in the methods' format: a pure function of ``key``.
 
-    Args:
-        key: An fvstep key (e.g. ``fold_in(data_key, step)``).
-        batch_size: ``B``.
-        channels: ``C`` of the latents.
-        frames: ``F`` of the latents.
-        height: ``H`` of the latents.
-        width: ``W`` of the latents.
-        text_len: ``L`` of the text embeddings.
-        text_dim: ``D`` of the text embeddings.
-        device: Where the tensors are drawn.
-        dtype: Their floating dtype.
-
     Returns:
-        ``{"latents": (B, C, F, H, W), "text": (B, L, D)}``, standard normal entries.
-
-    Examples:
-        >>> batch = synthetic_batch(fvstep.random.fold_in(data_key, step), batch_size=2)
+        ``{"latents": (B, C, F, H, W), "text": (B, L, D)}`` (``batch_size``, ``channels``,
+        ``frames``, ``height``, ``width``, ``text_len``, ``text_dim``), standard normal entries.
     """
     k_latents, k_text = fsrandom.split(key, 2)
     shape = (batch_size, channels, frames, height, width)
@@ -143,20 +115,8 @@ def predict(
     ``diffusers.WanTransformer3DModel`` has this signature; any ``nn.Module`` whose
     ``forward`` takes these keywords and returns a tuple works with every method.
 
-    Args:
-        module: Any module with the forward contract.
-        x: Noisy latents ``(B, C, F, H, W)``.
-        t: ``(B,)`` float timesteps in ``[0, 1000]`` (flow-matching time times 1000).
-        text: Text embeddings ``(B, L, D)``.
-
-    Returns:
-        The predicted velocity, of ``x``'s shape.
-
     Raises:
         ValueError: If ``t`` is not of shape ``(B,)`` or the output's shape is not ``x``'s.
-
-    Examples:
-        >>> v = predict(state.module("student"), x_t, t * 1000, batch["text"])
     """
     if t.dim() != 1 or t.shape[0] != x.shape[0]:
         raise ValueError(

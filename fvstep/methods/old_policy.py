@@ -4,9 +4,6 @@
 role that samples an outer step's rollouts (:func:`euler_sample`) and is then moved toward
 the policy in place (:func:`blend_`); both may anchor the policy to a frozen reference
 (:func:`reference_kl`) and run their inner updates by :func:`run_inner_updates`.
-
-Examples:
-    >>> blend_(state.roles["old"].params, state.roles["policy"].params, 0.5)
 """
 
 from __future__ import annotations
@@ -31,21 +28,8 @@ def euler_sample(
     ``x <- x + (t_next - t) v(x, t)`` on the uniform grid ``1, 1 - 1/n, ..., 0``; with one
     step this is ``x0 = noise - v(noise, 1)``. Runs in the caller's grad mode.
 
-    Args:
-        module: Called through the forward contract of :mod:`fvstep.methods.models`.
-        noise: ``x`` at ``t = 1``.
-        text: The text embeddings, ``(B, L, D)``.
-        num_steps: Euler steps (>= 1).
-
-    Returns:
-        ``x0``, shaped like ``noise``.
-
     Raises:
         ValueError: If ``num_steps < 1``.
-
-    Examples:
-        >>> with torch.no_grad():
-        ...     x0 = euler_sample(state.module("old"), noise, text, num_steps=2)
     """
     if num_steps < 1:
         raise ValueError(f"num_steps must be >= 1, got {num_steps}")
@@ -70,9 +54,6 @@ def blend_(
 
     Raises:
         ValueError: If the two do not have the same names.
-
-    Examples:
-        >>> blend_(state.roles["old"].params, state.roles["student"].params, 0.9)
     """
     if set(target) != set(source):
         missing = sorted(set(target) ^ set(source))

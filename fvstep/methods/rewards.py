@@ -4,9 +4,6 @@
 sample; ``batch`` is the method's batch repeated per sample (:func:`group_batch`). A pixel
 reward becomes a latent one through a decoder (:func:`decoded`). Rewards become
 DiffusionNFT's optimality probabilities or the simple RL step's advantages per prompt group.
-
-Examples:
-    >>> reward = decoded(colorfulness, functools.partial(decode_latents, vae))
 """
 
 from __future__ import annotations
@@ -67,10 +64,6 @@ def check_rewards(rewards: object, num_samples: int, *, what: str = "reward_fn")
     Raises:
         TypeError: If it is not a floating tensor.
         ValueError: If its shape is not ``(N,)``, or it requires grad.
-
-    Examples:
-        >>> check_rewards(torch.zeros(4), 4)
-        tensor([0., 0., 0., 0.])
     """
     if not isinstance(rewards, torch.Tensor) or not rewards.is_floating_point():
         got = rewards.dtype if isinstance(rewards, torch.Tensor) else type(rewards).__name__
@@ -99,9 +92,6 @@ def decoded(
 
     Raises:
         TypeError: If either is not callable.
-
-    Examples:
-        >>> reward = decoded(colorfulness, functools.partial(decode_latents, vae))
     """
     if not callable(pixel_reward) or not callable(decode):
         raise TypeError("decoded needs a pixel reward and a decode function (both callables)")
@@ -129,10 +119,6 @@ def colorfulness(pixels: torch.Tensor, batch: Mapping[str, Any] | None = None) -
 
     Raises:
         ValueError: If the last dimension is not 3 channels.
-
-    Examples:
-        >>> colorfulness(torch.full((2, 1, 4, 4, 3), 0.5))
-        tensor([0., 0.])
     """
     if pixels.dim() < 3 or pixels.shape[-1] != 3:
         raise ValueError(
@@ -152,10 +138,6 @@ def latent_mse_reward(samples: torch.Tensor, batch: Mapping[str, Any]) -> torch.
 
     Raises:
         ValueError: If the batch has no ``"latents"`` of the samples' shape.
-
-    Examples:
-        >>> latent_mse_reward(torch.zeros(2, 1), {"latents": torch.ones(2, 1)})
-        tensor([-1., -1.])
     """
     target = batch.get("latents")
     if not isinstance(target, torch.Tensor) or target.shape != samples.shape:
@@ -169,7 +151,6 @@ def latent_mse_reward(samples: torch.Tensor, batch: Mapping[str, Any]) -> torch.
 
 
 def check_group_size(group_size: int) -> None:
-    """Refuse a group size that is not an int >= 2."""
     check_count(group_size, "group_size", 2)
 
 
@@ -183,12 +164,7 @@ def _check_grouped(rewards: torch.Tensor, group_size: int) -> None:
 
 
 def group_batch(batch: Mapping[str, Any], group_size: int) -> dict[str, Any]:
-    """``batch`` with every tensor repeated ``group_size`` times along dim 0 (one row a sample).
-
-    Examples:
-        >>> group_batch({"text": torch.zeros(2, 3, 4)}, 2)["text"].shape
-        torch.Size([4, 3, 4])
-    """
+    """``batch`` with every tensor repeated ``group_size`` times along dim 0 (one row a sample)."""
     return {
         k: v.repeat_interleave(group_size, dim=0) if isinstance(v, torch.Tensor) else v
         for k, v in batch.items()
@@ -211,9 +187,7 @@ def optimality_probabilities(
     ``r = 1/2 + 1/2 clip(A / clip_max, -1, 1)``.
 
     Args:
-        rewards: ``(N,)``, ``N`` divisible by ``group_size``; computed in fp32.
-        group_size: ``G`` (>= 2).
-        std: Which spread normalises.
+        rewards: ``(N,)``, ``N`` divisible by ``group_size`` (``G``, >= 2); computed in fp32.
         clip_max: Advantages beyond ``+-clip_max`` standard deviations saturate (> 0).
         eps: Added to the standard deviation (>= 0).
 
@@ -251,10 +225,6 @@ def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) 
 
     Raises:
         ValueError: For a bad shape or group size.
-
-    Examples:
-        >>> group_advantages(torch.tensor([1.0, 3.0, 5.0, 5.0]), 2)
-        tensor([-1.0000,  1.0000,  0.0000,  0.0000])
     """
     _check_grouped(rewards, group_size)
     grouped = rewards.reshape(-1, group_size)

@@ -4,9 +4,6 @@ Roles: ``student`` (trained), ``old`` (frozen; samples, then is blended toward t
 student) and ``reference`` (frozen; the KL anchor). One outer step (:func:`rl`): sample
 ``group_size`` videos a prompt with the old policy, turn their rewards into per-group
 advantages, update the student ``num_inner`` times on :func:`rl_inner_loss`, blend.
-
-Examples:
-    >>> state, metrics = fvstep.compile(rl(num_inner=2, group_size=4))(state, batch)
 """
 
 from __future__ import annotations
@@ -54,19 +51,11 @@ def rl_inner_loss(
     (uniform ``t``) and ``fm_i = mean((v_student(x_t)_i - (eps - x0)_i)^2)``, the loss is
     ``mean(A_i fm_i) + kl_weight *`` :func:`~fvstep.methods.old_policy.reference_kl`.
 
-    Args:
-        kl_weight: Weight of the reference term (>= 0).
-        student: The trained role.
-        reference: The frozen reference role.
-
     Returns:
         ``loss_fn(state, batch, key) -> (loss, {"policy_loss", "kl"})``.
 
     Raises:
         ValueError: If ``kl_weight < 0``.
-
-    Examples:
-        >>> unit = fvstep.update("student", rl_inner_loss(kl_weight=0.1))
     """
     if not kl_weight >= 0:
         raise ValueError(f"kl_weight must be >= 0, got {kl_weight}")
@@ -118,8 +107,7 @@ def rl(
             (:class:`~fvstep.methods.rewards.RewardFn`); default
             :func:`~fvstep.methods.rewards.latent_mse_reward`.
         accumulation: Micro-batching of the inner updates; default the compiled step's.
-        clip: The inner unit's clipping (default: the compile-wide setting).
-        sanitize: The inner unit's non-finite policy (default: the compile-wide setting).
+        clip: And ``sanitize``: the inner unit's (default: the compile-wide settings).
         name: The managed step's name and metrics prefix.
 
     Returns:

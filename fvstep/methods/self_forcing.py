@@ -4,8 +4,7 @@ Huang et al. 2025 (arXiv 2506.08009). Roles: ``student`` (a causal Wan,
 :func:`fvstep.methods.causal_wan.make_causal`; trained), ``teacher`` (bidirectional,
 frozen), ``critic`` (bidirectional, trained). The rollout is
 :func:`fvstep.methods.causal_rollout.rollout`, the losses those of
-:mod:`fvstep.methods.dmd2`; ``split(key, 3) = (rollout, generator, critic)``. The
-formulas and draw rules: ``docs/methods/self_forcing.md``.
+:mod:`fvstep.methods.dmd2`. The formulas and keys: ``docs/methods/self_forcing.md``.
 """
 
 from __future__ import annotations
@@ -126,30 +125,20 @@ def self_forcing_losses(
     Args:
         denoising_steps: The student's few-step schedule, decreasing in ``(0, 1]``
             (default: Self-Forcing's ``(1, .75, .5, .25)`` shifted by 5).
-        guidance_scale: The teacher's classifier-free guidance scale.
-        shift: The score timestep shift.
-        min_ratio: Lower clamp of the score time.
-        max_ratio: Upper clamp of the score time.
+        guidance_scale: And ``shift``, ``min_ratio``, ``max_ratio``: as
+            :func:`~fvstep.methods.dmd2.dmd2_losses`'s.
         context_time: Time of the cache's context pass (0: clean chunks).
         same_step_across_chunks: One exit step for every chunk of a rollout.
         last_step_only: Always exit at the last step.
         cache_dtype: The rollout's KV cache dtype; default
             :func:`~fvstep.methods.causal_wan.init_cache`'s. Give the student's compute
             dtype when it is lower than the latents' (a prepared bf16 role).
-        student: The causal student role's name.
-        teacher: The teacher role's name.
-        critic: The critic role's name.
-
-    Returns:
-        A :class:`SelfForcingLosses`.
+        student: The causal student role's name; ``teacher`` and ``critic`` likewise.
 
     Raises:
         ValueError: For out-of-range settings; at a step, before it changes anything, for
             a student that is not causal, a causal teacher or critic, or a batch that does
             not fit the student.
-
-    Examples:
-        >>> losses = self_forcing_losses(denoising_steps=(1.0, 0.5))
     """
     steps = check_rollout_options(
         denoising_steps, guidance_scale=guidance_scale, shift=shift, min_ratio=min_ratio,
@@ -158,8 +147,6 @@ def self_forcing_losses(
     score: dict[str, Any] = {"shift": shift, "min_ratio": min_ratio, "max_ratio": max_ratio}
 
     def rolled_out(state: TrainState, batch: Any, key: torch.Tensor) -> tuple[Any, Any, Any]:
-        """``(video, text, keys)`` of the checked batch: causal student, bidirectional
-        teacher and critic (a loss's error, before any change: the state stays usable)."""
         module = state.module(student)
         chunk = chunk_frames_of(module)  # raises for a student that is not causal
         check_bidirectional(state, (teacher, critic), method="self_forcing")
@@ -219,15 +206,8 @@ def self_forcing(*, generator_update_interval: int = 5, **loss_options: Any) -> 
         generator_update_interval: ``n``.
         **loss_options: :func:`self_forcing_losses`'s options.
 
-    Returns:
-        The method, for :func:`fvstep.compile`.
-
     Raises:
         ValueError: If ``n < 1``, or for the loss options' errors.
-
-    Examples:
-        >>> step = fvstep.compile(self_forcing(generator_update_interval=2),
-        ...                       accumulation=fvstep.Accumulation(2))
     """
     n = generator_update_interval
     check_count(n, "generator_update_interval")

@@ -24,6 +24,7 @@ from fvstep.core.state import TrainState
 from fvstep.core.steps import update
 from fvstep.core.tree import frozen, replace
 from fvstep.methods._checks import (
+    cast_batch,
     check_batch,
     check_bidirectional,
     check_cache_fits,
@@ -70,9 +71,9 @@ def init_stream(
         batch: A batch of the run: ``"latents"`` (a step's frames) and ``"text"``.
         window_frames: The latest frames the cache and ``frames`` keep; at least a step's.
         sink_frames: The stream's first frames the cache keeps for the whole stream.
-        cache_dtype: The cache's dtype (:func:`~fvstep.methods.causal_wan.init_cache`'s
-            ``dtype``; e.g. ``torch.bfloat16`` under bf16 autocast: half the memory, the
-            attention close to, not bitwise, that of an fp32 cache).
+        cache_dtype: The cache's dtype (:func:`~fvstep.methods.causal_wan.init_cache`'s);
+            ``torch.bfloat16`` halves its memory, the attention close to, not bitwise,
+            that of an fp32 cache.
 
     Returns:
         A :class:`StreamState` holding no frame, in the dtype the step casts batches to.
@@ -81,9 +82,6 @@ def init_stream(
         ValueError: If the window is smaller than a step's frames or the chunk, a step's
             frames or the window is not a multiple of the chunk, or the student is not
             causal.
-
-    Examples:
-        >>> stream = init_stream(student, batch, window_frames=6, sink_frames=3)
     """
     like, text = upcast_for(student, batch["latents"]), upcast_for(student, batch["text"])
     chunk = chunk_frames_of(student)
@@ -110,12 +108,8 @@ def init_stream(
     # as long as the run, so a full cache here would be a second one for the whole run.
     zero = torch.zeros((), dtype=empty.keys.dtype, device=empty.keys.device)
     return StreamState(
-        cache=KVCache(
-            keys=zero.expand(empty.keys.shape),
-            values=zero.expand(empty.values.shape),
-            num_frames=empty.num_frames,
-            frame_tokens=empty.frame_tokens,
-            sink_frames=empty.sink_frames,
+        cache=replace(
+            empty, keys=zero.expand(empty.keys.shape), values=zero.expand(empty.values.shape)
         ),
         frames=like.new_zeros((batch_size, channels, window_frames, height, width)),
         text=torch.zeros_like(text),
@@ -172,12 +166,8 @@ def streaming(
         sink_frames: The stream's first frames its cache keeps (as :func:`init_stream`'s).
         generator_update_interval: The student trains at ``i % n == 0``; the critic at
             every step.
-        denoising_steps: The student's few-step schedule.
-        guidance_scale: The teacher's classifier-free guidance scale.
-        shift: The score timestep shift.
-        min_ratio: Lower clamp of the score time.
-        max_ratio: Upper clamp of the score time.
-        context_time: Time of the cache's context pass (0: clean chunks).
+        denoising_steps: And ``guidance_scale``, ``shift``, ``min_ratio``, ``max_ratio``,
+            ``context_time``: as :func:`~fvstep.methods.self_forcing.self_forcing_losses`'s.
         name: The key of the stream in ``state.extra``, and the managed step's name.
 
     Returns:
@@ -240,11 +230,9 @@ def streaming(
     critic_unit = update("critic", critic_loss, name=f"{name}_critic")
 
     def starts(state: TrainState, stream: StreamState) -> bool:
-        """Whether this step starts a new stream: at a boundary, or a stream not started."""
         return int(state.step) % steps_per_stream == 0 or int(stream.num_frames) == 0
 
     def check_input(state: TrainState, batch: Any, accumulation: Accumulation) -> None:
-        """Refuse what the step cannot take, before the engine consumes anything."""
         student = state.module("student")
         chunk = chunk_frames_of(student)  # raises for a student that is not causal
         check_bidirectional(state, ("teacher", "critic"), method="streaming")
@@ -252,13 +240,12 @@ def streaming(
             raise ValueError('streaming needs a batch dict with "latents" and "text"')
         batch = check_batch(state, batch, "student")
         stream = state.extra.get(name)
-        fits = (
+        if not (
             isinstance(stream, StreamState)
             and stream.cache.capacity_frames == capacity
             and stream.cache.sink_frames == sink_frames
             and stream.frames.shape[2] == window_frames
-        )
-        if not fits or not isinstance(stream, StreamState):
+        ):
             got = (
                 f"a stream of window_frames={stream.frames.shape[2]}, sink_frames="
                 f"{stream.cache.sink_frames}"
@@ -299,7 +286,7 @@ def streaming(
     def stream_step(
         state: TrainState, batch: Any, key: torch.Tensor, ctx: Any
     ) -> tuple[TrainState, dict[str, Any]]:
-        batch = check_batch(state, batch, "student")  # checked by check_input; the cast
+        batch = cast_batch(state, batch, "student", keys=("latents", "text"))
         stream = state.extra[name]
         step = int(state.step)
         if starts(state, stream):

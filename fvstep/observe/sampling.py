@@ -4,9 +4,6 @@
 scheduler; :class:`FewStepSampler` is a few-step student's (DMD2's ``denoising_steps``).
 :func:`sample` runs either (a causal Wan chunk by chunk), :func:`decode_latents` decodes
 as ``WanPipeline`` does, and :func:`sample_videos` is a validation function of videos.
-
-Examples:
-    >>> fn = sample_videos(prompts, latent_shape=(16, 21, 60, 104), vae=vae)
 """
 
 from __future__ import annotations
@@ -66,9 +63,6 @@ class EulerSampler:
         num_steps: Model evaluations (twice as many forwards with guidance).
         shift: The scheduler's time shift (``1``: none; Wan uses 3 to 5).
         guidance_scale: ``s``; ``<= 1`` is unguided.
-
-    Examples:
-        >>> EulerSampler(50, shift=3.0, guidance_scale=5.0)
     """
 
     num_steps: int = attrs.field(default=50, validator=_positive_int)
@@ -76,11 +70,7 @@ class EulerSampler:
     guidance_scale: float = 1.0
 
     def scheduler(self) -> FlowMatchEulerDiscreteScheduler:
-        """A fresh diffusers ``FlowMatchEulerDiscreteScheduler(shift=self.shift)`` (for a pipeline, too).
-
-        Raises:
-            ImportError: If diffusers is not installed.
-        """
+        """A fresh diffusers ``FlowMatchEulerDiscreteScheduler(shift=self.shift)`` (for a pipeline, too)."""
         with needs_extra("models", "EulerSampler"):
             from diffusers import FlowMatchEulerDiscreteScheduler
 
@@ -97,9 +87,6 @@ class FewStepSampler:
 
     Attributes:
         denoising_steps: Decreasing times in ``(0, 1]``.
-
-    Examples:
-        >>> FewStepSampler((1.0, 0.75, 0.5, 0.25))
     """
 
     denoising_steps: tuple[float, ...] = attrs.field(
@@ -113,22 +100,6 @@ class FewStepSampler:
 Sampler = EulerSampler | FewStepSampler
 
 
-def _guided(
-    module: nn.Module,
-    x: torch.Tensor,
-    timestep: torch.Tensor,
-    text: torch.Tensor,
-    negative_text: torch.Tensor | None,
-    scale: float,
-) -> torch.Tensor:
-    v = predict(module, x, timestep, text)
-    if scale > 1.0:
-        negative = torch.zeros_like(text) if negative_text is None else negative_text
-        v_neg = predict(module, x, timestep, negative)
-        v = v_neg + scale * (v - v_neg)
-    return v
-
-
 def sample(
     module: nn.Module,
     noise: torch.Tensor,
@@ -140,18 +111,12 @@ def sample(
 ) -> torch.Tensor:
     """Generate clean latents from ``noise`` with ``module`` (the forward contract).
 
-    Runs under ``torch.no_grad()``. A causal Wan (:func:`fvstep.methods.make_causal`)
-    generates as at inference: chunk by chunk through the whole sampler, attending to the
-    KV cache of the clean chunks before (a guided sampler keeps a second cache for the
-    negative text). Its :class:`FewStepSampler` re-noises with the keys of
-    :func:`fvstep.methods.causal_rollout.rollout`: bitwise the rollout whose every chunk
-    exits at the last step, given the rollout's noise.
+    Runs under ``torch.no_grad()``. A causal Wan generates as at inference, chunk by chunk
+    (``docs/methods/causal_wan.md``).
 
     Args:
         module: A velocity predictor (:mod:`fvstep.methods.models`' forward contract).
         noise: The starting noise ``(B, C, F, H, W)``, on the module's device.
-        text: Text embeddings ``(B, L, D)``.
-        sampler: An :class:`EulerSampler` or a :class:`FewStepSampler`.
         key: The re-noising key of a :class:`FewStepSampler` (needed with more than one
             step).
         negative_text: The negative text of a guided :class:`EulerSampler` (default
@@ -165,9 +130,6 @@ def sample(
             model's frames are not a multiple of its chunk, or the module's config
             records a causal Wan that it is not (load it with
             :func:`fvstep.methods.causal_wan.load_causal`).
-
-    Examples:
-        >>> x0 = sample(net, noise, text, sampler=EulerSampler(4))
     """
     if is_causal(module):
         return _sample_causal(module, noise, text, sampler, key, negative_text)
@@ -175,9 +137,14 @@ def sample(
         chunk_frames_of(module)  # raises: the record of a causal model that is not causal
     _check_key(sampler, key)
     scale = sampler.guidance_scale if isinstance(sampler, EulerSampler) else 1.0
+    negative = torch.zeros_like(text) if negative_text is None else negative_text
 
     def velocity(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        return _guided(module, x, t, text, negative_text, scale)
+        v = predict(module, x, t, text)
+        if scale > 1.0:
+            v_neg = predict(module, x, t, negative)
+            v = v_neg + scale * (v - v_neg)
+        return v
 
     with torch.no_grad():
         return _run(velocity, noise, sampler, key)
@@ -194,9 +161,7 @@ def _run(
     sampler: Sampler,
     key: torch.Tensor | None,
 ) -> torch.Tensor:
-    """The sampler's loop from ``x`` with ``velocity(x, timestep)`` (timesteps x 1000);
-    a few-step sampler re-noises before step ``i + 1`` from ``fold_in(key, i)``.
-    """
+    """The sampler's loop; a few-step one re-noises before step ``i + 1`` from ``fold_in(key, i)``."""
     batch = x.shape[0]
     if isinstance(sampler, EulerSampler):
         scheduler: Any = sampler.scheduler()
@@ -268,9 +233,6 @@ def decode_latents(vae: nn.Module, latents: torch.Tensor) -> torch.Tensor:
     Args:
         vae: A diffusers ``AutoencoderKLWan`` (or any VAE with that config and ``decode``).
         latents: ``(B, C, F, H, W)``.
-
-    Examples:
-        >>> video = decode_latents(vae, sample(net, noise, text, sampler=EulerSampler(4)))
     """
     with needs_extra("models", "decode_latents"):
         from diffusers.video_processor import VideoProcessor
@@ -279,13 +241,12 @@ def decode_latents(vae: nn.Module, latents: torch.Tensor) -> torch.Tensor:
     param = next(vae.parameters())
     with torch.no_grad():
         latents = latents.to(param.device, param.dtype)
-        z = config.z_dim
-        mean = (
-            torch.tensor(config.latents_mean).view(1, z, 1, 1, 1).to(latents.device, latents.dtype)
-        )
-        inv_std = 1.0 / torch.tensor(config.latents_std).view(1, z, 1, 1, 1).to(
-            latents.device, latents.dtype
-        )
+
+        def stat(values: Any) -> torch.Tensor:
+            view = torch.tensor(values).view(1, config.z_dim, 1, 1, 1)
+            return view.to(latents.device, latents.dtype)
+
+        mean, inv_std = stat(config.latents_mean), 1.0 / stat(config.latents_std)
         video = vae.decode(latents / inv_std + mean, return_dict=False)[0]  # type: ignore[operator]
         processor = VideoProcessor(vae_scale_factor=config.scale_factor_spatial)
         pixels = processor.postprocess_video(video, output_type="pt")
@@ -316,14 +277,12 @@ def sample_videos(
         text: Prompt embeddings ``(P, L, D)``, one per video.
         latent_shape: ``(C, F, H, W)`` of one video's latents.
         vae: The VAE that decodes them (``AutoencoderKLWan``), on the device to decode on.
-        role: The role to sample.
         sampler: Default ``EulerSampler(50)``; a DMD2 student's is
             ``FewStepSampler(denoising_steps)``.
         weights: ``"params"`` or ``"ema"`` (:func:`fvstep.observe.validation.role_module`).
         key: The noise key (default ``fvstep.random.key(0)``).
         negative_text: Negative prompt embeddings ``(P, L, D)`` for a guided sampler.
         captions: One caption per video (e.g. the prompts).
-        fps: Frames per second of the videos.
 
     Returns:
         ``fn(state, key) -> {"sample_<i>": Video}`` for :class:`fvstep.Validation`.

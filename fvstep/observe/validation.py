@@ -3,10 +3,6 @@
 :func:`validation_loss` is a role's flow-matching loss on fixed held-out latents, times and
 noise (the same number at the same step in any run); :func:`role_module` gives a role's
 module computing with its live or its EMA weights. Samples: :mod:`fvstep.observe.sampling`.
-
-Examples:
-    >>> fvstep.run(step, state, data, num_steps=1000, validation=fvstep.Validation(
-    ...     validation_loss(held_out["latents"], held_out["text"]), every=100))
 """
 
 from __future__ import annotations
@@ -44,15 +40,12 @@ def role_module(
     """The module of ``role``, computing with its live weights or its EMA weights.
 
     With ``weights="ema"`` the role's trainable parameters hold the EMA values inside the
-    ``with`` block (by :func:`fvstep.core.weights.select_weights`'s rule) and their own
-    values again after it, bit for bit, also when the block raises. Every FSDP2 group of
-    the state is resharded before the swap and after the block, so every rank of a sharded
-    role enters it (``docs/concepts/validation.md``). Inside the block ``checkpoint.save``,
-    the exports and a nested ``weights="params"`` of the role refuse: do them after it.
+    ``with`` block and their own values again after it, bit for bit, also when it raises.
+    Every rank of a sharded role enters it; inside it ``checkpoint.save``, the exports and
+    a nested ``weights="params"`` refuse (``docs/concepts/validation.md``).
 
     Args:
         state: The state (not changed).
-        role: The role's name.
         weights: ``"params"`` or ``"ema"``.
 
     Yields:
@@ -101,12 +94,7 @@ def role_module(
 
 
 def module_device(module: nn.Module) -> torch.device:
-    """The device of a module's first parameter or buffer (CPU for an empty module).
-
-    Examples:
-        >>> module_device(torch.nn.Linear(2, 2))
-        device(type='cpu')
-    """
+    """The device of a module's first parameter or buffer (CPU for an empty module)."""
     for t in (*module.parameters(), *module.buffers()):
         return t.device
     return torch.device("cpu")
@@ -133,7 +121,6 @@ def validation_loss(
         latents: Held-out clean latents ``x0`` ``(N, C, F, H, W)`` (moved to the role's
             device when used).
         text: Their text embeddings ``(N, L, D)``.
-        role: The role to validate.
         timesteps: Flow-matching times in ``[0, 1]``.
         key: The noise key (default ``fvstep.random.key(0)``).
         weights: ``"params"`` or ``"ema"`` (:func:`role_module`).
@@ -145,10 +132,6 @@ def validation_loss(
     Raises:
         ValueError: For mismatched ``latents``/``text``, an empty or out-of-range
             ``timesteps``, a ``batch_size < 1`` or an unknown ``weights``.
-
-    Examples:
-        >>> fn = validation_loss(held["latents"], held["text"], timesteps=(0.25, 0.75))
-        >>> fvstep.Validation(fn, every=50)
     """
     if latents.dim() != 5 or text.dim() != 3 or latents.shape[0] != text.shape[0]:
         raise ValueError(
