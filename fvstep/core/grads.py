@@ -42,10 +42,6 @@ class ClipGradNorm:
         if not self.max_norm > 0:
             raise ValueError(f"max_norm must be > 0, got {self.max_norm}")
 
-    def apply(self, params: Sequence[torch.Tensor], norm: torch.Tensor) -> None:
-        """Scale the ``.grad`` of ``params`` in place given their global ``norm``."""
-        torch.nn.utils.clip_grads_with_norm_(params, self.max_norm, norm, foreach=self.foreach)
-
 
 def clip_grad_norm(
     max_norm: float, *, norm_type: float = 2.0, foreach: bool | None = None, joint: bool = False
