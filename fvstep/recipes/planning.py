@@ -66,8 +66,8 @@ class KernelTable:
     """What one GPU does per second: the rates a step's time is predicted from.
 
     Attributes:
-        name: What it describes (``"h200"``, or the device a calibration ran on).
-        memory_gib: The GPU's memory (what ``torch.cuda.get_device_properties`` reports).
+        name: ``"h200"``, or the device a calibration ran on.
+        memory_gib: The GPU's memory.
         attention_forward: Self-attention forward, TFLOP/s, by backend (``"cudnn"``:
             PyTorch's fastest SDPA kernel; ``"fa4"``: FlashAttention-4).
         attention_forward_backward: Forward + backward, TFLOP/s (backward counted 2.5x
@@ -75,11 +75,9 @@ class KernelTable:
         gemm: bf16 GEMMs at the model's shapes, TFLOP/s.
         memory_bandwidth: HBM GB/s an element-wise kernel (the fused AdamW) reaches.
         host_bandwidth: Host <-> GPU GB/s of pinned copies (activation offloading).
-        interconnect: GB/s per GPU of collectives within a node (FSDP2, context
-            parallel's all-to-alls).
+        interconnect: GB/s per GPU of collectives within a node.
         network: GB/s per GPU of collectives across nodes.
-        elementwise: The step time beyond the kernel floor (norms, modulation, rotary,
-            GELU), as a fraction of the floor, for compiled blocks.
+        elementwise: Time beyond the kernel floor, as a fraction of it (compiled blocks).
         masked_attention_forward: A causal chunk's masked self-attention over its KV
             cache, TFLOP/s (FLOPs counted over the cache's whole capacity).
         masked_attention_forward_backward: The same, forward + backward.
@@ -134,15 +132,11 @@ KERNEL_TABLES: dict[str, KernelTable] = {
 
 
 def load_kernel_table(name_or_path: str | None) -> KernelTable:
-    """A shipped kernel table by name, or one written by ``fvstep plan --calibrate``.
-
-    A missing field gets its default.
+    """A shipped kernel table by name, or one written by ``fvstep plan --calibrate``
+    (a missing field gets its default).
 
     Args:
         name_or_path: ``"h200"``, ``"h100"``, a JSON file, or ``None`` (the H200's).
-
-    Returns:
-        The table.
 
     Raises:
         ValueError: If it is neither a shipped name nor a readable table.
@@ -229,9 +223,6 @@ def calibrate_kernels(
 
     Returns:
         The measured table, named after the device.
-
-    Examples:
-        >>> table = calibrate_kernels(shape, device="cpu", tokens=64, repeats=1)
     """
     device = torch.device(device)
     cuda = device.type == "cuda"
@@ -455,12 +446,6 @@ def _model_config(model: Any) -> dict[str, Any]:
 def meta_transformer(model: Any) -> nn.Module:
     """The transformer of a recipe's ``ModelOptions`` (:func:`_model_config`), on ``meta``.
 
-    Args:
-        model: A :class:`fvstep.recipes.options.ModelOptions`.
-
-    Returns:
-        The module, its parameters on ``meta``.
-
     Raises:
         ValueError: If ``model.path`` holds no ``config.json``.
 
@@ -517,16 +502,12 @@ def forward_flops(shape: ModelShape, video: int, text: int) -> tuple[float, floa
         video: Video tokens ``T`` a sample.
         text: Text tokens ``L`` a sample.
 
-    Returns:
-        The three FLOP counts.
-
     Examples:
         >>> sum(forward_flops(shape, 32760, 512)) / 1e12  # Wan2.1-1.3B, 480x832x81
         283.0...
     """
-    linear = sum(
-        2.0 * fan_in * fan_out * _tokens_of(n, video, text) for n, fan_in, fan_out in shape.linears
-    )
+    token, fixed, _, _ = _linear_flops(shape, text)
+    linear = token * video + fixed
     self_attention = 4.0 * shape.num_layers * video * video * shape.dim
     cross_attention = 4.0 * shape.num_layers * video * text * shape.dim
     return self_attention, cross_attention, linear
@@ -581,9 +562,6 @@ def block_saved_bytes(
         memory_budget: Inductor's activation memory budget (compiled ``"none"`` only).
         fp32_weights: Whether bf16 compute casts fp32 weights (one process under
             autocast: the casts are kept for the backward under ``"none"``).
-
-    Returns:
-        The bytes.
 
     Examples:
         >>> block_saved_bytes(shape, 32760, checkpointing="narrow") / 2**30  # 1.3B
@@ -889,13 +867,8 @@ class _Geometry:
     cache_frame: float  # one sample's KV cache bytes a latent frame
 
 
-def _step_kinds(
-    recipe: str, options: Any, g: _Geometry, *, exit_mean: float | None = None
-) -> dict[str, _Kind]:
-    """The kinds of step of the recipe's method, keyed as :func:`fvstep.plan` names them.
-
-    ``exit_mean``: the denoising steps a causal chunk runs before its exit step (default:
-    the uniform draw's mean, ``(steps - 1) / 2``)."""
+def _step_kinds(recipe: str, options: Any, g: _Geometry) -> dict[str, _Kind]:
+    """The kinds of step of the recipe's method, keyed as :func:`fvstep.plan` names them."""
     m, b = g.microbatches, g.batch
     per = b / m  # samples a micro-batch
     if recipe == "finetune":
@@ -948,8 +921,8 @@ def _step_kinds(
         raise ValueError(
             f"streaming: window_frames={options.window_frames} must hold a step's {g.frames} frames"
         )
-    if exit_mean is None:
-        exit_mean = (len(options.denoising_steps) - 1) / 2  # exit steps drawn uniformly
+    # the denoising steps a chunk runs before its exit step, drawn uniformly
+    exit_mean = (len(options.denoising_steps) - 1) / 2
     chunk_bytes = chunk * g.cache_frame
     if recipe == "self_forcing":
         capacity = g.frames  # init_cache(capacity_frames=F): the whole video
@@ -1405,10 +1378,8 @@ def plan_run(
     kernels: KernelTable | str | None = None,
     margin_gib: float = 2.0,
     context: int | None = None,
-    _module: nn.Module | None = None,
     _shape: ModelShape | None = None,
     _benchmark: bool = False,
-    _exit_mean: float | None = None,
 ) -> RunPlan:
     """Plan a run: its memory and step time per GPU, without allocating it.
 
@@ -1416,15 +1387,11 @@ def plan_run(
         recipe: A shipped recipe's name (:data:`PLANNED_RECIPES`).
         options: The recipe's resolved options (:func:`fvstep.recipes.config.parse_options`).
         nproc: GPUs a node (FSDP2 over all of them when more than one).
-        nodes: Nodes.
         kernels: A :class:`KernelTable`, a shipped table's name or a calibrated table's
             file (default: the H200's).
         margin_gib: Memory kept free for the caching allocator's fragmentation.
         context: The context-parallel degree (Ulysses), the rest data parallel (default:
             ``options.parallel.context`` where the options have it, else 1).
-
-    Returns:
-        The :class:`RunPlan`.
 
     Raises:
         ValueError: For a recipe it does not know, a world size below 1, a context degree
@@ -1457,7 +1424,7 @@ def plan_run(
             "context mesh): plan it with --prepare.compile false"
         )
     table = kernels if isinstance(kernels, KernelTable) else load_kernel_table(kernels)
-    shape = _shape or (ModelShape.of(_module) if _module is not None else _shape_for(options.model))
+    shape = _shape or _shape_for(options.model)
     if recipe in ("finetune", "lora_dmd2"):  # what the build would refuse, refused here
         from fvstep.recipes.parts import check_lora, check_lora_targets
 
@@ -1495,7 +1462,7 @@ def plan_run(
     static = sum(r.static for r in roles)
     bandwidth = table.memory_bandwidth * 1e9
     steps = []
-    for name, kind in _step_kinds(recipe, options, geometry, exit_mean=_exit_mean).items():
+    for name, kind in _step_kinds(recipe, options, geometry).items():
         costs = [planner.phase(phase, static) for phase in kind.phases]
         top = max(range(len(costs)), key=lambda i: costs[i].peak)
         total = {f: sum(getattr(c, f) for c in costs) for f in attrs.fields_dict(_Cost)}
@@ -1571,16 +1538,10 @@ def suggest_changes(
 ) -> list[Suggestion]:
     """Changes that make a run fit, fastest first: checkpointing and offloading, LoRA,
     context parallel over 2, 4 or 8 of a node's GPUs, more GPUs; each re-planned with
-    :func:`plan_run`.
+    :func:`plan_run` (whose arguments these are).
 
     Args:
-        recipe: The recipe.
-        options: Its options.
-        nproc: GPUs a node.
-        nodes: Nodes.
-        kernels: The kernel table.
         limit: At most this many.
-        context: The run's context-parallel degree (:func:`plan_run`'s).
 
     Returns:
         The changes that fit: those on the same GPUs first, then by predicted step time

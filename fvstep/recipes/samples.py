@@ -40,20 +40,14 @@ def _vae_folder(options: Any) -> Path | None:
 
 
 def check_samples(options: Any) -> None:
-    """Refuse ``validation.sample_every`` that a run could not honour, before it starts.
-
-    Args:
-        options: A recipe's options (with the ``validation``, ``model`` and ``optim``
-            groups); nothing is checked when ``validation.sample_every`` is 0.
+    """Refuse ``validation.sample_every`` that a run could not honour, before it starts
+    (nothing is checked when it is 0).
 
     Raises:
         ValueError: For a negative cadence, ``num_videos`` outside ``1 ..
             num_samples``, no VAE (``model.path`` not a pipeline folder with a ``vae/``),
             or ``sample_weights="ema"`` in a run without an EMA (``optim.ema``).
         fvstep.core._optional.MissingExtraError: Without ``imageio-ffmpeg`` (the MP4 files).
-
-    Examples:
-        >>> check_samples(FinetuneOptions())  # sample_every 0: nothing to check
     """
     v = options.validation
     if v.sample_every < 0:
@@ -118,11 +112,9 @@ def sample_validation(
     weights alone.
 
     Args:
-        options: A recipe's options.
         held_out: The held-out items (:func:`fvstep.recipes.parts.held_out_items`): the
             first ``validation.num_videos`` texts are the prompts, the latents the shape.
         device: The rank's device (where the VAE decodes).
-        role: The role to sample.
         sampler: The student's sampler (a distilled student's few-step schedule); ``None``:
             ``validation.sample_steps`` Euler steps at the pipeline scheduler's shift.
 
@@ -131,12 +123,6 @@ def sample_validation(
 
     Raises:
         ValueError: As :func:`check_samples`.
-
-    Examples:
-        >>> held = held_out_items(options.data, options.validation.num_samples)
-        >>> samples = sample_validation(options, held, device=torch.device("cpu"))
-        >>> samples.every == options.validation.sample_every
-        True
     """
     v = options.validation
     check_samples(options)
