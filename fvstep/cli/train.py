@@ -39,12 +39,7 @@ EXIT_INTERRUPTED = 75
 
 def recipe_name(argv: Sequence[str]) -> str:
     """The recipe that the words after ``fvstep train`` (or ``plan``) name: the first,
-    unless it is an option; else ``finetune``.
-
-    Example:
-        >>> recipe_name(["--run.num_steps", "8"])
-        'finetune'
-    """
+    unless it is an option; else ``finetune``."""
     return argv[0] if argv and not argv[0].startswith("-") else "finetune"
 
 

@@ -78,10 +78,6 @@ def get_recipe(name: str) -> Recipe:
 
     Raises:
         ValueError: For an unknown name, or an attribute that is not a :class:`Recipe`.
-
-    Examples:
-        >>> get_recipe("finetune").name
-        'finetune'
     """
     where = RECIPES.get(name, name)
     if ":" not in where:

@@ -106,10 +106,6 @@ def parse_options(recipe: Recipe, argv: Sequence[str]) -> Any:
     Raises:
         ValueError: For an unknown key (with the closest key), a value of the wrong type,
             or an unreadable file (the message names the key or the file).
-
-    Examples:
-        >>> parse_options(get_recipe("finetune"), ["--run.num_steps", "8"]).run.num_steps
-        8
     """
     from fvstep.cli.common import Parser, parse
     from fvstep.core.errors import CLIError

@@ -357,10 +357,7 @@ def lora_over_base(
 
 def check_paths(options: Any) -> None:
     """Refuse a ``data.path``, ``model.path`` or ``model.config`` that holds nothing to
-    read, before a run writes anything (a recipe's options without these groups pass).
-
-    Raises:
-        ValueError: Naming the key and what it should name.
+    read (``ValueError``), before a run writes anything (options without these groups pass).
 
     Examples:
         >>> check_paths(FinetuneOptions(data=DataOptions(path="nowhere")))

@@ -693,15 +693,8 @@ def _stored_bytes(shape: ModelShape, nbytes: int) -> float:
 
 def _roles(recipe: str, options: Any, shape: ModelShape, world: int) -> list[RolePlan]:
     prepare = options.prepare
-    bf16 = _compute(options) == "bf16"
-    frozen_bytes = (
-        2
-        if (
-            prepare.frozen_dtype in ("bfloat16", "float16")
-            or (prepare.frozen_dtype is None and bf16)
-        )
-        else 4
-    )
+    frozen_dtype = prepare.frozen_dtype or ("bfloat16" if _compute(options) == "bf16" else None)
+    frozen_bytes = 2 if frozen_dtype in ("bfloat16", "float16") else 4
     model_bytes = _model_bytes(options)
     ema = options.optim.ema is not None
     counters = 4.0 * shape.tensors + 8.0  # AdamW's fp32 step a tensor and its int64 count
@@ -1397,11 +1390,6 @@ def plan_run(
         ValueError: For a recipe it does not know, a world size below 1, a context degree
             that does not divide the world, or context parallel where the run cannot have
             it (a causal student; compiled blocks).
-
-    Examples:
-        >>> plan = plan_run("finetune", FinetuneOptions())
-        >>> plan.fits
-        True
     """
     if recipe not in PLANNED_RECIPES:
         raise ValueError(
