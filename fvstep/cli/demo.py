@@ -1,9 +1,7 @@
 """``fvstep demo``: a tiny DMD2 distillation that interrupts itself, resumes and proves it.
 
-The demo runs twice (uninterrupted, then crashed and resumed from its newest checkpoint)
-on every rank, compares the two runs leaf by leaf, plots the losses and prints a summary
-in which every number was observed on the runs. Its work is :mod:`fvstep.cli.demo_runs`; this
-module is its command: options, output directory, ranks, summary.
+This module is the command (options, output directory, ranks, the summary, in which every
+number was observed on the runs); :mod:`fvstep.cli.demo_runs` is its work.
 """
 
 from __future__ import annotations

@@ -453,9 +453,12 @@ def meta_transformer(model: Any) -> nn.Module:
         >>> meta_transformer(ModelOptions()).blocks[0].ffn.net[2].weight.device
         device(type='meta')
     """
+    return _meta_module(_model_config(model))
+
+
+def _meta_module(config: dict[str, Any]) -> nn.Module:
     import diffusers
 
-    config = _model_config(model)
     cls = getattr(diffusers, config.get("_class_name", "WanTransformer3DModel"))
     with torch.device("meta"):
         built: nn.Module = cls.from_config(config)
@@ -465,14 +468,7 @@ def meta_transformer(model: Any) -> nn.Module:
 @functools.lru_cache(maxsize=16)
 def _shape_of_config(text: str) -> ModelShape:
     config = json.loads(text)
-    shape = _wan_shape(config)
-    if shape is None:  # another class: diffusers builds it on the meta device
-        import diffusers
-
-        cls = getattr(diffusers, config.get("_class_name", "WanTransformer3DModel"))
-        with torch.device("meta"):
-            shape = ModelShape.of(cls.from_config(config))
-    return shape
+    return _wan_shape(config) or ModelShape.of(_meta_module(config))
 
 
 def _shape_for(model: Any) -> ModelShape:

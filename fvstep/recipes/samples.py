@@ -1,9 +1,8 @@
 """Sample videos of a recipe's student at a cadence (``validation.sample_every``).
 
 :func:`sample_validation` makes a :class:`fvstep.Validation` that samples one video per
-held-out prompt from fixed noise and decodes it by the VAE at ``model.path``; the files are
-``<run.out>/media/step_<n>/samples_sample_<i>.mp4`` and ``.png``. Sampling never changes
-the training (:func:`fvstep.executor.reporting.observe`).
+held-out prompt from fixed noise and decodes it by the VAE at ``model.path``
+(``validation.sample_every`` says where the files go). Sampling never changes the training.
 
 Examples:
     >>> samples = sample_validation(options, held, device=torch.device("cpu"))
@@ -108,8 +107,7 @@ def sample_validation(
     """The sample videos of ``options.validation`` as a :class:`fvstep.Validation`.
 
     Every rank samples (a sharded role needs all of them); rank 0 alone decodes and
-    returns the videos. The noise is fixed, so two validations' videos differ by the
-    weights alone.
+    returns the videos.
 
     Args:
         held_out: The held-out items (:func:`fvstep.recipes.parts.held_out_items`): the
