@@ -45,9 +45,8 @@ _OF_WORDS = {run_train: run_train_command, run_plan: run_plan_command}
 
 
 def _run(prog: str, commands: dict[str, Any], argv: list[str]) -> int:
-    """Run the command that ``argv`` names (its first word that is not an option) on the
-    words after it. The words up to it are parsed by a parser that lists the commands
-    (``--help``, ``--version``, an unknown or missing command)."""
+    """Run the command that ``argv``'s first word that is no option names, on the words
+    after it; the words up to it go to a parser that lists the commands (``--help``)."""
     parser = Parser(prog, _ABOUT[prog])
     if prog == "fvstep":
         parser.add_argument("--debug", action="store_true", help="show tracebacks")

@@ -1,9 +1,6 @@
 """Start a run from somewhere else (``init_from``): a diffusers model folder, another run's
-weights, or another run's whole state.
-
-:func:`source_weights` reads one role's weights, verified; :func:`load_weights_into` copies
-them into a module before sharding; :func:`init_from` applies :class:`InitFrom` options.
-``docs/recipes.md`` gives the rules (causal exports, LoRA's frozen base).
+weights, or another run's whole state (:func:`init_from`). ``docs/recipes.md`` gives the
+rules (causal exports, LoRA's frozen base).
 
 Examples:
     >>> load_weights_into(student, source_weights("runs/a", role="student", weights="ema"))

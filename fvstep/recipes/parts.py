@@ -126,16 +126,7 @@ def load_transformer(model: ModelOptions, *, device: torch.device | None = None)
         return _to_dtype(module, dtype).train()
     from fvstep.methods.models import tiny_wan
 
-    tiny = model.tiny
-    built: Any = tiny_wan(
-        seed=model.seed,
-        num_layers=tiny.num_layers,
-        in_channels=tiny.in_channels,
-        text_dim=tiny.text_dim,
-        num_heads=tiny.num_heads,
-        dim_per_head=tiny.dim_per_head,
-        ffn_dim=tiny.ffn_dim,
-    )
+    built: Any = tiny_wan(seed=model.seed, **dataclasses.asdict(model.tiny))
     return _to_dtype(built, dtype)
 
 

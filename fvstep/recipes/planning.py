@@ -265,11 +265,7 @@ class ModelShape:
     """The sizes of a Wan transformer the plan needs, read from its meta module.
 
     Attributes:
-        num_layers: Transformer blocks.
         dim: Hidden width (heads x head dim).
-        num_heads: Attention heads.
-        head_dim: Head dimension.
-        ffn_dim: Feed-forward width.
         patch: ``(frames, height, width)`` patch size.
         numel: Parameters of the whole model.
         block_numel: Parameters of one block.
@@ -629,7 +625,6 @@ class RolePlan:
     """One role's static bytes per GPU.
 
     Attributes:
-        name: The role.
         trained: Whether an optimizer steps it.
         numel: Its parameters (a LoRA role: its adapters).
         weights: Stored weights (fp32 masters when trained).
@@ -1027,16 +1022,13 @@ class RunPlan:
     """A run's predicted memory and time per GPU (:func:`plan_run`).
 
     Attributes:
-        recipe: The recipe.
         world: GPUs (``nproc * nodes``).
-        shape: The model.
         video_tokens: Video tokens a sample.
         text_tokens: Text tokens a sample.
         roles: Static bytes per role.
         block_activations: Saved bytes of one block a trained call keeps.
         blocks_on_gpu: Blocks whose saved activations stay on the GPU.
         steps: Each kind of step.
-        kernels: The kernel table used.
         attention_backend: ``"fa4"`` or ``"cudnn"``.
         capacity: The GPU's memory, bytes.
         margin: Bytes kept free for the allocator's fragmentation.
