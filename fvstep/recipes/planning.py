@@ -24,6 +24,8 @@ import attrs
 import torch
 from torch import nn
 
+from fvstep.recipes import RECIPES
+
 __all__ = [
     "CACHE_PASS_BYTES",
     "COMPILED_NONE_FRACTION",
@@ -45,14 +47,7 @@ __all__ = [
 ]
 
 GIB = 2**30
-PLANNED_RECIPES = (
-    "finetune",
-    "dmd2",
-    "lora_dmd2",
-    "self_forcing",
-    "streaming",
-    "diffusion_nft",
-)
+PLANNED_RECIPES = tuple(RECIPES)
 """The recipes :func:`plan_run` knows the roles and calls of (every shipped one)."""
 CAUSAL_RECIPES = ("self_forcing", "streaming")
 """The recipes whose student is a causal Wan with a KV cache (no context parallel)."""
