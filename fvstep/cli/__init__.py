@@ -45,9 +45,8 @@ _OF_WORDS = {run_train: run_train_command, run_plan: run_plan_command}
 
 
 def _run(prog: str, commands: dict[str, Any], argv: list[str]) -> int:
-    """Run the command that ``argv`` names (its first word that is not an option) on the
-    words after it. The words up to it are parsed by a parser that lists the commands
-    (``--help``, ``--version``, an unknown or missing command)."""
+    """Run the command that ``argv``'s first word that is no option names, on the words
+    after it; the words up to it go to a parser that lists the commands (``--help``)."""
     parser = Parser(prog, _ABOUT[prog])
     if prog == "fvstep":
         parser.add_argument("--debug", action="store_true", help="show tracebacks")
@@ -77,12 +76,9 @@ def _version() -> str:
 
 
 def _close_process_group() -> None:
-    """Under torchrun, wait for every rank and destroy the process group before exit.
-
-    A gloo group left to interpreter shutdown can abort a rank at exit ("terminate called
-    without an active exception", seen once in CI after a successful verify-resume).
-    Nothing is imported when no group was created (``--help`` stays fast).
-    """
+    """Under torchrun, wait for every rank and destroy the process group before exit: a
+    gloo group left to interpreter shutdown can abort a rank ("terminate called without an
+    active exception"). Nothing is imported when no group was created."""
     if "torch.distributed" in sys.modules:
         from fvstep.parallel import destroy
 
@@ -99,10 +95,6 @@ def main(argv: list[str] | None = None) -> int:
         The exit code: the command's (0 on success; ``fvstep train``: 75 when a signal
         stopped the run after it saved), 2 for a user error (one line on stderr), 1 for
         any other error, 130 on Ctrl-C.
-
-    Example:
-        >>> main(["verify-resume", "my_method:factory", "--steps", "6"])  # doctest: +SKIP
-        0
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv

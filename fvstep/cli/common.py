@@ -39,10 +39,6 @@ class Parser(ArgumentParser):
     signature (:meth:`add_signature`): ``--dashed-names``, a ``bool`` that defaults to
     False as a bare flag (``--overwrite``), a list as several values (``--interrupt 3 6``).
     Other options, a recipe's keys among them, keep jsonargparse's (``--run.num_steps 8``).
-
-    Example:
-        >>> Parser("fvstep demo", "Run a tiny DMD2 distillation.").prog
-        'fvstep demo'
     """
 
     def __init__(self, prog: str, description: str | None = None) -> None:
@@ -98,11 +94,6 @@ def parse(parser: ArgumentParser, argv: Sequence[str]) -> Any:
     Raises:
         CLIError: For a bad option, in one line: the parser's message, the closest option
             to each unknown one, and where the options are listed.
-
-    Example:
-        >>> from fvstep.cli.demo import run_demo
-        >>> parse(command_parser(run_demo, "fvstep demo"), ["--steps", "8"]).steps
-        8
     """
     try:
         namespace = parser.instantiate(parser.parse_args(list(argv)))
@@ -147,48 +138,21 @@ def did_you_mean(parser: ArgumentParser, argv: Sequence[str]) -> str:
 
 
 def check_positive(**values: int) -> None:
-    """Refuse an option below 1.
-
-    Args:
-        **values: the options to check, by their name (``num_steps`` for ``--num-steps``).
-
-    Raises:
-        CLIError: one of ``values`` is below 1; the message names its option.
-
-    Example:
-        >>> check_positive(steps=6, every=2)
-    """
+    """Refuse (``CLIError``, naming the option) a value below 1; ``values`` by the option's
+    name (``num_steps`` for ``--num-steps``)."""
     for name, value in values.items():
         if value < 1:
             raise CLIError(f"fvstep: --{name.replace('_', '-')} must be >= 1, got {value}")
 
 
 def under_launcher() -> bool:
-    """Whether this process is one of several ranks started by ``torchrun``.
-
-    Returns:
-        True when ``WORLD_SIZE`` is above 1.
-
-    Example:
-        >>> under_launcher()  # a plain python process
-        False
-    """
+    """Whether this process is one of several ranks started by ``torchrun`` (``WORLD_SIZE`` > 1)."""
     return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
 def from_rank0(value: Any) -> Any:
-    """Rank 0's ``value`` on every rank under ``torchrun`` (also a barrier); else ``value``.
-
-    Args:
-        value: this rank's value (picklable).
-
-    Returns:
-        Rank 0's ``value``; the process group is initialised from the environment first.
-
-    Example:
-        >>> from_rank0("/tmp/one-directory-for-all-ranks")
-        '/tmp/one-directory-for-all-ranks'
-    """
+    """Rank 0's (picklable) ``value`` on every rank under ``torchrun``, the process group
+    initialised from the environment (also a barrier); else ``value``."""
     if not under_launcher():
         return value
     from fvstep.parallel import gather_objects, init_from_env
@@ -207,10 +171,6 @@ def run_on_ranks(fn: Any, arg: Any, nproc: int) -> list[Any]:
 
     Returns:
         ``fn(arg)`` of each rank, by rank.
-
-    Example:
-        >>> run_on_ranks(abs, -2, nproc=1)
-        [2]
     """
     if under_launcher():
         from fvstep.parallel import gather_objects, init_from_env

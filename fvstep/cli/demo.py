@@ -1,9 +1,7 @@
 """``fvstep demo``: a tiny DMD2 distillation that interrupts itself, resumes and proves it.
 
-The demo runs twice (uninterrupted, then crashed and resumed from its newest checkpoint)
-on every rank, compares the two runs leaf by leaf, plots the losses and prints a summary
-in which every number was observed on the runs. Its work is :mod:`fvstep.cli.demo_runs`; this
-module is its command: options, output directory, ranks, summary.
+This module is the command (options, output directory, ranks, the summary, in which every
+number was observed on the runs); :mod:`fvstep.cli.demo_runs` is its work.
 """
 
 from __future__ import annotations
@@ -19,33 +17,22 @@ from fvstep.core.errors import CLIError
 __all__ = ["run_demo"]
 
 
-def _check_out_dir(path: str) -> Path:
-    out = Path(path)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / ".fvstep-write-test"
-        probe.write_text("ok")
-        probe.unlink()
-    except OSError as e:
-        raise CLIError(
-            f"fvstep: cannot write to the output directory {path!r}: {e.strerror or e}"
-        ) from None
-    return out.resolve()
-
-
-def _demo_rank(config: Any) -> dict[str, Any]:
-    from fvstep.cli.demo_runs import run_demo as run
-
-    return run(config)
-
-
 _DEMO_OUTPUTS = ("uninterrupted", "interrupted", "losses.png")
 
 
 def _demo_out_dir(path: str, overwrite: bool) -> Path:
     """``--out``, checked writable; an earlier demo's output in it is refused, or removed
     with ``--overwrite`` (by rank 0, the other ranks waiting)."""
-    out = _check_out_dir(path)
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        probe = Path(path) / ".fvstep-write-test"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise CLIError(
+            f"fvstep: cannot write to the output directory {path!r}: {e.strerror or e}"
+        ) from None
+    out = Path(path).resolve()
     earlier = [name for name in _DEMO_OUTPUTS if (out / name).exists()]
     if earlier and not overwrite:
         raise CLIError(
@@ -100,6 +87,7 @@ def run_demo(
     Example:
         $ fvstep demo --nproc 2 --steps 24 --every 4 --out fvstep-demo
     """
+    from fvstep.cli import demo_runs
     from fvstep.cli.demo_runs import DemoConfig, min_steps, plot_losses
 
     check_positive(nproc=nproc, microbatches=microbatches, every=every)
@@ -113,7 +101,7 @@ def run_demo(
         out=str(folder), num_steps=steps, microbatches=microbatches, sync=policy, every=every
     )
     start = time.perf_counter()
-    summary = run_on_ranks(_demo_rank, config, nproc)[0]
+    summary = run_on_ranks(demo_runs.run_demo, config, nproc)[0]
     elapsed = time.perf_counter() - start
     if int(os.environ.get("RANK", "0")) != 0:
         return 0 if summary["equal"] else 1

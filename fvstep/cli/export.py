@@ -19,10 +19,11 @@ __all__ = ["run_export"]
 def _load_run(checkpoint: str) -> tuple[Any, Any]:
     """The state of the checkpoint, loaded into the structure its run's config builds."""
     import dataclasses
+    import json
 
     from fvstep import checkpoint as ckpt
     from fvstep.recipes import get_recipe
-    from fvstep.recipes.config import read_config
+    from fvstep.recipes.config import parse_options, read_config
     from fvstep.recipes.init import resolve_checkpoint
 
     try:
@@ -36,7 +37,7 @@ def _load_run(checkpoint: str) -> tuple[Any, Any]:
             "a run of your own script, call fvstep.checkpoint.export on its loaded state"
         )
     recipe = get_recipe(saved["recipe"])
-    options = _options_from(recipe, saved["options"])
+    options = parse_options(recipe, ["--config", json.dumps(saved["options"])])
     # The state's structure only, on the CPU: no data, no validation. The dtypes are the
     # run's: its resolved precision ("auto" was bf16 on its GPUs, and a frozen role is
     # checked against the digest of its bf16 weights); FlashAttention-4 changes no tensor
@@ -56,15 +57,6 @@ def _load_run(checkpoint: str) -> tuple[Any, Any]:
         return ckpt.load(folder, like=spec.state), folder
     finally:
         spec.close()
-
-
-def _options_from(recipe: Any, tree: dict[str, Any]) -> Any:
-    """The options object of a saved config (through the same parser as the command)."""
-    import json
-
-    from fvstep.recipes.config import parse_options
-
-    return parse_options(recipe, ["--config", json.dumps(tree)])
 
 
 def run_export(

@@ -18,12 +18,7 @@ __all__ = ["run_plan", "run_plan_command"]
 
 def run_plan_command(argv: Sequence[str]) -> int:
     """Run ``fvstep plan`` with ``argv`` (the words after ``plan``): :func:`run_plan` with
-    what :func:`fvstep.cli.train.parse_recipe_args` read.
-
-    Example:
-        >>> run_plan_command(["finetune"])  # doctest: +SKIP
-        0
-    """
+    what :func:`fvstep.cli.train.parse_recipe_args` read."""
     _, options, own = parse_recipe_args("plan", run_plan, argv)
     return run_plan(recipe_name(argv), options, **own)
 

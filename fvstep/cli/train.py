@@ -3,8 +3,7 @@
 One parser (:func:`recipe_parser`; ``fvstep plan`` uses it too) reads the recipe's options
 (:mod:`fvstep.recipes.config`) and the keyword parameters of :func:`run_train`. With
 ``--nproc N`` it launches N local ranks, each parsing the words again; under ``torchrun``
-it runs in place on each rank. Exit codes: 0 done; :data:`EXIT_INTERRUPTED` (75) stopped
-by a signal after saving (run it again to resume); 2 a user error; 1 another error.
+it runs in place on each rank. :func:`run_train` lists the exit codes.
 """
 
 from __future__ import annotations
@@ -40,12 +39,7 @@ EXIT_INTERRUPTED = 75
 
 def recipe_name(argv: Sequence[str]) -> str:
     """The recipe that the words after ``fvstep train`` (or ``plan``) name: the first,
-    unless it is an option; else ``finetune``.
-
-    Example:
-        >>> recipe_name(["--run.num_steps", "8"])
-        'finetune'
-    """
+    unless it is an option; else ``finetune``."""
     return argv[0] if argv and not argv[0].startswith("-") else "finetune"
 
 
@@ -174,11 +168,7 @@ def _newest(out: str) -> str:
 
 def run_train_command(argv: Sequence[str]) -> int:
     """Run ``fvstep train`` with ``argv`` (the words after ``train``): :func:`run_train`
-    with what :func:`parse_recipe_args` read.
-
-    Example:
-        $ fvstep train finetune --config examples/finetune_tiny.yaml --run.num_steps 8
-    """
+    with what :func:`parse_recipe_args` read."""
     recipe, options, own = parse_recipe_args("train", run_train, argv)
     return run_train(recipe, options, argv, **own)
 
@@ -214,8 +204,7 @@ def run_train(
             change (another world size included).
 
     Example:
-        >>> run_train(get_recipe("finetune"), options, dry_run=True)  # doctest: +SKIP
-        0
+        $ fvstep train finetune --config examples/finetune_tiny.yaml --run.num_steps 8
     """
     check_positive(nproc=nproc)
     if under_launcher() or nproc == 1:

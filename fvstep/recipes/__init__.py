@@ -22,12 +22,8 @@ import attrs
 __all__ = ["RECIPES", "Recipe", "RunSpec", "get_recipe"]
 
 RECIPES = {
-    "finetune": "fvstep.recipes.finetune:RECIPE",
-    "dmd2": "fvstep.recipes.dmd2:RECIPE",
-    "lora_dmd2": "fvstep.recipes.lora_dmd2:RECIPE",
-    "self_forcing": "fvstep.recipes.self_forcing:RECIPE",
-    "streaming": "fvstep.recipes.streaming:RECIPE",
-    "diffusion_nft": "fvstep.recipes.diffusion_nft:RECIPE",
+    name: f"fvstep.recipes.{name}:RECIPE"
+    for name in ("finetune", "dmd2", "lora_dmd2", "self_forcing", "streaming", "diffusion_nft")
 }
 """The shipped recipes, by name: where each one lives."""
 
@@ -78,10 +74,6 @@ def get_recipe(name: str) -> Recipe:
 
     Raises:
         ValueError: For an unknown name, or an attribute that is not a :class:`Recipe`.
-
-    Examples:
-        >>> get_recipe("finetune").name
-        'finetune'
     """
     where = RECIPES.get(name, name)
     if ":" not in where:

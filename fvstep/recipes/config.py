@@ -82,12 +82,7 @@ class _ConfigFile(ActionConfigFile):
 
 def add_options(parser: ArgumentParser, recipe: Recipe) -> None:
     """Add ``--config`` and the keys of ``recipe``'s options (``--optim.lr``, ...) to
-    ``parser``, as ``fvstep train RECIPE`` takes them.
-
-    Examples:
-        >>> parser = ArgumentParser()
-        >>> add_options(parser, get_recipe("finetune"))
-    """
+    ``parser``, as ``fvstep train RECIPE`` takes them."""
     parser.add_argument(
         "--config", action=_ConfigFile, help="a YAML or TOML file of options (repeatable)"
     )
@@ -96,12 +91,7 @@ def add_options(parser: ArgumentParser, recipe: Recipe) -> None:
 
 def options_from(recipe: Recipe, namespace: Any) -> Any:
     """The options object of ``recipe`` in a namespace parsed (and instantiated) by a
-    parser that :func:`add_options` filled.
-
-    Examples:
-        >>> options_from(get_recipe("finetune"), parser.instantiate(namespace)).optim.lr
-        0.0001
-    """
+    parser that :func:`add_options` filled."""
     return recipe.options(**{f.name: namespace[f.name] for f in dataclasses.fields(recipe.options)})
 
 
@@ -113,16 +103,9 @@ def parse_options(recipe: Recipe, argv: Sequence[str]) -> Any:
         argv: The arguments, e.g. ``["--config", "examples/finetune.yaml",
             "--run.num_steps", "8"]``; later ones win.
 
-    Returns:
-        An instance of ``recipe.options``.
-
     Raises:
         ValueError: For an unknown key (with the closest key), a value of the wrong type,
             or an unreadable file (the message names the key or the file).
-
-    Examples:
-        >>> parse_options(get_recipe("finetune"), ["--run.num_steps", "8"]).run.num_steps
-        8
     """
     from fvstep.cli.common import Parser, parse
     from fvstep.core.errors import CLIError
@@ -136,12 +119,7 @@ def parse_options(recipe: Recipe, argv: Sequence[str]) -> Any:
 
 
 def options_to_dict(options: Any) -> dict[str, Any]:
-    """The options as plain data (tuples as lists), as ``config.yaml`` holds them.
-
-    Examples:
-        >>> options_to_dict(ModelOptions())["seed"]
-        0
-    """
+    """The options as plain data (tuples as lists), as ``config.yaml`` holds them."""
     tree: dict[str, Any] = json.loads(json.dumps(dataclasses.asdict(options)))
     return tree
 
@@ -239,8 +217,8 @@ def _ranks(n: Any) -> str:
 
 def _check_world_size(saved: dict[str, Any], new: dict[str, Any]) -> None:
     """Refuse another world size, or a saved config that does not say its own."""
-    if "world_size" not in new:
-        return  # a comparison of options alone (no run behind it)
+    if "world_size" not in new:  # a comparison of options alone (no run behind it)
+        return
     before, after = saved.get("world_size"), new["world_size"]
     if before is None:
         raise ConfigChangeError(
@@ -255,12 +233,7 @@ def _check_world_size(saved: dict[str, Any], new: dict[str, Any]) -> None:
 
 
 def read_config(run_dir: str | Path) -> dict[str, Any] | None:
-    """The resolved config saved in a run's folder (``None`` if there is none).
-
-    Examples:
-        >>> read_config("runs/a")["recipe"]
-        'finetune'
-    """
+    """The resolved config saved in a run's folder (``None`` if there is none)."""
     import yaml
 
     path = Path(run_dir) / CONFIG_NAME
@@ -275,12 +248,7 @@ def read_config(run_dir: str | Path) -> dict[str, Any] | None:
 def dataset_digest(path: str | Path | None) -> str | None:
     """The SHA-256 of a latent dataset's ``index.json`` (what it holds: its shards, their
     checksums, the encode's settings), kept with the config so that a resume refuses
-    another dataset at the same ``data.path``; ``None`` for synthetic data or no index.
-
-    Examples:
-        >>> dataset_digest(None) is None
-        True
-    """
+    another dataset at the same ``data.path``; ``None`` for synthetic data or no index."""
     if path is None:
         return None
     index = Path(path) / "index.json"
@@ -297,12 +265,7 @@ def describe_run(
 ) -> dict[str, Any]:
     """What ``config.yaml`` holds: the recipe, the world size, the resolved precision
     (``prepare.precision``'s ``"auto"`` made ``"bf16"`` or ``"fp32"`` by the device), the
-    resolved options and the dataset's digest (:func:`dataset_digest`) when there is one.
-
-    Examples:
-        >>> list(describe_run("finetune", options, world_size=2, precision="bf16"))
-        ['recipe', 'world_size', 'precision', 'options']
-    """
+    resolved options and the dataset's digest (:func:`dataset_digest`) when there is one."""
     config: dict[str, Any] = {"recipe": recipe, "world_size": world_size}
     if precision is not None:
         config["precision"] = precision
@@ -322,19 +285,10 @@ def write_config(
     data_digest: str | None = None,
     started_from: dict[str, Any] | None = None,
 ) -> Path:
-    """Write the resolved config of a run as ``<run_dir>/config.yaml`` (atomically), with
-    the world size it runs on and ``data_digest`` (:func:`dataset_digest`) when there is
-    one (:func:`describe_run`). A resumed run passes ``started_from``, the ``init_from``
-    group of the config it resumes: a resume ignores ``init_from``, so the file keeps the
-    one the run started from.
-
-    Returns:
-        The file written.
-
-    Examples:
-        >>> write_config("runs/a", "finetune", options, world_size=1)
-        PosixPath('runs/a/config.yaml')
-    """
+    """Write :func:`describe_run`'s config as ``<run_dir>/config.yaml`` (atomically) and
+    return the file. A resumed run passes ``started_from``, the ``init_from`` group of the
+    config it resumes: a resume ignores ``init_from``, so the file keeps the one the run
+    started from."""
     import yaml
 
     path = Path(run_dir) / CONFIG_NAME
@@ -342,7 +296,7 @@ def write_config(
     config = describe_run(
         recipe, options, world_size=world_size, precision=precision, data_digest=data_digest
     )
-    if started_from is not None:  # a resumed run: its init_from is the first run's
+    if started_from is not None:
         config["options"]["init_from"] = started_from
     text = yaml.safe_dump(config, sort_keys=False)
     tmp = path.with_name(f".{CONFIG_NAME}.tmp")

@@ -137,16 +137,10 @@ def build(options: DiffusionNFTOptions, *, fresh: bool = True) -> RunSpec:
             optimizer=parts.make_optimizer(options.optim),
             ema=parts.make_ema(options.optim),
         ),
-        "old": fs.Role(
-            parts.prepare_role(frozen["old"].to(device), in_place, mesh, trainable=False)
-        ),
     }
-    if "reference" in frozen:
-        roles["reference"] = fs.Role(
-            parts.prepare_role(
-                frozen["reference"].to(device), options.prepare, mesh, trainable=False
-            )
-        )
+    for name, module in frozen.items():
+        prepare = in_place if name == "old" else options.prepare
+        roles[name] = fs.Role(parts.prepare_role(module.to(device), prepare, mesh, trainable=False))
     state = fs.TrainState.create(roles, key=fs.random.key(options.run.seed))
     return parts.run_spec(options, state, method, trained=("student",), device=device)
 

@@ -40,15 +40,7 @@ class FinetuneOptions(RecipeOptions):
 
 
 def build(options: FinetuneOptions, *, fresh: bool = True) -> RunSpec:
-    """The fine-tuning run of ``options``.
-
-    Args:
-        options: The recipe's options.
-        fresh: Whether the run starts afresh (then ``options.init_from`` with
-            ``kind="weights"`` fills the student before it is sharded).
-
-    Returns:
-        The run's :class:`~fvstep.recipes.RunSpec`.
+    """The fine-tuning run of ``options`` (``fresh``: :class:`~fvstep.recipes.Recipe`'s).
 
     Examples:
         >>> spec = build(FinetuneOptions(), fresh=True)

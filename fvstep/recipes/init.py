@@ -1,9 +1,6 @@
 """Start a run from somewhere else (``init_from``): a diffusers model folder, another run's
-weights, or another run's whole state.
-
-:func:`source_weights` reads one role's weights, verified; :func:`load_weights_into` copies
-them into a module before sharding; :func:`init_from` applies :class:`InitFrom` options.
-``docs/recipes.md`` gives the rules (causal exports, LoRA's frozen base).
+weights, or another run's whole state (:func:`init_from`). ``docs/recipes.md`` gives the
+rules (causal exports, LoRA's frozen base).
 
 Examples:
     >>> load_weights_into(student, source_weights("runs/a", role="student", weights="ema"))
@@ -39,15 +36,8 @@ def _is_diffusers_folder(path: Path) -> bool:
 
 
 def check_causal_source(path: str | os.PathLike[str], module: nn.Module, *, role: str) -> None:
-    """Refuse to fill ``module`` from a diffusers folder of a causal Wan it is not.
-
-    Raises:
-        ValueError: If the folder's config records a causal chunk and ``module`` is
-            bidirectional, or causal of another chunk.
-
-    Examples:
-        >>> check_causal_source("exports/student", student, role="student")
-    """
+    """Refuse (``ValueError``) to fill ``module`` from a diffusers folder of a causal Wan
+    it is not: bidirectional, or causal of another chunk."""
     from fvstep.methods.causal_wan import chunk_frames_of, is_causal, recorded_chunk_frames
 
     path = Path(path)
@@ -118,9 +108,6 @@ def source_weights(
     Raises:
         ValueError: If the checkpoint has no such role, or no EMA for ``weights="ema"``.
         fvstep.checkpoint.DamagedCheckpointError: If the values read do not match.
-
-    Examples:
-        >>> source_weights("runs/a/step_000000020", role="student", weights="ema").keys()
     """
     import torch.distributed.checkpoint as dcp
 
@@ -162,9 +149,6 @@ def load_weights_into(module: nn.Module, weights: dict[str, torch.Tensor]) -> No
     Raises:
         ValueError: If the names differ (naming the first missing and unexpected ones)
             or a shape differs.
-
-    Examples:
-        >>> load_weights_into(student, source_weights("runs/a", role="student"))
     """
     params = dict(module.named_parameters())
     missing, unexpected = sorted(set(params) - set(weights)), sorted(set(weights) - set(params))
@@ -207,22 +191,10 @@ def check_base_digest(
 
 
 def check_init_state(options: Any) -> None:
-    """Refuse ``init_from.kind="state"`` from a checkpoint at or past ``run.num_steps``: the
-    new run would train no step, write nothing and end "done".
-
-    Nothing is checked for a run whose folder holds a checkpoint (it resumes from it and
-    ignores ``init_from``), nor for other kinds.
-
-    Args:
-        options: A recipe's options (``init_from`` and ``run`` groups).
-
-    Raises:
-        ValueError: Naming the source's step and ``run.num_steps``.
-
-    Examples:
-        >>> check_init_state(parse_options(recipe, ["--init_from.path", "runs/a",
-        ...                                         "--init_from.kind", "state"]))
-    """
+    """Refuse (``ValueError``) ``init_from.kind="state"`` from a checkpoint at or past
+    ``run.num_steps`` (the run would train nothing and end "done"), or whose adapters were
+    trained with other ``lora`` options. A run whose folder holds a checkpoint resumes from
+    it and ignores ``init_from``: nothing is checked then."""
     source = options.init_from
     if source.path is None or source.kind != "state":
         return
@@ -241,7 +213,7 @@ def check_init_state(options: Any) -> None:
     saved = (read_config(folder.parent) or {}).get("options", {}).get("lora")
     mine = getattr(options, "lora", None)
     if saved is not None and mine is not None:  # an adapter's state fits only its own scale
-        for key in ("rank", "alpha", "targets"):  # the seed only draws the start
+        for key in ("rank", "alpha", "targets"):  # not the seed: it only draws the start
             value, new = saved.get(key), getattr(mine, key)
             if (list(new) if isinstance(new, tuple) else new) != value:
                 raise ValueError(

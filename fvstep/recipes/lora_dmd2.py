@@ -12,34 +12,26 @@ Examples:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
 
 from fvstep.recipes import Recipe, RunSpec, parts
-from fvstep.recipes.dmd2 import dmd2_run_spec
-from fvstep.recipes.options import LoRAOptions, OptimOptions, RecipeOptions, RunOptions
+from fvstep.recipes.dmd2 import DMD2Options, dmd2_run_spec
+from fvstep.recipes.options import LoRAOptions, OptimOptions, RunOptions
 
 __all__ = ["RECIPE", "LoRADMD2Options", "build"]
 
 
 @dataclass(frozen=True)
-class LoRADMD2Options(RecipeOptions):
-    """The options of the ``lora_dmd2`` recipe (see :mod:`fvstep.recipes.options`).
+class LoRADMD2Options(DMD2Options):
+    """The options of the ``lora_dmd2`` recipe: ``dmd2``'s, and the adapters.
 
     Attributes:
         lora: The adapters of the student and the critic.
-        critic_lr: The critic adapter's learning rate.
-        generator_update_interval: The student steps every this many steps.
-        guidance_scale: The teacher's classifier-free guidance scale.
-        ordering: ``"fused"`` or ``"sequential"``.
     """
 
     optim: OptimOptions = field(default_factory=lambda: OptimOptions(lr=1e-3))
     run: RunOptions = field(default_factory=lambda: RunOptions(out="runs/lora_dmd2"))
-    lora: LoRAOptions = field(default_factory=LoRAOptions)
     critic_lr: float = 1e-3
-    generator_update_interval: int = 2
-    guidance_scale: float = 3.5
-    ordering: Literal["fused", "sequential"] = "fused"
+    lora: LoRAOptions = field(default_factory=LoRAOptions)
 
 
 def build(options: LoRADMD2Options, *, fresh: bool = True) -> RunSpec:

@@ -126,16 +126,7 @@ def load_transformer(model: ModelOptions, *, device: torch.device | None = None)
         return _to_dtype(module, dtype).train()
     from fvstep.methods.models import tiny_wan
 
-    tiny = model.tiny
-    built: Any = tiny_wan(
-        seed=model.seed,
-        num_layers=tiny.num_layers,
-        in_channels=tiny.in_channels,
-        text_dim=tiny.text_dim,
-        num_heads=tiny.num_heads,
-        dim_per_head=tiny.dim_per_head,
-        ffn_dim=tiny.ffn_dim,
-    )
+    built: Any = tiny_wan(seed=model.seed, **dataclasses.asdict(model.tiny))
     return _to_dtype(built, dtype)
 
 
@@ -158,13 +149,9 @@ def _to_dtype(module: nn.Module, dtype: torch.dtype | None) -> nn.Module:
 
 
 def check_lora(options: Any, *, required: bool) -> None:
-    """Refuse LoRA options that would train nothing or something else: a rank below 1
-    (below 0 where ``0``, a full fine-tune, is allowed), ``alpha <= 0``, or adapters over
-    a model of another dtype than fp32 (they would be bf16 masters).
-
-    Raises:
-        ValueError: Naming the option and the fix.
-    """
+    """Refuse (``ValueError``) LoRA options that would train nothing or something else: a
+    rank below 1 (below 0 where ``0``, a full fine-tune, is allowed), ``alpha <= 0``, no
+    targets, or adapters over a model of another dtype than fp32 (bf16 masters)."""
     lora = options.lora
     if lora.rank < (1 if required else 0):
         least = "1" if required else "0 (0: a full fine-tune)"
@@ -185,16 +172,9 @@ def check_lora(options: Any, *, required: bool) -> None:
 
 
 def check_lora_targets(names: dict[str, str], targets: tuple[str, ...]) -> None:
-    """Refuse targets that match no layer, or match a layer that is not ``nn.Linear``
-    (peft's rule: a module whose name is the target or ends with ``.target``).
-
-    Args:
-        names: Each module's qualified name to its class name.
-        targets: ``lora.targets``.
-
-    Raises:
-        ValueError: Naming the targets that match nothing, or the non-linear layer.
-    """
+    """Refuse (``ValueError``) ``targets`` that match no layer, or match a layer that is
+    not ``nn.Linear`` (peft's rule: a module whose name is the target or ends with
+    ``.target``); ``names`` maps each module's qualified name to its class name."""
     missing = []
     for target in targets:
         hits = [n for n in names if n == target or n.endswith("." + target)]
@@ -214,18 +194,12 @@ def check_lora_targets(names: dict[str, str], targets: tuple[str, ...]) -> None:
 
 
 def add_lora(base: nn.Module, lora: LoRAOptions, roles: tuple[str, ...]) -> dict[str, Any]:
-    """One peft LoRA adapter of ``lora`` per role over ``base`` (:func:`fvstep.lora.add_adapters`).
-
-    Raises:
-        ValueError: If ``lora.rank`` is below 1, or a target matches no ``nn.Linear``
-            (:func:`check_lora_targets`).
-    """
+    """One peft LoRA adapter of ``lora`` (rank >= 1, :func:`check_lora`) per role over
+    ``base`` (:func:`fvstep.lora.add_adapters`), its targets checked (:func:`check_lora_targets`)."""
     import peft
 
     from fvstep.lora import add_adapters
 
-    if lora.rank < 1:
-        raise ValueError(f"lora.rank must be >= 1, got {lora.rank}")
     check_lora_targets({n: type(m).__name__ for n, m in base.named_modules()}, lora.targets)
     config = peft.LoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=list(lora.targets))
     return add_adapters(base, dict.fromkeys(roles, config), seed=lora.seed)
@@ -240,12 +214,7 @@ def make_mesh(device: torch.device) -> Any:
 
 def compute_dtype(options: PrepareOptions, device: torch.device) -> torch.dtype | None:
     """The dtype roles compute in over their fp32 masters: ``torch.bfloat16`` for
-    ``precision="bf16"`` (and ``"auto"`` on CUDA), ``None`` (fp32 throughout) otherwise.
-
-    Examples:
-        >>> compute_dtype(PrepareOptions(), torch.device("cpu")) is None
-        True
-    """
+    ``precision="bf16"`` (and ``"auto"`` on CUDA), ``None`` (fp32 throughout) otherwise."""
     if options.precision == "bf16" or (options.precision == "auto" and device.type == "cuda"):
         return torch.bfloat16
     return None
@@ -379,10 +348,7 @@ def lora_over_base(
 
 def check_paths(options: Any) -> None:
     """Refuse a ``data.path``, ``model.path`` or ``model.config`` that holds nothing to
-    read, before a run writes anything (a recipe's options without these groups pass).
-
-    Raises:
-        ValueError: Naming the key and what it should name.
+    read (``ValueError``), before a run writes anything (options without these groups pass).
 
     Examples:
         >>> check_paths(FinetuneOptions(data=DataOptions(path="nowhere")))
@@ -432,7 +398,6 @@ def make_data(data: DataOptions, *, held_out: int = 0, device: torch.device | No
     """A latent dataset's loader (``data.path``), or a shuffle of synthetic latents.
 
     Args:
-        data: The data options.
         device: Where the batches are delivered (the rank's device; ``None``: the CPU).
             A dataset's loader copies them from pinned memory without blocking.
         held_out: With ``data.path``, the items :func:`held_out_indices` keeps for

@@ -24,6 +24,8 @@ import attrs
 import torch
 from torch import nn
 
+from fvstep.recipes import RECIPES
+
 __all__ = [
     "CACHE_PASS_BYTES",
     "COMPILED_NONE_FRACTION",
@@ -45,14 +47,7 @@ __all__ = [
 ]
 
 GIB = 2**30
-PLANNED_RECIPES = (
-    "finetune",
-    "dmd2",
-    "lora_dmd2",
-    "self_forcing",
-    "streaming",
-    "diffusion_nft",
-)
+PLANNED_RECIPES = tuple(RECIPES)
 """The recipes :func:`plan_run` knows the roles and calls of (every shipped one)."""
 CAUSAL_RECIPES = ("self_forcing", "streaming")
 """The recipes whose student is a causal Wan with a KV cache (no context parallel)."""
@@ -66,8 +61,8 @@ class KernelTable:
     """What one GPU does per second: the rates a step's time is predicted from.
 
     Attributes:
-        name: What it describes (``"h200"``, or the device a calibration ran on).
-        memory_gib: The GPU's memory (what ``torch.cuda.get_device_properties`` reports).
+        name: ``"h200"``, or the device a calibration ran on.
+        memory_gib: The GPU's memory.
         attention_forward: Self-attention forward, TFLOP/s, by backend (``"cudnn"``:
             PyTorch's fastest SDPA kernel; ``"fa4"``: FlashAttention-4).
         attention_forward_backward: Forward + backward, TFLOP/s (backward counted 2.5x
@@ -75,11 +70,9 @@ class KernelTable:
         gemm: bf16 GEMMs at the model's shapes, TFLOP/s.
         memory_bandwidth: HBM GB/s an element-wise kernel (the fused AdamW) reaches.
         host_bandwidth: Host <-> GPU GB/s of pinned copies (activation offloading).
-        interconnect: GB/s per GPU of collectives within a node (FSDP2, context
-            parallel's all-to-alls).
+        interconnect: GB/s per GPU of collectives within a node.
         network: GB/s per GPU of collectives across nodes.
-        elementwise: The step time beyond the kernel floor (norms, modulation, rotary,
-            GELU), as a fraction of the floor, for compiled blocks.
+        elementwise: Time beyond the kernel floor, as a fraction of it (compiled blocks).
         masked_attention_forward: A causal chunk's masked self-attention over its KV
             cache, TFLOP/s (FLOPs counted over the cache's whole capacity).
         masked_attention_forward_backward: The same, forward + backward.
@@ -134,15 +127,11 @@ KERNEL_TABLES: dict[str, KernelTable] = {
 
 
 def load_kernel_table(name_or_path: str | None) -> KernelTable:
-    """A shipped kernel table by name, or one written by ``fvstep plan --calibrate``.
-
-    A missing field gets its default.
+    """A shipped kernel table by name, or one written by ``fvstep plan --calibrate``
+    (a missing field gets its default).
 
     Args:
         name_or_path: ``"h200"``, ``"h100"``, a JSON file, or ``None`` (the H200's).
-
-    Returns:
-        The table.
 
     Raises:
         ValueError: If it is neither a shipped name nor a readable table.
@@ -229,9 +218,6 @@ def calibrate_kernels(
 
     Returns:
         The measured table, named after the device.
-
-    Examples:
-        >>> table = calibrate_kernels(shape, device="cpu", tokens=64, repeats=1)
     """
     device = torch.device(device)
     cuda = device.type == "cuda"
@@ -274,11 +260,7 @@ class ModelShape:
     """The sizes of a Wan transformer the plan needs, read from its meta module.
 
     Attributes:
-        num_layers: Transformer blocks.
         dim: Hidden width (heads x head dim).
-        num_heads: Attention heads.
-        head_dim: Head dimension.
-        ffn_dim: Feed-forward width.
         patch: ``(frames, height, width)`` patch size.
         numel: Parameters of the whole model.
         block_numel: Parameters of one block.
@@ -455,12 +437,6 @@ def _model_config(model: Any) -> dict[str, Any]:
 def meta_transformer(model: Any) -> nn.Module:
     """The transformer of a recipe's ``ModelOptions`` (:func:`_model_config`), on ``meta``.
 
-    Args:
-        model: A :class:`fvstep.recipes.options.ModelOptions`.
-
-    Returns:
-        The module, its parameters on ``meta``.
-
     Raises:
         ValueError: If ``model.path`` holds no ``config.json``.
 
@@ -468,9 +444,12 @@ def meta_transformer(model: Any) -> nn.Module:
         >>> meta_transformer(ModelOptions()).blocks[0].ffn.net[2].weight.device
         device(type='meta')
     """
+    return _meta_module(_model_config(model))
+
+
+def _meta_module(config: dict[str, Any]) -> nn.Module:
     import diffusers
 
-    config = _model_config(model)
     cls = getattr(diffusers, config.get("_class_name", "WanTransformer3DModel"))
     with torch.device("meta"):
         built: nn.Module = cls.from_config(config)
@@ -480,14 +459,7 @@ def meta_transformer(model: Any) -> nn.Module:
 @functools.lru_cache(maxsize=16)
 def _shape_of_config(text: str) -> ModelShape:
     config = json.loads(text)
-    shape = _wan_shape(config)
-    if shape is None:  # another class: diffusers builds it on the meta device
-        import diffusers
-
-        cls = getattr(diffusers, config.get("_class_name", "WanTransformer3DModel"))
-        with torch.device("meta"):
-            shape = ModelShape.of(cls.from_config(config))
-    return shape
+    return _wan_shape(config) or ModelShape.of(_meta_module(config))
 
 
 def _shape_for(model: Any) -> ModelShape:
@@ -517,16 +489,12 @@ def forward_flops(shape: ModelShape, video: int, text: int) -> tuple[float, floa
         video: Video tokens ``T`` a sample.
         text: Text tokens ``L`` a sample.
 
-    Returns:
-        The three FLOP counts.
-
     Examples:
         >>> sum(forward_flops(shape, 32760, 512)) / 1e12  # Wan2.1-1.3B, 480x832x81
         283.0...
     """
-    linear = sum(
-        2.0 * fan_in * fan_out * _tokens_of(n, video, text) for n, fan_in, fan_out in shape.linears
-    )
+    token, fixed, _, _ = _linear_flops(shape, text)
+    linear = token * video + fixed
     self_attention = 4.0 * shape.num_layers * video * video * shape.dim
     cross_attention = 4.0 * shape.num_layers * video * text * shape.dim
     return self_attention, cross_attention, linear
@@ -581,9 +549,6 @@ def block_saved_bytes(
         memory_budget: Inductor's activation memory budget (compiled ``"none"`` only).
         fp32_weights: Whether bf16 compute casts fp32 weights (one process under
             autocast: the casts are kept for the backward under ``"none"``).
-
-    Returns:
-        The bytes.
 
     Examples:
         >>> block_saved_bytes(shape, 32760, checkpointing="narrow") / 2**30  # 1.3B
@@ -655,7 +620,6 @@ class RolePlan:
     """One role's static bytes per GPU.
 
     Attributes:
-        name: The role.
         trained: Whether an optimizer steps it.
         numel: Its parameters (a LoRA role: its adapters).
         weights: Stored weights (fp32 masters when trained).
@@ -715,15 +679,8 @@ def _stored_bytes(shape: ModelShape, nbytes: int) -> float:
 
 def _roles(recipe: str, options: Any, shape: ModelShape, world: int) -> list[RolePlan]:
     prepare = options.prepare
-    bf16 = _compute(options) == "bf16"
-    frozen_bytes = (
-        2
-        if (
-            prepare.frozen_dtype in ("bfloat16", "float16")
-            or (prepare.frozen_dtype is None and bf16)
-        )
-        else 4
-    )
+    frozen_dtype = prepare.frozen_dtype or ("bfloat16" if _compute(options) == "bf16" else None)
+    frozen_bytes = 2 if frozen_dtype in ("bfloat16", "float16") else 4
     model_bytes = _model_bytes(options)
     ema = options.optim.ema is not None
     counters = 4.0 * shape.tensors + 8.0  # AdamW's fp32 step a tensor and its int64 count
@@ -889,13 +846,8 @@ class _Geometry:
     cache_frame: float  # one sample's KV cache bytes a latent frame
 
 
-def _step_kinds(
-    recipe: str, options: Any, g: _Geometry, *, exit_mean: float | None = None
-) -> dict[str, _Kind]:
-    """The kinds of step of the recipe's method, keyed as :func:`fvstep.plan` names them.
-
-    ``exit_mean``: the denoising steps a causal chunk runs before its exit step (default:
-    the uniform draw's mean, ``(steps - 1) / 2``)."""
+def _step_kinds(recipe: str, options: Any, g: _Geometry) -> dict[str, _Kind]:
+    """The kinds of step of the recipe's method, keyed as :func:`fvstep.plan` names them."""
     m, b = g.microbatches, g.batch
     per = b / m  # samples a micro-batch
     if recipe == "finetune":
@@ -948,8 +900,8 @@ def _step_kinds(
         raise ValueError(
             f"streaming: window_frames={options.window_frames} must hold a step's {g.frames} frames"
         )
-    if exit_mean is None:
-        exit_mean = (len(options.denoising_steps) - 1) / 2  # exit steps drawn uniformly
+    # the denoising steps a chunk runs before its exit step, drawn uniformly
+    exit_mean = (len(options.denoising_steps) - 1) / 2
     chunk_bytes = chunk * g.cache_frame
     if recipe == "self_forcing":
         capacity = g.frames  # init_cache(capacity_frames=F): the whole video
@@ -1065,16 +1017,13 @@ class RunPlan:
     """A run's predicted memory and time per GPU (:func:`plan_run`).
 
     Attributes:
-        recipe: The recipe.
         world: GPUs (``nproc * nodes``).
-        shape: The model.
         video_tokens: Video tokens a sample.
         text_tokens: Text tokens a sample.
         roles: Static bytes per role.
         block_activations: Saved bytes of one block a trained call keeps.
         blocks_on_gpu: Blocks whose saved activations stay on the GPU.
         steps: Each kind of step.
-        kernels: The kernel table used.
         attention_backend: ``"fa4"`` or ``"cudnn"``.
         capacity: The GPU's memory, bytes.
         margin: Bytes kept free for the allocator's fragmentation.
@@ -1405,10 +1354,8 @@ def plan_run(
     kernels: KernelTable | str | None = None,
     margin_gib: float = 2.0,
     context: int | None = None,
-    _module: nn.Module | None = None,
     _shape: ModelShape | None = None,
     _benchmark: bool = False,
-    _exit_mean: float | None = None,
 ) -> RunPlan:
     """Plan a run: its memory and step time per GPU, without allocating it.
 
@@ -1416,25 +1363,16 @@ def plan_run(
         recipe: A shipped recipe's name (:data:`PLANNED_RECIPES`).
         options: The recipe's resolved options (:func:`fvstep.recipes.config.parse_options`).
         nproc: GPUs a node (FSDP2 over all of them when more than one).
-        nodes: Nodes.
         kernels: A :class:`KernelTable`, a shipped table's name or a calibrated table's
             file (default: the H200's).
         margin_gib: Memory kept free for the caching allocator's fragmentation.
         context: The context-parallel degree (Ulysses), the rest data parallel (default:
             ``options.parallel.context`` where the options have it, else 1).
 
-    Returns:
-        The :class:`RunPlan`.
-
     Raises:
         ValueError: For a recipe it does not know, a world size below 1, a context degree
             that does not divide the world, or context parallel where the run cannot have
             it (a causal student; compiled blocks).
-
-    Examples:
-        >>> plan = plan_run("finetune", FinetuneOptions())
-        >>> plan.fits
-        True
     """
     if recipe not in PLANNED_RECIPES:
         raise ValueError(
@@ -1457,7 +1395,7 @@ def plan_run(
             "context mesh): plan it with --prepare.compile false"
         )
     table = kernels if isinstance(kernels, KernelTable) else load_kernel_table(kernels)
-    shape = _shape or (ModelShape.of(_module) if _module is not None else _shape_for(options.model))
+    shape = _shape or _shape_for(options.model)
     if recipe in ("finetune", "lora_dmd2"):  # what the build would refuse, refused here
         from fvstep.recipes.parts import check_lora, check_lora_targets
 
@@ -1495,7 +1433,7 @@ def plan_run(
     static = sum(r.static for r in roles)
     bandwidth = table.memory_bandwidth * 1e9
     steps = []
-    for name, kind in _step_kinds(recipe, options, geometry, exit_mean=_exit_mean).items():
+    for name, kind in _step_kinds(recipe, options, geometry).items():
         costs = [planner.phase(phase, static) for phase in kind.phases]
         top = max(range(len(costs)), key=lambda i: costs[i].peak)
         total = {f: sum(getattr(c, f) for c in costs) for f in attrs.fields_dict(_Cost)}
@@ -1571,16 +1509,10 @@ def suggest_changes(
 ) -> list[Suggestion]:
     """Changes that make a run fit, fastest first: checkpointing and offloading, LoRA,
     context parallel over 2, 4 or 8 of a node's GPUs, more GPUs; each re-planned with
-    :func:`plan_run`.
+    :func:`plan_run` (whose arguments these are).
 
     Args:
-        recipe: The recipe.
-        options: Its options.
-        nproc: GPUs a node.
-        nodes: Nodes.
-        kernels: The kernel table.
         limit: At most this many.
-        context: The run's context-parallel degree (:func:`plan_run`'s).
 
     Returns:
         The changes that fit: those on the same GPUs first, then by predicted step time

@@ -89,14 +89,7 @@ def run_prepared(spec: RunSpec, options: Any, **extra: Any) -> Any:
 
 
 def check_resume(recipe: Recipe, options: Any, *, world_size: int) -> tuple[Path | None, list[str]]:
-    """Whether ``options.run.out`` holds a run to resume, and the changes that apply to it.
-
-    Reads only.
-
-    Args:
-        recipe: The recipe.
-        options: Its options.
-        world_size: The number of ranks the run is to run on.
+    """Whether ``options.run.out`` holds a run to resume on ``world_size`` ranks (reads only).
 
     Returns:
         The checkpoint it resumes from (``None``: a fresh run), and the changed keys
@@ -105,10 +98,6 @@ def check_resume(recipe: Recipe, options: Any, *, world_size: int) -> tuple[Path
     Raises:
         fvstep.recipes.config.ConfigChangeError: For a change that alters the math of the
             run, another world size included.
-
-    Examples:
-        >>> check_resume(get_recipe("finetune"), options, world_size=1)
-        (PosixPath('runs/finetune/step_000000010'), ['optim.lr: 0.0001 -> 0.0003'])
     """
     out = Path(options.run.out)
     resumed_from = ckpt.latest(out) if out.is_dir() else None
@@ -258,7 +247,6 @@ def train(
     """Run ``recipe`` with ``options`` to ``options.run.num_steps`` (every rank calls it).
 
     Args:
-        recipe: The recipe.
         options: Its options (:func:`fvstep.recipes.config.parse_options`).
         dry_run: Print the resolved config and the plan of the first steps, and stop
             (nothing is written).
@@ -270,9 +258,6 @@ def train(
     Raises:
         fvstep.Interrupted: If SIGTERM or Ctrl-C stopped the run (after it saved).
         fvstep.recipes.config.ConfigChangeError: For a refused change on resume.
-
-    Examples:
-        >>> state = train(get_recipe("finetune"), FinetuneOptions())
     """
     with warnings.catch_warnings():
         # FSDP2 warns that a Wan transformer returns a view; no method changes it in place.

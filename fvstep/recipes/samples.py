@@ -1,9 +1,8 @@
 """Sample videos of a recipe's student at a cadence (``validation.sample_every``).
 
 :func:`sample_validation` makes a :class:`fvstep.Validation` that samples one video per
-held-out prompt from fixed noise and decodes it by the VAE at ``model.path``; the files are
-``<run.out>/media/step_<n>/samples_sample_<i>.mp4`` and ``.png``. Sampling never changes
-the training (:func:`fvstep.executor.reporting.observe`).
+held-out prompt from fixed noise and decodes it by the VAE at ``model.path``
+(``validation.sample_every`` says where the files go). Sampling never changes the training.
 
 Examples:
     >>> samples = sample_validation(options, held, device=torch.device("cpu"))
@@ -40,20 +39,14 @@ def _vae_folder(options: Any) -> Path | None:
 
 
 def check_samples(options: Any) -> None:
-    """Refuse ``validation.sample_every`` that a run could not honour, before it starts.
-
-    Args:
-        options: A recipe's options (with the ``validation``, ``model`` and ``optim``
-            groups); nothing is checked when ``validation.sample_every`` is 0.
+    """Refuse ``validation.sample_every`` that a run could not honour, before it starts
+    (nothing is checked when it is 0).
 
     Raises:
         ValueError: For a negative cadence, ``num_videos`` outside ``1 ..
             num_samples``, no VAE (``model.path`` not a pipeline folder with a ``vae/``),
             or ``sample_weights="ema"`` in a run without an EMA (``optim.ema``).
         fvstep.core._optional.MissingExtraError: Without ``imageio-ffmpeg`` (the MP4 files).
-
-    Examples:
-        >>> check_samples(FinetuneOptions())  # sample_every 0: nothing to check
     """
     v = options.validation
     if v.sample_every < 0:
@@ -114,15 +107,12 @@ def sample_validation(
     """The sample videos of ``options.validation`` as a :class:`fvstep.Validation`.
 
     Every rank samples (a sharded role needs all of them); rank 0 alone decodes and
-    returns the videos. The noise is fixed, so two validations' videos differ by the
-    weights alone.
+    returns the videos.
 
     Args:
-        options: A recipe's options.
         held_out: The held-out items (:func:`fvstep.recipes.parts.held_out_items`): the
             first ``validation.num_videos`` texts are the prompts, the latents the shape.
         device: The rank's device (where the VAE decodes).
-        role: The role to sample.
         sampler: The student's sampler (a distilled student's few-step schedule); ``None``:
             ``validation.sample_steps`` Euler steps at the pipeline scheduler's shift.
 
@@ -131,12 +121,6 @@ def sample_validation(
 
     Raises:
         ValueError: As :func:`check_samples`.
-
-    Examples:
-        >>> held = held_out_items(options.data, options.validation.num_samples)
-        >>> samples = sample_validation(options, held, device=torch.device("cpu"))
-        >>> samples.every == options.validation.sample_every
-        True
     """
     v = options.validation
     check_samples(options)

@@ -67,17 +67,9 @@ class SelfForcingOptions(RecipeOptions):
 
 
 def check_latent_frames(data: DataOptions, chunk_frames: int) -> None:
-    """Refuse latents whose frames are not a multiple of the causal student's chunk.
-
-    Reads the synthetic ``data.latent_shape``, or every item's shape in the index of the
-    dataset at ``data.path`` (no tensor is read).
-
-    Raises:
-        ValueError: Naming the frames, the chunk and the keys to change.
-
-    Examples:
-        >>> check_latent_frames(DataOptions(latent_shape=(4, 6, 4, 4)), 3)
-    """
+    """Refuse (``ValueError``) latents whose frames are not a multiple of the causal
+    student's chunk: the synthetic ``data.latent_shape``, or every item's shape in the
+    index of the dataset at ``data.path`` (no tensor is read)."""
     if isinstance(chunk_frames, bool) or not isinstance(chunk_frames, int) or chunk_frames < 1:
         raise ValueError(f"chunk_frames must be an int >= 1, got {chunk_frames!r}")
     if data.path is None:
@@ -100,11 +92,6 @@ def causal_roles(options: Any, *, fresh: bool, device: torch.device) -> dict[str
 
     ``student``: a causal copy of the model (``options.chunk_frames``); ``critic``: a copy
     (both from ``init_from`` on a fresh run, then trained); ``teacher``: the model, frozen.
-
-    Examples:
-        >>> roles = causal_roles(SelfForcingOptions(), fresh=True, device=torch.device("cpu"))
-        >>> sorted(roles)
-        ['critic', 'student', 'teacher']
     """
     teacher = parts.load_transformer(options.model, device=device)
     student = make_causal(copy.deepcopy(teacher), chunk_frames=options.chunk_frames)

@@ -20,8 +20,9 @@ from fvstep import parallel as fsp
 from fvstep.methods import init_stream, streaming
 from fvstep.methods.causal_rollout import shifted_steps
 from fvstep.recipes import Recipe, RunSpec, parts
-from fvstep.recipes.options import DataOptions, OptimOptions, RecipeOptions, RunOptions
+from fvstep.recipes.options import DataOptions, RunOptions
 from fvstep.recipes.self_forcing import (
+    SelfForcingOptions,
     causal_roles,
     causal_run_spec,
     check_latent_frames,
@@ -32,37 +33,24 @@ __all__ = ["RECIPE", "StreamingOptions", "build"]
 
 
 @dataclass(frozen=True)
-class StreamingOptions(RecipeOptions):
-    """The options of the ``streaming`` recipe (see :mod:`fvstep.recipes.options`).
+class StreamingOptions(SelfForcingOptions):
+    """The options of the ``streaming`` recipe: ``self_forcing``'s, and the stream's.
 
     Attributes:
-        chunk_frames: Latent frames a chunk of the causal student.
         window_frames: The latest frames the stream's cache keeps (a multiple of
             ``chunk_frames``, at least a step's frames).
         sink_frames: The stream's first frames its cache keeps for the whole stream.
         steps_per_stream: A new stream starts at every step ``i % steps_per_stream == 0``.
-        critic_lr: The critic's learning rate.
-        generator_update_interval: The student steps every this many steps (the critic
-            every step).
-        denoising_steps: The student's few-step schedule, before ``denoising_shift``.
-        denoising_shift: Warps the schedule, ``shift t / (1 + (shift - 1) t)``.
-        guidance_scale: The teacher's classifier-free guidance scale.
     """
 
     data: DataOptions = field(default_factory=lambda: DataOptions(latent_shape=(4, 3, 4, 4)))
-    optim: OptimOptions = field(default_factory=lambda: OptimOptions(lr=2e-4))
     run: RunOptions = field(
         default_factory=lambda: RunOptions(out="runs/streaming", num_steps=10, every=5)
     )
-    chunk_frames: int = 3
+    generator_update_interval: int = 1
     window_frames: int = 6
     sink_frames: int = 3
     steps_per_stream: int = 4
-    critic_lr: float = 4e-4
-    generator_update_interval: int = 1
-    denoising_steps: tuple[float, ...] = (1.0, 0.75, 0.5, 0.25)
-    denoising_shift: float = 5.0
-    guidance_scale: float = 3.0
 
 
 def _first_batch(options: StreamingOptions, device: torch.device) -> dict[str, torch.Tensor]:
