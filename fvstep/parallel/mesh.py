@@ -111,7 +111,9 @@ def shard_module(
         module: The role's module (parameters on the mesh's device type).
         mesh: From :func:`make_mesh`; a 2-D mesh gives HSDP.
         blocks: Which submodules become their own FSDP2 groups.
-        mp_policy, reshard_after_forward, offload_policy: FSDP2's options, for every group.
+        mp_policy: FSDP2's mixed precision, for every group.
+        reshard_after_forward: FSDP2's option, for every group.
+        offload_policy: FSDP2's CPU offload, for every group (none by default).
 
     Raises:
         ValueError: If the module is already sharded.
