@@ -244,6 +244,19 @@ def test_two_runs_from_one_stream_object_are_each_the_run_from_its_own():
         tree.assert_trees_equal(s.roles["critic"].params, alone.roles["critic"].params)
 
 
+def test_the_step_function_alone_refuses_a_batch_whose_text_does_not_match_its_latents():
+    """``streaming(...).fn`` re-wrapped without the method's input check (as
+    ``AttributeStream`` does) still refuses a bad batch rather than broadcasting its text.
+    Found by review of issue 36: the step's body had come to rely on ``check_input``."""
+    good = StreamData().batch(0)
+    bad = {**good, "text": good["text"][:1]}  # one prompt for two videos
+    fn = streaming(**OPTIONS).fn
+    step = fs.compile(fs.managed(fn, trains=("student", "critic"), name="stream"))
+    with pytest.raises(fs.StepFailedError) as raised:
+        step(_state(_modules(sharded=False)), bad)
+    assert "must agree" in str(raised.value.__cause__)
+
+
 def check_two_fsdp2_ranks_against_the_loop(rank: int, world_size: int) -> tuple[int, list]:
     from benchmarks.reference import reshard_all
 

@@ -24,7 +24,6 @@ from fvstep.core.state import TrainState
 from fvstep.core.steps import update
 from fvstep.core.tree import frozen, replace
 from fvstep.methods._checks import (
-    cast_batch,
     check_batch,
     check_bidirectional,
     check_cache_fits,
@@ -286,7 +285,7 @@ def streaming(
     def stream_step(
         state: TrainState, batch: Any, key: torch.Tensor, ctx: Any
     ) -> tuple[TrainState, dict[str, Any]]:
-        batch = cast_batch(state, batch, "student", keys=("latents", "text"))
+        batch = check_batch(state, batch, "student")  # also for a caller of `.fn` alone
         stream = state.extra[name]
         step = int(state.step)
         if starts(state, stream):
