@@ -7,9 +7,16 @@ Usage: ``WARMUP=4 python scripts/memory_trace.py --preset wan-1.3b-480p --device
 prepared --compile --method streaming --checkpointing attention --steps 2 --warmup 4``.
 """
 
-import collections, json, os, sys, torch
+import collections
+import json
+import os
+import sys
+
+import torch
+
 import benchmarks.common as c
 import benchmarks.realshape as rs
+from fvstep.core.tree import leaves
 
 WARMUP = int(os.environ.get("WARMUP", "4"))
 calls = {"n": 0}
@@ -48,22 +55,12 @@ def traced(fn, device):
     held = collections.Counter()
 
     def walk(x, label):
-        if isinstance(x, torch.Tensor):
-            if x.device.type == "cuda":
-                st = x.untyped_storage()
+        for t in leaves(x):
+            if isinstance(t, torch.Tensor) and t.device.type == "cuda":
+                st = t.untyped_storage()
                 if st.data_ptr() not in seen:
                     seen.add(st.data_ptr())
                     held[label] += st.nbytes()
-            return
-        if isinstance(x, dict):
-            for k, v in x.items():
-                walk(v, label)
-        elif isinstance(x, (list, tuple)):
-            for v in x:
-                walk(v, label)
-        elif hasattr(x, "__attrs_attrs__"):
-            for a in x.__attrs_attrs__:
-                walk(getattr(x, a.name), label)
 
     for rname, role in state.roles.items():
         walk(role.params, rname + ".params")
@@ -72,11 +69,11 @@ def traced(fn, device):
             if a.name not in ("params", "opt_state", "module"):
                 walk(getattr(role, a.name), rname + "." + a.name)
         mod = state.module(rname)
-        for pn, prm in mod.named_parameters():
+        for prm in mod.parameters():
             walk(prm, rname + ".module_params")
             if prm.grad is not None:
                 walk(prm.grad, rname + ".GRAD")
-        for bn, b in mod.named_buffers():
+        for b in mod.buffers():
             walk(b, rname + ".buffers")
     walk(state.extra, "extra")
     walk(fn.args[1], "batch")
@@ -161,6 +158,7 @@ def traced(fn, device):
 
 c.time_call = traced
 rc = rs.main(sys.argv[1:])
-json.dump(report, open(os.path.join(os.environ.get("OUT", "/tmp"), "memtrace.json"), "w"), indent=1)
+with open(os.path.join(os.environ.get("OUT", "/tmp"), "memtrace.json"), "w") as out_file:
+    json.dump(report, out_file, indent=1)
 print("max_memory_allocated overall", torch.cuda.max_memory_allocated() / 2**30)
 sys.exit(rc)
