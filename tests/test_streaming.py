@@ -226,7 +226,9 @@ def test_a_new_stream_holds_no_cache_memory_so_a_run_holds_one_cache():
     for i in range(3):
         state, _ = step(state, data.batch(i))
         cache = state.extra["stream"].cache
-        assert cache.keys.untyped_storage().nbytes() == cache.keys.numel() * cache.keys.element_size()
+        assert (
+            cache.keys.untyped_storage().nbytes() == cache.keys.numel() * cache.keys.element_size()
+        )
         assert cache.keys.shape == first.keys.shape and int(cache.num_frames) == min(i + 1, 2)
     assert not first.keys.any() and not first.values.any()
 
