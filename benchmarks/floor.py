@@ -110,7 +110,7 @@ class CallCounter:
     """
 
     def __init__(self, modules: dict[str, nn.Module], frames: int) -> None:
-        from fvstep.lora import LoRAModule
+        from fvstep.methods.lora import LoRAModule
 
         self._lora = LoRAModule
         self.frames = frames

@@ -10,7 +10,7 @@ Each *side* builds its roles, runs ``--warmup`` steps (compiles, allocator warm-
   block (full AC), ``block.compile()``, ``fully_shard``; the teacher kept in fp32.
 - ``lora`` (DMD2 only; ask for it with ``--sides``): one frozen base, prepared as the
   teacher (bf16, ``--checkpointing``, ``--compile``), and a LoRA student and a LoRA critic
-  over it (:mod:`fvstep.lora`: peft adapters of rank ``--lora-rank`` on
+  over it (:mod:`fvstep.methods.lora`: peft adapters of rank ``--lora-rank`` on
   ``--lora-targets``, fp32), against the full-weight ``prepared`` side: one transformer
   in memory, not three, and optimizer state for the adapters only.
 

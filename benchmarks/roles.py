@@ -12,7 +12,7 @@ from benchmarks import common as c
 from benchmarks.presets import Preset, build_model
 from fvstep import parallel as fsp
 from fvstep.core._compat import checkpoint_wrapper
-from fvstep.lora import add_adapters
+from fvstep.methods.lora import add_adapters
 from fvstep.parallel.activation_checkpoint import resolve_checkpointing
 
 __all__ = ["by_hand", "lora_roles", "prepared"]

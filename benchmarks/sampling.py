@@ -26,8 +26,8 @@ def main() -> None:
 
     from diffusers import AutoencoderKLWan, WanTransformer3DModel
 
+    from fvstep.executor.sampling import EulerSampler, FewStepSampler, decode_latents, sample
     from fvstep.methods.models import tiny_wan
-    from fvstep.observe.sampling import EulerSampler, FewStepSampler, decode_latents, sample
 
     device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32

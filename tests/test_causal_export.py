@@ -4,7 +4,7 @@
   ``load_causal`` restores the causal model, bitwise the role's module; a plain
   ``from_pretrained`` of it is bidirectional, and fvstep refuses to compute with such a
   model where it can see it (sampling, export, ``chunk_frames_of``, the recipes' loaders).
-- Sampling: ``fvstep.observe.sampling.sample`` of a causal Wan generates chunk by chunk with its
+- Sampling: ``fvstep.executor.sampling.sample`` of a causal Wan generates chunk by chunk with its
   KV cache: bitwise ``causal_rollout.rollout`` with every chunk exiting at the last step.
 """
 
@@ -20,6 +20,8 @@ import fvstep as fs
 from fvstep.checkpoint import export
 from fvstep.checkpoint.exporting import CAUSAL_METADATA_KEY
 from fvstep.core import random as fsrandom
+from fvstep.executor.sampling import EulerSampler, FewStepSampler, sample
+from fvstep.executor.validation import role_module
 from fvstep.methods import self_forcing
 from fvstep.methods.causal_rollout import rollout
 from fvstep.methods.causal_wan import (
@@ -31,8 +33,6 @@ from fvstep.methods.causal_wan import (
     recorded_chunk_frames,
 )
 from fvstep.methods.models import predict, synthetic_batch, tiny_wan
-from fvstep.observe.sampling import EulerSampler, FewStepSampler, sample
-from fvstep.observe.validation import role_module
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +115,7 @@ def test_a_lora_roles_safetensors_export_records_its_causal_bases_chunk(tmp_path
     peft = pytest.importorskip("peft")
     from safetensors import safe_open
 
-    from fvstep.lora import add_adapters
+    from fvstep.methods.lora import add_adapters
 
     base = make_causal(tiny_wan(seed=0), chunk_frames=2)
     config = peft.LoraConfig(r=2, lora_alpha=2, target_modules=["to_q"])
@@ -137,7 +137,7 @@ def test_a_merged_lora_export_over_a_causal_base_loads_back_causal_and_computes_
     peft = pytest.importorskip("peft")
     from diffusers import WanTransformer3DModel
 
-    from fvstep.lora import add_adapters
+    from fvstep.methods.lora import add_adapters
 
     base = make_causal(tiny_wan(seed=0), chunk_frames=1)
     config = peft.LoraConfig(r=2, lora_alpha=2, target_modules=["to_q", "to_v"])

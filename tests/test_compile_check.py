@@ -684,7 +684,7 @@ def test_a_lora_bases_check_compares_the_adapters_gradients_and_refuses_a_wrong_
     inside its blocks: their gradients are compared (block 0 of a frozen base has no
     other gradient at all), and a wrong one is refused, naming the adapter."""
     peft = pytest.importorskip("peft")
-    from fvstep.lora import add_adapters
+    from fvstep.methods.lora import add_adapters
 
     def lora_state(backend: Any) -> fs.TrainState:
         torch._dynamo.reset()

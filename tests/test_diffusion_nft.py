@@ -434,7 +434,7 @@ def tiny_vae():
 
 
 def test_a_step_trains_on_the_colourfulness_of_decoded_videos() -> None:
-    from fvstep.observe.sampling import decode_latents
+    from fvstep.executor.sampling import decode_latents
 
     vae = tiny_vae()
     reward = decoded(colorfulness, functools.partial(decode_latents, vae))

@@ -339,7 +339,7 @@ def tiny_base_pipeline(path: Path) -> Path:
 
 
 def test_export_pipeline_loads_and_reproduces_the_in_training_sampler(tmp_path):
-    from fvstep.observe.sampling import EulerSampler, decode_latents, sample
+    from fvstep.executor.sampling import EulerSampler, decode_latents, sample
 
     base = tiny_base_pipeline(tmp_path / "base")
     state = trained_state()
@@ -379,7 +379,7 @@ def test_export_pipeline_loads_and_reproduces_the_in_training_sampler(tmp_path):
     with torch.no_grad():
         latents = pipe(**kwargs, output_type="latent").frames
         frames = pipe(**kwargs, output_type="np").frames
-    from fvstep.observe.validation import role_module
+    from fvstep.executor.validation import role_module
 
     with role_module(state, "student", weights="ema") as module:
         ours = sample(module, noise, text, sampler=sampler)

@@ -1,4 +1,4 @@
-"""LoRA roles (fvstep.lora): adapters over one frozen base, its digest in checkpoints,
+"""LoRA roles (fvstep.methods.lora): adapters over one frozen base, its digest in checkpoints,
 the resume law over LoRA roles, exports in diffusers' formats, DMD2 over one base."""
 
 from __future__ import annotations
@@ -11,16 +11,18 @@ import torch
 
 import fvstep as fs
 from fvstep import parallel as fsp
-from fvstep.checkpoint import CheckpointError, DamagedCheckpointError, export, read_manifest
+from fvstep.checkpoint import (
+    CheckpointError,
+    DamagedCheckpointError,
+    base_digest,
+    export,
+    merge_weights,
+    read_manifest,
+)
 from fvstep.core.random import fold_in
 from fvstep.core.state import adopt
-from fvstep.lora import (
-    LoRAModule,
-    add_adapters,
-    base_digest,
-    merge_weights,
-)
 from fvstep.methods import dmd2
+from fvstep.methods.lora import LoRAModule, add_adapters
 from fvstep.methods.models import predict, synthetic_batch, tiny_wan
 from fvstep.testing import assert_resume_exact
 

@@ -14,8 +14,8 @@ import pytest
 import fvstep as fs
 from fvstep.cli import main
 from fvstep.cli.export import _load_run
+from fvstep.executor.sampling import EulerSampler, FewStepSampler
 from fvstep.methods.causal_rollout import shifted_steps
-from fvstep.observe.sampling import EulerSampler, FewStepSampler
 from fvstep.recipes import get_recipe
 from fvstep.recipes.config import parse_options
 

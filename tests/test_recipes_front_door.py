@@ -180,7 +180,7 @@ def drawn(spec, num_steps: int, world_size: int = 1) -> list[int]:
 
 def test_the_validation_items_of_a_dataset_are_never_drawn_for_training(tmp_path):
     from fvstep.executor.latents import LatentDataset
-    from fvstep.observe.validation import validation_loss
+    from fvstep.executor.validation import validation_loss
 
     write_latents(tmp_path / "latents", 10)
     data = ["--data.path", str(tmp_path / "latents"), "--validation.num_samples", "2"]

@@ -10,15 +10,15 @@ from torch import nn
 import fvstep as fs
 from fvstep.core import tree
 from fvstep.executor.reporting import Validation
-from fvstep.methods.finetune import finetune
-from fvstep.methods.models import synthetic_batch, tiny_wan
-from fvstep.observe.sampling import (
+from fvstep.executor.sampling import (
     EulerSampler,
     FewStepSampler,
     decode_latents,
     sample,
     sample_videos,
 )
+from fvstep.methods.finetune import finetune
+from fvstep.methods.models import synthetic_batch, tiny_wan
 
 diffusers = pytest.importorskip("diffusers")
 

@@ -18,9 +18,9 @@ import torch
 import fvstep as fs
 from fvstep.core import tree
 from fvstep.executor.reporting import Validation
+from fvstep.executor.validation import role_module, validation_loss
 from fvstep.methods.finetune import add_noise, finetune
 from fvstep.methods.models import predict, synthetic_batch, tiny_wan
-from fvstep.observe.validation import role_module, validation_loss
 from fvstep.testing import CrashAt, SimulatedCrash
 
 pytest.importorskip("diffusers")

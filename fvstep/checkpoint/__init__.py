@@ -2,10 +2,10 @@
 
 :func:`save` / :func:`load` (every rank calls them) and :class:`AsyncSaver` (background
 saves); :func:`latest`, :func:`list_complete`, :func:`checkpoint_dir`, :func:`prune` and
-:func:`lock_dir`, a run's directory of checkpoints; :func:`read_manifest` and
-:func:`frozen_digest`, what a checkpoint holds; :func:`export` and :func:`gather_weights`,
-one role's weights for inference. :class:`CheckpointError` says why a checkpoint cannot be
-used. Concepts: ``docs/concepts/checkpoints.md``.
+:func:`lock_dir`, a run's directory of checkpoints; :func:`read_manifest`,
+:func:`frozen_digest` and :func:`base_digest`, what a checkpoint holds; :func:`export`,
+:func:`gather_weights` and :func:`merge_weights`, one role's weights for inference.
+:class:`CheckpointError` says why a checkpoint cannot be used. Concepts: ``docs/concepts/checkpoints.md``.
 """
 
 from fvstep.checkpoint.async_saving import AsyncSaver
@@ -17,9 +17,16 @@ from fvstep.checkpoint.directories import (
     lock_dir,
     prune,
 )
-from fvstep.checkpoint.exporting import export, gather_weights
+from fvstep.checkpoint.exporting import MERGED_DTYPE, export, gather_weights, merge_weights
 from fvstep.checkpoint.loading import load
-from fvstep.checkpoint.saving import FORMAT_VERSION, Manifest, frozen_digest, read_manifest, save
+from fvstep.checkpoint.saving import (
+    FORMAT_VERSION,
+    Manifest,
+    base_digest,
+    frozen_digest,
+    read_manifest,
+    save,
+)
 from fvstep.core.errors import (
     CheckpointError,
     CheckpointLockedError,
@@ -29,6 +36,7 @@ from fvstep.core.errors import (
 
 __all__ = [
     "FORMAT_VERSION",
+    "MERGED_DTYPE",
     "AsyncSaver",
     "CheckpointError",
     "CheckpointLockedError",
@@ -36,6 +44,7 @@ __all__ = [
     "DamagedCheckpointError",
     "Manifest",
     "NewerFormatError",
+    "base_digest",
     "checkpoint_dir",
     "export",
     "frozen_digest",
@@ -44,6 +53,7 @@ __all__ = [
     "list_complete",
     "load",
     "lock_dir",
+    "merge_weights",
     "prune",
     "read_manifest",
     "save",

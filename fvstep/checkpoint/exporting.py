@@ -2,9 +2,9 @@
 
 :func:`export` checks once what every format needs (the role, its weights, the target),
 gathers the role's tensors and writes them atomically; a format (:data:`FORMATS`) says only
-which tensors, under which names, and what it writes around them. This layer registers
-``"safetensors"``, ``"diffusers"`` and ``"pipeline"``; :mod:`fvstep.lora` registers ``"lora"``
-and ``"merged"``. Sharded parameters are gathered collectively, so every rank calls
+which tensors, under which names, and what it writes around them. The formats are
+``"safetensors"``, ``"diffusers"``, ``"pipeline"``, and for a LoRA role ``"lora"`` and
+``"merged"``. Sharded parameters are gathered collectively, so every rank calls
 :func:`export`; the ranks agree on the target's checks and on the write's outcome.
 """
 
@@ -30,17 +30,20 @@ from fvstep.checkpoint.saving import fsync
 from fvstep.core._optional import needs_extra
 from fvstep.core.state import RoleState, TrainState
 from fvstep.core.weights import Weights, roles_holding_other_weights, select_weights
+from fvstep.methods.lora import LoRAModule, lora_layers
 from fvstep.parallel.ranks import gather_objects, rank_and_world
 
 __all__ = [
     "CAUSAL_METADATA_KEY",
     "FORMATS",
+    "MERGED_DTYPE",
     "WEIGHTS_NAME",
     "ExportJob",
     "Writer",
     "export",
     "export_names",
     "gather_weights",
+    "merge_weights",
 ]
 
 WEIGHTS_NAME = "model.safetensors"
@@ -115,8 +118,8 @@ def export(
     folder renamed into place. The formats and their options are described in
     ``docs/concepts/checkpoints.md`` ("Export for inference"): ``"safetensors"`` (one file,
     keyed like the module's ``state_dict``), ``"diffusers"`` (a model folder),
-    ``"pipeline"`` (a whole pipeline folder over ``base=``), and with :mod:`fvstep.lora`
-    ``"lora"`` and ``"merged"``. A module with peft layers is named as :func:`export_names`
+    ``"pipeline"`` (a whole pipeline folder over ``base=``), and for a LoRA role ``"lora"``
+    and ``"merged"``. A module with peft layers is named as :func:`export_names`
     says.
 
     Args:
@@ -393,10 +396,133 @@ def _pipeline(job: ExportJob) -> Writer:
     return Writer(gather=model.gather, write=write, check=check)
 
 
-def _not_a_lora_role(job: ExportJob) -> Writer:
-    raise ValueError(  # fvstep.lora replaces this entry when imported: before, no LoRA role exists
-        f"role {job.role!r} holds a {type(job.module).__name__}, not a fvstep.lora.LoRAModule: "
-        "it has no adapter; write it as a diffusers model (format='diffusers'; --format model)"
+# --- LoRA roles: the adapter alone, or merged into its base --------------------------------
+
+MERGED_DTYPE = torch.float32
+"""The dtype :func:`merge_weights` and ``format="merged"`` write by default: fp32, whatever
+the base's dtype, since a bf16 merge rounds most of an adapter's change (below an ulp of
+``W``) back to the base weight. ``dtype=torch.bfloat16`` halves the file and rounds."""
+
+
+def _lora_module(state: TrainState, role: str) -> LoRAModule:
+    if role not in state.roles:
+        raise ValueError(f"no role {role!r}; the state has roles {sorted(state.roles)}")
+    module = state.roles[role].role.module
+    if not isinstance(module, LoRAModule):
+        raise ValueError(
+            f"role {role!r} holds a {type(module).__name__}, not a fvstep.methods.lora.LoRAModule: it has no "
+            "adapter to write; export its weights with format='diffusers' (fvstep export --format model)"
+        )
+    return module
+
+
+def _base_role(state: TrainState, module: LoRAModule, role: str) -> str:
+    for name, rs in state.roles.items():
+        if rs.role.module is module.base:
+            return name
+    raise ValueError(
+        f"the base of LoRA role {role!r} is not a role of the state: add it as a frozen "
+        "role (fvstep.Role(base, save_frozen=False)) so that its weights are in the state"
+    )
+
+
+def _merge_names(module: LoRAModule) -> dict[str, tuple[str, str, float]]:
+    """Base weight name -> (lora_A name, lora_B name, scaling) for vanilla Linear LoRA."""
+    out: dict[str, tuple[str, str, float]] = {}
+    for path, layer in lora_layers(module.base):
+        if module.adapter not in layer.__dict__.get("lora_A", {}):
+            continue
+        if not isinstance(layer.get_base_layer(), torch.nn.Linear) or layer.fan_in_fan_out:
+            raise ValueError(
+                f"cannot merge adapter {module.adapter!r} into {path!r}: only LoRA on "
+                f"nn.Linear layers is merged, not on {type(layer.get_base_layer()).__name__}"
+            )
+        if layer.use_dora.get(module.adapter) or layer.lora_bias.get(module.adapter):
+            raise ValueError(
+                f"cannot merge adapter {module.adapter!r} into {path!r}: DoRA and LoRA "
+                "biases are not supported"
+            )
+        out[f"{path}.base_layer.weight"] = (
+            f"{path}.lora_A.weight",
+            f"{path}.lora_B.weight",
+            float(layer.scaling[module.adapter]),
+        )
+    return out
+
+
+def merge_weights(
+    state: TrainState,
+    role: str,
+    *,
+    weights: Weights = "params",
+    dtype: torch.dtype | None = None,
+    rank0_only: bool = True,
+) -> dict[str, torch.Tensor] | None:
+    """The base's weights with a LoRA role's adapter merged in, keyed as the plain model.
+
+    Each adapted weight becomes ``W + scaling * (B @ A)``, computed in fp32 and cast once
+    to ``dtype`` (default :data:`MERGED_DTYPE`). Names are the base model's own (peft's
+    ``.base_layer`` removed), for ``load_state_dict`` of the plain model. Call it on every
+    rank; ``state`` holds the base as a role too. ``weights`` (the adapter's) and
+    ``rank0_only`` as :func:`fvstep.checkpoint.gather_weights`.
+
+    Raises:
+        ValueError: For a role that is not a LoRA role, a base that is not a role of the
+            state, or an adapter that cannot be merged (DoRA, a non-Linear layer).
+
+    Examples:
+        >>> net.load_state_dict(merge_weights(state, "student"))
+    """
+    module = _lora_module(state, role)
+    merges = _merge_names(module)
+    base_role = _base_role(state, module, role)
+    base = gather_weights(state, base_role, rank0_only=rank0_only)
+    adapter = gather_weights(state, role, weights=weights, rank0_only=rank0_only)
+    if base is None or adapter is None:
+        return None
+    target = MERGED_DTYPE if dtype is None else dtype
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in base.items():
+        if name in merges:
+            a, b, scaling = merges[name]
+            delta = adapter[b].float() @ adapter[a].float()
+            # fp32, then one cast: the base's bf16 first would round the change away
+            tensor = tensor.float() + scaling * delta
+        if tensor.is_floating_point():
+            tensor = tensor.to(target)
+        out[name.replace(".base_layer.", ".")] = tensor
+    return out
+
+
+def _lora(job: ExportJob) -> Writer:
+    with needs_extra("lora", "LoRA export"):
+        from diffusers import WanPipeline
+
+    module = _lora_module(job.state, job.role)
+    config = module.config.to_dict()  # the adapter's LoraConfig as diffusers stores it
+    keys = {"r", "lora_alpha", "target_modules", "use_rslora", "use_dora", "lora_bias"}
+    keys |= {"rank_pattern", "alpha_pattern", "init_lora_weights", "lora_dropout"}
+    metadata: dict[str, Any] = {
+        k: sorted(v) if isinstance(v, set) else v for k, v in config.items() if k in keys
+    }
+    return Writer(
+        gather=job.gather,
+        write=lambda tensors, folder: WanPipeline.save_lora_weights(
+            folder, transformer_lora_layers=tensors, transformer_lora_adapter_metadata=metadata
+        ),
+    )
+
+
+def _merged(job: ExportJob) -> Writer:
+    module = _lora_module(job.state, job.role)
+    base_role = _base_role(job.state, module, job.role)
+    # the base's diffusers model folder (its config, its plain names), of merged tensors
+    base_folder = FORMATS["diffusers"](dataclasses.replace(job, role=base_role, options={}))
+    return Writer(
+        gather=lambda: merge_weights(
+            job.state, job.role, weights=job.weights, dtype=job.dtype, rank0_only=job.rank0_only
+        ),
+        write=base_folder.write,
     )
 
 
@@ -404,8 +530,8 @@ FORMATS.update(
     safetensors=_safetensors,
     diffusers=_diffusers,
     pipeline=_pipeline,
-    lora=_not_a_lora_role,
-    merged=_not_a_lora_role,
+    lora=_lora,
+    merged=_merged,
 )
 
 
@@ -419,7 +545,7 @@ def _check(state: TrainState, role: str, weights: str, dtype: torch.dtype | None
     if role in roles_holding_other_weights(state):
         raise ValueError(
             f"role {role!r} holds its EMA in its parameters here (inside "
-            "fvstep.observe.validation.role_module(weights='ema')): export after the with block"
+            "fvstep.executor.validation.role_module(weights='ema')): export after the with block"
         )
     if weights not in ("params", "ema"):
         raise ValueError(f"weights must be 'params' or 'ema', got {weights!r}")
@@ -447,8 +573,8 @@ def _diffusers_class(module: nn.Module, role: str) -> type[Any]:
     with needs_extra("models", "a diffusers export"):
         from diffusers import ModelMixin
 
-    if not isinstance(module, ModelMixin) and isinstance(module.__dict__.get("base"), ModelMixin):
-        raise ValueError(  # a fvstep.lora.LoRAModule (the checkpoint layer may not import it)
+    if isinstance(module, LoRAModule):
+        raise ValueError(
             f"role {role!r} is a LoRA adapter over a base model, not a diffusers model: use "
             "format='merged' (--format merged) or format='lora' (--format lora)"
         )

@@ -43,6 +43,7 @@ __all__ = [
     "MANIFEST_NAME",
     "WRITER_THREADS",
     "Manifest",
+    "base_digest",
     "discard",
     "exception_text",
     "failure_text",
@@ -965,13 +966,13 @@ def refuse_swapped_weights(state: Any) -> None:
     as the live weights).
 
     Raises:
-        CheckpointError: Inside ``fvstep.observe.validation.role_module(weights='ema')``.
+        CheckpointError: Inside ``fvstep.executor.validation.role_module(weights='ema')``.
     """
     swapped = roles_holding_other_weights(state)
     if swapped:
         raise CheckpointError(
             f"roles {swapped} hold their EMA in their parameters here (inside "
-            "fvstep.observe.validation.role_module(weights='ema')): save after the with block"
+            "fvstep.executor.validation.role_module(weights='ema')): save after the with block"
         )
 
 
@@ -1040,3 +1041,27 @@ def save(
         writer_threads=writer_threads,
     )
     return final
+
+
+def base_digest(base: torch.nn.Module) -> str:
+    """The digest of ``base``'s weights that checkpoints record for a frozen role.
+
+    Equal to ``read_manifest(path).frozen_digests[role]`` for a role
+    ``Role(base, save_frozen=False)`` saved at ``path``, whatever the world size. Call it on
+    every rank (sharded parameters are checksummed collectively).
+
+    Returns:
+        A hexadecimal SHA-256.
+    """
+    named = dict(base.named_parameters())
+    checksums, _ = fingerprint(list(named), [p.detach() for p in named.values()])
+    return frozen_digest(
+        {
+            n: {
+                "dtype": str(p.dtype).removeprefix("torch."),
+                "shape": list(p.shape),
+                "checksum": checksums.get(n, 0),
+            }
+            for n, p in named.items()
+        }
+    )

@@ -26,10 +26,10 @@ from fvstep.core._optional import needs_extra
 from fvstep.core.errors import SimulatedCrash
 from fvstep.executor.data import ShuffledSource, SyntheticLatents
 from fvstep.executor.reporting import Validation
+from fvstep.executor.sampling import FewStepSampler, sample_videos
+from fvstep.executor.validation import validation_loss
 from fvstep.methods import dmd2
 from fvstep.methods.models import synthetic_batch, tiny_wan
-from fvstep.observe.sampling import FewStepSampler, sample_videos
-from fvstep.observe.validation import validation_loss
 from fvstep.testing import CrashAt
 
 __all__ = ["VAL_LOSS_NOTE", "DemoConfig", "min_steps", "plot_losses", "run_demo"]

@@ -102,8 +102,6 @@ def run_export(
     if format == "pipeline" and not base:
         raise CLIError("fvstep export: --format pipeline needs --base (a pipeline folder)")
     state, folder = _load_run(checkpoint)
-    if format in ("lora", "merged"):
-        import fvstep.lora  # noqa: F401  (registers the LoRA formats)
     options: dict[str, Any] = {"base": base} if format == "pipeline" else {}
     try:
         written = export(

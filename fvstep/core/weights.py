@@ -30,7 +30,7 @@ _OTHER_WEIGHTS = "_fvstep_other_weights"
 def holding_other_weights(module: nn.Module) -> Iterator[None]:
     """Mark ``module`` as holding other values than its role's live weights (nestable).
 
-    :func:`fvstep.observe.validation.role_module` marks a role's module while its parameters hold
+    :func:`fvstep.executor.validation.role_module` marks a role's module while its parameters hold
     the EMA; readers of the live weights that would take the EMA for them (a checkpoint
     save, an export) refuse while it is marked (:func:`roles_holding_other_weights`).
 

@@ -57,8 +57,8 @@ class Validation:
 
     Attributes:
         fn: The validation function (:data:`ValidationFn`), e.g.
-            :func:`fvstep.observe.validation.validation_loss` or
-            :func:`fvstep.observe.sampling.sample_videos`.
+            :func:`fvstep.executor.validation.validation_loss` or
+            :func:`fvstep.executor.sampling.sample_videos`.
         every: Validate at every multiple of ``every`` steps (``None``: only at the
             start/end).
         at_start: Validate at the step a run starts or resumes at.

@@ -49,7 +49,7 @@ __all__ = [
 RolloutFn = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 """``rollout(module, noise, text, key) -> x0``: any sampler, run under ``torch.no_grad()``
 (e.g. ``lambda m, noise, text, key: sample(m, noise, text, sampler=EulerSampler(10),
-key=key)`` of :func:`fvstep.observe.sampling.sample`)."""
+key=key)`` of :func:`fvstep.executor.sampling.sample`)."""
 
 
 def euler_rollout(num_steps: int = 10) -> RolloutFn:

@@ -232,7 +232,7 @@ def apply_activation_checkpointing(
         blocks: The blocks by qualified name, in module order (``ac.every`` counts them).
         checkpoint_context: ``context_fn -> context_fn`` around every checkpointed block's
             context (``None`` for full), for a recomputation that needs state set back
-            (:func:`fvstep.lora.recompute_context`). Not used under ``torch.compile``.
+            (:func:`fvstep.methods.lora.recompute_context`). Not used under ``torch.compile``.
 
     Returns:
         The qualified names of the checkpointed blocks, in order.

@@ -698,7 +698,7 @@ def compare_compiled_gradients(
 
 def block_parameters(block: nn.Module) -> dict[str, torch.Tensor]:
     """The parameters a block computes with, by name: its own, and those of modules held
-    as plain attributes (the adapters of :func:`fvstep.lora.add_adapters`)."""
+    as plain attributes (the adapters of :func:`fvstep.methods.lora.add_adapters`)."""
     params: dict[str, torch.Tensor] = dict(block.named_parameters())
     seen = {id(p) for p in params.values()}
     for prefix, sub in block.named_modules():

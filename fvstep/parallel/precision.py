@@ -64,7 +64,7 @@ def _cast_tree(value: Any, dtype: torch.dtype, *, min_ndim: int = 0) -> Any:
 def _positional_names(module: nn.Module) -> tuple[str, ...]:
     """``module.forward``'s positional parameter names (``()`` if unknown).
 
-    A module whose ``forward(*args, **kwargs)`` delegates (:class:`fvstep.lora.LoRAModule`)
+    A module whose ``forward(*args, **kwargs)`` delegates (:class:`fvstep.methods.lora.LoRAModule`)
     names them by its ``forward_signature`` attribute, an ``inspect.Signature``.
     """
     signature = getattr(module, "forward_signature", None)

@@ -145,7 +145,7 @@ def prepare(
         frozen_dtype: The dtype a frozen role is stored in (``None`` keeps it).
         attention_backend: A diffusers attention backend name, set on this module only.
         checkpoint_context: ``context_fn -> context_fn`` around every checkpointed block's
-            recomputation; ``None`` takes the one the module carries (:func:`fvstep.lora.add_adapters`).
+            recomputation; ``None`` takes the one the module carries (:func:`fvstep.methods.lora.add_adapters`).
         context_mesh: Shard each sample's tokens over this mesh's ``"context"`` axis first
             (:func:`fvstep.parallel.apply_context_parallel`). Not with ``compile``.
         full_precision_inputs: Names of ``module.forward``'s arguments a boundary cast never

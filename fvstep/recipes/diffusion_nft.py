@@ -91,7 +91,7 @@ def _reward(options: DiffusionNFTOptions, device: torch.device) -> RewardFn:
         )
     import diffusers
 
-    from fvstep.observe.sampling import decode_latents
+    from fvstep.executor.sampling import decode_latents
 
     vae = diffusers.AutoencoderKLWan.from_pretrained(str(path), subfolder="vae").to(device)
     return decoded(colorfulness, functools.partial(decode_latents, vae.eval()))

@@ -18,8 +18,8 @@ from typing import Any, Literal
 import torch
 
 import fvstep as fs
+from fvstep.executor.sampling import FewStepSampler
 from fvstep.methods import dmd2
-from fvstep.observe.sampling import FewStepSampler
 from fvstep.recipes import Recipe, RunSpec, parts
 from fvstep.recipes.options import OptimOptions, RecipeOptions, RunOptions
 

@@ -176,7 +176,7 @@ def check_base_digest(
     Raises:
         fvstep.checkpoint.CheckpointError: If the digests differ.
     """
-    from fvstep.lora import base_digest
+    from fvstep.checkpoint import base_digest
 
     folder = resolve_checkpoint(path)
     digests = ckpt.read_manifest(folder).frozen_digests

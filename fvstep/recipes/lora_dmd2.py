@@ -1,7 +1,7 @@
 """The ``lora_dmd2`` recipe: DMD2 with LoRA adapters over one frozen base.
 
 Roles: ``teacher`` (the base model, frozen, saved by its digest), ``student`` and
-``critic`` (LoRA adapters over that one base: :func:`fvstep.lora.add_adapters`). Resuming
+``critic`` (LoRA adapters over that one base: :func:`fvstep.methods.lora.add_adapters`). Resuming
 on another base is refused, and so is ``init_from`` the adapters of a run on another base.
 
 Examples:

@@ -216,7 +216,7 @@ class RunOptions:
 @dataclass(frozen=True)
 class ValidationOptions:
     """The flow-matching loss of the trained role on held-out latents
-    (:func:`fvstep.observe.validation.validation_loss`), and sample videos of it
+    (:func:`fvstep.executor.validation.validation_loss`), and sample videos of it
     (:func:`fvstep.recipes.samples.sample_validation`).
 
     Attributes:

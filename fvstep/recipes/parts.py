@@ -195,10 +195,10 @@ def check_lora_targets(names: dict[str, str], targets: tuple[str, ...]) -> None:
 
 def add_lora(base: nn.Module, lora: LoRAOptions, roles: tuple[str, ...]) -> dict[str, Any]:
     """One peft LoRA adapter of ``lora`` (rank >= 1, :func:`check_lora`) per role over
-    ``base`` (:func:`fvstep.lora.add_adapters`), its targets checked (:func:`check_lora_targets`)."""
+    ``base`` (:func:`fvstep.methods.lora.add_adapters`), its targets checked (:func:`check_lora_targets`)."""
     import peft
 
-    from fvstep.lora import add_adapters
+    from fvstep.methods.lora import add_adapters
 
     check_lora_targets({n: type(m).__name__ for n, m in base.named_modules()}, lora.targets)
     config = peft.LoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=list(lora.targets))
@@ -478,7 +478,7 @@ def make_run_options(
     """The keyword arguments of :func:`fvstep.run`: checkpoints in ``run.out``, cadences,
     validation of ``role``, trackers and the layout on several ranks."""
     from fvstep.executor.reporting import Validation
-    from fvstep.observe.validation import validation_loss
+    from fvstep.executor.validation import validation_loss
 
     out = Path(run.out)
     options: dict[str, Any] = {

@@ -21,7 +21,7 @@ from torch import nn
 from fvstep.core._optional import needs_extra
 from fvstep.core.state import TrainState
 from fvstep.executor.reporting import Validation
-from fvstep.observe.sampling import EulerSampler, Sampler, sample_videos
+from fvstep.executor.sampling import EulerSampler, Sampler, sample_videos
 from fvstep.parallel import rank_and_world
 
 __all__ = ["SAMPLES_PREFIX", "check_samples", "sample_validation"]

@@ -19,9 +19,9 @@ import torch
 
 import fvstep as fs
 from fvstep import parallel as fsp
+from fvstep.executor.sampling import FewStepSampler
 from fvstep.methods import make_causal, self_forcing, self_forcing_losses
 from fvstep.methods.causal_rollout import shifted_steps
-from fvstep.observe.sampling import FewStepSampler
 from fvstep.recipes import Recipe, RunSpec, parts
 from fvstep.recipes.options import DataOptions, OptimOptions, RecipeOptions, RunOptions
 

@@ -127,7 +127,7 @@ def build_state(
     if case.lora:
         import peft
 
-        from fvstep.lora import add_adapters
+        from fvstep.methods.lora import add_adapters
 
         base = tiny_wan(seed=0)
         config = peft.LoraConfig(

@@ -23,8 +23,8 @@ import fvstep as fs
 from fvstep.core import tree
 from fvstep.executor.data import ShuffledSource, SyntheticLatents
 from fvstep.executor.reporting import Validation
+from fvstep.executor.validation import validation_loss
 from fvstep.methods.finetune import flow_matching_loss
-from fvstep.observe.validation import validation_loss
 from fvstep.testing import CrashAt, SimulatedCrash
 from tests.interactions.cells import PROBE, WeightsCase, build_state, data
 

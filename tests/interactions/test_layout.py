@@ -30,7 +30,7 @@ CASES = ("ema_before_start", "ema_after_start", "lora_ema_after_start")
 
 def validation_pair(state):
     """Live loss, then the EMA loss: what a user's validation function does."""
-    from fvstep.observe.validation import validation_loss
+    from fvstep.executor.validation import validation_loss
 
     live = validation_loss(PROBE["latents"], PROBE["text"])(state, None)["loss"]
     ema = validation_loss(PROBE["latents"], PROBE["text"], weights="ema")(state, None)["loss"]
@@ -39,7 +39,7 @@ def validation_pair(state):
 
 def reference_losses(state, case):
     import fvstep as fs
-    from fvstep.observe.validation import validation_loss
+    from fvstep.executor.validation import validation_loss
     from tests.interactions.cells import reference_module
 
     out = []
@@ -123,10 +123,10 @@ def check_compute_dtype_cast(rank: int, world_size: int) -> list[str]:
         module(hidden_states=x, timestep=t, encoder_hidden_states=text, return_dict=False)
 
     # A LoRA role computing in bf16 over a frozen base, called by position: its forward
-    # is (*args, **kwargs), named by the base's signature (fvstep.lora.LoRAModule).
+    # is (*args, **kwargs), named by the base's signature (fvstep.methods.lora.LoRAModule).
     import peft
 
-    from fvstep.lora import add_adapters
+    from fvstep.methods.lora import add_adapters
 
     base = tiny_wan(seed=0)
     config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["to_q"])

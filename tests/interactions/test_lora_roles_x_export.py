@@ -32,7 +32,7 @@ from tests.interactions.cells import velocity
 
 diffusers = pytest.importorskip("diffusers")
 peft = pytest.importorskip("peft")
-from fvstep.lora import LoRAModule, add_adapters  # noqa: E402
+from fvstep.methods.lora import LoRAModule, add_adapters  # noqa: E402
 
 ROLES = ("student", "teacher", "critic")
 FORMATS = ("model", "pipeline", "safetensors", "lora", "merged")

@@ -13,14 +13,15 @@ import pytest
 import torch
 
 import fvstep as fs
-import fvstep.lora
+import fvstep.checkpoint
 from fvstep import parallel as fsp
 from fvstep.methods.finetune import flow_matching_loss
 from fvstep.methods.models import tiny_wan
 from tests.interactions.cells import data, full, velocity
 
 peft = pytest.importorskip("peft")
-from fvstep.lora import add_adapters, merge_weights  # noqa: E402
+from fvstep.checkpoint import merge_weights  # noqa: E402
+from fvstep.methods.lora import add_adapters  # noqa: E402
 
 SCALING = 8 / 4  # lora_alpha / r
 
@@ -74,7 +75,7 @@ def test_a_merge_keeps_every_change_of_the_adapter(base_dtype, weights):
     got = merge_weights(state, "student", weights=weights)
     for name, tensor in want.items():
         assert torch.equal(got[name], tensor), name
-    assert torch.float32 == fvstep.lora.MERGED_DTYPE
+    assert torch.float32 == fvstep.checkpoint.MERGED_DTYPE
     base = {n.replace(".base_layer.", "."): full(p) for n, p in state.role("base").params.items()}
     changed = [n for n in want if not torch.equal(want[n], base[n].float())]
     assert changed, "the adapter must have changed some weights for this cell to mean anything"

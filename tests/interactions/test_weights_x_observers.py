@@ -20,8 +20,8 @@ from safetensors.torch import load_file
 
 import fvstep as fs
 from fvstep.checkpoint.exporting import export, gather_weights
+from fvstep.executor.validation import role_module, validation_loss
 from fvstep.methods.models import tiny_wan
-from fvstep.observe.validation import role_module, validation_loss
 from tests.interactions.cells import (
     PREPARATIONS,
     PROBE,
@@ -99,13 +99,12 @@ def via_export_diffusers(state, case, weights, tmp):
 
 
 def via_merge_weights(state, case, weights, tmp):
-    from fvstep.lora import merge_weights
+    from fvstep.checkpoint import merge_weights
 
     return velocity(load_plain(merge_weights(state, "student", weights=weights), case))
 
 
 def via_export_merged(state, case, weights, tmp):
-    import fvstep.lora  # noqa: F401  (the merged format)
     from tests.test_export import load_diffusers
 
     export(state, "student", tmp / "merged", weights=weights, format="merged")

@@ -19,6 +19,7 @@ from fvstep.core import random as fsrandom
 from fvstep.core._optional import needs_extra
 from fvstep.core.state import TrainState
 from fvstep.executor.media import Video, frames_from_pixels
+from fvstep.executor.validation import Weights, module_device, role_module
 from fvstep.methods import _noise
 from fvstep.methods._checks import check_count, check_denoising_steps
 from fvstep.methods.causal_wan import (
@@ -30,7 +31,6 @@ from fvstep.methods.causal_wan import (
 )
 from fvstep.methods.finetune import add_noise, x0_from_velocity
 from fvstep.methods.models import predict
-from fvstep.observe.validation import Weights, module_device, role_module
 from fvstep.parallel.ranks import rank_and_world
 
 if TYPE_CHECKING:
@@ -279,7 +279,7 @@ def sample_videos(
         vae: The VAE that decodes them (``AutoencoderKLWan``), on the device to decode on.
         sampler: Default ``EulerSampler(50)``; a DMD2 student's is
             ``FewStepSampler(denoising_steps)``.
-        weights: ``"params"`` or ``"ema"`` (:func:`fvstep.observe.validation.role_module`).
+        weights: ``"params"`` or ``"ema"`` (:func:`fvstep.executor.validation.role_module`).
         key: The noise key (default ``fvstep.random.key(0)``).
         negative_text: Negative prompt embeddings ``(P, L, D)`` for a guided sampler.
         captions: One caption per video (e.g. the prompts).

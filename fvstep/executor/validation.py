@@ -2,7 +2,7 @@
 
 :func:`validation_loss` is a role's flow-matching loss on fixed held-out latents, times and
 noise (the same number at the same step in any run); :func:`role_module` gives a role's
-module computing with its live or its EMA weights. Samples: :mod:`fvstep.observe.sampling`.
+module computing with its live or its EMA weights. Samples: :mod:`fvstep.executor.sampling`.
 """
 
 from __future__ import annotations

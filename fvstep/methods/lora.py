@@ -25,7 +25,7 @@ from fvstep.core.tree import any_dtensor
 if TYPE_CHECKING:
     from peft import LoraConfig
 
-__all__ = ["LoRAModule", "add_adapters", "base_digest", "lora_layers", "recompute_context"]
+__all__ = ["LoRAModule", "add_adapters", "lora_layers", "recompute_context"]
 
 # peft's per-adapter containers of a LoRA layer (LoraLayer.adapter_layer_names) and its
 # dropout modules: moved out of the base's module tree, registered in the LoRA modules.
@@ -251,29 +251,3 @@ def add_adapters(
     for module in modules.values():
         module.requires_grad_(True)
     return modules
-
-
-def base_digest(base: nn.Module) -> str:
-    """The digest of ``base``'s weights that checkpoints record for a frozen role.
-
-    Equal to ``read_manifest(path).frozen_digests[role]`` for a role
-    ``Role(base, save_frozen=False)`` saved at ``path``, whatever the world size. Call it on
-    every rank (sharded parameters are checksummed collectively).
-
-    Returns:
-        A hexadecimal SHA-256.
-    """
-    from fvstep.checkpoint.saving import fingerprint, frozen_digest
-
-    named = dict(base.named_parameters())
-    checksums, _ = fingerprint(list(named), [p.detach() for p in named.values()])
-    return frozen_digest(
-        {
-            n: {
-                "dtype": str(p.dtype).removeprefix("torch."),
-                "shape": list(p.shape),
-                "checksum": checksums.get(n, 0),
-            }
-            for n, p in named.items()
-        }
-    )
