@@ -12,7 +12,7 @@ import torch
 
 import fvstep as fs
 from fvstep.executor import latents, media, trackers
-from fvstep.methods import dmd2_losses, finetune, flow_matching_loss
+from fvstep.methods import dmd2_losses, finetune, flow_matching_loss, lora
 from fvstep.methods._checks import check_batch
 from fvstep.methods.models import synthetic_batch, tiny_wan
 
@@ -275,7 +275,7 @@ def _missing(monkeypatch: pytest.MonkeyPatch, *packages: str) -> None:
         (("diffusers",), lambda tmp: tiny_wan(seed=0), "models"),
         (("wandb",), lambda tmp: trackers.WandbTracker(project="p").start(0), "tracking"),
         (("imageio",), lambda tmp: media.write_gif(torch.zeros(1, 3, 8, 8), tmp / "a"), "media"),
-        (("peft",), lambda tmp: fs.lora.add_adapters(torch.nn.Linear(2, 2), {}), "lora"),
+        (("peft",), lambda tmp: lora.add_adapters(torch.nn.Linear(2, 2), {}), "lora"),
     ],
 )
 def test_a_missing_optional_package_names_its_extra(
