@@ -48,12 +48,8 @@ class EMA:
     """Exponential moving average of a role's trainable parameters (static configuration).
 
     After each optimizer update of the role at global step ``>= start_step``:
-    ``ema = decay * ema + (1 - decay) * param``, held in fp32. The first active update
-    re-initialises the average from the live weights.
-
-    Attributes:
-        decay: In ``[0, 1)``.
-        start_step: The first global step at which the average is updated.
+    ``ema = decay * ema + (1 - decay) * param``, held in fp32 (``decay`` in ``[0, 1)``). The
+    first active update re-initialises the average from the live weights.
     """
 
     decay: float = attrs.field(default=0.999)
@@ -70,11 +66,8 @@ class Role:
     """A role of a training method: a module, and how (or whether) it is trained.
 
     Attributes:
-        module: The role's ``nn.Module``. Its parameters become the state's leaves.
-        optimizer: A functional optimizer (``fvstep.optim.adamw(...)``) for a trained
-            role; ``None`` for a frozen role.
+        optimizer: A functional optimizer (``fvstep.optim.adamw(...)``); ``None``: frozen.
         trainable: Defaults to ``optimizer is not None`` (and must agree with it).
-        ema: An :class:`EMA` of the trainable parameters, or ``None``.
         allow_low_precision: Opt in to bf16/fp16 trainable parameters with an optimizer
             that needs fp32 master weights (updates smaller than an ulp are lost).
         allow_no_sync: Opt in to the ``no_sync`` accumulation policy for this role
@@ -115,12 +108,8 @@ class Role:
 
 @frozen
 class EMAState:
-    """The fp32 moving average of a role's trainable parameters.
-
-    Attributes:
-        params: fp32 copies, keyed like the role's parameters.
-        initialized: 0-d bool tensor; false until the first active update.
-    """
+    """The fp32 moving average of a role's trainable parameters (``initialized``: 0-d bool,
+    false until the first active update)."""
 
     params: dict[str, torch.Tensor]
     initialized: torch.Tensor
@@ -134,9 +123,8 @@ class RoleState:
         params: Every parameter of the module, by qualified name (the live tensors).
         buffers: The module's persistent buffers, by qualified name.
         opt_state: The optimizer's state (``None`` for a frozen role).
-        trainable_names: Names of the parameters the optimizer updates (static).
-        tied: ``(alias, canonical)`` pairs (static) of tied tensors: only the canonical
-            name is a leaf (``docs/concepts/state.md``).
+        tied: ``(alias, canonical)`` pairs of tied tensors: only the canonical name is a
+            leaf (``docs/concepts/state.md``).
     """
 
     params: dict[str, torch.Tensor]
@@ -172,13 +160,12 @@ _GUARDED = frozenset({"step", "key", "roles", "extra", "module", "role", "replac
 class TrainState:
     """Every bit a step reads: step counter, RNG key, roles and method-owned state.
 
+    Build one with :meth:`create`.
+
     Attributes:
         step: 0-d int64 CPU tensor, the number of steps taken.
-        key: The base RNG key (``fvstep.core.random.key``); steps fold the step counter in.
-        roles: :class:`RoleState` by role name.
+        key: The base RNG key; steps fold the step counter in.
         extra: Method-owned state (any pytree of tensors; e.g. a stream's cache).
-
-    Use :meth:`create` to build one.
     """
 
     step: torch.Tensor
@@ -215,16 +202,11 @@ class TrainState:
         """Build the initial state from roles and a key.
 
         Trainable roles get their optimizer state allocated eagerly (and an fp32 EMA if
-        configured); frozen roles have ``requires_grad`` turned off. A tied tensor is one
-        leaf under its first name (:attr:`RoleState.tied`).
+        configured); frozen roles have ``requires_grad`` turned off.
 
         Args:
-            roles: Role name to :class:`Role`.
             key: The base key (``fvstep.random.key(seed)``).
             extra: Method-owned initial state: a pytree whose leaves are tensors.
-
-        Returns:
-            A new state at step 0.
 
         Raises:
             ValueError: If ``roles`` is empty, two roles share a module or a parameter,
@@ -261,19 +243,11 @@ class TrainState:
         )
 
     def module(self, name: str) -> nn.Module:
-        """The module of role ``name``, bound to this state's tensors.
-
-        Raises:
-            KeyError: If there is no such role.
-        """
+        """The module of role ``name`` (a ``KeyError`` if none), bound to this state's tensors."""
         return bind_module(self.role(name))
 
     def role(self, name: str) -> RoleState:
-        """The :class:`RoleState` of role ``name``.
-
-        Raises:
-            KeyError: Naming the roles that exist.
-        """
+        """The :class:`RoleState` of role ``name`` (a ``KeyError`` naming the roles if none)."""
         try:
             return self.roles[name]
         except KeyError:
@@ -285,13 +259,8 @@ class TrainState:
 
 
 def mark_consumed(state: TrainState, by: str) -> None:
-    """Mark ``state`` consumed by ``by`` (e.g. ``"the step at step 3"``).
-
-    Any later read of its fields raises :class:`ConsumedStateError` naming ``by``.
-
-    Raises:
-        ConsumedStateError: If the state was already consumed.
-    """
+    """Mark ``state`` consumed by ``by``: a later read of its fields raises
+    :class:`ConsumedStateError` naming ``by``, as does this, if it was already consumed."""
     lease = object.__getattribute__(state, "_lease")
     if lease.consumed_by is not None:
         raise ConsumedStateError(
@@ -346,15 +315,13 @@ def adopt(role_state: RoleState) -> RoleState:
     """Make the role's module compute with ``role_state``'s values; return the role state
     whose tensors are the ones the module now holds.
 
-    A no-op when the module already holds the state's tensors. Plain tensors are put into
-    the module's slots (and their aliases', :attr:`RoleState.tied`). DTensor parameters
+    Plain tensors are put into the module's slots (aliases included). DTensor parameters
     cannot be swapped: their values are copied into the live shards, so another state
     holding those shards sees the copy (run steps on one lineage at a time).
 
     Raises:
-        ValueError: If the module's parameter or buffer names no longer match the state's
-            (the module was changed after ``TrainState.create``), or a sharded module no
-            longer holds one tensor under the names the state records as tied.
+        ValueError: If the module's parameter or buffer names no longer match the state's,
+            or a sharded module no longer holds one tensor under tied names.
 
     Examples:
         >>> snapshot = fvstep.tree.clone(state)
