@@ -37,7 +37,6 @@ __all__ = [
     "RoleState",
     "TrainState",
     "adopt",
-    "bind_module",
     "is_consumed",
     "mark_consumed",
 ]
@@ -138,7 +137,7 @@ class RoleState:
     @property
     def module(self) -> nn.Module:
         """The role's module, bound to this state's tensors."""
-        return bind_module(self)
+        return adopt(self).role.module
 
     def trainable_params(self) -> dict[str, torch.Tensor]:
         """The parameters the optimizer updates, by name."""
@@ -244,7 +243,7 @@ class TrainState:
 
     def module(self, name: str) -> nn.Module:
         """The module of role ``name`` (a ``KeyError`` if none), bound to this state's tensors."""
-        return bind_module(self.role(name))
+        return adopt(self.role(name)).role.module
 
     def role(self, name: str) -> RoleState:
         """The :class:`RoleState` of role ``name`` (a ``KeyError`` naming the roles if none)."""
@@ -356,8 +355,3 @@ def adopt(role_state: RoleState) -> RoleState:
         bind_tensors(module, live_params, live, mine, dict(role_state.tied))
     module.__dict__["_fvstep_bound"] = (role_state.params, role_state.buffers)
     return role_state
-
-
-def bind_module(role_state: RoleState) -> nn.Module:
-    """The role's module, computing with ``role_state``'s values (see :func:`adopt`)."""
-    return adopt(role_state).role.module
