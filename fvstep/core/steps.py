@@ -80,13 +80,11 @@ class Unit(Leaf):
     loss_fn: LossFn
     settings: UnitSettings = attrs.Factory(UnitSettings)
     name: str = ""
-    trains: tuple[str, ...] = attrs.field(init=False, repr=False)  # its roles, as a leaf
+    trains: tuple[str, ...] = attrs.field(
+        init=False, repr=False, default=attrs.Factory(lambda unit: unit.roles, takes_self=True)
+    )
     routes: tuple[Route, ...] = attrs.field(init=False, repr=False, eq=False, default=ROUTES)
     run = run_unit
-
-    @trains.default
-    def _trains(self) -> tuple[str, ...]:
-        return self.roles
 
 
 def update(
