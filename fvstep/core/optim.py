@@ -526,13 +526,11 @@ _REPLACED_HINT = (
 )
 
 
-def _check_mapping(value: object, what: str) -> None:
-    if not isinstance(value, Mapping):
-        raise TypeError(f"{what} must be a mapping of names to tensors, got {type(value).__name__}")
-
-
 def _check_params(params: Mapping[str, torch.Tensor], *, fused: bool = False) -> None:
-    _check_mapping(params, "params")
+    if not isinstance(params, Mapping):
+        raise TypeError(
+            f"params must be a mapping of names to tensors, got {type(params).__name__}"
+        )
     supported = torch_compat.fused_kernel_devices() if fused else []
     for name, p in params.items():
         if not isinstance(name, str):
@@ -595,10 +593,14 @@ def _grad_names(
     moments: Sequence[tuple[str, Mapping[str, torch.Tensor]]],
 ) -> list[str]:
     """The names with a grad, each grad and moment checked: torch would broadcast silently."""
-    _check_mapping(params, "params")
+    if not isinstance(params, Mapping):
+        raise TypeError(
+            f"params must be a mapping of names to tensors, got {type(params).__name__}"
+        )
     if keyed is not None and keyed[1].keys() != params.keys():  # raises, naming the names
         _check_state_dict(keyed[0], keyed[1], params, _FLAG)
-    _check_mapping(grads, "grads")
+    if not isinstance(grads, Mapping):
+        raise TypeError(f"grads must be a mapping of names to tensors, got {type(grads).__name__}")
     if not grads.keys() <= params.keys():
         unknown = [n for n in grads if n not in params]
         raise ValueError(
