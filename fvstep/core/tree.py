@@ -147,14 +147,6 @@ def _describe(x: Any) -> str:
     return repr(x)
 
 
-def _max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> str:
-    a, b = local_tensor(a).detach(), local_tensor(b).detach()
-    diff = (a.to(torch.float64) - b.to(torch.float64)).abs()
-    finite = diff[torch.isfinite(diff)]
-    worst = finite.max().item() if finite.numel() else float("nan")
-    return f"{worst:g}"
-
-
 def _leaf_mismatch(a: Any, b: Any) -> str | None:  # None: bitwise identical
     if isinstance(a, torch.Tensor) != isinstance(b, torch.Tensor):
         return f"one leaf is a tensor and the other is not: {_describe(a)} vs {_describe(b)}"
@@ -174,9 +166,12 @@ def _leaf_mismatch(a: Any, b: Any) -> str | None:  # None: bitwise identical
         return f"local shard shapes differ: {tuple(local_tensor(a).shape)} vs {tuple(local_tensor(b).shape)}"
     if not torch.equal(_bits(a), _bits(b)):
         num_diff = int((_bits(a) != _bits(b)).sum().item())
+        diff = (local_tensor(a).detach().double() - local_tensor(b).detach().double()).abs()
+        finite = diff[torch.isfinite(diff)]
+        worst = finite.max().item() if finite.numel() else float("nan")
         return (
             f"{num_diff} of {local_tensor(a).numel()} elements differ bitwise "
-            f"(max abs difference {_max_abs_diff(a, b)}): {_describe(a)}"
+            f"(max abs difference {worst:g}): {_describe(a)}"
         )
     return None
 
