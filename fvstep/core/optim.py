@@ -1,9 +1,8 @@
 """Functional optimizers over explicit state pytrees, bit-identical to ``torch.optim``.
 
 As in optax, each optimizer is one factory (:func:`adamw`, :func:`sgd`) returning static
-metadata with the pure methods of :class:`Optimizer` over a separate state pytree. Both are
-one mechanism (``_KernelOptimizer``: make the state, check it once, call the kernel) over
-PyTorch's functional kernels, so a run is bitwise the ``torch.optim`` run::
+metadata with the methods of :class:`Optimizer` over a separate state pytree; both are one
+mechanism (``_KernelOptimizer``) over PyTorch's functional kernels::
 
     opt = adamw(1e-4, weight_decay=0.01)
     opt_state = opt.init(params)

@@ -1,9 +1,8 @@
 """Learning-rate schedules as pure functions of the update count, in the style of optax.
 
 A schedule is a stateless function ``count -> lr`` (:data:`Schedule`) of the optimizer's
-*updates*; the decaying ones carry their length (``schedule.total_steps``). Each computes
-its multiplier with the floating-point operations of its ``diffusers.optimization``
-counterpart, in the same order, and equals it bit for bit (``docs/api/schedules.md``).
+*updates*; the decaying ones carry their length (``schedule.total_steps``). Each equals its
+``diffusers.optimization`` counterpart bit for bit (``docs/api/schedules.md``).
 
 Examples:
     >>> warmup_cosine(1e-3, warmup_steps=100, total_steps=1000)(50)
