@@ -1,9 +1,7 @@
 """Argument checks shared by the modules that take hyper-parameters (private).
 
-One definition of "a step count" and "a learning rate", so that :mod:`fvstep.core.optim`,
-:mod:`fvstep.core.schedules` and :mod:`fvstep.executor.data` accept and reject the same values with
-the same messages. ``TypeError`` for a value of the wrong kind, ``ValueError`` for one
-out of range; every message names the argument.
+One definition of "a step count" and "a learning rate": ``TypeError`` for a value of the
+wrong kind, ``ValueError`` for one out of range; every message names the argument.
 """
 
 from __future__ import annotations
@@ -16,12 +14,8 @@ __all__ = ["check_int", "check_learning_rate", "check_real"]
 
 
 def check_int(value: SupportsIndex, name: str, *, minimum: int = 0) -> int:
-    """``value`` as an ``int >= minimum`` (a Python int, NumPy integer or 0-d integer tensor).
-
-    Raises:
-        TypeError: If ``value`` is not an integer (a float, even an integral one, is not).
-        ValueError: If it is smaller than ``minimum``.
-    """
+    """``value`` as an ``int >= minimum`` (a Python int, NumPy integer or 0-d integer tensor;
+    not a float, even an integral one)."""
     try:
         v = operator.index(value)
     except TypeError:
@@ -34,12 +28,7 @@ def check_int(value: SupportsIndex, name: str, *, minimum: int = 0) -> int:
 
 
 def check_real(value: SupportsFloat, name: str) -> float:
-    """``value`` as a finite ``float`` (bools and strings are not numbers here).
-
-    Raises:
-        TypeError: If ``value`` is not a real number.
-        ValueError: If it is NaN or infinite.
-    """
+    """``value`` as a finite ``float`` (bools and strings are not numbers here)."""
     v = _as_float(value, name)
     if not math.isfinite(v):
         raise ValueError(f"{name} must be finite, got {v}")
@@ -47,12 +36,7 @@ def check_real(value: SupportsFloat, name: str) -> float:
 
 
 def check_learning_rate(value: SupportsFloat, name: str = "lr") -> float:
-    """``value`` as a learning rate: a finite ``float >= 0``.
-
-    Raises:
-        TypeError: If ``value`` is not a real number.
-        ValueError: If it is negative, NaN or infinite.
-    """
+    """``value`` as a learning rate: a finite ``float >= 0``."""
     v = _as_float(value, name)
     if not math.isfinite(v):
         raise ValueError(f"Invalid learning rate: {name} must be finite, got {v}")

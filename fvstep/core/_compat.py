@@ -86,10 +86,8 @@ def forward_pre_hooks(module: nn.Module) -> list[Any]:
 
 
 def fsdp_lazy_init(module: nn.Module) -> None:
-    """``module._get_fsdp_state()._lazy_init()`` now (idempotent), as FSDP2's first forward.
-
-    It fixes each group's gradient dtypes from the parameters that require grad then.
-    """
+    """``module._get_fsdp_state()._lazy_init()`` now (idempotent), as FSDP2's first forward
+    (it fixes each group's gradient dtypes from the parameters that require grad then)."""
     state: Any = module._get_fsdp_state()  # type: ignore[operator]
     state._lazy_init()
 

@@ -1,8 +1,7 @@
 """Optional packages: a missing one names the extra that installs it (private).
 
-Every import of a package that is not a core dependency sits in a ``with
-needs_extra(...)`` block, so that a user without it reads which ``pip install`` brings it
-rather than a bare ``ModuleNotFoundError``.
+Every import of a package that is not a core dependency sits in a ``with needs_extra(...)``
+block.
 """
 
 from __future__ import annotations

@@ -19,17 +19,10 @@ SYNC_POLICIES: tuple[str, ...] = ("every", "no_sync", "deferred")
 class Accumulation:
     """How many micro-batches a step runs and how FSDP2 syncs gradients between them.
 
-    Each micro-batch's loss is divided by ``microbatches`` so the accumulated gradient is
-    the gradient of the mean loss.
-
-    Attributes:
-        microbatches: ``K >= 1``.
-        sync: ``"every"``, ``"deferred"`` or ``"no_sync"`` (each trained role opts in with
-            ``Role(..., allow_no_sync=True)``): ``docs/concepts/sync-policies.md``.
-        keep_params_gathered: Keep FSDP2 parameters unsharded between micro-batches
-            (``set_reshard_after_backward(last)``): fewer all-gathers, more memory.
-        defer_all_reduce: With HSDP, all-reduce across replicas only after the last
-            micro-batch (``set_requires_all_reduce(last)``).
+    Each micro-batch's loss is divided by ``microbatches`` (``K >= 1``) so the accumulated
+    gradient is the gradient of the mean loss. ``sync`` (``"no_sync"``: each trained role
+    opts in with ``Role(..., allow_no_sync=True)``), ``keep_params_gathered`` and
+    ``defer_all_reduce``: ``docs/concepts/sync-policies.md``.
 
     Raises:
         ValueError: For ``K < 1`` or an unknown policy.

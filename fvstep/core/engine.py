@@ -71,7 +71,7 @@ class Route:
         settings: The leaf's settings over the enclosing ``compile``s' (some may be unset).
         resolved: ``settings`` over the defaults: what runs.
         gates: The ``every``/``cond`` gates to the leaf, outermost first; all must open.
-        named: Whether its metrics are ``<its name>/<key>`` (see :func:`name_routes`).
+        named: Whether its metrics are ``<its name>/<key>`` (:func:`name_routes`).
     """
 
     leaf: Leaf
@@ -91,13 +91,11 @@ class Route:
 
 
 def name_routes(routes: Sequence[Route]) -> tuple[Route, ...]:
-    """``routes`` with :attr:`Route.named` resolved, for the step they are the routes of.
+    """``routes`` with :attr:`Route.named` resolved (called by ``sequence`` and ``cond``).
 
     A leaf that trains a role an earlier leaf trains too, where both can run at one step
     (not the two branches of one ``cond``), reports every metric as ``<its name>/<key>``,
-    at every step, whether or not the earlier one ran: a metric's key never depends on
-    the step. Called where routes are joined (``sequence``, ``cond``); an ``every`` or a
-    ``compile`` around a step changes no route's naming.
+    at every step: a metric's key never depends on the step.
     """
     out = []
     for position, route in enumerate(routes):
@@ -138,10 +136,8 @@ def scheduled(routes: Sequence[Route], step: int) -> list[tuple[int, Route]]:
 
 
 class Step(abc.ABC):
-    """A step function: ``step(state, batch, key=None, *, parallelism=None)``.
-
-    Subclasses hold :attr:`routes`, one per leaf they can ever run, computed when built.
-    """
+    """A step function: ``step(state, batch, key=None, *, parallelism=None)``; its
+    :attr:`routes`, one per leaf it can ever run, are computed when it is built."""
 
     routes: tuple[Route, ...]
 
@@ -182,9 +178,8 @@ class Step(abc.ABC):
         Keys and the failure rule: ``docs/concepts/keys.md``, ``docs/concepts/purity.md``.
 
         Args:
-            state: The current state; consumed by the call (from its first change on).
-            batch: A pytree of tensors split along dim 0 into the micro-batches, or a
-                list of exactly ``microbatches`` micro-batches.
+            state: The current state; consumed by the call.
+            batch: A pytree of tensors split along dim 0 (:func:`split_microbatches`).
             key: The key of this step's randomness; default ``state.key``.
             parallelism: ``fvstep.parallel.Layout(...)`` on several ranks; ``None``: one process.
 
@@ -247,11 +242,8 @@ class Step(abc.ABC):
 
 
 class Leaf(Step):
-    """One leaf of a composition: a unit (``fvstep.update``) or a managed step
-    (``fvstep.managed``), run by the engine as ``leaf.run(state, batch, key, settings, call)``.
-
-    Its ``name`` keys its randomness and labels its metrics: unique within a step.
-    """
+    """A unit (``fvstep.update``) or a managed step (``fvstep.managed``), run by the engine
+    as ``leaf.run(state, batch, key, settings, call)``; its ``name`` is unique within a step."""
 
     kind: ClassVar[str] = "leaf"
     managed: ClassVar[bool] = False
@@ -279,20 +271,18 @@ class Leaf(Step):
         )
 
 
+# a leaf's routes: itself, with its own settings
 ROUTES = attrs.Factory(
     lambda leaf: (Route(leaf, leaf.settings, leaf.settings.resolve()),), takes_self=True
 )
-"""A leaf's ``routes`` default: itself, its own settings (computed once)."""
 
 
 class Call:
     """One call of a step as it runs: what its leaves read, and what they have changed.
 
-    Loss functions may change buffers or ``extra`` tensors in place (a BatchNorm forward),
-    so their version counters are watched: a failed step never calls such an input
-    unchanged (best effort: a kernel writing behind autograd's back moves no counter).
-    ``splits`` holds the step's batch split once per number of micro-batches; ``changed``,
-    the ``(position, leaf)`` of each leaf that has changed the state, in order.
+    ``changed`` lists the ``(position, leaf)`` that changed the state; buffers and ``extra``
+    tensors are watched by version counter (a BatchNorm forward changes them in place), so
+    a failed step never calls such an input unchanged (best effort).
     """
 
     def __init__(
@@ -501,10 +491,9 @@ def backward(
     sync: GradSync | None,
     parallelism: Parallelism | None,
 ) -> Gradients:
-    """Phase 1 of a unit: gradients of ``roles`` over ``microbatches``, measured.
+    """Phase 1 of a unit: gradients of ``roles`` over ``microbatches`` (keyed ``fold_in(key, m)``).
 
-    Micro-batch ``m`` is keyed by ``fold_in(key, m)``. Changes no leaf of ``state``; the
-    other roles' parameters have ``requires_grad`` off meanwhile.
+    Changes no leaf of ``state``; the other roles' parameters have ``requires_grad`` off.
 
     Raises:
         NonFiniteGradientError: With ``sanitize="error"``, if a loss or a gradient is not

@@ -1,8 +1,7 @@
 """Every exception fvstep raises on purpose, in one module (the lowest layer: any may import it).
 
 Each is re-exported where its users find it (``fvstep.StepFailedError``,
-``fvstep.checkpoint.CheckpointError``, ``fvstep.parallel.CompiledGradientError``, ...); the
-class objects are these, so ``isinstance`` and pickling do not depend on the path.
+``fvstep.checkpoint.CheckpointError``, ...): the same class objects.
 """
 
 from __future__ import annotations
@@ -35,22 +34,19 @@ __all__ = [
 
 
 class ConsumedStateError(RuntimeError):
-    """A consumed (donated) state was used after a step took it: raised by the step, or
-    by any use of the state, that finds it consumed."""
+    """A consumed (donated) state was used after a step took it."""
 
 
 class NonFiniteGradientError(FloatingPointError):
     """A unit's loss or gradient was NaN or infinite under ``sanitize="error"``.
 
-    Raised after the last micro-batch's backward and before the unit changes any leaf
-    (no optimizer step, no EMA, no clipping). On several ranks every rank raises: the
-    decision comes from the global gradient norm (and every rank's losses).
+    Raised before the unit changes any leaf; on several ranks every rank raises (the
+    verdict is the global gradient norm and every rank's losses).
 
     Attributes:
         step: The step counter of the state the unit ran on.
         unit: The unit's name.
-        role: The role whose loss or gradient is not finite (``None`` when it is so on
-            another rank only).
+        role: The role whose loss or gradient is not finite (``None``: another rank's).
         parameter: The first parameter of ``role`` with a non-finite gradient entry on
             this rank, or ``None`` (a loss, or another rank's shard).
         microbatch: The micro-batch of a non-finite loss, else ``None``.
@@ -77,7 +73,7 @@ class NonFiniteGradientError(FloatingPointError):
         self.kind = kind
 
     def __reduce__(self) -> tuple:
-        # Keep the attributes when the error crosses a process boundary (pickled).
+        # the attributes survive pickling (an error crossing a process boundary)
         details = {
             k: getattr(self, k) for k in ("step", "unit", "role", "parameter", "microbatch", "kind")
         }
@@ -85,16 +81,15 @@ class NonFiniteGradientError(FloatingPointError):
 
 
 class StepFailedError(RuntimeError):
-    """A step raised after it had changed some leaves of its input state in place.
+    """A step raised after it had changed leaves of its input in place (``__cause__``: why).
 
-    The input is consumed and partly updated: reload the last checkpoint. The error that
-    stopped the step is ``__cause__`` (the failure rule: ``docs/concepts/purity.md``).
+    The input is consumed and partly updated: reload the last checkpoint
+    (``docs/concepts/purity.md``).
     """
 
 
 class MissingExtraError(ModuleNotFoundError):
-    """An optional package is not installed; the message names the extra to install.
-    Raised by ``needs_extra`` blocks around the optional imports."""
+    """An optional package is not installed; the message names the extra to install."""
 
 
 class CompiledGradientError(ValueError):
@@ -111,26 +106,22 @@ class CompiledGradientError(ValueError):
 
 
 class CheckpointError(ValueError):
-    """A checkpoint is missing, incomplete, corrupt or does not fit the state: raised by
-    ``fvstep.checkpoint.load`` and the functions that find or write checkpoints."""
+    """A checkpoint is missing, incomplete, corrupt or does not fit the state."""
 
 
 class NewerFormatError(CheckpointError):
-    """A complete checkpoint written by a newer fvstep format than this one reads (raised on
-    reading its manifest)."""
+    """A complete checkpoint written by a newer fvstep format than this one reads."""
 
 
 class DamagedCheckpointError(CheckpointError):
     """A checkpoint's manifest, shards or checksums are damaged (missing, truncated, malformed).
 
-    An older checkpoint of the same run may still be good: :func:`fvstep.run` skips damaged
-    ones (see ``Checkpoints.on_damaged``).
+    An older checkpoint may still be good: see ``Checkpoints.on_damaged``.
     """
 
 
 class CheckpointLockedError(CheckpointError):
-    """The directory of checkpoints is locked by another run: raised by
-    ``fvstep.checkpoint.lock_dir`` (and so by ``fvstep.run``)."""
+    """The directory of checkpoints is locked by another run (``fvstep.checkpoint.lock_dir``)."""
 
 
 class Interrupted(Exception):
@@ -143,7 +134,6 @@ class Interrupted(Exception):
         signal: ``"SIGTERM"`` or ``"SIGINT"`` (a first Ctrl-C).
         step: The step the state reached (and was saved at).
         num_steps: The step the run was asked to reach.
-
     """
 
     def __init__(
@@ -170,23 +160,19 @@ class Interrupted(Exception):
 
 
 class ShardError(Exception):
-    """A shard is missing, damaged, or does not match the index; the message names the file
-    and, where one is being read, the row (and, from a loader, the rank and step)."""
+    """A shard is missing, damaged, or does not match the index (the message names the file)."""
 
 
 class UsageError(ValueError):
-    """A user error of ``fvstep data``: the ``fvstep`` command prints it as one line and
-    exits 2."""
+    """A user error of ``fvstep data``: printed as one line, exit code 2."""
 
 
 class SimulatedCrash(RuntimeError):
-    """Raised by the data of an interrupted run of ``fvstep.testing``, at the step where it
-    'crashes'."""
+    """Raised by ``fvstep.testing``'s data at the step where a test run 'crashes'."""
 
 
 class ConfigChangeError(ValueError):
-    """A resumed run was given options that alter the math of the run it continues: raised
-    by ``fvstep train`` when it resumes."""
+    """``fvstep train`` resumed with options that alter the math of the run it continues."""
 
 
 class CLIError(Exception):

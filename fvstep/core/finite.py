@@ -1,9 +1,5 @@
-"""The errors of ``sanitize="error"``: which loss or gradient was not finite, and where.
-
-Reached only when a unit's non-finite verdict failed: it finds the first non-finite loss
-(role and micro-batch) or gradient (role and parameter) and raises
-:class:`~fvstep.core.grads.NonFiniteGradientError` saying what to look for.
-"""
+"""The errors of ``sanitize="error"``, reached only when a unit's non-finite verdict failed:
+the first non-finite loss (role, micro-batch) or gradient (role, parameter), and where."""
 
 from __future__ import annotations
 
@@ -37,7 +33,7 @@ def raise_non_finite(
     verdict: list[float],
 ) -> NoReturn:
     """Raise the ``NonFiniteGradientError`` of ``verdict`` (``[non-finite losses over ranks,
-    each measured group's norm]``), naming the first non-finite loss or gradient."""
+    each measured group's norm]``)."""
     where = f"step {step}, unit {unit!r}"
     if verdict[0] != 0:
         _raise_for_loss(step, unit, roles, loss_log, where)

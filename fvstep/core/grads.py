@@ -1,6 +1,5 @@
 """Gradient hygiene: non-finite handling and clipping by global norm.
 
-A unit applies them after its last micro-batch's backward: sanitize, clip, optimizer.
 The norm and the clipping are torch's own (``get_total_norm``, ``clip_grads_with_norm_``),
 so a step is bitwise a loop calling ``clip_grad_norm_``. The sanitize modes
 (:data:`SANITIZE_MODES`) are documented on :func:`fvstep.core.steps.update`.
@@ -48,11 +47,9 @@ def clip_grad_norm(
 ) -> ClipGradNorm:
     """Clip each trained role's gradients by their global norm, as ``clip_grad_norm_`` does.
 
-    The norm is over every shard of every parameter (DTensor gradients of FSDP2 roles
-    included). By default each role of a unit is clipped by its own norm; with
-    ``joint=True`` the roles a unit trains together are clipped by one norm over all of
-    them (metric ``<role>+<role>/grad_norm``), like one ``clip_grad_norm_`` call over the
-    parameters of several modules.
+    The norm is over every shard of every parameter. By default each role of a unit is
+    clipped by its own norm; with ``joint=True`` the roles a unit trains together are
+    clipped by one norm over all of them (metric ``<role>+<role>/grad_norm``).
 
     Args:
         max_norm: The maximum norm (> 0).
@@ -69,11 +66,8 @@ def clip_grad_norm(
 
 
 def first_non_finite(named: Sequence[tuple[str, torch.Tensor]]) -> tuple[str, str] | None:
-    """The first ``(name, kind)`` of ``named`` tensors with a NaN or infinite entry.
-
-    DTensors are checked on their local shard (no communication). One host sync per
-    tensor: for error messages, not for the hot path.
-    """
+    """The first ``(name, kind)`` of ``named`` tensors with a NaN or infinite entry, on local
+    shards; one host sync per tensor: for error messages, not the hot path."""
     for name, x in named:
         local = local_tensor(x).detach()
         if not bool(torch.isfinite(local).all()):

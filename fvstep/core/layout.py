@@ -1,15 +1,13 @@
 """What a step needs from the process layout: the protocols it is passed, never imports.
 
-A call of a step is given its layout (``step(state, batch, parallelism=...)``; ``None``
-is one process). The core knows these protocols and nothing of ``torch.distributed`` or
-FSDP2; ``fvstep.parallel.Layout`` implements them. :class:`GradSync` is what happens
-around one unit's micro-batches; :class:`Parallelism` is the layout of a call.
+A call is given its layout (``parallelism=``; ``None`` is one process), which
+``fvstep.parallel.Layout`` implements: the core knows nothing of ``torch.distributed``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from types import TracebackType
+from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 import torch
@@ -23,10 +21,8 @@ __all__ = ["CollectiveCounting", "GradSync", "Parallelism"]
 class GradSync(Protocol):
     """What a unit does around its micro-batches to control gradient reduction.
 
-    :meth:`release` keeps "no state outside the state": it is called before a unit
-    touches any module and again after it (also on error), and returns every role's
-    module to rest, so that nothing a unit leaves in a module (an FSDP2 group still
-    unsharded after a no-grad forward, say) reaches the next unit.
+    :meth:`release` runs before a unit touches any module and after it (also on error):
+    nothing a unit leaves in a module (an unsharded FSDP2 group) reaches the next unit.
     """
 
     def release(self, state: TrainState, *, after_error: bool = False) -> None:
@@ -43,17 +39,8 @@ class GradSync(Protocol):
         ...
 
 
-class CollectiveCounting(Protocol):
+class CollectiveCounting(AbstractContextManager[Any], Protocol):
     """A context manager that counts the collectives issued inside it."""
-
-    def __enter__(self) -> Any: ...
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> Any: ...
 
     def metrics(self) -> dict[str, int]:
         """``collectives/<kind>`` counts and ``collectives/<kind>_bytes``."""
@@ -61,18 +48,10 @@ class CollectiveCounting(Protocol):
 
 
 class Parallelism(Protocol):
-    """The process layout of a call, as the core sees it.
-
-    It holds configuration, never training state. The implementation is
-    ``fvstep.parallel.Layout``; one process needs none (``parallelism=None``).
-    """
+    """The process layout of a call, as the core sees it: configuration, never training state."""
 
     def check(self, state: TrainState) -> None:
-        """Refuse a state this layout cannot train correctly, before anything is consumed.
-
-        Raises:
-            ValueError: Naming the role and what to do.
-        """
+        """Refuse (``ValueError``) a state this layout cannot train, before anything is consumed."""
 
     def grad_sync(self, state: TrainState, accumulation: Accumulation) -> GradSync | None:
         """The :class:`GradSync` of one unit run on ``state`` with ``accumulation``, or

@@ -1,7 +1,6 @@
 """Managed steps: methods that run their own inner loop (RL: sample, reward, several updates).
 
-:func:`managed` wraps ``fn(state, batch, key, ctx) -> (state, metrics)``; the engine
-runs it as every leaf, by its ``run`` (:meth:`Managed.run`), which gives ``fn`` a
+The engine runs one as every leaf, by its ``run``, which gives ``fn`` a
 :class:`ManagedContext` to run inner units the same way, by theirs.
 """
 
@@ -81,14 +80,12 @@ def managed(
 
     Args:
         trains: Roles whose optimizers it steps.
-        mutates: Frozen roles it changes in place (e.g. ``"old"``).
         clip: Default clipping of its inner updates (else the enclosing ``compile``'s).
         sanitize: Default non-finite mode of its inner updates.
         name: Keys its randomness; labels its metrics.
         check: ``check(state, batch, accumulation)``, run on the step's input before any
-            leaf of a step this managed step runs at: it raises on what ``fn`` cannot take
-            (leaving the input unchanged, where an error inside ``fn`` consumes it) and
-            must change nothing.
+            leaf runs: it raises on what ``fn`` cannot take (the input stays unconsumed)
+            and changes nothing.
 
     Examples:
         >>> managed(rl_outer_step, trains="student")
@@ -132,13 +129,11 @@ class ManagedContext:
         """Run the unit ``unit_`` once on ``batch`` (split into micro-batches), keyed by ``key``.
 
         ``accumulation`` defaults to the enclosing ``compile``'s; the unit's own
-        ``clip``/``sanitize`` apply, else the managed step's, else the enclosing
-        ``compile``'s (keys: ``docs/concepts/keys.md``).
+        ``clip``/``sanitize`` apply, else the managed step's, else the enclosing ones.
 
         Raises:
             TypeError: If ``unit_`` is not a unit (``fvstep.update(...)``).
-            ValueError: If it trains a role the managed step does not declare in
-                ``trains`` (``plan`` would not show it).
+            ValueError: If it trains a role the managed step does not declare in ``trains``.
         """
         if not isinstance(unit_, Leaf) or unit_.managed:
             raise TypeError(

@@ -1,9 +1,7 @@
 """How a unit runs, as data: its execution settings and what a step's plan lists.
 
 A unit's own ``clip``/``sanitize`` win; an enclosing ``compile`` (the innermost first)
-fills what a unit leaves unset, accumulation included; then the defaults (one
-micro-batch, no clipping, ``sanitize="error"``). :class:`UnitSettings` is that merge, and
-:class:`PlanEntry` what ``plan(i)`` lists: one leaf of the step with its settings resolved.
+fills what a unit leaves unset, accumulation included; then :data:`DEFAULT_SETTINGS`.
 """
 
 from __future__ import annotations
@@ -36,8 +34,7 @@ class Unset(enum.Enum):
 
 
 UNSET: Final = Unset.UNSET
-"""An option that was not given: the enclosing ``compile``'s setting applies, else the default.
-(``None`` is a value of its own: ``clip=None`` turns clipping off.)"""
+"""An option not given (``None`` is a value: ``clip=None`` turns clipping off)."""
 
 
 def check_clip(clip: object) -> None:
@@ -56,8 +53,7 @@ def check_sanitize(sanitize: object) -> None:
 class UnitSettings:
     """How a unit runs: micro-batching and sync, clipping, the non-finite mode.
 
-    Unset fields (``None`` for ``accumulation``, :data:`UNSET` for the others) are merged
-    as the module says; the builders (``update``, ``managed``, ``compile``) check values.
+    Unset fields are ``None`` for ``accumulation``, :data:`UNSET` for the others.
 
     Examples:
         >>> UnitSettings(clip=None).over(UnitSettings(Accumulation(4), sanitize="skip")).resolve()
@@ -92,7 +88,6 @@ class PlanEntry:
     Attributes:
         position: The leaf's index among all the leaves of the step (depth first, every
             branch); for messages only: keys come from the name.
-        roles: The roles whose optimizers step.
         mutates: Frozen roles it changes in place (managed steps only).
         accumulation: For a managed step, that of its inner updates unless they pass theirs.
     """

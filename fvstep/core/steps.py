@@ -53,7 +53,7 @@ def check_step(step: object, where: str) -> None:
 
 
 def check_unique_names(leaves: tuple[Leaf, ...], where: str) -> None:
-    """Refuse two leaves of one name (a ``ValueError``): their keys would be the same."""
+    """Refuse two leaves of one name: their keys would be the same."""
     seen: dict[str, Leaf] = {}
     for leaf in leaves:
         other = seen.setdefault(leaf.name, leaf)
@@ -80,13 +80,11 @@ class Unit(Leaf):
     loss_fn: LossFn
     settings: UnitSettings = attrs.Factory(UnitSettings)
     name: str = ""
-    trains: tuple[str, ...] = attrs.field(init=False, repr=False)  # its roles, as a leaf
+    trains: tuple[str, ...] = attrs.field(
+        init=False, repr=False, default=attrs.Factory(lambda unit: unit.roles, takes_self=True)
+    )
     routes: tuple[Route, ...] = attrs.field(init=False, repr=False, eq=False, default=ROUTES)
     run = run_unit
-
-    @trains.default
-    def _trains(self) -> tuple[str, ...]:
-        return self.roles
 
 
 def update(
@@ -103,9 +101,7 @@ def update(
     ``fvstep.random.rng_scope(key_m)``, then backward of ``loss / K`` (of the sum of a
     dict of losses: a loss that reads another trained role's output must detach it).
     Then, per role: sanitize, clip by global norm, step the optimizer, update the EMA.
-    ``loss_fn`` may call any role's module (``state.module(name)``); gradients reach only
-    the trained roles. The unit is a step (default settings: one micro-batch, no clip,
-    ``sanitize="error"``).
+    ``loss_fn`` may call any role's module; gradients reach only the trained roles.
 
     Args:
         roles: The role (or roles) trained; each must have an optimizer.
@@ -115,17 +111,15 @@ def update(
         sanitize: What to do with a NaN or infinite gradient, or left out for the
             enclosing setting (whose default is ``"error"``):
 
-            - ``"error"``: raise :class:`~fvstep.core.grads.NonFiniteGradientError` (naming
-              the step, unit, role and parameter or micro-batch) before any leaf of the
-              unit changes; one device sync per unit;
+            - ``"error"``: raise :class:`~fvstep.core.errors.NonFiniteGradientError`
+              before any leaf of the unit changes; one device sync per unit;
             - ``"skip"``: leave the roles' parameters, optimizer state and EMA
-              bit-unchanged when their gradient norm is not finite (metric
-              ``<role>/skipped``);
+              bit-unchanged when their gradient norm is not finite (``<role>/skipped``);
             - ``"nan_to_num"``: zero non-finite gradient entries, then step;
             - ``None``: no check. Unsafe: a single NaN gradient silently turns every
               parameter and optimizer moment of the role into NaN.
         name: Keys the unit's randomness and labels its metrics (default: the roles
-            joined by ``+``); unique among the units of a composed step.
+            joined by ``+``); unique among the leaves of a step.
 
     Examples:
         >>> unit = update("student", flow_matching_loss, clip=clip_grad_norm(1.0))
@@ -200,8 +194,7 @@ def every(n: int, inner: Step, *, offset: int = 0) -> Every:
 
     Args:
         n: The interval (>= 1); DMD2's ``generator_update_interval``.
-    inner: A unit or any composed step.
-    offset: The first step it runs at (>= 0).
+        offset: The first step it runs at (>= 0).
 
     Examples:
         >>> every(5, update("student", gen_loss))   # steps 0, 5, 10, ...
@@ -279,12 +272,10 @@ def compile(
     setting: it is passed to each call (``parallelism=``).
 
     Args:
-        inner: A unit (``fvstep.update``) or any composed step.
         accumulation: ``Accumulation(microbatches=K, sync=...)`` for the units inside;
             default one micro-batch.
         clip: Clipping of units that do not set their own (``None``: off); default off.
-    sanitize: Non-finite mode of units that do not set their own: ``"error"`` (the
-        final default), ``"skip"``, ``"nan_to_num"`` or ``None`` (see :func:`update`).
+        sanitize: Non-finite mode of units that do not set their own (:func:`update`'s).
 
     Raises:
         ValueError: For a bad setting, or two leaves of one name.
@@ -304,10 +295,8 @@ def compile(
 
 
 def plan(step_fn: Step, step: int) -> list[PlanEntry]:
-    """What ``step_fn`` runs at ``step`` (a pure function of ``step``).
-
-    Returns:
-        One :class:`~fvstep.core.settings.PlanEntry` per leaf that runs, in order.
+    """What ``step_fn`` runs at ``step``: one :class:`~fvstep.core.settings.PlanEntry` per
+    leaf that runs, in order (a pure function of ``step``).
 
     Examples:
         >>> [e.roles for e in plan(step_fn, 5)]

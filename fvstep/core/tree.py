@@ -33,7 +33,6 @@ __all__ = [
     "leaves",
     "local_tensor",
     "local_tensors",
-    "path_str",
     "replace",
     "tree_digest",
     "tree_map",
@@ -74,32 +73,24 @@ def leaves(tree: Any) -> list[Any]:
     return optree.tree_leaves(tree, namespace=NAMESPACE)
 
 
-def path_str(path: tuple[Any, ...]) -> str:
-    """Render an optree path as a dotted string, e.g. ``roles.student.params.proj.weight``."""
-    return ".".join(str(p) for p in path)
-
-
 def flatten_with_paths(tree: Any) -> tuple[list[str], list[Any], optree.PyTreeSpec]:
-    """``(dotted paths, leaves, treespec)`` of ``tree``; the paths are the checkpoint keys."""
+    """``(paths, leaves, treespec)`` of ``tree``; the dotted paths
+    (``roles.student.params.proj.weight``) are the checkpoint keys."""
     paths, flat, spec = optree.tree_flatten_with_path(tree, namespace=NAMESPACE)
-    return [path_str(p) for p in paths], flat, spec
+    return [".".join(map(str, p)) for p in paths], flat, spec
 
 
 def _clone_leaf(x: Any) -> Any:
-    if isinstance(x, torch.Tensor):
-        copy = x.detach().clone()
-        if isinstance(x, torch.nn.Parameter):
-            return torch.nn.Parameter(copy, requires_grad=x.requires_grad)
-        return copy
-    return x
+    if isinstance(x, torch.nn.Parameter):
+        return torch.nn.Parameter(x.detach().clone(), requires_grad=x.requires_grad)
+    return x.detach().clone() if isinstance(x, torch.Tensor) else x
 
 
 def clone(tree: T) -> T:
     """Deep-copy every tensor leaf of ``tree``; the copy shares no storage with the original.
 
     Dtype, device, ``nn.Parameter``-ness (with ``requires_grad``) and DTensor placements are
-    kept (``DTensor.clone`` keeps its mesh and placements). Non-tensor leaves are shared.
-    A consumed :class:`~fvstep.core.state.TrainState` cannot be cloned.
+    kept; non-tensor leaves are shared. A consumed ``TrainState`` cannot be cloned.
 
     Examples:
         >>> snapshot = clone(state)
@@ -108,10 +99,7 @@ def clone(tree: T) -> T:
 
 
 def is_dtensor(x: object) -> bool:
-    """Whether ``x`` is a DTensor: fvstep's one test of "is this sharded?".
-
-    It reads an attribute every DTensor has, so the core asks without ``torch.distributed``.
-    """
+    """Whether ``x`` is a DTensor (by an attribute every DTensor has: no ``torch.distributed``)."""
     return getattr(x, "device_mesh", None) is not None
 
 
@@ -141,8 +129,7 @@ def full_tensor(x: torch.Tensor) -> torch.Tensor:
     return x.full_tensor() if is_d else x  # type: ignore[attr-defined]
 
 
-def _bits(x: torch.Tensor) -> torch.Tensor:
-    """``x``'s bytes viewed as integers of the same width."""
+def _bits(x: torch.Tensor) -> torch.Tensor:  # x's bytes as integers of the same width
     x = local_tensor(x).detach()
     if x.dtype == torch.bool:
         return x.to(torch.uint8)
@@ -158,14 +145,6 @@ def _describe(x: Any) -> str:
         kind = type(x).__name__
         return f"{kind}(shape={tuple(x.shape)}, dtype={x.dtype}, device={x.device})"
     return repr(x)
-
-
-def _max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> str:
-    a, b = local_tensor(a).detach(), local_tensor(b).detach()
-    diff = (a.to(torch.float64) - b.to(torch.float64)).abs()
-    finite = diff[torch.isfinite(diff)]
-    worst = finite.max().item() if finite.numel() else float("nan")
-    return f"{worst:g}"
 
 
 def _leaf_mismatch(a: Any, b: Any) -> str | None:  # None: bitwise identical
@@ -187,9 +166,12 @@ def _leaf_mismatch(a: Any, b: Any) -> str | None:  # None: bitwise identical
         return f"local shard shapes differ: {tuple(local_tensor(a).shape)} vs {tuple(local_tensor(b).shape)}"
     if not torch.equal(_bits(a), _bits(b)):
         num_diff = int((_bits(a) != _bits(b)).sum().item())
+        diff = (local_tensor(a).detach().double() - local_tensor(b).detach().double()).abs()
+        finite = diff[torch.isfinite(diff)]
+        worst = finite.max().item() if finite.numel() else float("nan")
         return (
             f"{num_diff} of {local_tensor(a).numel()} elements differ bitwise "
-            f"(max abs difference {_max_abs_diff(a, b)}): {_describe(a)}"
+            f"(max abs difference {worst:g}): {_describe(a)}"
         )
     return None
 
@@ -217,12 +199,10 @@ def assert_trees_equal(a: Any, b: Any, *, check_static: bool = True) -> None:
 
     Args:
         check_static: Whether static metadata (modules, hyper-parameters) must be equal;
-            ``False`` compares the paths only (states of different module objects, e.g. a
-            resumed run against an uninterrupted one).
+            ``False`` compares the paths only (e.g. a resumed run against an uninterrupted one).
 
     Raises:
-        AssertionError: Naming the first differing path, with both leaves' shapes and
-            dtypes and the max abs difference.
+        AssertionError: Naming the first differing path and how the leaves differ.
 
     Examples:
         >>> assert_trees_equal(clone(state), state)
@@ -242,10 +222,7 @@ def assert_trees_close(
     For math that allows only summation-order differences (compiled against eager): state
     the tolerance and why at the call. Tensor leaves go through
     ``torch.testing.assert_close`` (NaN equals NaN; DTensors shard by shard), other leaves
-    must be equal.
-
-    Args:
-        check_static: Whether static metadata must be equal too (default: paths only).
+    must be equal; ``check_static`` as :func:`assert_trees_equal`'s.
 
     Raises:
         AssertionError: Naming the first path that differs, with the largest difference.

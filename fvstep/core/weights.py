@@ -1,9 +1,5 @@
-"""Which weights of a role to compute with or export, and the marks of swapped weights.
-
-:func:`select_weights` is the one rule for "the EMA weights"; :func:`holding_other_weights`
-marks a module whose parameters hold something else than its live weights, so that a
-reader of the live weights (a save, an export) can refuse meanwhile.
-"""
+"""Which weights of a role to compute with or export (:func:`select_weights`, the one rule
+for "the EMA weights"), and the marks of swapped weights."""
 
 from __future__ import annotations
 
@@ -30,13 +26,8 @@ _OTHER_WEIGHTS = "_fvstep_other_weights"
 def holding_other_weights(module: nn.Module) -> Iterator[None]:
     """Mark ``module`` as holding other values than its role's live weights (nestable).
 
-    :func:`fvstep.executor.validation.role_module` marks a role's module while its parameters hold
-    the EMA; readers of the live weights that would take the EMA for them (a checkpoint
-    save, an export) refuse while it is marked (:func:`roles_holding_other_weights`).
-
-    Examples:
-        >>> with holding_other_weights(module):
-        ...     ...  # module's parameters hold something else
+    Readers of the live weights (a checkpoint save, an export) refuse while it is marked
+    (:func:`roles_holding_other_weights`), e.g. while validation swaps in the EMA.
     """
     module.__dict__[_OTHER_WEIGHTS] = module.__dict__.get(_OTHER_WEIGHTS, 0) + 1
     try:
@@ -60,17 +51,12 @@ def select_weights(
 ) -> dict[str, torch.Tensor]:
     """The tensors that stand for a role's parameters under ``weights``: the one rule.
 
-    Every reader of "the EMA weights" (validation, sampling, exports, LoRA's merges)
-    takes them from here. ``"params"``: the live parameters. ``"ema"``: each trainable
-    parameter's moving average once the EMA has started (before its first active update
-    the stored copy is stale, so the live parameter); other parameters are live.
-
-    Args:
-        role: The role's name (for the error messages).
+    ``"params"``: the live parameters. ``"ema"``: each trainable parameter's moving average
+    once the EMA has started (before, the stored copy is stale: the live parameter); other
+    parameters are live.
 
     Returns:
-        Parameter name to tensor (the state's own tensors: do not write into them), for
-        every parameter of the role.
+        Every parameter of the role by name (the state's own tensors: do not write into them).
 
     Raises:
         ValueError: For an unknown ``weights``, or ``"ema"`` for a role without an EMA.

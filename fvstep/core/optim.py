@@ -1,15 +1,18 @@
-"""AdamW and SGD: one mechanism over torch's functional kernels, two small configurations.
+"""Functional optimizers over explicit state pytrees, bit-identical to ``torch.optim``.
 
-The mechanism (``_KernelOptimizer``) makes the state, checks it and calls the kernel; an
-optimizer says only what differs: its hyper-parameters, its state's per-param dicts
-(``_slots``) and its kernel (``_apply``). The state's structure is checked once
-(``init``, ``check_state``); what ``update`` is handed anew, cheaply, before any kernel.
+As in optax, each optimizer is one factory (:func:`adamw`, :func:`sgd`) returning static
+metadata with the methods of :class:`Optimizer` over a separate state pytree; both are one
+mechanism (``_KernelOptimizer``) over PyTorch's functional kernels::
+
+    opt = adamw(1e-4, weight_decay=0.01)
+    opt_state = opt.init(params)
+    opt_state = opt.update(params, grads, opt_state)  # params updated in place
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, ClassVar, Generic, NamedTuple, TypeVar
+from typing import Any, ClassVar, Generic, NamedTuple, Protocol, TypeVar, runtime_checkable
 
 import attrs
 import torch
@@ -18,10 +21,86 @@ from torch.optim.sgd import sgd as torch_sgd
 
 from fvstep.core import _compat as torch_compat  # not `_compat`: attrs-generated methods read it
 from fvstep.core._checks import check_learning_rate
-from fvstep.core.optim.base import LearningRate
 from fvstep.core.tree import frozen
 
-__all__ = ["SGD", "AdamW", "AdamWState", "SGDState", "adamw", "sgd"]
+__all__ = [
+    "SGD",
+    "AdamW",
+    "AdamWState",
+    "LearningRate",
+    "Optimizer",
+    "SGDState",
+    "adamw",
+    "sgd",
+]
+
+LearningRate = float | Callable[[int], float]
+"""A constant learning rate, or a schedule: the learning rate as a function of the
+optimizer's own update count (``0`` for the first update)."""
+
+StateT = TypeVar("StateT")
+
+
+@runtime_checkable
+class Optimizer(Protocol[StateT]):
+    """An fvstep optimizer: immutable hyper-parameters over a state pytree of type ``StateT``."""
+
+    @property
+    def needs_fp32_master(self) -> bool:
+        """Whether updates are rounded away in bf16/fp16 params (an fp32 master copy is needed)."""
+        ...
+
+    def init(self, params: Mapping[str, torch.Tensor]) -> StateT:
+        """Allocate the state for ``params`` (by name): every moment, eagerly, at ``count = 0``.
+
+        Raises:
+            TypeError: If params is not a mapping of names to tensors.
+            ValueError: If ``fused=True`` and a param is not floating point on a fused device.
+        """
+        ...
+
+    def update(
+        self,
+        params: Mapping[str, torch.Tensor],
+        grads: Mapping[str, torch.Tensor | None],
+        state: StateT,
+    ) -> StateT:
+        """Apply one update in place to ``params`` and the state's tensors; checks run first.
+
+        Args:
+            grads: Gradients by name; a name that is missing or maps to ``None`` is skipped.
+            state: From :meth:`init`, the previous :meth:`update`, or one that passed
+                :meth:`check_state`. Updated in place: do not reuse it.
+
+        Returns:
+            A new state holding the updated tensors, ``count`` incremented.
+
+        Raises:
+            TypeError: If ``state`` is of another optimizer, or a grad is not a tensor.
+            ValueError: If a grad or moment does not fit its param (shape, dtype, device,
+                sparse), or the names of grads, params and state disagree.
+        """
+        ...
+
+    def check_state(self, params: Mapping[str, torch.Tensor], state: StateT) -> None:
+        """Raise unless ``state`` has the structure :meth:`init` gives ``params``.
+
+        :meth:`update` relies on it unchecked: run this once on a state :meth:`init` did not
+        just make (``TrainState.create`` and a checkpoint load do).
+
+        Raises:
+            TypeError: If ``state`` is of another optimizer, or params is not a mapping of
+                names to tensors.
+            ValueError: If a dict's names differ from the params', two names share one
+                tensor, a moment does not fit its param, or a dict is filled that this
+                configuration keeps empty (or the reverse).
+        """
+        ...
+
+    def learning_rate(self, count: int) -> float:
+        """The learning rate of the update made when ``count`` updates have been applied."""
+        ...
+
 
 _Tensors = list[torch.Tensor]
 
@@ -32,11 +111,8 @@ class AdamWState:
 
     Attributes:
         count: 0-d int64 CPU tensor, the number of updates applied (drives the schedule).
-        step: Per-param step tensor exactly as ``torch.optim.AdamW`` creates it (0-d, on CPU,
-            or on the param's device when ``fused=True``): the bias-correction step ``t``.
-        exp_avg: First moments ``m``.
-        exp_avg_sq: Second moments ``v``.
-        max_exp_avg_sq: ``max`` of second moments (amsgrad), ``{}`` when amsgrad is off.
+        step: Per-param bias-correction step ``t``, as ``torch.optim.AdamW`` creates it.
+        max_exp_avg_sq: ``{}`` when amsgrad is off.
     """
 
     count: torch.Tensor
@@ -51,10 +127,9 @@ class SGDState:
     """State of :class:`SGD`; every leaf is a tensor, dicts are keyed by param name.
 
     Attributes:
-        count: 0-d int64 CPU tensor, the number of updates applied (drives the schedule).
-        momentum_buffer: Momentum buffers ``b``; ``{}`` when momentum is 0.
-        initialized: Per-param 0-d bool CPU tensor: the param has had a gradient (its
-            buffer holds torch's ``clone(grad)``); ``{}`` when momentum is 0.
+        count: As :class:`AdamWState`'s.
+        momentum_buffer: ``{}`` when momentum is 0.
+        initialized: Per-param 0-d bool: the param has had a gradient (``{}`` without momentum).
     """
 
     count: torch.Tensor
@@ -62,12 +137,10 @@ class SGDState:
     initialized: dict[str, torch.Tensor]
 
 
-StateT = TypeVar("StateT", AdamWState, SGDState)
+KernelStateT = TypeVar("KernelStateT", AdamWState, SGDState)
 
 
-class _Slot(NamedTuple):
-    """A per-param dict of a state: how ``init`` makes an entry, and whether it is a moment."""
-
+class _Slot(NamedTuple):  # a per-param dict of a state: how init makes an entry
     new: Callable[[torch.Tensor], torch.Tensor]
     moment: bool
 
@@ -76,8 +149,8 @@ _MOMENT = _Slot(lambda p: torch.zeros_like(p, memory_format=torch.preserve_forma
 _FLAG = _Slot(lambda p: torch.zeros((), dtype=torch.bool), False)
 
 
-class _KernelOptimizer(Generic[StateT]):
-    """The :class:`~fvstep.core.optim.base.Optimizer` methods over ``_state_class``, ``_slots``
+class _KernelOptimizer(Generic[KernelStateT]):
+    """The :class:`Optimizer` methods over ``_state_class``, ``_slots``
     (per-param dicts by field; ``None``: kept empty) and ``_apply`` (the kernel)."""
 
     __slots__ = ()
@@ -103,7 +176,7 @@ class _KernelOptimizer(Generic[StateT]):
             lr(count), f"the learning-rate schedule's value at count {count}"
         )
 
-    def init(self, params: Mapping[str, torch.Tensor]) -> StateT:
+    def init(self, params: Mapping[str, torch.Tensor]) -> KernelStateT:
         """Allocate every moment for ``params`` eagerly, exactly as torch would lazily."""
         _check_params(params, fused=bool(self.fused))
         with torch.no_grad():
@@ -113,7 +186,7 @@ class _KernelOptimizer(Generic[StateT]):
             }
         return self._state_class(count=torch.zeros((), dtype=torch.int64), **dicts)
 
-    def check_state(self, params: Mapping[str, torch.Tensor], state: StateT) -> None:
+    def check_state(self, params: Mapping[str, torch.Tensor], state: KernelStateT) -> None:
         """Raise unless ``state`` is the state :meth:`init` would give ``params``."""
         self._check_state_class(state)
         _check_params(params)
@@ -124,8 +197,8 @@ class _KernelOptimizer(Generic[StateT]):
         self,
         params: Mapping[str, torch.Tensor],
         grads: Mapping[str, torch.Tensor | None],
-        state: StateT,
-    ) -> StateT:
+        state: KernelStateT,
+    ) -> KernelStateT:
         """Apply one update in place to ``params`` and ``state``'s tensors; return the new state."""
         self._check_state_class(state)
         slots = self._slots()
@@ -193,8 +266,7 @@ def _check_impl_flags(foreach: bool | None, fused: bool | None) -> None:
 
 @attrs.frozen(kw_only=True)
 class AdamW(_KernelOptimizer[AdamWState]):
-    """What :func:`adamw` returns (and documents): AdamW's hyper-parameters, read-only and
-    checked on construction, on the shared :class:`~fvstep.core.optim.base.Optimizer` methods."""
+    """What :func:`adamw` returns (and documents): its checked, read-only hyper-parameters."""
 
     _state_class: ClassVar[type] = AdamWState
     lr: LearningRate = attrs.field(converter=_as_learning_rate)
@@ -259,8 +331,7 @@ class AdamW(_KernelOptimizer[AdamWState]):
 
 @attrs.frozen(kw_only=True)
 class SGD(_KernelOptimizer[SGDState]):
-    """What :func:`sgd` returns (and documents): SGD's hyper-parameters, read-only and
-    checked on construction, on the shared :class:`~fvstep.core.optim.base.Optimizer` methods."""
+    """What :func:`sgd` returns (and documents): its checked, read-only hyper-parameters."""
 
     _state_class: ClassVar[type] = SGDState
     lr: LearningRate = attrs.field(converter=_as_learning_rate)
@@ -360,15 +431,12 @@ def adamw(
 
     Args:
         lr: Learning rate (finite, ``>= 0``), or a schedule ``count -> lr`` of the
-            optimizer's own update count (bitwise like ``LambdaLR(opt, lambda c:
-            schedule(c) / base_lr)`` stepped once per update, when
-            ``schedule(c) == base_lr * f(c)``).
-        betas: ``(beta1, beta2)``, each in ``[0, 1)`` (``beta1 = 0`` is allowed).
+            optimizer's own update count (``docs/api/schedules.md``).
+        betas: ``(beta1, beta2)``, each in ``[0, 1)``.
         eps: Denominator term :math:`\epsilon`, ``>= 0``.
         weight_decay: Decoupled weight decay :math:`\lambda`, ``>= 0``.
-        foreach: ``None`` picks torch's default for the params' device (foreach on
-            CUDA-like devices, the single-tensor loop on CPU).
-        fused: Use torch's fused kernel (CPU and CUDA support it); only when asked for.
+        foreach: ``None`` picks torch's default for the params' device.
+        fused: Use torch's fused kernel (CPU and CUDA); only when asked for.
 
     Raises:
         ValueError: On out-of-range hyper-parameters or ``foreach=fused=True``.
@@ -412,19 +480,16 @@ def sgd(
         g &\leftarrow g + \mu b \text{ if nesterov else } b \quad (\text{if } \mu \ne 0) \\
         \theta &\leftarrow \theta - \gamma g
 
-    A param whose grad is ``None`` is skipped (its buffer stays untouched and
-    uninitialized). The defaults are ``torch.optim.SGD``'s; the state is an
-    :class:`SGDState`. As in ``torch.optim.SGD``, the foreach kernel with ``nesterov`` (no
-    ``maximize`` or weight decay) adds the momentum into the grads in place. With
-    ``fused=True``, a param's first gradient after others' does not raise, unlike torch.
+    A param whose grad is ``None`` is skipped (its buffer stays uninitialized). The
+    defaults are ``torch.optim.SGD``'s; the state is an :class:`SGDState`. As in torch, the
+    foreach kernel with ``nesterov`` (no ``maximize`` or weight decay) adds the momentum
+    into the grads in place. With ``fused=True``, a param's first gradient after others'
+    does not raise, unlike torch.
 
     Args:
-        lr: Learning rate (finite, ``>= 0``), or a schedule ``count -> lr`` of the
-            optimizer's own update count.
-        momentum: Momentum factor :math:`\mu`, ``>= 0`` (``0`` keeps no state besides
-            ``count``).
-        dampening: Dampening :math:`\tau` of the momentum (not applied on a param's first
-            step).
+        lr: As :func:`adamw`'s.
+        momentum: Momentum factor :math:`\mu`, ``>= 0`` (``0`` keeps no state but ``count``).
+        dampening: Dampening :math:`\tau` (not applied on a param's first step).
         weight_decay: L2 penalty :math:`\lambda`, ``>= 0``.
         nesterov: Requires ``momentum > 0`` and ``dampening == 0``.
         foreach: As :func:`adamw`'s.
@@ -481,7 +546,6 @@ def _check_params(params: Mapping[str, torch.Tensor], *, fused: bool = False) ->
 def _check_state_dict(
     field: str, tensors: Mapping[str, Any], params: Mapping[str, torch.Tensor], slot: _Slot | None
 ) -> None:
-    """Raise unless ``state.<field>`` fits ``params`` and ``slot`` as :meth:`init` makes it."""
     if not isinstance(tensors, Mapping):
         raise TypeError(f"state.{field} must be a dict, got {type(tensors).__name__}")
     if slot is None:
@@ -527,8 +591,7 @@ def _grad_names(
     keyed: tuple[str, Mapping[str, torch.Tensor]] | None,
     moments: Sequence[tuple[str, Mapping[str, torch.Tensor]]],
 ) -> list[str]:
-    """The names (in params order) that have a grad, after checking each grad and moment
-    against its param: torch would broadcast silently, read out of bounds, or fail midway."""
+    """The names with a grad, each grad and moment checked: torch would broadcast silently."""
     if not isinstance(params, Mapping):
         raise TypeError(
             f"params must be a mapping of names to tensors, got {type(params).__name__}"
