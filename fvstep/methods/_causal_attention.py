@@ -22,6 +22,7 @@ __all__ = [
     "Call",
     "CausalWanAttnProcessor",
     "call_context",
+    "is_causal",
     "rope_check",
     "rope_hook",
 ]
@@ -67,6 +68,11 @@ class Call:
 call_context: contextvars.ContextVar[Call | None] = contextvars.ContextVar(
     "fvstep_causal_wan_call", default=None
 )
+
+
+def is_causal(model: Any) -> bool:
+    """Whether ``model`` is a causal Wan (made so by :func:`~fvstep.methods.causal_wan.make_causal`)."""
+    return hasattr(getattr(model, "rope", None), CAUSAL_ATTR)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

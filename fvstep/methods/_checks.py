@@ -17,7 +17,7 @@ from torch import nn
 
 from fvstep.core._compat import forward_pre_hooks, fsdp_casts_inputs
 from fvstep.core.state import TrainState
-from fvstep.methods.causal_wan import is_causal
+from fvstep.methods._causal_attention import is_causal
 
 __all__ = [
     "cast_batch",

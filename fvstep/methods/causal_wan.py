@@ -23,9 +23,11 @@ from fvstep.methods._causal_attention import (
     Call,
     CausalWanAttnProcessor,
     call_context,
+    is_causal,
     rope_check,
     rope_hook,
 )
+from fvstep.methods._checks import check_count
 
 __all__ = [
     "CAUSAL_CONFIG_KEY",
@@ -96,11 +98,6 @@ def chunk_frames_of(model: nn.Module) -> int:
     return int(chunk)
 
 
-def is_causal(model: nn.Module) -> bool:
-    """Whether ``model`` is a causal Wan (made so by :func:`make_causal`)."""
-    return hasattr(getattr(model, "rope", None), CAUSAL_ATTR)
-
-
 def recorded_chunk_frames(model_or_config: Any) -> int | None:
     """The chunk a module's config (or a config mapping) records (:data:`CAUSAL_CONFIG_KEY`).
 
@@ -147,8 +144,7 @@ def make_causal(model: nn.Module, *, chunk_frames: int | None = None) -> nn.Modu
     recorded = recorded_chunk_frames(model)
     if chunk_frames is None:
         chunk_frames = 3 if recorded is None else recorded
-    if isinstance(chunk_frames, bool) or not isinstance(chunk_frames, int) or chunk_frames < 1:
-        raise ValueError(f"chunk_frames must be an int >= 1, got {chunk_frames!r}")
+    check_count(chunk_frames, "chunk_frames")
     if recorded is not None and recorded != chunk_frames:
         raise ValueError(
             f"the model's config records a causal model of chunk_frames={recorded} (an "

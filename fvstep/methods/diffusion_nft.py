@@ -33,7 +33,6 @@ from fvstep.methods.old_policy import blend_, euler_sample, run_inner_updates
 from fvstep.methods.rewards import (
     GroupStd,
     RewardFn,
-    check_group_size,
     check_rewards,
     group_batch,
     optimality_probabilities,
@@ -188,7 +187,7 @@ def diffusion_nft(
     """
     if not callable(reward_fn):
         raise TypeError(f"reward_fn must be callable, got {type(reward_fn).__name__}")
-    check_group_size(group_size)
+    check_count(group_size, "group_size", 2)
     check_count(num_inner, "num_inner")
     check_count(minibatches, "minibatches")
     if std not in ("group", "batch"):

@@ -19,7 +19,6 @@ __all__ = [
     "GroupStd",
     "PixelRewardFn",
     "RewardFn",
-    "check_group_size",
     "check_rewards",
     "colorfulness",
     "decoded",
@@ -150,12 +149,8 @@ def latent_mse_reward(samples: torch.Tensor, batch: Mapping[str, Any]) -> torch.
     return -(diff**2).flatten(1).mean(1)
 
 
-def check_group_size(group_size: int) -> None:
-    check_count(group_size, "group_size", 2)
-
-
 def _check_grouped(rewards: torch.Tensor, group_size: int) -> None:
-    check_group_size(group_size)
+    check_count(group_size, "group_size", 2)
     if rewards.dim() != 1 or rewards.shape[0] % group_size:
         raise ValueError(
             f"rewards must be (N,) with N divisible by group_size={group_size}, "
@@ -208,14 +203,8 @@ def optimality_probabilities(
         raise ValueError(f"clip_max must be > 0, got {clip_max}")
     if not eps >= 0:
         raise ValueError(f"eps must be >= 0, got {eps}")
-    grouped = rewards.float().reshape(-1, group_size)
-    mean = grouped.mean(dim=1, keepdim=True)
-    if std == "group":
-        spread = grouped.std(dim=1, keepdim=True, unbiased=False)
-    else:
-        spread = grouped.std(unbiased=False)
-    advantages = (grouped - mean) / (spread + eps)
-    return (0.5 + 0.5 * (advantages / clip_max).clamp(-1.0, 1.0)).reshape(-1)
+    advantages = _normalised(rewards.float(), group_size, std, eps)
+    return 0.5 + 0.5 * (advantages / clip_max).clamp(-1.0, 1.0)
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
@@ -227,7 +216,15 @@ def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) 
         ValueError: For a bad shape or group size.
     """
     _check_grouped(rewards, group_size)
+    return _normalised(rewards, group_size, "group", eps)
+
+
+def _normalised(rewards: torch.Tensor, group_size: int, std: GroupStd, eps: float) -> torch.Tensor:
+    """``(r - mean_g) / (s + eps)``, ``s`` the population std of the group or the batch."""
     grouped = rewards.reshape(-1, group_size)
     mean = grouped.mean(dim=1, keepdim=True)
-    std = grouped.std(dim=1, keepdim=True, unbiased=False)
-    return ((grouped - mean) / (std + eps)).reshape(-1)
+    if std == "group":
+        spread = grouped.std(dim=1, keepdim=True, unbiased=False)
+    else:
+        spread = grouped.std(unbiased=False)
+    return ((grouped - mean) / (spread + eps)).reshape(-1)

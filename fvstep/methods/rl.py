@@ -31,7 +31,6 @@ from fvstep.methods.old_policy import (
 )
 from fvstep.methods.rewards import (
     RewardFn,
-    check_group_size,
     check_rewards,
     group_advantages,
     group_batch,
@@ -124,7 +123,7 @@ def rl(
     check_count(num_inner, "num_inner")
     if not 0.0 <= blend <= 1.0:
         raise ValueError(f"blend must be in [0, 1], got {blend}")
-    check_group_size(group_size)
+    check_count(group_size, "group_size", 2)
     check_count(sample_steps, "sample_steps")
     reward = reward_fn or latent_mse_reward
     unit = update(
