@@ -17,7 +17,7 @@ from torch import nn
 from fvstep.core import random as fsrandom
 from fvstep.core.tree import replace
 from fvstep.methods import _noise
-from fvstep.methods._checks import check_cache_fits, check_count
+from fvstep.methods._checks import check_cache_fits, check_count, check_step_index
 from fvstep.methods.causal_wan import KVCache, causal_forward, chunk_frames_of, init_cache
 from fvstep.methods.finetune import add_noise, x0_from_velocity
 
@@ -117,13 +117,8 @@ def rollout(
     if len(exits) != num_chunks:
         raise ValueError(f"need one exit step for each of {num_chunks} chunks, got {len(exits)}")
     steps = tuple(float(s) for s in denoising_steps)
-    bad = [j for j in exits if isinstance(j, bool) or not isinstance(j, int) or j < 0]
-    bad += [j for j in exits if j not in bad and j >= len(steps)]
-    if bad:
-        raise ValueError(
-            f"exits {tuple(exits)} must index the {len(steps)} denoising steps: each an int "
-            f"in 0 .. {len(steps) - 1}, got {bad[0]!r}"
-        )
+    for c, j in enumerate(exits):
+        check_step_index(j, len(steps), f"exits[{c}]")
     if cache is None:
         cache = init_cache(student, like, capacity_frames=frames, dtype=cache_dtype)
     else:

@@ -24,6 +24,7 @@ from fvstep.methods._checks import (
     check_count,
     check_denoising_steps,
     check_score_options,
+    check_step_index,
 )
 from fvstep.methods.finetune import RoleLossFn, add_noise, x0_from_velocity
 from fvstep.methods.models import predict
@@ -189,11 +190,8 @@ def rollout(
         target = 0
         if len(steps) > 1:
             target = int(torch.randint(len(steps), (1,), generator=fsrandom.generator(k_target)))
-    elif isinstance(target, bool) or not isinstance(target, int) or not 0 <= target < len(steps):
-        raise ValueError(
-            f"target={target!r} must index the {len(steps)} denoising steps: an int in "
-            f"0 .. {len(steps) - 1}"
-        )
+    else:
+        check_step_index(target, len(steps), "target")
     batch_size = like.shape[0]
 
     def time(s: float) -> torch.Tensor:

@@ -1,9 +1,6 @@
-"""Rewards for the RL methods: the protocol, its checks, and rewards that run anywhere.
-
-``rewards = reward_fn(samples, batch)`` scores latents ``(N, C, F, H, W)``, one number a
-sample; ``batch`` is the method's batch repeated per sample (:func:`group_batch`). A pixel
-reward becomes a latent one through a decoder (:func:`decoded`). Rewards become
-DiffusionNFT's optimality probabilities or the simple RL step's advantages per prompt group.
+"""Rewards for the RL methods: the protocol (:class:`RewardFn`), its checks, and rewards
+that run anywhere. A pixel reward becomes a latent one through a decoder (:func:`decoded`);
+rewards become DiffusionNFT's optimality probabilities or the RL step's advantages.
 """
 
 from __future__ import annotations
@@ -29,33 +26,26 @@ __all__ = [
 ]
 
 GroupStd = Literal["group", "batch"]
-"""The spread that normalises rewards: of each prompt group, or of the whole batch."""
 
 
 class RewardFn(Protocol):
     """``reward_fn(samples, batch) -> (N,)``: one reward per sample (higher is better).
 
-    ``samples`` are the generated latents ``(N, C, F, H, W)`` (no gradient). It runs under
-    ``torch.no_grad()`` in the step's RNG scope: a reward that draws noise draws it from
-    the global RNG (seeded from the step's key) or is deterministic.
+    ``samples`` are the generated latents ``(N, C, F, H, W)``, ``batch`` the method's batch
+    repeated per sample (:func:`group_batch`). It runs under ``torch.no_grad()`` in the
+    step's RNG scope: a reward that draws noise draws it from the global RNG (seeded from
+    the step's key) or is deterministic.
     """
 
-    def __call__(self, samples: torch.Tensor, batch: Mapping[str, Any]) -> torch.Tensor:
-        """The rewards, ``(N,)``."""
-        ...
+    def __call__(self, samples: torch.Tensor, batch: Mapping[str, Any]) -> torch.Tensor: ...
 
 
 PixelRewardFn = Callable[[torch.Tensor, Mapping[str, Any]], torch.Tensor]
 """``pixel_reward(pixels, batch) -> (N,)`` with pixels ``(N, F, H, W, 3)`` in ``[0, 1]``."""
 
 
-def check_rewards(rewards: object, num_samples: int, *, what: str = "reward_fn") -> torch.Tensor:
-    """Refuse what is not one floating reward a sample (shapes and dtypes: no device sync).
-
-    Args:
-        rewards: What the reward function returned.
-        num_samples: ``N``, the samples it was given.
-        what: Names the reward function in the error.
+def check_rewards(rewards: object, num_samples: int) -> torch.Tensor:
+    """Refuse what is not one floating reward a sample (metadata only: no device sync).
 
     Returns:
         ``rewards``, detached.
@@ -66,15 +56,15 @@ def check_rewards(rewards: object, num_samples: int, *, what: str = "reward_fn")
     """
     if not isinstance(rewards, torch.Tensor) or not rewards.is_floating_point():
         got = rewards.dtype if isinstance(rewards, torch.Tensor) else type(rewards).__name__
-        raise TypeError(f"{what} must return a floating tensor of rewards, got {got}")
+        raise TypeError(f"reward_fn must return a floating tensor of rewards, got {got}")
     if tuple(rewards.shape) != (num_samples,):
         raise ValueError(
-            f"{what} must return one reward per sample, shape ({num_samples},), got "
+            f"reward_fn must return one reward per sample, shape ({num_samples},), got "
             f"{tuple(rewards.shape)} (reduce any per-frame or per-pixel scores to one a sample)"
         )
     if rewards.requires_grad:
         raise ValueError(
-            f"{what} returned rewards that require grad: a reward is a constant of "
+            "reward_fn returned rewards that require grad: a reward is a constant of "
             "the loss; compute it under torch.no_grad(), or .detach() what it returns"
         )
     return rewards.detach()
@@ -86,7 +76,6 @@ def decoded(
     """A latent reward ``reward_fn(samples, batch) = pixel_reward(decode(samples), batch)``.
 
     Args:
-        pixel_reward: ``(pixels, batch) -> (N,)``, pixels ``(N, F, H, W, 3)`` in ``[0, 1]``.
         decode: ``latents -> pixels``, e.g. ``functools.partial(decode_latents, vae)``.
 
     Raises:
@@ -111,7 +100,6 @@ def colorfulness(pixels: torch.Tensor, batch: Mapping[str, Any] | None = None) -
 
     Args:
         pixels: ``(N, F, H, W, 3)`` (or ``(N, H, W, 3)``) RGB in ``[0, 1]``.
-        batch: Not read (the pixel reward protocol passes it).
 
     Returns:
         ``(N,)`` fp32.
@@ -174,15 +162,13 @@ def optimality_probabilities(
     clip_max: float = 5.0,
     eps: float = 1e-4,
 ) -> torch.Tensor:
-    """Rewards to optimality probabilities in ``[0, 1]``, normalised per prompt group.
+    """Rewards to optimality probabilities in ``[0, 1]`` (``docs/methods/diffusion_nft.md``, step 2).
 
-    ``A = (R - mean_g R) / (s + eps)``, ``mean_g`` over the sample's group (rows ``g G ..
-    g G + G - 1``) and ``s`` the population standard deviation of the group (``"group"``)
-    or of all the rewards given (``"batch"``, the authors' default; per rank); then
-    ``r = 1/2 + 1/2 clip(A / clip_max, -1, 1)``.
+    Groups are consecutive rows; ``std="batch"`` (the authors' default) normalises by the
+    spread of all the rewards given (per rank).
 
     Args:
-        rewards: ``(N,)``, ``N`` divisible by ``group_size`` (``G``, >= 2); computed in fp32.
+        rewards: ``(N,)``, ``N`` divisible by ``group_size`` (>= 2); computed in fp32.
         clip_max: Advantages beyond ``+-clip_max`` standard deviations saturate (> 0).
         eps: Added to the standard deviation (>= 0).
 
@@ -209,8 +195,6 @@ def optimality_probabilities(
 
 def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
     """Normalise rewards within consecutive groups of ``group_size``: ``(r - mean_g) / (std_g + eps)``.
-
-    ``std_g`` is the population standard deviation; zero for a group of equal rewards.
 
     Raises:
         ValueError: For a bad shape or group size.

@@ -72,8 +72,7 @@ def init_stream(
     """
     like, text = upcast_for(student, batch["latents"]), upcast_for(student, batch["text"])
     chunk = chunk_frames_of(student)
-    if isinstance(window_frames, bool) or not isinstance(window_frames, int):
-        raise ValueError(f"window_frames must be an int, got {window_frames!r}")
+    check_count(window_frames, "window_frames")
     if window_frames < max(like.shape[2], chunk):
         raise ValueError(
             f"window_frames={window_frames} must hold a step's {like.shape[2]} frames "
