@@ -129,10 +129,7 @@ def diffusion_nft(
 
     Batches need ``"text"`` ``(B, L, D)`` and either ``"latents"`` (only their shape is
     read) or ``latent_shape``; the rollout and the reward see the batch repeated per
-    sample (:func:`~fvstep.methods.rewards.group_batch`). Keys: ``split(step_key, 3)`` gives
-    the rollout noise, the rollout's key and the inner key; pass ``e`` splits
-    ``fold_in(inner, e)`` into the shuffle key and the update keys (``fold_in(., j)`` for
-    minibatch ``j``). The loss options are
+    sample (:func:`~fvstep.methods.rewards.group_batch`). The loss options are
     :func:`~fvstep.methods.diffusion_nft_loss.nft_loss`'s, ``std`` and ``clip_max``
     :func:`~fvstep.methods.rewards.optimality_probabilities`'.
 

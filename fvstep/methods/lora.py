@@ -1,10 +1,8 @@
 """LoRA roles over one frozen base: peft's adapters, one module per adapter.
 
-The base keeps only its own weights as parameters and, every adapter disabled, computes
-the base model (a frozen role); each :class:`LoRAModule` registers only its adapter's
-parameters and calls the base with that adapter active (a trainable role). So no two
-roles share a tensor, and one base is in memory however many adapters train over it.
-Between calls every adapter is disabled. The design: ``docs/concepts/lora.md``.
+The base, every adapter disabled, is a frozen role; each :class:`LoRAModule` registers only
+its adapter's parameters and calls the base with that adapter active. The design:
+``docs/concepts/lora.md``.
 """
 
 from __future__ import annotations
