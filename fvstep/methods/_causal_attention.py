@@ -22,6 +22,7 @@ __all__ = [
     "Call",
     "CausalWanAttnProcessor",
     "call_context",
+    "is_causal",
     "rope_check",
     "rope_hook",
 ]
@@ -33,27 +34,21 @@ CAUSAL_ATTR = "_fvstep_causal_chunk_frames"  # on the rotary module: a plain int
 class _Rotary:
     """What one forward's self-attention processors are given (as ``rotary_emb``).
 
-    Every shape is fixed by the call's frame count and the cache's capacity, never by how
-    full the cache is, and nothing in it is a Python number that changes between the
-    calls of a rollout: a compiled block sees the same inputs at every chunk.
+    Every shape is fixed by the call's frames and the cache's capacity, never by its fill
+    level: a compiled block sees the same inputs at every chunk of a rollout.
     """
 
     cos_q: torch.Tensor  # (1, queries, 1, head_dim): this call's tokens' rotation
     sin_q: torch.Tensor
     cos_k: torch.Tensor  # (1, keys, 1, head_dim): every key's, the cache's slots first
     sin_k: torch.Tensor
-    # (queries, keys) bool, True = attend: the filled cache slots and the block-causal
-    # local part ((1, keys) for one chunk of queries: the same for all); None without a
-    # cache (the local part is then ``chunks``)
+    # (queries, keys) bool, True = attend ((1, keys) for one chunk); None without a cache
     mask: torch.Tensor | None
-    # without a cache: per chunk of queries, (query end, key end) in tokens; empty: one
-    # chunk, every key
+    # without a cache: per chunk of queries, (query end, key end) in tokens; (): every key
     chunks: tuple[tuple[int, int], ...]
     cache_keys: torch.Tensor | None  # (B, layers, buffer tokens, heads, head_dim)
     cache_values: torch.Tensor | None
-    # None, or (capacity tokens,) int64: the buffer's token for each cache slot (a rollout
-    # context in one shared buffer); gathered per layer inside the block
-    cache_slots: torch.Tensor | None
+    cache_slots: torch.Tensor | None  # None, or the buffer's token for each cache slot
     collected: list[Any] | None  # per layer (k, v) of this call, when the cache is updated
 
 
@@ -67,6 +62,11 @@ class Call:
 call_context: contextvars.ContextVar[Call | None] = contextvars.ContextVar(
     "fvstep_causal_wan_call", default=None
 )
+
+
+def is_causal(model: Any) -> bool:
+    """Whether ``model`` is a causal Wan (made so by :func:`~fvstep.methods.causal_wan.make_causal`)."""
+    return hasattr(getattr(model, "rope", None), CAUSAL_ATTR)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -113,11 +113,8 @@ def rope_check(module: Any, args: tuple[Any, ...]) -> None:
 
 
 def rope_hook(module: Any, args: tuple[Any, ...], output: Any) -> _Rotary:
-    """Wan's rotary embedding, extended over the cache's slots, with this call's inputs.
-
-    Runs eagerly, outside the compiled blocks: the cache's fill level is read here as a
-    Python number and turned into tensors of fixed shapes.
-    """
+    """Wan's rotary embedding over the cache's slots, with this call's inputs (run eagerly:
+    the fill level becomes tensors of fixed shapes here)."""
     hidden = args[0]
     _, _, frames, height, width = hidden.shape
     p_t, p_h, p_w = module.patch_size
@@ -161,11 +158,8 @@ def rope_hook(module: Any, args: tuple[Any, ...], output: Any) -> _Rotary:
 class CausalWanAttnProcessor:
     """A Wan self-attention processor: block-causal, reading (and collecting) a KV cache.
 
-    Installed by :func:`make_causal` on every block's ``attn1``; it takes the signature of
-    diffusers' ``WanAttnProcessor`` and is given its per-call inputs as ``rotary_emb`` by
-    the causal model's rotary hook. It holds only its layer index: a Python int for the
-    (eager) cache-filling pass, and a tensor for reading its layer of the cache, so that
-    a compiled block's graph is one for every layer (an int would be a constant of it).
+    Its per-call inputs come as ``rotary_emb`` from the rotary hook. The layer index is
+    also a tensor, so that a compiled block's graph is one for every layer.
     """
 
     _attention_backend: Any = None
@@ -194,7 +188,6 @@ class CausalWanAttnProcessor:
         attention_mask: torch.Tensor | None = None,
         rotary_emb: Any = None,
     ) -> torch.Tensor:
-        """Self-attention of ``hidden_states`` (this call's tokens) over cache and self."""
         with needs_extra("models", "causal attention"):
             from diffusers.models.attention_dispatch import dispatch_attention_fn
 

@@ -17,7 +17,7 @@ from torch import nn
 
 from fvstep.core._compat import forward_pre_hooks, fsdp_casts_inputs
 from fvstep.core.state import TrainState
-from fvstep.methods.causal_wan import is_causal
+from fvstep.methods._causal_attention import is_causal
 
 __all__ = [
     "cast_batch",
@@ -28,6 +28,7 @@ __all__ = [
     "check_denoising_steps",
     "check_rollout_options",
     "check_score_options",
+    "check_step_index",
     "upcast_for",
 ]
 
@@ -36,6 +37,15 @@ def check_count(value: object, name: str, minimum: int = 1) -> None:
     """Refuse a ``value`` that is not an int (a bool is not) ``>= minimum``, naming it ``name``."""
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+
+
+def check_step_index(index: object, num_steps: int, name: str) -> None:
+    """Refuse an ``index`` (named ``name``) that is not an int in ``0 .. num_steps - 1``."""
+    if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < num_steps:
+        raise ValueError(
+            f"{name}={index!r} must index the {num_steps} denoising steps: an int in "
+            f"0 .. {num_steps - 1}"
+        )
 
 
 def check_batch(

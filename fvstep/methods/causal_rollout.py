@@ -17,7 +17,7 @@ from torch import nn
 from fvstep.core import random as fsrandom
 from fvstep.core.tree import replace
 from fvstep.methods import _noise
-from fvstep.methods._checks import check_cache_fits, check_count
+from fvstep.methods._checks import check_cache_fits, check_count, check_step_index
 from fvstep.methods.causal_wan import KVCache, causal_forward, chunk_frames_of, init_cache
 from fvstep.methods.finetune import add_noise, x0_from_velocity
 
@@ -26,8 +26,6 @@ __all__ = ["Rollout", "exit_steps", "regenerate", "rollout", "shifted_steps"]
 
 def shifted_steps(steps: Sequence[float], shift: float) -> tuple[float, ...]:
     """The few-step schedule warped by a timestep shift: ``shift t / (1 + (shift - 1) t)``.
-
-    Self-Forcing's Wan2.1 schedule is ``(1, 0.75, 0.5, 0.25)`` shifted by 5.
 
     Examples:
         >>> shifted_steps((1.0, 0.75, 0.5, 0.25), 5.0)
@@ -47,10 +45,7 @@ def exit_steps(
     same_step_across_chunks: bool = False,
     last_step_only: bool = False,
 ) -> tuple[int, ...]:
-    """Each chunk's exit step, drawn from the shared key of ``step`` (same on every rank).
-
-    Uniform over ``range(num_steps)`` from ``fold_in(fold_in_name(key, "self_forcing_exit"),
-    step)``, drawn on the CPU.
+    """Each chunk's exit step, drawn from the shared key of ``step`` (``docs/methods/self_forcing.md``).
 
     Args:
         key: The state's base key (``state.key``), not a per-rank key.
@@ -72,16 +67,8 @@ def exit_steps(
 
 
 class Rollout(NamedTuple):
-    """A chunk-by-chunk rollout and what it takes to recompute its chunks with gradient.
-
-    Attributes:
-        video: ``(B, C, F, H, W)``: each chunk's exit-step output, concatenated.
-        cache: The cache after the last chunk (its context pass appended).
-        exit_inputs: Per chunk, the noisy input of its exit step (no gradient).
-        exit_times: Per chunk, its exit step's time.
-        contexts: Per chunk, the cache its exit step read: views of one buffer, each with
-            its own fill level (or, with eviction, its ``slots``).
-    """
+    """A chunk-by-chunk rollout, and per chunk what :func:`regenerate` needs: its exit step's
+    input and time, and the cache it read (views of one buffer)."""
 
     video: torch.Tensor
     cache: KVCache
@@ -109,14 +96,11 @@ def rollout(
     """The causal student's video, chunk by chunk with its KV cache.
 
     Args:
-        student: A causal Wan.
-        like: Latents giving the video's shape ``(B, C, F, H, W)`` (``F`` a multiple of the
-            chunk), dtype and device.
-        key: The rollout key (per rank).
+        like: Latents giving the video's shape ``(B, C, F, H, W)``, dtype and device.
         exits: Each chunk's exit step (:func:`exit_steps`).
         cache: The cache to continue from (a stream); default an empty one of ``F`` frames.
         context_time: The time at which the clean chunks are fed to the cache (0: clean).
-        cache_dtype: The new cache's dtype, without ``cache`` (as :func:`init_cache`'s).
+        cache_dtype: The new cache's dtype, without ``cache``.
 
     Returns:
         A :class:`Rollout`; ``video`` has gradient through the exit steps when grad is on.
@@ -133,13 +117,8 @@ def rollout(
     if len(exits) != num_chunks:
         raise ValueError(f"need one exit step for each of {num_chunks} chunks, got {len(exits)}")
     steps = tuple(float(s) for s in denoising_steps)
-    bad = [j for j in exits if isinstance(j, bool) or not isinstance(j, int) or j < 0]
-    bad += [j for j in exits if j not in bad and j >= len(steps)]
-    if bad:
-        raise ValueError(
-            f"exits {tuple(exits)} must index the {len(steps)} denoising steps: each an int "
-            f"in 0 .. {len(steps) - 1}, got {bad[0]!r}"
-        )
+    for c, j in enumerate(exits):
+        check_step_index(j, len(steps), f"exits[{c}]")
     if cache is None:
         cache = init_cache(student, like, capacity_frames=frames, dtype=cache_dtype)
     else:
@@ -197,9 +176,8 @@ def rollout(
 def _windows(
     start: KVCache, held: int, new: list[tuple[torch.Tensor, torch.Tensor]], chunk: int
 ) -> list[KVCache]:
-    """Each chunk's context in a rolling cache: the sink and the latest frames, as views of
-    one buffer (``start``'s ``held`` frames, then each chunk's new ones)."""
-
+    """Each chunk's context in a rolling cache (the sink and the latest frames), as views of
+    one buffer: ``start``'s ``held`` frames, then each chunk's new ones."""
     ft, capacity, sink = start.frame_tokens, start.capacity_frames, start.sink_frames
     keys = torch.cat([start.keys[:, :, : held * ft], *(k for k, _ in new)], 2)
     values = torch.cat([start.values[:, :, : held * ft], *(v for _, v in new)], 2)

@@ -23,9 +23,11 @@ from fvstep.methods._causal_attention import (
     Call,
     CausalWanAttnProcessor,
     call_context,
+    is_causal,
     rope_check,
     rope_hook,
 )
+from fvstep.methods._checks import check_count
 
 __all__ = [
     "CAUSAL_CONFIG_KEY",
@@ -41,8 +43,7 @@ __all__ = [
 ]
 
 CAUSAL_CONFIG_KEY = "_fvstep_causal"
-"""Where :func:`make_causal` records ``{"chunk_frames": n}`` in the config (and an export's
-``config.json``); ``from_pretrained`` ignores it (builds a bidirectional model) but keeps it."""
+"""Where :func:`make_causal` records ``{"chunk_frames": n}`` in the config (``docs/methods/causal_wan.md``)."""
 
 
 @frozen
@@ -52,10 +53,8 @@ class KVCache:
     Attributes:
         keys: ``(B, layers, capacity_frames * frame_tokens, heads, head_dim)`` (a longer
             buffer with ``slots``), before the rotary embedding; slots past ``num_frames``
-            are masked.
-        values: Like ``keys``.
+            are masked. ``values`` likewise.
         num_frames: 0-d int64 tensor: the frames held (a prefix of the slots).
-        frame_tokens: Tokens per latent frame (static).
         sink_frames: Frames kept forever at the start when the cache is full (static).
         slots: ``None``, or (a rollout's context in a longer buffer) each slot's token in it.
     """
@@ -75,7 +74,7 @@ class KVCache:
 
 
 def chunk_frames_of(model: nn.Module) -> int:
-    """The chunk size (latent frames) of a model made causal by :func:`make_causal`.
+    """The chunk size (latent frames) of a causal model.
 
     Raises:
         ValueError: If ``model`` is not causal.
@@ -96,13 +95,8 @@ def chunk_frames_of(model: nn.Module) -> int:
     return int(chunk)
 
 
-def is_causal(model: nn.Module) -> bool:
-    """Whether ``model`` is a causal Wan (made so by :func:`make_causal`)."""
-    return hasattr(getattr(model, "rope", None), CAUSAL_ATTR)
-
-
 def recorded_chunk_frames(model_or_config: Any) -> int | None:
-    """The chunk a module's config (or a config mapping) records (:data:`CAUSAL_CONFIG_KEY`).
+    """The chunk a module's config (or a config mapping) records, if any.
 
     Raises:
         ValueError: If the record is not ``{"chunk_frames": n}``, ``n`` an int ``>= 1``.
@@ -118,9 +112,7 @@ def recorded_chunk_frames(model_or_config: Any) -> int | None:
 def make_causal(model: nn.Module, *, chunk_frames: int | None = None) -> nn.Module:
     """Make a diffusers ``WanTransformer3DModel`` block-causal over chunks of latent frames.
 
-    In place: every block's self-attention processor becomes a
-    :class:`CausalWanAttnProcessor` and the rotary embedding gets a forward hook; the
-    parameters and their names do not change. The config records it
+    In place; the parameters and their names do not change, and the config records it
     (:data:`CAUSAL_CONFIG_KEY`), so :func:`load_causal` restores it from an export.
 
     Args:
@@ -147,8 +139,7 @@ def make_causal(model: nn.Module, *, chunk_frames: int | None = None) -> nn.Modu
     recorded = recorded_chunk_frames(model)
     if chunk_frames is None:
         chunk_frames = 3 if recorded is None else recorded
-    if isinstance(chunk_frames, bool) or not isinstance(chunk_frames, int) or chunk_frames < 1:
-        raise ValueError(f"chunk_frames must be an int >= 1, got {chunk_frames!r}")
+    check_count(chunk_frames, "chunk_frames")
     if recorded is not None and recorded != chunk_frames:
         raise ValueError(
             f"the model's config records a causal model of chunk_frames={recorded} (an "
@@ -183,9 +174,6 @@ def load_causal(
     path: str | os.PathLike[str], *, chunk_frames: int | None = None, **kwargs: Any
 ) -> nn.Module:
     """A causal Wan from a diffusers folder: ``from_pretrained``, then :func:`make_causal`.
-
-    The way back from an export of a causal role (a plain ``from_pretrained`` gives the
-    bidirectional model of the same weights).
 
     Args:
         path: A model folder (``config.json``) or a pipeline folder (``model_index.json``;
@@ -231,10 +219,9 @@ def init_cache(
         like: Latents ``(B, C, F, H, W)``: their batch size, frame size, device and (unless
             ``dtype``) dtype are the cache's.
         capacity_frames: The frames the cache holds at most; a full cache keeps its first
-            ``sink_frames`` (an attention sink, ``< capacity_frames``) and drops the oldest
-            of the others.
-        dtype: The buffers' dtype. Default: the autocast dtype when autocast is on for
-            ``like``'s device, else ``like``'s.
+            ``sink_frames`` (an attention sink) and drops the oldest of the others.
+        dtype: The buffers' dtype. Default: the autocast dtype when autocast is on, else
+            ``like``'s.
 
     Raises:
         ValueError: If the model is not causal, or the capacities are out of range.
@@ -247,10 +234,11 @@ def init_cache(
         )
     wan: Any = model
     config = wan.config
+    frame_tokens = _frame_tokens(model, like)
     shape = (
         like.shape[0],
         len(wan.blocks),
-        capacity_frames * _frame_tokens(model, like),
+        capacity_frames * frame_tokens,
         int(config.num_attention_heads),
         int(config.attention_head_dim),
     )
@@ -262,14 +250,14 @@ def init_cache(
         keys=torch.zeros(shape, dtype=dtype, device=like.device),
         values=torch.zeros(shape, dtype=dtype, device=like.device),
         num_frames=torch.zeros((), dtype=torch.int64),
-        frame_tokens=_frame_tokens(model, like),
+        frame_tokens=frame_tokens,
         sink_frames=sink_frames,
     )
 
 
 def _append(cache: KVCache, collected: list[Any], frames: int) -> KVCache:
     """``cache`` with this call's ``collected`` keys and values; a full one keeps its sink."""
-    if cache.slots is not None:  # a rollout's context is a view: read, never appended to
+    if cache.slots is not None:  # a rollout's context is a view of a shared buffer
         raise ValueError("cannot append to a KVCache with slots (a rollout's context)")
     cached = int(cache.num_frames)
     capacity, sink, ft = cache.capacity_frames, cache.sink_frames, cache.frame_tokens
@@ -314,11 +302,9 @@ def causal_forward(
     see every cached frame and, block-causally, ``x``'s own.
 
     Args:
-        model: A causal Wan (:func:`make_causal`), prepared or not.
         timestep: ``(B,)`` or per frame ``(B, F)``, flow-matching time times 1000.
         cache: The keys and values of the frames before ``x``.
-        update_cache: Return the cache with ``x``'s keys and values (computed at
-            ``timestep``) appended. Needs ``cache``.
+        update_cache: Return the cache with ``x``'s keys and values appended. Needs ``cache``.
 
     Returns:
         ``(velocity, cache)``: the velocity, shaped like ``x``, and the updated cache

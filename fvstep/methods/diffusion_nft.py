@@ -2,11 +2,7 @@
 
 Roles: ``policy`` (trained), ``old`` (frozen: it samples the rollouts and is moved toward
 the policy after each outer step) and, for the optional KL term, a frozen ``reference``.
-One outer step (:func:`diffusion_nft`): roll out with the old policy, reward each sample
-and turn the rewards into optimality probabilities per prompt group, run the inner
-updates of the policy on :func:`~fvstep.methods.diffusion_nft_loss.nft_loss`, then
-soft-update the old policy. The equations, defaults and errors:
-``docs/methods/diffusion_nft.md``.
+The outer step, equations, defaults and errors: ``docs/methods/diffusion_nft.md``.
 """
 
 from __future__ import annotations
@@ -33,7 +29,6 @@ from fvstep.methods.old_policy import blend_, euler_sample, run_inner_updates
 from fvstep.methods.rewards import (
     GroupStd,
     RewardFn,
-    check_group_size,
     check_rewards,
     group_batch,
     optimality_probabilities,
@@ -53,7 +48,7 @@ key=key)`` of :func:`fvstep.executor.sampling.sample`)."""
 
 
 def euler_rollout(num_steps: int = 10) -> RolloutFn:
-    """:func:`~fvstep.methods.old_policy.euler_sample` under ``torch.no_grad()`` (the key is not read).
+    """:func:`~fvstep.methods.old_policy.euler_sample` without gradient (the key is not read).
 
     Raises:
         ValueError: If ``num_steps < 1``.
@@ -71,16 +66,11 @@ def euler_rollout(num_steps: int = 10) -> RolloutFn:
 
 @attrs.frozen
 class SoftUpdate:
-    """The old policy's decay at outer step ``i``: ``0`` before ``flat``, then
-    ``min(rate (i - flat), max_decay)``.
+    """The old policy's decay ``eta`` at outer step ``i``: ``0`` before ``flat``, then
+    ``min(rate (i - flat), max_decay)`` (``docs/methods/diffusion_nft.md``, step 4).
 
-    ``old = eta old + (1 - eta) policy`` after each outer step: ``eta = 0`` copies the
-    policy, a larger ``eta`` lets the old policy lag (``SoftUpdate(0, 0)``: a copy every step).
-
-    Attributes:
-        rate: Growth of ``eta`` per outer step (>= 0).
-        max_decay: Its cap, in ``[0, 1]``.
-        flat: Outer steps of ``eta = 0`` first (>= 0).
+    Raises:
+        ValueError: If ``rate < 0``, ``max_decay`` is not in ``[0, 1]`` or ``flat < 0``.
     """
 
     rate: float = 0.001
@@ -101,12 +91,6 @@ class SoftUpdate:
         return min(self.rate * (step - self.flat), self.max_decay)
 
 
-_NO_SHAPE = (
-    "diffusion_nft needs the latents' shape: pass latent_shape=(C, F, H, W) or a "
-    'batch["latents"] of that shape (its values are not read by the method)'
-)
-
-
 def _noise_like(
     key: torch.Tensor, grouped: Mapping[str, Any], latent_shape: tuple[int, ...] | None
 ) -> torch.Tensor:
@@ -115,8 +99,6 @@ def _noise_like(
         return _noise.randn(
             key, (text.shape[0], *latent_shape), device=text.device, dtype=text.dtype
         )
-    if not isinstance(grouped.get("latents"), torch.Tensor):
-        raise ValueError(_NO_SHAPE)
     return _noise.randn_like(key, grouped["latents"])
 
 
@@ -146,28 +128,21 @@ def diffusion_nft(
     """DiffusionNFT's outer step as a managed method (see the module docstring).
 
     Batches need ``"text"`` ``(B, L, D)`` and either ``"latents"`` (only their shape is
-    read, for the rollout noise) or ``latent_shape``; the rollout and the reward see the
-    batch repeated per sample (:func:`~fvstep.methods.rewards.group_batch`). The inner
-    minibatches hold ``B * group_size / minibatches`` samples each. Keys:
-    ``split(step_key, 3)`` gives the rollout noise, the rollout's key and the inner key;
-    pass ``e`` of the inner updates splits ``fold_in(inner, e)`` into the shuffle key and
-    the update keys (``fold_in(., j)`` for minibatch ``j``).
+    read) or ``latent_shape``; the rollout and the reward see the batch repeated per
+    sample (:func:`~fvstep.methods.rewards.group_batch`). The loss options are
+    :func:`~fvstep.methods.diffusion_nft_loss.nft_loss`'s, ``std`` and ``clip_max``
+    :func:`~fvstep.methods.rewards.optimality_probabilities`'.
 
     Args:
         reward_fn: ``(samples, batch) -> (N,)`` (:mod:`fvstep.methods.rewards`).
         group_size: Samples per prompt (>= 2).
-        num_inner: Passes over the rollouts per outer step (>= 1).
-        minibatches: Optimizer steps per pass (>= 1; divides ``B * group_size``).
-        beta: And ``weighting``, ``kl_weight`` (> 0 needs a ``reference`` role),
-            ``t_sampling``: the loss's (:func:`~fvstep.methods.diffusion_nft_loss.nft_loss`).
-        std: And ``clip_max``: :func:`~fvstep.methods.rewards.optimality_probabilities`'.
+        num_inner: Passes over the rollouts per outer step.
+        minibatches: Optimizer steps per pass (divides ``B * group_size``).
         soft_update: ``eta`` of the old policy as a function of the outer step.
         rollout: The sampler (default ``euler_rollout(10)``).
         latent_shape: ``(C, F, H, W)`` of a sample, when the batch has no ``"latents"``.
         accumulation: Micro-batching of the inner updates; default the compiled step's.
         clip: And ``sanitize``: the inner unit's (default: the compile-wide settings).
-        old: The old policy's role (frozen, mutated by the soft update); ``policy`` the
-            trained one, ``reference`` the KL anchor.
         name: The managed step's name and metrics prefix.
 
     Returns:
@@ -188,7 +163,7 @@ def diffusion_nft(
     """
     if not callable(reward_fn):
         raise TypeError(f"reward_fn must be callable, got {type(reward_fn).__name__}")
-    check_group_size(group_size)
+    check_count(group_size, "group_size", 2)
     check_count(num_inner, "num_inner")
     check_count(minibatches, "minibatches")
     if std not in ("group", "batch"):
@@ -229,7 +204,10 @@ def diffusion_nft(
         if isinstance(batch.get("latents"), torch.Tensor):
             check_batch(state, batch, old)
         elif shape is None:
-            raise ValueError(_NO_SHAPE)
+            raise ValueError(
+                "diffusion_nft needs the latents' shape: pass latent_shape=(C, F, H, W) or a "
+                'batch["latents"] of that shape (its values are not read by the method)'
+            )
         num = batch["text"].shape[0] * group_size
         if num % minibatches:
             raise ValueError(

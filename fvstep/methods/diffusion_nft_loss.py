@@ -25,8 +25,6 @@ from fvstep.methods.old_policy import reference_kl
 __all__ = ["Weighting", "nft_loss"]
 
 Weighting = Literal["adaptive", "velocity"]
-"""How a sample's error is weighted: the authors' self-normalised ``x0`` error, or the
-paper's plain velocity error."""
 
 
 def _per_sample_error(
@@ -59,19 +57,16 @@ def nft_loss(
     """The negative-aware loss of DiffusionNFT on the forward process (one inner update).
 
     The batch holds ``"samples"`` (``x0``, no gradient), ``"text"`` and
-    ``"probabilities"`` ``r`` ``(N,)``; ``(t, eps, x_t)`` come from
-    :func:`~fvstep.methods.finetune.sample_x_t`. The loss (fp32, ``v_old`` and ``v_ref``
-    without gradient) is step 3 of ``docs/methods/diffusion_nft.md``.
+    ``"probabilities"`` ``(N,)``. The loss is step 3 of ``docs/methods/diffusion_nft.md``.
 
     Args:
         beta: The guidance strength (> 0).
-        clip_max: The probability clip of :func:`optimality_probabilities` (the scale).
+        clip_max: The probability clip of
+            :func:`~fvstep.methods.rewards.optimality_probabilities` (the scale).
         weighting: ``"adaptive"`` (the authors' self-normalised ``x0`` error) or
             ``"velocity"`` (the paper's).
-        kl_weight: Weight of the reference term (>= 0; ``0`` skips the reference).
-        t_sampling: ``"uniform"`` or ``"logit_normal"`` (:func:`~fvstep.methods.finetune.sample_time`).
-        old: The old policy's role; ``policy`` the trained one, ``reference`` read only
-            when ``kl_weight > 0``.
+        kl_weight: Weight of the reference term (``0`` skips the reference).
+        t_sampling: As :func:`~fvstep.methods.finetune.sample_time`'s.
 
     Returns:
         ``loss_fn(state, batch, key) -> (loss, {"policy_loss", "kl", "old_deviation",

@@ -24,6 +24,7 @@ from fvstep.methods._checks import (
     check_count,
     check_denoising_steps,
     check_score_options,
+    check_step_index,
 )
 from fvstep.methods.finetune import RoleLossFn, add_noise, x0_from_velocity
 from fvstep.methods.models import predict
@@ -52,14 +53,7 @@ _ROLLOUT, _GEN_T, _GEN_NOISE, _CRITIC_T, _CRITIC_NOISE = range(_NUM_KEYS)
 
 
 class DMD2Losses(NamedTuple):
-    """The loss functions of DMD2 (each ``(state, batch, key) -> ...``).
-
-    Attributes:
-        generator_loss: ``(loss, metrics)``: the student's distribution-matching loss.
-        critic_loss: ``(loss, metrics)``: the critic's denoising loss on a no-grad rollout.
-        fused_loss: ``({"student": g_loss, "critic": c_loss}, metrics)`` from one student
-            forward pass (the critic's loss on the rollout, detached).
-    """
+    """The loss functions of DMD2; ``fused_loss`` gives both roles' losses from one rollout."""
 
     generator_loss: RoleLossFn
     critic_loss: RoleLossFn
@@ -75,11 +69,7 @@ def score_time(
     max_ratio: float,
     device: torch.device | str = "cpu",
 ) -> torch.Tensor:
-    """Draw ``(batch_size,)`` score timesteps: uniform, shifted, clamped to the ratios.
-
-    ``t ~ U[0, 1)``, ``t' = shift t / (1 + (shift - 1) t)``, clamped to
-    ``[min_ratio, max_ratio]``. ``shift = 1`` leaves ``t`` unshifted.
-    """
+    """``(batch_size,)`` score times: ``t ~ U[0, 1)`` shifted, clamped to ``[min_ratio, max_ratio]``."""
     t = _noise.rand(key, (batch_size,), device=device)
     t = shift * t / (1 + (shift - 1) * t)
     return t.clamp(min_ratio, max_ratio)
@@ -99,19 +89,14 @@ def distribution_matching_loss(
     teacher: str = "teacher",
     critic: str = "critic",
 ) -> tuple[torch.Tensor, dict[str, Any]]:
-    """DMD's generator loss ``0.5 * MSE(x0_hat, sg(x0_hat - g))`` on generated samples.
+    """DMD's generator loss ``0.5 * MSE(x0_hat, sg(x0_hat - g))`` (``g``: ``docs/methods/dmd2.md``).
 
-    ``g`` as in ``docs/methods/dmd2.md``, at a score time from ``time_key``
-    (:func:`score_time`) and noise from ``noise_key``; the critic and the guided teacher
-    run under ``torch.no_grad()``, so the gradient reaches ``x0_hat`` only.
+    The critic and the guided teacher run without gradient: it reaches ``x0_hat`` only.
 
     Args:
         state: Anything with ``module(name)`` (a :class:`~fvstep.TrainState`).
-        x0_hat: The generated samples, with the generator's gradient.
         guidance_scale: The teacher's classifier-free guidance scale (``1``: no
-            unconditional pass).
-        shift: The score timestep shift; ``min_ratio``, ``max_ratio`` clamp the score
-            time (:func:`score_time`).
+            unconditional pass); the other options as :func:`score_time`'s.
 
     Returns:
         ``(loss, {"score_t_mean", "dmd_denominator"})``.
@@ -149,10 +134,7 @@ def critic_denoising_loss(
     max_ratio: float,
     critic: str = "critic",
 ) -> tuple[torch.Tensor, dict[str, Any]]:
-    """The critic's flow-matching loss ``mean((v_critic(x_t, t') - (eps - x0_hat))^2)``.
-
-    ``x0_hat`` is detached here; the score time comes from ``time_key`` and the noise
-    from ``noise_key``, the other arguments as :func:`distribution_matching_loss`'s.
+    """The critic's flow-matching loss on ``x0_hat`` (detached), as :func:`distribution_matching_loss`.
 
     Returns:
         ``(loss, {"critic_t_mean"})``.
@@ -168,13 +150,7 @@ def critic_denoising_loss(
 
 
 def target_step(key: torch.Tensor, step: int, num_steps: int) -> int:
-    """The rollout's target step index at ``step``, drawn from the shared key (every rank).
-
-    Uniform over ``range(num_steps)`` from ``fold_in(fold_in_name(key, "dmd2_target"),
-    step)`` on the CPU; ``0`` (no draw) for one step. Why shared: ``docs/methods/dmd2.md``.
-
-    Args:
-        key: The state's base key (``state.key``), not a per-rank key.
+    """The rollout's target step at ``step``, drawn from ``state.key`` (``docs/methods/dmd2.md``).
 
     Raises:
         ValueError: If ``num_steps < 1``.
@@ -197,15 +173,12 @@ def rollout(
 ) -> torch.Tensor:
     """The student's few-step generation ``x0_hat`` from pure noise, at a target step.
 
-    ``split(key, 3)`` gives the initial noise, the target step index when ``target`` is
-    not given, and the re-noising noise. The steps before the target run under
-    ``torch.no_grad()``; the last follows the caller's grad mode.
+    The steps before the target run without gradient; the last in the caller's grad mode.
 
     Args:
         like: A tensor giving the shape, dtype and device of the samples.
-        denoising_steps: Decreasing times in ``(0, 1]``; the first is where noise starts.
-        target: The target step's index (:func:`target_step`); pass it on several ranks
-            (drawn from a per-rank ``key``, sharded students hang).
+        target: The target step's index (:func:`target_step`); default drawn from ``key``,
+            which on several ranks hangs a sharded student.
 
     Raises:
         ValueError: If ``target`` does not index ``denoising_steps``.
@@ -217,11 +190,8 @@ def rollout(
         target = 0
         if len(steps) > 1:
             target = int(torch.randint(len(steps), (1,), generator=fsrandom.generator(k_target)))
-    elif isinstance(target, bool) or not isinstance(target, int) or not 0 <= target < len(steps):
-        raise ValueError(
-            f"target={target!r} must index the {len(steps)} denoising steps: an int in "
-            f"0 .. {len(steps) - 1}"
-        )
+    else:
+        check_step_index(target, len(steps), "target")
     batch_size = like.shape[0]
 
     def time(s: float) -> torch.Tensor:
@@ -249,21 +219,13 @@ def dmd2_losses(
     teacher: str = "teacher",
     critic: str = "critic",
 ) -> DMD2Losses:
-    """The DMD2 loss functions (formulas and keys: ``docs/methods/dmd2.md``).
-
-    Batches need ``"text"`` ``(B, L, D)`` and ``"latents"`` (only its shape, dtype and
-    device: DMD2 generates its samples). With several ``denoising_steps`` the losses read
-    ``state.key`` and ``state.step`` too (:func:`target_step`).
+    """The DMD2 loss functions (formulas, batch and keys: ``docs/methods/dmd2.md``).
 
     Args:
-        guidance_scale: The teacher's classifier-free guidance scale ``s`` (``1``: no
-            guidance, the unconditional pass is skipped).
-        shift: The score timestep shift (``1``: none).
-        min_ratio: Lower clamp of the score timestep, as a fraction of the schedule.
-        max_ratio: Upper clamp of the score timestep.
-        denoising_steps: The student's few-step schedule, decreasing in ``(0, 1]``;
-            ``(1.0,)`` is one-step generation.
-        student: The student role's name; ``teacher`` and ``critic`` likewise.
+        guidance_scale: The teacher's classifier-free guidance scale (``1``: none).
+        shift: The score timestep shift (``1``: none); ``min_ratio`` and ``max_ratio``
+            clamp the score time.
+        denoising_steps: The student's few-step schedule, decreasing in ``(0, 1]``.
 
     Raises:
         ValueError: For out-of-range settings.
@@ -324,7 +286,7 @@ def dmd2_losses(
 
 @attrs.frozen
 class IsMultiple:
-    """The predicate ``step % n == 0`` (a named, comparable callable for :func:`fvstep.cond`)."""
+    """The predicate ``step % n == 0``, comparable (for :func:`fvstep.cond`)."""
 
     n: int
 
@@ -344,15 +306,12 @@ def dmd2(
 ) -> Cond | Chain:
     """DMD2 as a composed method: the critic every step, the student every ``n`` steps.
 
-    Roles: ``student`` and ``critic`` trained, ``teacher`` frozen. How the orderings
-    compose: ``docs/concepts/composition.md`` (DMD2, both orderings).
+    The orderings: ``docs/concepts/composition.md`` (DMD2); the options are
+    :func:`dmd2_losses`'s.
 
     Args:
         generator_update_interval: ``n``: the student steps at ``i % n == 0``.
-        ordering: ``"fused"`` (on generator steps both roles train from one student
-            forward) or ``"sequential"`` (the critic after the student, on a fresh rollout).
-        guidance_scale: And ``shift``, ``min_ratio``, ``max_ratio``, ``denoising_steps``:
-            see :func:`dmd2_losses`.
+        ordering: ``"fused"`` (both roles from one student forward) or ``"sequential"``.
 
     Raises:
         ValueError: For an unknown ordering, ``n < 1`` or out-of-range loss settings.

@@ -37,8 +37,7 @@ TSampling = Literal["uniform", "logit_normal"]
 _T_SAMPLINGS: tuple[str, ...] = ("uniform", "logit_normal")
 
 RoleLossFn = Callable[[TrainState, Any, torch.Tensor], tuple[torch.Tensor, dict[str, Any]]]
-"""A loss function for a unit that trains one role: ``(state, batch, key) -> (loss, metrics)``
-(:data:`fvstep.methods.dmd2.FusedLossFn` is the one for several roles)."""
+"""A loss function for a unit that trains one role: ``(state, batch, key) -> (loss, metrics)``."""
 
 
 def broadcast_time(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -69,7 +68,6 @@ def sample_time(
     """Draw ``(batch_size,)`` fp32 flow-matching times in ``[0, 1]`` from ``key``.
 
     Args:
-        key: An fvstep key; the draw never touches the global RNG.
         t_sampling: ``"uniform"`` (``U[0, 1)``) or ``"logit_normal"``
             (``sigmoid(N(logit_mean, logit_std^2))``).
     """
@@ -125,9 +123,7 @@ def flow_matching_loss(
     (in fp32) with metrics ``{"t_mean": mean t}``.
 
     Args:
-        role: The role whose module predicts the velocity.
-        t_sampling: ``"uniform"`` or ``"logit_normal"``; ``logit_mean`` and ``logit_std``
-            (> 0) shape the latter (:func:`sample_time`).
+        t_sampling: As :func:`sample_time`'s, with ``logit_mean`` and ``logit_std`` (> 0).
 
     Raises:
         ValueError: For an unknown ``t_sampling`` or ``logit_std <= 0``.
@@ -159,12 +155,7 @@ def finetune(
     logit_mean: float = 0.0,
     logit_std: float = 1.0,
 ) -> Unit:
-    """Flow-matching fine-tuning: ``fvstep.update(role, flow_matching_loss(...))``.
-
-    The options are :func:`flow_matching_loss`'s.
-
-    Returns:
-        The method (one update unit named ``"finetune"``).
+    """Flow-matching fine-tuning: ``fvstep.update(role, flow_matching_loss(...), name="finetune")``.
 
     Raises:
         ValueError: For an unknown ``t_sampling`` or ``logit_std <= 0``.

@@ -1,10 +1,8 @@
 """LoRA roles over one frozen base: peft's adapters, one module per adapter.
 
-The base keeps only its own weights as parameters and, every adapter disabled, computes
-the base model (a frozen role); each :class:`LoRAModule` registers only its adapter's
-parameters and calls the base with that adapter active (a trainable role). So no two
-roles share a tensor, and one base is in memory however many adapters train over it.
-Between calls every adapter is disabled. The design: ``docs/concepts/lora.md``.
+The base, every adapter disabled, is a frozen role; each :class:`LoRAModule` registers only
+its adapter's parameters and calls the base with that adapter active. The design:
+``docs/concepts/lora.md``.
 """
 
 from __future__ import annotations
@@ -65,11 +63,6 @@ class LoRAModule(nn.Module):
     Its parameters are the adapter's only, named as in peft's state dict
     (``blocks.0.attn1.to_q.lora_A.weight``); the base is held but not registered (it is
     its own role). Its ``forward`` is the base's, computed with this adapter active.
-
-    Attributes:
-        base: The shared base module (not a submodule).
-        adapter: The adapter's name.
-        config: The adapter's ``peft.LoraConfig``.
     """
 
     base: nn.Module
@@ -110,11 +103,8 @@ class LoRAModule(nn.Module):
 
     @property
     def forward_signature(self) -> inspect.Signature:
-        """The base's ``forward`` signature, which this module's ``forward`` takes.
-
-        :func:`fvstep.parallel.prepare` names positional arguments by it (a timestep
-        passed by position keeps its precision at a boundary cast).
-        """
+        """The base's ``forward`` signature, by which :func:`fvstep.parallel.prepare` names
+        positional arguments."""
         return inspect.signature(self.base.forward)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -160,9 +150,6 @@ def recompute_context(
 ) -> Callable[[], tuple[Any, Any]]:
     """A ``context_fn`` for ``torch.utils.checkpoint`` that recomputes with the same adapter.
 
-    It captures the adapter flags of ``base``'s LoRA layers at the forward and sets them
-    again around the recomputation in backward.
-
     Args:
         base: The base module that :func:`add_adapters` injected adapters into.
         context_fn: Another ``context_fn`` whose two contexts are entered too.
@@ -192,14 +179,12 @@ def add_adapters(
 ) -> dict[str, LoRAModule]:
     """Inject peft LoRA adapters into ``base`` (in place); one :class:`LoRAModule` each.
 
-    For each ``name, config`` (in order), ``peft.inject_adapter_in_model(config, base,
-    adapter_name=name)``; then the adapters move out of the base's module tree into their
-    :class:`LoRAModule`, every adapter is disabled, the base's parameters get
-    ``requires_grad`` off and the adapters' on. Call it before sharding, and move the
-    base and its LoRA modules to a device together (``base.to`` does not move adapters).
+    The adapters move out of the base's module tree into their :class:`LoRAModule`, every
+    adapter is disabled, the base is frozen and the adapters trainable. Move the base and
+    its LoRA modules to a device together (``base.to`` does not move adapters).
 
     Args:
-        base: The base model (e.g. a ``diffusers.WanTransformer3DModel``), not sharded.
+        base: The base model, not sharded.
         configs: Adapter name (an identifier) to its ``peft.LoraConfig``.
         seed: Seeds the adapters' initialisation (the global RNG is left untouched).
 

@@ -41,10 +41,8 @@ def tiny_wan(
 
     Args:
         in_channels: Latent channels (also the output channels).
-        dim_per_head: Attention head dimension (``attention_head_dim``).
         text_dim: Dimension of the text embeddings (``D`` of ``batch["text"]``).
         patch_size: ``(frames, height, width)``; latents' ``F, H, W`` must be divisible by it.
-        rope_max_seq_len: Rotary embedding table length.
 
     Returns:
         The model (in training mode, fp32, on the CPU).
@@ -86,12 +84,7 @@ def synthetic_batch(
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
 ) -> dict[str, torch.Tensor]:
-    """A random batch in the methods' format: a pure function of ``key``.
-
-    Returns:
-        ``{"latents": (B, C, F, H, W), "text": (B, L, D)}`` (``batch_size``, ``channels``,
-        ``frames``, ``height``, ``width``, ``text_len``, ``text_dim``), standard normal entries.
-    """
+    """A random batch ``{"latents": (B, C, F, H, W), "text": (B, L, D)}``, a pure function of ``key``."""
     k_latents, k_text = fsrandom.split(key, 2)
     shape = (batch_size, channels, frames, height, width)
     latents = _noise.randn(k_latents, shape, device=device, dtype=dtype)

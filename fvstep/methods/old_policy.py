@@ -1,9 +1,7 @@
 """What the RL methods share: the old policy's rollouts and soft update, the reference anchor.
 
 :mod:`fvstep.methods.rl` and :mod:`fvstep.methods.diffusion_nft` keep a frozen ``old``
-role that samples an outer step's rollouts (:func:`euler_sample`) and is then moved toward
-the policy in place (:func:`blend_`); both may anchor the policy to a frozen reference
-(:func:`reference_kl`) and run their inner updates by :func:`run_inner_updates`.
+role that samples an outer step's rollouts and is then moved toward the policy in place.
 """
 
 from __future__ import annotations
@@ -25,8 +23,8 @@ def euler_sample(
 ) -> torch.Tensor:
     """Generate ``x0`` from ``noise`` at ``t = 1`` by ``num_steps`` Euler steps of the velocity.
 
-    ``x <- x + (t_next - t) v(x, t)`` on the uniform grid ``1, 1 - 1/n, ..., 0``; with one
-    step this is ``x0 = noise - v(noise, 1)``. Runs in the caller's grad mode.
+    ``x <- x + (t_next - t) v(x, t)`` on the uniform grid ``1, 1 - 1/n, ..., 0``, in the
+    caller's grad mode.
 
     Raises:
         ValueError: If ``num_steps < 1``.
@@ -48,9 +46,8 @@ def blend_(
     """``target = beta * target + (1 - beta) * source``, in place, for every floating tensor.
 
     Args:
-        target: The old policy's parameters (``state.roles["old"].params``), changed in place.
+        target: The old policy's parameters (``state.roles["old"].params``).
         source: The trained policy's, by the same names (cast to ``target``'s dtypes).
-        beta: How much of ``target`` is kept (``0``: a copy of ``source``).
 
     Raises:
         ValueError: If the two do not have the same names.
@@ -93,12 +90,8 @@ def run_inner_updates(
     role: str,
     accumulation: Any,
 ) -> tuple[Any, dict[str, Any], torch.Tensor]:
-    """Run ``unit`` through ``ctx.update`` on each ``(batch, key)`` of ``parts``, in order.
-
-    Returns:
-        The state, the updates' metrics (the later ones win) and the mean of ``role``'s
-        losses, fp32.
-    """
+    """``unit`` through ``ctx.update`` on each ``(batch, key)`` of ``parts``: the state, the
+    metrics (the later win) and the mean of ``role``'s losses, fp32."""
     metrics: dict[str, Any] = {}
     losses = []
     for part, key in parts:

@@ -1,9 +1,6 @@
-"""Rewards for the RL methods: the protocol, its checks, and rewards that run anywhere.
-
-``rewards = reward_fn(samples, batch)`` scores latents ``(N, C, F, H, W)``, one number a
-sample; ``batch`` is the method's batch repeated per sample (:func:`group_batch`). A pixel
-reward becomes a latent one through a decoder (:func:`decoded`). Rewards become
-DiffusionNFT's optimality probabilities or the simple RL step's advantages per prompt group.
+"""Rewards for the RL methods: the protocol (:class:`RewardFn`), its checks, and rewards
+that run anywhere. A pixel reward becomes a latent one through a decoder (:func:`decoded`);
+rewards become DiffusionNFT's optimality probabilities or the RL step's advantages.
 """
 
 from __future__ import annotations
@@ -19,7 +16,6 @@ __all__ = [
     "GroupStd",
     "PixelRewardFn",
     "RewardFn",
-    "check_group_size",
     "check_rewards",
     "colorfulness",
     "decoded",
@@ -30,33 +26,26 @@ __all__ = [
 ]
 
 GroupStd = Literal["group", "batch"]
-"""The spread that normalises rewards: of each prompt group, or of the whole batch."""
 
 
 class RewardFn(Protocol):
     """``reward_fn(samples, batch) -> (N,)``: one reward per sample (higher is better).
 
-    ``samples`` are the generated latents ``(N, C, F, H, W)`` (no gradient). It runs under
-    ``torch.no_grad()`` in the step's RNG scope: a reward that draws noise draws it from
-    the global RNG (seeded from the step's key) or is deterministic.
+    ``samples`` are the generated latents ``(N, C, F, H, W)``, ``batch`` the method's batch
+    repeated per sample (:func:`group_batch`). It runs under ``torch.no_grad()`` in the
+    step's RNG scope: a reward that draws noise draws it from the global RNG (seeded from
+    the step's key) or is deterministic.
     """
 
-    def __call__(self, samples: torch.Tensor, batch: Mapping[str, Any]) -> torch.Tensor:
-        """The rewards, ``(N,)``."""
-        ...
+    def __call__(self, samples: torch.Tensor, batch: Mapping[str, Any]) -> torch.Tensor: ...
 
 
 PixelRewardFn = Callable[[torch.Tensor, Mapping[str, Any]], torch.Tensor]
 """``pixel_reward(pixels, batch) -> (N,)`` with pixels ``(N, F, H, W, 3)`` in ``[0, 1]``."""
 
 
-def check_rewards(rewards: object, num_samples: int, *, what: str = "reward_fn") -> torch.Tensor:
-    """Refuse what is not one floating reward a sample (shapes and dtypes: no device sync).
-
-    Args:
-        rewards: What the reward function returned.
-        num_samples: ``N``, the samples it was given.
-        what: Names the reward function in the error.
+def check_rewards(rewards: object, num_samples: int) -> torch.Tensor:
+    """Refuse what is not one floating reward a sample (metadata only: no device sync).
 
     Returns:
         ``rewards``, detached.
@@ -67,15 +56,15 @@ def check_rewards(rewards: object, num_samples: int, *, what: str = "reward_fn")
     """
     if not isinstance(rewards, torch.Tensor) or not rewards.is_floating_point():
         got = rewards.dtype if isinstance(rewards, torch.Tensor) else type(rewards).__name__
-        raise TypeError(f"{what} must return a floating tensor of rewards, got {got}")
+        raise TypeError(f"reward_fn must return a floating tensor of rewards, got {got}")
     if tuple(rewards.shape) != (num_samples,):
         raise ValueError(
-            f"{what} must return one reward per sample, shape ({num_samples},), got "
+            f"reward_fn must return one reward per sample, shape ({num_samples},), got "
             f"{tuple(rewards.shape)} (reduce any per-frame or per-pixel scores to one a sample)"
         )
     if rewards.requires_grad:
         raise ValueError(
-            f"{what} returned rewards that require grad: a reward is a constant of "
+            "reward_fn returned rewards that require grad: a reward is a constant of "
             "the loss; compute it under torch.no_grad(), or .detach() what it returns"
         )
     return rewards.detach()
@@ -87,7 +76,6 @@ def decoded(
     """A latent reward ``reward_fn(samples, batch) = pixel_reward(decode(samples), batch)``.
 
     Args:
-        pixel_reward: ``(pixels, batch) -> (N,)``, pixels ``(N, F, H, W, 3)`` in ``[0, 1]``.
         decode: ``latents -> pixels``, e.g. ``functools.partial(decode_latents, vae)``.
 
     Raises:
@@ -112,7 +100,6 @@ def colorfulness(pixels: torch.Tensor, batch: Mapping[str, Any] | None = None) -
 
     Args:
         pixels: ``(N, F, H, W, 3)`` (or ``(N, H, W, 3)``) RGB in ``[0, 1]``.
-        batch: Not read (the pixel reward protocol passes it).
 
     Returns:
         ``(N,)`` fp32.
@@ -150,12 +137,8 @@ def latent_mse_reward(samples: torch.Tensor, batch: Mapping[str, Any]) -> torch.
     return -(diff**2).flatten(1).mean(1)
 
 
-def check_group_size(group_size: int) -> None:
-    check_count(group_size, "group_size", 2)
-
-
 def _check_grouped(rewards: torch.Tensor, group_size: int) -> None:
-    check_group_size(group_size)
+    check_count(group_size, "group_size", 2)
     if rewards.dim() != 1 or rewards.shape[0] % group_size:
         raise ValueError(
             f"rewards must be (N,) with N divisible by group_size={group_size}, "
@@ -179,15 +162,13 @@ def optimality_probabilities(
     clip_max: float = 5.0,
     eps: float = 1e-4,
 ) -> torch.Tensor:
-    """Rewards to optimality probabilities in ``[0, 1]``, normalised per prompt group.
+    """Rewards to optimality probabilities in ``[0, 1]`` (``docs/methods/diffusion_nft.md``, step 2).
 
-    ``A = (R - mean_g R) / (s + eps)``, ``mean_g`` over the sample's group (rows ``g G ..
-    g G + G - 1``) and ``s`` the population standard deviation of the group (``"group"``)
-    or of all the rewards given (``"batch"``, the authors' default; per rank); then
-    ``r = 1/2 + 1/2 clip(A / clip_max, -1, 1)``.
+    Groups are consecutive rows; ``std="batch"`` (the authors' default) normalises by the
+    spread of all the rewards given (per rank).
 
     Args:
-        rewards: ``(N,)``, ``N`` divisible by ``group_size`` (``G``, >= 2); computed in fp32.
+        rewards: ``(N,)``, ``N`` divisible by ``group_size`` (>= 2); computed in fp32.
         clip_max: Advantages beyond ``+-clip_max`` standard deviations saturate (> 0).
         eps: Added to the standard deviation (>= 0).
 
@@ -208,26 +189,26 @@ def optimality_probabilities(
         raise ValueError(f"clip_max must be > 0, got {clip_max}")
     if not eps >= 0:
         raise ValueError(f"eps must be >= 0, got {eps}")
-    grouped = rewards.float().reshape(-1, group_size)
-    mean = grouped.mean(dim=1, keepdim=True)
-    if std == "group":
-        spread = grouped.std(dim=1, keepdim=True, unbiased=False)
-    else:
-        spread = grouped.std(unbiased=False)
-    advantages = (grouped - mean) / (spread + eps)
-    return (0.5 + 0.5 * (advantages / clip_max).clamp(-1.0, 1.0)).reshape(-1)
+    advantages = _normalised(rewards.float(), group_size, std, eps)
+    return 0.5 + 0.5 * (advantages / clip_max).clamp(-1.0, 1.0)
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
     """Normalise rewards within consecutive groups of ``group_size``: ``(r - mean_g) / (std_g + eps)``.
 
-    ``std_g`` is the population standard deviation; zero for a group of equal rewards.
-
     Raises:
         ValueError: For a bad shape or group size.
     """
     _check_grouped(rewards, group_size)
+    return _normalised(rewards, group_size, "group", eps)
+
+
+def _normalised(rewards: torch.Tensor, group_size: int, std: GroupStd, eps: float) -> torch.Tensor:
+    """``(r - mean_g) / (s + eps)``, ``s`` the population std of the group or the batch."""
     grouped = rewards.reshape(-1, group_size)
     mean = grouped.mean(dim=1, keepdim=True)
-    std = grouped.std(dim=1, keepdim=True, unbiased=False)
-    return ((grouped - mean) / (std + eps)).reshape(-1)
+    if std == "group":
+        spread = grouped.std(dim=1, keepdim=True, unbiased=False)
+    else:
+        spread = grouped.std(unbiased=False)
+    return ((grouped - mean) / (spread + eps)).reshape(-1)

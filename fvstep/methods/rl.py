@@ -31,7 +31,6 @@ from fvstep.methods.old_policy import (
 )
 from fvstep.methods.rewards import (
     RewardFn,
-    check_group_size,
     check_rewards,
     group_advantages,
     group_batch,
@@ -47,9 +46,8 @@ def rl_inner_loss(
     """The inner loss: advantage-weighted flow matching on samples, plus a KL-like anchor.
 
     The batch holds ``"samples"`` (``x0``, no gradient), ``"text"`` and ``"advantages"``
-    ``(N,)``. With ``(t, eps, x_t)`` from :func:`~fvstep.methods.finetune.sample_x_t`
-    (uniform ``t``) and ``fm_i = mean((v_student(x_t)_i - (eps - x0)_i)^2)``, the loss is
-    ``mean(A_i fm_i) + kl_weight *`` :func:`~fvstep.methods.old_policy.reference_kl`.
+    ``(N,)``; the loss is ``mean(A_i fm_i) + kl_weight *``
+    :func:`~fvstep.methods.old_policy.reference_kl`, ``fm_i`` sample ``i``'s flow-matching error.
 
     Returns:
         ``loss_fn(state, batch, key) -> (loss, {"policy_loss", "kl"})``.
@@ -92,19 +90,15 @@ def rl(
     """The RL outer step as a managed method (see the module docstring).
 
     Batches need ``"text"`` ``(B, L, D)`` and ``"latents"`` (the samples' shape, and the
-    default reward's target); the reward sees the batch repeated per sample
-    (:func:`~fvstep.methods.rewards.group_batch`). The old policy samples by
-    :func:`~fvstep.methods.old_policy.euler_sample` and is blended by
-    :func:`~fvstep.methods.old_policy.blend_`.
+    default reward's target).
 
     Args:
-        num_inner: Inner student updates per outer step (>= 1).
+        num_inner: Inner student updates per outer step.
         blend: ``beta`` of ``old = beta * old + (1 - beta) * student`` (in ``[0, 1]``).
         kl_weight: Weight of the reference term of :func:`rl_inner_loss`.
         group_size: Samples per prompt (>= 2); advantages are normalised within a group.
-        sample_steps: Euler steps of the old policy's sampler, from ``t = 1`` (>= 1).
-        reward_fn: ``(samples, batch) -> (N,)``
-            (:class:`~fvstep.methods.rewards.RewardFn`); default
+        sample_steps: Euler steps of the old policy's sampler.
+        reward_fn: A :class:`~fvstep.methods.rewards.RewardFn`; default
             :func:`~fvstep.methods.rewards.latent_mse_reward`.
         accumulation: Micro-batching of the inner updates; default the compiled step's.
         clip: And ``sanitize``: the inner unit's (default: the compile-wide settings).
@@ -124,7 +118,7 @@ def rl(
     check_count(num_inner, "num_inner")
     if not 0.0 <= blend <= 1.0:
         raise ValueError(f"blend must be in [0, 1], got {blend}")
-    check_group_size(group_size)
+    check_count(group_size, "group_size", 2)
     check_count(sample_steps, "sample_steps")
     reward = reward_fn or latent_mse_reward
     unit = update(

@@ -58,9 +58,7 @@ def dmd_loss_on(
     min_ratio: float = 0.02,
     max_ratio: float = 0.98,
 ) -> tuple[torch.Tensor, dict[str, Any]]:
-    """:func:`~fvstep.methods.dmd2.distribution_matching_loss` on a generated ``video`` (with
-    gradient), with ``split(key, 2)`` as its score-time and noise keys.
-    """
+    """:func:`~fvstep.methods.dmd2.distribution_matching_loss` on ``video``, keys ``split(key, 2)``."""
     k_t, k_noise = fsrandom.split(key, 2)
     return distribution_matching_loss(
         state, video, text, k_t, k_noise, guidance_scale=guidance_scale, shift=shift,
@@ -79,9 +77,7 @@ def critic_loss_on(
     min_ratio: float = 0.02,
     max_ratio: float = 0.98,
 ) -> tuple[torch.Tensor, dict[str, Any]]:
-    """:func:`~fvstep.methods.dmd2.critic_denoising_loss` on a generated ``video`` (detached),
-    with ``split(key, 2)`` as its score-time and noise keys.
-    """
+    """:func:`~fvstep.methods.dmd2.critic_denoising_loss` on ``video``, keys ``split(key, 2)``."""
     k_t, k_noise = fsrandom.split(key, 2)
     return critic_denoising_loss(
         state, video, text, k_t, k_noise, shift=shift, min_ratio=min_ratio,
@@ -90,13 +86,7 @@ def critic_loss_on(
 
 
 class SelfForcingLosses(NamedTuple):
-    """The loss functions of self-forcing (each ``(state, batch, key) -> ...``).
-
-    Attributes:
-        critic_loss: ``(loss, metrics)`` on a no-grad rollout.
-        fused_loss: ``({"student": dmd_loss, "critic": critic_loss}, metrics)`` from one
-            rollout (the critic's on the detached video).
-    """
+    """The loss functions of self-forcing; ``fused_loss`` gives both roles' from one rollout."""
 
     critic_loss: RoleLossFn
     fused_loss: FusedLossFn
@@ -117,23 +107,16 @@ def self_forcing_losses(
     teacher: str = "teacher",
     critic: str = "critic",
 ) -> SelfForcingLosses:
-    """Self-forcing's loss functions (formulas and keys: ``docs/methods/self_forcing.md``).
+    """Self-forcing's loss functions (formulas, batch and keys: ``docs/methods/self_forcing.md``).
 
-    Batches need ``"text"`` ``(B, L, D)`` and ``"latents"`` (only its shape, dtype and
-    device: the video to generate).
+    The score options are :func:`~fvstep.methods.dmd2.dmd2_losses`'s.
 
     Args:
-        denoising_steps: The student's few-step schedule, decreasing in ``(0, 1]``
-            (default: Self-Forcing's ``(1, .75, .5, .25)`` shifted by 5).
-        guidance_scale: And ``shift``, ``min_ratio``, ``max_ratio``: as
-            :func:`~fvstep.methods.dmd2.dmd2_losses`'s.
         context_time: Time of the cache's context pass (0: clean chunks).
         same_step_across_chunks: One exit step for every chunk of a rollout.
         last_step_only: Always exit at the last step.
-        cache_dtype: The rollout's KV cache dtype; default
-            :func:`~fvstep.methods.causal_wan.init_cache`'s. Give the student's compute
-            dtype when it is lower than the latents' (a prepared bf16 role).
-        student: The causal student role's name; ``teacher`` and ``critic`` likewise.
+        cache_dtype: The rollout's KV cache dtype; give the student's compute dtype when it
+            is lower than the latents' (a prepared bf16 role).
 
     Raises:
         ValueError: For out-of-range settings; at a step, before it changes anything, for
@@ -198,9 +181,6 @@ def self_forcing_losses(
 
 def self_forcing(*, generator_update_interval: int = 5, **loss_options: Any) -> Cond:
     """Self-forcing as a composed method: the critic every step, with the student every ``n``.
-
-    ``cond(i % n == 0, update(("student", "critic"), fused_loss, name="self_forcing_fused"),
-    update("critic", critic_loss, name="self_forcing_critic"))``.
 
     Args:
         generator_update_interval: ``n``.

@@ -2,10 +2,8 @@
 
 Each step continues the stream of the step before: the causal student generates the next
 frames from the stream's KV cache, student and critic train on them by the DMD losses of
-:mod:`fvstep.methods.self_forcing`, and the stream moves on. The stream is a
-:class:`StreamState` under ``state.extra[name]`` (checkpointed like every leaf, one per
-rank); a new one starts at every step ``i % steps_per_stream == 0`` and wherever
-``num_frames == 0``. The step, resets, world sizes and refusals: ``docs/methods/streaming.md``.
+:mod:`fvstep.methods.self_forcing`, and the stream moves on. The step, resets, world sizes
+and refusals: ``docs/methods/streaming.md``.
 """
 
 from __future__ import annotations
@@ -40,14 +38,7 @@ __all__ = ["StreamState", "init_stream", "streaming"]
 
 @frozen
 class StreamState:
-    """A stream's state between steps (see the module docstring).
-
-    Attributes:
-        cache: The rolling KV cache (sink, then the latest frames).
-        frames: ``(B, C, window_frames, H, W)``: the latest generated frames.
-        text: ``(B, L, D)``: the stream's prompt.
-        num_frames: 0-d int64: frames generated in this stream.
-    """
+    """A stream's state between steps, under ``state.extra[name]`` (``docs/methods/streaming.md``)."""
 
     cache: KVCache
     frames: torch.Tensor
@@ -66,26 +57,22 @@ def init_stream(
     """An empty stream for ``student`` and batches like ``batch`` (for ``TrainState.create``).
 
     Args:
-        student: The causal student (:func:`fvstep.methods.causal_wan.make_causal`).
         batch: A batch of the run: ``"latents"`` (a step's frames) and ``"text"``.
         window_frames: The latest frames the cache and ``frames`` keep; at least a step's.
         sink_frames: The stream's first frames the cache keeps for the whole stream.
-        cache_dtype: The cache's dtype (:func:`~fvstep.methods.causal_wan.init_cache`'s);
-            ``torch.bfloat16`` halves its memory, the attention close to, not bitwise,
-            that of an fp32 cache.
+        cache_dtype: The cache's dtype; ``torch.bfloat16`` halves its memory (the
+            attention then close to, not bitwise, that of an fp32 cache).
 
     Returns:
         A :class:`StreamState` holding no frame, in the dtype the step casts batches to.
 
     Raises:
-        ValueError: If the window is smaller than a step's frames or the chunk, a step's
-            frames or the window is not a multiple of the chunk, or the student is not
-            causal.
+        ValueError: If the window is smaller than a step's frames or the chunk, either is
+            not a multiple of the chunk, or the student is not causal.
     """
     like, text = upcast_for(student, batch["latents"]), upcast_for(student, batch["text"])
     chunk = chunk_frames_of(student)
-    if isinstance(window_frames, bool) or not isinstance(window_frames, int):
-        raise ValueError(f"window_frames must be an int, got {window_frames!r}")
+    check_count(window_frames, "window_frames")
     if window_frames < max(like.shape[2], chunk):
         raise ValueError(
             f"window_frames={window_frames} must hold a step's {like.shape[2]} frames "
@@ -118,7 +105,7 @@ def init_stream(
 
 @attrs.frozen
 class _Whole:
-    """A value every micro-batch gets whole (not a pytree: the split shares it)."""
+    """A value every micro-batch gets whole (not a pytree leaf, so never split)."""
 
     value: Any
 
@@ -156,27 +143,22 @@ def streaming(
     """Streaming self-forcing as a managed step (see the module docstring).
 
     Roles: ``student`` (causal, trained), ``teacher`` (frozen), ``critic`` (trained). The
-    state needs ``extra[name]`` from :func:`init_stream` with the same window and sink.
+    state needs ``extra[name]`` from :func:`init_stream` with the same window and sink; the
+    other options are :func:`~fvstep.methods.self_forcing.self_forcing_losses`'s.
 
     Args:
         steps_per_stream: A stream starts at every step ``i % steps_per_stream == 0``
             (and at any step its stream has generated no frame yet).
-        window_frames: The latest frames the stream keeps (as :func:`init_stream`'s).
-        sink_frames: The stream's first frames its cache keeps (as :func:`init_stream`'s).
         generator_update_interval: The student trains at ``i % n == 0``; the critic at
             every step.
-        denoising_steps: And ``guidance_scale``, ``shift``, ``min_ratio``, ``max_ratio``,
-            ``context_time``: as :func:`~fvstep.methods.self_forcing.self_forcing_losses`'s.
         name: The key of the stream in ``state.extra``, and the managed step's name.
 
     Returns:
         A managed step that trains ``student`` and ``critic``.
 
     Raises:
-        ValueError: For out-of-range settings; at a step, before it changes anything, if
-            ``state.extra`` has no stream of this window and sink or of this model, the
-            student is not causal, the teacher or critic is, or the batch does not fit the
-            stream (``docs/methods/streaming.md`` lists the refusals).
+        ValueError: For out-of-range settings; at a step, before it changes anything, for
+            the refusals that ``docs/methods/streaming.md`` lists.
 
     Examples:
         >>> step = fvstep.compile(streaming(steps_per_stream=8, window_frames=6),
