@@ -35,7 +35,6 @@ __all__ = [
     "describe_run",
     "flatten_config",
     "options_from",
-    "options_to_dict",
     "parse_options",
     "read_config",
     "write_config",
@@ -116,12 +115,6 @@ def parse_options(recipe: Recipe, argv: Sequence[str]) -> Any:
         return options_from(recipe, parse(parser, argv))
     except CLIError as e:
         raise ValueError(str(e)) from None
-
-
-def options_to_dict(options: Any) -> dict[str, Any]:
-    """The options as plain data (tuples as lists), as ``config.yaml`` holds them."""
-    tree: dict[str, Any] = json.loads(json.dumps(dataclasses.asdict(options)))
-    return tree
 
 
 def flatten_config(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -265,39 +258,22 @@ def describe_run(
 ) -> dict[str, Any]:
     """What ``config.yaml`` holds: the recipe, the world size, the resolved precision
     (``prepare.precision``'s ``"auto"`` made ``"bf16"`` or ``"fp32"`` by the device), the
-    resolved options and the dataset's digest (:func:`dataset_digest`) when there is one."""
+    options as plain data (tuples as lists) and the dataset's digest (:func:`dataset_digest`)."""
     config: dict[str, Any] = {"recipe": recipe, "world_size": world_size}
     if precision is not None:
         config["precision"] = precision
-    config["options"] = options_to_dict(options)
+    config["options"] = json.loads(json.dumps(dataclasses.asdict(options)))
     if data_digest is not None:
         config["data_digest"] = data_digest
     return config
 
 
-def write_config(
-    run_dir: str | Path,
-    recipe: str,
-    options: Any,
-    *,
-    world_size: int,
-    precision: str | None = None,
-    data_digest: str | None = None,
-    started_from: dict[str, Any] | None = None,
-) -> Path:
-    """Write :func:`describe_run`'s config as ``<run_dir>/config.yaml`` (atomically) and
-    return the file. A resumed run passes ``started_from``, the ``init_from`` group of the
-    config it resumes: a resume ignores ``init_from``, so the file keeps the one the run
-    started from."""
+def write_config(run_dir: str | Path, config: dict[str, Any]) -> Path:
+    """Write ``config`` (:func:`describe_run`'s) as ``<run_dir>/config.yaml``, atomically."""
     import yaml
 
     path = Path(run_dir) / CONFIG_NAME
     path.parent.mkdir(parents=True, exist_ok=True)
-    config = describe_run(
-        recipe, options, world_size=world_size, precision=precision, data_digest=data_digest
-    )
-    if started_from is not None:
-        config["options"]["init_from"] = started_from
     text = yaml.safe_dump(config, sort_keys=False)
     tmp = path.with_name(f".{CONFIG_NAME}.tmp")
     tmp.write_text("# The resolved config of this run (fvstep train). Resuming checks it.\n" + text)

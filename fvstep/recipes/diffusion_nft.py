@@ -131,18 +131,12 @@ def build(options: DiffusionNFTOptions, *, fresh: bool = True) -> RunSpec:
     mesh = parts.make_mesh(device)
     # old blends toward the student in the student's storage dtype, never rounded to bf16
     in_place = dataclasses.replace(options.prepare, frozen_dtype=options.model.dtype)
-    roles = {
-        "student": fs.Role(
-            parts.prepare_role(student.to(device), options.prepare, mesh, trainable=True),
-            optimizer=parts.make_optimizer(options.optim),
-            ema=parts.make_ema(options.optim),
-        ),
-    }
+    student = parts.prepare_role(student.to(device), options.prepare, mesh, trainable=True)
+    roles = {"student": parts.trained_role(student, options.optim)}
     for name, module in frozen.items():
         prepare = in_place if name == "old" else options.prepare
         roles[name] = fs.Role(parts.prepare_role(module.to(device), prepare, mesh, trainable=False))
-    state = fs.TrainState.create(roles, key=fs.random.key(options.run.seed))
-    return parts.run_spec(options, state, method, trained=("student",), device=device)
+    return parts.run_spec(options, roles, method, trained=("student",), device=device)
 
 
 RECIPE = Recipe(

@@ -49,10 +49,9 @@ class DMD2Options(RecipeOptions):
 def dmd2_run_spec(options: Any, roles: dict[str, fs.Role], *, device: torch.device) -> RunSpec:
     """The run of DMD2 over ``roles`` (``student``, ``teacher``, ``critic``), as the
     ``dmd2`` and ``lora_dmd2`` recipes make it."""
-    state = fs.TrainState.create(roles, key=fs.random.key(options.run.seed))
     return parts.run_spec(
         options,
-        state,
+        roles,
         dmd2(
             generator_update_interval=options.generator_update_interval,
             guidance_scale=options.guidance_scale,

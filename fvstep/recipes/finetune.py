@@ -62,12 +62,9 @@ def build(options: FinetuneOptions, *, fresh: bool = True) -> RunSpec:
         if parts.takes_init_weights(options, fresh=fresh):
             init_.init_from(options.init_from, {"student": model})
         student = parts.prepare_role(model.to(device), options.prepare, mesh, trainable=True)
-    roles["student"] = fs.Role(
-        student, optimizer=parts.make_optimizer(options.optim), ema=parts.make_ema(options.optim)
-    )
-    state = fs.TrainState.create(roles, key=fs.random.key(options.run.seed))
+    roles["student"] = parts.trained_role(student, options.optim)
     return parts.run_spec(
-        options, state, finetune(t_sampling=options.t_sampling), trained=("student",), device=device
+        options, roles, finetune(t_sampling=options.t_sampling), trained=("student",), device=device
     )
 
 

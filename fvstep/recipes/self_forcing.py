@@ -114,15 +114,15 @@ def causal_run_spec(
 ) -> RunSpec:
     """The run of a causal recipe's ``method`` over ``roles``; the student samples its own
     schedule, chunk by chunk."""
-    state = fs.TrainState.create(roles, key=fs.random.key(options.run.seed), extra=extra)
     steps = shifted_steps(options.denoising_steps, options.denoising_shift)
     return parts.run_spec(
         options,
-        state,
+        roles,
         method,
         trained=("student", "critic"),
         device=device,
         sampler=FewStepSampler(steps),
+        extra=extra,
     )
 
 
