@@ -95,12 +95,8 @@ def options_from(recipe: Recipe, namespace: Any) -> Any:
 
 
 def parse_options(recipe: Recipe, argv: Sequence[str]) -> Any:
-    """The options of ``recipe`` from ``--config`` files and ``--dotted.key value`` flags.
-
-    Args:
-        recipe: The recipe (its ``options`` dataclass gives the keys and their types).
-        argv: The arguments, e.g. ``["--config", "examples/finetune.yaml",
-            "--run.num_steps", "8"]``; later ones win.
+    """The options of ``recipe`` from ``--config`` files and ``--dotted.key value`` flags
+    (e.g. ``["--config", "examples/finetune.yaml", "--run.num_steps", "8"]``; later ones win).
 
     Raises:
         ValueError: For an unknown key (with the closest key), a value of the wrong type,
@@ -145,12 +141,8 @@ def _may_change(key: str) -> bool:
 
 
 def check_config_change(saved: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    """Compare a run's saved config with the config it is resumed with.
-
-    Args:
-        saved: ``{"recipe": name, "world_size": n, "options": {...}}`` as
-            :func:`read_config` reads it.
-        new: The same for the resumed run.
+    """Compare a run's saved config (:func:`read_config`'s) with the config it is resumed
+    with (:func:`describe_run`'s).
 
     Returns:
         The changed keys that apply (``"optim.lr: 0.0001 -> 0.0003"``), for the log.

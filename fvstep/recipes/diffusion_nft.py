@@ -1,9 +1,6 @@
-"""The ``diffusion_nft`` recipe: online RL of a flow-matching model by DiffusionNFT.
-
-Roles: ``student`` (the policy, trained), ``old`` (a frozen copy of the starting student
-that samples the rollouts, moved toward the student after each step, kept in its dtype and
-saved) and, with ``kl_weight > 0``, ``reference`` (a frozen copy). The method is
-:func:`fvstep.methods.diffusion_nft`, scored by ``reward``.
+"""The ``diffusion_nft`` recipe: online RL of the ``student`` by DiffusionNFT
+(:func:`fvstep.methods.diffusion_nft`); the ``old`` policy (and, with ``kl_weight > 0``, the
+``reference``) a frozen copy of the starting student.
 
 Examples:
     $ fvstep train diffusion_nft --model.path Wan2.1-T2V-1.3B-Diffusers --data.path latents/
@@ -146,4 +143,3 @@ RECIPE = Recipe(
     summary="DiffusionNFT: online RL of the student by a reward (default: the stated latent "
     "reward), its rollouts by an old copy moved toward it.",
 )
-"""The ``diffusion_nft`` recipe (``fvstep train diffusion_nft``)."""

@@ -1,8 +1,5 @@
-"""The ``dmd2`` recipe: DMD2 distillation of a few-step student from a frozen teacher.
-
-Roles: ``student`` and ``critic`` (trained copies of the model), ``teacher`` (the model,
-frozen, saved by its digest). The method is :func:`fvstep.methods.dmd2`: the critic steps
-every step, the student every ``generator_update_interval`` steps.
+"""The ``dmd2`` recipe: DMD2 distillation (:func:`fvstep.methods.dmd2`) of a few-step
+``student`` from a frozen ``teacher``, with a trained ``critic`` (both copies of the model).
 
 Examples:
     $ fvstep train dmd2 --model.path Wan2.1-T2V-1.3B-Diffusers --data.path latents/ \\
@@ -84,4 +81,3 @@ RECIPE = Recipe(
     build,
     summary="DMD2 distillation: a few-step student, a frozen teacher and a trained critic.",
 )
-"""The ``dmd2`` recipe (``fvstep train dmd2``)."""

@@ -1,8 +1,5 @@
-"""The ``finetune`` recipe: flow-matching fine-tuning of one transformer (the student).
-
-Roles: ``student`` (trained, AdamW, an EMA when ``optim.ema`` is set). With ``lora.rank``
-above 0 the student is a LoRA adapter over a frozen ``base`` role saved by its digest. The
-method is :func:`fvstep.methods.finetune`. With no options: the tiny Wan on the CPU.
+"""The ``finetune`` recipe: flow-matching fine-tuning (:func:`fvstep.methods.finetune`) of
+the ``student``; with ``lora.rank`` above 0, a LoRA adapter over a frozen ``base`` role.
 
 Examples:
     $ fvstep train finetune --model.path Wan2.1-T2V-14B-Diffusers --data.path latents/ \\
@@ -75,4 +72,3 @@ RECIPE = Recipe(
     summary="Flow-matching fine-tuning of a transformer (default: a tiny Wan on synthetic "
     "latents, on the CPU).",
 )
-"""The ``finetune`` recipe (``fvstep train finetune``)."""

@@ -447,10 +447,10 @@ def run_spec(
     extra: dict[str, Any] | None = None,
 ) -> RunSpec:
     """What every recipe returns: the state of ``roles`` (and ``extra``) keyed by
-    ``run.seed``, ``method`` compiled with the run's accumulation and clipping, the data, and the options of :func:`fvstep.run` (checkpoints in ``run.out``,
-    cadences, validation of the student, trackers, the layout on several ranks); with
-    ``validation.sample_every``, sample videos of the student by ``sampler``
-    (:func:`fvstep.recipes.samples.sample_validation`; ``None``: Euler steps).
+    ``run.seed``, ``method`` compiled with the run's accumulation and clipping, the data,
+    and the options of :func:`fvstep.run` (checkpoints, cadences, validation of the
+    student, trackers, the layout on several ranks); with ``validation.sample_every``,
+    sample videos of the student by ``sampler`` (``None``: Euler steps).
 
     Raises:
         ValueError: For ``validation.every`` without a held-out item, or as

@@ -50,6 +50,21 @@ def _say(rank: int, log: Callable[[str], None]) -> Callable[[str], None]:
     return log if rank == 0 else (lambda line: None)
 
 
+def _on_rank0(fn: Callable[[], Any]) -> Any:
+    """``fn()`` on rank 0, its result (or its error, raised) on every rank."""
+    result: Any = None
+    error: Exception | None = None
+    if rank_and_world()[0] == 0:
+        try:
+            result = fn()
+        except Exception as e:
+            error = e
+    error, result = broadcast_object((error, result))
+    if error is not None:
+        raise error
+    return result
+
+
 def _describe(recipe: Recipe, options: Any, world_size: int, *, digest: bool = True) -> Any:
     """:func:`describe_run` of ``options``, ``prepare.precision`` resolved on this rank's device."""
     compute = compute_dtype(options.prepare, device_for(options.run))
@@ -128,43 +143,35 @@ def prepare_run(
     rank, world = rank_and_world()
     say = _say(rank, log)
     out = Path(options.run.out)
-    error: Exception | None = None
-    resumed_from: Path | None = None
-    applied: list[str] = []
     lock: DirectoryLock | None = None
-    if rank == 0:
-        try:
-            check_paths(options)  # before the lock: a wrong path leaves no folder
-            init_.check_init_state(options)
-            check_samples(options)
-            lock = ckpt.lock_dir(out) if write else None
-            resumed_from, applied = check_resume(recipe, options, world_size=world)
-        except Exception as e:
-            error = e
-            if lock is not None:
-                lock.release()
-    error, resumed_from = broadcast_object((error, resumed_from))
-    if error is not None:
-        raise error
+
+    def check() -> tuple[Path | None, list[str]]:
+        nonlocal lock
+        check_paths(options)  # before the lock: a wrong path leaves no folder
+        init_.check_init_state(options)
+        check_samples(options)
+        lock = ckpt.lock_dir(out) if write else None
+        return check_resume(recipe, options, world_size=world)
+
+    def keep_config() -> None:
+        config = _describe(recipe, options, world)
+        # a resume ignores init_from: the config keeps where the run started
+        saved = read_config(out) if resumed_from is not None else None
+        if saved is not None and saved["options"].get("init_from") is not None:
+            config["options"]["init_from"] = saved["options"]["init_from"]
+        write_config(out, config)
+
     try:
+        resumed_from, applied = _on_rank0(check)
         for change in applied:
             say(f"fvstep train: config change applied on resume: {change}")
         spec = _build(recipe, options, fresh=resumed_from is None, say=say)
         if write:
-            if rank == 0:
-                try:
-                    config = _describe(recipe, options, world)
-                    # a resume ignores init_from: the config keeps where the run started
-                    saved = read_config(out) if resumed_from is not None else None
-                    if saved is not None and saved["options"].get("init_from") is not None:
-                        config["options"]["init_from"] = saved["options"]["init_from"]
-                    write_config(out, config)
-                except Exception as e:
-                    error = e
-            error = broadcast_object(error)
-            if error is not None:
+            try:
+                _on_rank0(keep_config)
+            except BaseException:
                 spec.close()
-                raise error
+                raise
     except BaseException:
         if lock is not None:
             lock.release()

@@ -1,8 +1,5 @@
-"""The ``self_forcing`` recipe: a causal student trained by DMD on its own chunked rollouts.
-
-Roles: ``student`` (a causal copy of the model, :func:`fvstep.methods.make_causal`),
-``teacher`` (the model, frozen, saved by its digest), ``critic`` (a copy). The method is
-:func:`fvstep.methods.self_forcing`; the latents' frames must be a multiple of ``chunk_frames``.
+"""The ``self_forcing`` recipe: a causal ``student`` (a causal copy of the model) trained by
+DMD on its own chunked rollouts (:func:`fvstep.methods.self_forcing`), as ``dmd2``'s roles.
 
 Examples:
     $ fvstep train self_forcing --model.path Wan2.1-T2V-1.3B-Diffusers \\
@@ -30,7 +27,6 @@ __all__ = [
     "SelfForcingOptions",
     "build",
     "causal_roles",
-    "causal_run_spec",
     "check_latent_frames",
     "student_cache_dtype",
 ]
@@ -104,28 +100,6 @@ def student_cache_dtype(roles: dict[str, fs.Role]) -> torch.dtype | None:
     return None if prepared is None else prepared.param_dtype
 
 
-def causal_run_spec(
-    options: Any,
-    roles: dict[str, fs.Role],
-    method: Any,
-    *,
-    device: torch.device,
-    extra: dict[str, Any] | None = None,
-) -> RunSpec:
-    """The run of a causal recipe's ``method`` over ``roles``; the student samples its own
-    schedule, chunk by chunk."""
-    steps = shifted_steps(options.denoising_steps, options.denoising_shift)
-    return parts.run_spec(
-        options,
-        roles,
-        method,
-        trained=("student", "critic"),
-        device=device,
-        sampler=FewStepSampler(steps),
-        extra=extra,
-    )
-
-
 def build(options: SelfForcingOptions, *, fresh: bool = True) -> RunSpec:
     """The self-forcing run of ``options``: a causal student and a critic, both copies of
     the teacher (or from ``init_from`` on a fresh run).
@@ -150,7 +124,14 @@ def build(options: SelfForcingOptions, *, fresh: bool = True) -> RunSpec:
         guidance_scale=options.guidance_scale,
         cache_dtype=student_cache_dtype(roles),
     )
-    return causal_run_spec(options, roles, method, device=device)
+    return parts.run_spec(
+        options,
+        roles,
+        method,
+        trained=("student", "critic"),
+        device=device,
+        sampler=FewStepSampler(steps),  # the student's own schedule, chunk by chunk
+    )
 
 
 RECIPE = Recipe(
@@ -160,4 +141,3 @@ RECIPE = Recipe(
     summary="Self-forcing: a causal student trained by DMD on its own chunk-by-chunk "
     "rollouts, with a frozen teacher and a trained critic.",
 )
-"""The ``self_forcing`` recipe (``fvstep train self_forcing``)."""
