@@ -15,7 +15,6 @@ from typing import Any, Literal
 import torch
 
 import fvstep as fs
-from fvstep.executor.sampling import FewStepSampler
 from fvstep.methods import dmd2
 from fvstep.recipes import Recipe, RunSpec, parts
 from fvstep.recipes.options import OptimOptions, RecipeOptions, RunOptions
@@ -46,18 +45,13 @@ class DMD2Options(RecipeOptions):
 def dmd2_run_spec(options: Any, roles: dict[str, fs.Role], *, device: torch.device) -> RunSpec:
     """The run of DMD2 over ``roles`` (``student``, ``teacher``, ``critic``), as the
     ``dmd2`` and ``lora_dmd2`` recipes make it."""
-    return parts.run_spec(
-        options,
-        roles,
-        dmd2(
-            generator_update_interval=options.generator_update_interval,
-            guidance_scale=options.guidance_scale,
-            ordering=options.ordering,
-        ),
-        trained=("student", "critic"),
-        device=device,
-        sampler=FewStepSampler((1.0,)),  # the student's schedule: dmd2's default, one step
+    method = dmd2(
+        generator_update_interval=options.generator_update_interval,
+        guidance_scale=options.guidance_scale,
+        ordering=options.ordering,
     )
+    # the student's schedule: dmd2's default, one step
+    return parts.distilled_run_spec(options, roles, method, steps=(1.0,), device=device)
 
 
 def build(options: DMD2Options, *, fresh: bool = True) -> RunSpec:

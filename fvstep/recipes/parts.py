@@ -42,6 +42,7 @@ __all__ = [
     "compute_dtype",
     "copied_roles",
     "device_for",
+    "distilled_run_spec",
     "dmd2_roles",
     "held_out_items",
     "load_transformer",
@@ -505,3 +506,27 @@ def run_spec(
         first = run_options.get("validation")
         run_options["validation"] = [samples] if first is None else [first, samples]
     return RunSpec(state, step, data, run_options, trained=trained, close=lambda: close_data(data))
+
+
+def distilled_run_spec(
+    options: Any,
+    roles: dict[str, fs.Role],
+    method: Any,
+    *,
+    steps: Any,
+    device: torch.device,
+    extra: dict[str, Any] | None = None,
+) -> RunSpec:
+    """:func:`run_spec` of a distillation: ``student`` and ``critic`` trained, the student
+    sampling its own few-step schedule ``steps``."""
+    from fvstep.executor.sampling import FewStepSampler
+
+    return run_spec(
+        options,
+        roles,
+        method,
+        trained=("student", "critic"),
+        device=device,
+        sampler=FewStepSampler(steps),
+        extra=extra,
+    )

@@ -16,7 +16,6 @@ import torch
 
 import fvstep as fs
 from fvstep import parallel as fsp
-from fvstep.executor.sampling import FewStepSampler
 from fvstep.methods import make_causal, self_forcing, self_forcing_losses
 from fvstep.methods.causal_rollout import shifted_steps
 from fvstep.recipes import Recipe, RunSpec, parts
@@ -124,14 +123,7 @@ def build(options: SelfForcingOptions, *, fresh: bool = True) -> RunSpec:
         guidance_scale=options.guidance_scale,
         cache_dtype=student_cache_dtype(roles),
     )
-    return parts.run_spec(
-        options,
-        roles,
-        method,
-        trained=("student", "critic"),
-        device=device,
-        sampler=FewStepSampler(steps),  # the student's own schedule, chunk by chunk
-    )
+    return parts.distilled_run_spec(options, roles, method, steps=steps, device=device)
 
 
 RECIPE = Recipe(

@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 import torch
 
 from fvstep import parallel as fsp
-from fvstep.executor.sampling import FewStepSampler
 from fvstep.methods import init_stream, streaming
 from fvstep.methods.causal_rollout import shifted_steps
 from fvstep.recipes import Recipe, RunSpec, parts
@@ -97,15 +96,8 @@ def build(options: StreamingOptions, *, fresh: bool = True) -> RunSpec:
         sink_frames=options.sink_frames,
         cache_dtype=student_cache_dtype(roles),
     )
-    return parts.run_spec(
-        options,
-        roles,
-        method,
-        trained=("student", "critic"),
-        device=device,
-        sampler=FewStepSampler(steps),
-        extra={"stream": stream},
-    )
+    extra = {"stream": stream}
+    return parts.distilled_run_spec(options, roles, method, steps=steps, device=device, extra=extra)
 
 
 RECIPE = Recipe(
