@@ -103,7 +103,15 @@ def load_transformer(model: ModelOptions, *, device: torch.device | None = None)
         module = diffusers.AutoModel.from_pretrained(
             str(folder), subfolder=subfolder, torch_dtype=dtype
         )
-        _refuse_causal(module, model.path)
+        from fvstep.methods.causal_wan import recorded_chunk_frames
+
+        # a plain from_pretrained makes a causal Wan's export bidirectional: another model
+        chunk = recorded_chunk_frames(module)
+        if chunk is not None:
+            raise ValueError(
+                f"model.path {model.path!r} holds a causal Wan (chunk_frames={chunk}); the recipes train "
+                "bidirectional models: load it with load_causal in a script (docs/methods/causal_wan.md)"
+            )
         return module.train()
     if model.config is not None:
         config = json.loads(Path(model.config).read_text())
@@ -118,19 +126,6 @@ def load_transformer(model: ModelOptions, *, device: torch.device | None = None)
 
     built: Any = tiny_wan(seed=model.seed, **dataclasses.asdict(model.tiny))
     return _to_dtype(built, dtype)
-
-
-def _refuse_causal(module: nn.Module, path: Any) -> None:
-    """The recipes build bidirectional models: a causal Wan's export loaded by a plain
-    ``from_pretrained`` is bidirectional, and would silently compute another model."""
-    from fvstep.methods.causal_wan import recorded_chunk_frames
-
-    chunk = recorded_chunk_frames(module)
-    if chunk is not None:
-        raise ValueError(
-            f"model.path {str(path)!r} holds a causal Wan (chunk_frames={chunk}); the recipes train "
-            "bidirectional models: load it with load_causal in a script (docs/methods/causal_wan.md)"
-        )
 
 
 def _to_dtype(module: nn.Module, dtype: torch.dtype | None) -> nn.Module:
