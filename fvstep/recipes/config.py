@@ -35,7 +35,6 @@ __all__ = [
     "describe_run",
     "flatten_config",
     "options_from",
-    "options_to_dict",
     "parse_options",
     "read_config",
     "write_config",
@@ -96,12 +95,8 @@ def options_from(recipe: Recipe, namespace: Any) -> Any:
 
 
 def parse_options(recipe: Recipe, argv: Sequence[str]) -> Any:
-    """The options of ``recipe`` from ``--config`` files and ``--dotted.key value`` flags.
-
-    Args:
-        recipe: The recipe (its ``options`` dataclass gives the keys and their types).
-        argv: The arguments, e.g. ``["--config", "examples/finetune.yaml",
-            "--run.num_steps", "8"]``; later ones win.
+    """The options of ``recipe`` from ``--config`` files and ``--dotted.key value`` flags
+    (e.g. ``["--config", "examples/finetune.yaml", "--run.num_steps", "8"]``; later ones win).
 
     Raises:
         ValueError: For an unknown key (with the closest key), a value of the wrong type,
@@ -116,12 +111,6 @@ def parse_options(recipe: Recipe, argv: Sequence[str]) -> Any:
         return options_from(recipe, parse(parser, argv))
     except CLIError as e:
         raise ValueError(str(e)) from None
-
-
-def options_to_dict(options: Any) -> dict[str, Any]:
-    """The options as plain data (tuples as lists), as ``config.yaml`` holds them."""
-    tree: dict[str, Any] = json.loads(json.dumps(dataclasses.asdict(options)))
-    return tree
 
 
 def flatten_config(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -152,12 +141,8 @@ def _may_change(key: str) -> bool:
 
 
 def check_config_change(saved: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    """Compare a run's saved config with the config it is resumed with.
-
-    Args:
-        saved: ``{"recipe": name, "world_size": n, "options": {...}}`` as
-            :func:`read_config` reads it.
-        new: The same for the resumed run.
+    """Compare a run's saved config (:func:`read_config`'s) with the config it is resumed
+    with (:func:`describe_run`'s).
 
     Returns:
         The changed keys that apply (``"optim.lr: 0.0001 -> 0.0003"``), for the log.
@@ -265,39 +250,22 @@ def describe_run(
 ) -> dict[str, Any]:
     """What ``config.yaml`` holds: the recipe, the world size, the resolved precision
     (``prepare.precision``'s ``"auto"`` made ``"bf16"`` or ``"fp32"`` by the device), the
-    resolved options and the dataset's digest (:func:`dataset_digest`) when there is one."""
+    options as plain data (tuples as lists) and the dataset's digest (:func:`dataset_digest`)."""
     config: dict[str, Any] = {"recipe": recipe, "world_size": world_size}
     if precision is not None:
         config["precision"] = precision
-    config["options"] = options_to_dict(options)
+    config["options"] = json.loads(json.dumps(dataclasses.asdict(options)))
     if data_digest is not None:
         config["data_digest"] = data_digest
     return config
 
 
-def write_config(
-    run_dir: str | Path,
-    recipe: str,
-    options: Any,
-    *,
-    world_size: int,
-    precision: str | None = None,
-    data_digest: str | None = None,
-    started_from: dict[str, Any] | None = None,
-) -> Path:
-    """Write :func:`describe_run`'s config as ``<run_dir>/config.yaml`` (atomically) and
-    return the file. A resumed run passes ``started_from``, the ``init_from`` group of the
-    config it resumes: a resume ignores ``init_from``, so the file keeps the one the run
-    started from."""
+def write_config(run_dir: str | Path, config: dict[str, Any]) -> Path:
+    """Write ``config`` (:func:`describe_run`'s) as ``<run_dir>/config.yaml``, atomically."""
     import yaml
 
     path = Path(run_dir) / CONFIG_NAME
     path.parent.mkdir(parents=True, exist_ok=True)
-    config = describe_run(
-        recipe, options, world_size=world_size, precision=precision, data_digest=data_digest
-    )
-    if started_from is not None:
-        config["options"]["init_from"] = started_from
     text = yaml.safe_dump(config, sort_keys=False)
     tmp = path.with_name(f".{CONFIG_NAME}.tmp")
     tmp.write_text("# The resolved config of this run (fvstep train). Resuming checks it.\n" + text)

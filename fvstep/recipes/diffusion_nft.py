@@ -1,9 +1,6 @@
-"""The ``diffusion_nft`` recipe: online RL of a flow-matching model by DiffusionNFT.
-
-Roles: ``student`` (the policy, trained), ``old`` (a frozen copy of the starting student
-that samples the rollouts, moved toward the student after each step, kept in its dtype and
-saved) and, with ``kl_weight > 0``, ``reference`` (a frozen copy). The method is
-:func:`fvstep.methods.diffusion_nft`, scored by ``reward``.
+"""The ``diffusion_nft`` recipe: online RL of the ``student`` by DiffusionNFT
+(:func:`fvstep.methods.diffusion_nft`); the ``old`` policy (and, with ``kl_weight > 0``, the
+``reference``) a frozen copy of the starting student.
 
 Examples:
     $ fvstep train diffusion_nft --model.path Wan2.1-T2V-1.3B-Diffusers --data.path latents/
@@ -131,18 +128,12 @@ def build(options: DiffusionNFTOptions, *, fresh: bool = True) -> RunSpec:
     mesh = parts.make_mesh(device)
     # old blends toward the student in the student's storage dtype, never rounded to bf16
     in_place = dataclasses.replace(options.prepare, frozen_dtype=options.model.dtype)
-    roles = {
-        "student": fs.Role(
-            parts.prepare_role(student.to(device), options.prepare, mesh, trainable=True),
-            optimizer=parts.make_optimizer(options.optim),
-            ema=parts.make_ema(options.optim),
-        ),
-    }
+    student = parts.prepare_role(student.to(device), options.prepare, mesh, trainable=True)
+    roles = {"student": parts.trained_role(student, options.optim)}
     for name, module in frozen.items():
         prepare = in_place if name == "old" else options.prepare
         roles[name] = fs.Role(parts.prepare_role(module.to(device), prepare, mesh, trainable=False))
-    state = fs.TrainState.create(roles, key=fs.random.key(options.run.seed))
-    return parts.run_spec(options, state, method, trained=("student",), device=device)
+    return parts.run_spec(options, roles, method, trained=("student",), device=device)
 
 
 RECIPE = Recipe(
@@ -152,4 +143,3 @@ RECIPE = Recipe(
     summary="DiffusionNFT: online RL of the student by a reward (default: the stated latent "
     "reward), its rollouts by an old copy moved toward it.",
 )
-"""The ``diffusion_nft`` recipe (``fvstep train diffusion_nft``)."""

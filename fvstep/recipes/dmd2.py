@@ -1,8 +1,5 @@
-"""The ``dmd2`` recipe: DMD2 distillation of a few-step student from a frozen teacher.
-
-Roles: ``student`` and ``critic`` (trained copies of the model), ``teacher`` (the model,
-frozen, saved by its digest). The method is :func:`fvstep.methods.dmd2`: the critic steps
-every step, the student every ``generator_update_interval`` steps.
+"""The ``dmd2`` recipe: DMD2 distillation (:func:`fvstep.methods.dmd2`) of a few-step
+``student`` from a frozen ``teacher``, with a trained ``critic`` (both copies of the model).
 
 Examples:
     $ fvstep train dmd2 --model.path Wan2.1-T2V-1.3B-Diffusers --data.path latents/ \\
@@ -18,7 +15,6 @@ from typing import Any, Literal
 import torch
 
 import fvstep as fs
-from fvstep.executor.sampling import FewStepSampler
 from fvstep.methods import dmd2
 from fvstep.recipes import Recipe, RunSpec, parts
 from fvstep.recipes.options import OptimOptions, RecipeOptions, RunOptions
@@ -49,19 +45,13 @@ class DMD2Options(RecipeOptions):
 def dmd2_run_spec(options: Any, roles: dict[str, fs.Role], *, device: torch.device) -> RunSpec:
     """The run of DMD2 over ``roles`` (``student``, ``teacher``, ``critic``), as the
     ``dmd2`` and ``lora_dmd2`` recipes make it."""
-    state = fs.TrainState.create(roles, key=fs.random.key(options.run.seed))
-    return parts.run_spec(
-        options,
-        state,
-        dmd2(
-            generator_update_interval=options.generator_update_interval,
-            guidance_scale=options.guidance_scale,
-            ordering=options.ordering,
-        ),
-        trained=("student", "critic"),
-        device=device,
-        sampler=FewStepSampler((1.0,)),  # the student's schedule: dmd2's default, one step
+    method = dmd2(
+        generator_update_interval=options.generator_update_interval,
+        guidance_scale=options.guidance_scale,
+        ordering=options.ordering,
     )
+    # the student's schedule: dmd2's default, one step
+    return parts.distilled_run_spec(options, roles, method, steps=(1.0,), device=device)
 
 
 def build(options: DMD2Options, *, fresh: bool = True) -> RunSpec:
@@ -85,4 +75,3 @@ RECIPE = Recipe(
     build,
     summary="DMD2 distillation: a few-step student, a frozen teacher and a trained critic.",
 )
-"""The ``dmd2`` recipe (``fvstep train dmd2``)."""

@@ -1,8 +1,5 @@
-"""The ``finetune`` recipe: flow-matching fine-tuning of one transformer (the student).
-
-Roles: ``student`` (trained, AdamW, an EMA when ``optim.ema`` is set). With ``lora.rank``
-above 0 the student is a LoRA adapter over a frozen ``base`` role saved by its digest. The
-method is :func:`fvstep.methods.finetune`. With no options: the tiny Wan on the CPU.
+"""The ``finetune`` recipe: flow-matching fine-tuning (:func:`fvstep.methods.finetune`) of
+the ``student``; with ``lora.rank`` above 0, a LoRA adapter over a frozen ``base`` role.
 
 Examples:
     $ fvstep train finetune --model.path Wan2.1-T2V-14B-Diffusers --data.path latents/ \\
@@ -62,12 +59,9 @@ def build(options: FinetuneOptions, *, fresh: bool = True) -> RunSpec:
         if parts.takes_init_weights(options, fresh=fresh):
             init_.init_from(options.init_from, {"student": model})
         student = parts.prepare_role(model.to(device), options.prepare, mesh, trainable=True)
-    roles["student"] = fs.Role(
-        student, optimizer=parts.make_optimizer(options.optim), ema=parts.make_ema(options.optim)
-    )
-    state = fs.TrainState.create(roles, key=fs.random.key(options.run.seed))
+    roles["student"] = parts.trained_role(student, options.optim)
     return parts.run_spec(
-        options, state, finetune(t_sampling=options.t_sampling), trained=("student",), device=device
+        options, roles, finetune(t_sampling=options.t_sampling), trained=("student",), device=device
     )
 
 
@@ -78,4 +72,3 @@ RECIPE = Recipe(
     summary="Flow-matching fine-tuning of a transformer (default: a tiny Wan on synthetic "
     "latents, on the CPU).",
 )
-"""The ``finetune`` recipe (``fvstep train finetune``)."""

@@ -35,14 +35,18 @@ def _is_diffusers_folder(path: Path) -> bool:
     return (path / "model_index.json").is_file() or (path / "config.json").is_file()
 
 
+def _transformer_folder(path: Path) -> Path:
+    """A pipeline folder's ``transformer/``, or ``path`` itself."""
+    return path / "transformer" if (path / "model_index.json").is_file() else path
+
+
 def check_causal_source(path: str | os.PathLike[str], module: nn.Module, *, role: str) -> None:
     """Refuse (``ValueError``) to fill ``module`` from a diffusers folder of a causal Wan
     it is not: bidirectional, or causal of another chunk."""
     from fvstep.methods.causal_wan import chunk_frames_of, is_causal, recorded_chunk_frames
 
     path = Path(path)
-    folder = path / "transformer" if (path / "model_index.json").is_file() else path
-    config = folder / "config.json"
+    config = _transformer_folder(path) / "config.json"
     if (path / "manifest.json").is_file() or not config.is_file():
         return
     recorded = recorded_chunk_frames(json.loads(config.read_text()))
@@ -60,10 +64,6 @@ def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
 
     Raises:
         ValueError: If ``path`` is neither a checkpoint nor a folder holding one.
-
-    Examples:
-        >>> resolve_checkpoint("runs/a")
-        PosixPath('runs/a/step_000000020')
     """
     path = Path(path)
     if (path / "manifest.json").is_file():
@@ -86,7 +86,7 @@ def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
 def _diffusers_weights(path: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
-    folder = path / "transformer" if (path / "model_index.json").is_file() else path
+    folder = _transformer_folder(path)
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ValueError(f"no safetensors weights in the diffusers folder {str(folder)!r}")
@@ -229,23 +229,19 @@ def init_from(
     is made) or load a whole ``state`` (``kind="state"``).
 
     Args:
-        options: The :class:`InitFrom` options (``options.path`` must be set).
         modules: For ``kind="weights"``: the trained roles' modules, by role; each gets
             the weights of the source role ``options.roles.get(role, role)``.
         state: For ``kind="state"``: a state of the run's structure (``like``).
 
     Returns:
-        ``None`` for ``kind="weights"`` (the modules were filled); the loaded state for
-        ``kind="state"``.
+        ``None`` for ``kind="weights"``; the loaded state for ``kind="state"``.
 
     Raises:
-        ValueError: For a missing path, a source without the role, weights that do not
-            fit, or a causal Wan's folder for a module that is not that causal Wan
-            (:func:`check_causal_source`); ``fvstep.checkpoint.CheckpointError`` for a
-            state that does not fit.
+        ValueError: For no ``options.path``, a role the run does not train or the source
+            lacks, weights that do not fit, or a causal Wan's folder (:func:`check_causal_source`).
+        fvstep.checkpoint.CheckpointError: For a state that does not fit.
 
     Examples:
-        >>> init_from(InitFrom(path="runs/a", weights="ema"), {"student": student})
         >>> state = init_from(InitFrom(path="runs/a", kind="state"), state=state)
     """
     if options.path is None:

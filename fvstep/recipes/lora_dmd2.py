@@ -1,8 +1,5 @@
-"""The ``lora_dmd2`` recipe: DMD2 with LoRA adapters over one frozen base.
-
-Roles: ``teacher`` (the base model, frozen, saved by its digest), ``student`` and
-``critic`` (LoRA adapters over that one base: :func:`fvstep.methods.lora.add_adapters`). Resuming
-on another base is refused, and so is ``init_from`` the adapters of a run on another base.
+"""The ``lora_dmd2`` recipe: DMD2 with the ``student`` and the ``critic`` LoRA adapters
+over one frozen base, the ``teacher``; adapters trained on another base are refused.
 
 Examples:
     $ fvstep train lora_dmd2 --model.path Wan2.1-T2V-1.3B-Diffusers --data.path latents/ \\
@@ -63,4 +60,3 @@ RECIPE = Recipe(
     build,
     summary="DMD2 with LoRA adapters (student, critic) over one frozen base (the teacher).",
 )
-"""The ``lora_dmd2`` recipe (``fvstep train lora_dmd2``)."""

@@ -34,8 +34,7 @@ Dtype = Literal["float32", "bfloat16", "float16"]
 
 @dataclass(frozen=True)
 class TinyWan:
-    """The bare config of the embedded default: a tiny ``WanTransformer3DModel``
-    (:func:`fvstep.methods.models.tiny_wan`), randomly initialised from ``ModelOptions.seed``.
+    """The embedded default model, a tiny Wan (:func:`fvstep.methods.models.tiny_wan`).
 
     Attributes:
         num_layers: Transformer blocks.
@@ -59,10 +58,8 @@ class ModelOptions:
     """Where the trained transformer comes from.
 
     Attributes:
-        path: A diffusers model folder: a transformer folder (``config.json`` +
-            safetensors) or a pipeline folder (with ``model_index.json``, whose
-            ``transformer/`` is used). ``None``: a random init of ``config`` or of
-            ``tiny``.
+        path: A diffusers transformer folder, or a pipeline folder (its ``transformer/``).
+            ``None``: a random init of ``config`` or of ``tiny``.
         config: A transformer ``config.json`` for a random init (no weights read).
         tiny: The embedded tiny Wan, used when neither ``path`` nor ``config`` is given.
         seed: Seeds a random init.
@@ -131,11 +128,8 @@ class PrepareOptions:
     and kernels (``docs/recipes.md`` gives a fast plan).
 
     Attributes:
-        precision: ``"bf16"``: bf16 compute over fp32 master weights (FSDP2's
-            ``param_dtype`` on several ranks, autocast on one process; fp32 gradient
-            reduction and optimizer state); ``"fp32"``: fp32 throughout; ``"auto"``:
-            bf16 on CUDA, fp32 on the CPU. The resolved value is kept in ``config.yaml``
-            and checked on resume.
+        precision: ``"bf16"``: bf16 compute over fp32 master weights; ``"fp32"``: fp32
+            throughout; ``"auto"``: bf16 on CUDA, fp32 on the CPU (resolved in ``config.yaml``).
         checkpointing: Activation checkpointing of the trained roles' blocks: ``"none"``,
             ``"full"``, ``"selective"`` (matmul and attention outputs kept),
             ``"attention"`` (attention outputs kept) or ``"narrow"`` (attention and the
@@ -145,18 +139,15 @@ class PrepareOptions:
             pinned host memory between forward and backward (0: none; CUDA only).
         compile: ``torch.compile`` each block (Inductor, with fvstep's safe options).
         compile_memory_budget: Inductor's activation memory budget for the compiled
-            blocks' min-cut partitioner (``0``-``1``; ``None``: torch's default, 1.0:
-            save everything it can).
+            blocks (``0``-``1``; ``None``: torch's default).
         inductor_options: Inductor options merged over fvstep's safe ones (e.g.
             ``{"coordinate_descent_tuning": true}``).
         verify_compile: Check every compiled graph's gradients against eager ones once
             before training on them (:mod:`fvstep.parallel.compile_check`).
         frozen_dtype: The dtype frozen roles are stored in (``None``: bf16 when
             ``precision`` resolves to bf16, else as loaded).
-        flash_attention_4: Every role's attention on FlashAttention-4
-            (:func:`fvstep.parallel.enable_flash_attention_4`, backend
-            ``"_native_flash"``; Hopper/Blackwell GPUs, ``fvstep[flash4]``; needs bf16
-            compute). A resumed run may not change it.
+        flash_attention_4: Every role's attention on FlashAttention-4 (Hopper/Blackwell
+            GPUs, ``fvstep[flash4]``, bf16 compute). A resumed run may not change it.
     """
 
     precision: Literal["auto", "bf16", "fp32"] = "auto"
@@ -215,20 +206,15 @@ class RunOptions:
 
 @dataclass(frozen=True)
 class ValidationOptions:
-    """The flow-matching loss of the trained role on held-out latents
-    (:func:`fvstep.executor.validation.validation_loss`), and sample videos of it
-    (:func:`fvstep.recipes.samples.sample_validation`).
+    """The flow-matching loss of the trained role on held-out latents, and sample videos
+    of it (``docs/recipes.md``).
 
     Attributes:
         every: Validate every ``every`` steps (``0``: never).
         num_samples: How many held-out latents. With ``data.path``: the dataset's first
-            ``num_samples`` items (of the first item's shapes), which training never
-            draws, whether validation runs or not (``0``: train on every item); a resumed
-            run may not change it then.
+            items, which training never draws (``0``: train on every item).
         sample_every: Sample videos every ``sample_every`` steps and at the end (``0``:
-            never), written as ``<run.out>/media/step_<n>/samples_sample_<i>.mp4`` and
-            ``.png`` (the frames side by side). Needs a VAE: ``model.path`` a diffusers
-            pipeline folder with a ``vae/``.
+            never), into ``<run.out>/media``. Needs ``model.path`` a pipeline folder with a VAE.
         num_videos: Videos a sampling, one per held-out item's prompt, each from fixed
             noise (at most ``num_samples``).
         sample_steps: Euler steps of a bidirectional student (``finetune``,

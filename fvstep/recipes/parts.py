@@ -12,6 +12,7 @@ import copy
 import dataclasses
 import functools
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -27,18 +28,13 @@ from fvstep.recipes import RunSpec
 from fvstep.recipes import init as init_
 from fvstep.recipes.options import (
     DataOptions,
-    LoRAOptions,
     ModelOptions,
     OptimOptions,
-    ParallelOptions,
     PrepareOptions,
     RunOptions,
-    TrackerOptions,
-    ValidationOptions,
 )
 
 __all__ = [
-    "add_lora",
     "check_lora",
     "check_lora_targets",
     "check_paths",
@@ -46,33 +42,27 @@ __all__ = [
     "compute_dtype",
     "copied_roles",
     "device_for",
+    "distilled_run_spec",
     "dmd2_roles",
-    "dtype_of",
-    "held_out_indices",
     "held_out_items",
     "load_transformer",
     "lora_over_base",
     "make_data",
-    "make_ema",
     "make_mesh",
     "make_optimizer",
-    "make_run_options",
-    "precision_name",
     "prepare_role",
     "run_spec",
     "takes_init_weights",
+    "trained_role",
 ]
 
 
-def dtype_of(name: str | None) -> torch.dtype | None:
-    """``"bfloat16"`` -> ``torch.bfloat16`` (``None`` stays ``None``)."""
+def _dtype(name: str | None) -> torch.dtype | None:
     return None if name is None else getattr(torch, name)
 
 
 def device_for(run: RunOptions) -> torch.device:
     """The device of this rank: ``cuda:LOCAL_RANK`` with CUDA (``"auto"``), else the CPU."""
-    import os
-
     use_cuda = run.device == "cuda" or (run.device == "auto" and torch.cuda.is_available())
     if not use_cuda:
         return torch.device("cpu")
@@ -107,13 +97,21 @@ def load_transformer(model: ModelOptions, *, device: torch.device | None = None)
     with needs_extra("models", "the recipes' transformer"):
         import diffusers
 
-    dtype = dtype_of(model.dtype)
+    dtype = _dtype(model.dtype)
     if model.path is not None:
         folder, subfolder = _model_folder(Path(model.path))
         module = diffusers.AutoModel.from_pretrained(
             str(folder), subfolder=subfolder, torch_dtype=dtype
         )
-        _refuse_causal(module, model.path)
+        from fvstep.methods.causal_wan import recorded_chunk_frames
+
+        # a plain from_pretrained makes a causal Wan's export bidirectional: another model
+        chunk = recorded_chunk_frames(module)
+        if chunk is not None:
+            raise ValueError(
+                f"model.path {model.path!r} holds a causal Wan (chunk_frames={chunk}); the recipes train "
+                "bidirectional models: load it with load_causal in a script (docs/methods/causal_wan.md)"
+            )
         return module.train()
     if model.config is not None:
         config = json.loads(Path(model.config).read_text())
@@ -128,19 +126,6 @@ def load_transformer(model: ModelOptions, *, device: torch.device | None = None)
 
     built: Any = tiny_wan(seed=model.seed, **dataclasses.asdict(model.tiny))
     return _to_dtype(built, dtype)
-
-
-def _refuse_causal(module: nn.Module, path: Any) -> None:
-    """The recipes build bidirectional models: a causal Wan's export loaded by a plain
-    ``from_pretrained`` is bidirectional, and would silently compute another model."""
-    from fvstep.methods.causal_wan import recorded_chunk_frames
-
-    chunk = recorded_chunk_frames(module)
-    if chunk is not None:
-        raise ValueError(
-            f"model.path {str(path)!r} holds a causal Wan (chunk_frames={chunk}); the recipes train "
-            "bidirectional models: load it with load_causal in a script (docs/methods/causal_wan.md)"
-        )
 
 
 def _to_dtype(module: nn.Module, dtype: torch.dtype | None) -> nn.Module:
@@ -193,18 +178,6 @@ def check_lora_targets(names: dict[str, str], targets: tuple[str, ...]) -> None:
         )
 
 
-def add_lora(base: nn.Module, lora: LoRAOptions, roles: tuple[str, ...]) -> dict[str, Any]:
-    """One peft LoRA adapter of ``lora`` (rank >= 1, :func:`check_lora`) per role over
-    ``base`` (:func:`fvstep.methods.lora.add_adapters`), its targets checked (:func:`check_lora_targets`)."""
-    import peft
-
-    from fvstep.methods.lora import add_adapters
-
-    check_lora_targets({n: type(m).__name__ for n, m in base.named_modules()}, lora.targets)
-    config = peft.LoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=list(lora.targets))
-    return add_adapters(base, dict.fromkeys(roles, config), seed=lora.seed)
-
-
 def make_mesh(device: torch.device) -> Any:
     """An FSDP2 mesh over every rank when there are several, else ``None``."""
     if fsp.rank_and_world()[1] == 1:
@@ -220,20 +193,13 @@ def compute_dtype(options: PrepareOptions, device: torch.device) -> torch.dtype 
     return None
 
 
-def precision_name(options: PrepareOptions, device: torch.device) -> str:
-    """``"bf16"`` or ``"fp32"``: the resolved ``prepare.precision`` (kept in ``config.yaml``)."""
-    return "fp32" if compute_dtype(options, device) is None else "bf16"
-
-
 def prepare_role(
     module: nn.Module, options: PrepareOptions, mesh: Any, *, trainable: bool
 ) -> nn.Module:
     """:func:`fvstep.parallel.prepare` with the recipe's options (FSDP2 over ``mesh``).
 
-    Every role computes in :func:`compute_dtype` (frozen ones stored in ``frozen_dtype``,
-    bf16 by default under bf16 compute) and takes checkpointing, offloading and compile
-    (free under ``no_grad``; a frozen LoRA base needs them). ``flash_attention_4`` enables
-    FlashAttention-4 for the process and sets the role's attention backend.
+    Frozen roles take checkpointing, offloading and compile too (a frozen LoRA base needs
+    them); ``flash_attention_4`` enables FlashAttention-4 for the whole process.
 
     Raises:
         ValueError: For FlashAttention-4 under fp32 compute (it has no fp32 kernel).
@@ -257,7 +223,7 @@ def prepare_role(
     compile: Any = options.compile
     if options.compile and options.inductor_options:
         compile = {"options": dict(options.inductor_options)}
-    frozen = dtype_of(options.frozen_dtype)
+    frozen = _dtype(options.frozen_dtype)
     return fsp.prepare(
         module,
         mesh=mesh,
@@ -283,9 +249,10 @@ def make_optimizer(optim: OptimOptions) -> Any:
     )
 
 
-def make_ema(optim: OptimOptions) -> Any:
-    """An EMA of decay ``optim.ema`` for a trained role, or ``None``."""
-    return fs.EMA(optim.ema) if optim.ema is not None else None
+def trained_role(module: nn.Module, optim: OptimOptions) -> fs.Role:
+    """A trained role: AdamW of :func:`make_optimizer`, an EMA of decay ``optim.ema`` if set."""
+    ema = fs.EMA(optim.ema) if optim.ema is not None else None
+    return fs.Role(module, optimizer=make_optimizer(optim), ema=ema)
 
 
 def takes_init_weights(options: Any, *, fresh: bool) -> bool:
@@ -301,9 +268,7 @@ def dmd2_roles(options: Any, student: Any, teacher: Any, critic: Any) -> dict[st
     at ``critic_lr``)."""
     critic_optim = dataclasses.replace(options.optim, lr=options.critic_lr)
     return {
-        "student": fs.Role(
-            student, optimizer=make_optimizer(options.optim), ema=make_ema(options.optim)
-        ),
+        "student": trained_role(student, options.optim),
         "teacher": fs.Role(teacher, save_frozen=False),
         "critic": fs.Role(critic, optimizer=make_optimizer(critic_optim)),
     }
@@ -329,12 +294,19 @@ def lora_over_base(
     options: Any, base: nn.Module, roles: tuple[str, ...], *, fresh: bool, mesh: Any,
     base_role: str,
 ) -> tuple[nn.Module, dict[str, Any]]:  # fmt: skip
-    """``roles``' adapters over ``base`` (:func:`add_lora`) and the base, prepared frozen.
+    """One peft LoRA adapter per role of ``roles`` over ``base``, and the base prepared frozen.
 
     On a fresh run the adapters are filled from ``init_from``, refused when it was trained
     on another base (its frozen ``base_role``); with ``mesh``, they are sharded over it.
     """
-    adapters = add_lora(base, options.lora, roles)
+    import peft
+
+    from fvstep.methods.lora import add_adapters
+
+    lora = options.lora
+    check_lora_targets({n: type(m).__name__ for n, m in base.named_modules()}, lora.targets)
+    config = peft.LoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=list(lora.targets))
+    adapters = add_adapters(base, dict.fromkeys(roles, config), seed=lora.seed)
     base = prepare_role(base, options.prepare, mesh, trainable=False)
     source = options.init_from
     if takes_init_weights(options, fresh=fresh) and source.path is not None:
@@ -348,13 +320,7 @@ def lora_over_base(
 
 def check_paths(options: Any) -> None:
     """Refuse a ``data.path``, ``model.path`` or ``model.config`` that holds nothing to
-    read (``ValueError``), before a run writes anything (options without these groups pass).
-
-    Examples:
-        >>> check_paths(FinetuneOptions(data=DataOptions(path="nowhere")))
-        Traceback (most recent call last):
-        ValueError: data.path 'nowhere' holds no latent dataset (no index.json) ...
-    """
+    read (``ValueError``), before a run writes anything (options without these groups pass)."""
     data, model = getattr(options, "data", None), getattr(options, "model", None)
     path = getattr(data, "path", None)
     if path is not None and not (Path(path) / "index.json").is_file():
@@ -370,14 +336,8 @@ def check_paths(options: Any) -> None:
         raise ValueError(f"model.config {config!r} is not a file: give a transformer config.json")
 
 
-def held_out_indices(shapes: list[Any], num: int) -> list[int]:
-    """The items of a dataset that validation uses and training never draws: the first
-    ``num`` of the first item's shapes (so that they stack into one batch).
-
-    Examples:
-        >>> held_out_indices([{"x": (2,)}, {"x": (3,)}, {"x": (2,)}], 2)
-        [0, 2]
-    """
+def _held_out_indices(shapes: list[Any], num: int) -> list[int]:
+    """The first ``num`` items of the first item's shapes (so that they stack into one batch)."""
     if num < 1 or not shapes:
         return []
     return [i for i, s in enumerate(shapes) if s == shapes[0]][:num]
@@ -398,10 +358,9 @@ def make_data(data: DataOptions, *, held_out: int = 0, device: torch.device | No
     """A latent dataset's loader (``data.path``), or a shuffle of synthetic latents.
 
     Args:
-        device: Where the batches are delivered (the rank's device; ``None``: the CPU).
-            A dataset's loader copies them from pinned memory without blocking.
-        held_out: With ``data.path``, the items :func:`held_out_indices` keeps for
-            validation (``validation.num_samples``): the loader never draws them.
+        held_out: With ``data.path``, the validation items (``validation.num_samples``)
+            that the loader never draws (:func:`held_out_items`).
+        device: Where the batches are delivered (``None``: the CPU).
 
     Raises:
         ValueError: If the items left after the held-out ones do not fill a global batch.
@@ -411,7 +370,7 @@ def make_data(data: DataOptions, *, held_out: int = 0, device: torch.device | No
         from fvstep.executor.latents import BucketedOrder, LatentDataset, WorkerSource
 
         dataset = LatentDataset(data.path, fields=("latents", "text"))
-        held = set(held_out_indices(dataset.shapes, held_out))
+        held = set(_held_out_indices(dataset.shapes, held_out))
         kept = [i for i in range(len(dataset)) if i not in held]
         world = fsp.rank_and_world()[1]
         if len(kept) < data.batch_size * world:
@@ -444,44 +403,70 @@ def _collate_to(items: list[Any], *, device: torch.device) -> Any:
 
 
 def held_out_items(data: DataOptions, num: int) -> dict[str, torch.Tensor]:
-    """``num`` held-out items (``latents``, ``text``) for validation: the dataset's
-    (:func:`held_out_indices`, never trained on: :func:`make_data`), or synthetic ones of
-    another key."""
+    """``num`` held-out items (``latents``, ``text``) for validation: the dataset's first
+    ``num`` of the first item's shapes (never trained on: :func:`make_data`), or synthetic
+    ones of another key."""
     if data.path is not None:
         from fvstep.executor.latents import LatentDataset
 
-        ds = LatentDataset(data.path, fields=("latents", "text"))
-        items = [ds[i] for i in held_out_indices(ds.shapes, num)]
-        return {k: torch.stack([item[k] for item in items]).float() for k in ("latents", "text")}
-    from fvstep.executor.data import SyntheticLatents
+        dataset: Any = LatentDataset(data.path, fields=("latents", "text"))
+        indices = _held_out_indices(dataset.shapes, num)
+    else:
+        from fvstep.executor.data import SyntheticLatents
 
-    synthetic = SyntheticLatents(
-        num,
-        key=fs.random.key(data.seed + 1000),
-        shape=data.latent_shape,
-        text_shape=data.text_shape,
-    )
-    items = [synthetic[i] for i in range(num)]
-    return {k: torch.stack([item[k] for item in items]) for k in ("latents", "text")}
+        dataset = SyntheticLatents(
+            num,
+            key=fs.random.key(data.seed + 1000),
+            shape=data.latent_shape,
+            text_shape=data.text_shape,
+        )
+        indices = list(range(num))
+    items = [dataset[i] for i in indices]
+    return {k: torch.stack([item[k] for item in items]).float() for k in ("latents", "text")}
 
 
-def make_run_options(
-    run: RunOptions,
+def close_data(data: Any) -> None:
+    """Stop a loader's workers (a synthetic source has none)."""
+    close = getattr(data, "close", None)
+    if close is not None:
+        close()
+
+
+def run_spec(
+    options: Any,
+    roles: dict[str, fs.Role],
+    method: Any,
     *,
-    data: DataOptions,
-    validation: ValidationOptions,
-    trackers: TrackerOptions,
-    parallel: ParallelOptions,
-    role: str = "student",
-    device: torch.device | None = None,
-) -> dict[str, Any]:
-    """The keyword arguments of :func:`fvstep.run`: checkpoints in ``run.out``, cadences,
-    validation of ``role``, trackers and the layout on several ranks."""
+    trained: tuple[str, ...],
+    device: torch.device,
+    sampler: Any = None,
+    extra: dict[str, Any] | None = None,
+) -> RunSpec:
+    """What every recipe returns: the state of ``roles`` (and ``extra``) keyed by
+    ``run.seed``, ``method`` compiled with the run's accumulation and clipping, the data,
+    and the options of :func:`fvstep.run` (checkpoints, cadences, validation of the
+    student, trackers, the layout on several ranks); with ``validation.sample_every``,
+    sample videos of the student by ``sampler`` (``None``: Euler steps).
+
+    Raises:
+        ValueError: For ``validation.every`` without a held-out item, or as
+            :func:`fvstep.recipes.samples.check_samples`.
+    """
     from fvstep.executor.reporting import Validation
     from fvstep.executor.validation import validation_loss
+    from fvstep.recipes.samples import check_samples, sample_validation
 
+    run, validation, trackers = options.run, options.validation, options.trackers
+    check_samples(options)  # before the data's workers start, or a held-out item is read
+    state = fs.TrainState.create(roles, key=fs.random.key(run.seed), extra=extra)
+    step = fs.compile(
+        method,
+        accumulation=fs.Accumulation(microbatches=run.microbatches),
+        clip=fs.clip_grad_norm(options.optim.clip) if options.optim.clip else None,
+    )
+    data = make_data(options.data, held_out=validation.num_samples, device=device)
     out = Path(run.out)
-    options: dict[str, Any] = {
+    run_options: dict[str, Any] = {
         "num_steps": run.num_steps,
         "checkpoints": fs.Checkpoints(
             out, every=run.every, keep=run.keep, async_save=run.async_save
@@ -495,63 +480,48 @@ def make_run_options(
                 f"validation.num_samples is {validation.num_samples}: validation needs at "
                 "least 1 held-out item (or validation.every 0: no validation)"
             )
-        held = held_out_items(data, validation.num_samples)
-        if device is not None:
-            held = {k: v.to(device) for k, v in held.items()}
-        loss = validation_loss(held["latents"], held["text"], role=role)
-        options["validation"] = Validation(loss, every=validation.every)
+        held = held_out_items(options.data, validation.num_samples)
+        held = {k: v.to(device) for k, v in held.items()}
+        loss = validation_loss(held["latents"], held["text"], role="student")
+        run_options["validation"] = Validation(loss, every=validation.every)
     chosen: list[Any] = []
     if trackers.tensorboard:
         chosen.append(TensorBoardTracker(out / "tensorboard"))
     if trackers.wandb_project:
         chosen.append(WandbTracker(project=trackers.wandb_project, dir=out))
     if chosen:
-        options["trackers"] = chosen
+        run_options["trackers"] = chosen
     if fsp.rank_and_world()[1] > 1:
-        options["parallelism"] = fsp.Layout(count_collectives=parallel.count_collectives)
-    return options
+        run_options["parallelism"] = fsp.Layout(
+            count_collectives=options.parallel.count_collectives
+        )
+    if validation.sample_every:
+        held = held_out_items(options.data, validation.num_samples)
+        samples = sample_validation(options, held, device=device, sampler=sampler)
+        first = run_options.get("validation")
+        run_options["validation"] = [samples] if first is None else [first, samples]
+    return RunSpec(state, step, data, run_options, trained=trained, close=lambda: close_data(data))
 
 
-def close_data(data: Any) -> None:
-    """Stop a loader's workers (a synthetic source has none)."""
-    close = getattr(data, "close", None)
-    if close is not None:
-        close()
-
-
-def run_spec(
+def distilled_run_spec(
     options: Any,
-    state: Any,
+    roles: dict[str, fs.Role],
     method: Any,
     *,
-    trained: tuple[str, ...],
+    steps: Any,
     device: torch.device,
-    sampler: Any = None,
+    extra: dict[str, Any] | None = None,
 ) -> RunSpec:
-    """What every recipe returns: ``method`` compiled with the run's accumulation and
-    clipping, the data, the run options and the :class:`~fvstep.recipes.RunSpec`; with
-    ``validation.sample_every``, sample videos of the student by ``sampler``
-    (:func:`fvstep.recipes.samples.sample_validation`; ``None``: Euler steps)."""
-    from fvstep.recipes.samples import check_samples, sample_validation
+    """:func:`run_spec` of a distillation: ``student`` and ``critic`` trained, the student
+    sampling its own few-step schedule ``steps``."""
+    from fvstep.executor.sampling import FewStepSampler
 
-    check_samples(options)  # before the data's workers start, or a held-out item is read
-    step = fs.compile(
+    return run_spec(
+        options,
+        roles,
         method,
-        accumulation=fs.Accumulation(microbatches=options.run.microbatches),
-        clip=fs.clip_grad_norm(options.optim.clip) if options.optim.clip else None,
-    )
-    data = make_data(options.data, held_out=options.validation.num_samples, device=device)
-    run_options = make_run_options(
-        options.run,
-        data=options.data,
-        validation=options.validation,
-        trackers=options.trackers,
-        parallel=options.parallel,
+        trained=("student", "critic"),
         device=device,
+        sampler=FewStepSampler(steps),
+        extra=extra,
     )
-    if options.validation.sample_every:
-        held = held_out_items(options.data, options.validation.num_samples)
-        samples = sample_validation(options, held, device=device, sampler=sampler)
-        loss = run_options.get("validation")
-        run_options["validation"] = [samples] if loss is None else [loss, samples]
-    return RunSpec(state, step, data, run_options, trained=trained, close=lambda: close_data(data))

@@ -33,7 +33,7 @@ from fvstep.recipes.config import (
     read_config,
     write_config,
 )
-from fvstep.recipes.parts import check_paths, device_for, precision_name
+from fvstep.recipes.parts import check_paths, compute_dtype, device_for
 from fvstep.recipes.samples import check_samples
 
 __all__ = [
@@ -50,15 +50,36 @@ def _say(rank: int, log: Callable[[str], None]) -> Callable[[str], None]:
     return log if rank == 0 else (lambda line: None)
 
 
-def _precision(options: Any) -> str:
-    """The resolved ``prepare.precision`` on this rank's device (``"bf16"`` or ``"fp32"``)."""
-    return precision_name(options.prepare, device_for(options.run))
+def _on_rank0(fn: Callable[[], Any]) -> Any:
+    """``fn()`` on rank 0, its result (or its error, raised) on every rank."""
+    result: Any = None
+    error: Exception | None = None
+    if rank_and_world()[0] == 0:
+        try:
+            result = fn()
+        except Exception as e:
+            error = e
+    error, result = broadcast_object((error, result))
+    if error is not None:
+        raise error
+    return result
+
+
+def _describe(recipe: Recipe, options: Any, world_size: int, *, digest: bool = True) -> Any:
+    """:func:`describe_run` of ``options``, ``prepare.precision`` resolved on this rank's device."""
+    compute = compute_dtype(options.prepare, device_for(options.run))
+    return describe_run(
+        recipe.name,
+        options,
+        world_size=world_size,
+        precision="fp32" if compute is None else "bf16",
+        data_digest=dataset_digest(options.data.path) if digest else None,
+    )
 
 
 def compile_memory_budget(options: Any) -> contextlib.AbstractContextManager[Any]:
     """A context holding ``prepare.compile_memory_budget`` for the graphs compiled in it
-    (a block compiles at its first call, inside :func:`fvstep.run`: the partitioner reads
-    it then); a null context without one.
+    (blocks compile at their first call, inside :func:`fvstep.run`); a null context without one.
 
     Raises:
         ValueError: For a budget outside ``[0, 1]``.
@@ -74,12 +95,9 @@ def compile_memory_budget(options: Any) -> contextlib.AbstractContextManager[Any
 
 
 def run_prepared(spec: RunSpec, options: Any, **extra: Any) -> Any:
-    """Train a prepared run (:func:`prepare_run`) to ``options.run.num_steps`` as
-    ``fvstep train`` does: :func:`fvstep.run` with the spec's options (and ``extra``, e.g.
-    ``on_metrics``) under the run's compile memory budget. It does not close ``spec``.
-
-    Returns:
-        The final state.
+    """Train a prepared run (:func:`prepare_run`) to ``options.run.num_steps``:
+    :func:`fvstep.run` with the spec's options and ``extra`` (e.g. ``on_metrics``), under
+    :func:`compile_memory_budget`. It does not close ``spec``; returns the final state.
 
     Raises:
         fvstep.Interrupted: If SIGTERM or Ctrl-C stopped the run (after it saved).
@@ -104,14 +122,7 @@ def check_resume(recipe: Recipe, options: Any, *, world_size: int) -> tuple[Path
     saved = read_config(out)
     if resumed_from is None or saved is None:
         return resumed_from, []
-    new = describe_run(
-        recipe.name,
-        options,
-        world_size=world_size,
-        precision=_precision(options),
-        data_digest=dataset_digest(options.data.path),
-    )
-    return resumed_from, check_config_change(saved, new)
+    return resumed_from, check_config_change(saved, _describe(recipe, options, world_size))
 
 
 def prepare_run(
@@ -120,65 +131,47 @@ def prepare_run(
     """What :func:`train` does before it runs: lock the run folder, check the config, build
     the run, apply ``init_from`` and (with ``write``) keep the config. Collective.
 
-    With ``write``, the returned spec holds the lock of ``run.out`` (rank 0), as the
-    ``checkpoints`` of its ``run_options`` hand it to :func:`fvstep.run`; ``spec.close()``
-    releases it. Without, it takes no lock and writes nothing.
+    With ``write``, the spec's ``checkpoints`` hold rank 0's lock of ``run.out`` for
+    :func:`fvstep.run`, and ``spec.close()`` releases it; without, nothing is locked or written.
 
     Raises:
-        fvstep.checkpoint.CheckpointLockedError: If another run holds the folder's lock
-            (nothing read or written).
-        fvstep.recipes.config.ConfigChangeError: If the options or the world size change
-            what alters the math of the run being resumed.
-        ValueError: For a ``data.path`` or ``model.path`` that holds nothing to read, an
-            ``init_from.kind="state"`` source at or past ``run.num_steps``, or samples
-            (``validation.sample_every``) without a VAE (nothing read or written).
+        fvstep.checkpoint.CheckpointLockedError: If another run holds the folder's lock.
+        fvstep.recipes.config.ConfigChangeError: As :func:`check_resume`.
+        ValueError: For options a run would refuse (a path holding nothing, an ``init_from``
+            state past ``run.num_steps``, samples without a VAE), before anything is written.
     """
     rank, world = rank_and_world()
     say = _say(rank, log)
     out = Path(options.run.out)
-    error: Exception | None = None
-    resumed_from: Path | None = None
-    applied: list[str] = []
     lock: DirectoryLock | None = None
-    if rank == 0:
-        try:
-            check_paths(options)  # before the lock: a wrong path leaves no folder
-            init_.check_init_state(options)
-            check_samples(options)
-            lock = ckpt.lock_dir(out) if write else None
-            resumed_from, applied = check_resume(recipe, options, world_size=world)
-        except Exception as e:
-            error = e
-            if lock is not None:
-                lock.release()
-    error, resumed_from = broadcast_object((error, resumed_from))
-    if error is not None:
-        raise error
+
+    def check() -> tuple[Path | None, list[str]]:
+        nonlocal lock
+        check_paths(options)  # before the lock: a wrong path leaves no folder
+        init_.check_init_state(options)
+        check_samples(options)
+        lock = ckpt.lock_dir(out) if write else None
+        return check_resume(recipe, options, world_size=world)
+
+    def keep_config() -> None:
+        config = _describe(recipe, options, world)
+        # a resume ignores init_from: the config keeps where the run started
+        saved = read_config(out) if resumed_from is not None else None
+        if saved is not None and saved["options"].get("init_from") is not None:
+            config["options"]["init_from"] = saved["options"]["init_from"]
+        write_config(out, config)
+
     try:
+        resumed_from, applied = _on_rank0(check)
         for change in applied:
             say(f"fvstep train: config change applied on resume: {change}")
         spec = _build(recipe, options, fresh=resumed_from is None, say=say)
         if write:
-            if rank == 0:
-                try:
-                    digest = dataset_digest(options.data.path)
-                    # a resume ignores init_from: the config keeps where the run started
-                    saved = read_config(out) if resumed_from is not None else None
-                    write_config(
-                        out,
-                        recipe.name,
-                        options,
-                        world_size=world,
-                        precision=_precision(options),
-                        data_digest=digest,
-                        started_from=None if saved is None else saved["options"].get("init_from"),
-                    )
-                except Exception as e:
-                    error = e
-            error = broadcast_object(error)
-            if error is not None:
+            try:
+                _on_rank0(keep_config)
+            except BaseException:
                 spec.close()
-                raise error
+                raise
     except BaseException:
         if lock is not None:
             lock.release()
@@ -219,12 +212,8 @@ def _build(recipe: Recipe, options: Any, *, fresh: bool, say: Callable[[str], No
 
 
 def describe_plan(spec: RunSpec, num: int = 4) -> list[str]:
-    """What the first ``num`` steps of a run train, one line a step (``fvstep.plan``).
-
-    Examples:
-        >>> describe_plan(spec, 2)
-        ['step 0: finetune updates student (1 micro-batch, clip 1.0)', ...]
-    """
+    """What the first ``num`` steps of a run train, one line a step (``fvstep.plan``),
+    e.g. ``"step 0: finetune updates student (1 micro-batch, clip 1.0)"``."""
     start = int(spec.state.step)
     end = min(start + num, spec.run_options["num_steps"])
     lines = []
@@ -247,7 +236,6 @@ def train(
     """Run ``recipe`` with ``options`` to ``options.run.num_steps`` (every rank calls it).
 
     Args:
-        options: Its options (:func:`fvstep.recipes.config.parse_options`).
         dry_run: Print the resolved config and the plan of the first steps, and stop
             (nothing is written).
         log: Where rank 0's lines go.
@@ -259,39 +247,32 @@ def train(
         fvstep.Interrupted: If SIGTERM or Ctrl-C stopped the run (after it saved).
         fvstep.recipes.config.ConfigChangeError: For a refused change on resume.
     """
-    with warnings.catch_warnings():
-        # FSDP2 warns that a Wan transformer returns a view; no method changes it in place.
-        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-        return _train(recipe, options, dry_run=dry_run, log=log)
-
-
-def _train(recipe: Recipe, options: Any, *, dry_run: bool, log: Callable[[str], None]) -> Any:
     import yaml
 
     rank, world = rank_and_world()
     say = _say(rank, log)
-    spec = prepare_run(recipe, options, log=log, write=not dry_run)
-    try:
-        if dry_run:
-            say(f"# {CONFIG_NAME} of recipe {recipe.name!r} (dry run: nothing is written)")
-            text = yaml.safe_dump(
-                describe_run(recipe.name, options, world_size=world, precision=_precision(options)),
-                sort_keys=False,
+    with warnings.catch_warnings():
+        # FSDP2 warns that a Wan transformer returns a view; no method changes it in place.
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+        spec = prepare_run(recipe, options, log=log, write=not dry_run)
+        try:
+            if dry_run:
+                say(f"# {CONFIG_NAME} of recipe {recipe.name!r} (dry run: nothing is written)")
+                config = _describe(recipe, options, world, digest=False)
+                say(yaml.safe_dump(config, sort_keys=False).rstrip())
+                say(f"# the first steps, from step {int(spec.state.step)}, on {world} rank(s):")
+                for line in describe_plan(spec):
+                    say(line)
+                return None
+            say(
+                f"fvstep train: recipe {recipe.name}, {world} rank(s), to step "
+                f"{options.run.num_steps}; run folder {options.run.out}"
             )
-            say(text.rstrip())
-            say(f"# the first steps, from step {int(spec.state.step)}, on {world} rank(s):")
-            for line in describe_plan(spec):
-                say(line)
-            return None
-        say(
-            f"fvstep train: recipe {recipe.name}, {world} rank(s), to step "
-            f"{options.run.num_steps}; run folder {options.run.out}"
-        )
-        state = run_prepared(spec, options)
-        say(
-            f"fvstep train: done at step {int(state.step)}; run folder {options.run.out} "
-            f"(checkpoints, metrics.jsonl, {CONFIG_NAME})"
-        )
-        return state
-    finally:
-        spec.close()
+            state = run_prepared(spec, options)
+            say(
+                f"fvstep train: done at step {int(state.step)}; run folder {options.run.out} "
+                f"(checkpoints, metrics.jsonl, {CONFIG_NAME})"
+            )
+            return state
+        finally:
+            spec.close()

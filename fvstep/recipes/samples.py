@@ -39,13 +39,12 @@ def _vae_folder(options: Any) -> Path | None:
 
 
 def check_samples(options: Any) -> None:
-    """Refuse ``validation.sample_every`` that a run could not honour, before it starts
-    (nothing is checked when it is 0).
+    """Refuse ``validation.sample_every`` that a run could not honour, before it starts.
 
     Raises:
-        ValueError: For a negative cadence, ``num_videos`` outside ``1 ..
-            num_samples``, no VAE (``model.path`` not a pipeline folder with a ``vae/``),
-            or ``sample_weights="ema"`` in a run without an EMA (``optim.ema``).
+        ValueError: For a negative cadence; with samples, ``num_videos`` outside
+            ``1 .. num_samples``, ``sample_steps < 1``, no VAE (``model.path`` not a pipeline
+            folder with a ``vae/``), or ``sample_weights="ema"`` without ``optim.ema``.
         fvstep.core._optional.MissingExtraError: Without ``imageio-ffmpeg`` (the MP4 files).
     """
     v = options.validation
@@ -104,7 +103,8 @@ def sample_validation(
     role: str = "student",
     sampler: Sampler | None = None,
 ) -> Validation | None:
-    """The sample videos of ``options.validation`` as a :class:`fvstep.Validation`.
+    """The sample videos of ``options.validation`` (checked by :func:`check_samples`) as a
+    :class:`fvstep.Validation`; ``None`` when ``validation.sample_every`` is 0.
 
     Every rank samples (a sharded role needs all of them); rank 0 alone decodes and
     returns the videos.
@@ -112,22 +112,14 @@ def sample_validation(
     Args:
         held_out: The held-out items (:func:`fvstep.recipes.parts.held_out_items`): the
             first ``validation.num_videos`` texts are the prompts, the latents the shape.
-        device: The rank's device (where the VAE decodes).
         sampler: The student's sampler (a distilled student's few-step schedule); ``None``:
             ``validation.sample_steps`` Euler steps at the pipeline scheduler's shift.
-
-    Returns:
-        The validation, or ``None`` when ``validation.sample_every`` is 0.
-
-    Raises:
-        ValueError: As :func:`check_samples`.
     """
     v = options.validation
-    check_samples(options)
     if v.sample_every == 0:
         return None
     folder = _vae_folder(options)
-    assert folder is not None  # check_samples refused it otherwise
+    assert folder is not None  # the caller's check_samples refused it otherwise
     text, shape = held_out["text"][: v.num_videos], tuple(held_out["latents"].shape[1:])
     # only rank 0 decodes (sample_videos); the others never touch their VAE
     vae = _load_vae(folder, device) if rank_and_world()[0] == 0 else nn.Module()

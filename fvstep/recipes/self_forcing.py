@@ -1,8 +1,5 @@
-"""The ``self_forcing`` recipe: a causal student trained by DMD on its own chunked rollouts.
-
-Roles: ``student`` (a causal copy of the model, :func:`fvstep.methods.make_causal`),
-``teacher`` (the model, frozen, saved by its digest), ``critic`` (a copy). The method is
-:func:`fvstep.methods.self_forcing`; the latents' frames must be a multiple of ``chunk_frames``.
+"""The ``self_forcing`` recipe: a causal ``student`` (a causal copy of the model) trained by
+DMD on its own chunked rollouts (:func:`fvstep.methods.self_forcing`), as ``dmd2``'s roles.
 
 Examples:
     $ fvstep train self_forcing --model.path Wan2.1-T2V-1.3B-Diffusers \\
@@ -19,7 +16,6 @@ import torch
 
 import fvstep as fs
 from fvstep import parallel as fsp
-from fvstep.executor.sampling import FewStepSampler
 from fvstep.methods import make_causal, self_forcing, self_forcing_losses
 from fvstep.methods.causal_rollout import shifted_steps
 from fvstep.recipes import Recipe, RunSpec, parts
@@ -30,7 +26,6 @@ __all__ = [
     "SelfForcingOptions",
     "build",
     "causal_roles",
-    "causal_run_spec",
     "check_latent_frames",
     "student_cache_dtype",
 ]
@@ -104,28 +99,6 @@ def student_cache_dtype(roles: dict[str, fs.Role]) -> torch.dtype | None:
     return None if prepared is None else prepared.param_dtype
 
 
-def causal_run_spec(
-    options: Any,
-    roles: dict[str, fs.Role],
-    method: Any,
-    *,
-    device: torch.device,
-    extra: dict[str, Any] | None = None,
-) -> RunSpec:
-    """The run of a causal recipe's ``method`` over ``roles``; the student samples its own
-    schedule, chunk by chunk."""
-    state = fs.TrainState.create(roles, key=fs.random.key(options.run.seed), extra=extra)
-    steps = shifted_steps(options.denoising_steps, options.denoising_shift)
-    return parts.run_spec(
-        options,
-        state,
-        method,
-        trained=("student", "critic"),
-        device=device,
-        sampler=FewStepSampler(steps),
-    )
-
-
 def build(options: SelfForcingOptions, *, fresh: bool = True) -> RunSpec:
     """The self-forcing run of ``options``: a causal student and a critic, both copies of
     the teacher (or from ``init_from`` on a fresh run).
@@ -150,7 +123,7 @@ def build(options: SelfForcingOptions, *, fresh: bool = True) -> RunSpec:
         guidance_scale=options.guidance_scale,
         cache_dtype=student_cache_dtype(roles),
     )
-    return causal_run_spec(options, roles, method, device=device)
+    return parts.distilled_run_spec(options, roles, method, steps=steps, device=device)
 
 
 RECIPE = Recipe(
@@ -160,4 +133,3 @@ RECIPE = Recipe(
     summary="Self-forcing: a causal student trained by DMD on its own chunk-by-chunk "
     "rollouts, with a frozen teacher and a trained critic.",
 )
-"""The ``self_forcing`` recipe (``fvstep train self_forcing``)."""

@@ -1,8 +1,5 @@
-"""The ``streaming`` recipe: self-forcing on a long rollout that spans several steps.
-
-Roles: those of ``self_forcing`` (:func:`~fvstep.recipes.self_forcing.causal_roles`). The
-method is :func:`fvstep.methods.streaming`: each step generates, from the stream's KV cache,
-its next frames and trains on them. The stream is ``state.extra["stream"]``, saved per rank.
+"""The ``streaming`` recipe: self-forcing on a long rollout that spans several steps
+(:func:`fvstep.methods.streaming`), the stream in ``state.extra["stream"]``.
 
 Examples:
     $ fvstep train streaming --model.path Wan2.1-T2V-1.3B-Diffusers --data.path latents/ \\
@@ -24,7 +21,6 @@ from fvstep.recipes.options import DataOptions, RunOptions
 from fvstep.recipes.self_forcing import (
     SelfForcingOptions,
     causal_roles,
-    causal_run_spec,
     check_latent_frames,
     student_cache_dtype,
 )
@@ -82,12 +78,13 @@ def build(options: StreamingOptions, *, fresh: bool = True) -> RunSpec:
         (['stream'], 0)
     """
     check_latent_frames(options.data, options.chunk_frames)
+    steps = shifted_steps(options.denoising_steps, options.denoising_shift)
     method = streaming(
         steps_per_stream=options.steps_per_stream,
         window_frames=options.window_frames,
         sink_frames=options.sink_frames,
         generator_update_interval=options.generator_update_interval,
-        denoising_steps=shifted_steps(options.denoising_steps, options.denoising_shift),
+        denoising_steps=steps,
         guidance_scale=options.guidance_scale,
     )
     device = parts.device_for(options.run)
@@ -99,7 +96,8 @@ def build(options: StreamingOptions, *, fresh: bool = True) -> RunSpec:
         sink_frames=options.sink_frames,
         cache_dtype=student_cache_dtype(roles),
     )
-    return causal_run_spec(options, roles, method, device=device, extra={"stream": stream})
+    extra = {"stream": stream}
+    return parts.distilled_run_spec(options, roles, method, steps=steps, device=device, extra=extra)
 
 
 RECIPE = Recipe(
@@ -109,4 +107,3 @@ RECIPE = Recipe(
     summary="Streaming self-forcing: one long rollout across steps, its KV cache in the "
     "state (TrainState.extra), with a frozen teacher and a trained critic.",
 )
-"""The ``streaming`` recipe (``fvstep train streaming``)."""

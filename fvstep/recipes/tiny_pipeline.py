@@ -21,19 +21,8 @@ __all__ = ["save_tiny_pipeline"]
 
 
 def save_tiny_pipeline(path: str | os.PathLike[str], *, seed: int = 0) -> Path:
-    """Write a tiny ``WanPipeline`` folder at ``path`` (see the module docstring).
-
-    Args:
-        path: The folder to write (created; existing files of the same names are replaced).
-        seed: Seeds every part's random weights (the global RNG is left untouched).
-
-    Returns:
-        ``path``.
-
-    Examples:
-        >>> save_tiny_pipeline("tiny-wan", seed=0)
-        PosixPath('tiny-wan')
-    """
+    """Write a tiny ``WanPipeline`` folder at ``path`` (created; files of the same names
+    replaced) and return it; ``seed`` seeds every part's weights, not the global RNG."""
     from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline
     from transformers import ByT5Tokenizer, UMT5Config, UMT5EncoderModel
 
