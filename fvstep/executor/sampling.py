@@ -213,7 +213,7 @@ def _sample_causal(
 
 
 def decode_latents(vae: nn.Module, latents: torch.Tensor) -> torch.Tensor:
-    """Pixels ``(B, F, H, W, 3)`` in ``[0, 1]`` from latents ``(B, C, F, H, W)``, as ``WanPipeline``.
+    """Pixels ``(B, F, H, W, 3)`` in ``[0, 1]`` from latents ``(B, C, F, H, W)``, as Wan does.
 
     Args:
         vae: A diffusers ``AutoencoderKLWan`` (or any VAE with that config and ``decode``).

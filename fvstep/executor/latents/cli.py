@@ -1,8 +1,6 @@
-"""``fvstep data``: the command line of :mod:`fvstep.executor.latents` (``fvstep data encode``).
+"""``fvstep data encode``: :func:`run_encode`'s signature is the command's options.
 
-:func:`run_encode`'s signature is the command's options (:mod:`fvstep.cli` builds the
-parser from it). Only the standard library is imported here; the function imports the
-models' libraries. Usage: docs/concepts/data.md.
+Only the standard library is imported here. Usage: docs/concepts/data.md.
 """
 
 from __future__ import annotations
@@ -26,8 +24,7 @@ def _user_error(message: str) -> Exception:
 
 
 def _check_size(height: int | None, width: int | None, multiple: int) -> None:
-    """Refuse a size whose latents no patch fits: height and width must be multiples of
-    ``multiple`` (16: the Wan VAE's 8 times Wan's 2 x 2 patch)."""
+    """Refuse a height or width that is not a multiple of ``multiple``."""
     for name, size in (("height", height), ("width", width)):
         if size is None or (size >= multiple and size % multiple == 0):
             continue

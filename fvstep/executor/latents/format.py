@@ -72,11 +72,7 @@ def parse_dtype(name: str) -> torch.dtype:
 
 
 def temporary_path(path: Path) -> Path:
-    """Where a file is written before it is renamed to ``path``: ``NAME.tmp-PID`` beside it.
-
-    So a file under its own name is whole, and processes writing the same file at once never
-    write into each other's temporary file.
-    """
+    """Where a file is written before it is renamed to ``path``: ``NAME.tmp-PID`` beside it."""
     return path.with_name(f"{path.name}.tmp-{os.getpid()}")
 
 
@@ -85,9 +81,7 @@ class ShardInfo:
 
     Args:
         file: The shard's file name, relative to the dataset directory.
-        num_rows: The number of rows (samples).
-        shapes: Runs of rows with equal tensor shapes: ``[(shapes, count), ...]`` in row
-            order, ``shapes`` mapping each tensor field to its shape.
+        shapes: Runs of rows with equal tensor shapes, ``[({field: shape}, count), ...]``.
 
     Examples:
         >>> info = ShardInfo("shard-00000.parquet", 2, [({"latents": (4, 1, 2, 2)}, 2)])

@@ -35,10 +35,7 @@ def write_index(
     """Write ``root/index.json`` for ``shards`` (in dataset order), atomically.
 
     Args:
-        root: The dataset directory.
-        shards: The shards' :class:`ShardInfo`, in the order their rows are numbered.
-        extra: JSON-able facts to keep beside the index (``fvstep data encode`` puts its
-            settings here).
+        extra: JSON-able facts to keep beside the index (``fvstep data encode``'s settings).
 
     Returns:
         The index's path.
@@ -86,10 +83,6 @@ def write_dataset(
     root: str | os.PathLike[str], shards: Sequence[Sequence[Mapping[str, Any]]]
 ) -> list[ShardInfo]:
     """Write each list of rows as a shard of ``root`` and then the index: a whole dataset.
-
-    Args:
-        root: The dataset directory (created if needed).
-        shards: The rows of each shard, in dataset order.
 
     Returns:
         The shards' :class:`ShardInfo`.

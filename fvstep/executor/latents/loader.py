@@ -1,11 +1,6 @@
 """Worker loading in step order: :class:`WorkerSource`, a data source backed by a DataLoader.
 
-It answers ``batch(step, rank=, world_size=)`` as its *order* does, but reads and collates
-in worker processes, ``prefetch`` steps ahead. Asked for any step but the next one (a
-resume, another rank or world size), it starts a new DataLoader at that step, so a batch
-never depends on where the run started. A worker's error is raised by the call for that
-step, naming the rank and the step; the workers ignore SIGINT and SIGTERM
-(:mod:`~fvstep.executor.latents.workers`). See docs/concepts/data.md.
+See docs/concepts/data.md.
 """
 
 from __future__ import annotations
@@ -35,8 +30,7 @@ __all__ = ["Order", "WorkerSource", "latent_source"]
 
 
 class Order(Protocol):
-    """What decides the items of a batch: a ``ShuffledSource``, a ``BucketedOrder``, or any
-    object with this method."""
+    """What decides the items of a batch: a ``ShuffledSource``, a ``BucketedOrder``..."""
 
     def indices(
         self, step: SupportsIndex, *, rank: SupportsIndex = 0, world_size: SupportsIndex = 1
@@ -69,20 +63,22 @@ def _to_device(batch: Any, device: torch.device) -> Any:
 class WorkerSource:
     """A data source that reads ``order``'s batches of ``dataset`` in worker processes.
 
+    It answers ``batch(step, rank=, world_size=)`` as ``order`` does, ``prefetch`` steps
+    ahead. Asked for any step but the next one (a resume, another rank or world size), it
+    starts a new DataLoader at that step, so a batch never depends on where the run started.
+    The workers ignore SIGINT and SIGTERM (:mod:`~fvstep.executor.latents.workers`).
+
     Args:
-        dataset: A map-style dataset (a ``LatentDataset``, ...); with workers it must pickle.
+        dataset: A map-style dataset; with workers it must pickle.
         order: Decides the items of each ``(step, rank, world_size)`` (an :class:`Order`).
         num_workers: Worker processes (``0``: read in the calling process, no prefetch).
-        prefetch: Batches each worker prepares ahead (``prefetch_factor``), ``>= 1``.
+        prefetch: Batches each worker prepares ahead (``prefetch_factor``).
         pin_memory: Copy batches into pinned memory (default: when CUDA is available).
-        collate: Turns a step's items into a batch (default ``default_collate``).
-        multiprocessing_context: The workers' start method (``"fork"``, ``"spawn"``,
-            ``"forkserver"``; default: the platform's).
+        multiprocessing_context: The workers' start method (default: the platform's).
         timeout_s: Give up waiting for a batch after this many seconds (``0``: never).
-        device: Move each batch's tensors there (``non_blocking``: from pinned memory the
-            copy to a GPU overlaps the step); default: leave them in host memory.
-        worker_init_fn: Called with the worker's id in each worker as it starts, after it
-            is made to ignore preemption signals (``DataLoader``'s option).
+        device: Move each batch's tensors there, ``non_blocking``; default: host memory.
+        worker_init_fn: Called with the worker's id in each worker, after it is made to
+            ignore preemption signals.
 
     Raises:
         ValueError: If ``num_workers < 0`` or ``prefetch < 1``.
@@ -169,9 +165,6 @@ class WorkerSource:
     ) -> Any:
         """``rank``'s batch at ``step``, prefetched when the calls come in step order.
 
-        Returns:
-            The collated batch (pinned when pinning is on, on ``device`` if one was given).
-
         Raises:
             ShardError: If a shard of the batch is missing or damaged (naming the rank, the
                 step, the file and the row).
@@ -244,17 +237,9 @@ def latent_source(
 ) -> WorkerSource:
     """The usual data of a run: a dataset directory, shape-bucketed, read by workers.
 
-    ``WorkerSource(LatentDataset(root, ...), BucketedOrder(dataset.shapes, ...), ...)``.
-
-    Args:
-        root: The dataset directory (``fvstep data encode``'s output).
-        key: An fvstep key; it alone decides the order.
-        batch_size: The per-rank batch size.
-        num_workers: Worker processes (``0``: read in the calling process).
-        fields: As :class:`LatentDataset`.
-        drop_last: As :class:`BucketedOrder`.
-        verify: As :class:`LatentDataset`.
-        **loader_options: More options of :class:`WorkerSource` (``prefetch``, ``device``...).
+    ``WorkerSource(LatentDataset(root, ...), BucketedOrder(dataset.shapes, ...), ...)``;
+    ``fields`` and ``verify`` are :class:`LatentDataset`'s, ``drop_last``
+    :class:`BucketedOrder`'s, ``**loader_options`` :class:`WorkerSource`'s.
 
     Returns:
         A :class:`WorkerSource`; close it (or use it in a ``with``) when done.

@@ -1,8 +1,4 @@
-"""Parquet shards of the format (:mod:`fvstep.executor.latents.format`): writing, opening, describing.
-
-A shard is written under a temporary name, flushed to disk and renamed, so one that exists
-is whole; opening one checks that it is an fvstep shard of a version this fvstep reads.
-"""
+"""Parquet shards of the format (:mod:`fvstep.executor.latents.format`): writing, opening, describing."""
 
 from __future__ import annotations
 
@@ -38,8 +34,7 @@ def _arrow() -> Any:
 
 
 def _shard_info(file: str, num_rows: int, shapes: Mapping[str, Sequence[Any]]) -> ShardInfo:
-    """A shard's :class:`ShardInfo` from its shape columns ``{tensor field: each row's shape}``
-    (what the writer made, or what the ``*_shape`` columns hold)."""
+    """A shard's :class:`ShardInfo` from its shape columns ``{tensor field: each row's shape}``."""
     runs: list[tuple[Shapes, int]] = []
     for i in range(num_rows):
         row = {t: tuple(column[i]) for t, column in shapes.items()}
@@ -83,12 +78,10 @@ def write_shard(
 ) -> ShardInfo:
     """Write ``rows`` (dicts of tensors, strings and numbers) as one Parquet shard, atomically.
 
-    Every row must have the same fields; tensor fields may differ in shape and dtype from
-    row to row.
+    Every row must have the same fields; tensor fields may differ in shape and dtype. The
+    file is written under a temporary name, synced and renamed: a shard that exists is whole.
 
     Args:
-        path: The shard's path (conventionally ``DIR / shard_name(k)``).
-        rows: The samples, at least one.
         compression: Parquet compression codec of every column (``"none"``, ``"zstd"``...).
 
     Returns:
@@ -124,14 +117,7 @@ def write_shard(
 
 
 def open_shard(path: Path, *, verify: bool = True) -> tuple[Any, list[str]]:
-    """An open ``pyarrow.parquet.ParquetFile`` of an fvstep shard, and its tensor fields.
-
-    Args:
-        path: The shard file.
-        verify: Check the pages' CRC checksums as they are read.
-
-    Returns:
-        ``(parquet_file, tensor_fields)``.
+    """``(parquet_file, tensor_fields)`` of an fvstep shard, its pages' checksums verified on read.
 
     Raises:
         ShardError: If the file is missing, is not an fvstep shard (or of a newer format

@@ -1,12 +1,11 @@
 """The worker processes of :class:`~fvstep.executor.latents.WorkerSource`: what they run,
 how they take signals, and how they end.
 
-:class:`StepItems` and :class:`StepCollate` hand a :class:`WorkerFailure` back in place of
-a batch, so that the main process raises it in the call for that step. The workers ignore
-SIGINT and SIGTERM (:class:`WorkerInit`): a signal to the whole process group is the
-trainer's, which saves at the next step boundary with its loader intact. They end with
-their trainer: torch's workers watch their parent, and at interpreter exit the workers of
-every source still open are shut down, then killed if need be (:func:`start_workers`).
+A worker hands a :class:`WorkerFailure` back in place of a batch, to be raised in the call
+for that step. Workers ignore SIGINT and SIGTERM (:class:`WorkerInit`): a signal to the
+process group is the trainer's, which saves at the next step boundary with its loader
+intact. At interpreter exit the workers of every source still open are shut down, then
+killed if need be.
 """
 
 from __future__ import annotations
@@ -101,12 +100,8 @@ _PREEMPTION_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 
 @contextlib.contextmanager
 def _preemption_signals_held() -> Iterator[None]:
-    """Hold SIGINT and SIGTERM in this thread while it forks workers.
-
-    A forked child starts with its parent's mask, so a signal that arrives before
-    :class:`WorkerInit` runs stays pending in the worker instead of killing it. (With
-    ``spawn`` or ``forkserver`` such a signal can still end a starting worker.)
-    """
+    """Hold SIGINT and SIGTERM in this thread while it forks workers: a forked child keeps
+    the mask, so a signal before :class:`WorkerInit` runs stays pending instead of killing it."""
     if not hasattr(signal, "pthread_sigmask"):  # Windows: no process groups to fear
         yield
         return
@@ -159,10 +154,8 @@ so the exit hook must know them."""
 def _stop_all_workers() -> None:
     """At interpreter exit, end the workers of every ``WorkerSource`` left open.
 
-    Registered after torch's and multiprocessing's exit hooks, so it runs first: after
-    torch's, a DataLoader no longer shuts its workers down, and multiprocessing's
-    terminates daemonic children with SIGTERM (which our workers ignore), then joins them
-    without a timeout: a worker still running would hang the exit.
+    It must run before multiprocessing's hook, which would SIGTERM (ignored) and join a
+    running worker without a timeout, hanging the exit.
     """
     me = os.getpid()  # a process forked from the trainer inherits this hook, not its workers
     for source, trainer in list(_open_sources.items()):
@@ -182,18 +175,14 @@ atexit.register(_stop_all_workers)
 
 
 def start_workers(loader: DataLoader[Any], owner: _Closable) -> Iterator[Any]:
-    """Start ``loader``'s worker processes, and end them at interpreter exit if need be.
+    """Start ``loader``'s workers (its iterator); end them at interpreter exit if need be.
 
-    SIGINT and SIGTERM are held while the workers fork. At interpreter exit
-    ``owner.close()`` is called unless :func:`forget_workers` was called for it first, and
-    any of these workers still alive after it is killed.
+    At interpreter exit ``owner.close()`` is called unless :func:`forget_workers` was called
+    for it first, and any of these workers still alive after it is killed.
 
     Args:
         loader: A DataLoader with workers, whose ``worker_init_fn`` is a :class:`WorkerInit`.
         owner: What shuts the workers down (a ``WorkerSource``).
-
-    Returns:
-        The loader's iterator, its workers started.
     """
     before = {p.pid for p in multiprocessing.active_children()}
     with _preemption_signals_held():
@@ -208,9 +197,5 @@ def start_workers(loader: DataLoader[Any], owner: _Closable) -> Iterator[Any]:
 
 
 def forget_workers(owner: _Closable) -> None:
-    """Do not close ``owner`` at interpreter exit: its workers are shut down already.
-
-    Args:
-        owner: What :func:`start_workers` was given (nothing happens if it was not).
-    """
+    """Do not close ``owner`` at interpreter exit: its workers are shut down already."""
     _open_sources.pop(owner, None)
