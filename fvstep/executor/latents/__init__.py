@@ -33,25 +33,18 @@ if TYPE_CHECKING:  # what type checkers see; at run time __getattr__ imports on 
 
 # Where each public name lives: importing this package (and so ``fvstep data --help``)
 # loads no torch; a name's module is imported the first time the name is read (PEP 562).
-_WHERE = {
-    "bucket_key": "fvstep.executor.latents.order",
-    "BucketedOrder": "fvstep.executor.latents.order",
-    "describe_shard": "fvstep.executor.latents.shards",
-    "encode_clips": "fvstep.executor.latents.encode",
-    "EncodeResult": "fvstep.executor.latents.encode",
-    "find_clips": "fvstep.executor.latents.clips",
-    "latent_source": "fvstep.executor.latents.loader",
-    "LatentDataset": "fvstep.executor.latents.dataset",
-    "Order": "fvstep.executor.latents.loader",
-    "read_index": "fvstep.executor.latents.index",
-    "shard_name": "fvstep.executor.latents.format",
-    "ShardError": "fvstep.core.errors",
-    "ShardInfo": "fvstep.executor.latents.format",
-    "WorkerSource": "fvstep.executor.latents.loader",
-    "write_dataset": "fvstep.executor.latents.index",
-    "write_index": "fvstep.executor.latents.index",
-    "write_shard": "fvstep.executor.latents.shards",
+_NAMES = {
+    "fvstep.core.errors": ("ShardError",),
+    "fvstep.executor.latents.clips": ("find_clips",),
+    "fvstep.executor.latents.dataset": ("LatentDataset",),
+    "fvstep.executor.latents.encode": ("EncodeResult", "encode_clips"),
+    "fvstep.executor.latents.format": ("ShardInfo", "shard_name"),
+    "fvstep.executor.latents.index": ("read_index", "write_dataset", "write_index"),
+    "fvstep.executor.latents.loader": ("Order", "WorkerSource", "latent_source"),
+    "fvstep.executor.latents.order": ("BucketedOrder", "bucket_key"),
+    "fvstep.executor.latents.shards": ("describe_shard", "write_shard"),
 }
+_WHERE = {name: module for module, names in _NAMES.items() for name in names}
 
 __all__ = sorted(_WHERE)
 

@@ -5,6 +5,7 @@ Only the standard library is imported here. Usage: docs/concepts/data.md.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -160,19 +161,15 @@ def run_encode(
     if where.type == "cuda" and where.index is None:
         where = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     by_file = _read_captions(captions)
-    models = _load_models(model, vae, text_encoder, tokenizer, model_dtype)
-    models[0].to(where)
-    models[1].to(where)
-
-    def log(line: str) -> None:
-        print(line, file=sys.stderr, flush=True)
-
+    vae_model, encoder, tokenizer_model = _load_models(
+        model, vae, text_encoder, tokenizer, model_dtype
+    )
     result = encode_clips(
         source,
         out,
-        vae=models[0],
-        text_encoder=models[1],
-        tokenizer=models[2],
+        vae=vae_model.to(where),
+        text_encoder=encoder.to(where),
+        tokenizer=tokenizer_model,
         num_frames=num_frames,
         height=height,
         width=width,
@@ -184,7 +181,7 @@ def run_encode(
         rank=rank,
         world_size=world,
         captions=by_file,
-        log=log,
+        log=functools.partial(print, file=sys.stderr, flush=True),
     )
     mine = len(result.written) + len(result.skipped)
     done = (

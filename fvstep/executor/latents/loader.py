@@ -5,6 +5,7 @@ See docs/concepts/data.md.
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -35,19 +36,6 @@ class Order(Protocol):
     def indices(
         self, step: SupportsIndex, *, rank: SupportsIndex = 0, world_size: SupportsIndex = 1
     ) -> list[int]: ...
-
-
-class _Steps:
-    """The batch sampler: the index lists of steps ``start, start + 1, ...``, forever."""
-
-    def __init__(self, order: Order, start: int, rank: int, world: int) -> None:
-        self.order, self.start, self.rank, self.world = order, start, rank, world
-
-    def __iter__(self) -> Iterator[StepIndices]:
-        s = self.start
-        while True:
-            yield StepIndices(s, self.order.indices(s, rank=self.rank, world_size=self.world))
-            s += 1
 
 
 def _to_device(batch: Any, device: torch.device) -> Any:
@@ -140,9 +128,13 @@ class WorkerSource:
     def _start(self, step: int, rank: int, world: int) -> None:
         self._stop()
         workers = self._num_workers
+        steps = (  # the batch sampler: the index lists of steps step, step + 1, ..., forever
+            StepIndices(s, self._order.indices(s, rank=rank, world_size=world))
+            for s in itertools.count(step)
+        )
         loader: DataLoader[Any] = DataLoader(
             StepItems(self._dataset),  # type: ignore[arg-type]
-            batch_sampler=_Steps(self._order, step, rank, world),
+            batch_sampler=steps,  # type: ignore[arg-type]
             num_workers=workers,
             collate_fn=StepCollate(self._collate),
             pin_memory=self._pin,
