@@ -148,21 +148,7 @@ def run(
         >>> state = run(step_fn, state, source, num_steps=1000,
         ...             checkpoints=Checkpoints("ckpt", every=100, keep=3))
     """
-    result = run_until(
-        step,
-        state,
-        data,
-        num_steps=num_steps,
-        checkpoints=checkpoints,
-        metrics_path=metrics_path,
-        progress=progress,
-        on_metrics=on_metrics,
-        handle_signals=handle_signals,
-        validation=validation,
-        trackers=trackers,
-        log_every=log_every,
-        parallelism=parallelism,
-    )
+    result = run_until(**locals())  # run's parameters are run_until's, by name
     if not result.completed:
         raise Interrupted(
             result.stopped_by,

@@ -15,9 +15,7 @@ from typing import Any
 import torch
 
 from fvstep.core.errors import ShardError
-from fvstep.executor.latents.format import Shapes, ShardInfo, parse_dtype
-from fvstep.executor.latents.index import read_index
-from fvstep.executor.latents.shards import open_shard
+from fvstep.executor.latents.format import Shapes, ShardInfo, open_shard, parse_dtype, read_index
 
 __all__ = ["LatentDataset"]
 

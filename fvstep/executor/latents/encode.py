@@ -22,9 +22,16 @@ from fvstep.core._checks import check_int
 from fvstep.core.errors import ShardError
 from fvstep.executor.latents.clips import Clip, find_clips, fit_frames, read_frames
 from fvstep.executor.latents.encode_identity import agree_on_settings, describe_encode
-from fvstep.executor.latents.format import INDEX_FILE, ShardInfo, dtype_name, shard_name
-from fvstep.executor.latents.index import write_index
-from fvstep.executor.latents.shards import describe_shard, open_shard, write_shard
+from fvstep.executor.latents.format import (
+    INDEX_FILE,
+    ShardInfo,
+    describe_shard,
+    dtype_name,
+    open_shard,
+    shard_name,
+    write_index,
+    write_shard,
+)
 
 __all__ = ["EncodeResult", "encode_clips"]
 
