@@ -1,8 +1,8 @@
 """Real training inputs: precomputed latents on disk, encoded once, read by workers.
 
 The modules: ``format`` (the on-disk format: shards and index), ``dataset`` (its
-reader), ``order`` (which items a step reads, by shape bucket), ``loader`` and ``workers``
-(the worker loader), and ``encode``, ``clips``, ``encode_identity`` and ``cli`` (``fvstep
+reader), ``order`` (which items a step reads, by shape bucket), ``loader`` (the worker
+loader), and ``encode``, ``clips``, ``encode_identity`` and ``cli`` (``fvstep
 data encode``). See docs/concepts/data.md. pyarrow is imported when a shard is read or
 written; diffusers, transformers and imageio when clips are encoded.
 """
