@@ -2,10 +2,6 @@
 
 A :class:`Video` is what a validation function returns for a tracker to log. The writers
 use ``imageio`` (MP4 through ``imageio-ffmpeg``; ``pip install fvstep[media]``).
-
-Examples:
-    >>> video = Video(frames_from_pixels(pixels[0]), fps=16, caption="a cat")
-    >>> write_mp4(video, "out/sample_0.mp4"), write_png_strip(video, "out/sample_0.png")
 """
 
 from __future__ import annotations

@@ -2,10 +2,6 @@
 
 Metrics reach them without a GPU sync per step, through :class:`MetricsQueue`. See
 docs/concepts/validation.md.
-
-Examples:
-    >>> fvstep.run(step, state, data, num_steps=1000,
-    ...            trackers=[JsonlTracker("runs/a/metrics.jsonl"), TensorBoardTracker("runs/a/tb")])
 """
 
 from __future__ import annotations
@@ -37,10 +33,9 @@ Scalar = bool | int | float | None
 
 @runtime_checkable
 class Tracker(Protocol):
-    """Where metrics and media go. ``fvstep.run`` calls these on rank 0 only.
+    """Where metrics and media go, on rank 0 (docs/concepts/validation.md).
 
-    An optional ``start(step)`` is called once, before anything is logged, with the step
-    the run starts (or resumes) at: the tracker may drop what it logged from there on.
+    An optional ``start(step)`` is called once, first, with the step the run starts at.
 
     Examples:
         >>> class PrintTracker:
@@ -128,9 +123,9 @@ def _line_step(line: str) -> int:
 class JsonlTracker:
     """Strict JSON lines (``{"step": n, ...}``), and media files beside them.
 
-    On :meth:`start` at step ``s``, lines and media folders of steps ``>= s`` are dropped.
     ``log_media`` writes ``<media_dir>/step_<n>/<name>`` as ``.mp4`` and ``.png`` (the
-    frames side by side), and ``.gif`` with ``gif=True``.
+    frames side by side), and ``.gif`` with ``gif=True``. What a resume drops:
+    docs/concepts/validation.md.
 
     Args:
         media_dir: Where media go; default ``<path's folder>/media``.
@@ -191,12 +186,8 @@ class JsonlTracker:
 
 
 class TensorBoardTracker:
-    """TensorBoard event files (``torch.utils.tensorboard``; ``pip install tensorboard``).
-
-    Finite scalars go to ``add_scalar``; a video to ``add_image``, its frames side by side
-    (TensorBoard's video summaries need ``moviepy``). :meth:`start` at step ``s > 0``
-    purges events of steps ``>= s``.
-    """
+    """TensorBoard event files (``pip install tensorboard``): finite scalars, and each video
+    as the image of its frames side by side. See docs/concepts/validation.md."""
 
     def __init__(self, log_dir: str | os.PathLike[str]) -> None:
         self.log_dir = Path(log_dir)
@@ -234,10 +225,9 @@ class TensorBoardTracker:
 class WandbTracker:
     """Weights & Biases (``pip install wandb``), offline unless told otherwise.
 
-    :meth:`start` calls ``wandb.init(mode=mode, ...)``; offline, it writes
-    ``<dir>/wandb/offline-run-*/`` for ``wandb sync``. Videos are logged as MP4. W&B cannot
-    take back logged steps: a resumed run logs its recomputed steps in a new run (pass
-    ``id`` and ``resume="allow"`` to append to one).
+    Offline, it writes ``<dir>/wandb/offline-run-*/`` for ``wandb sync``. A resumed run
+    logs its recomputed steps in a new W&B run (pass ``id`` and ``resume="allow"`` to
+    append to one).
 
     Args:
         dir: The folder W&B writes under.

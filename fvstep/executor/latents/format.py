@@ -195,9 +195,6 @@ def write_shard(
     Every row must have the same fields; tensor fields may differ in shape and dtype. The
     file is written under a temporary name, synced and renamed: a shard that exists is whole.
 
-    Args:
-        compression: Parquet compression codec of every column (``"none"``, ``"zstd"``...).
-
     Returns:
         The shard's :class:`ShardInfo` (for :func:`write_index`).
 
