@@ -273,9 +273,11 @@ class WandbTracker:
         """Each video as an MP4 ``wandb.Video``."""
         import tempfile
 
+        with needs_extra("tracking", "WandbTracker"):
+            import wandb
+
         if self.run is None:
             self.start(0)
-        import wandb  # importable: start() imported it
 
         with tempfile.TemporaryDirectory(dir=self.dir) as tmp:
             row = {}
