@@ -54,10 +54,6 @@ class EncodeResult:
     index: Path | None = None
 
 
-def _temporal_factor(vae: Any) -> int:
-    return int(2 ** sum(bool(d) for d in vae.config.temperal_downsample))
-
-
 def _encode_video(vae: Any, clips: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
     """Normalised posterior means of same-shape ``uint8`` clips ``(T, H, W, 3)``."""
     x = torch.stack(clips).to(device).permute(0, 4, 1, 2, 3)  # (B, 3, T, H, W)
@@ -176,7 +172,7 @@ def encode_clips(
     rank = check_int(rank, "rank", minimum=0)
     if rank >= world_size:
         raise ValueError(f"rank must lie in [0, world_size) = [0, {world_size}), got {rank}")
-    factor = _temporal_factor(vae)
+    factor = int(2 ** sum(bool(d) for d in vae.config.temperal_downsample))  # diffusers' spelling
     if num_frames is not None and (num_frames < 1 or (num_frames - 1) % factor):
         raise ValueError(f"num_frames must be k * {factor} + 1 (e.g. 81), got {num_frames}")
     clips = find_clips(source, captions=captions)
