@@ -178,7 +178,12 @@ def encode_clips(
     clips = find_clips(source, captions=captions)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    fit = {"num_frames": num_frames, "height": height, "width": width, "multiple": multiple}
+    fit: dict[str, Any] = {
+        "num_frames": num_frames,
+        "height": height,
+        "width": width,
+        "multiple": multiple,
+    }
     options = {
         **fit,
         "max_tokens": max_tokens,

@@ -301,7 +301,7 @@ class WorkerSource:
         )
         loader: DataLoader[Any] = DataLoader(
             StepItems(self._dataset),  # type: ignore[arg-type]
-            batch_sampler=steps,  # type: ignore[arg-type]
+            batch_sampler=steps,
             num_workers=workers,
             collate_fn=StepCollate(self._collate),
             pin_memory=self._pin,
