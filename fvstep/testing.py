@@ -1,9 +1,8 @@
 """Testing helpers for users: prove that *your* method resumes exactly and compiles right.
 
-:func:`assert_resume_exact` (every rank calls it, e.g. under ``fvstep.parallel.launch``),
-the hypothesis strategies :func:`resume_scenarios` and :func:`train_states`,
-:func:`assert_trees_equal`, and :func:`check_compiled_gradients` (compiled gradients
-against eager ones, block by block; ``fvstep verify-compile`` runs it).
+:func:`assert_resume_exact`, :func:`check_compiled_gradients` (``fvstep verify-compile``),
+:func:`assert_trees_equal` and the hypothesis strategies :func:`resume_scenarios` and
+:func:`train_states`.
 """
 
 from __future__ import annotations
@@ -82,12 +81,9 @@ def assert_resume_exact(
 
     Args:
         factory: ``() -> (initial_state, step_fn, data)``.
-        interruptions: Steps (``0 <= s < num_steps``) before which the run crashes.
         workdir: An empty directory for the checkpoints (shared by all ranks).
-        checkpoint_every: And ``async_save``: the interrupted run's checkpointing.
-        parallelism: The layout every run is called with (``fvstep.run``'s; default
-            :func:`fvstep.parallel.default_layout`), e.g. ``Layout(mesh)`` for context
-            parallel roles.
+        checkpoint_every: The interrupted run's checkpointing (with ``async_save``).
+        parallelism: The layout every run is called with (``fvstep.run``'s).
 
     Returns:
         The final state of the uninterrupted run.
@@ -176,8 +172,8 @@ def resume_scenarios(
 
 
 def train_states(*, max_roles: int = 3) -> Any:
-    """A hypothesis strategy of small :class:`TrainState` s with drawn roles, dtypes,
-    optimizers, EMAs, extra state and leaf values."""
+    """A hypothesis strategy of small :class:`TrainState` s: drawn roles, dtypes, optimizers,
+    EMAs, extra state and leaf values."""
     from hypothesis import strategies as st
 
     from fvstep.core import optim
@@ -236,16 +232,13 @@ def check_compiled_gradients(
     dtypes, ``requires_grad`` and compilation as they were).
 
     Args:
-        module: The module to run on the probe (``*args``, ``**kwargs``). Its blocks
-            compiled in place (a prepared role's, or your ``block.compile()``) are checked
-            one by one; if none is, the module itself is compiled for the check (as
-            :func:`~fvstep.parallel.prepare` would compile a block) and checked whole.
+        module: Its blocks compiled in place are checked one by one; if none is, the
+            module itself is compiled for the check and checked whole.
         compiled: ``None`` (the above); a mapping of ``torch.compile`` arguments to
-            compile ``module`` with (``{"backend": "aot_eager"}``); or a callable, a
-            compiled version of ``module`` (``torch.compile(module)``) to compare with
+            compile ``module`` with; or a compiled version of ``module`` to compare with
             ``module`` called eagerly.
         threshold: The largest ratio of a compiled gradient's error to eager's rounding
-            noise that passes (:data:`fvstep.parallel.compile_check.DEFAULT_THRESHOLD`).
+            noise that passes.
         seed: The cotangent's seed.
 
     Returns:
@@ -254,8 +247,8 @@ def check_compiled_gradients(
 
     Raises:
         CompiledGradientError: For the first block whose gradients differ, naming it.
-        ValueError: If ``module`` is sharded (use ``prepare(..., verify_compile=True)``),
-            or ``compiled`` asks to compile a module whose blocks are compiled already.
+        ValueError: If ``module`` is sharded (use ``prepare(..., verify_compile=True)``).
+        ValueError: If ``compiled`` asks to compile a module whose blocks are compiled.
 
     Examples:
         >>> student = parallel.prepare(tiny_wan(), compile={"backend": "aot_eager"})

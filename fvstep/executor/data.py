@@ -1,8 +1,7 @@
 """Data as a function of the step: a deterministic, key-seeded, rank-sharded shuffle.
 
-:class:`ShuffledSource` answers "which batch does rank ``r`` of ``world_size`` train on at
-step ``s``?" as a pure function of the three: no cursor, so resuming needs only the step.
-The caller passes ``rank`` and ``world_size``; nothing here talks to ``torch.distributed``.
+:class:`ShuffledSource`'s batch is a pure function of ``(step, rank, world_size)``: no
+cursor, so resuming needs only the step.
 """
 
 from __future__ import annotations
@@ -43,19 +42,15 @@ class ShuffledSource:
 
     The order is one infinite stream of indices: epoch ``e`` contributes
     ``randperm(len(dataset))`` seeded by ``fold_in(key, e)``. Each step takes the next
-    global batch of ``batch_size * world_size`` indices and rank ``r`` its ``r``-th slice.
-    So the ranks of a step partition its global batch in rank order, and one rank with
-    ``batch_size=B * W`` sees what ``W`` ranks with ``B`` see, concatenated (resharding).
-    With ``drop_last=False`` a step that reaches an epoch's end is filled from the next
-    epoch's start, so it may hold an item twice.
+    global batch of ``batch_size * world_size`` indices and rank ``r`` its ``r``-th slice,
+    so one rank with ``batch_size=B * W`` sees what ``W`` ranks with ``B`` see (resharding).
 
     Args:
-        dataset: Any object with ``__len__`` and ``__getitem__``; must not be empty.
-        key: An fvstep key (:func:`fvstep.core.random.key`); it alone decides the order.
-        batch_size: The per-rank batch size, ``>= 1``.
+        key: An fvstep key; it alone decides the order.
+        batch_size: The per-rank batch size.
         collate: Turns a list of items into a batch (default ``default_collate``).
-        drop_last: Skip the tail of each epoch's permutation that does not fill a global
-            batch (default), or complete it from the next epoch.
+        drop_last: Skip the tail of each epoch that does not fill a global batch (default),
+            or complete it from the next epoch's start (an item may then appear twice).
 
     Raises:
         TypeError: If ``dataset`` is not map-style or ``key`` is not an fvstep key.
@@ -132,9 +127,6 @@ class ShuffledSource:
     def steps_per_epoch(self, world_size: int = 1) -> int:
         """Steps per epoch: ``len(dataset) // global_batch``, or its ceiling if ``drop_last=False``.
 
-        Args:
-            world_size: The number of data-parallel ranks, ``>= 1``.
-
         Raises:
             ValueError: If ``world_size < 1`` or the global batch exceeds the dataset.
         """
@@ -156,19 +148,11 @@ class ShuffledSource:
     def indices(
         self, step: SupportsIndex, *, rank: SupportsIndex = 0, world_size: SupportsIndex = 1
     ) -> list[int]:
-        """The dataset indices of ``rank``'s batch at ``step``: a pure function of the three.
-
-        Args:
-            step: The step, ``>= 0``.
-            rank: This rank, ``0 <= rank < world_size``.
-            world_size: The number of data-parallel ranks, ``>= 1``.
-
-        Returns:
-            ``batch_size`` indices into the dataset.
+        """The ``batch_size`` dataset indices of ``rank``'s batch at ``step``.
 
         Raises:
-            ValueError: If ``step < 0``, ``world_size < 1``, ``rank`` is out of range or
-                the global batch exceeds the dataset.
+            ValueError: If ``step < 0``, ``world_size < 1`` or ``rank`` is out of range.
+            ValueError: If the global batch exceeds the dataset.
         """
         s = check_int(step, "step", minimum=0)
         g = self._global_batch(world_size)
@@ -227,8 +211,6 @@ class SyntheticLatents:
     from ``generator(fold_in(key, i))``.
 
     Args:
-        num: The number of items, ``>= 0``.
-        key: An fvstep key.
         shape: The latent shape of one item (channels, frames, height, width).
         text_shape: The text-embedding shape of one item (tokens, features).
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -50,12 +49,10 @@ class RunResult:
     """How :func:`run_until` ended.
 
     Attributes:
-        state: The final state (at ``num_steps``, or earlier when stopped by a signal).
-        stopped_by: ``"completed"`` when the state reached ``num_steps``; ``"SIGTERM"`` or
-            ``"SIGINT"`` (Ctrl-C) when a signal stopped the run early, after saving.
+        stopped_by: ``"completed"``, or the signal (``"SIGTERM"``, ``"SIGINT"``) that
+            stopped the run early, after saving.
         checkpoint: The checkpoint that holds ``state`` (``None`` without checkpoints).
-        resumed_from: The checkpoint the run resumed from (``None``: it started from the
-            ``state`` it was given).
+        resumed_from: The checkpoint the run resumed from (``None``: it did not resume).
 
     Examples:
         >>> result = run_until(step_fn, state, source, num_steps=1000,
@@ -88,10 +85,8 @@ _REASONS: tuple[StopReason, ...] = ("completed", "SIGTERM", "SIGINT")
 
 @contextlib.contextmanager
 def _stop_signals(rank: int, *, enabled: bool) -> Iterator[dict[str, int]]:
-    """SIGTERM and a first SIGINT (Ctrl-C) ask the loop to stop at the next step boundary
-    (``flag["stop"]`` becomes the index of the reason in ``_REASONS``); a second SIGINT
-    raises ``KeyboardInterrupt`` at once. Handlers are installed in the main thread only,
-    and SIGINT's only over Python's default handler: a caller's own handling is kept."""
+    """SIGTERM and a first SIGINT set ``flag["stop"]`` (an index into ``_REASONS``); a second
+    SIGINT raises ``KeyboardInterrupt``. A caller's own SIGINT handler is kept."""
     flag = {"stop": 0, "sigints": 0}
 
     def on_sigterm(signum: int, frame: Any) -> None:
@@ -144,35 +139,16 @@ def run(
     """Run ``step`` until the state's step counter reaches ``num_steps``; return the state.
 
     As :func:`run_until` (the same options and errors), but a run that a signal stops early
-    raises :class:`Interrupted` after saving and releasing the lock, so a script never goes
-    on with a half-trained state as if the run had completed.
-
-    Returns:
-        The state at ``num_steps``.
+    raises :class:`Interrupted` after saving and releasing the lock.
 
     Raises:
-        Interrupted: If SIGTERM or a first Ctrl-C stopped the run before ``num_steps``
-            (after the state was saved).
+        Interrupted: If SIGTERM or a first Ctrl-C stopped the run before ``num_steps``.
 
     Examples:
         >>> state = run(step_fn, state, source, num_steps=1000,
         ...             checkpoints=Checkpoints("ckpt", every=100, keep=3))
     """
-    result = run_until(
-        step,
-        state,
-        data,
-        num_steps=num_steps,
-        checkpoints=checkpoints,
-        metrics_path=metrics_path,
-        progress=progress,
-        on_metrics=on_metrics,
-        handle_signals=handle_signals,
-        validation=validation,
-        trackers=trackers,
-        log_every=log_every,
-        parallelism=parallelism,
-    )
+    result = run_until(**locals())  # run's parameters are run_until's, by name
     if not result.completed:
         raise Interrupted(
             result.stopped_by,
@@ -202,13 +178,10 @@ def run_until(
 ) -> RunResult:
     """Run ``step`` until the state's step counter reaches ``num_steps``, or a signal.
 
-    With ``checkpoints`` it holds the lock of ``checkpoints.dir`` (or the caller's
-    ``checkpoints.lock``), resumes from the newest checkpoint that loads (a damaged newer
-    one is skipped with a warning and set aside), and saves every ``checkpoints.every``
-    steps and at the end, never a state with a NaN or infinite leaf. On SIGTERM or a
-    first Ctrl-C it finishes the step in progress, saves and returns early, on every rank
-    at the same step; a second Ctrl-C raises ``KeyboardInterrupt`` at once. Validations
-    run between steps and never change the state. The rules in full:
+    With ``checkpoints`` it holds the run directory's lock, resumes from the newest
+    checkpoint that loads, and saves every ``checkpoints.every`` steps and at the end. On
+    SIGTERM or a first Ctrl-C every rank finishes the step in progress, saves and returns.
+    Validations run between steps and never change the state. The rules in full:
     docs/concepts/checkpoints.md and docs/concepts/validation.md.
 
     Args:
@@ -220,32 +193,22 @@ def run_until(
         checkpoints: Where and how often to save; ``None`` for no checkpoints.
         metrics_path: A strict-JSONL file for metrics (rank 0); default
             ``<checkpoints.dir>/metrics.jsonl`` when checkpointing.
-        progress: Show a progress bar on rank 0 (tqdm, when installed).
         on_metrics: Called with ``(step, metrics)`` after every step, on every rank.
-        handle_signals: Stop at the next step boundary on SIGTERM and a first SIGINT (in
-            the main thread, over Python's default SIGINT handler only); ``False`` leaves
-            both signals to the caller.
-        validation: A :class:`Validation`, or several.
-        trackers: Where metrics and media go besides the JSONL file (rank 0):
-            :class:`~fvstep.executor.trackers.Tracker` objects; ``None``: only the file.
+        handle_signals: ``False`` leaves SIGTERM and SIGINT to the caller.
+        trackers: Where metrics and media go besides the JSONL file (rank 0).
         log_every: Hand metrics to the file and the trackers every ``log_every`` steps
             (and before each checkpoint, and at the end): one host sync per flush.
-        parallelism: The process layout every step is called with
-            (:class:`fvstep.parallel.Layout`); it also maps this rank to the data it reads
-            (``data.batch(step, rank=replica, world_size=replicas)``). Default
-            :func:`fvstep.parallel.default_layout`.
+        parallelism: The process layout every step is called with; it also maps this
+            rank to the data it reads. Default :func:`fvstep.parallel.default_layout`.
 
     Returns:
-        A :class:`RunResult`: the final state, why the loop ended, and the checkpoint
-        that holds the state.
+        A :class:`RunResult`.
 
     Raises:
         CheckpointLockedError: If another run holds the lock of ``checkpoints.dir``.
-        CheckpointError: If the newest checkpoint does not fit ``state`` or is of a newer
-            format; if a checkpoint is damaged and ``on_damaged="error"``, or every
-            checkpoint is damaged; if a save fails or the state to save holds NaN or Inf.
-        ValueError: If the checkpoint to resume from (or ``state``) is past ``num_steps``,
-            or ``log_every < 1``.
+        CheckpointError: If a checkpoint does not fit ``state``, is damaged (as
+            ``checkpoints.on_damaged`` says), or a save fails or holds NaN or Inf.
+        ValueError: If the resumed state is past ``num_steps``, or ``log_every < 1``.
 
     Examples:
         >>> result = run_until(step_fn, state, source, num_steps=1000,
@@ -334,13 +297,9 @@ def run_until(
         stopped_by: StopReason = "completed" if int(state.step) >= num_steps else _REASONS[stop]
         saved = ckpt.checkpoint_dir(checkpoints.dir, int(state.step)) if checkpoints else None
         if stopped_by != "completed" and rank == 0:
-            where = (
-                f"saved {str(saved)!r}" if saved is not None else "no checkpoints: nothing saved"
-            )
-            print(
-                f"fvstep: stopped by {stopped_by} at step {int(state.step)} of {num_steps}; {where}",
-                file=sys.stderr,
-                flush=True,
+            where = f"saved {str(saved)!r}" if saved else "no checkpoints: nothing saved"
+            console_line(
+                f"fvstep: stopped by {stopped_by} at step {int(state.step)} of {num_steps}; {where}"
             )
         saved = saved if saved is not None and saved.exists() else None
         return RunResult(state, stopped_by, saved, resumed_from)

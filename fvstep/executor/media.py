@@ -2,10 +2,6 @@
 
 A :class:`Video` is what a validation function returns for a tracker to log. The writers
 use ``imageio`` (MP4 through ``imageio-ffmpeg``; ``pip install fvstep[media]``).
-
-Examples:
-    >>> video = Video(frames_from_pixels(pixels[0]), fps=16, caption="a cat")
-    >>> write_mp4(video, "out/sample_0.mp4"), write_png_strip(video, "out/sample_0.png")
 """
 
 from __future__ import annotations
@@ -35,11 +31,9 @@ def _check_frames(_: object, __: attrs.Attribute, frames: torch.Tensor) -> None:
 
 @attrs.frozen(eq=False)
 class Video:
-    """A short video to log: ``uint8`` frames ``(F, H, W, 3)`` on the CPU.
+    """A short video to log: RGB ``uint8`` frames ``(F, H, W, 3)`` on the CPU.
 
     Attributes:
-        frames: The frames, RGB, ``uint8``, on the CPU.
-        fps: Frames per second when played.
         caption: A line that trackers show with it (e.g. the prompt).
     """
 
@@ -49,9 +43,7 @@ class Video:
 
 
 def frames_from_pixels(pixels: torch.Tensor) -> torch.Tensor:
-    """``uint8`` frames ``(F, H, W, 3)`` from float pixels ``(F, H, W, 3)`` in ``[0, 1]``.
-
-    Values are clamped, scaled by 255 and rounded (as diffusers' ``numpy_to_pil`` does).
+    """``uint8`` frames from float pixels ``(F, H, W, 3)`` in ``[0, 1]``, as diffusers rounds.
 
     Raises:
         ValueError: If ``pixels`` is not floating point of shape ``(F, H, W, 3)``.
@@ -71,12 +63,7 @@ def frames_from_pixels(pixels: torch.Tensor) -> torch.Tensor:
 def strip(video: Video, *, max_frames: int = 8) -> torch.Tensor:
     """The frames side by side, ``(H, n W, 3)``: ``n <= max_frames`` frames evenly spaced.
 
-    Args:
-        video: The video.
-        max_frames: The most frames to show (the first and the last among them).
-
-    Returns:
-        A ``uint8`` image, channels last.
+    The first and the last frame are among them.
 
     Raises:
         ValueError: If ``max_frames < 1``.
@@ -104,54 +91,48 @@ def _even(frames: torch.Tensor) -> torch.Tensor:
 
 
 def write_mp4(video: Video, path: str | os.PathLike[str]) -> Path:
-    """Write ``video`` as an H.264 MP4 (``imageio`` with ``imageio-ffmpeg``).
-
-    Odd heights or widths are padded by one repeated row or column.
+    """Write ``video`` as an H.264 MP4; odd heights or widths get one repeated row or column.
 
     Args:
-        video: The video.
         path: The file to write (its folder is created).
 
     Returns:
         The path written.
 
     Raises:
-        ImportError: If ``imageio`` or ``imageio-ffmpeg`` is not installed
+        MissingExtraError: If ``imageio`` or ``imageio-ffmpeg`` is not installed
             (``pip install fvstep[media]``).
 
     Examples:
         >>> write_mp4(video, "samples/step_100/0.mp4")
     """
-    with needs_extra("media", "write_mp4"):
-        import imageio.v2 as imageio
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    imageio, path = _prepare_write(path)
     frames = _even(video.frames).numpy()
-    imageio.mimwrite(path, list(frames), fps=video.fps, macro_block_size=1, format="FFMPEG")
+    imageio.v2.mimwrite(path, list(frames), fps=video.fps, macro_block_size=1, format="FFMPEG")
     return path
 
 
 def write_gif(video: Video, path: str | os.PathLike[str]) -> Path:
     """Write ``video`` as a looping GIF (``imageio`` with Pillow); otherwise as :func:`write_mp4`."""
-    iio, path = _prepare_write(path)
-    iio.imwrite(path, video.frames.numpy(), duration=1000 / video.fps, loop=0)
+    imageio, path = _prepare_write(path)
+    imageio.v3.imwrite(path, video.frames.numpy(), duration=1000 / video.fps, loop=0)
     return path
 
 
 def write_png_strip(video: Video, path: str | os.PathLike[str], *, max_frames: int = 8) -> Path:
     """Write :func:`strip`'s image of ``video`` as one PNG; otherwise as :func:`write_mp4`."""
-    iio, path = _prepare_write(path)
-    iio.imwrite(path, strip(video, max_frames=max_frames).numpy())
+    imageio, path = _prepare_write(path)
+    imageio.v3.imwrite(path, strip(video, max_frames=max_frames).numpy())
     return path
 
 
 def _prepare_write(path: str | os.PathLike[str]) -> tuple[Any, Path]:
-    """``imageio.v3`` (first: a missing extra is the error, whatever the arguments) and
+    """``imageio`` (first: a missing extra is the error, whatever the arguments) and
     ``path``, its folder made."""
     with needs_extra("media", "validation media"):
-        import imageio.v3 as iio
+        import imageio.v2
+        import imageio.v3
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    return iio, path
+    return imageio, path

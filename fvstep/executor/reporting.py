@@ -1,9 +1,7 @@
 """What a run reports, beside its state: validation, trackers and the progress bar.
 
 :class:`Validation` and :func:`observe` (a validation that leaves no trace);
-:func:`open_trackers` and :class:`Sinks` (rank 0's trackers and progress bar, fed in
-batches through one :class:`~fvstep.executor.trackers.MetricsQueue`). The executor
-(:mod:`fvstep.executor.loop`) drives them.
+:func:`open_trackers` and :class:`Sinks` (rank 0's trackers and progress bar).
 """
 
 from __future__ import annotations
@@ -57,14 +55,10 @@ class Validation:
 
     Attributes:
         fn: The validation function (:data:`ValidationFn`), e.g.
-            :func:`fvstep.executor.validation.validation_loss` or
-            :func:`fvstep.executor.sampling.sample_videos`.
-        every: Validate at every multiple of ``every`` steps (``None``: only at the
-            start/end).
+            :func:`fvstep.executor.validation.validation_loss`.
+        every: Validate at every multiple of ``every`` steps (``None``: never between).
         at_start: Validate at the step a run starts or resumes at.
         at_end: Validate at ``num_steps``.
-        key: The validation key (fixed; the step is folded in).
-        prefix: The prefix of the logged names.
 
     Examples:
         >>> Validation(validation_loss(held_out["latents"], held_out["text"]), every=100)
@@ -84,16 +78,10 @@ class Validation:
             raise TypeError("Validation.key must be an fvstep key (fvstep.random.key(seed))")
 
     def due(self, step: int, *, start: int, num_steps: int) -> bool:
-        """Whether the validation runs on the state at ``step``.
+        """Whether the validation runs on the state at ``step`` (the number of steps taken).
 
         It is due when ``every`` divides ``step``, at ``num_steps`` with ``at_end``, and at
-        ``start`` with ``at_start``. A run asks at its start step too, so a resumed run
-        recomputes the validation of its checkpoint's step.
-
-        Args:
-            step: The state's step (the number of steps taken).
-            start: The step the run started or resumed at.
-            num_steps: The step the run ends at.
+        ``start`` (where the run started or resumed) with ``at_start``.
 
         Examples:
             >>> Validation(fn, every=10).due(20, start=0, num_steps=100)
@@ -122,8 +110,7 @@ def validations(validation: Validation | Sequence[Validation] | None) -> tuple[V
 def open_trackers(
     metrics_file: Path | None, trackers: Sequence[Tracker] | None, start: int, rank: int
 ) -> list[Tracker]:
-    """Rank 0's trackers, started at ``start``: the JSONL file (when there is one), then
-    ``trackers`` (none when ``None``)."""
+    """Rank 0's trackers, started at ``start``: the JSONL file (if any), then ``trackers``."""
     if rank != 0:
         return []
     opened: list[Tracker] = []
@@ -185,9 +172,8 @@ class Sinks:
 
 
 def observe(validation: Validation, state: TrainState, step: int) -> Mapping[str, Any]:
-    """Run ``validation.fn`` on ``state`` leaving no trace: no autograd, modules in eval
-    mode, the global RNG seeded from the validation key; modes, RNG and FSDP2 groups
-    restored after (also when it raises)."""
+    """Run ``validation.fn`` on ``state`` leaving no trace: no autograd, eval mode, the
+    global RNG seeded from the validation key; modes, RNG and FSDP2 groups restored after."""
     key = fsrandom.fold_in(validation.key, step)
     modules = [m for rs in state.roles.values() for m in rs.role.module.modules()]
     modes = [m.training for m in modules]
@@ -223,10 +209,7 @@ _BAR_LOCK = threading.RLock()
 def progress_bar(enabled: bool, start: int, total: int) -> Any:
     """The run's progress bar on stderr (tqdm), or ``None`` when disabled or not installed.
 
-    Only one process draws it (rank 0), so it takes a thread lock, not tqdm's default
-    multiprocessing one: that is a named semaphore, which a rank ended by a signal (the
-    launcher's SIGTERM after a Ctrl-C) leaves behind ("resource_tracker: There appear to
-    be 1 leaked semaphore objects").
+    A thread lock, not tqdm's named semaphore: a rank ended by a signal would leak that.
     """
     if not enabled:
         return None
@@ -239,8 +222,7 @@ def progress_bar(enabled: bool, start: int, total: int) -> Any:
 
 
 def console_line(message: str) -> None:
-    """Print ``message`` as a line of its own on stderr, above a progress bar if one is
-    drawn (not glued to its end), else as it is."""
+    """Print ``message`` on a line of its own on stderr, above a progress bar if one is drawn."""
     tqdm = sys.modules.get("tqdm.auto")
     bars = getattr(getattr(tqdm, "tqdm", None), "_instances", None)
     if tqdm is not None and bars:

@@ -1,9 +1,7 @@
 """Sampling from a role: flow-matching samplers, VAE decoding, sample videos for validation.
 
-:class:`EulerSampler` runs what a ``WanPipeline`` runs with diffusers' flow-matching Euler
-scheduler; :class:`FewStepSampler` is a few-step student's (DMD2's ``denoising_steps``).
-:func:`sample` runs either (a causal Wan chunk by chunk), :func:`decode_latents` decodes
-as ``WanPipeline`` does, and :func:`sample_videos` is a validation function of videos.
+:func:`sample` runs an :class:`EulerSampler` (``WanPipeline``'s) or a
+:class:`FewStepSampler` (a DMD2 student's); :func:`sample_videos` is a validation function.
 """
 
 from __future__ import annotations
@@ -52,15 +50,13 @@ def _positive_int(_: object, attribute: attrs.Attribute, value: int) -> None:
 
 @attrs.frozen
 class EulerSampler:
-    """``num_steps`` flow-matching Euler steps from ``t = 1`` to ``0``.
+    """``num_steps`` flow-matching Euler steps from ``t = 1`` to ``0``, as ``WanPipeline``.
 
-    The times and steps of ``FlowMatchEulerDiscreteScheduler(shift=shift)`` (in fp32):
-    exactly what ``WanPipeline`` runs with that scheduler. With ``guidance_scale > 1`` the
-    velocity is classifier-free guided, ``v = v_neg + s (v - v_neg)``, on the negative text
-    (zeros unless given).
+    The times and steps of ``FlowMatchEulerDiscreteScheduler(shift=shift)``. With
+    ``guidance_scale > 1`` the velocity is classifier-free guided, ``v = v_neg + s (v -
+    v_neg)``, on the negative text (zeros unless given).
 
     Attributes:
-        num_steps: Model evaluations (twice as many forwards with guidance).
         shift: The scheduler's time shift (``1``: none; Wan uses 3 to 5).
         guidance_scale: ``s``; ``<= 1`` is unguided.
     """
@@ -70,7 +66,7 @@ class EulerSampler:
     guidance_scale: float = 1.0
 
     def scheduler(self) -> FlowMatchEulerDiscreteScheduler:
-        """A fresh diffusers ``FlowMatchEulerDiscreteScheduler(shift=self.shift)`` (for a pipeline, too)."""
+        """A fresh diffusers ``FlowMatchEulerDiscreteScheduler(shift=self.shift)``."""
         with needs_extra("models", "EulerSampler"):
             from diffusers import FlowMatchEulerDiscreteScheduler
 
@@ -79,11 +75,10 @@ class EulerSampler:
 
 @attrs.frozen
 class FewStepSampler:
-    """A few-step student's sampler (DMD2's ``denoising_steps``).
+    """A few-step student's sampler: :func:`fvstep.methods.dmd2.rollout` to its last step.
 
     From noise at ``t_0``: ``x0 = x - t_i v(x, t_i)``; then ``x = (1 - t_{i+1}) x0 +
-    t_{i+1} eps_i`` with fresh noise ``eps_i`` (keyed); the last ``x0`` is the sample.
-    This is :func:`fvstep.methods.dmd2.rollout` run to its last step.
+    t_{i+1} eps_i`` with fresh keyed noise ``eps_i``; the last ``x0`` is the sample.
 
     Attributes:
         denoising_steps: Decreasing times in ``(0, 1]``.
@@ -111,48 +106,52 @@ def sample(
 ) -> torch.Tensor:
     """Generate clean latents from ``noise`` with ``module`` (the forward contract).
 
-    Runs under ``torch.no_grad()``. A causal Wan generates as at inference, chunk by chunk
-    (``docs/methods/causal_wan.md``).
+    Runs under ``torch.no_grad()``; a causal Wan generates chunk by chunk
+    (docs/methods/causal_wan.md).
 
     Args:
-        module: A velocity predictor (:mod:`fvstep.methods.models`' forward contract).
         noise: The starting noise ``(B, C, F, H, W)``, on the module's device.
-        key: The re-noising key of a :class:`FewStepSampler` (needed with more than one
-            step).
-        negative_text: The negative text of a guided :class:`EulerSampler` (default
-            zeros, as DMD2's teacher).
+        key: The re-noising key of a multi-step :class:`FewStepSampler`.
+        negative_text: The negative text of a guided :class:`EulerSampler` (default zeros).
 
     Returns:
         The latents, shaped like ``noise``.
 
     Raises:
-        ValueError: If a multi-step :class:`FewStepSampler` has no ``key``, a causal
-            model's frames are not a multiple of its chunk, or the module's config
-            records a causal Wan that it is not (load it with
-            :func:`fvstep.methods.causal_wan.load_causal`).
+        ValueError: If a multi-step :class:`FewStepSampler` has no ``key``.
+        ValueError: If a causal model's frames are not a multiple of its chunk.
+        ValueError: If the module's config records a causal Wan that it is not.
     """
-    if is_causal(module):
-        return _sample_causal(module, noise, text, sampler, key, negative_text)
-    if recorded_chunk_frames(module) is not None:
+    causal = is_causal(module)
+    if causal:
+        chunk = chunk_frames_of(module)
+        if noise.shape[2] % chunk:
+            raise ValueError(
+                f"the noise's {noise.shape[2]} frames are not a multiple of the chunk ({chunk})"
+            )
+    elif recorded_chunk_frames(module) is not None:
         chunk_frames_of(module)  # raises: the record of a causal model that is not causal
-    _check_key(sampler, key)
-    scale = sampler.guidance_scale if isinstance(sampler, EulerSampler) else 1.0
-    negative = torch.zeros_like(text) if negative_text is None else negative_text
+    if isinstance(sampler, FewStepSampler) and len(sampler.denoising_steps) > 1 and key is None:
+        raise ValueError("a FewStepSampler with more than one step needs a key")
+    texts = [text]
+    if isinstance(sampler, EulerSampler) and sampler.guidance_scale > 1.0:
+        texts.append(torch.zeros_like(text) if negative_text is None else negative_text)
+    if causal:
+        return _sample_causal(module, noise, texts, sampler, key)
 
     def velocity(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        v = predict(module, x, t, text)
-        if scale > 1.0:
-            v_neg = predict(module, x, t, negative)
-            v = v_neg + scale * (v - v_neg)
-        return v
+        return _guided(sampler, [predict(module, x, t, c) for c in texts])
 
     with torch.no_grad():
         return _run(velocity, noise, sampler, key)
 
 
-def _check_key(sampler: Sampler, key: torch.Tensor | None) -> None:
-    if isinstance(sampler, FewStepSampler) and len(sampler.denoising_steps) > 1 and key is None:
-        raise ValueError("a FewStepSampler with more than one step needs a key")
+def _guided(sampler: Sampler, vs: list[torch.Tensor]) -> torch.Tensor:
+    """The velocity, classifier-free guided when ``vs`` holds the negative text's too."""
+    if len(vs) == 1:
+        return vs[0]
+    assert isinstance(sampler, EulerSampler)
+    return vs[1] + sampler.guidance_scale * (vs[0] - vs[1])
 
 
 def _run(
@@ -184,28 +183,18 @@ def _run(
 def _sample_causal(
     module: nn.Module,
     noise: torch.Tensor,
-    text: torch.Tensor,
+    texts: list[torch.Tensor],
     sampler: Sampler,
     key: torch.Tensor | None,
-    negative_text: torch.Tensor | None,
 ) -> torch.Tensor:
     """:func:`sample` of a causal Wan: chunk by chunk with its KV cache (one per text)."""
     chunk = chunk_frames_of(module)
     batch, _, frames, _, _ = noise.shape
-    if frames % chunk:
-        raise ValueError(f"the noise's {frames} frames are not a multiple of the chunk ({chunk})")
-    _check_key(sampler, key)
-    texts = [text]
-    if isinstance(sampler, EulerSampler) and sampler.guidance_scale > 1.0:
-        texts.append(torch.zeros_like(text) if negative_text is None else negative_text)
     caches = [init_cache(module, noise, capacity_frames=frames) for _ in texts]
 
     def velocity(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         vs = [causal_forward(module, x, t, c, cache=k)[0] for c, k in zip(texts, caches)]
-        if len(vs) == 1:
-            return vs[0]
-        assert isinstance(sampler, EulerSampler)
-        return vs[1] + sampler.guidance_scale * (vs[0] - vs[1])
+        return _guided(sampler, vs)
 
     out = []
     with torch.no_grad():
@@ -224,15 +213,10 @@ def _sample_causal(
 
 
 def decode_latents(vae: nn.Module, latents: torch.Tensor) -> torch.Tensor:
-    """Pixels ``(B, F, H, W, 3)`` in ``[0, 1]`` from latents, as ``WanPipeline`` decodes.
-
-    The latents are cast to the VAE's device and dtype, de-normalised with the VAE config's
-    ``latents_mean``/``latents_std``, decoded and post-processed as diffusers'
-    ``VideoProcessor`` does, under ``torch.no_grad()``.
+    """Pixels ``(B, F, H, W, 3)`` in ``[0, 1]`` from latents ``(B, C, F, H, W)``, as Wan does.
 
     Args:
         vae: A diffusers ``AutoencoderKLWan`` (or any VAE with that config and ``decode``).
-        latents: ``(B, C, F, H, W)``.
     """
     with needs_extra("models", "decode_latents"):
         from diffusers.video_processor import VideoProcessor
@@ -269,27 +253,24 @@ def sample_videos(
     """A validation function that samples ``role`` once per prompt embedding.
 
     Prompt ``i`` starts from fixed noise drawn from ``fold_in(key, i)``, so successive
-    validations differ only by the weights. Every rank samples (sharded roles need all of
-    them); global rank 0 decodes with ``vae`` and returns ``{"sample_<i>": Video}`` (the
-    others ``{}``), which the run's trackers write as MP4 and PNG strip.
+    validations differ only by the weights. Every rank samples; global rank 0 decodes and
+    returns ``{"sample_<i>": Video}`` (the others ``{}``). See docs/concepts/validation.md.
 
     Args:
         text: Prompt embeddings ``(P, L, D)``, one per video.
         latent_shape: ``(C, F, H, W)`` of one video's latents.
-        vae: The VAE that decodes them (``AutoencoderKLWan``), on the device to decode on.
-        sampler: Default ``EulerSampler(50)``; a DMD2 student's is
-            ``FewStepSampler(denoising_steps)``.
+        vae: The VAE that decodes them, on the device to decode on.
+        sampler: Default ``EulerSampler(50)``.
         weights: ``"params"`` or ``"ema"`` (:func:`fvstep.executor.validation.role_module`).
         key: The noise key (default ``fvstep.random.key(0)``).
         negative_text: Negative prompt embeddings ``(P, L, D)`` for a guided sampler.
-        captions: One caption per video (e.g. the prompts).
 
     Returns:
         ``fn(state, key) -> {"sample_<i>": Video}`` for :class:`fvstep.Validation`.
 
     Raises:
-        ValueError: For a ``text`` that is not ``(P, L, D)``, a ``latent_shape`` that is
-            not 4 sizes, or captions that do not match the prompts.
+        ValueError: If ``text`` is not ``(P, L, D)`` or ``latent_shape`` not 4 sizes.
+        ValueError: If the captions do not match the prompts.
 
     Examples:
         >>> fn = sample_videos(prompts, latent_shape=(16, 21, 60, 104), vae=vae,

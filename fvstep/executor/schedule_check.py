@@ -20,8 +20,7 @@ _MAX_PLANNED = 1_000_000
 
 
 class ScheduleLengthWarning(UserWarning):
-    """A role's learning-rate schedule is laid out over another number of updates than the
-    run makes: it would stop part-way (or run past its end)."""
+    """A role's learning-rate schedule is laid out over another number of updates than the run makes."""
 
 
 def schedule_length(schedule: Any) -> int | None:
@@ -41,20 +40,15 @@ def check_schedule_lengths(step: Any, state: TrainState, *, num_steps: int) -> N
     """Warn for each role whose schedule's length differs from its updates at ``num_steps``.
 
     A schedule counts the role's *updates*, not the run's steps: a student that updates
-    every second step of a 100-step run makes 50. The updates are counted from the role's
-    optimizer count now and ``plan(step, i)`` for each step ``i`` up to ``num_steps``, on
-    rank 0; the schedule's length is its ``total_steps``. Nothing is checked for a step that
-    is not a :class:`~fvstep.Step`, for a role trained by a managed step (its inner loop's
-    updates are its own), or for a run of more than a million steps.
+    every second step of a 100-step run makes 50. The updates are counted with
+    ``plan(step, i)`` on rank 0. Nothing is checked for a step that is not a
+    :class:`~fvstep.Step`, a role trained by a managed step, or a run of over a million steps.
 
     Args:
-        step: The run's step.
         state: The state the run starts from (after its resume).
-        num_steps: The step count the run reaches.
 
     Warns:
-        ScheduleLengthWarning: Naming the role, its schedule's ``total_steps``, the updates
-            it will have made and the value to use.
+        ScheduleLengthWarning: Naming the role, its ``total_steps`` and the value to use.
 
     Examples:
         >>> lr = fs.schedules.warmup_cosine(1e-4, warmup_steps=5, total_steps=50)

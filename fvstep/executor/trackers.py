@@ -1,12 +1,7 @@
 """Trackers: where a run's metrics and media go, behind one small protocol (:class:`Tracker`).
 
-Three ship here, each optional: :class:`JsonlTracker`, :class:`TensorBoardTracker` and
-:class:`WandbTracker`. Metrics reach them without a GPU sync per step, through
-:class:`MetricsQueue`. See docs/concepts/validation.md.
-
-Examples:
-    >>> fvstep.run(step, state, data, num_steps=1000,
-    ...            trackers=[JsonlTracker("runs/a/metrics.jsonl"), TensorBoardTracker("runs/a/tb")])
+Metrics reach them without a GPU sync per step, through :class:`MetricsQueue`. See
+docs/concepts/validation.md.
 """
 
 from __future__ import annotations
@@ -38,11 +33,9 @@ Scalar = bool | int | float | None
 
 @runtime_checkable
 class Tracker(Protocol):
-    """Where metrics and media go. ``fvstep.run`` calls these on rank 0 only.
+    """Where metrics and media go, on rank 0 (docs/concepts/validation.md).
 
-    ``start(step)`` is optional: when a tracker has it, ``run`` calls it once, before
-    anything is logged, with the step the run starts (or resumes) at, so that a tracker
-    can drop what it logged for steps the run will compute again.
+    An optional ``start(step)`` is called once, first, with the step the run starts at.
 
     Examples:
         >>> class PrintTracker:
@@ -73,10 +66,9 @@ def _number(v: Any) -> Any:
 class MetricsQueue:
     """Per-step metrics held as they are (tensors included) until :meth:`flush`.
 
-    Scalar tensors are copied where they are (the step may change them in place later);
-    :meth:`flush` reads the pending ones of each device with one ``.tolist()``: one host
-    sync per device per flush. Tensors with more than one element and values that are not
-    numbers are not logged. NaN and infinities become ``None``.
+    :meth:`flush` reads each device's pending tensors with one ``.tolist()``: one host sync
+    per device per flush. Only numbers and one-element tensors are kept; NaN and
+    infinities become ``None``.
 
     Examples:
         >>> q = MetricsQueue()
@@ -131,15 +123,12 @@ def _line_step(line: str) -> int:
 class JsonlTracker:
     """Strict JSON lines (``{"step": n, ...}``), and media files beside them.
 
-    On :meth:`start` at step ``s``, lines of steps ``>= s`` (which the run computes again)
-    are dropped from an existing file, and so are media folders of those steps. A row
-    with no metrics writes no line. ``log_media`` writes ``<media_dir>/step_<n>/<name>``
-    as ``.mp4`` and ``.png`` (the frames side by side), and ``.gif`` with ``gif=True``.
+    ``log_media`` writes ``<media_dir>/step_<n>/<name>`` as ``.mp4`` and ``.png`` (the
+    frames side by side), and ``.gif`` with ``gif=True``. What a resume drops:
+    docs/concepts/validation.md.
 
     Args:
-        path: The JSONL file.
         media_dir: Where media go; default ``<path's folder>/media``.
-        gif: Also write a GIF of each video.
     """
 
     def __init__(
@@ -197,16 +186,8 @@ class JsonlTracker:
 
 
 class TensorBoardTracker:
-    """TensorBoard event files (``torch.utils.tensorboard``; ``pip install tensorboard``).
-
-    Finite scalars are written with ``add_scalar`` (a ``None``, a non-finite value, is
-    skipped); a video with ``add_image``, as its frames side by side (TensorBoard's own
-    video summaries need ``moviepy``). On :meth:`start` at step ``s > 0`` the writer
-    purges events of steps ``>= s`` (``purge_step``), which the run computes again.
-
-    Args:
-        log_dir: The event files' folder.
-    """
+    """TensorBoard event files (``pip install tensorboard``): finite scalars, and each video
+    as the image of its frames side by side. See docs/concepts/validation.md."""
 
     def __init__(self, log_dir: str | os.PathLike[str]) -> None:
         self.log_dir = Path(log_dir)
@@ -244,17 +225,12 @@ class TensorBoardTracker:
 class WandbTracker:
     """Weights & Biases (``pip install wandb``), offline unless told otherwise.
 
-    The run starts on :meth:`start` (rank 0 only) with ``wandb.init(mode=mode, ...)``;
-    offline, it writes ``<dir>/wandb/offline-run-*/`` for ``wandb sync`` to upload later.
-    Metrics go through ``wandb.log(..., step=step)``, videos as MP4 files
-    (``wandb.Video``). W&B cannot take back logged steps: a resumed run logs its
-    recomputed steps again in a new run (pass ``id`` and ``resume="allow"`` to append to
-    one, where W&B ignores steps below the last one it has).
+    Offline, it writes ``<dir>/wandb/offline-run-*/`` for ``wandb sync``. A resumed run
+    logs its recomputed steps in a new W&B run (pass ``id`` and ``resume="allow"`` to
+    append to one).
 
     Args:
-        project: The W&B project.
         dir: The folder W&B writes under.
-        mode: ``"offline"`` (default), ``"online"`` or ``"disabled"``.
         **init_kwargs: More ``wandb.init`` arguments (``name``, ``config``, ``id``, ...).
 
     Examples:
@@ -302,6 +278,7 @@ class WandbTracker:
 
         if self.run is None:
             self.start(0)
+
         with tempfile.TemporaryDirectory(dir=self.dir) as tmp:
             row = {}
             for name, video in media.items():

@@ -1,8 +1,6 @@
-"""Validation functions: ``(state, key) -> metrics``, for :class:`fvstep.Validation`.
+"""Validation functions, ``(state, key) -> metrics``, and :func:`role_module`.
 
-:func:`validation_loss` is a role's flow-matching loss on fixed held-out latents, times and
-noise (the same number at the same step in any run); :func:`role_module` gives a role's
-module computing with its live or its EMA weights. Samples: :mod:`fvstep.executor.sampling`.
+Samples: :mod:`fvstep.executor.sampling`.
 """
 
 from __future__ import annotations
@@ -41,19 +39,14 @@ def role_module(
 
     With ``weights="ema"`` the role's trainable parameters hold the EMA values inside the
     ``with`` block and their own values again after it, bit for bit, also when it raises.
-    Every rank of a sharded role enters it; inside it ``checkpoint.save``, the exports and
-    a nested ``weights="params"`` refuse (``docs/concepts/validation.md``).
-
-    Args:
-        state: The state (not changed).
-        weights: ``"params"`` or ``"ema"``.
+    Every rank of a sharded role enters it (docs/concepts/validation.md).
 
     Yields:
         The role's module.
 
     Raises:
-        ValueError: For an unknown ``weights``, ``"ema"`` for a role without an EMA, or
-            ``"params"`` inside a block that holds the role's EMA.
+        ValueError: For an unknown ``weights``, or ``"ema"`` for a role without an EMA.
+        ValueError: For ``"params"`` inside a block that holds the role's EMA.
         KeyError: For an unknown role.
 
     Examples:
@@ -69,22 +62,19 @@ def role_module(
             f"holds {role!r}'s EMA: read the live weights outside that block"
         )
     swapped = {n: t for n, t in sources.items() if t is not live.params[n]}
-    if not swapped:
-        try:
-            yield module
-        finally:
-            release_modules(state)  # at rest after the block, as after a swap
-        return
-    # FSDP2 keeps some groups unsharded after a no_grad forward, computing with the gathered
-    # copy: at rest before the swap and after it, the next forward gathers what is written.
-    release_modules(state)
-    with torch.no_grad():
-        kept = {n: live.params[n].detach().clone() for n in swapped}
+    kept: dict[str, torch.Tensor] = {}
+    if swapped:
+        # FSDP2 keeps some groups unsharded after a no_grad forward, computing with the
+        # gathered copy: at rest before the swap and after it, the next forward gathers
+        # what is written.
+        release_modules(state)
+        with torch.no_grad():
+            kept = {n: live.params[n].detach().clone() for n in swapped}
     try:
         with torch.no_grad():
             for n, average in swapped.items():
                 live.params[n].copy_(average)
-        with holding_other_weights(module):
+        with holding_other_weights(module) if swapped else contextlib.nullcontext():
             yield module
     finally:
         release_modules(state)
@@ -113,15 +103,13 @@ def validation_loss(
     """The flow-matching loss of ``role`` on fixed held-out latents at fixed timesteps.
 
     For every ``t`` in ``timesteps``: ``MSE(v(x_t, 1000 t, text), eps - x0)`` in fp32 with
-    ``x_t = (1 - t) x0 + t eps`` and ``eps`` drawn once, here, from ``key``. The function
-    ignores the key it is given (the number depends on the weights alone) and reports
-    ``{"loss": mean over timesteps, "loss_t0.50": loss at t = 0.5, ...}`` as 0-d tensors.
+    ``x_t = (1 - t) x0 + t eps`` and ``eps`` drawn once, here, from ``key``: the number
+    depends on the weights alone. Reports ``{"loss": mean over timesteps, "loss_t0.50":
+    loss at t = 0.5, ...}`` as 0-d tensors.
 
     Args:
-        latents: Held-out clean latents ``x0`` ``(N, C, F, H, W)`` (moved to the role's
-            device when used).
+        latents: Held-out clean latents ``x0`` ``(N, C, F, H, W)``.
         text: Their text embeddings ``(N, L, D)``.
-        timesteps: Flow-matching times in ``[0, 1]``.
         key: The noise key (default ``fvstep.random.key(0)``).
         weights: ``"params"`` or ``"ema"`` (:func:`role_module`).
         batch_size: Evaluate this many samples at a time (``None``: all at once).
@@ -130,8 +118,9 @@ def validation_loss(
         ``fn(state, key) -> metrics`` for :class:`fvstep.Validation`.
 
     Raises:
-        ValueError: For mismatched ``latents``/``text``, an empty or out-of-range
-            ``timesteps``, a ``batch_size < 1`` or an unknown ``weights``.
+        ValueError: If ``latents`` and ``text`` do not match.
+        ValueError: If ``timesteps`` is empty or out of ``[0, 1]``.
+        ValueError: If ``batch_size < 1`` or ``weights`` is unknown.
     """
     if latents.dim() != 5 or text.dim() != 3 or latents.shape[0] != text.shape[0]:
         raise ValueError(

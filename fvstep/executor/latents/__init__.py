@@ -1,8 +1,8 @@
 """Real training inputs: precomputed latents on disk, encoded once, read by workers.
 
-The modules: ``format``, ``shards`` and ``index`` (the on-disk format), ``dataset`` (its
-reader), ``order`` (which items a step reads, by shape bucket), ``loader`` and ``workers``
-(the worker loader), and ``encode``, ``clips``, ``encode_identity`` and ``cli`` (``fvstep
+The modules: ``format`` (the on-disk format: shards and index), ``dataset`` (its
+reader), ``order`` (which items a step reads, by shape bucket), ``loader`` (the worker
+loader), and ``encode``, ``clips``, ``encode_identity`` and ``cli`` (``fvstep
 data encode``). See docs/concepts/data.md. pyarrow is imported when a shard is read or
 written; diffusers, transformers and imageio when clips are encoded.
 """
@@ -19,39 +19,38 @@ if TYPE_CHECKING:  # what type checkers see; at run time __getattr__ imports on 
     from fvstep.executor.latents.encode import EncodeResult as EncodeResult
     from fvstep.executor.latents.encode import encode_clips as encode_clips
     from fvstep.executor.latents.format import ShardInfo as ShardInfo
+    from fvstep.executor.latents.format import describe_shard as describe_shard
+    from fvstep.executor.latents.format import read_index as read_index
     from fvstep.executor.latents.format import shard_name as shard_name
-    from fvstep.executor.latents.index import read_index as read_index
-    from fvstep.executor.latents.index import write_dataset as write_dataset
-    from fvstep.executor.latents.index import write_index as write_index
+    from fvstep.executor.latents.format import write_dataset as write_dataset
+    from fvstep.executor.latents.format import write_index as write_index
+    from fvstep.executor.latents.format import write_shard as write_shard
     from fvstep.executor.latents.loader import Order as Order
     from fvstep.executor.latents.loader import WorkerSource as WorkerSource
     from fvstep.executor.latents.loader import latent_source as latent_source
     from fvstep.executor.latents.order import BucketedOrder as BucketedOrder
     from fvstep.executor.latents.order import bucket_key as bucket_key
-    from fvstep.executor.latents.shards import describe_shard as describe_shard
-    from fvstep.executor.latents.shards import write_shard as write_shard
 
 # Where each public name lives: importing this package (and so ``fvstep data --help``)
 # loads no torch; a name's module is imported the first time the name is read (PEP 562).
-_WHERE = {
-    "bucket_key": "fvstep.executor.latents.order",
-    "BucketedOrder": "fvstep.executor.latents.order",
-    "describe_shard": "fvstep.executor.latents.shards",
-    "encode_clips": "fvstep.executor.latents.encode",
-    "EncodeResult": "fvstep.executor.latents.encode",
-    "find_clips": "fvstep.executor.latents.clips",
-    "latent_source": "fvstep.executor.latents.loader",
-    "LatentDataset": "fvstep.executor.latents.dataset",
-    "Order": "fvstep.executor.latents.loader",
-    "read_index": "fvstep.executor.latents.index",
-    "shard_name": "fvstep.executor.latents.format",
-    "ShardError": "fvstep.core.errors",
-    "ShardInfo": "fvstep.executor.latents.format",
-    "WorkerSource": "fvstep.executor.latents.loader",
-    "write_dataset": "fvstep.executor.latents.index",
-    "write_index": "fvstep.executor.latents.index",
-    "write_shard": "fvstep.executor.latents.shards",
+_NAMES = {
+    "fvstep.core.errors": ("ShardError",),
+    "fvstep.executor.latents.clips": ("find_clips",),
+    "fvstep.executor.latents.dataset": ("LatentDataset",),
+    "fvstep.executor.latents.encode": ("EncodeResult", "encode_clips"),
+    "fvstep.executor.latents.format": (
+        "ShardInfo",
+        "describe_shard",
+        "read_index",
+        "shard_name",
+        "write_dataset",
+        "write_index",
+        "write_shard",
+    ),
+    "fvstep.executor.latents.loader": ("Order", "WorkerSource", "latent_source"),
+    "fvstep.executor.latents.order": ("BucketedOrder", "bucket_key"),
 }
+_WHERE = {name: module for module, names in _NAMES.items() for name in names}
 
 __all__ = sorted(_WHERE)
 

@@ -1,12 +1,11 @@
-"""``fvstep data``: the command line of :mod:`fvstep.executor.latents` (``fvstep data encode``).
+"""``fvstep data encode``: :func:`run_encode`'s signature is the command's options.
 
-:func:`run_encode`'s signature is the command's options (:mod:`fvstep.cli` builds the
-parser from it). Only the standard library is imported here; the function imports the
-models' libraries. Usage: docs/concepts/data.md.
+Only the standard library is imported here. Usage: docs/concepts/data.md.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -26,8 +25,7 @@ def _user_error(message: str) -> Exception:
 
 
 def _check_size(height: int | None, width: int | None, multiple: int) -> None:
-    """Refuse a size whose latents no patch fits: height and width must be multiples of
-    ``multiple`` (16: the Wan VAE's 8 times Wan's 2 x 2 patch)."""
+    """Refuse a height or width that is not a multiple of ``multiple``."""
     for name, size in (("height", height), ("width", width)):
         if size is None or (size >= multiple and size % multiple == 0):
             continue
@@ -163,19 +161,15 @@ def run_encode(
     if where.type == "cuda" and where.index is None:
         where = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     by_file = _read_captions(captions)
-    models = _load_models(model, vae, text_encoder, tokenizer, model_dtype)
-    models[0].to(where)
-    models[1].to(where)
-
-    def log(line: str) -> None:
-        print(line, file=sys.stderr, flush=True)
-
+    vae_model, encoder, tokenizer_model = _load_models(
+        model, vae, text_encoder, tokenizer, model_dtype
+    )
     result = encode_clips(
         source,
         out,
-        vae=models[0],
-        text_encoder=models[1],
-        tokenizer=models[2],
+        vae=vae_model.to(where),
+        text_encoder=encoder.to(where),
+        tokenizer=tokenizer_model,
         num_frames=num_frames,
         height=height,
         width=width,
@@ -187,7 +181,7 @@ def run_encode(
         rank=rank,
         world_size=world,
         captions=by_file,
-        log=log,
+        log=functools.partial(print, file=sys.stderr, flush=True),
     )
     mine = len(result.written) + len(result.skipped)
     done = (

@@ -46,15 +46,7 @@ def find_clips(
     A clip is a video file or a frame folder (a directory of images, in name order), found
     recursively; its key is its path relative to ``root``. Its caption is the text file of
     the same stem beside it (``a/b.mp4`` -> ``a/b.txt``; frame folder ``a/c/`` -> ``a/c.txt``
-    or ``a/c/caption.txt``), unless ``captions`` has it.
-
-    Args:
-        root: The input folder.
-        captions: Captions by clip key (relative path, ``/``-separated); these win over
-            caption files.
-
-    Returns:
-        The clips.
+    or ``a/c/caption.txt``), unless ``captions`` (by key) has it.
 
     Raises:
         FileNotFoundError: If ``root`` is not a directory.
@@ -105,14 +97,7 @@ def find_clips(
 
 
 def read_frames(clip: Clip, *, max_frames: int | None = None) -> torch.Tensor:
-    """A clip's frames as a ``uint8`` tensor of shape ``(frames, height, width, 3)``.
-
-    Args:
-        clip: The clip (a video file or a frame folder).
-        max_frames: Read at most this many frames from the start (default all).
-
-    Returns:
-        The frames.
+    """A clip's first ``max_frames`` frames (default all), ``uint8`` ``(F, H, W, 3)``.
 
     Raises:
         ValueError: If the clip cannot be read or has no frames (naming the file).
@@ -163,13 +148,7 @@ def fit_frames(
     Args:
         frames: ``uint8`` frames ``(T, H, W, 3)``.
         num_frames: At most this many frames (default all).
-        height: The output height (with ``width``).
-        width: The output width.
         temporal_factor: The VAE's temporal compression.
-        multiple: Without a size: centre-crop height and width to a multiple of this.
-
-    Returns:
-        ``uint8`` frames ``(T', H', W', 3)``.
 
     Raises:
         ValueError: If only one of ``height``/``width`` is given, or the frames are smaller

@@ -1,12 +1,9 @@
-"""Reading a dataset: :class:`LatentDataset`, a map-style dataset over the shards.
-
-A tensor's bytes are copied once, by torch, out of the Parquet page that was read (its CRC
-checksum verified unless ``verify=False``); a missing, damaged or inconsistent shard is a
-:class:`~fvstep.core.errors.ShardError` naming the file and row.
-"""
+"""Reading a dataset: :class:`LatentDataset`, a map-style dataset over the shards."""
 
 from __future__ import annotations
 
+import itertools
+import math
 import operator
 import os
 import warnings
@@ -18,9 +15,7 @@ from typing import Any
 import torch
 
 from fvstep.core.errors import ShardError
-from fvstep.executor.latents.format import Shapes, ShardInfo, parse_dtype
-from fvstep.executor.latents.index import read_index
-from fvstep.executor.latents.shards import open_shard
+from fvstep.executor.latents.format import Shapes, ShardInfo, open_shard, parse_dtype, read_index
 
 __all__ = ["LatentDataset"]
 
@@ -28,14 +23,12 @@ __all__ = ["LatentDataset"]
 class LatentDataset:
     """A map-style dataset over a directory of shards: item ``i`` is one sample's dict.
 
-    Item ``i`` is row ``i - start`` of the shard whose rows start at ``start``. Tensors come
-    back in their stored dtype, strings and numbers as Python values. Files open lazily,
-    once per process; every item's shapes are known from the index alone (:attr:`shapes`).
+    Tensors come back in their stored dtype (their bytes copied once, by torch), strings
+    and numbers as Python values. Files open lazily, once per process; a missing, damaged
+    or inconsistent shard is a :class:`~fvstep.core.errors.ShardError` naming the file and row.
 
     Args:
-        root: The dataset directory (with ``index.json``).
-        fields: The fields to read (default: all). A tensor field brings its shape and
-            dtype columns along.
+        fields: The fields to read (default: all).
         verify: Check Parquet page checksums on read (a CRC32 pass).
 
     Raises:
@@ -65,12 +58,9 @@ class LatentDataset:
                 raise ShardError(
                     f"missing shard {str(self._root / info.file)!r} (listed in the index)"
                 )
-        self._starts: list[int] = []
-        total = 0
-        for info in self._shards:
-            self._starts.append(total)
-            total += info.num_rows
-        self._len = total
+        sizes = [info.num_rows for info in self._shards]
+        self._starts = [0, *itertools.accumulate(sizes)][:-1]
+        self._len = sum(sizes)
         self._fields = None if fields is None else list(fields)
         self._verify = bool(verify)
         self._files: dict[int, Any] = {}
@@ -174,9 +164,7 @@ def _decode(values: dict[str, Any], tensors: list[str], path: Path, row: int) ->
             dtype = parse_dtype(dtype_name)
         except ValueError as e:
             raise ShardError(f"damaged shard {str(path)!r}, row {row}: field {name!r}: {e}") from e
-        numel = 1
-        for d in shape:
-            numel *= d
+        numel = math.prod(shape)
         expected = numel * dtype.itemsize
         if value is None or value.size != expected:
             got = "null" if value is None else f"{value.size} bytes"
@@ -189,8 +177,7 @@ def _decode(values: dict[str, Any], tensors: list[str], path: Path, row: int) ->
 
 
 def _cell(column: Any, at: int, *, binary: bool) -> Any:
-    """Row ``at`` of a column: a Python value, or for a tensor's bytes an Arrow buffer
-    (a view of the page just read; no copy yet)."""
+    """Row ``at`` of a column: a Python value, or for a tensor's bytes an Arrow buffer (no copy)."""
     scalar = column[at]
     if binary:
         return scalar.as_buffer() if scalar.is_valid else None
@@ -198,8 +185,7 @@ def _cell(column: Any, at: int, *, binary: bool) -> Any:
 
 
 def _tensor(buffer: Any, dtype: torch.dtype, numel: int) -> torch.Tensor:
-    """A tensor owning a copy of ``buffer``'s bytes: one copy, made by torch (without the
-    GIL), into a fresh (aligned) allocation, then viewed as ``dtype``."""
+    """A tensor owning a copy of ``buffer``'s bytes, made by torch (without the GIL)."""
     if numel == 0:
         return torch.empty(0, dtype=dtype)
     with warnings.catch_warnings():

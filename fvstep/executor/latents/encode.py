@@ -22,9 +22,16 @@ from fvstep.core._checks import check_int
 from fvstep.core.errors import ShardError
 from fvstep.executor.latents.clips import Clip, find_clips, fit_frames, read_frames
 from fvstep.executor.latents.encode_identity import agree_on_settings, describe_encode
-from fvstep.executor.latents.format import INDEX_FILE, ShardInfo, dtype_name, shard_name
-from fvstep.executor.latents.index import write_index
-from fvstep.executor.latents.shards import describe_shard, open_shard, write_shard
+from fvstep.executor.latents.format import (
+    INDEX_FILE,
+    ShardInfo,
+    describe_shard,
+    dtype_name,
+    open_shard,
+    shard_name,
+    write_index,
+    write_shard,
+)
 
 __all__ = ["EncodeResult", "encode_clips"]
 
@@ -36,9 +43,8 @@ class EncodeResult:
     Attributes:
         num_clips: Clips in the whole folder.
         num_shards: Shards of the whole dataset.
-        written: The shards this call encoded.
         skipped: This rank's shards that were already finished.
-        index: The index path if this call wrote it (every shard finished), else ``None``.
+        index: The index path once every shard is finished, else ``None``.
     """
 
     num_clips: int
@@ -46,10 +52,6 @@ class EncodeResult:
     written: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
     index: Path | None = None
-
-
-def _temporal_factor(vae: Any) -> int:
-    return int(2 ** sum(bool(d) for d in vae.config.temperal_downsample))
 
 
 def _encode_video(vae: Any, clips: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
@@ -134,42 +136,34 @@ def encode_clips(
 ) -> EncodeResult:
     """Encode the clips under ``source`` into a dataset in ``out``.
 
-    Latents are the VAE posterior's mean, normalised as Wan's pipelines expect,
-    ``(z - latents_mean) / latents_std``; text is padded or truncated to ``max_tokens`` and
-    zeroed past the caption. The models run in eval mode and get their modes back. Clip ``i``
-    goes to shard ``i // shard_size``; rank ``r`` encodes the shards ``k`` with
-    ``k % world_size == r``, so the output does not depend on the ranks. A rerun skips
-    finished shards and refuses an ``out`` encoded otherwise (``encode.json``). See
-    docs/concepts/data.md.
+    Latents are the VAE posterior's mean, ``(z - latents_mean) / latents_std``; text is
+    padded or truncated to ``max_tokens`` and zeroed past the caption. Rank ``r`` encodes
+    the shards ``k`` with ``k % world_size == r``; a rerun skips finished shards and refuses
+    an ``out`` encoded otherwise. See docs/concepts/data.md.
 
     Args:
-        source: The clips folder.
-        out: The dataset folder (created if needed).
         vae: A diffusers ``AutoencoderKLWan`` (or a VAE with its ``encode`` and config).
-        text_encoder: A transformers encoder (``UMT5EncoderModel``, ``T5EncoderModel``...):
+        text_encoder: A transformers encoder:
             ``text_encoder(ids, attention_mask=mask).last_hidden_state``.
-        tokenizer: Its tokenizer.
         num_frames: At most this many frames a clip (default all), of the form ``k * t + 1``
             (``t`` the VAE's temporal factor).
         height: Output height (with ``width``); default: each clip's own, cropped.
-        width: Output width.
-        multiple: Without a size, crop to a multiple of this (default 16).
+        multiple: Without a size, crop to a multiple of this.
         max_tokens: Text tokens a caption is padded or truncated to (Wan: 512).
-        shard_size: Clips a shard, ``>= 1``.
-        batch_size: Clips a model call, ``>= 1`` (clips of one shape share a VAE call).
-        dtype: The stored dtype of latents and text embeddings (default ``bfloat16``).
-        rank: This rank, ``0 <= rank < world_size``.
-        world_size: The number of ranks sharing the work, ``>= 1``.
+        shard_size: Clips a shard.
+        batch_size: Clips a model call (clips of one shape share a VAE call).
+        dtype: The stored dtype of latents and text embeddings.
         captions: Captions by clip key, over caption files.
         log: Called with one line per shard (e.g. ``print``).
 
     Returns:
-        What this call did: an :class:`EncodeResult`.
+        What this call did on this rank.
 
     Raises:
-        ValueError: If a clip has no caption or cannot be read (naming it), ``out`` holds
-            an encode with other settings or models (naming each key that differs), or an
-            argument is out of range.
+        ValueError: If a clip has no caption or cannot be read (naming it).
+        ValueError: If ``out`` holds an encode with other settings or models (naming each
+            key that differs).
+        ValueError: If an argument is out of range.
     """
     shard_size = check_int(shard_size, "shard_size", minimum=1)
     batch_size = check_int(batch_size, "batch_size", minimum=1)
@@ -178,13 +172,18 @@ def encode_clips(
     rank = check_int(rank, "rank", minimum=0)
     if rank >= world_size:
         raise ValueError(f"rank must lie in [0, world_size) = [0, {world_size}), got {rank}")
-    factor = _temporal_factor(vae)
+    factor = int(2 ** sum(bool(d) for d in vae.config.temperal_downsample))  # diffusers' spelling
     if num_frames is not None and (num_frames < 1 or (num_frames - 1) % factor):
         raise ValueError(f"num_frames must be k * {factor} + 1 (e.g. 81), got {num_frames}")
     clips = find_clips(source, captions=captions)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    fit = {"num_frames": num_frames, "height": height, "width": width, "multiple": multiple}
+    fit: dict[str, Any] = {
+        "num_frames": num_frames,
+        "height": height,
+        "width": width,
+        "multiple": multiple,
+    }
     options = {
         **fit,
         "max_tokens": max_tokens,
@@ -200,6 +199,33 @@ def encode_clips(
     result = EncodeResult(len(clips), num_shards)
     device = next(vae.parameters()).device
     text_device = next(text_encoder.parameters()).device
+
+    def encode_batch(batch: list[Clip]) -> list[dict[str, Any]]:
+        pixels = []
+        for clip in batch:
+            frames = read_frames(clip, max_frames=num_frames)
+            try:
+                pixels.append(fit_frames(frames, **fit))
+            except ValueError as e:
+                raise ValueError(f"clip {str(clip.path)!r}: {e}") from e
+        latents: list[torch.Tensor] = [torch.empty(0)] * len(batch)
+        for shape in dict.fromkeys(p.shape for p in pixels):  # one VAE call a shape, in order
+            where = [i for i, p in enumerate(pixels) if p.shape == shape]
+            for i, z in zip(where, _encode_video(vae, [pixels[i] for i in where], device)):
+                latents[i] = z
+        texts = [c.caption for c in batch]
+        text, lengths = _encode_text(text_encoder, tokenizer, texts, max_tokens, text_device)
+        return [
+            {
+                "key": clip.key,
+                "caption": clip.caption,
+                "latents": z.to(dtype),
+                "text": t.to(dtype),
+                "text_length": n,
+            }
+            for clip, z, t, n in zip(batch, latents, text, lengths, strict=True)
+        ]
+
     with _evaluating(vae, text_encoder), torch.no_grad():
         for k in range(rank, num_shards, world_size):
             name = shard_name(k)
@@ -211,61 +237,13 @@ def encode_clips(
                 continue
             rows: list[dict[str, Any]] = []
             for i in range(0, len(part), batch_size):
-                rows += _encode_batch(
-                    part[i : i + batch_size],
-                    vae=vae,
-                    text_encoder=text_encoder,
-                    tokenizer=tokenizer,
-                    fit=fit,
-                    max_tokens=max_tokens,
-                    dtype=dtype,
-                    devices=(device, text_device),
-                )
+                rows += encode_batch(part[i : i + batch_size])
             write_shard(out / name, rows)
             result.written.append(name)
             if log is not None:
                 log(f"rank {rank}: wrote {name} ({len(rows)} clips)")
     result.index = _write_index_if_complete(out, num_shards, settings)
     return result
-
-
-def _encode_batch(
-    clips: list[Clip],
-    *,
-    vae: Any,
-    text_encoder: Any,
-    tokenizer: Any,
-    fit: dict[str, Any],
-    max_tokens: int,
-    dtype: torch.dtype,
-    devices: tuple[torch.device, torch.device],
-) -> list[dict[str, Any]]:
-    pixels = []
-    for clip in clips:
-        frames = read_frames(clip, max_frames=fit["num_frames"])
-        try:
-            pixels.append(fit_frames(frames, **fit))
-        except ValueError as e:
-            raise ValueError(f"clip {str(clip.path)!r}: {e}") from e
-    latents: list[torch.Tensor | None] = [None] * len(clips)
-    for shape in dict.fromkeys(p.shape for p in pixels):  # one VAE call a shape, in order
-        where = [i for i, p in enumerate(pixels) if p.shape == shape]
-        for i, z in zip(where, _encode_video(vae, [pixels[i] for i in where], devices[0])):
-            latents[i] = z
-    text, lengths = _encode_text(
-        text_encoder, tokenizer, [c.caption for c in clips], max_tokens, devices[1]
-    )
-    return [
-        {
-            "key": clip.key,
-            "caption": clip.caption,
-            "latents": z.to(dtype),
-            "text": t.to(dtype),
-            "text_length": n,
-        }
-        for clip, z, t, n in zip(clips, latents, text, lengths, strict=True)
-        if z is not None
-    ]
 
 
 def _write_index_if_complete(out: Path, num_shards: int, settings: dict[str, Any]) -> Path | None:

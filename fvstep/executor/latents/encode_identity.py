@@ -1,9 +1,7 @@
 """The identity of an encode (``encode.json``): what decides its latents, checked on reruns.
 
-The settings, a digest of the clip list, and for each model its class, a digest of its
-config, the dtype and device type it runs in (with the TF32 switches on CUDA) and a digest
-of its weights. A rerun that differs in any of these is refused, naming each key that
-differs with both values (:func:`agree_on_settings`). What is left out, and why:
+The settings, a digest of the clip list, and for each model its class, config, dtype,
+device type (and TF32 switches) and weights. What is left out, and why:
 docs/concepts/data.md.
 """
 
@@ -81,12 +79,10 @@ def _hash_piece(flat: torch.Tensor, start: int, staging: threading.local) -> byt
 
 
 def _weights_digest(module: torch.nn.Module) -> str:
-    """A digest of ``module``'s weights: every state-dict tensor's name, dtype, shape and bytes.
+    """A digest of every state-dict tensor's name, dtype, shape and bytes, in name order.
 
-    Tensors are taken in name order, so the digest depends on the weights alone (not on the
-    device, nor on the order of registration); a tensor tied to an earlier one is recorded
-    as such, not hashed twice. The bytes are hashed in 64 MiB pieces by up to 8 threads
-    (``hashlib`` releases the GIL).
+    A tensor tied to an earlier one is recorded as such, not hashed twice; pieces are
+    hashed by up to 8 threads (``hashlib`` releases the GIL).
     """
     state = module.state_dict()
     lines: list[str] = []
@@ -115,8 +111,7 @@ def _weights_digest(module: torch.nn.Module) -> str:
 
 
 def _model_identity(module: Any) -> dict[str, Any]:
-    """What decides a model's outputs: class, config, the dtypes and device it runs in, and
-    its weights."""
+    """What decides a model's outputs: class, config, dtypes, device type and weights."""
     state = module.state_dict()
     dtypes = sorted({dtype_name(t.dtype) for t in state.values() if t.is_floating_point()})
     device = next(module.parameters()).device.type  # cuda:0 and cuda:1 compute the same
@@ -144,20 +139,11 @@ def describe_encode(
     text_encoder: Any,
     tokenizer: Any,
 ) -> dict[str, Any]:
-    """The identity of an encode, as ``encode.json`` records it.
+    """The identity of an encode, as ``encode.json`` records it (JSON-able).
 
     Args:
         clips: The clips of the whole folder.
-        options: The settings that decide the latents (frames, size, tokens, shard size,
-            stored dtype), JSON-able.
-        vae: The VAE.
-        text_encoder: The text encoder.
-        tokenizer: Its tokenizer.
-
-    Returns:
-        ``{"num_clips", "clips_sha256", **options, "models": {"vae", "text_encoder",
-        "tokenizer"}}``, JSON-able.
-
+        options: The settings that decide the latents, JSON-able.
     """
     return {
         "num_clips": len(clips),
@@ -203,12 +189,8 @@ def agree_on_settings(out: Path, settings: dict[str, Any]) -> None:
     """Record ``settings`` in ``out``, or refuse if it holds an encode with other ones.
 
     Every rank calls it before it writes anything. The first publishes its settings with a
-    hard link, which fails if the file exists, so of ranks starting at once exactly one
+    hard link, which fails if the file exists: of ranks starting at once exactly one
     publishes (a rename would let each replace the other's and pass).
-
-    Args:
-        out: The dataset folder.
-        settings: The encode's identity (:func:`describe_encode`).
 
     Raises:
         ValueError: If ``out`` holds an encode with other settings (naming each key that

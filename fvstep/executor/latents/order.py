@@ -1,8 +1,6 @@
 """Shape buckets as a pure function of the step: :class:`BucketedOrder`.
 
-A batch stacks only if its samples have equal shapes; :class:`BucketedOrder` groups the
-items by shape and keeps :class:`~fvstep.executor.data.ShuffledSource`'s laws (every rank
-of a step draws from one bucket; resharding holds). See docs/concepts/data.md.
+See docs/concepts/data.md.
 """
 
 from __future__ import annotations
@@ -22,13 +20,8 @@ __all__ = ["BucketedOrder", "bucket_key"]
 def bucket_key(shapes: Any) -> Hashable:
     """The bucket of an item with these ``shapes``: a hashable, sortable form of them.
 
-    Args:
-        shapes: A mapping ``{field: shape}`` (as :attr:`LatentDataset.shapes` gives), a
-            shape, or any hashable value.
-
-    Returns:
-        ``tuple(sorted((field, tuple(shape)), ...))`` for a mapping, ``tuple(shape)`` for a
-        sequence, ``shapes`` itself otherwise.
+    A mapping ``{field: shape}`` becomes ``tuple(sorted((field, tuple(shape)), ...))``, a
+    shape ``tuple(shape)``; any other value is its own bucket.
 
     Examples:
         >>> bucket_key({"text": [3, 8], "latents": (4, 1, 2, 2)})
@@ -44,19 +37,14 @@ def bucket_key(shapes: Any) -> Hashable:
 class BucketedOrder:
     """A step-indexed order over a dataset whose items fall into shape buckets.
 
-    Bucket ``b`` (buckets sorted by label) is a ``ShuffledSource`` over its members keyed
-    by ``fold_in(key, b)``, giving ``d_b`` steps an epoch for the *global* batch (a bucket
-    smaller than it is never drawn). Epoch ``e`` is ``sum(d_b)`` steps: which bucket step
-    ``s`` draws from is entry ``s mod sum(d_b)`` of a permutation, seeded by
-    ``fold_in(fold_in_name(key, "buckets"), e)``, of the multiset holding each ``b``
-    ``d_b`` times; its items are the next step of that bucket's source (counting earlier
-    epochs). With a single shape the order is ``ShuffledSource``'s.
+    Every rank of a step draws from one bucket, and :class:`~fvstep.executor.data.ShuffledSource`'s
+    laws hold; with a single shape the order is ``ShuffledSource``'s. The construction:
+    docs/concepts/data.md.
 
     Args:
-        shapes: One entry per item: its shapes (``{field: shape}``, a shape, or any
-            hashable bucket label; see :func:`bucket_key`).
+        shapes: One entry per item: its shapes, or any hashable bucket label
+            (:func:`bucket_key`).
         key: An fvstep key; it alone decides the order.
-        batch_size: The per-rank batch size, ``>= 1``.
         drop_last: As :class:`~fvstep.executor.data.ShuffledSource`.
 
     Raises:
