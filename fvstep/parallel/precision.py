@@ -61,21 +61,16 @@ def _cast_tree(value: Any, dtype: torch.dtype, *, min_ndim: int = 0) -> Any:
     return map_tensors(cast, value)
 
 
-def _positional_names(module: nn.Module) -> tuple[str, ...]:
-    """``module.forward``'s positional parameter names (``()`` if unknown).
-
-    A module whose ``forward(*args, **kwargs)`` delegates (:class:`fvstep.methods.lora.LoRAModule`)
-    names them by its ``forward_signature`` attribute, an ``inspect.Signature``.
-    """
-    signature = getattr(module, "forward_signature", None)
+def positional_names(forward: Callable[..., Any] | inspect.Signature) -> tuple[str, ...]:
+    """The names of a callable's (or a signature's) positional parameters; ``()`` if unknown."""
     try:
-        if not isinstance(signature, inspect.Signature):
-            signature = inspect.signature(module.forward)
-        parameters = signature.parameters.values()
-    except (TypeError, ValueError):  # a builtin or an odd callable: fall back on ranks
+        signature = (
+            forward if isinstance(forward, inspect.Signature) else inspect.signature(forward)
+        )
+    except (TypeError, ValueError):  # a builtin or an odd callable
         return ()
     kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    return tuple(p.name for p in parameters if p.kind in kinds)
+    return tuple(p.name for p in signature.parameters.values() if p.kind in kinds)
 
 
 def resolve_full_precision_inputs(names: Collection[str]) -> frozenset[str]:
@@ -118,7 +113,11 @@ def cast_at_boundary(
         torch.float32
     """
     keep = resolve_full_precision_inputs(full_precision_inputs)
-    positional = _positional_names(module)
+    # A delegating ``forward(*args, **kwargs)`` (LoRAModule) names its inputs by ``forward_signature``.
+    signature = getattr(module, "forward_signature", None)
+    positional = positional_names(
+        signature if isinstance(signature, inspect.Signature) else module.forward
+    )
     callers: list[torch.dtype | None] = []
 
     def cast(name: str | None, value: Any) -> Any:
