@@ -163,15 +163,6 @@ def _memory(t: torch.Tensor) -> tuple[Any, ...]:
     return (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
 
 
-class _Moved:
-    """A saved tensor copied to the host: its index in its call's copies."""
-
-    __slots__ = ("index",)
-
-    def __init__(self, index: int) -> None:
-        self.index = index
-
-
 class _Call:
     """One grad-enabled call of a hooked block: what it moved to the host, and how it comes back."""
 
@@ -194,14 +185,14 @@ class _Call:
         self.changed: dict[int, RuntimeError] = {}
         self.watched: dict[int, tuple[list[Any], int]] = {}
 
-    def pack(self, t: torch.Tensor) -> Any:
+    def pack(self, t: torch.Tensor) -> _Kept | int:
         copies = self.offloader.copies
         if not self.offloads or not copies.movable(t, self.offloader.min_bytes):
             return _Kept(t)
         index, version = self.ids.get(id(t), (-1, -1))
         if index >= 0 and version == tensor_version(t):
             self.uses[index] += 1  # the same tensor saved again: one copy, out and back
-            return _Moved(index)
+            return index
         host, done = copies.out(t)
         self.host.append((host, t.device, done))
         index = len(self.host) - 1
@@ -209,7 +200,7 @@ class _Call:
         self.ids[id(t)] = (index, tensor_version(t))
         self.uses[index] = 1
         self.offloader.moved_bytes += t.numel() * t.element_size()
-        return _Moved(index)
+        return index  # a moved tensor is packed as its index in ``host``
 
     def end_forward(self, outputs: Sequence[torch.Tensor] = ()) -> None:
         """The forward returned: check what it changed in place, watch the rest through weakrefs.
@@ -252,7 +243,7 @@ class _Call:
             if i not in self.back:
                 self.back[i] = self.offloader.copies.back(host, device, offloaded)
 
-    def unpack(self, packed: Any) -> torch.Tensor:
+    def unpack(self, packed: _Kept | int) -> torch.Tensor:
         if not self.started:
             self.started = True
             target = self.prefetch() if self.prefetch is not None else None
@@ -261,7 +252,7 @@ class _Call:
                 target.fetch()
         if isinstance(packed, _Kept):
             return packed.get()
-        index = packed.index
+        index = packed
         self.check(index)
         if index not in self.back:
             self.fetch()
