@@ -53,8 +53,8 @@ DEFAULT_THRESHOLD = 20.0
 ROUNDING_FLOOR = 1e-5
 
 #: A parameter's gradient is measured against at least this fraction of the block's
-#: largest root-mean-square gradient (times the square root of its size), so that an
-#: exact-zero gradient (Wan's ``attn2.to_k.bias``) is not measured against its own noise.
+#: largest root-mean-square gradient (times the square root of its size): an exact-zero
+#: gradient is not measured against its own noise.
 GRADIENT_FLOOR = 0.1
 
 
@@ -597,17 +597,14 @@ def compare_compiled_gradients(
 ) -> CompiledGradientReport:
     """Compare a block's compiled gradients with its eager ones on one input.
 
-    Both forwards run on detached clones of the inputs from the same RNG state and are
-    pulled back with the same seeded cotangent; below fp32 an eager fp32 run measures
-    eager's rounding noise (``docs/concepts/prepare.md``). No ``.grad`` is left, and the RNG
-    state and an ``eager`` module's buffers are as they were.
+    What is compared, and how: ``docs/concepts/prepare.md``. No ``.grad`` is left, and the
+    RNG state and an ``eager`` module's buffers are as they were.
 
     Args:
         eager: The block's eager forward (run under ``set_stance("force_eager")``).
         compiled: Its compiled forward (e.g. ``torch.compile(block)``).
         params: The block's parameters by name (all it computes with: below fp32 the
             reference needs the low-precision ones in fp32).
-        threshold: The largest ratio of compiled error to eager rounding noise that passes.
         seed: The cotangent's seed.
         arg_names: Names of the positional inputs, for the report (default: those of
             ``eager``'s forward if it is a module, else ``args[i]``).

@@ -8,6 +8,7 @@ FSDP2 made to sum the group's partial gradients. ``docs/concepts/context-paralle
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
@@ -197,10 +198,7 @@ def _num_tokens(module: nn.Module, hidden_states: torch.Tensor) -> int | None:
     patch = tuple(getattr(getattr(module, "config", None), "patch_size", None) or ())
     if not patch or hidden_states.dim() != 2 + len(patch):
         return None
-    tokens = 1
-    for size, p in zip(hidden_states.shape[2:], patch):
-        tokens *= size // p
-    return tokens
+    return math.prod(size // p for size, p in zip(hidden_states.shape[2:], patch))
 
 
 def _pre_forward(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -305,19 +303,17 @@ def apply_context_parallel(
     ``parallelism=fvstep.parallel.Layout(mesh)`` (``docs/concepts/context-parallel.md``).
 
     Args:
-        module: The role's model (``diffusers.ModelMixin`` with ``_cp_plan``).
+        module: A ``diffusers.ModelMixin`` with a ``_cp_plan``.
         mesh: A mesh with a context axis (:func:`make_context_mesh`), on every rank.
-        mode: ``"ulysses"`` (all-to-all; the heads must divide by the degree) or
-            ``"ring"`` (a backend that returns the log-sum-exp: CUDA only).
+        mode: ``"ulysses"`` (the heads must divide by the degree) or ``"ring"`` (CUDA only).
         check_inputs: At each forward, check that the ranks of the group were given the
             same inputs (one small all-gather and a host sync).
 
     Raises:
-        ValueError: If the module has no plan, is already parallel, or is wrapped; if the
-            mesh has no ``axis`` or it has fewer than 2 ranks; if ``mode`` is unknown; for
-            Ulysses, if the heads do not divide by the degree; for ring, with a backend that
-            cannot; at a forward, if the token count does not divide by the degree, or the
-            ranks of a group were given different inputs.
+        ValueError: If the module has no plan, is parallel already or wrapped; if the mesh
+            has no ``axis`` of 2 ranks or more; if ``mode`` is unknown, or the heads (Ulysses)
+            or the attention backend do not allow it; at a forward, if the tokens do not
+            divide by the degree or the ranks of a group were given different inputs.
     """
     with needs_extra("models", "context parallelism"):
         from diffusers.models._modeling_parallel import ContextParallelConfig, ParallelConfig
@@ -371,7 +367,6 @@ def apply_context_parallel(
 
 
 def applied_context_group(module: nn.Module) -> tuple[int, ...] | None:
-    """The global ranks of the context group ``module`` was prepared for by
-    :func:`apply_context_parallel`, or ``None`` for a module that was not."""
+    """The global ranks of ``module``'s context group (:func:`apply_context_parallel`), or ``None``."""
     applied = getattr(module, _APPLIED, None)
     return applied.group_ranks if isinstance(applied, _Applied) else None

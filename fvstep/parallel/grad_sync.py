@@ -16,12 +16,9 @@ from fvstep.core._compat import fsdp_lazy_init, is_fsdp_root
 from fvstep.core.accumulation import Accumulation
 from fvstep.core.state import RoleState, TrainState
 from fvstep.parallel.mesh import is_sharded
-from fvstep.parallel.ranks import rank_and_world
 
 __all__ = [
     "FSDPGradSync",
-    "check_roles_are_data_parallel",
-    "grad_sync_for",
     "release_modules",
     "unrested_modules",
 ]
@@ -150,33 +147,3 @@ def unrested_modules(state: TrainState) -> list[str]:
             if tensor.grad is not None:
                 problems.append(f"{name}.{pname}: has a .grad")
     return problems
-
-
-def check_roles_are_data_parallel(state: TrainState) -> None:
-    """Refuse, on several ranks, a trained role whose module is not sharded or replicated.
-
-    Without FSDP2 every rank would train its own copy of such a role (no gradient is
-    reduced) and the copies would silently diverge.
-
-    Raises:
-        ValueError: Naming the role and how to shard or replicate it.
-    """
-    _, world = rank_and_world()
-    if world == 1:
-        return
-    for name, rs in state.roles.items():
-        if rs.role.trainable and not is_sharded(rs.role.module):
-            raise ValueError(
-                f"role {name!r} is trained on {world} ranks but its module is not sharded (the copies would "
-                "diverge): fvstep.parallel.shard_module(module, mesh=make_mesh()) before TrainState.create"
-            )
-
-
-def grad_sync_for(state: TrainState, accumulation: Accumulation) -> FSDPGradSync | None:
-    """The gradient-sync controller for ``state``'s roles, or ``None`` if none is sharded.
-
-    It checks nothing: :meth:`fvstep.parallel.Layout.check` did, once per call.
-    """
-    if not any(is_sharded(rs.role.module) for rs in state.roles.values()):
-        return None
-    return FSDPGradSync(accumulation)
