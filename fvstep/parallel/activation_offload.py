@@ -37,10 +37,8 @@ class ActivationOffloading:
     """Which blocks keep their saved activations in pinned host memory until backward.
 
     Attributes:
-        every: Offload every ``every``-th block (blocks ``0, every, 2 * every, ...``),
-            counted as :func:`fvstep.parallel.prepare` counts blocks for checkpointing.
-        min_bytes: Saved tensors smaller than this stay on the device (the copy's
-            latency would cost more than the memory is worth).
+        every: Offload blocks ``0, every, 2 * every, ...`` (counted as for checkpointing).
+        min_bytes: Saved tensors smaller than this stay on the device.
 
     Raises:
         TypeError: If ``every`` or ``min_bytes`` is not an integer.
@@ -61,8 +59,7 @@ class ActivationOffloading:
 
 
 def resolve_offloading(value: ActivationOffloading | bool | None) -> ActivationOffloading | None:
-    """What ``prepare(..., offload_activations=value)`` means: ``None``/``False`` for
-    none, ``True`` for every block, or the :class:`ActivationOffloading` given.
+    """What ``prepare(..., offload_activations=value)`` means (``True``: every block).
 
     Raises:
         TypeError: On any other value.
@@ -332,10 +329,7 @@ def is_offloaded(block: nn.Module) -> bool:
 
 
 def offloaded_bytes(module: nn.Module) -> int:
-    """The bytes of saved activations ``module``'s offloaded blocks moved to host memory so far.
-
-    Each crosses back once per backward; 0 on a CPU.
-    """
+    """The bytes of saved activations ``module``'s offloaded blocks moved to the host so far (0 on a CPU)."""
     offloaders = {
         id(hooked[0]): hooked[0]
         for m in module.modules()
@@ -347,11 +341,10 @@ def offloaded_bytes(module: nn.Module) -> int:
 def apply_activation_offloading(
     blocks: Mapping[str, nn.Module], offload: ActivationOffloading
 ) -> tuple[str, ...]:
-    """Offload the saved activations of the blocks ``offload`` chooses.
+    """Offload the saved activations of the blocks ``offload`` chooses, in place.
 
-    In place, with forward hooks that work around compiled blocks: the chosen blocks move
-    what they save to pinned host memory; the others say when their backward starts, so
-    that the offloaded block before them comes back in time. Parameter names do not change.
+    Forward hooks (around compiled blocks too) move what a chosen block saves to pinned
+    host memory; the other blocks' hooks say when to bring it back. Names do not change.
 
     Args:
         blocks: The blocks by qualified name, in the order their forwards run.

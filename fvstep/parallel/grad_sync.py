@@ -104,9 +104,8 @@ def release_modules(state: TrainState, *, after_error: bool = False) -> None:
     fvstep calls this before and after every unit; :func:`unrested_modules` checks it.
 
     Args:
-        after_error: A forward or backward raised midway: wait for and discard in-flight
-            collectives and partial reductions too (FSDP2's ``reset_iter_state`` where the
-            installed torch has it).
+        after_error: A forward or backward raised midway: discard in-flight collectives and
+            partial reductions too (FSDP2's ``reset_iter_state`` where torch has it).
     """
     for rs in state.roles.values():
         modules = [m for m in rs.role.module.modules() if isinstance(m, FSDPModule)]
