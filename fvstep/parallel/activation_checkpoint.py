@@ -18,7 +18,6 @@ from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
     create_selective_checkpoint_contexts,
-    noop_context_fn,
 )
 
 __all__ = [
@@ -188,7 +187,8 @@ def _checkpointed_forward(
     # set back, and torch.compile accepts only selective checkpointing's context_fn.
     if torch.compiler.is_compiling():
         context_fn = compiled_context_fn
-    context_fn = context_fn or noop_context_fn  # checkpoint's default
+    if context_fn is None:
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
     return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
 
