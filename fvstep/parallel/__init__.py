@@ -29,8 +29,6 @@ from fvstep.parallel.flash_attention import (
 )
 from fvstep.parallel.grad_sync import (
     FSDPGradSync,
-    check_roles_are_data_parallel,
-    grad_sync_for,
     release_modules,
     unrested_modules,
 )
@@ -74,7 +72,6 @@ __all__ = [
     "apply_context_parallel",
     "barrier",
     "broadcast_object",
-    "check_roles_are_data_parallel",
     "collective_device",
     "compare_compiled_gradients",
     "compile_check_reports",
@@ -87,7 +84,6 @@ __all__ = [
     "enable_flash_attention_4",
     "flash_attention_4_enabled",
     "gather_objects",
-    "grad_sync_for",
     "init_from_env",
     "is_block",
     "is_sharded",

@@ -69,12 +69,11 @@ class ActivationCheckpointing:
     Attributes:
         mode: ``"none"``; ``"full"`` (a block keeps only its inputs); ``"selective"``
             (op-level: the outputs of ``save_ops`` are kept, everything else recomputed).
-        every: Checkpoint every ``every``-th block (blocks ``0, every, 2 * every, ...``);
-            ``1`` checkpoints all of them.
-        save_ops: For ``"selective"``: the ATen ops (``OpOverloadPacket`` or
-            ``OpOverload``) whose outputs are saved.
+        every: Checkpoint blocks ``0, every, 2 * every, ...``.
+        save_ops: For ``"selective"``: the ATen ops (packets or overloads) whose outputs
+            are saved.
         save_widening: For ``"selective"``: whether a matmul that widens its input (a
-            feed-forward up-projection, the largest activations of a block) is saved too.
+            feed-forward up-projection) is saved too.
 
     Raises:
         ValueError: On an unknown mode or ``every < 1``.
@@ -155,8 +154,7 @@ def resolve_checkpointing(
 ) -> ActivationCheckpointing:
     """The :class:`ActivationCheckpointing` that ``prepare(..., checkpointing=value)`` means.
 
-    ``None`` is no checkpointing; a :data:`CheckpointName` is its choice; an
-    :class:`ActivationCheckpointing` is returned as it is.
+    ``None`` is no checkpointing; an :class:`ActivationCheckpointing` is returned as it is.
 
     Raises:
         TypeError: If ``value`` is none of these.
@@ -200,23 +198,6 @@ def is_checkpointed(block: nn.Module) -> bool:
     return isinstance(forward, functools.partial) and forward.func is _checkpointed_forward
 
 
-def _checkpoint_block(
-    block: nn.Module,
-    ac: ActivationCheckpointing,
-    checkpoint_context: Callable[[Callable[[], Any] | None], Callable[[], Any]] | None,
-) -> None:
-    # An instance attribute: __call__, compile and FSDP2's hooks see it, while the module
-    # tree, and so every parameter name, stays as it was.
-    original = type(block).forward.__get__(block)
-    compiled_context_fn = ac.context_fn()
-    context_fn = compiled_context_fn
-    if checkpoint_context is not None:
-        context_fn = checkpoint_context(compiled_context_fn)
-    block.forward = functools.partial(
-        _checkpointed_forward, original, context_fn, compiled_context_fn
-    )
-
-
 def apply_activation_checkpointing(
     blocks: Mapping[str, nn.Module],
     ac: ActivationCheckpointing,
@@ -225,14 +206,12 @@ def apply_activation_checkpointing(
 ) -> tuple[str, ...]:
     """Give each block that ``ac`` chooses a forward that runs under ``checkpoint``.
 
-    In place, with ``use_reentrant=False``; the parameter names stay as they were. Under
-    ``no_grad`` a checkpointed block just runs its forward.
+    In place, with ``use_reentrant=False``; the parameter names stay as they were.
 
     Args:
         blocks: The blocks by qualified name, in module order (``ac.every`` counts them).
-        checkpoint_context: ``context_fn -> context_fn`` around every checkpointed block's
-            context (``None`` for full), for a recomputation that needs state set back
-            (:func:`fvstep.methods.lora.recompute_context`). Not used under ``torch.compile``.
+        checkpoint_context: ``context_fn -> context_fn`` for a recomputation that needs state
+            set back (:func:`fvstep.methods.lora.recompute_context`); not under compile.
 
     Returns:
         The qualified names of the checkpointed blocks, in order.
@@ -244,5 +223,14 @@ def apply_activation_checkpointing(
     """
     chosen = tuple(name for i, name in enumerate(blocks) if ac.chooses(i))
     for name in chosen:
-        _checkpoint_block(blocks[name], ac, checkpoint_context)
+        block = blocks[name]
+        compiled_context_fn = context_fn = ac.context_fn()
+        if checkpoint_context is not None:
+            context_fn = checkpoint_context(compiled_context_fn)
+        # An instance attribute: __call__, compile and FSDP2's hooks see it, while the module
+        # tree, and so every parameter name, stays as it was.
+        original = type(block).forward.__get__(block)
+        block.forward = functools.partial(
+            _checkpointed_forward, original, context_fn, compiled_context_fn
+        )
     return chosen

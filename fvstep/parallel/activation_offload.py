@@ -37,10 +37,8 @@ class ActivationOffloading:
     """Which blocks keep their saved activations in pinned host memory until backward.
 
     Attributes:
-        every: Offload every ``every``-th block (blocks ``0, every, 2 * every, ...``),
-            counted as :func:`fvstep.parallel.prepare` counts blocks for checkpointing.
-        min_bytes: Saved tensors smaller than this stay on the device (the copy's
-            latency would cost more than the memory is worth).
+        every: Offload blocks ``0, every, 2 * every, ...`` (counted as for checkpointing).
+        min_bytes: Saved tensors smaller than this stay on the device.
 
     Raises:
         TypeError: If ``every`` or ``min_bytes`` is not an integer.
@@ -61,8 +59,7 @@ class ActivationOffloading:
 
 
 def resolve_offloading(value: ActivationOffloading | bool | None) -> ActivationOffloading | None:
-    """What ``prepare(..., offload_activations=value)`` means: ``None``/``False`` for
-    none, ``True`` for every block, or the :class:`ActivationOffloading` given.
+    """What ``prepare(..., offload_activations=value)`` means (``True``: every block).
 
     Raises:
         TypeError: On any other value.
@@ -163,15 +160,6 @@ def _memory(t: torch.Tensor) -> tuple[Any, ...]:
     return (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
 
 
-class _Moved:
-    """A saved tensor copied to the host: its index in its call's copies."""
-
-    __slots__ = ("index",)
-
-    def __init__(self, index: int) -> None:
-        self.index = index
-
-
 class _Call:
     """One grad-enabled call of a hooked block: what it moved to the host, and how it comes back."""
 
@@ -194,14 +182,14 @@ class _Call:
         self.changed: dict[int, RuntimeError] = {}
         self.watched: dict[int, tuple[list[Any], int]] = {}
 
-    def pack(self, t: torch.Tensor) -> Any:
+    def pack(self, t: torch.Tensor) -> _Kept | int:
         copies = self.offloader.copies
         if not self.offloads or not copies.movable(t, self.offloader.min_bytes):
             return _Kept(t)
         index, version = self.ids.get(id(t), (-1, -1))
         if index >= 0 and version == tensor_version(t):
             self.uses[index] += 1  # the same tensor saved again: one copy, out and back
-            return _Moved(index)
+            return index
         host, done = copies.out(t)
         self.host.append((host, t.device, done))
         index = len(self.host) - 1
@@ -209,7 +197,7 @@ class _Call:
         self.ids[id(t)] = (index, tensor_version(t))
         self.uses[index] = 1
         self.offloader.moved_bytes += t.numel() * t.element_size()
-        return _Moved(index)
+        return index  # a moved tensor is packed as its index in ``host``
 
     def end_forward(self, outputs: Sequence[torch.Tensor] = ()) -> None:
         """The forward returned: check what it changed in place, watch the rest through weakrefs.
@@ -252,7 +240,7 @@ class _Call:
             if i not in self.back:
                 self.back[i] = self.offloader.copies.back(host, device, offloaded)
 
-    def unpack(self, packed: Any) -> torch.Tensor:
+    def unpack(self, packed: _Kept | int) -> torch.Tensor:
         if not self.started:
             self.started = True
             target = self.prefetch() if self.prefetch is not None else None
@@ -261,7 +249,7 @@ class _Call:
                 target.fetch()
         if isinstance(packed, _Kept):
             return packed.get()
-        index = packed.index
+        index = packed
         self.check(index)
         if index not in self.back:
             self.fetch()
@@ -341,10 +329,7 @@ def is_offloaded(block: nn.Module) -> bool:
 
 
 def offloaded_bytes(module: nn.Module) -> int:
-    """The bytes of saved activations ``module``'s offloaded blocks moved to host memory so far.
-
-    Each crosses back once per backward; 0 on a CPU.
-    """
+    """The bytes of saved activations ``module``'s offloaded blocks moved to the host so far (0 on a CPU)."""
     offloaders = {
         id(hooked[0]): hooked[0]
         for m in module.modules()
@@ -356,11 +341,10 @@ def offloaded_bytes(module: nn.Module) -> int:
 def apply_activation_offloading(
     blocks: Mapping[str, nn.Module], offload: ActivationOffloading
 ) -> tuple[str, ...]:
-    """Offload the saved activations of the blocks ``offload`` chooses.
+    """Offload the saved activations of the blocks ``offload`` chooses, in place.
 
-    In place, with forward hooks that work around compiled blocks: the chosen blocks move
-    what they save to pinned host memory; the others say when their backward starts, so
-    that the offloaded block before them comes back in time. Parameter names do not change.
+    Forward hooks (around compiled blocks too) move what a chosen block saves to pinned
+    host memory; the other blocks' hooks say when to bring it back. Names do not change.
 
     Args:
         blocks: The blocks by qualified name, in the order their forwards run.

@@ -36,13 +36,11 @@ RECOMPILE_LIMIT = 64
 
 
 def resolve_compile_options(compile: bool | Mapping[str, Any]) -> dict[str, Any] | None:
-    """The ``torch.compile`` arguments that ``prepare(..., compile=compile)`` compiles with.
+    """The ``block.compile`` arguments that ``prepare(..., compile=compile)`` compiles with.
 
-    ``fullgraph=True, dynamic=False``, the caller's mapping merged over them. Under Inductor,
-    ``options`` start from :data:`SAFE_INDUCTOR_OPTIONS` and a ``mode``'s options.
-
-    Returns:
-        The keyword arguments of ``block.compile``, or ``None`` for ``False``.
+    ``fullgraph=True, dynamic=False``, the caller's mapping merged over them (``None`` for
+    ``False``). Under Inductor, ``options`` start from :data:`SAFE_INDUCTOR_OPTIONS` and
+    a ``mode``'s options.
 
     Raises:
         TypeError: If ``compile`` is neither a bool nor a mapping.
@@ -81,10 +79,7 @@ def apply_compile(blocks: Iterable[nn.Module], options: Mapping[str, Any]) -> No
 
 
 def compile_counts() -> dict[str, int]:
-    """What dynamo compiled in this process so far: graphs and graph breaks.
-
-    Process-wide, as dynamo counts them: take the difference of two calls around the
-    code of interest.
+    """What dynamo compiled in this process so far (graphs, graph breaks): compare two calls.
 
     Examples:
         >>> before = compile_counts()

@@ -8,8 +8,8 @@ the fp32 probe and the cost: ``docs/concepts/prepare.md`` (Checking compiled gra
 from __future__ import annotations
 
 import contextlib
-import inspect
 import math
+import operator
 import time
 import weakref
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from fvstep.core import random as fsrandom
 from fvstep.core.errors import CompiledGradientError
-from fvstep.parallel.precision import map_tensors
+from fvstep.parallel.precision import map_tensors, positional_names
 from fvstep.parallel.ranks import max_over_ranks
 
 __all__ = [
@@ -38,10 +38,8 @@ __all__ = [
     "compile_check_reports",
     "compiled_gradient_error",
     "graph_key",
-    "input_names",
     "install_compile_check",
     "is_compiled_in_place",
-    "positional_names",
     "resolve_threshold",
 ]
 
@@ -55,8 +53,8 @@ DEFAULT_THRESHOLD = 20.0
 ROUNDING_FLOOR = 1e-5
 
 #: A parameter's gradient is measured against at least this fraction of the block's
-#: largest root-mean-square gradient (times the square root of its size), so that an
-#: exact-zero gradient (Wan's ``attn2.to_k.bias``) is not measured against its own noise.
+#: largest root-mean-square gradient (times the square root of its size): an exact-zero
+#: gradient is not measured against its own noise.
 GRADIENT_FLOOR = 0.1
 
 
@@ -64,19 +62,13 @@ GRADIENT_FLOOR = 0.1
 class GradientDifference:
     """How one tensor's compiled gradient differs from its eager one, against eager's noise.
 
-    The symbols (``g_c``, ``g_e``, ``g_r``, ``g_p``, ``s``) are those of
-    ``docs/concepts/prepare.md`` (How the verdict is formed).
+    The symbols are those of ``docs/concepts/prepare.md`` (How the verdict is formed).
 
     Attributes:
-        name: The parameter's name in the block (``"scale_shift_table"``), or
-            ``"input <name>"`` for an input of the block's forward.
-        relative_error: ``‖g_c − g_e‖ / s``; ``inf`` or ``nan`` when a gradient is not
-            finite.
+        name: The parameter's name in the block, or ``"input <name>"`` for an input.
+        relative_error: ``‖g_c − g_e‖ / s`` (``inf`` or ``nan`` when not finite).
         relative_noise: ``‖g_e − g_r‖ / s`` (0 in fp32, where eager is the reference).
-        fp32_relative_error: ``‖g_p − g_r‖ / s`` (the probe); ``None`` where no probe ran
-            (the block computes in fp32 or TF32).
-        eager_norm: ``‖g_e‖``.
-        compiled_norm: ``‖g_c‖``.
+        fp32_relative_error: ``‖g_p − g_r‖ / s``; ``None`` where no probe ran.
     """
 
     name: str
@@ -134,15 +126,12 @@ class CompiledGradientReport:
     """One block's compiled gradients against its eager ones, on one input (one graph).
 
     Attributes:
-        block: The block's qualified name (``"blocks.3"``).
         threshold: The largest ratio (:attr:`GradientDifference.ratio`) that passes.
-        precision: What the block computed in: ``"fp32"``, ``"tf32"``, ``"bf16"`` or
-            ``"fp16"`` (autocast's dtype, else the lowest floating dtype of its
-            parameters and inputs).
+        precision: ``"fp32"``, ``"tf32"``, ``"bf16"`` or ``"fp16"`` (autocast's dtype, else
+            the lowest floating dtype of the parameters and inputs).
         differences: One per parameter and input that requires grad, in module order.
-        seconds: Wall time of the comparison (every forward and backward of it).
-        reference_seconds: Wall time of the fp32 reference's forward and backward (0 in
-            fp32: none is run).
+        seconds: Wall time of the whole comparison.
+        reference_seconds: Wall time of the fp32 reference (0 in fp32: none is run).
     """
 
     block: str
@@ -156,7 +145,7 @@ class CompiledGradientReport:
     def failures(self) -> tuple[GradientDifference, ...]:
         """The differences above the threshold (a non-finite one is above it), worst first."""
         bad = [d for d in self.differences if not d.ratio <= self.threshold]
-        return tuple(sorted(bad, key=_ratio, reverse=True))
+        return tuple(sorted(bad, key=operator.attrgetter("ratio"), reverse=True))
 
     @property
     def passed(self) -> bool:
@@ -166,7 +155,7 @@ class CompiledGradientReport:
     @property
     def worst(self) -> GradientDifference | None:
         """The largest ratio (``None`` when nothing required grad)."""
-        return max(self.differences, key=_ratio, default=None)
+        return max(self.differences, key=operator.attrgetter("ratio"), default=None)
 
     @property
     def worst_ratio(self) -> float:
@@ -194,10 +183,6 @@ class CompiledGradientReport:
             "seconds": self.seconds,
             "reference_seconds": self.reference_seconds,
         }
-
-
-def _ratio(d: GradientDifference) -> float:
-    return d.ratio
 
 
 def compiled_gradient_error(report: CompiledGradientReport) -> CompiledGradientError:
@@ -263,20 +248,10 @@ def _leaf_paths(value: Any, path: str) -> list[tuple[str, torch.Tensor]]:
     return []
 
 
-def positional_names(forward: Callable[..., Any]) -> list[str]:
-    """The names of ``forward``'s positional parameters after ``self`` (``[]`` when it has no signature)."""
-    try:
-        parameters = list(inspect.signature(forward).parameters.values())[1:]  # self
-    except (TypeError, ValueError):
-        return []
-    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    return [p.name for p in parameters if p.kind in positional]
-
-
-def input_names(
+def _named_inputs(
     args: Sequence[Any], kwargs: Mapping[str, Any], arg_names: Sequence[str] | None
 ) -> list[tuple[str, torch.Tensor]]:
-    """The tensor leaves of a call's inputs, each with its name (from ``arg_names``, else ``args[i]``, and the keywords)."""
+    """The tensor leaves of a call's inputs, named by ``arg_names`` (else ``args[i]``) and keywords."""
     names = list(arg_names or ())
     found = []
     for i, a in enumerate(args):
@@ -322,40 +297,24 @@ def _precision(params: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -
     return "fp32"
 
 
-def _cuda_devices(tensors: Sequence[torch.Tensor]) -> list[int]:
-    return sorted(
-        {
-            t.device.index if t.device.index is not None else torch.cuda.current_device()
-            for t in tensors
-            if t.is_cuda
-        }
-    )
+class _CallerState:
+    """The global RNG state and a block's buffers: every run, and the real call, start from them."""
 
-
-class _BufferState:
-    """A block's buffers, put back after each run as the real call would find them."""
-
-    def __init__(self, buffers: Sequence[torch.Tensor]) -> None:
+    def __init__(self, buffers: Sequence[torch.Tensor], tensors: Sequence[torch.Tensor]) -> None:
         with torch.no_grad():
-            self.saved = [(b, b.detach().clone()) for b in buffers]
-
-    def restore(self) -> None:
-        with torch.no_grad():
-            for b, value in self.saved:
-                b.copy_(value)
-
-
-class _RngState:
-    """The global CPU and CUDA RNG state: the same draws for every run and the real call."""
-
-    def __init__(self, cuda_devices: Sequence[int]) -> None:
+            self.buffers = [(b, b.detach().clone()) for b in buffers]
         self.cpu = torch.random.get_rng_state()
-        self.cuda = {d: torch.cuda.get_rng_state(d) for d in cuda_devices}
+        devices = {t.device.index for t in tensors if t.is_cuda}
+        devices = {torch.cuda.current_device() if d is None else d for d in devices}
+        self.cuda = {d: torch.cuda.get_rng_state(d) for d in sorted(devices)}
 
     def restore(self) -> None:
         torch.random.set_rng_state(self.cpu)
         for d, s in self.cuda.items():
             torch.cuda.set_rng_state(s, d)
+        with torch.no_grad():
+            for b, value in self.buffers:
+                b.copy_(value)
 
 
 @contextlib.contextmanager
@@ -409,9 +368,11 @@ class Comparison:
 
     The order: ``__init__`` (eager, and below fp32 the fp32 reference), the compiled call,
     :meth:`take_compiled`, in bf16/fp16 :meth:`enter_probe`, the compiled call in fp32 and
-    :meth:`take_probe`, then :meth:`report` and :meth:`close`.
+    :meth:`take_probe`, then :meth:`report` and :meth:`close`. Inside a compiled block's
+    call dynamo compiles every frame the hook calls, so each step is disabled for it.
     """
 
+    @torch.compiler.disable
     def __init__(
         self,
         eager: Callable[..., Any],
@@ -426,21 +387,20 @@ class Comparison:
         more_state: Sequence[torch.Tensor] = (),
     ) -> None:
         self.block = block
-        self.buffers = _BufferState(buffers)
         self.start = time.perf_counter()
         self.params = [(n, p) for n, p in params.items() if p.requires_grad]
-        named_inputs = input_names(args, kwargs, arg_names)
+        named_inputs = _named_inputs(args, kwargs, arg_names)
         self.names = [n for n, _ in self.params]
         self.names += [f"input {n}" for n, t in named_inputs if t.requires_grad]
         tensors = [p for _, p in self.params] + [t for _, t in named_inputs]
-        self.precision = _precision([p for _, p in params.items()], [t for _, t in named_inputs])
+        self.precision = _precision(list(params.values()), [t for _, t in named_inputs])
         self.threshold = threshold
-        self.rng = _RngState(_cuda_devices(tensors))
+        self.saved = _CallerState(buffers, tensors)
         self.state = [*params.values(), *buffers, *more_state]  # what the fp32 runs cast
         self.device_types = sorted({"cpu", *(t.device.type for t in (*tensors, *self.state))})
         self.raw_args: Sequence[Any] | None = args
         self.raw_kwargs: Mapping[str, Any] | None = kwargs
-        self.fp32: contextlib.ExitStack | None = None
+        self.fp32 = contextlib.ExitStack()
         # Per tensor, on device: ‖c − e‖, ‖e‖, ‖c‖, ‖e − r‖, ‖p − r‖ (GradientDifference).
         self.norms: dict[str, list[torch.Tensor]] = {}
         self.reference_seconds = 0.0
@@ -461,33 +421,33 @@ class Comparison:
             targets = self._targets(eager_args, eager_kwargs)
             self.eager = _gradients(outputs, targets, self.cotangents)
             del outputs  # the eager graph goes before the next one is built
-            self.like = [_zeros_like(t) for t in targets]
-            self.norms["eager"] = [_norm(g, z) for g, z in zip(self.eager, self.like, strict=True)]
+            self.devices = [t.device for t in targets]
+            self.norms["eager"] = self._norms(self.eager)
             if self.precision != "fp32":
                 self.reference = self._reference(eager)
                 self.norms["noise"] = self._distances(self.eager, self.reference)
         finally:
-            self.rng.restore()
-            self.buffers.restore()
+            self.saved.restore()
         self.args, self.kwargs = _clone_inputs(args, kwargs)
         # A probe only where fp32 is another graph (not TF32: its flags are no guard).
         self.probe = self.precision in ("bf16", "fp16")
 
     def _run(self, forward: Callable[..., Any], args: Any, kwargs: Any) -> list[torch.Tensor]:
-        # Every run starts from the caller's RNG state and buffers (dropout, BatchNorm).
-        self.rng.restore()
-        self.buffers.restore()
+        self.saved.restore()  # every run starts as the real call does (dropout, BatchNorm)
         with torch.compiler.set_stance("force_eager"):  # also inside a compiled caller
             return _grad_outputs(forward(*args, **kwargs))
+
+    def _fp32_inputs(self) -> tuple[Any, Any]:
+        return _clone_inputs(self.raw_args or (), self.raw_kwargs or {}, float32=True)
 
     def _reference(self, eager: Callable[..., Any]) -> list[torch.Tensor | None]:
         """``g_r``: the gradients of an eager run in fp32."""
         start = time.perf_counter()
-        args, kwargs = _clone_inputs(self.raw_args or (), self.raw_kwargs or {}, float32=True)
+        args, kwargs = self._fp32_inputs()
         with _in_float32(self.state, self.device_types):
             outputs = self._run(eager, args, kwargs)
             reference = self._pull_back(outputs, args, kwargs, "fp32 reference")
-        for device in self.rng.cuda:  # the reference's own time, for the report
+        for device in self.saved.cuda:  # the reference's own time, for the report
             torch.cuda.synchronize(device)
         self.reference_seconds = time.perf_counter() - start
         return reference
@@ -505,32 +465,34 @@ class Comparison:
         return _gradients(outputs, self._targets(args, kwargs), self.cotangents)
 
     def _targets(self, args: Any, kwargs: Any) -> list[torch.Tensor]:
-        inputs = [t for _, t in input_names(args, kwargs, None) if t.requires_grad]
+        inputs = [t for _, t in _named_inputs(args, kwargs, None) if t.requires_grad]
         return [p for _, p in self.params] + inputs
+
+    def _norms(self, grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
+        return [_norm(g, d) for g, d in zip(grads, self.devices, strict=True)]
 
     def _distances(
         self, a: Sequence[torch.Tensor | None], b: Sequence[torch.Tensor | None]
     ) -> list[torch.Tensor]:
-        return [_distance(x, y, z) for x, y, z in zip(a, b, self.like, strict=True)]
+        return [_distance(x, y, d) for x, y, d in zip(a, b, self.devices, strict=True)]
 
+    @torch.compiler.disable
     def take_compiled(self, output: Any) -> None:
         """The real graph's gradients: their distances from eager's."""
         compiled = self._pull_back(_grad_outputs(output), self.args, self.kwargs, "compiled")
         del output
         self.norms["error"] = self._distances(compiled, self.eager)
-        self.norms["compiled"] = [_norm(g, z) for g, z in zip(compiled, self.like, strict=True)]
+        self.norms["compiled"] = self._norms(compiled)
 
+    @torch.compiler.disable
     def enter_probe(self) -> tuple[Any, Any]:
         """Into fp32 for the probe (until :meth:`take_probe` or :meth:`close`): its inputs."""
-        self.rng.restore()
-        self.buffers.restore()
-        self.fp32 = contextlib.ExitStack()
+        self.saved.restore()
         self.fp32.enter_context(_in_float32(self.state, self.device_types))
-        self.args, self.kwargs = _clone_inputs(
-            self.raw_args or (), self.raw_kwargs or {}, float32=True
-        )
+        self.args, self.kwargs = self._fp32_inputs()
         return self.args, self.kwargs
 
+    @torch.compiler.disable
     def take_probe(self, output: Any) -> None:
         """The fp32 graph's gradients: their distances from the fp32 reference's."""
         try:
@@ -539,13 +501,9 @@ class Comparison:
             assert self.reference is not None
             self.norms["probe"] = self._distances(probe, self.reference)
         finally:
-            self._leave_fp32()
-
-    def _leave_fp32(self) -> None:
-        if self.fp32 is not None:
             self.fp32.close()
-            self.fp32 = None
 
+    @torch.compiler.disable
     def report(self) -> CompiledGradientReport:
         differences: tuple[GradientDifference, ...] = ()
         if self.names:
@@ -589,41 +547,26 @@ class Comparison:
             out.append(GradientDifference(name, relative, noise / s, fp32, e_norm, c_norm))
         return tuple(out)
 
+    @torch.compiler.disable
     def close(self) -> None:
-        self._leave_fp32()
-        self.rng.restore()
-        self.buffers.restore()
+        self.fp32.close()
+        self.saved.restore()
         self.args = self.kwargs = self.raw_args = self.raw_kwargs = None
         self.eager, self.reference = [], None
 
 
-def _zeros_like(t: torch.Tensor) -> torch.Tensor:
-    return torch.zeros((), device=t.device).expand(t.shape)
+def _norm(g: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    return torch.zeros((), device=device) if g is None else g.float().norm()
 
 
-def _norm(g: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
-    return torch.zeros((), device=like.device) if g is None else g.float().norm()
-
-
-def _distance(a: torch.Tensor | None, b: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+def _distance(a: torch.Tensor | None, b: torch.Tensor | None, device: torch.device) -> torch.Tensor:
     """‖a − b‖ in fp32 (a missing gradient is zeros)."""
-    if a is None:
-        return _norm(b, like)
-    if b is None:
-        return _norm(a, like)
+    if a is None or b is None:
+        return _norm(b if a is None else a, device)
     return (a.float() - b.float()).norm()
 
 
-# Inside a compiled block's call dynamo compiles every frame the hook calls: only the
-# block's forward, between the comparison's steps, may be traced.
-_start = torch.compiler.disable(Comparison)
-_take_compiled = torch.compiler.disable(Comparison.take_compiled)
-_enter_probe = torch.compiler.disable(Comparison.enter_probe)
-_take_probe = torch.compiler.disable(Comparison.take_probe)
-_report = torch.compiler.disable(Comparison.report)
-_close = torch.compiler.disable(Comparison.close)
-
-
+@torch.compiler.disable(recursive=False)
 def _run_compiled(comparison: Comparison, compiled: Callable[..., Any]) -> CompiledGradientReport:
     """``compiled`` on the real inputs, in bf16/fp16 on their fp32 copies too, then the report.
 
@@ -631,16 +574,13 @@ def _run_compiled(comparison: Comparison, compiled: Callable[..., Any]) -> Compi
     from here is compiled, with the real call's guards.
     """
     try:
-        _take_compiled(comparison, compiled(*comparison.args, **comparison.kwargs))
+        comparison.take_compiled(compiled(*comparison.args, **comparison.kwargs))
         if comparison.probe:
-            args, kwargs = _enter_probe(comparison)
-            _take_probe(comparison, compiled(*args, **kwargs))
-        return _report(comparison)
+            args, kwargs = comparison.enter_probe()
+            comparison.take_probe(compiled(*args, **kwargs))
+        return comparison.report()
     finally:
-        _close(comparison)
-
-
-run_compiled = torch.compiler.disable(_run_compiled, recursive=False)
+        comparison.close()
 
 
 def compare_compiled_gradients(
@@ -657,17 +597,14 @@ def compare_compiled_gradients(
 ) -> CompiledGradientReport:
     """Compare a block's compiled gradients with its eager ones on one input.
 
-    Both forwards run on detached clones of the inputs from the same RNG state and are
-    pulled back with the same seeded cotangent; below fp32 an eager fp32 run measures
-    eager's rounding noise (``docs/concepts/prepare.md``). No ``.grad`` is left, and the RNG
-    state and an ``eager`` module's buffers are as they were.
+    What is compared, and how: ``docs/concepts/prepare.md``. No ``.grad`` is left, and the
+    RNG state and an ``eager`` module's buffers are as they were.
 
     Args:
         eager: The block's eager forward (run under ``set_stance("force_eager")``).
         compiled: Its compiled forward (e.g. ``torch.compile(block)``).
         params: The block's parameters by name (all it computes with: below fp32 the
             reference needs the low-precision ones in fp32).
-        threshold: The largest ratio of compiled error to eager rounding noise that passes.
         seed: The cotangent's seed.
         arg_names: Names of the positional inputs, for the report (default: those of
             ``eager``'s forward if it is a module, else ``args[i]``).
@@ -686,14 +623,14 @@ def compare_compiled_gradients(
         True
     """
     if arg_names is None and isinstance(eager, nn.Module):
-        arg_names = positional_names(type(eager).forward)
+        arg_names = positional_names(type(eager).forward)[1:]  # self
     buffers = list(eager.buffers()) if isinstance(eager, nn.Module) else []
     # the fp32 reference casts every parameter the module computes with, compared or not
     more = list(eager.parameters()) if isinstance(eager, nn.Module) else []
-    comparison = _start(
+    comparison = Comparison(
         eager, args, kwargs or {}, params, block, threshold, seed, arg_names, buffers, more
     )
-    return run_compiled(comparison, compiled)
+    return _run_compiled(comparison, compiled)
 
 
 def block_parameters(block: nn.Module) -> dict[str, torch.Tensor]:
@@ -761,11 +698,9 @@ class CompileCheck:
         self._mesh = mesh
         self._seed = seed
         self._checked: set[Hashable] = set()  # the graph keys that passed
-        self._arg_names = positional_names(type(block).forward)
+        self._arg_names = positional_names(type(block).forward)[1:]
         self._block = weakref.ref(block)
-        # Skipped by dynamo, not disabled: the block's forward it calls is compiled.
-        hook = torch.compiler.disable(self._pre_forward, recursive=False)
-        self._handle = block.register_forward_pre_hook(hook, with_kwargs=True)
+        self._handle = block.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
         block.__dict__.setdefault(_CHECKS_ATTR, []).append(self)  # on the block, not global
 
     def remove(self) -> None:
@@ -775,6 +710,7 @@ class CompileCheck:
         if block is not None and self in block.__dict__.get(_CHECKS_ATTR, []):
             block.__dict__[_CHECKS_ATTR].remove(self)
 
+    @torch.compiler.disable
     def _begin(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[Comparison, Hashable] | None:
@@ -782,7 +718,7 @@ class CompileCheck:
         key = graph_key(params, args, kwargs)
         if key in self._checked:
             return None
-        inputs = [t for _, t in input_names(args, kwargs, None)]
+        inputs = [t for _, t in _named_inputs(args, kwargs, None)]
         if not any(t.requires_grad for t in (*params.values(), *inputs)):
             return None
         comparison = Comparison(
@@ -798,6 +734,7 @@ class CompileCheck:
         )
         return comparison, key
 
+    @torch.compiler.disable
     def _conclude(self, report: CompiledGradientReport, key: Hashable) -> None:
         self.reports.append(report)
         worst = report.worst_ratio / report.threshold
@@ -817,17 +754,19 @@ class CompileCheck:
             f"{worst:.3g} x the threshold; here {mine}): its error names the parameter. See docs/concepts/prepare.md"
         )
 
+    # Skipped by dynamo, not disabled: the block's forward it calls is compiled.
+    @torch.compiler.disable(recursive=False)
     def _pre_forward(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> None:
         if not torch.is_grad_enabled():
             return None
         try:
-            started = _begin(self, module, args, kwargs)
+            started = self._begin(module, args, kwargs)
             if started is None:
                 return None
             comparison, key = started
-            report = run_compiled(comparison, module.forward)
+            report = _run_compiled(comparison, module.forward)
         except CompiledGradientError:
             raise
         except Exception as error:  # say where it broke: inside the check, not training
@@ -835,12 +774,9 @@ class CompileCheck:
                 f"fvstep's compile check of {self.name} failed inside the check ({type(error).__name__}: "
                 f"{error}; torch {torch.__version__}): try without verify_compile; see docs/concepts/prepare.md"
             ) from error
-        _conclude(self, report, key)
+        self._conclude(report, key)
         return None
 
-
-_begin = torch.compiler.disable(CompileCheck._begin)
-_conclude = torch.compiler.disable(CompileCheck._conclude)
 
 _CHECKS_ATTR = "_fvstep_compile_checks"  # in the block's __dict__: no registry outside it
 

@@ -8,6 +8,7 @@ FSDP2 made to sum the group's partial gradients. ``docs/concepts/context-paralle
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
@@ -83,8 +84,10 @@ def _output_hook(specs: Mapping[int, Any], fn: Callable[[Any, Any], Any]) -> Cal
     return hook
 
 
-def _install_plan(module: nn.Module, plan: dict[str, Any], mesh: DeviceMesh) -> None:
-    """diffusers' context-parallel plan as ``nn.Module`` hooks.
+def _install_plan(
+    module: nn.Module, plan: dict[str, Any], splits: dict[str, Any], mesh: DeviceMesh
+) -> None:
+    """diffusers' context-parallel plan (and its :func:`_split_plan`) as ``nn.Module`` hooks.
 
     diffusers replaces each planned submodule's ``forward``, which activation
     checkpointing's re-bound ``forward`` would silently drop; hooks run in ``__call__``
@@ -103,8 +106,7 @@ def _install_plan(module: nn.Module, plan: dict[str, Any], mesh: DeviceMesh) -> 
     for name, entry in plan.items():
         sub = module.get_submodule(name) if name else module
         if isinstance(entry, dict):
-            params = _forward_params(sub)
-            inputs, outputs = _split_specs(entry)
+            params, inputs, outputs = splits[name]
 
             def split_inputs(
                 m: nn.Module,
@@ -197,10 +199,7 @@ def _num_tokens(module: nn.Module, hidden_states: torch.Tensor) -> int | None:
     patch = tuple(getattr(getattr(module, "config", None), "patch_size", None) or ())
     if not patch or hidden_states.dim() != 2 + len(patch):
         return None
-    tokens = 1
-    for size, p in zip(hidden_states.shape[2:], patch):
-        tokens *= size // p
-    return tokens
+    return math.prod(size // p for size, p in zip(hidden_states.shape[2:], patch))
 
 
 def _pre_forward(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -255,38 +254,36 @@ def _check_backends(module: nn.Module, mode: str) -> None:
         )
 
 
-def _forward_params(sub: nn.Module) -> list[str]:
-    """The parameter names of ``sub``'s class ``forward``, ``self`` left out."""
-    return list(inspect.signature(type(sub).forward).parameters)[1:]
+def _split_plan(
+    module: nn.Module, plan: dict[str, Any]
+) -> dict[str, tuple[list[str], dict[Any, Any], dict[Any, Any]]]:
+    """Per planned submodule with specs by argument: ``(forward's parameters, inputs, outputs)``.
 
-
-def _split_specs(entry: dict[Any, Any]) -> tuple[dict[Any, Any], dict[Any, Any]]:
-    """A planned submodule's specs that split its inputs, and those that split its outputs."""
+    Refuses a submodule that no longer takes by name an input the plan splits (a wrapper
+    module such as torch's ``checkpoint_wrapper``, or ``torch.compile(module)``).
+    """
     with needs_extra("models", "context parallelism"):
         from diffusers.models._modeling_parallel import ContextParallelInput
 
-    inputs = {
-        k: v
-        for k, v in entry.items()
-        if not (isinstance(v, ContextParallelInput) and v.split_output)
-    }
-    return inputs, {k: v for k, v in entry.items() if k not in inputs}
-
-
-def _check_plan_signatures(module: nn.Module, plan: dict[str, Any]) -> None:
-    """Refuse a module whose planned submodules no longer take their inputs by name (a
-    wrapper module such as torch's ``checkpoint_wrapper``, or ``torch.compile(module)``)."""
+    splits = {}
     for name, entry in plan.items():
         if not isinstance(entry, dict):
             continue
         sub = module.get_submodule(name) if name else module
-        params = _forward_params(sub)
-        for key in _split_specs(entry)[0]:
+        params = list(inspect.signature(type(sub).forward).parameters)[1:]  # self
+        inputs = {
+            k: v
+            for k, v in entry.items()
+            if not (isinstance(v, ContextParallelInput) and v.split_output)
+        }
+        for key in inputs:
             if isinstance(key, str) and key not in params:
                 raise ValueError(
                     f"submodule {name or '<root>'!r} ({type(sub).__name__}) takes no argument {key!r} that the plan "
                     "splits: apply context parallel before wrapping blocks in modules (docs/concepts/context-parallel.md)"
                 )
+        splits[name] = (params, inputs, {k: v for k, v in entry.items() if k not in inputs})
+    return splits
 
 
 def apply_context_parallel(
@@ -305,19 +302,17 @@ def apply_context_parallel(
     ``parallelism=fvstep.parallel.Layout(mesh)`` (``docs/concepts/context-parallel.md``).
 
     Args:
-        module: The role's model (``diffusers.ModelMixin`` with ``_cp_plan``).
+        module: A ``diffusers.ModelMixin`` with a ``_cp_plan``.
         mesh: A mesh with a context axis (:func:`make_context_mesh`), on every rank.
-        mode: ``"ulysses"`` (all-to-all; the heads must divide by the degree) or
-            ``"ring"`` (a backend that returns the log-sum-exp: CUDA only).
+        mode: ``"ulysses"`` (the heads must divide by the degree) or ``"ring"`` (CUDA only).
         check_inputs: At each forward, check that the ranks of the group were given the
             same inputs (one small all-gather and a host sync).
 
     Raises:
-        ValueError: If the module has no plan, is already parallel, or is wrapped; if the
-            mesh has no ``axis`` or it has fewer than 2 ranks; if ``mode`` is unknown; for
-            Ulysses, if the heads do not divide by the degree; for ring, with a backend that
-            cannot; at a forward, if the token count does not divide by the degree, or the
-            ranks of a group were given different inputs.
+        ValueError: If the module has no plan, is parallel already or wrapped; if the mesh
+            has no ``axis`` of 2 ranks or more; if ``mode`` is unknown, or the heads (Ulysses)
+            or the attention backend do not allow it; at a forward, if the tokens do not
+            divide by the degree or the ranks of a group were given different inputs.
     """
     with needs_extra("models", "context parallelism"):
         from diffusers.models._modeling_parallel import ContextParallelConfig, ParallelConfig
@@ -343,7 +338,7 @@ def apply_context_parallel(
             f"the heads must divide by the degree; use a degree dividing {heads}, or mode='ring'"
         )
     _check_backends(module, mode)
-    _check_plan_signatures(module, plan)
+    splits = _split_plan(module, plan)
 
     if mode == "ring":
         cp_config = ContextParallelConfig(ring_degree=degree)
@@ -361,7 +356,7 @@ def apply_context_parallel(
     setattr(module, "_parallel_config", config)  # noqa: B010 (what enable_parallelism sets)
     for processor in _processors(module):
         processor._parallel_config = config
-    _install_plan(module, plan, mesh[axis])
+    _install_plan(module, plan, splits, mesh[axis])
 
     group_ranks = tuple(dist.get_process_group_ranks(mesh[axis].get_group()))
     applied = _Applied(mesh, axis, mode, degree, group_ranks, check_inputs)
@@ -371,7 +366,6 @@ def apply_context_parallel(
 
 
 def applied_context_group(module: nn.Module) -> tuple[int, ...] | None:
-    """The global ranks of the context group ``module`` was prepared for by
-    :func:`apply_context_parallel`, or ``None`` for a module that was not."""
+    """The global ranks of ``module``'s context group (:func:`apply_context_parallel`), or ``None``."""
     applied = getattr(module, _APPLIED, None)
     return applied.group_ranks if isinstance(applied, _Applied) else None

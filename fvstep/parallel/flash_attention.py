@@ -35,9 +35,8 @@ def _interface() -> ModuleType:
 def _unbroadcast(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` with every size-1 dimension's stride 0 replaced: the same memory, a view.
 
-    A size-1 dimension's stride addresses nothing, and Inductor's outputs sometimes give it
-    0. PyTorch's glue allocates FA4's output like the query, and FA4 asserts that the
-    output has no zero stride ("out must not have broadcast dimensions").
+    Inductor sometimes gives a size-1 dimension stride 0, which FA4 refuses ("out must not
+    have broadcast dimensions"); PyTorch's glue allocates FA4's output like the query.
     """
     strides = list(tensor.stride())
     for i in reversed(range(tensor.dim())):  # the next dimension's stride is real by then

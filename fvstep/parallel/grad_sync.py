@@ -16,12 +16,9 @@ from fvstep.core._compat import fsdp_lazy_init, is_fsdp_root
 from fvstep.core.accumulation import Accumulation
 from fvstep.core.state import RoleState, TrainState
 from fvstep.parallel.mesh import is_sharded
-from fvstep.parallel.ranks import rank_and_world
 
 __all__ = [
     "FSDPGradSync",
-    "check_roles_are_data_parallel",
-    "grad_sync_for",
     "release_modules",
     "unrested_modules",
 ]
@@ -107,9 +104,8 @@ def release_modules(state: TrainState, *, after_error: bool = False) -> None:
     fvstep calls this before and after every unit; :func:`unrested_modules` checks it.
 
     Args:
-        after_error: A forward or backward raised midway: wait for and discard in-flight
-            collectives and partial reductions too (FSDP2's ``reset_iter_state`` where the
-            installed torch has it).
+        after_error: A forward or backward raised midway: discard in-flight collectives and
+            partial reductions too (FSDP2's ``reset_iter_state`` where torch has it).
     """
     for rs in state.roles.values():
         modules = [m for m in rs.role.module.modules() if isinstance(m, FSDPModule)]
@@ -150,33 +146,3 @@ def unrested_modules(state: TrainState) -> list[str]:
             if tensor.grad is not None:
                 problems.append(f"{name}.{pname}: has a .grad")
     return problems
-
-
-def check_roles_are_data_parallel(state: TrainState) -> None:
-    """Refuse, on several ranks, a trained role whose module is not sharded or replicated.
-
-    Without FSDP2 every rank would train its own copy of such a role (no gradient is
-    reduced) and the copies would silently diverge.
-
-    Raises:
-        ValueError: Naming the role and how to shard or replicate it.
-    """
-    _, world = rank_and_world()
-    if world == 1:
-        return
-    for name, rs in state.roles.items():
-        if rs.role.trainable and not is_sharded(rs.role.module):
-            raise ValueError(
-                f"role {name!r} is trained on {world} ranks but its module is not sharded (the copies would "
-                "diverge): fvstep.parallel.shard_module(module, mesh=make_mesh()) before TrainState.create"
-            )
-
-
-def grad_sync_for(state: TrainState, accumulation: Accumulation) -> FSDPGradSync | None:
-    """The gradient-sync controller for ``state``'s roles, or ``None`` if none is sharded.
-
-    It checks nothing: :meth:`fvstep.parallel.Layout.check` did, once per call.
-    """
-    if not any(is_sharded(rs.role.module) for rs in state.roles.values()):
-        return None
-    return FSDPGradSync(accumulation)

@@ -47,8 +47,8 @@ def _launched(entry: tuple[str, str], args: tuple[Any, ...]) -> Any:
 def launch(fn: Callable[..., Any], *args: Any, nproc: int = 2) -> list[Any]:
     """Run ``fn(*args)`` on ``nproc`` local ranks with torch.distributed's elastic launcher.
 
-    Each rank runs ``fn`` inside a default process group (NCCL with GPUs, else gloo).
-    ``fn`` must be a module-level function; its results must be picklable.
+    Each rank runs ``fn`` (a module-level function) inside a default process group (NCCL
+    with GPUs, else gloo) and returns a picklable result.
 
     Returns:
         The results, by rank.
@@ -95,7 +95,7 @@ def init_from_env(*, backend: str | None = None, timeout_s: float | None = None)
     """Initialise the default process group from torchrun's environment, if not yet done.
 
     Args:
-        backend: ``"nccl"`` or ``"gloo"``; default NCCL when CUDA is available.
+        backend: Default NCCL when CUDA is available, else gloo.
         timeout_s: The collectives' timeout (default: torch's).
 
     Returns:

@@ -22,8 +22,8 @@ from fvstep.core.state import TrainState
 from fvstep.core.tree import any_dtensor, is_dtensor
 from fvstep.parallel.collectives import CollectiveCounter
 from fvstep.parallel.context import applied_context_group
-from fvstep.parallel.grad_sync import check_roles_are_data_parallel, grad_sync_for
-from fvstep.parallel.mesh import data_parallel_rank_and_size
+from fvstep.parallel.grad_sync import FSDPGradSync
+from fvstep.parallel.mesh import data_parallel_rank_and_size, is_sharded
 from fvstep.parallel.ranks import rank_and_world
 
 __all__ = ["Layout", "default_layout"]
@@ -58,9 +58,20 @@ class Layout:
             data_parallel_rank_and_size(self.mesh, axis=self.context_axis)  # checks the axis
 
     def check(self, state: TrainState) -> None:
-        """Refuse, on several ranks, a trained role that is neither sharded nor replicated,
-        and a context-parallel role prepared for other groups than this mesh's (``ValueError``)."""
-        check_roles_are_data_parallel(state)
+        """Refuse a role this layout cannot train correctly.
+
+        Raises:
+            ValueError: On several ranks, if a trained role is neither sharded nor replicated
+                (its copies would diverge); if a context-parallel role was prepared for
+                other groups than this mesh's.
+        """
+        _, world = rank_and_world()
+        for name, rs in state.roles.items():
+            if world > 1 and rs.role.trainable and not is_sharded(rs.role.module):
+                raise ValueError(
+                    f"role {name!r} is trained on {world} ranks but its module is not sharded (the copies would "
+                    "diverge): fvstep.parallel.shard_module(module, mesh=make_mesh()) before TrainState.create"
+                )
         mine = None
         if self.mesh is not None:
             mine = tuple(dist.get_process_group_ranks(self.mesh[self.context_axis].get_group()))
@@ -75,7 +86,9 @@ class Layout:
 
     def grad_sync(self, state: TrainState, accumulation: Accumulation) -> GradSync | None:
         """The FSDP2 gradient-sync controller of one unit (``None`` without FSDP2)."""
-        return grad_sync_for(state, accumulation)
+        if not any(is_sharded(rs.role.module) for rs in state.roles.values()):
+            return None
+        return FSDPGradSync(accumulation)
 
     def data_parallel_rank_and_size(self) -> tuple[int, int]:
         """This rank's replica and the number of replicas (``(rank, world)`` without a mesh)."""

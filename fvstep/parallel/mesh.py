@@ -54,7 +54,7 @@ def make_mesh(
     Args:
         replicate: The number of replicas (HSDP when > 1).
         shard: Ranks per shard group; default ``world_size // replicate``.
-        device_type: ``"cuda"`` or ``"cpu"``; default ``"cuda"`` if available.
+        device_type: Default ``"cuda"`` if available, else ``"cpu"``.
 
     Raises:
         RuntimeError: If no process group is initialised.
@@ -77,21 +77,15 @@ def make_mesh(
 
 
 def is_block(name: str, module: nn.Module, parent: nn.Module | None) -> bool:
-    """The default :data:`BlockFilter`: the blocks of the root's ``nn.ModuleList`` attributes.
+    """The default :data:`BlockFilter`: the items of the root's ``nn.ModuleList`` attributes.
 
-    ``blocks.0``, ``blocks.1``, ... of a Wan transformer; lists nested inside blocks (an
-    attention's ``to_out``) are not.
+    ``blocks.0``, ``blocks.1``, ... of a Wan transformer; not lists nested inside blocks.
     """
     return isinstance(parent, nn.ModuleList) and name.count(".") == 1
 
 
 def block_names(module: nn.Module, blocks: BlockFilter = is_block) -> list[str]:
-    """The qualified names of the blocks ``blocks`` picks, in module order.
-
-    Examples:
-        >>> block_names(tiny_wan(num_layers=2))
-        ['blocks.0', 'blocks.1']
-    """
+    """The qualified names of the blocks ``blocks`` picks, in module order (``['blocks.0', ...]``)."""
     parents = {id(child): parent for parent in module.modules() for child in parent.children()}
     return [n for n, m in module.named_modules() if n and blocks(n, m, parents.get(id(m)))]
 
@@ -107,23 +101,21 @@ def shard_module(
 ) -> nn.Module:
     """Shard ``module`` with FSDP2: ``fully_shard`` each block ``blocks`` picks, then the root.
 
+    The FSDP2 options (``mp_policy``, ``reshard_after_forward``, ``offload_policy``) apply
+    to every group; by default no mixed precision and no CPU offload.
+
     Args:
         module: The role's module (parameters on the mesh's device type).
         mesh: From :func:`make_mesh`; a 2-D mesh gives HSDP.
-        blocks: Which submodules become their own FSDP2 groups.
-        mp_policy: FSDP2's mixed precision, for every group.
-        reshard_after_forward: FSDP2's option, for every group.
-        offload_policy: FSDP2's CPU offload, for every group (none by default).
 
     Raises:
         ValueError: If the module is already sharded.
     """
     if is_sharded(module):
         raise ValueError("the module is already sharded (fully_shard was applied)")
-    mp_policy = mp_policy or MixedPrecisionPolicy()
     options: dict[str, Any] = {
         "mesh": mesh,
-        "mp_policy": mp_policy,
+        "mp_policy": mp_policy or MixedPrecisionPolicy(),
         "reshard_after_forward": reshard_after_forward,
         "offload_policy": offload_policy or OffloadPolicy(),
     }
@@ -140,7 +132,7 @@ def make_context_mesh(*, context: int, device_type: str | None = None) -> Device
     data-parallel replica. Shard the roles with FSDP2 over every rank (:func:`make_mesh`).
 
     Args:
-        context: Ranks per context group (the sequence is split ``context`` ways), ``>= 2``.
+        context: Ranks per context group (the sequence is split ``context`` ways).
 
     Raises:
         RuntimeError: If no process group is initialised.
@@ -175,10 +167,10 @@ def data_parallel_rank_and_size(mesh: DeviceMesh, *, axis: str = "context") -> t
     """This rank's data-parallel index on ``mesh``, and the number of replicas.
 
     The index is this rank's coordinate on every axis but ``axis``, flattened in row-major
-    order; the ranks of one context group share it. Use it for keys and data.
+    order: the ranks of one context group share it.
 
     Returns:
-        ``(index, size)``: ``0 <= index < size``, ``size = mesh.size() // mesh[axis].size()``.
+        ``(index, size)`` with ``size = mesh.size() // mesh[axis].size()``.
 
     Raises:
         ValueError: If ``mesh`` has no axis ``axis`` or this rank is not on it.

@@ -34,8 +34,7 @@ near 1000 in bf16. Pass ``prepare(..., full_precision_inputs=...)`` to extend it
 def map_tensors(fn: Callable[[torch.Tensor], Any], value: Any) -> Any:
     """``value`` with ``fn`` applied to each tensor in its tuples, lists and dicts.
 
-    Containers keep their types: a namedtuple stays one, and a dict subclass (a diffusers
-    ``ModelOutput``) is copied, not turned into a plain dict.
+    Containers keep their types (a namedtuple, a dict subclass such as ``ModelOutput``).
     """
     if isinstance(value, torch.Tensor):
         return fn(value)
@@ -61,21 +60,16 @@ def _cast_tree(value: Any, dtype: torch.dtype, *, min_ndim: int = 0) -> Any:
     return map_tensors(cast, value)
 
 
-def _positional_names(module: nn.Module) -> tuple[str, ...]:
-    """``module.forward``'s positional parameter names (``()`` if unknown).
-
-    A module whose ``forward(*args, **kwargs)`` delegates (:class:`fvstep.methods.lora.LoRAModule`)
-    names them by its ``forward_signature`` attribute, an ``inspect.Signature``.
-    """
-    signature = getattr(module, "forward_signature", None)
+def positional_names(forward: Callable[..., Any] | inspect.Signature) -> tuple[str, ...]:
+    """The names of a callable's (or a signature's) positional parameters; ``()`` if unknown."""
     try:
-        if not isinstance(signature, inspect.Signature):
-            signature = inspect.signature(module.forward)
-        parameters = signature.parameters.values()
-    except (TypeError, ValueError):  # a builtin or an odd callable: fall back on ranks
+        signature = (
+            forward if isinstance(forward, inspect.Signature) else inspect.signature(forward)
+        )
+    except (TypeError, ValueError):  # a builtin or an odd callable
         return ()
     kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    return tuple(p.name for p in parameters if p.kind in kinds)
+    return tuple(p.name for p in signature.parameters.values() if p.kind in kinds)
 
 
 def resolve_full_precision_inputs(names: Collection[str]) -> frozenset[str]:
@@ -100,14 +94,13 @@ def cast_at_boundary(
 ) -> None:
     """Cast ``module``'s floating activations to ``dtype`` on the way in, back on the way out.
 
-    A prepended forward pre-hook casts floating inputs of 2-D and more to ``dtype``; an
-    ``always_call`` forward hook casts floating outputs back to the dtype of the caller's
-    first such input. Unlike FSDP2's ``cast_forward_inputs``, timesteps are left alone.
+    Floating inputs of 2-D and more are cast to ``dtype``; floating outputs go back to the
+    dtype of the caller's first such input. Unlike FSDP2's ``cast_forward_inputs``,
+    timesteps are left alone.
 
     Args:
         full_precision_inputs: Names of ``module.forward``'s arguments never cast, whatever
-            their shape (positional ones named by the signature or ``forward_signature``);
-            an argument with no known name is kept when 0-D or 1-D.
+            their shape (positional ones named by the signature or ``forward_signature``).
 
     Raises:
         TypeError: If ``full_precision_inputs`` is a string, not a collection of names.
@@ -118,24 +111,21 @@ def cast_at_boundary(
         torch.float32
     """
     keep = resolve_full_precision_inputs(full_precision_inputs)
-    positional = _positional_names(module)
+    # A delegating ``forward(*args, **kwargs)`` (LoRAModule) names its inputs by ``forward_signature``.
+    signature = getattr(module, "forward_signature", None)
+    positional = positional_names(
+        signature if isinstance(signature, inspect.Signature) else module.forward
+    )
     callers: list[torch.dtype | None] = []
 
     def cast(name: str | None, value: Any) -> Any:
-        if name is not None and name in keep:
-            return value
-        return _cast_tree(value, dtype, min_ndim=2)
-
-    def caller_dtype(named: list[tuple[str | None, Any]]) -> torch.dtype | None:
-        for name, v in named:
-            kept = name is not None and name in keep
-            if isinstance(v, torch.Tensor) and v.is_floating_point() and v.ndim >= 2 and not kept:
-                return v.dtype
-        return None
+        return value if name in keep else _cast_tree(value, dtype, min_ndim=2)
 
     def cast_in(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         names = [positional[i] if i < len(positional) else None for i in range(len(args))]
-        callers.append(caller_dtype([*zip(names, args), *kwargs.items()]))
+        cast_ones = [v for n, v in [*zip(names, args), *kwargs.items()] if n not in keep]
+        floating = [v for v in cast_ones if isinstance(v, torch.Tensor) and v.is_floating_point()]
+        callers.append(next((v.dtype for v in floating if v.ndim >= 2), None))
         return (
             tuple(cast(n, v) for n, v in zip(names, args)),
             {k: cast(k, v) for k, v in kwargs.items()},
@@ -152,8 +142,8 @@ def cast_at_boundary(
 def autocast_forward(module: nn.Module, dtype: torch.dtype) -> None:
     """Run ``module``'s forward under ``torch.autocast(dtype)`` on its parameters' device.
 
-    Mixed precision on one process, a property of the role that training, validation and
-    sampling all see: the parameters stay as stored.
+    Mixed precision on one process that training, validation and sampling all see; the
+    parameters stay as stored.
 
     Raises:
         ValueError: If ``dtype`` is not a 16-bit floating dtype.
@@ -181,7 +171,7 @@ def autocast_forward(module: nn.Module, dtype: torch.dtype) -> None:
 
 
 def _kept_in_fp32(module: nn.Module) -> set[str]:
-    """The qualified names of the tensors diffusers keeps in fp32, in every model inside ``module``."""
+    """The qualified names of the tensors diffusers keeps in fp32 in ``module``."""
     kept: set[str] = set()
     for prefix, sub in module.named_modules():
         keep = tuple(getattr(sub, "_keep_in_fp32_modules", None) or ())
@@ -194,11 +184,10 @@ def _kept_in_fp32(module: nn.Module) -> set[str]:
 
 
 def store_in_dtype(module: nn.Module, dtype: torch.dtype) -> None:
-    """Store ``module``'s floating parameters and buffers in ``dtype``, in place.
+    """Store ``module``'s floating parameters and buffers in ``dtype``, in place (``.data``).
 
-    The tensors that diffusers keeps in fp32 (``_keep_in_fp32_modules`` of any model
-    inside ``module``) stay as they are, as ``from_pretrained(torch_dtype=...)`` keeps
-    them. Tensors keep their identity (their ``.data`` is replaced).
+    The tensors diffusers keeps in fp32 (``_keep_in_fp32_modules`` of any model inside
+    ``module``) stay as they are, as ``from_pretrained(torch_dtype=...)`` keeps them.
 
     Examples:
         >>> store_in_dtype(teacher, torch.bfloat16)

@@ -49,16 +49,12 @@ class Preparation:
     """What :func:`prepare` did to a module (kept on it; :func:`describe` prints it).
 
     Attributes:
-        offloaded_blocks: Qualified names of the blocks whose saved activations wait in
-            host memory (``offload_activations``).
-        sharded: Whether ``fully_shard`` was applied (per block and at the root).
         mesh_shape: The mesh's dim names and sizes, or ``None``.
-        param_dtype: Compute dtype over the stored parameters: FSDP2's with a mesh,
-            autocast's on one process (``None``: as stored).
-        reduce_dtype: Gradient reduction dtype (``None``: the parameter dtype).
-        storage_dtype: The dtype most parameter elements are stored in (a frozen role's
-            ``_keep_in_fp32_modules`` stay fp32 beside it).
-        offload: Whether parameters are offloaded to the CPU between uses.
+        param_dtype: The compute dtype: FSDP2's with a mesh, autocast's on one process
+            (``None``: as stored).
+        reduce_dtype: FSDP2's gradient reduction dtype (``None``: the parameter dtype).
+        storage_dtype: The dtype most parameter elements are stored in.
+        offload: Whether FSDP2 offloads the parameters to the CPU between uses.
     """
 
     trainable: bool
@@ -124,30 +120,23 @@ def prepare(
 ) -> nn.Module:
     """Prepare a role's module: checkpointing, then compile, then FSDP2 (torchtitan's order).
 
-    The module is changed in place and returned. What each option does, and what it
-    costs: ``docs/concepts/prepare.md``.
+    The module is changed in place and returned. The options (a table), what each does
+    and what it costs: ``docs/concepts/prepare.md``.
 
     Args:
         module: The role's module, its parameters on the device they will run on.
         mesh: Shard with FSDP2 over this mesh (:func:`fvstep.parallel.make_mesh`; 2-D: HSDP).
-        trainable: ``False`` for a frozen role: stored in ``frozen_dtype``, no
-            ``requires_grad``, activations cast at its boundary.
         checkpointing: A :data:`~fvstep.parallel.activation_checkpoint.CheckpointName` or an
             :class:`ActivationCheckpointing`.
-        offload_activations: ``True`` (every block) or an :class:`ActivationOffloading` (CUDA only).
         compile: ``True`` for ``block.compile(fullgraph=True, dynamic=False)`` per block, or
             ``torch.compile`` arguments merged over those.
-        verify_compile: ``True`` or a threshold: check each compiled graph's gradients
-            against eager ones once (:mod:`fvstep.parallel.compile_check`).
+        verify_compile: ``True`` or a threshold (:mod:`fvstep.parallel.compile_check`).
         param_dtype: The compute dtype: FSDP2's ``param_dtype`` with ``mesh``, else
             ``torch.autocast(param_dtype)``.
-        offload: FSDP2's ``CPUOffloadPolicy``. Needs ``mesh``.
-        frozen_dtype: The dtype a frozen role is stored in (``None`` keeps it).
-        attention_backend: A diffusers attention backend name, set on this module only.
         checkpoint_context: ``context_fn -> context_fn`` around every checkpointed block's
             recomputation; ``None`` takes the one the module carries (:func:`fvstep.methods.lora.add_adapters`).
         context_mesh: Shard each sample's tokens over this mesh's ``"context"`` axis first
-            (:func:`fvstep.parallel.apply_context_parallel`). Not with ``compile``.
+            (:func:`fvstep.parallel.apply_context_parallel`).
         full_precision_inputs: Names of ``module.forward``'s arguments a boundary cast never
             touches (default :data:`FULL_PRECISION_INPUTS`, the timesteps).
 
@@ -155,10 +144,10 @@ def prepare(
         The same module; :func:`preparation` tells what was done.
 
     Raises:
-        ValueError: If the module was prepared or sharded already, if FSDP2 options are
-            given without a mesh, if it has no blocks to checkpoint, offload or compile,
-            if ``verify_compile`` is asked without ``compile`` or ``compile`` with
-            ``context_mesh``, or if it cannot take an ``attention_backend``.
+        ValueError: If the module was prepared or sharded already; if ``offload`` is given
+            without a mesh; if no block is picked for checkpointing, offloading or compile;
+            if ``verify_compile`` is asked without ``compile``, or ``compile`` with
+            ``context_mesh``; if the module cannot take an ``attention_backend``.
         TypeError: On a bad ``checkpointing``, ``offload_activations``, ``compile``,
             ``verify_compile`` or ``full_precision_inputs`` value.
 

@@ -49,10 +49,9 @@ def gather_objects(obj: Any, *, group: Any = None) -> list[Any]:
 
 
 def broadcast_object(obj: Any, *, src: int = 0, group: Any = None) -> Any:
-    """Rank ``src``'s ``obj`` (picklable) on every rank; ``obj`` itself on one process.
+    """Rank ``src``'s (a global rank) ``obj`` on every rank; ``obj`` itself on one process.
 
-    ``src`` is a global rank, as in ``torch.distributed.broadcast_object_list``. The
-    other ranks' ``obj`` is ignored (pass ``None``).
+    The other ranks' ``obj`` is ignored (pass ``None``).
 
     Examples:
         >>> listing = broadcast_object(list_dirs(root) if rank == 0 else None)
@@ -90,11 +89,9 @@ def max_over_ranks(
 ) -> list[Any]:
     """Element-wise maximum of ``values`` over the ranks of ``group``; ``values`` on one process.
 
-    Integers (and bools) are reduced exactly (int64) and come back as ``int``; other
-    numbers as ``float`` (float64). Every rank must pass as many values.
-
-    Args:
-        device: Where the reduction runs; default :func:`collective_device`.
+    Integers (and bools) are reduced exactly and come back as ``int``; other numbers as
+    ``float`` (float64). Every rank must pass as many values. ``device``: where the
+    reduction runs (default :func:`collective_device`).
 
     Examples:
         >>> slowest = max_over_ranks([seconds])[0]
@@ -112,12 +109,9 @@ def min_over_ranks(
 
 @contextlib.contextmanager
 def host_group() -> Iterator[Any]:
-    """A gloo group over every rank, for control messages that must not wait for the GPU.
+    """A gloo group over every rank (``None`` on one process), destroyed on exit.
 
-    Collective: every rank enters and leaves it together.
-
-    Yields:
-        ``None`` on one process; else the gloo group, destroyed on exit.
+    For control messages that must not wait for the GPU; every rank enters and leaves it.
 
     Examples:
         >>> with host_group() as group:
