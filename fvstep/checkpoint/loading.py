@@ -228,13 +228,9 @@ def load(
             f"could not read checkpoint {str(path)!r} (a shard missing or damaged?): {detail}"
         ) from None
     checksums, per_rank = fingerprint(paths, fresh, group=group)
-    bad = len(paths)
-    for i, p in enumerate(paths):
-        expected = manifest.per_rank[p][rank] if p in manifest.per_rank else manifest.checksums[p]
-        got = per_rank[p][rank] if p in per_rank else checksums.get(p)
-        if got != expected:
-            bad = i
-            break
+    mine = {**checksums, **{p: sums[rank] for p, sums in per_rank.items()}}
+    saved = {**manifest.checksums, **{p: sums[rank] for p, sums in manifest.per_rank.items()}}
+    bad = next((i for i, p in enumerate(paths) if mine.get(p) != saved[p]), len(paths))
     # A per-rank value may be damaged on one rank only: all ranks must refuse it together.
     bad = min_over_ranks([bad], group=group)[0]
     if bad < len(paths):

@@ -264,16 +264,7 @@ def _check_body(path: Path, body: dict[str, Any]) -> None:
 
 
 def read_manifest(directory: str | os.PathLike[str]) -> Manifest:
-    """Read and validate the manifest of the checkpoint in ``directory``.
-
-    Every field is checked (type and consistency), so a malformed manifest is refused here,
-    naming the file and the field, never later with a bare ``KeyError``.
-
-    Args:
-        directory: A checkpoint directory (``step_<n>``).
-
-    Returns:
-        The manifest.
+    """Read and validate (every field, by type and consistency) a checkpoint's manifest.
 
     Raises:
         FileNotFoundError: If ``directory`` does not exist.
@@ -1018,11 +1009,8 @@ def base_digest(base: torch.nn.Module) -> str:
     """The digest of ``base``'s weights that checkpoints record for a frozen role.
 
     Equal to ``read_manifest(path).frozen_digests[role]`` for a role
-    ``Role(base, save_frozen=False)`` saved at ``path``, whatever the world size. Call it on
-    every rank (sharded parameters are checksummed collectively).
-
-    Returns:
-        A hexadecimal SHA-256.
+    ``Role(base, save_frozen=False)`` saved at ``path``, whatever the world size. Every
+    rank calls it (sharded parameters are checksummed collectively).
     """
     named = dict(base.named_parameters())
     checksums, _ = fingerprint(list(named), [p.detach() for p in named.values()])
