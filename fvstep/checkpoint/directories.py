@@ -94,9 +94,6 @@ def list_step_dirs(root: str | os.PathLike[str]) -> list[tuple[int, Path]]:
 def set_aside(path: Path) -> Path:
     """Rename a damaged checkpoint ``step_<n>`` to ``step_<n>.damaged`` (or ``.damaged-<k>``).
 
-    It is kept for inspection but no longer a checkpoint: never "latest", counted in
-    ``keep``, pruned or overwritten by a later save of the same step.
-
     Returns:
         Its new path.
 
@@ -190,12 +187,8 @@ def lock_dir(root: str | os.PathLike[str]) -> DirectoryLock:
     """Take the exclusive lock of a directory of checkpoints, without waiting.
 
     An ``flock`` on ``<root>/.lock`` (created if needed, never deleted) into which the holder
-    writes its host, pid and start time; the kernel releases it when the holder's process
-    ends. It is best effort where the filesystem ignores ``flock``, and a warning and an
-    unheld lock where it refuses it (``docs/concepts/checkpoints.md``).
-
-    Args:
-        root: The directory of checkpoints (created if missing).
+    writes its host, pid and start time; where the filesystem ignores or refuses ``flock``:
+    ``docs/concepts/checkpoints.md`` ("One run per directory").
 
     Returns:
         The held lock: call :meth:`DirectoryLock.release`, or use it as a context manager.

@@ -46,10 +46,8 @@ __all__ = [
 WEIGHTS_NAME = "model.safetensors"
 """The file name ``format="safetensors"`` writes when given a directory."""
 CAUSAL_METADATA_KEY = "_fvstep_causal"
-"""The safetensors metadata key under which ``format="safetensors"`` records a causal
-Wan's chunk, and the config key of a diffusers folder's record
-(``fvstep.methods.causal_wan.CAUSAL_CONFIG_KEY``: the checkpoint layer may not import the
-methods)."""
+"""The key of a causal Wan's chunk: in a safetensors export's metadata, and in a diffusers
+config (``fvstep.methods.causal_wan.CAUSAL_CONFIG_KEY``, which this layer may not import)."""
 _CAUSAL_ROPE_ATTR = "_fvstep_causal_chunk_frames"  # what make_causal sets on the rotary module
 Tensors = dict[str, torch.Tensor]
 
@@ -416,24 +414,24 @@ MERGED_DTYPE = torch.float32
 base's dtype (why: ``docs/concepts/lora.md``, "Export")."""
 
 
-def _lora_module(state: TrainState, role: str) -> LoRAModule:
-    """The module of a checked LoRA role."""
-    module = state.roles[role].role.module
+def _lora_module(job: ExportJob) -> LoRAModule:
+    """The module of the job's role, which must be a LoRA role."""
+    module = job.module
     if not isinstance(module, LoRAModule):
         raise ValueError(
-            f"role {role!r} holds a {type(module).__name__}, not a fvstep.methods.lora.LoRAModule: it has no "
+            f"role {job.role!r} holds a {type(module).__name__}, not a fvstep.methods.lora.LoRAModule: it has no "
             "adapter to write; export its weights with format='diffusers' (fvstep export --format model)"
         )
     return module
 
 
-def _base_role(state: TrainState, module: LoRAModule, role: str) -> str:
-    """The role that holds the base of the LoRA role ``role``."""
-    for name, rs in state.roles.items():
+def _base_role(job: ExportJob, module: LoRAModule) -> str:
+    """The role that holds the base of the job's LoRA role."""
+    for name, rs in job.state.roles.items():
         if rs.role.module is module.base:
             return name
     raise ValueError(
-        f"the base of LoRA role {role!r} is not a role of the state: add it as a frozen "
+        f"the base of LoRA role {job.role!r} is not a role of the state: add it as a frozen "
         "role (fvstep.Role(base, save_frozen=False)) so that its weights are in the state"
     )
 
@@ -485,11 +483,11 @@ def merge_weights(
         >>> net.load_state_dict(merge_weights(state, "student"))
     """
     _check(state, role, weights, None)
-    module = _lora_module(state, role)
+    job = ExportJob(state, role, Path(), weights, None, rank0_only, {})
+    module = _lora_module(job)
     merges = _merge_names(module)
-    base_role = _base_role(state, module, role)
-    base = gather_weights(state, base_role, rank0_only=rank0_only)
-    adapter = ExportJob(state, role, Path(), weights, None, rank0_only, {}).gather()
+    base = gather_weights(state, _base_role(job, module), rank0_only=rank0_only)
+    adapter = job.gather()
     if base is None or adapter is None:
         return None
     target = MERGED_DTYPE if dtype is None else dtype
@@ -510,7 +508,7 @@ def _lora(job: ExportJob) -> Writer:
     with needs_extra("lora", "LoRA export"):
         from diffusers import WanPipeline
 
-    module = _lora_module(job.state, job.role)
+    module = _lora_module(job)
     config = module.config.to_dict()  # the adapter's LoraConfig as diffusers stores it
     keys = {"r", "lora_alpha", "target_modules", "use_rslora", "use_dora", "lora_bias"}
     keys |= {"rank_pattern", "alpha_pattern", "init_lora_weights", "lora_dropout"}
@@ -526,8 +524,7 @@ def _lora(job: ExportJob) -> Writer:
 
 
 def _merged(job: ExportJob) -> Writer:
-    module = _lora_module(job.state, job.role)
-    base_role = _base_role(job.state, module, job.role)
+    base_role = _base_role(job, _lora_module(job))
     # the base's diffusers model folder (its config, its plain names), of merged tensors
     base_folder = FORMATS["diffusers"](dataclasses.replace(job, role=base_role, options={}))
     return Writer(
