@@ -161,10 +161,11 @@ def save_run_state(
 ) -> None:
     """Save ``state`` at its step under ``checkpoints.dir`` (in the background with
     ``saver``), then prune to ``checkpoints.keep`` (rank 0)."""
-    path = ckpt.checkpoint_dir(checkpoints.dir, int(state.step))
+    root, step = checkpoints.dir, int(state.step)
+    path = ckpt.checkpoint_dir(root, step)
     if saver is not None:
         saver.save(state, path, overwrite=True)
     else:
         ckpt.save(state, path, overwrite=True)
     if rank_and_world()[0] == 0:
-        ckpt.prune(checkpoints.dir, checkpoints.keep, keep_temp=path.parent / f".tmp-{path.name}")
+        ckpt.prune(root, checkpoints.keep, keep_temp=directories.temp_dir(root, step))
