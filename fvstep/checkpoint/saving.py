@@ -227,9 +227,9 @@ def _check_body(path: Path, body: dict[str, Any]) -> None:
             raise _malformed(path, f"{where} is {type(entry).__name__}, not an object")
         _check_fields(path, where, entry, _LEAF_KINDS)
         if (name in checksums) == (name in per_rank):
-            where = "both 'checksums' and 'per_rank'" if name in checksums else "neither"
+            which = "both 'checksums' and 'per_rank'" if name in checksums else "neither"
             raise _malformed(
-                path, f"leaf {name!r} has a checksum in {where} (exactly one is needed)"
+                path, f"leaf {name!r} has a checksum in {which} (exactly one is needed)"
             )
         if entry["per_rank"] != (name in per_rank):
             shared = "per rank" if name in per_rank else "shared"
@@ -629,12 +629,7 @@ def frozen_entries(
     those whose (plain) values differ between ranks."""
     checksums, per_rank = fingerprint(paths, leaves, group=group)
     entries = {
-        p: {
-            **_meta(x),
-            "checksum": checksums[p],
-        }
-        for p, x in zip(paths, leaves)
-        if p in checksums
+        p: {**_meta(x), "checksum": checksums[p]} for p, x in zip(paths, leaves) if p in checksums
     }
     return entries, sorted(per_rank)
 
