@@ -78,9 +78,8 @@ class ExportJob:
         ``state_dict`` names, see :func:`export_names`)."""
         keep = not self.rank0_only or rank_and_world()[0] == 0
         role_state = self.state.roles[self.role]
-        sources = select_weights(
-            role_state, self.weights, role=self.role
-        )  # the one rule (EMA started?)
+        # the one rule for "the EMA weights" (has the EMA started?)
+        sources = select_weights(role_state, self.weights, role=self.role)
         sources.update(role_state.buffers)
         # A tied tensor is one leaf, but state_dict (and a strict load_state_dict) has it under
         # each of its names; its aliases reuse its gathered copy: one gather (a collective, so
@@ -88,32 +87,31 @@ class ExportJob:
         named = [*sources.items(), *((alias, sources[c]) for alias, c in role_state.tied)]
         out: Tensors = {}
         gathered: dict[tuple[int, torch.dtype], str] = {}
-        with torch.no_grad():
-            for state_name, source in named:
-                name = state_name if names is None else names(state_name)
-                if name is None:  # the same names on every rank: no gather is skipped on one
-                    continue
-                tensor = source.detach()
-                dtype = self.dtype if dtype_for is None else dtype_for(name)
-                if dtype is not None and tensor.is_floating_point():
-                    # Cast the shard before the gather: same bits, less to communicate.
-                    tensor = tensor.to(dtype)
-                first = gathered.setdefault((id(source), tensor.dtype), name)
-                if first != name:
-                    if keep:
-                        out[name] = out[first].clone()  # safetensors refuses shared memory
-                    continue
-                if isinstance(tensor, DTensor):
-                    tensor = tensor.full_tensor()  # a collective: every rank gets here
-                if not keep:
-                    continue
-                tensor = tensor.to("cpu").contiguous()
-                local = source.to_local() if isinstance(source, DTensor) else source
-                if tensor.untyped_storage().data_ptr() == local.untyped_storage().data_ptr():
-                    # Never hand out the state's own memory (and safetensors refuses tensors
-                    # that share it, e.g. tied weights).
-                    tensor = tensor.clone()
-                out[name] = tensor
+        for state_name, source in named:
+            name = state_name if names is None else names(state_name)
+            if name is None:  # the same names on every rank: no gather is skipped on one
+                continue
+            tensor = source.detach()
+            dtype = self.dtype if dtype_for is None else dtype_for(name)
+            if dtype is not None and tensor.is_floating_point():
+                # Cast the shard before the gather: same bits, less to communicate.
+                tensor = tensor.to(dtype)
+            first = gathered.setdefault((id(source), tensor.dtype), name)
+            if first != name:
+                if keep:
+                    out[name] = out[first].clone()  # safetensors refuses shared memory
+                continue
+            if isinstance(tensor, DTensor):
+                tensor = tensor.full_tensor()  # a collective: every rank gets here
+            if not keep:
+                continue
+            tensor = tensor.to("cpu").contiguous()
+            local = source.to_local() if isinstance(source, DTensor) else source
+            if tensor.untyped_storage().data_ptr() == local.untyped_storage().data_ptr():
+                # Never hand out the state's own memory (and safetensors refuses tensors
+                # that share it, e.g. tied weights).
+                tensor = tensor.clone()
+            out[name] = tensor
         return out if keep else None
 
 
