@@ -22,13 +22,10 @@ from fvstep.checkpoint.saving import (
     fingerprint,
     local_checks,
     make_temp_dir,
+    prepare_save,
     refuse_nonfinite,
-    refuse_swapped_weights,
-    split_frozen,
     write_checkpoint,
 )
-from fvstep.core._checks import check_int
-from fvstep.core.tree import flatten_with_paths
 from fvstep.parallel.ranks import rank_and_world
 
 __all__ = ["AsyncSaver"]
@@ -124,12 +121,8 @@ class AsyncSaver:
         checksums run before staging, so this call raises; from a CPU they run in the
         background, so the next call raises. A failed save leaves no ``.tmp-*`` directory.
 
-        Args:
-            state: The state to save; it may be updated in place once this returns.
-            path: The checkpoint directory to create.
-            overwrite: Replace an existing checkpoint at ``path``.
-            allow_nonfinite: Save a state with NaN or Inf values anyway.
-            writer_threads: Files each rank writes at once, as for :func:`save`.
+        The arguments are :func:`fvstep.checkpoint.save`'s; ``state`` may be updated in
+        place once this returns.
 
         Raises:
             CheckpointError: If ``path`` exists and ``overwrite`` is false, or (on a GPU)
@@ -137,14 +130,13 @@ class AsyncSaver:
             TypeError: If ``writer_threads`` is not an integer.
             ValueError: If ``writer_threads`` is smaller than 1.
         """
-        writer_threads = check_int(writer_threads, "writer_threads", minimum=1)
-        refuse_swapped_weights(state)
+        final = Path(path)
+        writer_threads, paths, leaves, frozen = prepare_save(
+            state, final, writer_threads, self._group
+        )
         self.wait()
         upload_group = self._uploads()
-        final = Path(path)
-        paths, leaves, _ = flatten_with_paths(state)
         step = int(getattr(state, "step", 0))
-        paths, leaves, frozen = split_frozen(state, paths, leaves, final, self._group)
         prints = None
         if any(x.device.type == "cuda" for x in leaves):
             sums, finite = local_checks(leaves, check_finite=not allow_nonfinite)

@@ -46,28 +46,12 @@ class CheckpointSkippedWarning(UserWarning):
 
 
 def checkpoint_dir(root: str | os.PathLike[str], step: int) -> Path:
-    """The directory of the checkpoint at ``step`` under ``root``.
-
-    Args:
-        root: A directory of checkpoints.
-        step: The state's step counter.
-
-    Returns:
-        ``root/step_<step:09d>``.
-    """
+    """The directory of the checkpoint at ``step`` under ``root``: ``root/step_<step:09d>``."""
     return Path(root) / f"step_{step:09d}"
 
 
 def temp_dir(root: str | os.PathLike[str], step: int) -> Path:
-    """Where the checkpoint at ``step`` is written before it is committed.
-
-    Args:
-        root: A directory of checkpoints.
-        step: The state's step counter.
-
-    Returns:
-        ``root/.tmp-step_<step:09d>``.
-    """
+    """Where the checkpoint at ``step`` is written before its commit: ``root/.tmp-step_<step:09d>``."""
     return Path(root) / f".tmp-step_{step:09d}"
 
 
@@ -77,9 +61,6 @@ def list_complete(root: str | os.PathLike[str]) -> list[tuple[int, Path]]:
     A ``step_<n>`` directory counts if its manifest is valid, or written by a newer format
     (loading it then says to upgrade, so an older fvstep never resumes from an older
     step). A malformed manifest never raises here: its directory is not listed.
-
-    Args:
-        root: A directory of checkpoints.
 
     Returns:
         ``[(step, path), ...]``; ``[]`` if ``root`` is not a directory.
@@ -97,14 +78,8 @@ def list_complete(root: str | os.PathLike[str]) -> list[tuple[int, Path]]:
 
 
 def list_step_dirs(root: str | os.PathLike[str]) -> list[tuple[int, Path]]:
-    """Every ``step_<n>`` directory under ``root``, complete or not, oldest first.
-
-    Args:
-        root: A directory of checkpoints.
-
-    Returns:
-        ``[(step, path), ...]``; ``[]`` if ``root`` is not a directory.
-    """
+    """Every ``step_<n>`` directory under ``root`` as ``(step, path)``, complete or not,
+    oldest first (``[]`` if ``root`` is not a directory)."""
     root = Path(root)
     if not root.is_dir():
         return []
@@ -118,12 +93,6 @@ def list_step_dirs(root: str | os.PathLike[str]) -> list[tuple[int, Path]]:
 
 def set_aside(path: Path) -> Path:
     """Rename a damaged checkpoint ``step_<n>`` to ``step_<n>.damaged`` (or ``.damaged-<k>``).
-
-    It is kept for inspection but no longer a checkpoint: never "latest", counted in
-    ``keep``, pruned or overwritten by a later save of the same step.
-
-    Args:
-        path: The checkpoint directory.
 
     Returns:
         Its new path.
@@ -142,13 +111,7 @@ def set_aside(path: Path) -> Path:
 
 
 def latest(root: str | os.PathLike[str]) -> Path | None:
-    """The newest complete checkpoint under ``root``, or ``None``.
-
-    Args:
-        root: A directory of checkpoints.
-
-    Returns:
-        The path of the newest complete checkpoint, or ``None`` if there is none.
+    """The newest complete checkpoint under ``root`` (:func:`list_complete`), or ``None``.
 
     Examples:
         >>> path = latest("runs/exp1/checkpoints")
@@ -165,9 +128,7 @@ def prune(root: str | os.PathLike[str], keep: int | None, *, keep_temp: Path | N
     is left alone, and so are ``step_<n>.damaged`` directories and ``.lock``.
 
     Args:
-        root: A directory of checkpoints.
         keep: How many complete checkpoints to keep (at least 1); ``None`` keeps all.
-        keep_temp: A temporary directory not to delete (a save in flight).
     """
     root = Path(root)
     if not root.is_dir():
@@ -183,11 +144,7 @@ def prune(root: str | os.PathLike[str], keep: int | None, *, keep_temp: Path | N
 
 
 class DirectoryLock:
-    """An exclusive ``flock`` on ``<root>/.lock``, held until :meth:`release` (see :func:`lock_dir`).
-
-    Attributes:
-        path: The lock file.
-    """
+    """An exclusive ``flock`` on the lock file ``path``, held until :meth:`release` (see :func:`lock_dir`)."""
 
     def __init__(self, path: Path, fd: int | None) -> None:
         self.path = path
@@ -230,12 +187,8 @@ def lock_dir(root: str | os.PathLike[str]) -> DirectoryLock:
     """Take the exclusive lock of a directory of checkpoints, without waiting.
 
     An ``flock`` on ``<root>/.lock`` (created if needed, never deleted) into which the holder
-    writes its host, pid and start time; the kernel releases it when the holder's process
-    ends. It is best effort where the filesystem ignores ``flock``, and a warning and an
-    unheld lock where it refuses it (``docs/concepts/checkpoints.md``).
-
-    Args:
-        root: The directory of checkpoints (created if missing).
+    writes its host, pid and start time; where the filesystem ignores or refuses ``flock``:
+    ``docs/concepts/checkpoints.md`` ("One run per directory").
 
     Returns:
         The held lock: call :meth:`DirectoryLock.release`, or use it as a context manager.
@@ -279,10 +232,9 @@ def lock_dir(root: str | os.PathLike[str]) -> DirectoryLock:
             f"{str(path)!r}; wait for that run to end or stop it, or use another directory"
         ) from None
     except OSError as e:
-        if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-            os.close(fd)
-            raise CheckpointError(f"cannot lock {str(path)!r}: {e}") from None
         os.close(fd)
+        if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            raise CheckpointError(f"cannot lock {str(path)!r}: {e}") from None
         warnings.warn(
             f"cannot lock {str(path)!r} ({e}): the filesystem does not support flock, so "
             "nothing stops a second run from writing this directory at the same time",

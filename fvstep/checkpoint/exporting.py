@@ -2,15 +2,12 @@
 
 :func:`export` checks once what every format needs (the role, its weights, the target),
 gathers the role's tensors and writes them atomically; a format (:data:`FORMATS`) says only
-which tensors, under which names, and what it writes around them. The formats are
-``"safetensors"``, ``"diffusers"``, ``"pipeline"``, and for a LoRA role ``"lora"`` and
-``"merged"``. Sharded parameters are gathered collectively, so every rank calls
-:func:`export`; the ranks agree on the target's checks and on the write's outcome.
+which tensors, under which names, and what it writes around them. The formats:
+``docs/concepts/checkpoints.md`` ("Export for inference") and ``docs/concepts/lora.md``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
@@ -28,7 +25,7 @@ from torch.distributed.tensor import DTensor
 
 from fvstep.checkpoint.saving import fsync
 from fvstep.core._optional import needs_extra
-from fvstep.core.state import RoleState, TrainState
+from fvstep.core.state import TrainState
 from fvstep.core.weights import Weights, roles_holding_other_weights, select_weights
 from fvstep.methods.lora import LoRAModule, lora_layers
 from fvstep.parallel.ranks import gather_objects, rank_and_world
@@ -49,10 +46,8 @@ __all__ = [
 WEIGHTS_NAME = "model.safetensors"
 """The file name ``format="safetensors"`` writes when given a directory."""
 CAUSAL_METADATA_KEY = "_fvstep_causal"
-"""The safetensors metadata key under which ``format="safetensors"`` records a causal
-Wan's chunk, and the config key of a diffusers folder's record
-(``fvstep.methods.causal_wan.CAUSAL_CONFIG_KEY``: the checkpoint layer may not import the
-methods)."""
+"""The key of a causal Wan's chunk: in a safetensors export's metadata, and in a diffusers
+config (``fvstep.methods.causal_wan.CAUSAL_CONFIG_KEY``, which this layer may not import)."""
 _CAUSAL_ROPE_ATTR = "_fvstep_causal_chunk_frames"  # what make_causal sets on the rotary module
 Tensors = dict[str, torch.Tensor]
 
@@ -78,11 +73,46 @@ class ExportJob:
         dtype_for: Callable[[str], torch.dtype | None] | None = None,
         names: Callable[[str], str | None] | None = None,
     ) -> Tensors | None:
-        """The role's tensors (:func:`gather_weights`), renamed by ``names``."""
+        """The role's tensors (:func:`gather_weights`) under their export names:
+        ``names(state_dict name)`` (``None`` leaves the tensor out; no ``names``: the
+        ``state_dict`` names, see :func:`export_names`)."""
         keep = not self.rank0_only or rank_and_world()[0] == 0
-        dtype_for = dtype_for or (lambda _: self.dtype)
         role_state = self.state.roles[self.role]
-        return _gather(role_state, self.role, self.weights, dtype_for, keep, names)
+        # the one rule for "the EMA weights" (has the EMA started?)
+        sources = select_weights(role_state, self.weights, role=self.role)
+        sources.update(role_state.buffers)
+        # A tied tensor is one leaf, but state_dict (and a strict load_state_dict) has it under
+        # each of its names; its aliases reuse its gathered copy: one gather (a collective, so
+        # every rank must skip the same ones) per tensor and dtype.
+        named = [*sources.items(), *((alias, sources[c]) for alias, c in role_state.tied)]
+        out: Tensors = {}
+        gathered: dict[tuple[int, torch.dtype], str] = {}
+        for state_name, source in named:
+            name = state_name if names is None else names(state_name)
+            if name is None:  # the same names on every rank: no gather is skipped on one
+                continue
+            tensor = source.detach()
+            dtype = self.dtype if dtype_for is None else dtype_for(name)
+            if dtype is not None and tensor.is_floating_point():
+                # Cast the shard before the gather: same bits, less to communicate.
+                tensor = tensor.to(dtype)
+            first = gathered.setdefault((id(source), tensor.dtype), name)
+            if first != name:
+                if keep:
+                    out[name] = out[first].clone()  # safetensors refuses shared memory
+                continue
+            if isinstance(tensor, DTensor):
+                tensor = tensor.full_tensor()  # a collective: every rank gets here
+            if not keep:
+                continue
+            tensor = tensor.to("cpu").contiguous()
+            local = source.to_local() if isinstance(source, DTensor) else source
+            if tensor.untyped_storage().data_ptr() == local.untyped_storage().data_ptr():
+                # Never hand out the state's own memory (and safetensors refuses tensors
+                # that share it, e.g. tied weights).
+                tensor = tensor.clone()
+            out[name] = tensor
+        return out if keep else None
 
 
 class Writer(NamedTuple):
@@ -114,19 +144,14 @@ def export(
 ) -> Path | None:
     """Write one role's full weights for inference, in one of :data:`FORMATS`.
 
-    Global rank 0 writes (every rank with ``rank0_only=False``), into a temporary file or
-    folder renamed into place. The formats and their options are described in
-    ``docs/concepts/checkpoints.md`` ("Export for inference"): ``"safetensors"`` (one file,
-    keyed like the module's ``state_dict``), ``"diffusers"`` (a model folder),
-    ``"pipeline"`` (a whole pipeline folder over ``base=``), and for a LoRA role ``"lora"``
-    and ``"merged"``. A module with peft layers is named as :func:`export_names`
-    says.
+    Every rank calls it (sharded weights are gathered); global rank 0 writes (every rank
+    with ``rank0_only=False``), into a temporary file or folder renamed into place. The
+    formats and their options: ``docs/concepts/checkpoints.md`` ("Export for inference").
 
     Args:
-        state: The state.
-        role: The role to export.
         path: The file or folder to write.
-        format: One of :data:`FORMATS`.
+        format: ``"safetensors"``, ``"diffusers"``, ``"pipeline"``, or for a LoRA role
+            ``"lora"`` or ``"merged"``.
         weights: ``"params"`` or ``"ema"`` (:func:`gather_weights`).
         dtype: Cast floating-point tensors to it (``None``: keep each one's).
         overwrite: Replace an existing target (a file is never replaced by a folder).
@@ -164,13 +189,14 @@ def export(
     def check() -> None:
         if writer.check is not None:
             writer.check()
-        if writer.file is None:
-            _check_folder(target, overwrite)
-        elif target.is_dir():
-            raise ValueError(f"the export target {str(target)!r} is a directory")
-        elif target.exists() and not overwrite:
+        folder = writer.file is None
+        if target.exists() and target.is_dir() != folder:
+            kind = "is not a directory" if folder else "is a directory"
+            raise ValueError(f"the export target {str(target)!r} exists and {kind}")
+        if target.exists() and not overwrite and not (folder and not any(target.iterdir())):
             raise ValueError(
-                f"{str(target)!r} exists; pass overwrite=True to replace it, or choose another path"
+                f"{str(target)!r} exists{' and is not empty' if folder else ''}; pass overwrite=True to "
+                "replace it, or choose another path"
             )
 
     _agree("check the export target", check if writes else None)
@@ -179,18 +205,7 @@ def export(
     def write() -> None:
         assert tensors is not None
         target.parent.mkdir(parents=True, exist_ok=True)
-        if writer.file is None:
-            _write_folder_atomically(target, lambda tmp: writer.write(tensors, tmp))
-            return
-        tmp = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex}"
-        try:
-            writer.write(tensors, tmp)
-            fsync(tmp)
-            os.replace(tmp, target)
-            fsync(target.parent)
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                tmp.unlink()
+        _write_atomically(target, lambda tmp: writer.write(tensors, tmp), writer.file is None)
 
     _agree("write the export", write if writes else None)
     return target if writes else None
@@ -207,10 +222,9 @@ def gather_weights(
     """The full (unsharded) weights of one role, on the CPU, keyed like its ``state_dict``.
 
     A tied tensor is gathered once and copied under each of its names; no two tensors share
-    storage. DTensors are gathered with ``full_tensor()``, a collective: call it on every
-    rank. ``weights="ema"`` takes the EMA as :func:`fvstep.core.weights.select_weights`
-    says (the one rule, validation's too); ``dtype`` casts the floating-point tensors. With
-    ``rank0_only``, the other ranks drop each gathered tensor and return ``None``.
+    storage. Every rank calls it (DTensors are gathered). ``weights="ema"`` as
+    :func:`fvstep.core.weights.select_weights` says; ``dtype`` casts the floating-point
+    tensors. With ``rank0_only``, the other ranks return ``None``.
 
     Raises:
         ValueError: For an unknown role or ``weights``, ``weights="ema"`` for a role
@@ -228,26 +242,21 @@ def export_names(
 ) -> Callable[[str], str | None] | None:
     """How an export names a role's tensors when its module carries peft layers.
 
-    A peft layer neither merged nor computing with an adapter computes its base layer alone:
-    ``x.base_layer.weight`` is exported as ``x.weight`` and its adapter tensors are left out,
-    so the plain class loads the export and computes bitwise what the role does. A module
-    computing with its own adapters (one peft model as one role) keeps its ``state_dict``
-    names with ``keep_own_adapters``; otherwise it is refused, as a plain export would drop
-    what the adapter adds.
+    A peft layer that does not compute with an adapter is exported as its base layer
+    (``x.base_layer.weight`` as ``x.weight``, adapter tensors left out); the rule:
+    ``docs/concepts/lora.md`` ("Exporting the roles of a LoRA run").
 
     Args:
-        module: The role's module.
         role: The role's name (for the errors).
-        keep_own_adapters: Keep the names of a module computing with its own adapters.
+        keep_own_adapters: Keep the ``state_dict`` names of a module computing with its
+            own adapters (one peft model as one role) instead of refusing it.
 
     Returns:
         ``state_dict`` name to export name (``None``: left out), or ``None`` to keep the
-        ``state_dict`` names (no peft layer, or a peft model kept as it is).
+        ``state_dict`` names.
 
     Raises:
-        ValueError: For a merged peft layer (its base weights hold the adapter: the
-            forward unmerges them when disabled), or a computing adapter that cannot be
-            kept, naming the role, the layer, the adapter and the fix.
+        ValueError: For a merged peft layer, or a computing adapter that cannot be kept.
 
     Examples:
         >>> names = export_names(state.module("teacher"), "teacher")
@@ -399,29 +408,28 @@ def _pipeline(job: ExportJob) -> Writer:
 # --- LoRA roles: the adapter alone, or merged into its base --------------------------------
 
 MERGED_DTYPE = torch.float32
-"""The dtype :func:`merge_weights` and ``format="merged"`` write by default: fp32, whatever
-the base's dtype, since a bf16 merge rounds most of an adapter's change (below an ulp of
-``W``) back to the base weight. ``dtype=torch.bfloat16`` halves the file and rounds."""
+"""The dtype :func:`merge_weights` and ``format="merged"`` write by default, whatever the
+base's dtype (why: ``docs/concepts/lora.md``, "Export")."""
 
 
-def _lora_module(state: TrainState, role: str) -> LoRAModule:
-    if role not in state.roles:
-        raise ValueError(f"no role {role!r}; the state has roles {sorted(state.roles)}")
-    module = state.roles[role].role.module
+def _lora_module(job: ExportJob) -> LoRAModule:
+    """The module of the job's role, which must be a LoRA role."""
+    module = job.module
     if not isinstance(module, LoRAModule):
         raise ValueError(
-            f"role {role!r} holds a {type(module).__name__}, not a fvstep.methods.lora.LoRAModule: it has no "
+            f"role {job.role!r} holds a {type(module).__name__}, not a fvstep.methods.lora.LoRAModule: it has no "
             "adapter to write; export its weights with format='diffusers' (fvstep export --format model)"
         )
     return module
 
 
-def _base_role(state: TrainState, module: LoRAModule, role: str) -> str:
-    for name, rs in state.roles.items():
+def _base_role(job: ExportJob, module: LoRAModule) -> str:
+    """The role that holds the base of the job's LoRA role."""
+    for name, rs in job.state.roles.items():
         if rs.role.module is module.base:
             return name
     raise ValueError(
-        f"the base of LoRA role {role!r} is not a role of the state: add it as a frozen "
+        f"the base of LoRA role {job.role!r} is not a role of the state: add it as a frozen "
         "role (fvstep.Role(base, save_frozen=False)) so that its weights are in the state"
     )
 
@@ -461,10 +469,9 @@ def merge_weights(
     """The base's weights with a LoRA role's adapter merged in, keyed as the plain model.
 
     Each adapted weight becomes ``W + scaling * (B @ A)``, computed in fp32 and cast once
-    to ``dtype`` (default :data:`MERGED_DTYPE`). Names are the base model's own (peft's
-    ``.base_layer`` removed), for ``load_state_dict`` of the plain model. Call it on every
-    rank; ``state`` holds the base as a role too. ``weights`` (the adapter's) and
-    ``rank0_only`` as :func:`fvstep.checkpoint.gather_weights`.
+    to ``dtype`` (default :data:`MERGED_DTYPE`). Every rank calls it; ``state`` holds the
+    base as a role too. ``weights`` (the adapter's) and ``rank0_only`` as
+    :func:`gather_weights`.
 
     Raises:
         ValueError: For a role that is not a LoRA role, a base that is not a role of the
@@ -473,11 +480,12 @@ def merge_weights(
     Examples:
         >>> net.load_state_dict(merge_weights(state, "student"))
     """
-    module = _lora_module(state, role)
+    _check(state, role, weights, None)
+    job = ExportJob(state, role, Path(), weights, None, rank0_only, {})
+    module = _lora_module(job)
     merges = _merge_names(module)
-    base_role = _base_role(state, module, role)
-    base = gather_weights(state, base_role, rank0_only=rank0_only)
-    adapter = gather_weights(state, role, weights=weights, rank0_only=rank0_only)
+    base = gather_weights(state, _base_role(job, module), rank0_only=rank0_only)
+    adapter = job.gather()
     if base is None or adapter is None:
         return None
     target = MERGED_DTYPE if dtype is None else dtype
@@ -498,7 +506,7 @@ def _lora(job: ExportJob) -> Writer:
     with needs_extra("lora", "LoRA export"):
         from diffusers import WanPipeline
 
-    module = _lora_module(job.state, job.role)
+    module = _lora_module(job)
     config = module.config.to_dict()  # the adapter's LoraConfig as diffusers stores it
     keys = {"r", "lora_alpha", "target_modules", "use_rslora", "use_dora", "lora_bias"}
     keys |= {"rank_pattern", "alpha_pattern", "init_lora_weights", "lora_dropout"}
@@ -514,8 +522,7 @@ def _lora(job: ExportJob) -> Writer:
 
 
 def _merged(job: ExportJob) -> Writer:
-    module = _lora_module(job.state, job.role)
-    base_role = _base_role(job.state, module, job.role)
+    base_role = _base_role(job, _lora_module(job))
     # the base's diffusers model folder (its config, its plain names), of merged tensors
     base_folder = FORMATS["diffusers"](dataclasses.replace(job, role=base_role, options={}))
     return Writer(
@@ -641,53 +648,6 @@ def _agree(what: str, action: Callable[[], None] | None) -> None:
             raise kind(f"rank {rank} failed to {what}: {message}")
 
 
-def _gather(
-    role_state: RoleState,
-    role: str,
-    weights: Weights,
-    dtype_for: Callable[[str], torch.dtype | None],
-    keep: bool,
-    names: Callable[[str], str | None] | None,
-) -> Tensors | None:
-    """The role's tensors under their export names: ``names(state_dict name)`` (``None``
-    leaves the tensor out; no ``names``: the ``state_dict`` names, see :func:`export_names`)."""
-    sources = select_weights(role_state, weights, role=role)  # the one rule (EMA started?)
-    sources.update(role_state.buffers)
-    # A tied tensor is one leaf, but state_dict (and a strict load_state_dict) has it under
-    # each of its names; its aliases reuse its gathered copy: one gather (a collective, so
-    # every rank must skip the same ones) per tensor and dtype.
-    named = [*sources.items(), *((alias, sources[c]) for alias, c in role_state.tied)]
-    out: Tensors = {}
-    gathered: dict[tuple[int, torch.dtype], str] = {}
-    with torch.no_grad():
-        for state_name, source in named:
-            name = state_name if names is None else names(state_name)
-            if name is None:  # the same names on every rank: no gather is skipped on one
-                continue
-            tensor = source.detach()
-            dtype = dtype_for(name)
-            if dtype is not None and tensor.is_floating_point():
-                # Cast the shard before the gather: same bits, less to communicate.
-                tensor = tensor.to(dtype)
-            first = gathered.setdefault((id(source), tensor.dtype), name)
-            if first != name:
-                if keep:
-                    out[name] = out[first].clone()  # safetensors refuses shared memory
-                continue
-            if isinstance(tensor, DTensor):
-                tensor = tensor.full_tensor()  # a collective: every rank gets here
-            if not keep:
-                continue
-            tensor = tensor.to("cpu").contiguous()
-            local = source.to_local() if isinstance(source, DTensor) else source
-            if tensor.untyped_storage().data_ptr() == local.untyped_storage().data_ptr():
-                # Never hand out the state's own memory (and safetensors refuses tensors
-                # that share it, e.g. tied weights).
-                tensor = tensor.clone()
-            out[name] = tensor
-    return out if keep else None
-
-
 def _save_safetensors(tensors: Tensors, path: Path, metadata: dict[str, str] | None = None) -> None:
     with needs_extra("models", "a safetensors export"):
         from safetensors.torch import save_file
@@ -695,36 +655,28 @@ def _save_safetensors(tensors: Tensors, path: Path, metadata: dict[str, str] | N
     save_file(tensors, str(path), metadata=metadata or {"format": "pt"})
 
 
-def _check_folder(path: Path, overwrite: bool) -> None:
-    """Refuse an export target that is a file, or a non-empty folder without ``overwrite``."""
-    if path.exists() and not path.is_dir():
-        raise ValueError(f"the export target {str(path)!r} exists and is not a directory")
-    if path.is_dir() and any(path.iterdir()) and not overwrite:
-        raise ValueError(
-            f"{str(path)!r} exists and is not empty; pass overwrite=True to replace it, "
-            "or choose another path"
-        )
-
-
-def _write_folder_atomically(target: Path, fill: Callable[[Path], None]) -> None:
-    """Fill a fresh folder beside ``target``, fsync it, rename it to ``target`` (an
-    existing one is moved aside first: rename(2) replaces empty directories only)."""
+def _write_atomically(target: Path, fill: Callable[[Path], None], folder: bool) -> None:
+    """Fill a fresh file or folder beside ``target``, fsync it, rename it to ``target`` (an
+    existing folder is moved aside first: rename(2) replaces empty directories only)."""
     tmp = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex}"
     try:
-        tmp.mkdir()
+        if folder:
+            tmp.mkdir()
         fill(tmp)
-        for entry in tmp.iterdir():
+        for entry in tmp.iterdir() if folder else ():
             if entry.is_file() and not entry.is_symlink():
                 fsync(entry)
         fsync(tmp)
-        if target.is_dir() and any(target.iterdir()):
-            old = target.parent / f".{target.name}.old-{uuid.uuid4().hex}"
+        old = target.parent / f".{target.name}.old-{uuid.uuid4().hex}"
+        moved = folder and target.is_dir() and any(target.iterdir())
+        if moved:
             os.replace(target, old)
-            os.replace(tmp, target)
-            fsync(target.parent)
+        os.replace(tmp, target)
+        fsync(target.parent)
+        if moved:
             shutil.rmtree(old)
-        else:
-            os.replace(tmp, target)
-            fsync(target.parent)
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp.is_dir():
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            tmp.unlink(missing_ok=True)

@@ -61,6 +61,11 @@ def _check_optimizer_states(like: Any, path: Path) -> None:
             ) from None
 
 
+def _few(items: list[str]) -> str:
+    """The first four of ``items`` (a list's repr), then ``...`` if there are more."""
+    return f"{items[:4]}{'...' if len(items) > 4 else ''}"
+
+
 def _under(path: str, prefixes: tuple[str, ...]) -> bool:
     return any(path == q or path.startswith(q + ".") for q in prefixes)
 
@@ -83,12 +88,9 @@ def _check_fits(
             hint += f" roles added since the save: {sorted(roles_mine - roles_saved)};"
         if roles_saved - roles_mine:
             hint += f" roles removed since the save: {sorted(roles_saved - roles_mine)};"
-        missing_text, extra_text = (
-            f"{x[:4]}{'...' if len(x) > 4 else ''}" for x in (missing, extra)
-        )
         raise CheckpointError(
             f"checkpoint {str(path)!r} does not fit the state:{hint} leaves only in the state: "
-            f"{missing_text}; only in the checkpoint: {extra_text} (see docs/troubleshooting.md)"
+            f"{_few(missing)}; only in the checkpoint: {_few(extra)} (see docs/troubleshooting.md)"
         )
     for p, x in zip(paths, leaves):
         entry = manifest.leaves[p]
@@ -100,10 +102,9 @@ def _check_fits(
             )
     per_rank = sorted(p for p in manifest.per_rank if not _under(p, reset))
     if per_rank and manifest.world_size != world:
-        shown = ", ".join(per_rank[:4]) + (", ..." if len(per_rank) > 4 else "")
         saved_by, reset_hint = manifest.world_size, _subtrees(per_rank)
         raise CheckpointError(
-            f"checkpoint {str(path)!r}: per-rank values ({shown}) saved by {saved_by} ranks cannot be "
+            f"checkpoint {str(path)!r}: per-rank values {_few(per_rank)} saved by {saved_by} ranks cannot be "
             f"loaded on {world}; pass reset={reset_hint!r} to start them afresh (fvstep.run: Checkpoints(reset=...))"
         )
 
@@ -124,10 +125,9 @@ def check_frozen(
     missing = sorted(set(manifest.frozen) - set(index))
     if missing:
         roles = sorted({p.split(".")[1] for p in missing})
-        shown = f"{missing[:4]}{'...' if len(missing) > 4 else ''}"
         raise CheckpointError(
             f"checkpoint {str(path)!r} does not fit the state: it was saved with the frozen "
-            f"parameters {shown} (of roles {roles}, saved by checksum), which the state lacks"
+            f"parameters {_few(missing)} (of roles {roles}, saved by checksum), which the state lacks"
         )
     pinned = sorted(manifest.frozen, key=index.__getitem__)
     mine, _ = frozen_entries(pinned, [leaves[index[p]] for p in pinned], group)
@@ -150,17 +150,8 @@ def _entry_text(entry: dict[str, Any]) -> str:
     return f"{entry['dtype']}{tuple(entry['shape'])} with checksum {entry['checksum']}"
 
 
-def _copy(x: Any) -> Any:
-    if not isinstance(x, torch.Tensor):
-        return x
-    new = x.detach().clone()
-    if isinstance(x, torch.nn.Parameter):
-        return torch.nn.Parameter(new, requires_grad=x.requires_grad)
-    return new
-
-
-def _empty_like(x: torch.Tensor) -> torch.Tensor:
-    new = torch.empty_like(x.detach())
+def _as_kind_of(x: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """``new`` as a ``Parameter`` (with ``x``'s ``requires_grad``) when ``x`` is one."""
     if isinstance(x, torch.nn.Parameter):
         return torch.nn.Parameter(new, requires_grad=x.requires_grad)
     return new
@@ -223,7 +214,7 @@ def load(
     keep = [i for i, p in enumerate(all_paths) if p not in manifest.frozen and not _under(p, reset)]
     paths, leaves = [all_paths[i] for i in keep], [all_leaves[i] for i in keep]
     _check_fits(manifest, path, paths, leaves, world, reset)
-    fresh = [_empty_like(x) for x in leaves]
+    fresh = [_as_kind_of(x, torch.empty_like(x.detach())) for x in leaves]
     flat = {(rank_key(p, rank) if p in manifest.per_rank else p): x for p, x in zip(paths, fresh)}
     try:
         with warnings.catch_warnings():  # no_dist on one process is the intent
@@ -237,13 +228,9 @@ def load(
             f"could not read checkpoint {str(path)!r} (a shard missing or damaged?): {detail}"
         ) from None
     checksums, per_rank = fingerprint(paths, fresh, group=group)
-    bad = len(paths)
-    for i, p in enumerate(paths):
-        expected = manifest.per_rank[p][rank] if p in manifest.per_rank else manifest.checksums[p]
-        got = per_rank[p][rank] if p in per_rank else checksums.get(p)
-        if got != expected:
-            bad = i
-            break
+    mine = {**checksums, **{p: sums[rank] for p, sums in per_rank.items()}}
+    saved = {**manifest.checksums, **{p: sums[rank] for p, sums in manifest.per_rank.items()}}
+    bad = next((i for i, p in enumerate(paths) if mine.get(p) != saved[p]), len(paths))
     # A per-rank value may be damaged on one rank only: all ranks must refuse it together.
     bad = min_over_ranks([bad], group=group)[0]
     if bad < len(paths):
@@ -255,6 +242,7 @@ def load(
     for i, x in zip(keep, fresh):
         out[i] = x
     for i, p in enumerate(all_paths):
-        if _under(p, reset):  # like's values, in tensors of their own (steps update in place)
-            out[i] = _copy(all_leaves[i])
+        x = all_leaves[i]
+        if _under(p, reset) and isinstance(x, torch.Tensor):
+            out[i] = _as_kind_of(x, x.detach().clone())  # steps update like's tensors in place
     return optree.tree_unflatten(spec, out)  # type: ignore[return-value]

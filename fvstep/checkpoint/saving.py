@@ -14,6 +14,7 @@ import contextlib
 import hashlib
 import importlib.metadata
 import json
+import operator
 import os
 import shutil
 import threading
@@ -30,7 +31,6 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
-from fvstep.core._checks import check_int
 from fvstep.core._compat import local_shape_and_global_offset
 from fvstep.core.errors import CheckpointError, DamagedCheckpointError, NewerFormatError
 from fvstep.core.tree import flatten_with_paths, is_dtensor, local_tensor
@@ -55,10 +55,10 @@ __all__ = [
     "local_checks",
     "local_sums",
     "make_temp_dir",
+    "prepare_save",
     "rank_key",
     "read_manifest",
     "refuse_nonfinite",
-    "refuse_swapped_weights",
     "save",
     "split_frozen",
     "write_checkpoint",
@@ -94,13 +94,10 @@ class Manifest:
     """What a checkpoint holds.
 
     Attributes:
-        step: The state's step counter.
         world_size: Ranks that saved it.
         leaves: ``path -> {"dtype", "shape", "sharded", "per_rank"}`` (global shapes).
         checksums: ``path -> int``: global content checksums of shared leaves.
         per_rank: ``path -> [int by rank]``: checksums of values saved per rank.
-        fvstep_version: The fvstep that saved it.
-        torch_version: The torch that saved it.
         format_version: The layout version (a newer one is refused).
         frozen: ``path -> {"dtype", "shape", "checksum"}``: frozen parameters saved by
             checksum only (``Role(save_frozen=False)``), not in ``leaves``.
@@ -134,19 +131,15 @@ class Manifest:
             by_role.setdefault(role, {})[name] = entry
         return {role: frozen_digest(entries) for role, entries in by_role.items()}
 
-    def to_json(self) -> str:
-        """The manifest as JSON text (with ``format`` and ``digest``)."""
-        body = {"format": FORMAT, **attrs.asdict(self), "digest": self.digest}
-        return json.dumps(body, indent=1, sort_keys=True)
-
     def write(self, directory: Path) -> None:
-        """Write ``manifest.json`` into ``directory`` and fsync it.
+        """Write ``manifest.json`` (with ``format`` and ``digest``) into ``directory``, fsynced.
 
         Raises:
             OSError: If the file cannot be written (e.g. a full disk).
         """
+        body = {"format": FORMAT, **attrs.asdict(self), "digest": self.digest}
         with open(directory / MANIFEST_NAME, "w") as f:
-            f.write(self.to_json())
+            f.write(json.dumps(body, indent=1, sort_keys=True))
             f.flush()
             os.fsync(f.fileno())
 
@@ -156,12 +149,6 @@ def frozen_digest(entries: dict[str, dict[str, Any]]) -> str:
 
     The checksums are :func:`fingerprint`'s (of the global tensor), so the digest does not
     depend on the world size.
-
-    Args:
-        entries: Parameter name to its dtype (as ``"float32"``), shape and checksum.
-
-    Returns:
-        A hexadecimal SHA-256.
 
     Examples:
         >>> len(frozen_digest({"w": {"dtype": "float32", "shape": [2], "checksum": 7}}))
@@ -200,9 +187,12 @@ def _check_fields(path: Path, where: str, body: dict[str, Any], kinds: dict[str,
             raise _malformed(path, f"{field} is {_short(body[key])}, not {kind}")
 
 
+_AT_LEAST_ONE = (lambda v: _is_int(v) and v >= 1, "an integer >= 1")
+_STRING = (lambda v: isinstance(v, str), "a string")
+_BOOL = (lambda v: isinstance(v, bool), "true or false")
 _BODY_KINDS: dict[str, Any] = {
     "step": (lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
-    "world_size": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
+    "world_size": _AT_LEAST_ONE,
     "leaves": (lambda v: isinstance(v, dict), "an object"),
     "checksums": (
         lambda v: isinstance(v, dict) and all(_is_int(c) for c in v.values()),
@@ -215,15 +205,15 @@ _BODY_KINDS: dict[str, Any] = {
         ),
         "an object of integer lists",
     ),
-    "fvstep_version": (lambda v: isinstance(v, str), "a string"),
-    "torch_version": (lambda v: isinstance(v, str), "a string"),
-    "digest": (lambda v: isinstance(v, str), "a string"),
+    "fvstep_version": _STRING,
+    "torch_version": _STRING,
+    "digest": _STRING,
 }
 _LEAF_KINDS: dict[str, Any] = {
-    "dtype": (lambda v: isinstance(v, str), "a string"),
+    "dtype": _STRING,
     "shape": (_is_shape, "a list of sizes"),
-    "sharded": (lambda v: isinstance(v, bool), "true or false"),
-    "per_rank": (lambda v: isinstance(v, bool), "true or false"),
+    "sharded": _BOOL,
+    "per_rank": _BOOL,
 }
 
 
@@ -236,17 +226,16 @@ def _check_body(path: Path, body: dict[str, Any]) -> None:
         if not isinstance(entry, dict):
             raise _malformed(path, f"{where} is {type(entry).__name__}, not an object")
         _check_fields(path, where, entry, _LEAF_KINDS)
-    for name, entry in leaves.items():
         if (name in checksums) == (name in per_rank):
-            where = "both 'checksums' and 'per_rank'" if name in checksums else "neither"
+            which = "both 'checksums' and 'per_rank'" if name in checksums else "neither"
             raise _malformed(
-                path, f"leaf {name!r} has a checksum in {where} (exactly one is needed)"
+                path, f"leaf {name!r} has a checksum in {which} (exactly one is needed)"
             )
         if entry["per_rank"] != (name in per_rank):
             shared = "per rank" if name in per_rank else "shared"
             raise _malformed(
                 path,
-                f"leaves[{name!r}]['per_rank'] is {entry['per_rank']}, but its checksum is {shared}",
+                f"{where}['per_rank'] is {entry['per_rank']}, but its checksum is {shared}",
             )
     frozen = body.get("frozen", {})
     if not isinstance(frozen, dict):
@@ -275,16 +264,7 @@ def _check_body(path: Path, body: dict[str, Any]) -> None:
 
 
 def read_manifest(directory: str | os.PathLike[str]) -> Manifest:
-    """Read and validate the manifest of the checkpoint in ``directory``.
-
-    Every field is checked (type and consistency), so a malformed manifest is refused here,
-    naming the file and the field, never later with a bare ``KeyError``.
-
-    Args:
-        directory: A checkpoint directory (``step_<n>``).
-
-    Returns:
-        The manifest.
+    """Read and validate (every field, by type and consistency) a checkpoint's manifest.
 
     Raises:
         FileNotFoundError: If ``directory`` does not exist.
@@ -307,27 +287,14 @@ def read_manifest(directory: str | os.PathLike[str]) -> Manifest:
         )
     try:
         body = json.loads(path.read_bytes().decode("utf-8"))
-    except OSError as e:
-        raise DamagedCheckpointError(f"the manifest {str(path)!r} is damaged: {e}") from None
-    except UnicodeDecodeError as e:
-        raise DamagedCheckpointError(
-            f"the manifest {str(path)!r} is damaged: it is not valid UTF-8 ({e})"
-        ) from None
-    except (ValueError, RecursionError) as e:
-        raise DamagedCheckpointError(
-            f"the manifest {str(path)!r} is damaged: it is not valid JSON ({e})"
-        ) from None
+    except (OSError, ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+        what = "UTF-8" if isinstance(e, UnicodeDecodeError) else "JSON"
+        cause = str(e) if isinstance(e, OSError) else f"it is not valid {what} ({e})"
+        raise DamagedCheckpointError(f"the manifest {str(path)!r} is damaged: {cause}") from None
     if not isinstance(body, dict) or body.get("format") != FORMAT:
         raise DamagedCheckpointError(f"{str(path)!r} is not an fvstep checkpoint manifest")
-    version = body.get("format_version")
-    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
-        what = (
-            "it has no 'format_version'"
-            if "format_version" not in body
-            else f"'format_version' is {_short(version)}, not an integer >= 1"
-        )
-        raise _malformed(path, what)
-    if version > FORMAT_VERSION:
+    _check_fields(path, "", body, {"format_version": _AT_LEAST_ONE})
+    if (version := body["format_version"]) > FORMAT_VERSION:
         raise NewerFormatError(
             f"the checkpoint {str(directory)!r} has format version {version}, newer than the "
             f"{FORMAT_VERSION} this fvstep reads: upgrade fvstep"
@@ -343,14 +310,12 @@ def read_manifest(directory: str | os.PathLike[str]) -> Manifest:
 # ---------------------------------------------------------------------------------------
 # Checksums of the global tensors, whatever their sharding
 # ---------------------------------------------------------------------------------------
-# checksum = sum over elements e of mix(bits(e) ^ K2 * global_index(e))  (mod 2**64), where
-# mix is a multiply-xorshift: each step a bijection, so any change of one element changes
-# the sum, and the index term makes swapped elements count. The sum is exact in int64 and
-# independent of order, so each rank sums its shard and one all-reduce adds the shards
-# (a replica, as on HSDP's replicate axis, counts once). A complex leaf counts as its real
-# view. On a CPU the mixing runs in numpy: its ufuncs release the GIL and run no intra-op
-# threads, so the checksum threads scale, and a child forked after the parent used torch's
-# intra-op threads never waits on them (it checks NaN and infinity on the bits it reads).
+# checksum = sum over elements e of mix(bits(e) ^ K2 * global_index(e))  (mod 2**64), mix a
+# multiply-xorshift (a bijection, so any changed element changes the sum; the index term makes
+# swapped elements count); why it reshards: docs/concepts/checkpoints.md. A replica counts
+# once; a complex leaf counts as its real view. On a CPU the mixing runs in numpy: its ufuncs
+# release the GIL and run no intra-op threads, so the checksum threads scale and a forked
+# child never waits on torch's intra-op threads (it checks NaN and Inf on the bits it reads).
 
 _K1 = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64
 _K2 = -4658895280553007687  # 0xBF58476D1CE4E5B9
@@ -522,12 +487,8 @@ def local_checks(
 
     One pass over each leaf's memory computes both; no communication. Integer and bool
     leaves are always finite; a DTensor's replica is not counted and reported finite (the
-    rank that counts it checks it). It only reads the leaves, so a save runs it while DCP
-    writes them.
-
-    Args:
-        leaves: The leaves (tensors or DTensors).
-        check_finite: Also check finiteness (else every leaf is reported finite).
+    rank that counts it checks it). With ``check_finite=False`` every leaf is reported
+    finite.
 
     Returns:
         ``(sums, finite)``: CPU 0-d int64 tensors, and one bool per leaf.
@@ -620,9 +581,6 @@ def fingerprint(
     ranks is a per-rank value.
 
     Args:
-        paths: The leaves' paths.
-        leaves: The leaves.
-        group: The process group.
         sums: :func:`local_sums` of the leaves, if already computed.
 
     Returns:
@@ -660,6 +618,10 @@ def fingerprint(
 # ---------------------------------------------------------------------------------------
 
 
+def _meta(x: torch.Tensor) -> dict[str, Any]:
+    return {"dtype": str(x.dtype).removeprefix("torch."), "shape": list(x.shape)}
+
+
 def frozen_entries(
     paths: list[str], leaves: list[torch.Tensor], group: Any
 ) -> tuple[dict[str, dict[str, Any]], list[str]]:
@@ -667,13 +629,7 @@ def frozen_entries(
     those whose (plain) values differ between ranks."""
     checksums, per_rank = fingerprint(paths, leaves, group=group)
     entries = {
-        p: {
-            "dtype": str(x.dtype).removeprefix("torch."),
-            "shape": list(x.shape),
-            "checksum": checksums[p],
-        }
-        for p, x in zip(paths, leaves)
-        if p in checksums
+        p: {**_meta(x), "checksum": checksums[p]} for p, x in zip(paths, leaves) if p in checksums
     }
     return entries, sorted(per_rank)
 
@@ -904,14 +860,10 @@ def write_checkpoint(
             if prints is None:
                 late_sums, late_finite = pending.result()
         if prints is None:
-            sums: list[torch.Tensor] = [torch.zeros((), dtype=torch.int64)] * len(leaves)
-            finite = [True] * len(leaves)
-            for indices, part_sums, part_finite in (
-                (early, early_sums, early_finite),
-                (late, late_sums, late_finite),
-            ):
-                for i, v, ok in zip(indices, part_sums, part_finite):
-                    sums[i], finite[i] = v, ok
+            parts = zip(early + late, early_sums + late_sums, early_finite + late_finite)
+            by_leaf = sorted(parts, key=lambda part: part[0])  # back in leaf order
+            sums = [v for _, v, _ in by_leaf]
+            finite = [ok for _, _, ok in by_leaf]
             if not allow_nonfinite:
                 refuse_nonfinite(paths, finite, step, final, group)
             prints = fingerprint(paths, leaves, group=group, sums=sums)
@@ -961,19 +913,32 @@ def write_checkpoint(
         raise
 
 
-def refuse_swapped_weights(state: Any) -> None:
-    """Refuse a state whose roles hold their EMA in their parameters (a save would store it
-    as the live weights).
+def prepare_save(
+    state: Any, final: Path, writer_threads: Any, group: Any
+) -> tuple[int, list[str], list[torch.Tensor], dict[str, dict[str, Any]]]:
+    """Collective: check a save's arguments, then split off the frozen leaves saved by checksum.
 
-    Raises:
-        CheckpointError: Inside ``fvstep.executor.validation.role_module(weights='ema')``.
+    Returns:
+        ``(writer_threads, paths, leaves, frozen)``: the leaves saved by value and the
+        frozen entries (:func:`split_frozen`).
     """
+    try:
+        writer_threads = operator.index(writer_threads)
+    except TypeError:
+        kind = type(writer_threads).__name__
+        raise TypeError(
+            f"writer_threads must be an integer, got {kind}: {writer_threads!r}"
+        ) from None
+    if writer_threads < 1:
+        raise ValueError(f"writer_threads must be >= 1, got {writer_threads}")
     swapped = roles_holding_other_weights(state)
-    if swapped:
+    if swapped:  # a save would store the EMA as the live weights
         raise CheckpointError(
             f"roles {swapped} hold their EMA in their parameters here (inside "
             "fvstep.executor.validation.role_module(weights='ema')): save after the with block"
         )
+    paths, leaves, _ = flatten_with_paths(state)
+    return (writer_threads, *split_frozen(state, paths, leaves, final, group))
 
 
 def save(
@@ -1016,18 +981,10 @@ def save(
     Examples:
         >>> save(state, "ckpt/step_000000100")
     """
-    writer_threads = check_int(writer_threads, "writer_threads", minimum=1)
-    refuse_swapped_weights(state)
     final = Path(path)
+    writer_threads, paths, leaves, frozen = prepare_save(state, final, writer_threads, group)
     tmp = make_temp_dir(final, overwrite, group)
-    paths, leaves, _ = flatten_with_paths(state)
     step = int(getattr(state, "step", 0))
-    try:
-        paths, leaves, frozen = split_frozen(state, paths, leaves, final, group)
-    except Exception:
-        if rank_and_world(group)[0] == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
     write_checkpoint(
         paths,
         leaves,
@@ -1047,21 +1004,11 @@ def base_digest(base: torch.nn.Module) -> str:
     """The digest of ``base``'s weights that checkpoints record for a frozen role.
 
     Equal to ``read_manifest(path).frozen_digests[role]`` for a role
-    ``Role(base, save_frozen=False)`` saved at ``path``, whatever the world size. Call it on
-    every rank (sharded parameters are checksummed collectively).
-
-    Returns:
-        A hexadecimal SHA-256.
+    ``Role(base, save_frozen=False)`` saved at ``path``, whatever the world size. Every
+    rank calls it (sharded parameters are checksummed collectively).
     """
     named = dict(base.named_parameters())
     checksums, _ = fingerprint(list(named), [p.detach() for p in named.values()])
     return frozen_digest(
-        {
-            n: {
-                "dtype": str(p.dtype).removeprefix("torch."),
-                "shape": list(p.shape),
-                "checksum": checksums.get(n, 0),
-            }
-            for n, p in named.items()
-        }
+        {n: {**_meta(p), "checksum": checksums.get(n, 0)} for n, p in named.items()}
     )

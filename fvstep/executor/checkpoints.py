@@ -36,17 +36,13 @@ class Checkpoints:
         keep: Keep the newest ``keep`` complete checkpoints (``None``: all). When
             :func:`run` returns, exactly ``keep`` remain (also with ``async_save``).
         async_save: Write in the background (:class:`fvstep.checkpoint.AsyncSaver`).
-        on_damaged: What :func:`run` does with a damaged checkpoint newer than the one it
-            resumes from: ``"skip"`` (default) warns
-            (:class:`~fvstep.checkpoint.CheckpointSkippedWarning`), sets it aside as
-            ``step_<n>.damaged`` and tries the next older one; ``"error"`` raises.
+        on_damaged: For a damaged checkpoint newer than the one :func:`run` resumes from:
+            ``"skip"`` warns, sets it aside as ``step_<n>.damaged`` and tries the next
+            older one; ``"error"`` raises (``docs/concepts/checkpoints.md``).
         reset: Leaf paths a resume takes from the initial state instead of the checkpoint
-            (:func:`fvstep.checkpoint.load`'s ``reset``), e.g. ``("extra.stream",)`` to
-            resume a streaming run on another world size with new streams.
-        lock: The lock of ``dir`` (:func:`fvstep.checkpoint.lock_dir`) that the caller
-            took on rank 0 and still holds, left held by :func:`run` (``fvstep train``
-            locks the folder before it writes ``config.yaml``). ``None`` (default, and on
-            the other ranks): :func:`run` takes the lock and releases it when it returns.
+            (:func:`fvstep.checkpoint.load`'s ``reset``), e.g. ``("extra.stream",)``.
+        lock: A lock of ``dir`` (:func:`fvstep.checkpoint.lock_dir`) the caller holds on
+            rank 0, which :func:`run` leaves held; ``None``: :func:`run` takes and releases it.
 
     Examples:
         >>> Checkpoints("runs/a/ckpt", every=100, keep=3, async_save=True)
@@ -165,10 +161,11 @@ def save_run_state(
 ) -> None:
     """Save ``state`` at its step under ``checkpoints.dir`` (in the background with
     ``saver``), then prune to ``checkpoints.keep`` (rank 0)."""
-    path = ckpt.checkpoint_dir(checkpoints.dir, int(state.step))
+    root, step = checkpoints.dir, int(state.step)
+    path = ckpt.checkpoint_dir(root, step)
     if saver is not None:
         saver.save(state, path, overwrite=True)
     else:
         ckpt.save(state, path, overwrite=True)
     if rank_and_world()[0] == 0:
-        ckpt.prune(checkpoints.dir, checkpoints.keep, keep_temp=path.parent / f".tmp-{path.name}")
+        ckpt.prune(root, checkpoints.keep, keep_temp=directories.temp_dir(root, step))
