@@ -274,6 +274,13 @@ def test_merged_export_matches_the_role_up_to_rounding(trained):
     assert set(merge_weights(state, "critic")) == set(net.state_dict())
 
 
+def test_merge_weights_refuses_a_dtype_that_is_not_floating_point(trained):
+    # An integer dtype would cast the merged weights silently (found by review, issue 36).
+    state, _ = trained
+    with pytest.raises(ValueError, match="dtype must be a floating-point"):
+        merge_weights(state, "student", dtype=torch.int8)
+
+
 def peft_model(*, disabled: bool) -> torch.nn.Module:
     """One peft model (adapters in its own module tree, as peft leaves them), its adapter
     away from zero (``init_lora_weights=False``) and on, or disabled."""

@@ -475,12 +475,13 @@ def merge_weights(
 
     Raises:
         ValueError: For a role that is not a LoRA role, a base that is not a role of the
-            state, or an adapter that cannot be merged (DoRA, a non-Linear layer).
+            state, an adapter that cannot be merged (DoRA, a non-Linear layer), or a
+            ``dtype`` that is not floating-point.
 
     Examples:
         >>> net.load_state_dict(merge_weights(state, "student"))
     """
-    _check(state, role, weights, None)
+    _check(state, role, weights, dtype)
     job = ExportJob(state, role, Path(), weights, None, rank0_only, {})
     module = _lora_module(job)
     merges = _merge_names(module)
