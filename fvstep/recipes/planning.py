@@ -39,7 +39,6 @@ __all__ = [
     "Suggestion",
     "block_saved_bytes",
     "calibrate_kernels",
-    "forward_flops",
     "load_kernel_table",
     "meta_transformer",
     "plan_run",
@@ -47,8 +46,6 @@ __all__ = [
 ]
 
 GIB = 2**30
-PLANNED_RECIPES = tuple(RECIPES)
-"""The recipes :func:`plan_run` knows the roles and calls of (every shipped one)."""
 CAUSAL_RECIPES = ("self_forcing", "streaming")
 """The recipes whose student is a causal Wan with a KV cache (no context parallel)."""
 
@@ -60,24 +57,18 @@ CAUSAL_RECIPES = ("self_forcing", "streaming")
 class KernelTable:
     """What one GPU does per second: the rates a step's time is predicted from.
 
+    Rates are TFLOP/s (attention by backend, ``"cudnn"`` or ``"fa4"``; forward + backward
+    counts the backward 2.5x the forward), bandwidths GB/s per GPU.
+
     Attributes:
-        name: ``"h200"``, or the device a calibration ran on.
-        memory_gib: The GPU's memory.
-        attention_forward: Self-attention forward, TFLOP/s, by backend (``"cudnn"``:
-            PyTorch's fastest SDPA kernel; ``"fa4"``: FlashAttention-4).
-        attention_forward_backward: Forward + backward, TFLOP/s (backward counted 2.5x
-            the forward, FlashAttention's count), by backend.
-        gemm: bf16 GEMMs at the model's shapes, TFLOP/s.
-        memory_bandwidth: HBM GB/s an element-wise kernel (the fused AdamW) reaches.
-        host_bandwidth: Host <-> GPU GB/s of pinned copies (activation offloading).
-        interconnect: GB/s per GPU of collectives within a node.
-        network: GB/s per GPU of collectives across nodes.
+        memory_bandwidth: HBM bandwidth an element-wise kernel (the fused AdamW) reaches.
+        host_bandwidth: Pinned host <-> GPU copies (activation offloading).
+        interconnect: Collectives within a node.
+        network: Collectives across nodes.
         elementwise: Time beyond the kernel floor, as a fraction of it (compiled blocks).
         masked_attention_forward: A causal chunk's masked self-attention over its KV
-            cache, TFLOP/s (FLOPs counted over the cache's whole capacity).
-        masked_attention_forward_backward: The same, forward + backward.
+            cache (FLOPs counted over the cache's whole capacity).
         elementwise_eager: :attr:`elementwise` for eager blocks (and cache-filling passes).
-        source: Where the numbers come from.
     """
 
     name: str
@@ -127,11 +118,8 @@ KERNEL_TABLES: dict[str, KernelTable] = {
 
 
 def load_kernel_table(name_or_path: str | None) -> KernelTable:
-    """A shipped kernel table by name, or one written by ``fvstep plan --calibrate``
-    (a missing field gets its default).
-
-    Args:
-        name_or_path: ``"h200"``, ``"h100"``, a JSON file, or ``None`` (the H200's).
+    """A shipped kernel table by name (``None``: the H200's), or a JSON file written by
+    ``fvstep plan --calibrate`` (a missing field gets its default).
 
     Raises:
         ValueError: If it is neither a shipped name nor a readable table.
@@ -154,17 +142,17 @@ def load_kernel_table(name_or_path: str | None) -> KernelTable:
 
 
 def _median_seconds(fn: Any, device: torch.device, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
+    def timed() -> float:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         start = time.perf_counter()
         fn()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
+        return time.perf_counter() - start
+
+    fn()
+    return sorted(timed() for _ in range(repeats))[repeats // 2]
 
 
 def _attention_rates(
@@ -205,16 +193,13 @@ def calibrate_kernels(
 ) -> KernelTable:
     """Measure this machine's attention and GEMM rates at ``shape``'s sizes.
 
-    SDPA (bf16 on CUDA, fp32 elsewhere) forward and forward + backward, a causal chunk's
-    masked attention, and the up-projection's GEMM, each the median of ``repeats`` calls
-    after a warm-up. FlashAttention-4's rate is the H200 table's scaled by the measured
-    SDPA rate; the other fields are the H200 table's.
+    SDPA (bf16 on CUDA, fp32 elsewhere), a causal chunk's masked attention and the
+    up-projection's GEMM, each the median of ``repeats`` calls after a warm-up.
+    FlashAttention-4's rate is the H200's scaled by the measured SDPA rate; the other
+    fields are the H200's.
 
     Args:
-        shape: The model (its heads, head dim and FFN width).
-        device: Where to measure.
         tokens: Sequence length (default: 32,760 on CUDA, 512 elsewhere).
-        repeats: Timed calls per kernel.
 
     Returns:
         The measured table, named after the device.
@@ -260,10 +245,6 @@ class ModelShape:
     """The sizes of a Wan transformer the plan needs, read from its meta module.
 
     Attributes:
-        dim: Hidden width (heads x head dim).
-        patch: ``(frames, height, width)`` patch size.
-        numel: Parameters of the whole model.
-        block_numel: Parameters of one block.
         block_linear_numel: Weights of one block's linear layers.
         linears: ``(name, fan_in, fan_out)`` of every linear layer (and the patch
             embedding, a linear map per token).
@@ -478,28 +459,6 @@ def _tokens_of(name: str, video: float, text: int) -> float:
     return video
 
 
-def forward_flops(shape: ModelShape, video: int, text: int) -> tuple[float, float, float]:
-    """FLOPs of one sample's forward: ``(self-attention, cross-attention, linear layers)``.
-
-    ``2 * weights * tokens`` a linear layer, ``4 * T^2 * D`` a layer's self-attention and
-    ``4 * T * L * D`` its cross-attention; element-wise ops are not counted.
-
-    Args:
-        shape: The model.
-        video: Video tokens ``T`` a sample.
-        text: Text tokens ``L`` a sample.
-
-    Examples:
-        >>> sum(forward_flops(shape, 32760, 512)) / 1e12  # Wan2.1-1.3B, 480x832x81
-        283.0...
-    """
-    token, fixed, _, _ = _linear_flops(shape, text)
-    linear = token * video + fixed
-    self_attention = 4.0 * shape.num_layers * video * video * shape.dim
-    cross_attention = 4.0 * shape.num_layers * video * text * shape.dim
-    return self_attention, cross_attention, linear
-
-
 # ------------------------------------------------------------------ activations
 
 SAVED_BYTES_PER_TOKEN: dict[tuple[str, str], tuple[float, float, float]] = {
@@ -683,16 +642,19 @@ def _roles(recipe: str, options: Any, shape: ModelShape, world: int) -> list[Rol
     frozen_bytes = 2 if frozen_dtype in ("bfloat16", "float16") else 4
     model_bytes = _model_bytes(options)
     ema = options.optim.ema is not None
-    counters = 4.0 * shape.tensors + 8.0  # AdamW's fp32 step a tensor and its int64 count
 
-    def trained(name: str, numel: int, with_ema: bool, note: str) -> RolePlan:
+    def trained(
+        name: str, numel: int, with_ema: bool, note: str,
+        nbytes: int = model_bytes, tensors: int = shape.tensors,
+    ) -> RolePlan:  # fmt: skip
         return RolePlan(
             name, True, numel,
-            weights=numel * model_bytes / world,
-            gradients=numel * model_bytes / world,
-            optimizer=numel * 2 * model_bytes / world + counters,
+            weights=numel * nbytes / world,
+            gradients=numel * nbytes / world,
+            # AdamW's fp32 step a tensor and its int64 count
+            optimizer=numel * 2 * nbytes / world + 4.0 * tensors + 8.0,
             ema=numel * 4 / world + 1 if with_ema else 0.0,  # and its bool "initialized"
-            note=note,
+            note=note + (", EMA" if with_ema else ""),
         )  # fmt: skip
 
     def frozen(name: str, note: str, nbytes: int = frozen_bytes) -> RolePlan:
@@ -701,7 +663,7 @@ def _roles(recipe: str, options: Any, shape: ModelShape, world: int) -> list[Rol
 
     master = f"{'fp32' if model_bytes == 4 else options.model.dtype} masters, AdamW"
     frozen_note = f"frozen, {'bf16' if frozen_bytes == 2 else 'fp32'}"
-    student = trained("student", shape.numel, ema, master + (", EMA" if ema else ""))
+    student = trained("student", shape.numel, ema, master)
     if recipe == "finetune" and not _is_lora(recipe, options):
         return [student]
     if recipe in ("dmd2", *CAUSAL_RECIPES):
@@ -722,20 +684,13 @@ def _roles(recipe: str, options: Any, shape: ModelShape, world: int) -> list[Rol
     numel, _, _ = _lora_numel(shape, lora.rank, lora.targets)
     adapted = len(_lora_layers(shape, lora.targets))
     note = f"LoRA rank {lora.rank} on {', '.join(lora.targets)}, fp32, AdamW"
-
-    def adapter(name: str, with_ema: bool) -> RolePlan:
-        return RolePlan(
-            name, True, numel, numel * 4 / world, numel * 4 / world,
-            numel * 8 / world + 4.0 * 2 * adapted + 8.0,
-            numel * 4 / world + 1 if with_ema else 0.0, note + (", EMA" if with_ema else ""),
-        )  # fmt: skip
-
+    student = trained("student", numel, ema, note, 4, 2 * adapted)
     if recipe == "finetune":
-        return [adapter("student", ema), frozen("base", frozen_note)]
+        return [student, frozen("base", frozen_note)]
     return [
-        adapter("student", ema),
+        student,
         frozen("teacher", frozen_note + " (the one base)"),
-        adapter("critic", False),
+        trained("critic", numel, False, note, 4, 2 * adapted),
     ]
 
 
@@ -1360,7 +1315,7 @@ def plan_run(
     """Plan a run: its memory and step time per GPU, without allocating it.
 
     Args:
-        recipe: A shipped recipe's name (:data:`PLANNED_RECIPES`).
+        recipe: A shipped recipe's name.
         options: The recipe's resolved options (:func:`fvstep.recipes.config.parse_options`).
         nproc: GPUs a node (FSDP2 over all of them when more than one).
         kernels: A :class:`KernelTable`, a shipped table's name or a calibrated table's
@@ -1374,10 +1329,8 @@ def plan_run(
             that does not divide the world, or context parallel where the run cannot have
             it (a causal student; compiled blocks).
     """
-    if recipe not in PLANNED_RECIPES:
-        raise ValueError(
-            f"fvstep plan knows the recipes {', '.join(PLANNED_RECIPES)}, not {recipe!r}"
-        )
+    if recipe not in RECIPES:
+        raise ValueError(f"fvstep plan knows the recipes {', '.join(RECIPES)}, not {recipe!r}")
     if nproc < 1 or nodes < 1:
         raise ValueError(f"--nproc and --nodes must be >= 1, got {nproc} and {nodes}")
     world = nproc * nodes
