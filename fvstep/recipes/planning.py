@@ -729,7 +729,7 @@ class _Phase:
 
     ``samples``: samples a call; ``repeat``: passes a step; ``held``: bytes beyond the
     static ones alive through it; ``transient``: its own short-lived bytes;
-    ``accumulates``: the roles whose earlier passes' gradients it holds."""
+    ``accumulates``: the roles whose earlier passes' gradients it holds (when it repeats)."""
 
     name: str
     calls: tuple[_Call, ...]
@@ -785,9 +785,13 @@ def _cycle(kinds: Sequence[str]) -> dict[str, float]:
     return shares
 
 
-def _every_nth(interval: int) -> tuple[str, ...]:
-    """The kinds of a cycle where the student trains at ``i % interval == 0``."""
-    return tuple("student+critic" if i % interval == 0 else "critic-only" for i in range(interval))
+def _every_nth(interval: int) -> dict[str, float]:
+    """The shares of a cycle where the student trains at ``i % interval == 0``."""
+    return _cycle(["critic-only" if i % interval else "student+critic" for i in range(interval)])
+
+
+_TRAINS = {"student+critic": ("student", "critic"), "critic-only": ("critic",)}
+"""The roles each kind of a distillation step trains."""
 
 
 @attrs.frozen
@@ -809,7 +813,7 @@ def _step_kinds(recipe: str, options: Any, g: _Geometry) -> dict[str, _Kind]:
         calls: tuple[_Call, ...] = (_Call("student", "trained"),)
         if _is_lora(recipe, options):
             calls = (_Call("student", "frozen"),)
-        phase = _Phase("update", calls, per, m, accumulates=("student",) if m > 1 else ())
+        phase = _Phase("update", calls, per, m, accumulates=("student",))
         return {"student": _Kind((phase,), (("student", 1.0),))}
     if recipe in ("dmd2", "lora_dmd2"):
         kinds = {}
@@ -824,7 +828,7 @@ def _step_kinds(recipe: str, options: Any, g: _Geometry) -> dict[str, _Kind]:
                 for r in ("student", "critic")
                 if any(c.role == r and c.kind != "no_grad" for c in calls)
             )
-            phase = _Phase("update", calls, per, m, accumulates=trained if m > 1 else ())
+            phase = _Phase("update", calls, per, m, accumulates=trained)
             kinds[name] = _Kind((phase,), tuple((r, 1.0) for r in trained), share)
         return kinds
     if recipe == "diffusion_nft":
@@ -840,7 +844,7 @@ def _step_kinds(recipe: str, options: Any, g: _Geometry) -> dict[str, _Kind]:
         kept = group * 4.0 * (4 * latents + 2 * text)
         update = _Phase(
             "inner", calls, inner, options.num_inner * options.minibatches * m, held=kept,
-            accumulates=("student",) if m > 1 else (),
+            accumulates=("student",) if m > 1 else (),  # an optimizer step between updates
         )  # fmt: skip
         steps = float(options.num_inner * options.minibatches)
         return {"student": _Kind((rollout, update), (("student", steps),))}
@@ -860,78 +864,57 @@ def _step_kinds(recipe: str, options: Any, g: _Geometry) -> dict[str, _Kind]:
     chunk_bytes = chunk * g.cache_frame
     if recipe == "self_forcing":
         capacity = g.frames  # init_cache(capacity_frames=F): the whole video
-        sample_cache = capacity * g.cache_frame
-        keys = capacity + chunk
-        rollout_calls = (
-            _Call("student", "no_grad", chunks * (exit_mean + 1), chunk, keys),  # steps, exit
-            _Call("student", "no_grad", chunks, chunk, keys, fills="grows"),  # context passes
-        )
-        kinds = {}
-        for name, share in _cycle(_every_nth(options.generator_update_interval)).items():
-            trains = ("student", "critic") if name == "student+critic" else ("critic",)
-            held_grads = trains if m > 1 else ()
-            rollout = _Phase(
-                "rollout", rollout_calls, per, m, held=per * sample_cache,
-                transient=per * (1.5 * sample_cache + 2 * chunk_bytes), accumulates=held_grads,
-            )  # fmt: skip
-            if name == "student+critic":  # the exit steps regenerated under grad, one cache
-                calls = (
-                    _Call("student", "trained", chunks, chunk, keys),
-                    _Call("teacher", "no_grad", 2),
-                    _Call("critic", "no_grad"),
-                    _Call("critic", "trained"),
-                )
-                update = _Phase(
-                    "update", calls, per, m, held=per * sample_cache, accumulates=held_grads
-                )
-            else:  # the rollout's cache is gone before the critic's call
-                update = _Phase(
-                    "update", (_Call("critic", "trained"),), per, m, accumulates=held_grads
-                )
-            kinds[name] = _Kind((rollout, update), tuple((r, 1.0) for r in trains), share)
-        return kinds
-    # streaming: the rollout runs on the rank's whole batch from the stream's cache; the
-    # generator and the critic are two updates, each over the micro-batches
-    capacity = options.window_frames + options.sink_frames
+    else:
+        capacity = options.window_frames + options.sink_frames
     keys = capacity + chunk
     sample_cache = capacity * g.cache_frame
-    evicts = options.steps_per_stream * g.frames > capacity  # some step's rollout evicts
-    window = (capacity + g.frames) * g.cache_frame if evicts else 0.0  # the contexts' buffer
-    new = g.frames * g.cache_frame if evicts else 0.0  # the new frames, kept for the buffer
+    evicts = recipe == "streaming" and options.steps_per_stream * g.frames > capacity
     rollout_calls = (
-        _Call("student", "no_grad", chunks * (exit_mean + 1), chunk, keys),
+        _Call("student", "no_grad", chunks * (exit_mean + 1), chunk, keys),  # steps, exit
         _Call("student", "no_grad", chunks, chunk, keys, fills="evicts" if evicts else "grows"),
+    )  # and the context passes
+    generator = (
+        _Call("student", "trained", chunks, chunk, keys),
+        _Call("teacher", "no_grad", 2),
+        _Call("critic", "no_grad"),
     )
-    # the stream's cache and the one being appended to (and the new frames), then the
-    # append's copies, the contexts' buffer, or a new stream's zeroed cache
-    rollout = _Phase(
-        "rollout", rollout_calls, b, 1, held=b * (2 * sample_cache + new),
-        transient=b * max(1.5 * sample_cache + 2 * chunk_bytes, window or sample_cache),
-    )  # fmt: skip
-    # the stream's cache, the rollout's, and its contexts' buffer (or a new stream's cache)
-    held = b * (2 * sample_cache + (window or sample_cache))
-    generator = _Phase(
-        "generator",
-        (
-            _Call("student", "trained", chunks, chunk, keys),
-            _Call("teacher", "no_grad", 2),
-            _Call("critic", "no_grad"),
-        ),
-        per, m, held=held, accumulates=("student",) if m > 1 else (),
-    )  # fmt: skip
-    critic = _Phase(
-        "critic", (_Call("critic", "trained"),), per, m, held=held,
-        accumulates=("critic",) if m > 1 else (),
-    )  # fmt: skip
-    kinds = {}
-    for name, share in _cycle(_every_nth(options.generator_update_interval)).items():
-        if name == "student+critic":
-            kinds[name] = _Kind(
-                (rollout, generator, critic), (("student", 1.0), ("critic", 1.0)), share
-            )
-        else:
-            kinds[name] = _Kind((rollout, critic), (("critic", 1.0),), share)
-    return kinds
+    critic = (_Call("critic", "trained"),)
+    if recipe == "self_forcing":
+        held = per * sample_cache
+        transient = per * (1.5 * sample_cache + 2 * chunk_bytes)
+        both, alone = _TRAINS["student+critic"], _TRAINS["critic-only"]
+        # the exit steps regenerated under grad beside the critic's update, over one cache;
+        # a critic-only step's rollout cache is gone before the critic's call
+        phases = {
+            "student+critic": (
+                _Phase("rollout", rollout_calls, per, m, held, transient, accumulates=both),
+                _Phase("update", generator + critic, per, m, held, accumulates=both),
+            ),
+            "critic-only": (
+                _Phase("rollout", rollout_calls, per, m, held, transient, accumulates=alone),
+                _Phase("update", critic, per, m, accumulates=alone),
+            ),
+        }
+    else:  # the rollout runs on the rank's whole batch from the stream's cache
+        window = (capacity + g.frames) * g.cache_frame if evicts else 0.0  # the contexts' buffer
+        new = g.frames * g.cache_frame if evicts else 0.0  # the new frames, kept for the buffer
+        # the stream's cache and the one being appended to (and the new frames), then the
+        # append's copies, the contexts' buffer, or a new stream's zeroed cache
+        rollout = _Phase(
+            "rollout", rollout_calls, b, 1, held=b * (2 * sample_cache + new),
+            transient=b * max(1.5 * sample_cache + 2 * chunk_bytes, window or sample_cache),
+        )  # fmt: skip
+        # the stream's cache, the rollout's, and its contexts' buffer (or a new stream's cache)
+        held = b * (2 * sample_cache + (window or sample_cache))
+        updates = (
+            _Phase("generator", generator, per, m, held, accumulates=("student",)),
+            _Phase("critic", critic, per, m, held, accumulates=("critic",)),
+        )
+        phases = {"student+critic": (rollout, *updates), "critic-only": (rollout, updates[1])}
+    return {
+        name: _Kind(phases[name], tuple((r, 1.0) for r in _TRAINS[name]), share)
+        for name, share in _every_nth(options.generator_update_interval).items()
+    }
 
 
 # ------------------------------------------------------------------ the plan
@@ -1227,7 +1210,7 @@ class _Planner:
 
     def phase(self, phase: _Phase, static: float) -> _Cost:
         """A phase's time (all its passes) and its peak (the largest pass)."""
-        s, t, p = self.shape, self.table, self.prepare
+        s, t, p, w = self.shape, self.table, self.prepare, self.world
         bandwidth = t.memory_bandwidth * 1e9
         comm_bw = (t.network if self.nodes > 1 else t.interconnect) * 1e9
         floor = recompute = compute = offload = comm = all_to_all = 0.0
@@ -1238,6 +1221,7 @@ class _Planner:
             q, k = self.tokens(c)
             f, r = self.seconds(c)
             grad = c.kind != "no_grad"
+            passes = 1 if not grad else (2 if p.checkpointing == "none" else 3)
             eager = c.fills is not None or not p.compile
             times = c.count * phase.repeat
             floor += times * n * f
@@ -1247,26 +1231,16 @@ class _Planner:
             cached = 0.0
             if c.keys is not None:  # its pass over the cache's keys; a filling pass's append
                 cached = n * k * s.dim  # key elements a layer
-                passes = 1 if not grad else (2 if p.checkpointing == "none" else 3)
                 per_byte = CACHE_PASS_BYTES["eager" if eager else "compiled"]
                 compute += times * passes * per_byte * cached * s.num_layers / bandwidth
                 if c.fills is not None:
                     filled = (c.keys - (c.frames or 0)) * self.cache_frame * n
                     compute += times * APPEND_COPIES[c.fills] * filled / bandwidth
-            if self.world > 1:  # all-gathers (forward, backward) and reduce-scatters
-                comm += (
-                    times
-                    * s.numel
-                    * 2
-                    * (self.world - 1)
-                    / self.world
-                    / comm_bw
-                    * (3 if grad else 1)
-                )
+            if w > 1:  # all-gathers (forward, backward) and reduce-scatters
+                comm += times * s.numel * 2 * (w - 1) / w / comm_bw * (3 if grad else 1)
             if self.context > 1:  # Ulysses: q, k, v and the output, (tokens, dim) bf16 a layer
                 sent = 4 * s.num_layers * tokens * s.dim * 2 * (self.context - 1) / self.context
-                again = 1 if not grad else (2 if p.checkpointing == "none" else 3)
-                all_to_all += times * again * sent / comm_bw
+                all_to_all += times * passes * sent / comm_bw
             # a cached call's forward also concatenates and rotates the keys (2 + 2 + 6 bytes)
             forward = max(forward, _forward_transient_bytes(s, tokens) + 10.0 * cached)
             if not grad:
