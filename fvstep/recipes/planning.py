@@ -862,10 +862,8 @@ def _step_kinds(recipe: str, options: Any, g: _Geometry) -> dict[str, _Kind]:
     # the denoising steps a chunk runs before its exit step, drawn uniformly
     exit_mean = (len(options.denoising_steps) - 1) / 2
     chunk_bytes = chunk * g.cache_frame
-    if recipe == "self_forcing":
-        capacity = g.frames  # init_cache(capacity_frames=F): the whole video
-    else:
-        capacity = options.window_frames + options.sink_frames
+    # self-forcing's init_cache(capacity_frames=F) holds the whole video
+    capacity = g.frames if recipe == "self_forcing" else options.window_frames + options.sink_frames
     keys = capacity + chunk
     sample_cache = capacity * g.cache_frame
     evicts = recipe == "streaming" and options.steps_per_stream * g.frames > capacity
@@ -885,7 +883,7 @@ def _step_kinds(recipe: str, options: Any, g: _Geometry) -> dict[str, _Kind]:
         both, alone = _TRAINS["student+critic"], _TRAINS["critic-only"]
         # the exit steps regenerated under grad beside the critic's update, over one cache;
         # a critic-only step's rollout cache is gone before the critic's call
-        phases = {
+        phases: dict[str, tuple[_Phase, ...]] = {
             "student+critic": (
                 _Phase("rollout", rollout_calls, per, m, held, transient, accumulates=both),
                 _Phase("update", generator + critic, per, m, held, accumulates=both),
