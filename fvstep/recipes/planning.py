@@ -576,15 +576,11 @@ def _cache_dtype_bytes(options: Any) -> int:
 
 @attrs.frozen
 class RolePlan:
-    """One role's static bytes per GPU.
+    """One role's static bytes per GPU: its weights, AdamW's moments and an EMA copy
+    (and the gradients a trained role adds during a step).
 
     Attributes:
-        trained: Whether an optimizer steps it.
         numel: Its parameters (a LoRA role: its adapters).
-        weights: Stored weights (fp32 masters when trained).
-        gradients: fp32 gradients (trained roles).
-        optimizer: AdamW's two fp32 moments.
-        ema: An fp32 EMA copy.
         note: How it is stored.
     """
 
@@ -794,20 +790,9 @@ _TRAINS = {"student+critic": ("student", "critic"), "critic-only": ("critic",)}
 """The roles each kind of a distillation step trains."""
 
 
-@attrs.frozen
-class _Geometry:
-    """What the kinds of step are laid out from: the video, the batch, the caches."""
-
-    frames: int
-    frame_tokens: int
-    batch: int
-    microbatches: int
-    cache_frame: float  # one sample's KV cache bytes a latent frame
-
-
-def _step_kinds(recipe: str, options: Any, g: _Geometry) -> dict[str, _Kind]:
+def _step_kinds(recipe: str, options: Any, g: _Planner) -> dict[str, _Kind]:
     """The kinds of step of the recipe's method, keyed as :func:`fvstep.plan` names them."""
-    m, b = g.microbatches, g.batch
+    m, b = options.run.microbatches, options.data.batch_size
     per = b / m  # samples a micro-batch
     if recipe == "finetune":
         calls: tuple[_Call, ...] = (_Call("student", "trained"),)
@@ -920,18 +905,15 @@ def _step_kinds(recipe: str, options: Any, g: _Geometry) -> dict[str, _Kind]:
 
 @attrs.frozen
 class StepPlan:
-    """One kind of step of the method: its peak and its time.
+    """One kind of step of the method: its peak (bytes per GPU) and its time (seconds).
 
     Attributes:
         name: ``"student"`` (fine-tune, DiffusionNFT), ``"critic-only"``,
             ``"student+critic"``.
         calls: ``(role, kind)`` of each group of alike model calls, in order.
-        activations: The saved activations at the step's peak, bytes per GPU.
-        transient: The largest transient at the peak, bytes.
-        peak: Predicted ``max_memory_allocated``, bytes.
-        floor: Seconds of the attention and GEMM kernels, no recomputation.
-        recompute: Seconds the checkpointing recomputes.
-        seconds: The predicted step time.
+        activations: The saved activations at the step's peak.
+        peak: Predicted ``max_memory_allocated``.
+        floor: The attention and GEMM kernels, no recomputation.
         share: The fraction of the method's steps of this kind.
         held: Bytes beyond the static ones held at most in the step (caches, rollouts).
     """
@@ -950,21 +932,15 @@ class StepPlan:
 
 @attrs.frozen
 class RunPlan:
-    """A run's predicted memory and time per GPU (:func:`plan_run`).
+    """A run's predicted memory (bytes) and time per GPU (:func:`plan_run`).
 
     Attributes:
         world: GPUs (``nproc * nodes``).
         video_tokens: Video tokens a sample.
-        text_tokens: Text tokens a sample.
-        roles: Static bytes per role.
         block_activations: Saved bytes of one block a trained call keeps.
         blocks_on_gpu: Blocks whose saved activations stay on the GPU.
-        steps: Each kind of step.
-        attention_backend: ``"fa4"`` or ``"cudnn"``.
-        capacity: The GPU's memory, bytes.
         margin: Bytes kept free for the allocator's fragmentation.
         settings: The preparation planned (checkpointing, offload, compile, budget).
-        context: The context-parallel degree.
         cache: The causal recipes' ``(KV cache bytes per GPU, capacity in latent frames,
             bytes per element)``; ``None`` otherwise.
     """
@@ -1021,16 +997,12 @@ class RunPlan:
             "",
             "memory per GPU (GiB)       weights  optimizer      ema  gradients",
         ]
+        columns = ("weights", "optimizer", "ema", "gradients")
         for r in self.roles:
-            lines.append(
-                f"  {r.name:<10} {r.numel / 1e6:10.1f} M {gib(r.weights)} {gib(r.optimizer)} "
-                f"{gib(r.ema)} {gib(r.gradients)}   {r.note}"
-            )
-        tot = [
-            sum(getattr(r, k) for r in self.roles)
-            for k in ("weights", "optimizer", "ema", "gradients")
-        ]
-        lines.append(f"  {'total':<23} {gib(tot[0])} {gib(tot[1])} {gib(tot[2])} {gib(tot[3])}")
+            cells = " ".join(gib(getattr(r, k)) for k in columns)
+            lines.append(f"  {r.name:<10} {r.numel / 1e6:10.1f} M {cells}   {r.note}")
+        totals = " ".join(gib(sum(getattr(r, k) for r in self.roles)) for k in columns)
+        lines.append(f"  {'total':<23} {totals}")
         lines.append(
             f"  saved activations: {self.block_activations / GIB:.3f} GiB a block a trained call, "
             f"{self.blocks_on_gpu} of {self.shape.num_layers} blocks kept on the GPU"
@@ -1124,7 +1096,7 @@ class _Planner:
     video: int
     frames: int
     text: int
-    cache_frame: float
+    cache_frame: float  # one sample's KV cache bytes a latent frame
     fp32_weights: bool
     lora: tuple[int, int, int] | None  # (adapted layers a block, their fan-in, rank)
 
@@ -1354,11 +1326,10 @@ def plan_run(
         fp32_weights=world == 1 and options.model.dtype == "float32" and lora is None,
         lora=lora,
     )  # fmt: skip
-    geometry = _Geometry(frames // pf, frame_tokens, batch, micro, planner.cache_frame)
     static = sum(r.static for r in roles)
     bandwidth = table.memory_bandwidth * 1e9
     steps = []
-    for name, kind in _step_kinds(recipe, options, geometry).items():
+    for name, kind in _step_kinds(recipe, options, planner).items():
         costs = [planner.phase(phase, static) for phase in kind.phases]
         top = max(range(len(costs)), key=lambda i: costs[i].peak)
         total = {f: sum(getattr(c, f) for c in costs) for f in attrs.fields_dict(_Cost)}
@@ -1395,10 +1366,10 @@ def plan_run(
     cache = None
     if recipe in CAUSAL_RECIPES:
         if recipe == "self_forcing":  # a micro-batch's rollout, over the whole video
-            capacity, samples = geometry.frames, batch / micro
+            capacity, samples = planner.frames, batch / micro
         else:  # the stream's, over the rank's batch
             capacity, samples = options.window_frames + options.sink_frames, batch
-        cache = (samples * capacity * geometry.cache_frame, capacity, cache_dtype)
+        cache = (samples * capacity * planner.cache_frame, capacity, cache_dtype)
     return RunPlan(
         recipe, world, shape, video, data.text_shape[0], tuple(roles),
         planner.saved(batch / micro * video / cp), planner.on_gpu, tuple(steps), table,
