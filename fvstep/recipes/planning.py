@@ -474,16 +474,14 @@ SAVED_BYTES_PER_TOKEN: dict[tuple[str, str], tuple[float, float, float]] = {
     ("attention", "fp32"): (12.0, 0.0, 8.0),
     ("narrow", "fp32"): (40.0, 0.0, 8.0),
 }
-"""Bytes a Wan block keeps for its backward per video token, by checkpointing and compute
-dtype: ``a * dim + b * ffn_dim + c * heads`` (docs/plan.md says what each mode keeps)."""
+"""Bytes a Wan block keeps for its backward per video token (docs/plan.md)."""
 
 COMPILED_NONE_FRACTION: tuple[tuple[float, float], ...] = ((0.65, 0.289), (1.0, 0.375))
-"""Compiled blocks without checkpointing: the fraction of eager's ``none`` bytes that
-Inductor's partitioner keeps, by ``compile_memory_budget`` (the first row whose limit is
-above the budget; ``None``: :data:`COMPILED_DEFAULT_FRACTION`). Fitted to measured rows."""
+"""Compiled blocks without checkpointing: the fraction of eager's ``none`` bytes kept,
+``(budget limit, fraction)``, the first row above the budget (docs/plan.md)."""
 
 COMPILED_DEFAULT_FRACTION = 0.65
-"""Compiled blocks, no checkpointing, torch's default budget (fitted to a measured row)."""
+"""The same, at torch's default budget."""
 
 
 def block_saved_bytes(
@@ -499,12 +497,10 @@ def block_saved_bytes(
     """Bytes one Wan block keeps for its backward (:data:`SAVED_BYTES_PER_TOKEN`).
 
     Args:
-        shape: The model.
         tokens: Video tokens of the micro-batch (all its samples).
         checkpointing: ``"none"``, ``"full"``, ``"selective"``, ``"attention"``, ``"narrow"``.
         compute: ``"bf16"`` (autocast or FSDP2's bf16 parameters) or ``"fp32"``.
-        compiled: Whether the block is compiled (changes ``"none"`` only: the
-            partitioner's choice, :data:`COMPILED_NONE_FRACTION`).
+        compiled: Whether the block is compiled (changes ``"none"`` only).
         memory_budget: Inductor's activation memory budget (compiled ``"none"`` only).
         fp32_weights: Whether bf16 compute casts fp32 weights (one process under
             autocast: the casts are kept for the backward under ``"none"``).
@@ -540,20 +536,17 @@ def _forward_transient_bytes(shape: ModelShape, tokens: float) -> float:
 
 CACHE_PASS_BYTES: dict[str, float] = {"compiled": 8.0, "eager": 46.0}
 """Bytes a causal chunk's cached call moves per key element it reads (keys x ``dim``,
-every layer) beyond its attention and GEMMs: selecting, concatenating and rotating the
-keys, compiled (one fused pass) or eager. Counted from the ops (docs/plan.md)."""
+every layer) beyond its attention and GEMMs, compiled or eager (docs/plan.md)."""
 
 APPEND_COPIES: dict[str, float] = {"grows": 3.5, "evicts": 6.0}
-"""Cache-sized copies (read + write) of one cache-filling pass's append
-(``causal_wan._append``), when the cache grows or evicts; counted from the code."""
+"""Cache-sized copies of one cache-filling pass's append, as the cache grows or evicts."""
 
 CACHED_TRANSIENT_BYTES = 14.0
-"""A cached call's backward's short-lived bytes per key element (keys x ``dim``) beyond
-:func:`_transient_bytes`: concatenated, rotated keys and values and their gradients."""
+"""A cached call's backward's short-lived bytes per key element (docs/plan.md)."""
 
 ROTARY_SAVED_BYTES = 16.0
 """Bytes a cached call under grad keeps per key and head dimension: its fp32 rotary
-tables and the table they are sliced from (held by the checkpoint)."""
+tables and the table they are sliced from."""
 
 
 def _cache_frame_bytes(shape: ModelShape, frame_tokens: int, dtype_bytes: int) -> float:
@@ -1331,7 +1324,7 @@ def plan_run(
     steps = []
     for name, kind in _step_kinds(recipe, options, planner).items():
         costs = [planner.phase(phase, static) for phase in kind.phases]
-        top = max(range(len(costs)), key=lambda i: costs[i].peak)
+        top = max(costs, key=lambda c: c.peak)
         total = {f: sum(getattr(c, f) for c in costs) for f in attrs.fields_dict(_Cost)}
         optimizer = sum(  # the fused AdamW: 36 bytes a parameter, each optimizer step
             count * planner.roles[role].numel * 36.0 / world / bandwidth
@@ -1343,20 +1336,14 @@ def plan_run(
             ) / bandwidth
         seconds = max(total["compute"], total["offload"], total["comm"])
         seconds += total["all_to_all"] + optimizer
+        calls = tuple((c.role, c.kind) for p in kind.phases for c in p.calls)
+        held = max(phase.held for phase in kind.phases)
         steps.append(
             StepPlan(
-                name,
-                tuple((c.role, c.kind) for p in kind.phases for c in p.calls),
-                costs[top].activations,
-                costs[top].transient,
-                costs[top].peak,
-                total["floor"],
-                total["recompute"],
-                seconds,
-                kind.share,
-                max(phase.held for phase in kind.phases),
+                name, calls, top.activations, top.transient, top.peak, total["floor"],
+                total["recompute"], seconds, kind.share, held,
             )
-        )
+        )  # fmt: skip
     settings = {
         "compute": compute, "checkpointing": prepare.checkpointing,
         "checkpoint_every": prepare.checkpoint_every,
@@ -1438,10 +1425,8 @@ def suggest_changes(
             layouts.append((n, m))
     prepare = options.prepare
     for n, m in layouts:
-        degrees = [cp_now]
-        if recipe not in CAUSAL_RECIPES:  # a causal student cannot be context-parallel
-            degrees += [d for d in (2, 4, 8) if d != cp_now and d <= n and n % d == 0]
-        for cp in degrees:
+        # plan_run refuses a context-parallel causal student
+        for cp in [cp_now, *(d for d in (2, 4, 8) if d != cp_now and d <= n and n % d == 0)]:
             for mode in ("none", "selective", "narrow", "attention", "full"):
                 for offload in (0, 4, 2, 1):
                     flags = []
