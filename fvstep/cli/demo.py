@@ -1,8 +1,6 @@
 """``fvstep demo``: a tiny DMD2 distillation that interrupts itself, resumes and proves it.
 
-This module is the command (options, output directory, ranks, the summary, in which every
-number was observed on the runs); :mod:`fvstep.cli.demo_runs` is its work.
-"""
+The command and its summary; :mod:`fvstep.cli.demo_runs` is its work."""
 
 from __future__ import annotations
 
@@ -78,10 +76,10 @@ def run_demo(
         overwrite: replace the output of an earlier demo in --out (else the demo refuses)
 
     Returns:
-        The exit code: 0 when the resumed run equals the uninterrupted one bitwise, else 1.
+        0 when the resumed run equals the uninterrupted one bitwise, else 1.
 
     Raises:
-        CLIError: an option is out of range, or ``--out`` is not writable or holds an
+        CLIError: An option is out of range, or ``--out`` is not writable or holds an
             earlier demo's output without ``--overwrite``.
 
     Example:

@@ -1,10 +1,8 @@
-"""The work of ``fvstep demo``: a tiny DMD2 distillation run twice, interrupted and not.
+"""The work of ``fvstep demo``: a tiny DMD2 distillation (FSDP2 on several ranks) run twice.
 
-Both runs (a tiny Wan student, frozen teacher and critic; FSDP2 on several ranks) start
-alike; the *interrupted* one crashes before ``crash_at`` and a fresh process state resumes
-it from the newest checkpoint. Both validate as they go (a held-out loss, and a one-step
-sample written under ``<run>/media/``: validation changes nothing). The demo then checks
-the two final states are bitwise equal, and plots their losses with the resume point.
+The *interrupted* run crashes before ``crash_at`` and resumes from its newest checkpoint;
+both validate as they go. The demo checks the two final states are bitwise equal, and
+plots their losses with the resume point.
 """
 
 from __future__ import annotations
@@ -38,8 +36,7 @@ VAL_LOSS_NOTE = (
     "DMD2 trains the student as a one-step generator matched to the teacher, not this "
     "loss: it may rise as the student leaves the teacher's velocity field"
 )
-"""Why the demo's ``val/loss`` (the student's flow-matching loss on held-out latents) need
-not fall: printed in the summary and on the plot."""
+"""Why the demo's ``val/loss`` need not fall (the summary prints it)."""
 
 
 @attrs.frozen
@@ -68,8 +65,7 @@ def _crash_at(num_steps: int, every: int) -> int:
 
 def min_steps(every: int) -> int:
     """The fewest steps a demo with checkpoints every ``every`` steps can run: its crash
-    must fall after the first checkpoint (so that there is one to resume from) and before
-    the last step (so that the restart has steps to run)."""
+    must fall after the first checkpoint and before the last step."""
     num_steps = 1
     while not _crash_at(num_steps, every) < num_steps:
         num_steps += 1
@@ -110,8 +106,7 @@ def _setup(config: DemoConfig, sharded: bool) -> tuple[fs.TrainState, fs.Step, S
 
 
 def _tiny_vae(seed: int) -> torch.nn.Module:
-    """A tiny ``AutoencoderKLWan`` for the demo's latents (4 channels; 2x4x4 latents decode
-    to 5 frames of 32x32), built from a config on the CPU."""
+    """A tiny ``AutoencoderKLWan`` for the demo's 4-channel latents, on the CPU."""
     with needs_extra("demo", "fvstep demo"):
         from diffusers import AutoencoderKLWan
 
@@ -154,9 +149,8 @@ def _dir_bytes(path: Path) -> int:
 
 
 def _interruptible(world: int) -> None:
-    """Ctrl-C ends the demo at once, with no traceback on any rank: on one rank as
-    ``KeyboardInterrupt`` (the CLI's one line), on several by the signals' default actions
-    (the launcher prints the line). The demo saves nothing on a signal."""
+    """Ctrl-C ends the demo at once, with no traceback on any rank (one rank raises
+    ``KeyboardInterrupt``; several die by the signals' default actions)."""
     if world > 1:
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -180,13 +174,8 @@ def _collectives(path: Path) -> dict[str, int]:
 
 
 def run_demo(config: DemoConfig) -> dict[str, Any]:
-    """Run both runs on this rank and return a summary of what ran (called on every rank).
-
-    Returns:
-        ``{"equal": bool, "first_difference": str | None, "crashed_before": int,
-        "resumed_from": int, "checkpoints_at_crash": [...], ...}``: the steps are those
-        observed (the crash raised, the checkpoint the restart loaded), not planned.
-    """
+    """Run both runs on this rank (called on every rank) and return what was observed:
+    ``{"equal": bool, "crashed_before": int, "resumed_from": int, ...}``."""
     rank, world = parallel.rank_and_world()
     _interruptible(world)
     # FSDP2 warns that the Wan model returns a view; nothing here modifies it in place.
@@ -261,11 +250,8 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 
 def plot_losses(out: str | Path, *, resumed_from: int, crashed_before: int) -> Path | None:
-    """Plot both runs' training losses and validation loss, marking the crash and the
-    resume; return the PNG.
-
-    Returns ``None`` if matplotlib is not installed.
-    """
+    """Plot both runs' losses, marking the crash and the resume; the PNG, or ``None``
+    without matplotlib."""
     try:
         import matplotlib
 

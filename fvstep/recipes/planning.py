@@ -91,24 +91,23 @@ class KernelTable:
         return json.dumps(attrs.asdict(self), indent=2)
 
 
+_H200 = KernelTable(
+    name="h200",
+    memory_gib=139.8,
+    attention_forward={"cudnn": 567.0, "fa4": 718.0},
+    attention_forward_backward={"cudnn": 538.0, "fa4": 645.0},
+    gemm=700.0,
+    source="one H200, torch 2.11, at 32,760 tokens (docs/benchmarks.md: cuDNN "
+    "538 TFLOP/s forward+backward, FA4 645, the model's bf16 GEMMs 647-729; a causal "
+    "chunk's masked attention over its cache 352 forward, 331 forward+backward, from "
+    "the streaming kernel profile)",
+)
 KERNEL_TABLES: dict[str, KernelTable] = {
-    "h200": KernelTable(
-        name="h200",
-        memory_gib=139.8,
-        attention_forward={"cudnn": 567.0, "fa4": 718.0},
-        attention_forward_backward={"cudnn": 538.0, "fa4": 645.0},
-        gemm=700.0,
-        source="one H200, torch 2.11, at 32,760 tokens (docs/benchmarks.md: cuDNN "
-        "538 TFLOP/s forward+backward, FA4 645, the model's bf16 GEMMs 647-729; a causal "
-        "chunk's masked attention over its cache 352 forward, 331 forward+backward, from "
-        "the streaming kernel profile)",
-    ),
-    "h100": KernelTable(
+    "h200": _H200,
+    "h100": attrs.evolve(
+        _H200,
         name="h100",
         memory_gib=79.6,
-        attention_forward={"cudnn": 567.0, "fa4": 718.0},
-        attention_forward_backward={"cudnn": 538.0, "fa4": 645.0},
-        gemm=700.0,
         memory_bandwidth=2200.0,
         source="the H200's kernel rates (same SMs and clocks; not measured on an H100) "
         "with the H100's 80 GB and HBM3 bandwidth",
@@ -608,8 +607,8 @@ def _lora_layers(shape: ModelShape, targets: Sequence[str]) -> list[tuple[str, i
 
 
 def _lora_numel(shape: ModelShape, rank: int, targets: Sequence[str]) -> tuple[int, int, int]:
-    """``(adapter parameters, adapted layers on video tokens a block, their fan-in a
-    block)`` of one adapter (blocks 0's layers stand for every block's)."""
+    """``(adapter parameters, adapted layers on video tokens a block, their fan-in)`` of
+    one adapter (block 0 stands for every block)."""
     numel, layers, fan_in = 0, 0, 0
     for name, i, o in _lora_layers(shape, targets):
         numel += rank * (i + o)
@@ -650,7 +649,8 @@ def _roles(recipe: str, options: Any, shape: ModelShape, world: int) -> list[Rol
         stored = _stored_bytes(shape, nbytes)
         return RolePlan(name, False, shape.numel, stored / world, 0, 0, 0, note)
 
-    master = f"{'fp32' if model_bytes == 4 else options.model.dtype} masters, AdamW"
+    model_dtype = "fp32" if model_bytes == 4 else options.model.dtype
+    master = f"{model_dtype} masters, AdamW"
     frozen_note = f"frozen, {'bf16' if frozen_bytes == 2 else 'fp32'}"
     student = trained("student", shape.numel, ema, master)
     if recipe == "finetune" and not _is_lora(recipe, options):
@@ -664,8 +664,7 @@ def _roles(recipe: str, options: Any, shape: ModelShape, world: int) -> list[Rol
             trained("critic", shape.numel, False, master),
         ]
     if recipe == "diffusion_nft":
-        old_note = f"frozen, {'fp32' if model_bytes == 4 else options.model.dtype} (blended)"
-        roles = [student, frozen("old", old_note, model_bytes)]
+        roles = [student, frozen("old", f"frozen, {model_dtype} (blended)", model_bytes)]
         if options.kl_weight > 0:
             roles.append(frozen("reference", frozen_note))
         return roles
@@ -1369,12 +1368,8 @@ def plan_run(
 
 @attrs.frozen
 class Suggestion:
-    """A change that makes a run fit, and its plan.
-
-    Attributes:
-        change: The flags that make it (``--prepare.checkpointing narrow``).
-        plan: The re-planned run.
-    """
+    """A change that makes a run fit (its flags: ``--prepare.checkpointing narrow``), and
+    the re-planned run."""
 
     change: str
     plan: RunPlan
