@@ -193,23 +193,19 @@ def _steps_text(steps: list[int]) -> str:
 
 def _validation_line(out: Path) -> str:
     """``val/loss`` from its first to its last value, and why it need not fall."""
-    import json
+    from fvstep.cli.demo_runs import VAL_LOSS_NOTE, read_metrics
 
-    from fvstep.cli.demo_runs import VAL_LOSS_NOTE
-
-    lines = (out / "interrupted" / "metrics.jsonl").read_text().splitlines()
-    values = [row["val/loss"] for row in map(json.loads, lines) if "val/loss" in row]
+    rows = read_metrics(out / "interrupted")
+    values = [row["val/loss"] for row in rows if "val/loss" in row]
     if not values:
         return "none logged"
     return f"val/loss {values[0]:.4f} -> {values[-1]:.4f} (the student's flow-matching loss on held-out latents): {VAL_LOSS_NOTE}"
 
 
 def _last_losses(out: Path) -> str:
-    import json
+    from fvstep.cli.demo_runs import read_metrics
 
-    lines = (out / "interrupted" / "metrics.jsonl").read_text().splitlines()
     last: dict[str, float] = {}
-    for line in lines:
-        row = json.loads(line)
+    for row in read_metrics(out / "interrupted"):
         last.update({k: v for k, v in row.items() if k.endswith("/loss")})
     return ", ".join(f"{k} {v:.4f}" for k, v in sorted(last.items()))

@@ -30,7 +30,7 @@ from fvstep.methods import dmd2
 from fvstep.methods.models import synthetic_batch, tiny_wan
 from fvstep.testing import CrashAt
 
-__all__ = ["VAL_LOSS_NOTE", "DemoConfig", "min_steps", "plot_losses", "run_demo"]
+__all__ = ["VAL_LOSS_NOTE", "DemoConfig", "min_steps", "plot_losses", "read_metrics", "run_demo"]
 
 VAL_LOSS_NOTE = (
     "DMD2 trains the student as a one-step generator matched to the teacher, not this "
@@ -165,7 +165,7 @@ def _steps(path: Path) -> list[int]:
 def _collectives(path: Path) -> dict[str, int]:
     """The largest count of each kind of collective in one step of a run's metrics."""
     most: dict[str, int] = {}
-    for row in _read_jsonl(path / "metrics.jsonl"):
+    for row in read_metrics(path):
         for k, v in row.items():
             if k.startswith("collectives/") and not k.endswith("_bytes"):
                 kind = k.removeprefix("collectives/")
@@ -200,18 +200,12 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
     if rank == 0:
         print(f"[2/3] interrupted run: simulated crash before step {config.crash_at}", flush=True)
     state, step, data = _setup(config, sharded)
-    crashed_before = None
+    crashing = CrashAt(data, config.crash_at)
     try:
-        fs.run_until(
-            step,
-            state,
-            CrashAt(data, config.crash_at),
-            checkpoints=checkpoints_b,
-            **run_options,
-        )
+        fs.run_until(step, state, crashing, checkpoints=checkpoints_b, **run_options)
     except SimulatedCrash:
         crashed_before = config.crash_at
-    if crashed_before is None:
+    else:
         raise RuntimeError(f"the interrupted run did not crash before step {config.crash_at}")
     checkpoints_at_crash = _steps(checkpoints_b.dir)
     if rank == 0:
@@ -245,8 +239,10 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
     }
 
 
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+def read_metrics(run: Path) -> list[dict[str, Any]]:
+    """The rows of a run's ``metrics.jsonl``."""
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines if line.strip()]
 
 
 def plot_losses(out: str | Path, *, resumed_from: int, crashed_before: int) -> Path | None:
@@ -261,8 +257,8 @@ def plot_losses(out: str | Path, *, resumed_from: int, crashed_before: int) -> P
         return None
     out = Path(out)
     runs = {
-        "uninterrupted": _read_jsonl(out / "uninterrupted" / "metrics.jsonl"),
-        "interrupted + resumed": _read_jsonl(out / "interrupted" / "metrics.jsonl"),
+        "uninterrupted": read_metrics(out / "uninterrupted"),
+        "interrupted + resumed": read_metrics(out / "interrupted"),
     }
     fig, axes = plt.subplots(1, 3, figsize=(15, 4), sharex=True)
     for ax, metric in zip(axes, ["critic/loss", "student/loss", "val/loss"]):

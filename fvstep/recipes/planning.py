@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import json
 import math
 import time
@@ -154,35 +155,6 @@ def _median_seconds(fn: Any, device: torch.device, repeats: int) -> float:
     return sorted(timed() for _ in range(repeats))[repeats // 2]
 
 
-def _attention_rates(
-    h: int, d: int, queries: int, keys: int, device: torch.device, dtype: torch.dtype,
-    repeats: int, *, masked: bool,
-) -> tuple[float, float]:  # fmt: skip
-    """SDPA's forward and forward + backward TFLOP/s at ``queries x keys``; ``masked``:
-    with a boolean ``(1, keys)`` mask of filled slots, as a causal chunk's cached call."""
-    q = torch.randn(1, h, queries, d, device=device, dtype=dtype, requires_grad=True)
-    k, v = (
-        torch.randn(1, h, keys, d, device=device, dtype=dtype, requires_grad=True) for _ in "kv"
-    )
-    mask = None
-    if masked:
-        mask = (torch.arange(keys, device=device) < keys - queries // 2)[None]
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-
-    def forward() -> None:
-        with torch.no_grad():
-            sdpa(q, k, v, attn_mask=mask)
-
-    def both() -> None:
-        out = sdpa(q, k, v, attn_mask=mask)
-        torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
-
-    flops = 4.0 * queries * keys * h * d
-    f = flops / _median_seconds(forward, device, repeats) / 1e12
-    fb = 3.5 * flops / _median_seconds(both, device, repeats) / 1e12
-    return f, fb
-
-
 def calibrate_kernels(
     shape: ModelShape,
     *,
@@ -208,11 +180,32 @@ def calibrate_kernels(
     dtype = torch.bfloat16 if cuda else torch.float32
     t = tokens or (32760 if cuda else 512)
     h, d = shape.num_heads, shape.head_dim
-    attention_f, attention_fb = _attention_rates(h, d, t, t, device, dtype, repeats, masked=False)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def rates(queries: int, keys: int, masked: bool) -> tuple[float, float]:
+        """SDPA's forward and forward + backward TFLOP/s; ``masked``: with a ``(1, keys)``
+        mask of filled slots, as a causal chunk's cached call."""
+        q = torch.randn(1, h, queries, d, device=device, dtype=dtype, requires_grad=True)
+        k, v = (
+            torch.randn(1, h, keys, d, device=device, dtype=dtype, requires_grad=True) for _ in "kv"
+        )
+        mask = (torch.arange(keys, device=device) < keys - queries // 2)[None] if masked else None
+
+        def forward() -> None:
+            with torch.no_grad():
+                sdpa(q, k, v, attn_mask=mask)
+
+        def both() -> None:
+            out = sdpa(q, k, v, attn_mask=mask)
+            torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+
+        flops = 4.0 * queries * keys * h * d
+        f = flops / _median_seconds(forward, device, repeats) / 1e12
+        return f, 3.5 * flops / _median_seconds(both, device, repeats) / 1e12
+
+    attention_f, attention_fb = rates(t, t, masked=False)
     chunk = max(1, t // 7)
-    masked_f, masked_fb = _attention_rates(
-        h, d, chunk, t + chunk, device, dtype, repeats, masked=True
-    )
+    masked_f, masked_fb = rates(chunk, t + chunk, masked=True)
     x = torch.randn(t, shape.dim, device=device, dtype=dtype)
     w = torch.randn(shape.ffn_dim, shape.dim, device=device, dtype=dtype)
     gemm = 2.0 * t * shape.dim * shape.ffn_dim / _median_seconds(lambda: x @ w.t(), device, 3)
@@ -520,17 +513,6 @@ def block_saved_bytes(
                 fraction = next(f for limit, f in COMPILED_NONE_FRACTION if memory_budget < limit)
             saved *= fraction
     return saved
-
-
-def _transient_bytes(shape: ModelShape, tokens: float) -> float:
-    """The largest short-lived buffers of a block's backward (its hidden stream's and
-    feed-forward's gradients): 8 bytes per token per ``dim + ffn_dim``, fitted."""
-    return 8.0 * tokens * (shape.dim + shape.ffn_dim)
-
-
-def _forward_transient_bytes(shape: ModelShape, tokens: float) -> float:
-    """A no-grad forward's largest buffers: the up-projection and GELU outputs (bf16)."""
-    return 4.0 * tokens * shape.ffn_dim + 8.0 * tokens * shape.dim
 
 
 CACHE_PASS_BYTES: dict[str, float] = {"compiled": 8.0, "eager": 46.0}
@@ -1203,8 +1185,9 @@ class _Planner:
             if self.context > 1:  # Ulysses: q, k, v and the output, (tokens, dim) bf16 a layer
                 sent = 4 * s.num_layers * tokens * s.dim * 2 * (self.context - 1) / self.context
                 all_to_all += times * passes * sent / comm_bw
-            # a cached call's forward also concatenates and rotates the keys (2 + 2 + 6 bytes)
-            forward = max(forward, _forward_transient_bytes(s, tokens) + 10.0 * cached)
+            # a forward's largest buffers: the up-projection and GELU outputs (bf16); a cached
+            # call's also concatenates and rotates the keys (2 + 2 + 6 bytes)
+            forward = max(forward, 4.0 * tokens * s.ffn_dim + 8.0 * tokens * s.dim + 10.0 * cached)
             if not grad:
                 continue
             block = self.saved(tokens)
@@ -1212,10 +1195,9 @@ class _Planner:
             if c.keys is not None:  # the rotary tables its checkpoint keeps
                 acts += c.count * ROTARY_SAVED_BYTES * n * k * s.head_dim
             offload += times * 2 * self.offloaded * block / (t.host_bandwidth * 1e9)
-            transient = max(
-                transient,
-                _transient_bytes(s, tokens) + CACHED_TRANSIENT_BYTES * cached + self.lora_casts(tokens),
-            )  # fmt: skip
+            # a backward's: the hidden stream's and feed-forward's gradients (fitted)
+            buffers = 8.0 * tokens * (s.dim + s.ffn_dim) + CACHED_TRANSIENT_BYTES * cached
+            transient = max(transient, buffers + self.lora_casts(tokens))
             if self.roles[c.role].trained:
                 trained.add(c.role)
         held_grads = 0.0
@@ -1419,31 +1401,30 @@ def suggest_changes(
         if n * m > nproc * nodes and (n, m) not in layouts:
             layouts.append((n, m))
     prepare = options.prepare
+    modes = ("none", "selective", "narrow", "attention", "full")
     for n, m in layouts:
         # plan_run refuses a context-parallel causal student
-        for cp in [cp_now, *(d for d in (2, 4, 8) if d != cp_now and d <= n and n % d == 0)]:
-            for mode in ("none", "selective", "narrow", "attention", "full"):
-                for offload in (0, 4, 2, 1):
-                    flags = []
-                    if mode != prepare.checkpointing:
-                        flags.append(f"--prepare.checkpointing {mode}")
-                    if offload != prepare.offload_activations_every:
-                        flags.append(f"--prepare.offload_activations_every {offload}")
-                    if (n, m) != (nproc, nodes):
-                        flags.append(f"--nproc {n}" + (f" --nodes {m}" if m > 1 else ""))
-                    changes: dict[str, Any] = {
-                        "prepare.checkpointing": mode,
-                        "prepare.offload_activations_every": offload,
-                    }
-                    if cp != cp_now:
-                        flags.append(f"--context {cp} (each sample over {cp} GPUs)")
-                        if cp > 1 and prepare.compile:  # context parallel runs eagerly
-                            flags.append("--prepare.compile false")
-                            changes["prepare.compile"] = False
-                    if not flags:
-                        continue
-                    opts = _options_with(options, **changes)
-                    consider(" ".join(flags), recipe, opts, n, m, len(flags), cp)
+        degrees = [cp_now, *(d for d in (2, 4, 8) if d != cp_now and d <= n and n % d == 0)]
+        for cp, mode, offload in itertools.product(degrees, modes, (0, 4, 2, 1)):
+            flags = []
+            if mode != prepare.checkpointing:
+                flags.append(f"--prepare.checkpointing {mode}")
+            if offload != prepare.offload_activations_every:
+                flags.append(f"--prepare.offload_activations_every {offload}")
+            if (n, m) != (nproc, nodes):
+                flags.append(f"--nproc {n}" + (f" --nodes {m}" if m > 1 else ""))
+            changes: dict[str, Any] = {
+                "prepare.checkpointing": mode,
+                "prepare.offload_activations_every": offload,
+            }
+            if cp != cp_now:
+                flags.append(f"--context {cp} (each sample over {cp} GPUs)")
+                if cp > 1 and prepare.compile:  # context parallel runs eagerly
+                    flags.append("--prepare.compile false")
+                    changes["prepare.compile"] = False
+            if flags:
+                opts = _options_with(options, **changes)
+                consider(" ".join(flags), recipe, opts, n, m, len(flags), cp)
     if recipe == "finetune" and not options.lora.rank:
         opts = _options_with(options, **{"lora.rank": 64, "lora.alpha": 64})
         consider("--lora.rank 64 --lora.alpha 64", recipe, opts, nproc, nodes, 2, cp_now)
