@@ -101,13 +101,11 @@ def run_demo(
     start = time.perf_counter()
     summary = run_on_ranks(demo_runs.run_demo, config, nproc)[0]
     elapsed = time.perf_counter() - start
-    if int(os.environ.get("RANK", "0")) != 0:
-        return 0 if summary["equal"] else 1
-    png = plot_losses(
-        folder, resumed_from=summary["resumed_from"], crashed_before=summary["crashed_before"]
-    )
-    for line in _demo_summary(config, summary, png, elapsed):
-        print(line)
+    if int(os.environ.get("RANK", "0")) == 0:
+        png = plot_losses(
+            folder, resumed_from=summary["resumed_from"], crashed_before=summary["crashed_before"]
+        )
+        print("\n".join(_demo_summary(config, summary, png, elapsed)))
     return 0 if summary["equal"] else 1
 
 
@@ -149,12 +147,10 @@ def _demo_summary(
         ("plot", str(png) if png else "matplotlib not installed: no plot"),
         ("time", f"{elapsed:.1f} s"),
     ]
-    if summary["equal"]:
-        rows.append(
-            ("verdict", "RESUMED RUN == UNINTERRUPTED RUN, bitwise (every leaf, every rank)")
-        )
-    else:
-        rows.append(("verdict", f"DIFFERENT: {summary['first_difference']}"))
+    verdict = "RESUMED RUN == UNINTERRUPTED RUN, bitwise (every leaf, every rank)"
+    rows.append(
+        ("verdict", verdict if summary["equal"] else f"DIFFERENT: {summary['first_difference']}")
+    )
     title = "fvstep demo — DMD2 (student, frozen teacher, critic) on a tiny Wan transformer"
     return ["", title, *(f"  {name:<19}  {text}" for name, text in rows)]
 

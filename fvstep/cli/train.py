@@ -153,13 +153,6 @@ def _train_rank(argv: Sequence[str]) -> dict[str, Any]:
     return _train(recipe, options, own["dry_run"])
 
 
-def _newest(out: str) -> str:
-    from fvstep.checkpoint import latest
-
-    newest = latest(out)
-    return str(newest) if newest is not None else "none"
-
-
 def run_train_command(argv: Sequence[str]) -> int:
     """Run ``fvstep train`` with ``argv`` (the words after ``train``)."""
     recipe, options, own = parse_recipe_args("train", run_train, argv)
@@ -211,6 +204,8 @@ def run_train(
         except Exception as e:
             import signal
 
+            from fvstep.checkpoint import latest
+
             sigval = getattr(e, "sigval", None)
             stops = (signal.SIGTERM, signal.SIGINT)
             if type(e).__name__ != "SignalException" or sigval not in stops:
@@ -218,7 +213,7 @@ def run_train(
             print(
                 f"fvstep train: stopped by {signal.Signals(sigval).name}; each rank saves at "
                 f"the step boundary before it exits (newest checkpoint now: "
-                f"{_newest(options.run.out)}): run the same command again to resume",
+                f"{latest(options.run.out) or 'none'}): run the same command again to resume",
                 file=sys.stderr,
             )
             return EXIT_INTERRUPTED
