@@ -782,13 +782,8 @@ def _step_kinds(recipe: str, options: Any, g: _Planner) -> dict[str, _Kind]:
                 calls = tuple(
                     attrs.evolve(c, kind="frozen") if c.kind == "trained" else c for c in calls
                 )
-            trained = tuple(
-                r
-                for r in ("student", "critic")
-                if any(c.role == r and c.kind != "no_grad" for c in calls)
-            )
-            phase = _Phase("update", calls, per, m, accumulates=trained)
-            kinds[name] = _Kind((phase,), tuple((r, 1.0) for r in trained), share)
+            phase = _Phase("update", calls, per, m, accumulates=_TRAINS[name])
+            kinds[name] = _Kind((phase,), tuple((r, 1.0) for r in _TRAINS[name]), share)
         return kinds
     if recipe == "diffusion_nft":
         group = b * options.group_size  # rollouts a step
