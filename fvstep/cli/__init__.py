@@ -1,9 +1,8 @@
 """The ``fvstep`` command line: the table of commands and the dispatch.
 
-A command is a function whose signature is its options: jsonargparse builds its parser and
-``--help`` from it (:func:`fvstep.cli.common.command_parser`); ``train`` and ``plan`` add
-the recipe's options. Errors are one line on stderr and a non-zero exit (``--debug``: the
-traceback); Ctrl-C exits 130. Each command imports what it needs (``--help`` imports no torch).
+A command is a function whose signature is its options
+(:func:`fvstep.cli.common.command_parser`); ``train`` and ``plan`` add the recipe's. Each
+command imports what it needs (``--help`` imports no torch); :func:`main` lists the exit codes.
 """
 
 from __future__ import annotations
@@ -32,8 +31,7 @@ COMMANDS: dict[str, Any] = {
     "verify-compile": run_verify_compile,
     "data": {"encode": run_encode},
 }
-"""The commands by name: a function of its options (its signature is its parser), or a
-table of commands (``fvstep data encode``)."""
+"""The commands by name: a function of its options, or a table of commands."""
 
 _ABOUT = {
     "fvstep": "Training methods as pure steps, with exact resume.",
@@ -45,8 +43,7 @@ _OF_WORDS = {run_train: run_train_command, run_plan: run_plan_command}
 
 
 def _run(prog: str, commands: dict[str, Any], argv: list[str]) -> int:
-    """Run the command that ``argv``'s first word that is no option names, on the words
-    after it; the words up to it go to a parser that lists the commands (``--help``)."""
+    """Run the command ``argv``'s first word that is no option names, on the words after it."""
     parser = Parser(prog, _ABOUT[prog])
     if prog == "fvstep":
         parser.add_argument("--debug", action="store_true", help="show tracebacks")
@@ -76,9 +73,8 @@ def _version() -> str:
 
 
 def _close_process_group() -> None:
-    """Under torchrun, wait for every rank and destroy the process group before exit: a
-    gloo group left to interpreter shutdown can abort a rank ("terminate called without an
-    active exception"). Nothing is imported when no group was created."""
+    """Destroy the process group before exit: a gloo group left to interpreter shutdown
+    can abort a rank ("terminate called without an active exception")."""
     if "torch.distributed" in sys.modules:
         from fvstep.parallel import destroy
 
@@ -92,9 +88,9 @@ def main(argv: list[str] | None = None) -> int:
         argv: the arguments after the program name (default: ``sys.argv[1:]``).
 
     Returns:
-        The exit code: the command's (0 on success; ``fvstep train``: 75 when a signal
-        stopped the run after it saved), 2 for a user error (one line on stderr), 1 for
-        any other error, 130 on Ctrl-C.
+        The command's exit code (0 on success; ``fvstep train``: 75 when a signal stopped
+        the run after it saved), 2 for a user error (one line on stderr), 1 for another
+        error (``--debug``: the traceback), 130 on Ctrl-C.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
@@ -127,8 +123,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _say_interrupted() -> None:
-    """One line; on a terminal on a line of its own, not glued to a rank's progress bar
-    (drawn with carriage returns, no newline, by another process)."""
+    """One line; on a terminal on a line of its own, not glued to a rank's progress bar."""
     start = "\n" if sys.stderr.isatty() else ""
     print(f"{start}fvstep: interrupted", file=sys.stderr)
 

@@ -1,12 +1,6 @@
-"""What the commands of :mod:`fvstep.cli` share: the parser, the user error, option checks,
-and ranks.
-
-A command's options are the signature of its function: jsonargparse builds the parser and
-its ``--help`` from the annotations and the docstring's ``Args`` (:func:`command_parser`),
-as it builds a recipe's from its options dataclass. A command runs its work on every rank:
-in place under ``torchrun`` (which sets ``WORLD_SIZE``), else on ranks launched through
-torch.distributed's elastic launcher. Nothing heavy is imported up front (``fvstep --help``
-stays fast).
+"""What the commands of :mod:`fvstep.cli` share: the parser built from a command's signature
+(:func:`command_parser`), option checks, and running on every rank (in place under
+``torchrun``, else on ranks launched by torch.distributed's elastic launcher).
 """
 
 from __future__ import annotations
@@ -35,11 +29,9 @@ __all__ = [
 
 
 class Parser(ArgumentParser):
-    """jsonargparse's parser, with argparse's spellings for the options of a command's
-    signature (:meth:`add_signature`): ``--dashed-names``, a ``bool`` that defaults to
-    False as a bare flag (``--overwrite``), a list as several values (``--interrupt 3 6``).
-    Other options, a recipe's keys among them, keep jsonargparse's (``--run.num_steps 8``).
-    """
+    """jsonargparse's parser, with argparse's spellings for a command's signature
+    (``--dashed-names``, bare ``bool`` flags, a list as several values); a recipe's keys
+    keep jsonargparse's (``--run.num_steps 8``)."""
 
     def __init__(self, prog: str, description: str | None = None) -> None:
         super().__init__(
@@ -47,8 +39,7 @@ class Parser(ArgumentParser):
         )
 
     def add_signature(self, fn: Callable[..., Any], skip: Sequence[str] = ()) -> None:
-        """Add the parameters of ``fn`` as options (its required positional ones as
-        positional arguments), each with its ``Args`` description as help."""
+        """Add ``fn``'s parameters as options, each with its ``Args`` description as help."""
         self._signature = typing.get_type_hints(fn)
         try:
             self.add_function_arguments(fn, as_group=False, as_positional=True, skip=set(skip))
@@ -72,9 +63,8 @@ class Parser(ArgumentParser):
 
 
 def command_parser(fn: Callable[..., Any], prog: str, skip: Sequence[str] = ()) -> Parser:
-    """The parser of a command whose options are the parameters of ``fn`` (``skip`` aside):
-    its description is the docstring up to ``Args:``; ``--debug`` (read by
-    :func:`fvstep.cli.main`) is accepted too.
+    """The parser of a command whose options are ``fn``'s parameters (``skip`` aside), its
+    description ``fn``'s docstring up to ``Args:``, and ``--debug``.
 
     Example:
         >>> from fvstep.cli.demo import run_demo
@@ -92,8 +82,7 @@ def parse(parser: ArgumentParser, argv: Sequence[str]) -> Any:
     (a recipe's) instantiated.
 
     Raises:
-        CLIError: For a bad option, in one line: the parser's message, the closest option
-            to each unknown one, and where the options are listed.
+        CLIError: For a bad option (one line, naming the closest option).
     """
     try:
         namespace = parser.instantiate(parser.parse_args(list(argv)))
@@ -105,9 +94,8 @@ def parse(parser: ArgumentParser, argv: Sequence[str]) -> Any:
 
 
 def did_you_mean(parser: ArgumentParser, argv: Sequence[str]) -> str:
-    """``": did you mean --optim.lr?"`` for each flag of ``argv`` that is no option of
-    ``parser`` but close to one (difflib over the options, then over their last dotted
-    parts: ``--lr`` is ``--optim.lr``); ``""`` when none is.
+    """``": did you mean --optim.lr?"`` for each unknown flag of ``argv`` close to an option
+    (by difflib, then by its last dotted part); ``""`` when none is.
 
     Example:
         >>> from fvstep.cli.demo import run_demo
@@ -138,8 +126,7 @@ def did_you_mean(parser: ArgumentParser, argv: Sequence[str]) -> str:
 
 
 def check_positive(**values: int) -> None:
-    """Refuse (``CLIError``, naming the option) a value below 1; ``values`` by the option's
-    name (``num_steps`` for ``--num-steps``)."""
+    """Refuse (``CLIError``) a value below 1, naming its option (``num_steps``: ``--num-steps``)."""
     for name, value in values.items():
         if value < 1:
             raise CLIError(f"fvstep: --{name.replace('_', '-')} must be >= 1, got {value}")
@@ -150,33 +137,31 @@ def under_launcher() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
-def from_rank0(value: Any) -> Any:
-    """Rank 0's (picklable) ``value`` on every rank under ``torchrun``, the process group
-    initialised from the environment (also a barrier); else ``value``."""
-    if not under_launcher():
-        return value
+def _gather(make: Callable[[], Any]) -> list[Any]:
+    """Every rank's ``make()``, called once the process group is initialised from the
+    environment."""
     from fvstep.parallel import gather_objects, init_from_env
 
     init_from_env()
-    return gather_objects(value)[0]
+    return gather_objects(make())
+
+
+def from_rank0(value: Any) -> Any:
+    """Rank 0's (picklable) ``value`` on every rank under ``torchrun`` (also a barrier);
+    else ``value``."""
+    return _gather(lambda: value)[0] if under_launcher() else value
 
 
 def run_on_ranks(fn: Any, arg: Any, nproc: int) -> list[Any]:
-    """Every rank's ``fn(arg)``: in place (under ``torchrun``, gathered), or on launched ranks.
+    """Every rank's ``fn(arg)``, by rank: in place (under ``torchrun``, gathered), or on
+    ``nproc`` launched ranks (1: in place).
 
     Args:
         fn: a module-level function (the launched ranks import it by name).
         arg: its one argument (picklable).
-        nproc: how many ranks to launch when not under ``torchrun`` (1: run in place).
-
-    Returns:
-        ``fn(arg)`` of each rank, by rank.
     """
     if under_launcher():
-        from fvstep.parallel import gather_objects, init_from_env
-
-        init_from_env()
-        return gather_objects(fn(arg))
+        return _gather(lambda: fn(arg))
     if nproc == 1:
         return [fn(arg)]
     import logging

@@ -1,8 +1,6 @@
 """``fvstep demo``: a tiny DMD2 distillation that interrupts itself, resumes and proves it.
 
-This module is the command (options, output directory, ranks, the summary, in which every
-number was observed on the runs); :mod:`fvstep.cli.demo_runs` is its work.
-"""
+The command and its summary; :mod:`fvstep.cli.demo_runs` is its work."""
 
 from __future__ import annotations
 
@@ -78,10 +76,10 @@ def run_demo(
         overwrite: replace the output of an earlier demo in --out (else the demo refuses)
 
     Returns:
-        The exit code: 0 when the resumed run equals the uninterrupted one bitwise, else 1.
+        0 when the resumed run equals the uninterrupted one bitwise, else 1.
 
     Raises:
-        CLIError: an option is out of range, or ``--out`` is not writable or holds an
+        CLIError: An option is out of range, or ``--out`` is not writable or holds an
             earlier demo's output without ``--overwrite``.
 
     Example:
@@ -103,13 +101,11 @@ def run_demo(
     start = time.perf_counter()
     summary = run_on_ranks(demo_runs.run_demo, config, nproc)[0]
     elapsed = time.perf_counter() - start
-    if int(os.environ.get("RANK", "0")) != 0:
-        return 0 if summary["equal"] else 1
-    png = plot_losses(
-        folder, resumed_from=summary["resumed_from"], crashed_before=summary["crashed_before"]
-    )
-    for line in _demo_summary(config, summary, png, elapsed):
-        print(line)
+    if int(os.environ.get("RANK", "0")) == 0:
+        png = plot_losses(
+            folder, resumed_from=summary["resumed_from"], crashed_before=summary["crashed_before"]
+        )
+        print("\n".join(_demo_summary(config, summary, png, elapsed)))
     return 0 if summary["equal"] else 1
 
 
@@ -151,12 +147,10 @@ def _demo_summary(
         ("plot", str(png) if png else "matplotlib not installed: no plot"),
         ("time", f"{elapsed:.1f} s"),
     ]
-    if summary["equal"]:
-        rows.append(
-            ("verdict", "RESUMED RUN == UNINTERRUPTED RUN, bitwise (every leaf, every rank)")
-        )
-    else:
-        rows.append(("verdict", f"DIFFERENT: {summary['first_difference']}"))
+    verdict = "RESUMED RUN == UNINTERRUPTED RUN, bitwise (every leaf, every rank)"
+    rows.append(
+        ("verdict", verdict if summary["equal"] else f"DIFFERENT: {summary['first_difference']}")
+    )
     title = "fvstep demo — DMD2 (student, frozen teacher, critic) on a tiny Wan transformer"
     return ["", title, *(f"  {name:<19}  {text}" for name, text in rows)]
 
@@ -195,23 +189,19 @@ def _steps_text(steps: list[int]) -> str:
 
 def _validation_line(out: Path) -> str:
     """``val/loss`` from its first to its last value, and why it need not fall."""
-    import json
+    from fvstep.cli.demo_runs import VAL_LOSS_NOTE, read_metrics
 
-    from fvstep.cli.demo_runs import VAL_LOSS_NOTE
-
-    lines = (out / "interrupted" / "metrics.jsonl").read_text().splitlines()
-    values = [row["val/loss"] for row in map(json.loads, lines) if "val/loss" in row]
+    rows = read_metrics(out / "interrupted")
+    values = [row["val/loss"] for row in rows if "val/loss" in row]
     if not values:
         return "none logged"
     return f"val/loss {values[0]:.4f} -> {values[-1]:.4f} (the student's flow-matching loss on held-out latents): {VAL_LOSS_NOTE}"
 
 
 def _last_losses(out: Path) -> str:
-    import json
+    from fvstep.cli.demo_runs import read_metrics
 
-    lines = (out / "interrupted" / "metrics.jsonl").read_text().splitlines()
     last: dict[str, float] = {}
-    for line in lines:
-        row = json.loads(line)
+    for row in read_metrics(out / "interrupted"):
         last.update({k: v for k, v in row.items() if k.endswith("/loss")})
     return ", ".join(f"{k} {v:.4f}" for k, v in sorted(last.items()))

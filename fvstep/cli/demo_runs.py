@@ -1,10 +1,8 @@
-"""The work of ``fvstep demo``: a tiny DMD2 distillation run twice, interrupted and not.
+"""The work of ``fvstep demo``: a tiny DMD2 distillation (FSDP2 on several ranks) run twice.
 
-Both runs (a tiny Wan student, frozen teacher and critic; FSDP2 on several ranks) start
-alike; the *interrupted* one crashes before ``crash_at`` and a fresh process state resumes
-it from the newest checkpoint. Both validate as they go (a held-out loss, and a one-step
-sample written under ``<run>/media/``: validation changes nothing). The demo then checks
-the two final states are bitwise equal, and plots their losses with the resume point.
+The *interrupted* run crashes before ``crash_at`` and resumes from its newest checkpoint;
+both validate as they go. The demo checks the two final states are bitwise equal, and
+plots their losses with the resume point.
 """
 
 from __future__ import annotations
@@ -32,14 +30,13 @@ from fvstep.methods import dmd2
 from fvstep.methods.models import synthetic_batch, tiny_wan
 from fvstep.testing import CrashAt
 
-__all__ = ["VAL_LOSS_NOTE", "DemoConfig", "min_steps", "plot_losses", "run_demo"]
+__all__ = ["VAL_LOSS_NOTE", "DemoConfig", "min_steps", "plot_losses", "read_metrics", "run_demo"]
 
 VAL_LOSS_NOTE = (
     "DMD2 trains the student as a one-step generator matched to the teacher, not this "
     "loss: it may rise as the student leaves the teacher's velocity field"
 )
-"""Why the demo's ``val/loss`` (the student's flow-matching loss on held-out latents) need
-not fall: printed in the summary and on the plot."""
+"""Why the demo's ``val/loss`` need not fall (the summary prints it)."""
 
 
 @attrs.frozen
@@ -68,8 +65,7 @@ def _crash_at(num_steps: int, every: int) -> int:
 
 def min_steps(every: int) -> int:
     """The fewest steps a demo with checkpoints every ``every`` steps can run: its crash
-    must fall after the first checkpoint (so that there is one to resume from) and before
-    the last step (so that the restart has steps to run)."""
+    must fall after the first checkpoint and before the last step."""
     num_steps = 1
     while not _crash_at(num_steps, every) < num_steps:
         num_steps += 1
@@ -110,8 +106,7 @@ def _setup(config: DemoConfig, sharded: bool) -> tuple[fs.TrainState, fs.Step, S
 
 
 def _tiny_vae(seed: int) -> torch.nn.Module:
-    """A tiny ``AutoencoderKLWan`` for the demo's latents (4 channels; 2x4x4 latents decode
-    to 5 frames of 32x32), built from a config on the CPU."""
+    """A tiny ``AutoencoderKLWan`` for the demo's 4-channel latents, on the CPU."""
     with needs_extra("demo", "fvstep demo"):
         from diffusers import AutoencoderKLWan
 
@@ -154,9 +149,8 @@ def _dir_bytes(path: Path) -> int:
 
 
 def _interruptible(world: int) -> None:
-    """Ctrl-C ends the demo at once, with no traceback on any rank: on one rank as
-    ``KeyboardInterrupt`` (the CLI's one line), on several by the signals' default actions
-    (the launcher prints the line). The demo saves nothing on a signal."""
+    """Ctrl-C ends the demo at once, with no traceback on any rank (one rank raises
+    ``KeyboardInterrupt``; several die by the signals' default actions)."""
     if world > 1:
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -171,7 +165,7 @@ def _steps(path: Path) -> list[int]:
 def _collectives(path: Path) -> dict[str, int]:
     """The largest count of each kind of collective in one step of a run's metrics."""
     most: dict[str, int] = {}
-    for row in _read_jsonl(path / "metrics.jsonl"):
+    for row in read_metrics(path):
         for k, v in row.items():
             if k.startswith("collectives/") and not k.endswith("_bytes"):
                 kind = k.removeprefix("collectives/")
@@ -180,13 +174,8 @@ def _collectives(path: Path) -> dict[str, int]:
 
 
 def run_demo(config: DemoConfig) -> dict[str, Any]:
-    """Run both runs on this rank and return a summary of what ran (called on every rank).
-
-    Returns:
-        ``{"equal": bool, "first_difference": str | None, "crashed_before": int,
-        "resumed_from": int, "checkpoints_at_crash": [...], ...}``: the steps are those
-        observed (the crash raised, the checkpoint the restart loaded), not planned.
-    """
+    """Run both runs on this rank (called on every rank) and return what was observed:
+    ``{"equal": bool, "crashed_before": int, "resumed_from": int, ...}``."""
     rank, world = parallel.rank_and_world()
     _interruptible(world)
     # FSDP2 warns that the Wan model returns a view; nothing here modifies it in place.
@@ -211,18 +200,12 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
     if rank == 0:
         print(f"[2/3] interrupted run: simulated crash before step {config.crash_at}", flush=True)
     state, step, data = _setup(config, sharded)
-    crashed_before = None
+    crashing = CrashAt(data, config.crash_at)
     try:
-        fs.run_until(
-            step,
-            state,
-            CrashAt(data, config.crash_at),
-            checkpoints=checkpoints_b,
-            **run_options,
-        )
+        fs.run_until(step, state, crashing, checkpoints=checkpoints_b, **run_options)
     except SimulatedCrash:
         crashed_before = config.crash_at
-    if crashed_before is None:
+    else:
         raise RuntimeError(f"the interrupted run did not crash before step {config.crash_at}")
     checkpoints_at_crash = _steps(checkpoints_b.dir)
     if rank == 0:
@@ -256,16 +239,15 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
     }
 
 
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+def read_metrics(run: Path) -> list[dict[str, Any]]:
+    """The rows of a run's ``metrics.jsonl``."""
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines if line.strip()]
 
 
 def plot_losses(out: str | Path, *, resumed_from: int, crashed_before: int) -> Path | None:
-    """Plot both runs' training losses and validation loss, marking the crash and the
-    resume; return the PNG.
-
-    Returns ``None`` if matplotlib is not installed.
-    """
+    """Plot both runs' losses, marking the crash and the resume; the PNG, or ``None``
+    without matplotlib."""
     try:
         import matplotlib
 
@@ -275,8 +257,8 @@ def plot_losses(out: str | Path, *, resumed_from: int, crashed_before: int) -> P
         return None
     out = Path(out)
     runs = {
-        "uninterrupted": _read_jsonl(out / "uninterrupted" / "metrics.jsonl"),
-        "interrupted + resumed": _read_jsonl(out / "interrupted" / "metrics.jsonl"),
+        "uninterrupted": read_metrics(out / "uninterrupted"),
+        "interrupted + resumed": read_metrics(out / "interrupted"),
     }
     fig, axes = plt.subplots(1, 3, figsize=(15, 4), sharex=True)
     for ax, metric in zip(axes, ["critic/loss", "student/loss", "val/loss"]):

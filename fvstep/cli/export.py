@@ -1,10 +1,9 @@
 """``fvstep export CHECKPOINT --out DIR``: a trained role of a ``fvstep train`` run, for
-inference.
+inference (:func:`run_export`).
 
 The run's ``config.yaml`` rebuilds the state's structure (its ``model.path`` must still be
-there; a frozen base saved by digest is verified against it), the checkpoint is loaded into
-it, and one role is written by :func:`fvstep.checkpoint.export` (:func:`run_export`). Run it
-on one process (a checkpoint saved on several ranks reshards on load), or under ``torchrun``.
+there), the checkpoint is loaded into it (resharded on one process), and
+:func:`fvstep.checkpoint.export` writes the role.
 """
 
 from __future__ import annotations
@@ -89,8 +88,7 @@ def run_export(
 
     Raises:
         CLIError: For a checkpoint without its run's config, ``--format pipeline``
-            without ``--base``, or an export the library refuses (a role that is not a
-            LoRA role for ``lora``, an existing ``--out`` without ``--overwrite``, ...).
+            without ``--base``, or an export :func:`fvstep.checkpoint.export` refuses.
 
     Example:
         $ fvstep export runs/finetune --out exports/pipe --format pipeline --base tiny-wan

@@ -1,9 +1,5 @@
-"""``fvstep plan RECIPE``: a run's memory and step time per GPU, before it allocates.
-
-It reads the recipe's options as ``fvstep train`` does and prints
-:func:`fvstep.recipes.planning.plan_run`'s plan, and, when the run does not fit,
-:func:`~fvstep.recipes.planning.suggest_changes`' (:func:`run_plan`).
-"""
+"""``fvstep plan RECIPE``: :func:`fvstep.recipes.planning.plan_run`'s plan of a run, read
+as ``fvstep train`` reads it, and the changes that make it fit (:func:`run_plan`)."""
 
 from __future__ import annotations
 
@@ -17,8 +13,7 @@ __all__ = ["run_plan", "run_plan_command"]
 
 
 def run_plan_command(argv: Sequence[str]) -> int:
-    """Run ``fvstep plan`` with ``argv`` (the words after ``plan``): :func:`run_plan` with
-    what :func:`fvstep.cli.train.parse_recipe_args` read."""
+    """Run ``fvstep plan`` with ``argv`` (the words after ``plan``)."""
     _, options, own = parse_recipe_args("plan", run_plan, argv)
     return run_plan(recipe_name(argv), options, **own)
 
@@ -39,8 +34,6 @@ def run_plan(
     fit, the changes that make it fit are listed, fastest first.
 
     Args:
-        name: the recipe's name
-        options: its options
         nproc: GPUs a node
         nodes: nodes
         context: context-parallel degree: each sample's tokens over this many GPUs
@@ -56,6 +49,8 @@ def run_plan(
     Example:
         $ fvstep plan dmd2 --nproc 8 --config examples/wan2.1_1.3b_dmd2.yaml
     """
+    from pathlib import Path
+
     from fvstep.recipes import planning
 
     if calibrate is not None:
@@ -64,23 +59,18 @@ def run_plan(
         device = "cuda" if torch.cuda.is_available() else "cpu"
         shape = planning.ModelShape.of(planning.meta_transformer(options.model))
         table = planning.calibrate_kernels(shape, device=device)
-        from pathlib import Path
-
         Path(calibrate).write_text(table.to_json())
         print(f"fvstep plan: wrote the kernel table of {table.name} to {calibrate}")
         return 0
+    layout: dict[str, Any] = dict(nproc=nproc, nodes=nodes, kernels=kernels, context=context)
     try:
-        plan = planning.plan_run(
-            name, options, nproc=nproc, nodes=nodes, kernels=kernels, context=context
-        )
+        plan = planning.plan_run(name, options, **layout)
     except ValueError as e:
         raise CLIError(f"fvstep plan: {e}") from None
     print(plan.format())
     if plan.fits:
         return 0
-    found = planning.suggest_changes(
-        name, options, nproc=nproc, nodes=nodes, kernels=kernels, context=context
-    )
+    found = planning.suggest_changes(name, options, **layout)
     if not found:
         print("\nno change tried makes it fit (docs/plan.md lists what is tried)")
         return 1

@@ -1,9 +1,7 @@
-"""``fvstep train RECIPE [--config F] [--key value ...]``: run a recipe.
+"""``fvstep train RECIPE [--config F] [--key value ...]``: run a recipe (:func:`run_train`).
 
-One parser (:func:`recipe_parser`; ``fvstep plan`` uses it too) reads the recipe's options
-(:mod:`fvstep.recipes.config`) and the keyword parameters of :func:`run_train`. With
-``--nproc N`` it launches N local ranks, each parsing the words again; under ``torchrun``
-it runs in place on each rank. :func:`run_train` lists the exit codes.
+:func:`recipe_parser` (``fvstep plan`` uses it too) reads the recipe's options and the
+command's own; with ``--nproc N`` each of N launched ranks parses the words again.
 """
 
 from __future__ import annotations
@@ -47,9 +45,7 @@ def recipe_parser(
     command: str, fn: Callable[..., Any], argv: Sequence[str]
 ) -> tuple[Recipe, Parser, list[str]]:
     """The recipe that ``argv`` (the words after ``fvstep COMMAND``) names, the parser of
-    the command for it, and the words it parses (those after the recipe's name). The
-    parser reads the command's own options (the keyword-only parameters of ``fn``),
-    ``--config`` and the recipe's keys.
+    its options, ``--config`` and ``fn``'s keyword-only parameters, and the words to parse.
 
     Raises:
         CLIError: For an unknown recipe.
@@ -78,8 +74,8 @@ def recipe_parser(
 def parse_recipe_args(
     command: str, fn: Callable[..., Any], argv: Sequence[str]
 ) -> tuple[Recipe, Any, dict[str, Any]]:
-    """``argv`` (the words after ``fvstep COMMAND``) parsed by :func:`recipe_parser`'s
-    parser: the recipe, its options, and the command's own options (by name).
+    """``argv`` parsed by :func:`recipe_parser`'s parser: the recipe, its options, and the
+    command's own options (by name).
 
     Raises:
         CLIError: For an unknown recipe, key or value (naming the closest key).
@@ -99,9 +95,7 @@ def parse_recipe_args(
 
 
 def _check_options(name: str, options: Any) -> None:
-    """What a run would refuse before it starts, refused before it writes anything: a path
-    that holds nothing, an ``init_from`` state past ``run.num_steps``, samples without a
-    VAE, LoRA options that would train nothing."""
+    """What a run would refuse before it starts, refused before it writes anything."""
     from fvstep.recipes.init import check_init_state
     from fvstep.recipes.parts import check_lora, check_paths
     from fvstep.recipes.samples import check_samples
@@ -115,7 +109,7 @@ def _check_options(name: str, options: Any) -> None:
 
 def _check_before_launch(recipe: Any, options: Any, nproc: int) -> None:
     """What the launched ranks would refuse, refused here (exit code 2, not a failed
-    rank's 1): a wrong path, a folder another run holds, a refused config change."""
+    rank's 1)."""
     from pathlib import Path
 
     from fvstep.checkpoint import lock_dir
@@ -159,16 +153,8 @@ def _train_rank(argv: Sequence[str]) -> dict[str, Any]:
     return _train(recipe, options, own["dry_run"])
 
 
-def _newest(out: str) -> str:
-    from fvstep.checkpoint import latest
-
-    newest = latest(out)
-    return str(newest) if newest is not None else "none"
-
-
 def run_train_command(argv: Sequence[str]) -> int:
-    """Run ``fvstep train`` with ``argv`` (the words after ``train``): :func:`run_train`
-    with what :func:`parse_recipe_args` read."""
+    """Run ``fvstep train`` with ``argv`` (the words after ``train``)."""
     recipe, options, own = parse_recipe_args("train", run_train, argv)
     return run_train(recipe, options, argv, **own)
 
@@ -189,8 +175,6 @@ def run_train(
     resume); 2 a user error; 1 another error.
 
     Args:
-        recipe: the recipe
-        options: its options
         argv: the words after ``train``, which each launched rank parses again
         nproc: local ranks to launch (under torchrun: in place on each)
         dry_run: print the resolved config and the plan of the first steps
@@ -220,16 +204,16 @@ def run_train(
         except Exception as e:
             import signal
 
+            from fvstep.checkpoint import latest
+
             sigval = getattr(e, "sigval", None)
-            if type(e).__name__ != "SignalException" or sigval not in (
-                signal.SIGTERM,
-                signal.SIGINT,
-            ):
+            stops = (signal.SIGTERM, signal.SIGINT)
+            if type(e).__name__ != "SignalException" or sigval not in stops:
                 raise
             print(
                 f"fvstep train: stopped by {signal.Signals(sigval).name}; each rank saves at "
                 f"the step boundary before it exits (newest checkpoint now: "
-                f"{_newest(options.run.out)}): run the same command again to resume",
+                f"{latest(options.run.out) or 'none'}): run the same command again to resume",
                 file=sys.stderr,
             )
             return EXIT_INTERRUPTED

@@ -1,10 +1,6 @@
-"""``fvstep verify-resume`` and ``fvstep verify-compile``: checks of a user's own code.
-
-Each command loads ``MODULE:FACTORY`` (``MODULE`` importable from the working directory)
-and runs one law on what the factory returns: the resume law of
-:func:`fvstep.testing.assert_resume_exact` on ``(state, step_fn, data)``, on one rank or
-several; compiled gradients against eager ones (:func:`fvstep.testing.check_compiled_gradients`)
-on ``(module, args)`` or ``(module, args, kwargs)``.
+"""``fvstep verify-resume`` and ``fvstep verify-compile``: the laws of
+:func:`fvstep.testing.assert_resume_exact` and :func:`fvstep.testing.check_compiled_gradients`
+on what a user's ``MODULE:FACTORY`` (importable from the working directory) returns.
 """
 
 from __future__ import annotations
@@ -19,6 +15,10 @@ from fvstep.cli.common import check_positive, from_rank0, run_on_ranks
 from fvstep.core.errors import CLIError
 
 __all__ = ["run_verify_compile", "run_verify_resume"]
+
+_WHERE_TO_LOOK = """\
+  Look for state the step reads that is not in the TrainState: a global RNG draw outside
+  the step, a counter kept on an object, data that is not a function of the step."""
 
 
 def _load_factory(spec: str) -> Any:
@@ -96,11 +96,11 @@ def run_verify_resume(
         workdir: checkpoint directory (default: a temp dir)
 
     Returns:
-        The exit code: 0 when every interrupted run resumes to the uninterrupted one
-        bitwise, else 1 (rank 0 prints the first difference and where to look).
+        0 when every interrupted run resumes to the uninterrupted one bitwise, else 1
+        (rank 0 prints the first difference and where to look).
 
     Raises:
-        CLIError: an option is out of range, or the factory cannot be imported or returns
+        CLIError: An option is out of range, or the factory cannot be imported or returns
             something other than ``(state, step_fn, data)``.
 
     Example:
@@ -130,12 +130,7 @@ def run_verify_resume(
     if failure is None:
         print(f"resume is exact: {factory} ({where})")
         return 0
-    print(f"resume is NOT exact: {factory} ({where})")
-    print(f"  {failure}")
-    print(
-        "  Look for state the step reads that is not in the TrainState: a global RNG draw outside"
-    )
-    print("  the step, a counter kept on an object, data that is not a function of the step.")
+    print(f"resume is NOT exact: {factory} ({where})\n  {failure}\n{_WHERE_TO_LOOK}")
     return 1
 
 
@@ -153,12 +148,12 @@ def run_verify_compile(
         seed: the cotangent's seed
 
     Returns:
-        The exit code: 0 when every block's compiled gradients match the eager ones within
-        the threshold, else 1 (the mismatches are printed).
+        0 when every block's compiled gradients match the eager ones within the
+        threshold, else 1 (the mismatches are printed).
 
     Raises:
-        CLIError: ``--threshold`` is not positive, or the factory cannot be imported or returns
-            something other than ``(module, args)`` or ``(module, args, kwargs)``.
+        CLIError: ``--threshold`` is not positive, or the factory cannot be imported or
+            returns something other than ``(module, args)`` or ``(module, args, kwargs)``.
 
     Example:
         $ fvstep verify-compile my_model:factory --threshold 30

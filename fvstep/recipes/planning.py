@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import json
 import math
 import time
@@ -39,7 +40,6 @@ __all__ = [
     "Suggestion",
     "block_saved_bytes",
     "calibrate_kernels",
-    "forward_flops",
     "load_kernel_table",
     "meta_transformer",
     "plan_run",
@@ -47,8 +47,6 @@ __all__ = [
 ]
 
 GIB = 2**30
-PLANNED_RECIPES = tuple(RECIPES)
-"""The recipes :func:`plan_run` knows the roles and calls of (every shipped one)."""
 CAUSAL_RECIPES = ("self_forcing", "streaming")
 """The recipes whose student is a causal Wan with a KV cache (no context parallel)."""
 
@@ -60,24 +58,18 @@ CAUSAL_RECIPES = ("self_forcing", "streaming")
 class KernelTable:
     """What one GPU does per second: the rates a step's time is predicted from.
 
+    Rates are TFLOP/s (attention by backend, ``"cudnn"`` or ``"fa4"``; forward + backward
+    counts the backward 2.5x the forward), bandwidths GB/s per GPU.
+
     Attributes:
-        name: ``"h200"``, or the device a calibration ran on.
-        memory_gib: The GPU's memory.
-        attention_forward: Self-attention forward, TFLOP/s, by backend (``"cudnn"``:
-            PyTorch's fastest SDPA kernel; ``"fa4"``: FlashAttention-4).
-        attention_forward_backward: Forward + backward, TFLOP/s (backward counted 2.5x
-            the forward, FlashAttention's count), by backend.
-        gemm: bf16 GEMMs at the model's shapes, TFLOP/s.
-        memory_bandwidth: HBM GB/s an element-wise kernel (the fused AdamW) reaches.
-        host_bandwidth: Host <-> GPU GB/s of pinned copies (activation offloading).
-        interconnect: GB/s per GPU of collectives within a node.
-        network: GB/s per GPU of collectives across nodes.
+        memory_bandwidth: HBM bandwidth an element-wise kernel (the fused AdamW) reaches.
+        host_bandwidth: Pinned host <-> GPU copies (activation offloading).
+        interconnect: Collectives within a node.
+        network: Collectives across nodes.
         elementwise: Time beyond the kernel floor, as a fraction of it (compiled blocks).
         masked_attention_forward: A causal chunk's masked self-attention over its KV
-            cache, TFLOP/s (FLOPs counted over the cache's whole capacity).
-        masked_attention_forward_backward: The same, forward + backward.
+            cache (FLOPs counted over the cache's whole capacity).
         elementwise_eager: :attr:`elementwise` for eager blocks (and cache-filling passes).
-        source: Where the numbers come from.
     """
 
     name: str
@@ -100,24 +92,23 @@ class KernelTable:
         return json.dumps(attrs.asdict(self), indent=2)
 
 
+_H200 = KernelTable(
+    name="h200",
+    memory_gib=139.8,
+    attention_forward={"cudnn": 567.0, "fa4": 718.0},
+    attention_forward_backward={"cudnn": 538.0, "fa4": 645.0},
+    gemm=700.0,
+    source="one H200, torch 2.11, at 32,760 tokens (docs/benchmarks.md: cuDNN "
+    "538 TFLOP/s forward+backward, FA4 645, the model's bf16 GEMMs 647-729; a causal "
+    "chunk's masked attention over its cache 352 forward, 331 forward+backward, from "
+    "the streaming kernel profile)",
+)
 KERNEL_TABLES: dict[str, KernelTable] = {
-    "h200": KernelTable(
-        name="h200",
-        memory_gib=139.8,
-        attention_forward={"cudnn": 567.0, "fa4": 718.0},
-        attention_forward_backward={"cudnn": 538.0, "fa4": 645.0},
-        gemm=700.0,
-        source="one H200, torch 2.11, at 32,760 tokens (docs/benchmarks.md: cuDNN "
-        "538 TFLOP/s forward+backward, FA4 645, the model's bf16 GEMMs 647-729; a causal "
-        "chunk's masked attention over its cache 352 forward, 331 forward+backward, from "
-        "the streaming kernel profile)",
-    ),
-    "h100": KernelTable(
+    "h200": _H200,
+    "h100": attrs.evolve(
+        _H200,
         name="h100",
         memory_gib=79.6,
-        attention_forward={"cudnn": 567.0, "fa4": 718.0},
-        attention_forward_backward={"cudnn": 538.0, "fa4": 645.0},
-        gemm=700.0,
         memory_bandwidth=2200.0,
         source="the H200's kernel rates (same SMs and clocks; not measured on an H100) "
         "with the H100's 80 GB and HBM3 bandwidth",
@@ -127,11 +118,8 @@ KERNEL_TABLES: dict[str, KernelTable] = {
 
 
 def load_kernel_table(name_or_path: str | None) -> KernelTable:
-    """A shipped kernel table by name, or one written by ``fvstep plan --calibrate``
-    (a missing field gets its default).
-
-    Args:
-        name_or_path: ``"h200"``, ``"h100"``, a JSON file, or ``None`` (the H200's).
+    """A shipped kernel table by name (``None``: the H200's), or a JSON file written by
+    ``fvstep plan --calibrate`` (a missing field gets its default).
 
     Raises:
         ValueError: If it is neither a shipped name nor a readable table.
@@ -154,46 +142,17 @@ def load_kernel_table(name_or_path: str | None) -> KernelTable:
 
 
 def _median_seconds(fn: Any, device: torch.device, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
+    def timed() -> float:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         start = time.perf_counter()
         fn()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
+        return time.perf_counter() - start
 
-
-def _attention_rates(
-    h: int, d: int, queries: int, keys: int, device: torch.device, dtype: torch.dtype,
-    repeats: int, *, masked: bool,
-) -> tuple[float, float]:  # fmt: skip
-    """SDPA's forward and forward + backward TFLOP/s at ``queries x keys``; ``masked``:
-    with a boolean ``(1, keys)`` mask of filled slots, as a causal chunk's cached call."""
-    q = torch.randn(1, h, queries, d, device=device, dtype=dtype, requires_grad=True)
-    k, v = (
-        torch.randn(1, h, keys, d, device=device, dtype=dtype, requires_grad=True) for _ in "kv"
-    )
-    mask = None
-    if masked:
-        mask = (torch.arange(keys, device=device) < keys - queries // 2)[None]
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-
-    def forward() -> None:
-        with torch.no_grad():
-            sdpa(q, k, v, attn_mask=mask)
-
-    def both() -> None:
-        out = sdpa(q, k, v, attn_mask=mask)
-        torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
-
-    flops = 4.0 * queries * keys * h * d
-    f = flops / _median_seconds(forward, device, repeats) / 1e12
-    fb = 3.5 * flops / _median_seconds(both, device, repeats) / 1e12
-    return f, fb
+    fn()
+    return sorted(timed() for _ in range(repeats))[repeats // 2]
 
 
 def calibrate_kernels(
@@ -205,16 +164,13 @@ def calibrate_kernels(
 ) -> KernelTable:
     """Measure this machine's attention and GEMM rates at ``shape``'s sizes.
 
-    SDPA (bf16 on CUDA, fp32 elsewhere) forward and forward + backward, a causal chunk's
-    masked attention, and the up-projection's GEMM, each the median of ``repeats`` calls
-    after a warm-up. FlashAttention-4's rate is the H200 table's scaled by the measured
-    SDPA rate; the other fields are the H200 table's.
+    SDPA (bf16 on CUDA, fp32 elsewhere), a causal chunk's masked attention and the
+    up-projection's GEMM, each the median of ``repeats`` calls after a warm-up.
+    FlashAttention-4's rate is the H200's scaled by the measured SDPA rate; the other
+    fields are the H200's.
 
     Args:
-        shape: The model (its heads, head dim and FFN width).
-        device: Where to measure.
         tokens: Sequence length (default: 32,760 on CUDA, 512 elsewhere).
-        repeats: Timed calls per kernel.
 
     Returns:
         The measured table, named after the device.
@@ -224,11 +180,32 @@ def calibrate_kernels(
     dtype = torch.bfloat16 if cuda else torch.float32
     t = tokens or (32760 if cuda else 512)
     h, d = shape.num_heads, shape.head_dim
-    attention_f, attention_fb = _attention_rates(h, d, t, t, device, dtype, repeats, masked=False)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def rates(queries: int, keys: int, masked: bool) -> tuple[float, float]:
+        """SDPA's forward and forward + backward TFLOP/s; ``masked``: with a ``(1, keys)``
+        mask of filled slots, as a causal chunk's cached call."""
+        q = torch.randn(1, h, queries, d, device=device, dtype=dtype, requires_grad=True)
+        k, v = (
+            torch.randn(1, h, keys, d, device=device, dtype=dtype, requires_grad=True) for _ in "kv"
+        )
+        mask = (torch.arange(keys, device=device) < keys - queries // 2)[None] if masked else None
+
+        def forward() -> None:
+            with torch.no_grad():
+                sdpa(q, k, v, attn_mask=mask)
+
+        def both() -> None:
+            out = sdpa(q, k, v, attn_mask=mask)
+            torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+
+        flops = 4.0 * queries * keys * h * d
+        f = flops / _median_seconds(forward, device, repeats) / 1e12
+        return f, 3.5 * flops / _median_seconds(both, device, repeats) / 1e12
+
+    attention_f, attention_fb = rates(t, t, masked=False)
     chunk = max(1, t // 7)
-    masked_f, masked_fb = _attention_rates(
-        h, d, chunk, t + chunk, device, dtype, repeats, masked=True
-    )
+    masked_f, masked_fb = rates(chunk, t + chunk, masked=True)
     x = torch.randn(t, shape.dim, device=device, dtype=dtype)
     w = torch.randn(shape.ffn_dim, shape.dim, device=device, dtype=dtype)
     gemm = 2.0 * t * shape.dim * shape.ffn_dim / _median_seconds(lambda: x @ w.t(), device, 3)
@@ -260,10 +237,6 @@ class ModelShape:
     """The sizes of a Wan transformer the plan needs, read from its meta module.
 
     Attributes:
-        dim: Hidden width (heads x head dim).
-        patch: ``(frames, height, width)`` patch size.
-        numel: Parameters of the whole model.
-        block_numel: Parameters of one block.
         block_linear_numel: Weights of one block's linear layers.
         linears: ``(name, fan_in, fan_out)`` of every linear layer (and the patch
             embedding, a linear map per token).
@@ -478,28 +451,6 @@ def _tokens_of(name: str, video: float, text: int) -> float:
     return video
 
 
-def forward_flops(shape: ModelShape, video: int, text: int) -> tuple[float, float, float]:
-    """FLOPs of one sample's forward: ``(self-attention, cross-attention, linear layers)``.
-
-    ``2 * weights * tokens`` a linear layer, ``4 * T^2 * D`` a layer's self-attention and
-    ``4 * T * L * D`` its cross-attention; element-wise ops are not counted.
-
-    Args:
-        shape: The model.
-        video: Video tokens ``T`` a sample.
-        text: Text tokens ``L`` a sample.
-
-    Examples:
-        >>> sum(forward_flops(shape, 32760, 512)) / 1e12  # Wan2.1-1.3B, 480x832x81
-        283.0...
-    """
-    token, fixed, _, _ = _linear_flops(shape, text)
-    linear = token * video + fixed
-    self_attention = 4.0 * shape.num_layers * video * video * shape.dim
-    cross_attention = 4.0 * shape.num_layers * video * text * shape.dim
-    return self_attention, cross_attention, linear
-
-
 # ------------------------------------------------------------------ activations
 
 SAVED_BYTES_PER_TOKEN: dict[tuple[str, str], tuple[float, float, float]] = {
@@ -515,16 +466,14 @@ SAVED_BYTES_PER_TOKEN: dict[tuple[str, str], tuple[float, float, float]] = {
     ("attention", "fp32"): (12.0, 0.0, 8.0),
     ("narrow", "fp32"): (40.0, 0.0, 8.0),
 }
-"""Bytes a Wan block keeps for its backward per video token, by checkpointing and compute
-dtype: ``a * dim + b * ffn_dim + c * heads`` (docs/plan.md says what each mode keeps)."""
+"""Bytes a Wan block keeps for its backward per video token (docs/plan.md)."""
 
 COMPILED_NONE_FRACTION: tuple[tuple[float, float], ...] = ((0.65, 0.289), (1.0, 0.375))
-"""Compiled blocks without checkpointing: the fraction of eager's ``none`` bytes that
-Inductor's partitioner keeps, by ``compile_memory_budget`` (the first row whose limit is
-above the budget; ``None``: :data:`COMPILED_DEFAULT_FRACTION`). Fitted to measured rows."""
+"""Compiled blocks without checkpointing: the fraction of eager's ``none`` bytes kept,
+``(budget limit, fraction)``, the first row above the budget (docs/plan.md)."""
 
 COMPILED_DEFAULT_FRACTION = 0.65
-"""Compiled blocks, no checkpointing, torch's default budget (fitted to a measured row)."""
+"""The same, at torch's default budget."""
 
 
 def block_saved_bytes(
@@ -540,12 +489,10 @@ def block_saved_bytes(
     """Bytes one Wan block keeps for its backward (:data:`SAVED_BYTES_PER_TOKEN`).
 
     Args:
-        shape: The model.
         tokens: Video tokens of the micro-batch (all its samples).
         checkpointing: ``"none"``, ``"full"``, ``"selective"``, ``"attention"``, ``"narrow"``.
         compute: ``"bf16"`` (autocast or FSDP2's bf16 parameters) or ``"fp32"``.
-        compiled: Whether the block is compiled (changes ``"none"`` only: the
-            partitioner's choice, :data:`COMPILED_NONE_FRACTION`).
+        compiled: Whether the block is compiled (changes ``"none"`` only).
         memory_budget: Inductor's activation memory budget (compiled ``"none"`` only).
         fp32_weights: Whether bf16 compute casts fp32 weights (one process under
             autocast: the casts are kept for the backward under ``"none"``).
@@ -568,33 +515,19 @@ def block_saved_bytes(
     return saved
 
 
-def _transient_bytes(shape: ModelShape, tokens: float) -> float:
-    """The largest short-lived buffers of a block's backward (its hidden stream's and
-    feed-forward's gradients): 8 bytes per token per ``dim + ffn_dim``, fitted."""
-    return 8.0 * tokens * (shape.dim + shape.ffn_dim)
-
-
-def _forward_transient_bytes(shape: ModelShape, tokens: float) -> float:
-    """A no-grad forward's largest buffers: the up-projection and GELU outputs (bf16)."""
-    return 4.0 * tokens * shape.ffn_dim + 8.0 * tokens * shape.dim
-
-
 CACHE_PASS_BYTES: dict[str, float] = {"compiled": 8.0, "eager": 46.0}
 """Bytes a causal chunk's cached call moves per key element it reads (keys x ``dim``,
-every layer) beyond its attention and GEMMs: selecting, concatenating and rotating the
-keys, compiled (one fused pass) or eager. Counted from the ops (docs/plan.md)."""
+every layer) beyond its attention and GEMMs, compiled or eager (docs/plan.md)."""
 
 APPEND_COPIES: dict[str, float] = {"grows": 3.5, "evicts": 6.0}
-"""Cache-sized copies (read + write) of one cache-filling pass's append
-(``causal_wan._append``), when the cache grows or evicts; counted from the code."""
+"""Cache-sized copies of one cache-filling pass's append, as the cache grows or evicts."""
 
 CACHED_TRANSIENT_BYTES = 14.0
-"""A cached call's backward's short-lived bytes per key element (keys x ``dim``) beyond
-:func:`_transient_bytes`: concatenated, rotated keys and values and their gradients."""
+"""A cached call's backward's short-lived bytes per key element (docs/plan.md)."""
 
 ROTARY_SAVED_BYTES = 16.0
 """Bytes a cached call under grad keeps per key and head dimension: its fp32 rotary
-tables and the table they are sliced from (held by the checkpoint)."""
+tables and the table they are sliced from."""
 
 
 def _cache_frame_bytes(shape: ModelShape, frame_tokens: int, dtype_bytes: int) -> float:
@@ -617,15 +550,11 @@ def _cache_dtype_bytes(options: Any) -> int:
 
 @attrs.frozen
 class RolePlan:
-    """One role's static bytes per GPU.
+    """One role's static bytes per GPU: its weights, AdamW's moments and an EMA copy
+    (and the gradients a trained role adds during a step).
 
     Attributes:
-        trained: Whether an optimizer steps it.
         numel: Its parameters (a LoRA role: its adapters).
-        weights: Stored weights (fp32 masters when trained).
-        gradients: fp32 gradients (trained roles).
-        optimizer: AdamW's two fp32 moments.
-        ema: An fp32 EMA copy.
         note: How it is stored.
     """
 
@@ -660,8 +589,8 @@ def _lora_layers(shape: ModelShape, targets: Sequence[str]) -> list[tuple[str, i
 
 
 def _lora_numel(shape: ModelShape, rank: int, targets: Sequence[str]) -> tuple[int, int, int]:
-    """``(adapter parameters, adapted layers on video tokens a block, their fan-in a
-    block)`` of one adapter (blocks 0's layers stand for every block's)."""
+    """``(adapter parameters, adapted layers on video tokens a block, their fan-in)`` of
+    one adapter (block 0 stands for every block)."""
     numel, layers, fan_in = 0, 0, 0
     for name, i, o in _lora_layers(shape, targets):
         numel += rank * (i + o)
@@ -683,25 +612,29 @@ def _roles(recipe: str, options: Any, shape: ModelShape, world: int) -> list[Rol
     frozen_bytes = 2 if frozen_dtype in ("bfloat16", "float16") else 4
     model_bytes = _model_bytes(options)
     ema = options.optim.ema is not None
-    counters = 4.0 * shape.tensors + 8.0  # AdamW's fp32 step a tensor and its int64 count
 
-    def trained(name: str, numel: int, with_ema: bool, note: str) -> RolePlan:
+    def trained(
+        name: str, numel: int, with_ema: bool, note: str,
+        nbytes: int = model_bytes, tensors: int = shape.tensors,
+    ) -> RolePlan:  # fmt: skip
         return RolePlan(
             name, True, numel,
-            weights=numel * model_bytes / world,
-            gradients=numel * model_bytes / world,
-            optimizer=numel * 2 * model_bytes / world + counters,
+            weights=numel * nbytes / world,
+            gradients=numel * nbytes / world,
+            # AdamW's fp32 step a tensor and its int64 count
+            optimizer=numel * 2 * nbytes / world + 4.0 * tensors + 8.0,
             ema=numel * 4 / world + 1 if with_ema else 0.0,  # and its bool "initialized"
-            note=note,
+            note=note + (", EMA" if with_ema else ""),
         )  # fmt: skip
 
     def frozen(name: str, note: str, nbytes: int = frozen_bytes) -> RolePlan:
         stored = _stored_bytes(shape, nbytes)
         return RolePlan(name, False, shape.numel, stored / world, 0, 0, 0, note)
 
-    master = f"{'fp32' if model_bytes == 4 else options.model.dtype} masters, AdamW"
+    model_dtype = "fp32" if model_bytes == 4 else options.model.dtype
+    master = f"{model_dtype} masters, AdamW"
     frozen_note = f"frozen, {'bf16' if frozen_bytes == 2 else 'fp32'}"
-    student = trained("student", shape.numel, ema, master + (", EMA" if ema else ""))
+    student = trained("student", shape.numel, ema, master)
     if recipe == "finetune" and not _is_lora(recipe, options):
         return [student]
     if recipe in ("dmd2", *CAUSAL_RECIPES):
@@ -713,8 +646,7 @@ def _roles(recipe: str, options: Any, shape: ModelShape, world: int) -> list[Rol
             trained("critic", shape.numel, False, master),
         ]
     if recipe == "diffusion_nft":
-        old_note = f"frozen, {'fp32' if model_bytes == 4 else options.model.dtype} (blended)"
-        roles = [student, frozen("old", old_note, model_bytes)]
+        roles = [student, frozen("old", f"frozen, {model_dtype} (blended)", model_bytes)]
         if options.kl_weight > 0:
             roles.append(frozen("reference", frozen_note))
         return roles
@@ -722,20 +654,13 @@ def _roles(recipe: str, options: Any, shape: ModelShape, world: int) -> list[Rol
     numel, _, _ = _lora_numel(shape, lora.rank, lora.targets)
     adapted = len(_lora_layers(shape, lora.targets))
     note = f"LoRA rank {lora.rank} on {', '.join(lora.targets)}, fp32, AdamW"
-
-    def adapter(name: str, with_ema: bool) -> RolePlan:
-        return RolePlan(
-            name, True, numel, numel * 4 / world, numel * 4 / world,
-            numel * 8 / world + 4.0 * 2 * adapted + 8.0,
-            numel * 4 / world + 1 if with_ema else 0.0, note + (", EMA" if with_ema else ""),
-        )  # fmt: skip
-
+    student = trained("student", numel, ema, note, 4, 2 * adapted)
     if recipe == "finetune":
-        return [adapter("student", ema), frozen("base", frozen_note)]
+        return [student, frozen("base", frozen_note)]
     return [
-        adapter("student", ema),
+        student,
         frozen("teacher", frozen_note + " (the one base)"),
-        adapter("critic", False),
+        trained("critic", numel, False, note, 4, 2 * adapted),
     ]
 
 
@@ -774,7 +699,7 @@ class _Phase:
 
     ``samples``: samples a call; ``repeat``: passes a step; ``held``: bytes beyond the
     static ones alive through it; ``transient``: its own short-lived bytes;
-    ``accumulates``: the roles whose earlier passes' gradients it holds."""
+    ``accumulates``: the roles whose earlier passes' gradients it holds (when it repeats)."""
 
     name: str
     calls: tuple[_Call, ...]
@@ -830,31 +755,24 @@ def _cycle(kinds: Sequence[str]) -> dict[str, float]:
     return shares
 
 
-def _every_nth(interval: int) -> tuple[str, ...]:
-    """The kinds of a cycle where the student trains at ``i % interval == 0``."""
-    return tuple("student+critic" if i % interval == 0 else "critic-only" for i in range(interval))
+def _every_nth(interval: int) -> dict[str, float]:
+    """The shares of a cycle where the student trains at ``i % interval == 0``."""
+    return _cycle(["critic-only" if i % interval else "student+critic" for i in range(interval)])
 
 
-@attrs.frozen
-class _Geometry:
-    """What the kinds of step are laid out from: the video, the batch, the caches."""
-
-    frames: int
-    frame_tokens: int
-    batch: int
-    microbatches: int
-    cache_frame: float  # one sample's KV cache bytes a latent frame
+_TRAINS = {"student+critic": ("student", "critic"), "critic-only": ("critic",)}
+"""The roles each kind of a distillation step trains."""
 
 
-def _step_kinds(recipe: str, options: Any, g: _Geometry) -> dict[str, _Kind]:
+def _step_kinds(recipe: str, options: Any, g: _Planner) -> dict[str, _Kind]:
     """The kinds of step of the recipe's method, keyed as :func:`fvstep.plan` names them."""
-    m, b = g.microbatches, g.batch
+    m, b = options.run.microbatches, options.data.batch_size
     per = b / m  # samples a micro-batch
     if recipe == "finetune":
         calls: tuple[_Call, ...] = (_Call("student", "trained"),)
         if _is_lora(recipe, options):
             calls = (_Call("student", "frozen"),)
-        phase = _Phase("update", calls, per, m, accumulates=("student",) if m > 1 else ())
+        phase = _Phase("update", calls, per, m, accumulates=("student",))
         return {"student": _Kind((phase,), (("student", 1.0),))}
     if recipe in ("dmd2", "lora_dmd2"):
         kinds = {}
@@ -864,13 +782,8 @@ def _step_kinds(recipe: str, options: Any, g: _Geometry) -> dict[str, _Kind]:
                 calls = tuple(
                     attrs.evolve(c, kind="frozen") if c.kind == "trained" else c for c in calls
                 )
-            trained = tuple(
-                r
-                for r in ("student", "critic")
-                if any(c.role == r and c.kind != "no_grad" for c in calls)
-            )
-            phase = _Phase("update", calls, per, m, accumulates=trained if m > 1 else ())
-            kinds[name] = _Kind((phase,), tuple((r, 1.0) for r in trained), share)
+            phase = _Phase("update", calls, per, m, accumulates=_TRAINS[name])
+            kinds[name] = _Kind((phase,), tuple((r, 1.0) for r in _TRAINS[name]), share)
         return kinds
     if recipe == "diffusion_nft":
         group = b * options.group_size  # rollouts a step
@@ -885,7 +798,7 @@ def _step_kinds(recipe: str, options: Any, g: _Geometry) -> dict[str, _Kind]:
         kept = group * 4.0 * (4 * latents + 2 * text)
         update = _Phase(
             "inner", calls, inner, options.num_inner * options.minibatches * m, held=kept,
-            accumulates=("student",) if m > 1 else (),
+            accumulates=("student",) if m > 1 else (),  # an optimizer step between updates
         )  # fmt: skip
         steps = float(options.num_inner * options.minibatches)
         return {"student": _Kind((rollout, update), (("student", steps),))}
@@ -903,80 +816,57 @@ def _step_kinds(recipe: str, options: Any, g: _Geometry) -> dict[str, _Kind]:
     # the denoising steps a chunk runs before its exit step, drawn uniformly
     exit_mean = (len(options.denoising_steps) - 1) / 2
     chunk_bytes = chunk * g.cache_frame
-    if recipe == "self_forcing":
-        capacity = g.frames  # init_cache(capacity_frames=F): the whole video
-        sample_cache = capacity * g.cache_frame
-        keys = capacity + chunk
-        rollout_calls = (
-            _Call("student", "no_grad", chunks * (exit_mean + 1), chunk, keys),  # steps, exit
-            _Call("student", "no_grad", chunks, chunk, keys, fills="grows"),  # context passes
-        )
-        kinds = {}
-        for name, share in _cycle(_every_nth(options.generator_update_interval)).items():
-            trains = ("student", "critic") if name == "student+critic" else ("critic",)
-            held_grads = trains if m > 1 else ()
-            rollout = _Phase(
-                "rollout", rollout_calls, per, m, held=per * sample_cache,
-                transient=per * (1.5 * sample_cache + 2 * chunk_bytes), accumulates=held_grads,
-            )  # fmt: skip
-            if name == "student+critic":  # the exit steps regenerated under grad, one cache
-                calls = (
-                    _Call("student", "trained", chunks, chunk, keys),
-                    _Call("teacher", "no_grad", 2),
-                    _Call("critic", "no_grad"),
-                    _Call("critic", "trained"),
-                )
-                update = _Phase(
-                    "update", calls, per, m, held=per * sample_cache, accumulates=held_grads
-                )
-            else:  # the rollout's cache is gone before the critic's call
-                update = _Phase(
-                    "update", (_Call("critic", "trained"),), per, m, accumulates=held_grads
-                )
-            kinds[name] = _Kind((rollout, update), tuple((r, 1.0) for r in trains), share)
-        return kinds
-    # streaming: the rollout runs on the rank's whole batch from the stream's cache; the
-    # generator and the critic are two updates, each over the micro-batches
-    capacity = options.window_frames + options.sink_frames
+    # self-forcing's init_cache(capacity_frames=F) holds the whole video
+    capacity = g.frames if recipe == "self_forcing" else options.window_frames + options.sink_frames
     keys = capacity + chunk
     sample_cache = capacity * g.cache_frame
-    evicts = options.steps_per_stream * g.frames > capacity  # some step's rollout evicts
-    window = (capacity + g.frames) * g.cache_frame if evicts else 0.0  # the contexts' buffer
-    new = g.frames * g.cache_frame if evicts else 0.0  # the new frames, kept for the buffer
+    evicts = recipe == "streaming" and options.steps_per_stream * g.frames > capacity
     rollout_calls = (
-        _Call("student", "no_grad", chunks * (exit_mean + 1), chunk, keys),
+        _Call("student", "no_grad", chunks * (exit_mean + 1), chunk, keys),  # steps, exit
         _Call("student", "no_grad", chunks, chunk, keys, fills="evicts" if evicts else "grows"),
+    )  # and the context passes
+    generator = (
+        _Call("student", "trained", chunks, chunk, keys),
+        _Call("teacher", "no_grad", 2),
+        _Call("critic", "no_grad"),
     )
-    # the stream's cache and the one being appended to (and the new frames), then the
-    # append's copies, the contexts' buffer, or a new stream's zeroed cache
-    rollout = _Phase(
-        "rollout", rollout_calls, b, 1, held=b * (2 * sample_cache + new),
-        transient=b * max(1.5 * sample_cache + 2 * chunk_bytes, window or sample_cache),
-    )  # fmt: skip
-    # the stream's cache, the rollout's, and its contexts' buffer (or a new stream's cache)
-    held = b * (2 * sample_cache + (window or sample_cache))
-    generator = _Phase(
-        "generator",
-        (
-            _Call("student", "trained", chunks, chunk, keys),
-            _Call("teacher", "no_grad", 2),
-            _Call("critic", "no_grad"),
-        ),
-        per, m, held=held, accumulates=("student",) if m > 1 else (),
-    )  # fmt: skip
-    critic = _Phase(
-        "critic", (_Call("critic", "trained"),), per, m, held=held,
-        accumulates=("critic",) if m > 1 else (),
-    )  # fmt: skip
-    kinds = {}
-    for name, share in _cycle(_every_nth(options.generator_update_interval)).items():
-        if name == "student+critic":
-            kinds[name] = _Kind(
-                (rollout, generator, critic), (("student", 1.0), ("critic", 1.0)), share
-            )
-        else:
-            kinds[name] = _Kind((rollout, critic), (("critic", 1.0),), share)
-    return kinds
+    critic = (_Call("critic", "trained"),)
+    if recipe == "self_forcing":
+        held = per * sample_cache
+        transient = per * (1.5 * sample_cache + 2 * chunk_bytes)
+        both, alone = _TRAINS["student+critic"], _TRAINS["critic-only"]
+        # the exit steps regenerated under grad beside the critic's update, over one cache;
+        # a critic-only step's rollout cache is gone before the critic's call
+        phases: dict[str, tuple[_Phase, ...]] = {
+            "student+critic": (
+                _Phase("rollout", rollout_calls, per, m, held, transient, accumulates=both),
+                _Phase("update", generator + critic, per, m, held, accumulates=both),
+            ),
+            "critic-only": (
+                _Phase("rollout", rollout_calls, per, m, held, transient, accumulates=alone),
+                _Phase("update", critic, per, m, accumulates=alone),
+            ),
+        }
+    else:  # the rollout runs on the rank's whole batch from the stream's cache
+        window = (capacity + g.frames) * g.cache_frame if evicts else 0.0  # the contexts' buffer
+        new = g.frames * g.cache_frame if evicts else 0.0  # the new frames, kept for the buffer
+        # the stream's cache and the one being appended to (and the new frames), then the
+        # append's copies, the contexts' buffer, or a new stream's zeroed cache
+        rollout = _Phase(
+            "rollout", rollout_calls, b, 1, held=b * (2 * sample_cache + new),
+            transient=b * max(1.5 * sample_cache + 2 * chunk_bytes, window or sample_cache),
+        )  # fmt: skip
+        # the stream's cache, the rollout's, and its contexts' buffer (or a new stream's cache)
+        held = b * (2 * sample_cache + (window or sample_cache))
+        updates = (
+            _Phase("generator", generator, per, m, held, accumulates=("student",)),
+            _Phase("critic", critic, per, m, held, accumulates=("critic",)),
+        )
+        phases = {"student+critic": (rollout, *updates), "critic-only": (rollout, updates[1])}
+    return {
+        name: _Kind(phases[name], tuple((r, 1.0) for r in _TRAINS[name]), share)
+        for name, share in _every_nth(options.generator_update_interval).items()
+    }
 
 
 # ------------------------------------------------------------------ the plan
@@ -984,18 +874,15 @@ def _step_kinds(recipe: str, options: Any, g: _Geometry) -> dict[str, _Kind]:
 
 @attrs.frozen
 class StepPlan:
-    """One kind of step of the method: its peak and its time.
+    """One kind of step of the method: its peak (bytes per GPU) and its time (seconds).
 
     Attributes:
         name: ``"student"`` (fine-tune, DiffusionNFT), ``"critic-only"``,
             ``"student+critic"``.
         calls: ``(role, kind)`` of each group of alike model calls, in order.
-        activations: The saved activations at the step's peak, bytes per GPU.
-        transient: The largest transient at the peak, bytes.
-        peak: Predicted ``max_memory_allocated``, bytes.
-        floor: Seconds of the attention and GEMM kernels, no recomputation.
-        recompute: Seconds the checkpointing recomputes.
-        seconds: The predicted step time.
+        activations: The saved activations at the step's peak.
+        peak: Predicted ``max_memory_allocated``.
+        floor: The attention and GEMM kernels, no recomputation.
         share: The fraction of the method's steps of this kind.
         held: Bytes beyond the static ones held at most in the step (caches, rollouts).
     """
@@ -1014,21 +901,15 @@ class StepPlan:
 
 @attrs.frozen
 class RunPlan:
-    """A run's predicted memory and time per GPU (:func:`plan_run`).
+    """A run's predicted memory (bytes) and time per GPU (:func:`plan_run`).
 
     Attributes:
         world: GPUs (``nproc * nodes``).
         video_tokens: Video tokens a sample.
-        text_tokens: Text tokens a sample.
-        roles: Static bytes per role.
         block_activations: Saved bytes of one block a trained call keeps.
         blocks_on_gpu: Blocks whose saved activations stay on the GPU.
-        steps: Each kind of step.
-        attention_backend: ``"fa4"`` or ``"cudnn"``.
-        capacity: The GPU's memory, bytes.
         margin: Bytes kept free for the allocator's fragmentation.
         settings: The preparation planned (checkpointing, offload, compile, budget).
-        context: The context-parallel degree.
         cache: The causal recipes' ``(KV cache bytes per GPU, capacity in latent frames,
             bytes per element)``; ``None`` otherwise.
     """
@@ -1085,16 +966,12 @@ class RunPlan:
             "",
             "memory per GPU (GiB)       weights  optimizer      ema  gradients",
         ]
+        columns = ("weights", "optimizer", "ema", "gradients")
         for r in self.roles:
-            lines.append(
-                f"  {r.name:<10} {r.numel / 1e6:10.1f} M {gib(r.weights)} {gib(r.optimizer)} "
-                f"{gib(r.ema)} {gib(r.gradients)}   {r.note}"
-            )
-        tot = [
-            sum(getattr(r, k) for r in self.roles)
-            for k in ("weights", "optimizer", "ema", "gradients")
-        ]
-        lines.append(f"  {'total':<23} {gib(tot[0])} {gib(tot[1])} {gib(tot[2])} {gib(tot[3])}")
+            cells = " ".join(gib(getattr(r, k)) for k in columns)
+            lines.append(f"  {r.name:<10} {r.numel / 1e6:10.1f} M {cells}   {r.note}")
+        totals = " ".join(gib(sum(getattr(r, k) for r in self.roles)) for k in columns)
+        lines.append(f"  {'total':<23} {totals}")
         lines.append(
             f"  saved activations: {self.block_activations / GIB:.3f} GiB a block a trained call, "
             f"{self.blocks_on_gpu} of {self.shape.num_layers} blocks kept on the GPU"
@@ -1188,7 +1065,7 @@ class _Planner:
     video: int
     frames: int
     text: int
-    cache_frame: float
+    cache_frame: float  # one sample's KV cache bytes a latent frame
     fp32_weights: bool
     lora: tuple[int, int, int] | None  # (adapted layers a block, their fan-in, rank)
 
@@ -1272,7 +1149,7 @@ class _Planner:
 
     def phase(self, phase: _Phase, static: float) -> _Cost:
         """A phase's time (all its passes) and its peak (the largest pass)."""
-        s, t, p = self.shape, self.table, self.prepare
+        s, t, p, w = self.shape, self.table, self.prepare, self.world
         bandwidth = t.memory_bandwidth * 1e9
         comm_bw = (t.network if self.nodes > 1 else t.interconnect) * 1e9
         floor = recompute = compute = offload = comm = all_to_all = 0.0
@@ -1283,6 +1160,7 @@ class _Planner:
             q, k = self.tokens(c)
             f, r = self.seconds(c)
             grad = c.kind != "no_grad"
+            passes = 1 if not grad else (2 if p.checkpointing == "none" else 3)
             eager = c.fills is not None or not p.compile
             times = c.count * phase.repeat
             floor += times * n * f
@@ -1292,28 +1170,19 @@ class _Planner:
             cached = 0.0
             if c.keys is not None:  # its pass over the cache's keys; a filling pass's append
                 cached = n * k * s.dim  # key elements a layer
-                passes = 1 if not grad else (2 if p.checkpointing == "none" else 3)
                 per_byte = CACHE_PASS_BYTES["eager" if eager else "compiled"]
                 compute += times * passes * per_byte * cached * s.num_layers / bandwidth
                 if c.fills is not None:
                     filled = (c.keys - (c.frames or 0)) * self.cache_frame * n
                     compute += times * APPEND_COPIES[c.fills] * filled / bandwidth
-            if self.world > 1:  # all-gathers (forward, backward) and reduce-scatters
-                comm += (
-                    times
-                    * s.numel
-                    * 2
-                    * (self.world - 1)
-                    / self.world
-                    / comm_bw
-                    * (3 if grad else 1)
-                )
+            if w > 1:  # all-gathers (forward, backward) and reduce-scatters
+                comm += times * s.numel * 2 * (w - 1) / w / comm_bw * (3 if grad else 1)
             if self.context > 1:  # Ulysses: q, k, v and the output, (tokens, dim) bf16 a layer
                 sent = 4 * s.num_layers * tokens * s.dim * 2 * (self.context - 1) / self.context
-                again = 1 if not grad else (2 if p.checkpointing == "none" else 3)
-                all_to_all += times * again * sent / comm_bw
-            # a cached call's forward also concatenates and rotates the keys (2 + 2 + 6 bytes)
-            forward = max(forward, _forward_transient_bytes(s, tokens) + 10.0 * cached)
+                all_to_all += times * passes * sent / comm_bw
+            # a forward's largest buffers: the up-projection and GELU outputs (bf16); a cached
+            # call's also concatenates and rotates the keys (2 + 2 + 6 bytes)
+            forward = max(forward, 4.0 * tokens * s.ffn_dim + 8.0 * tokens * s.dim + 10.0 * cached)
             if not grad:
                 continue
             block = self.saved(tokens)
@@ -1321,10 +1190,9 @@ class _Planner:
             if c.keys is not None:  # the rotary tables its checkpoint keeps
                 acts += c.count * ROTARY_SAVED_BYTES * n * k * s.head_dim
             offload += times * 2 * self.offloaded * block / (t.host_bandwidth * 1e9)
-            transient = max(
-                transient,
-                _transient_bytes(s, tokens) + CACHED_TRANSIENT_BYTES * cached + self.lora_casts(tokens),
-            )  # fmt: skip
+            # a backward's: the hidden stream's and feed-forward's gradients (fitted)
+            buffers = 8.0 * tokens * (s.dim + s.ffn_dim) + CACHED_TRANSIENT_BYTES * cached
+            transient = max(transient, buffers + self.lora_casts(tokens))
             if self.roles[c.role].trained:
                 trained.add(c.role)
         held_grads = 0.0
@@ -1360,7 +1228,7 @@ def plan_run(
     """Plan a run: its memory and step time per GPU, without allocating it.
 
     Args:
-        recipe: A shipped recipe's name (:data:`PLANNED_RECIPES`).
+        recipe: A shipped recipe's name.
         options: The recipe's resolved options (:func:`fvstep.recipes.config.parse_options`).
         nproc: GPUs a node (FSDP2 over all of them when more than one).
         kernels: A :class:`KernelTable`, a shipped table's name or a calibrated table's
@@ -1374,10 +1242,8 @@ def plan_run(
             that does not divide the world, or context parallel where the run cannot have
             it (a causal student; compiled blocks).
     """
-    if recipe not in PLANNED_RECIPES:
-        raise ValueError(
-            f"fvstep plan knows the recipes {', '.join(PLANNED_RECIPES)}, not {recipe!r}"
-        )
+    if recipe not in RECIPES:
+        raise ValueError(f"fvstep plan knows the recipes {', '.join(RECIPES)}, not {recipe!r}")
     if nproc < 1 or nodes < 1:
         raise ValueError(f"--nproc and --nodes must be >= 1, got {nproc} and {nodes}")
     world = nproc * nodes
@@ -1429,13 +1295,12 @@ def plan_run(
         fp32_weights=world == 1 and options.model.dtype == "float32" and lora is None,
         lora=lora,
     )  # fmt: skip
-    geometry = _Geometry(frames // pf, frame_tokens, batch, micro, planner.cache_frame)
     static = sum(r.static for r in roles)
     bandwidth = table.memory_bandwidth * 1e9
     steps = []
-    for name, kind in _step_kinds(recipe, options, geometry).items():
+    for name, kind in _step_kinds(recipe, options, planner).items():
         costs = [planner.phase(phase, static) for phase in kind.phases]
-        top = max(range(len(costs)), key=lambda i: costs[i].peak)
+        top = max(costs, key=lambda c: c.peak)
         total = {f: sum(getattr(c, f) for c in costs) for f in attrs.fields_dict(_Cost)}
         optimizer = sum(  # the fused AdamW: 36 bytes a parameter, each optimizer step
             count * planner.roles[role].numel * 36.0 / world / bandwidth
@@ -1447,20 +1312,14 @@ def plan_run(
             ) / bandwidth
         seconds = max(total["compute"], total["offload"], total["comm"])
         seconds += total["all_to_all"] + optimizer
+        calls = tuple((c.role, c.kind) for p in kind.phases for c in p.calls)
+        held = max(phase.held for phase in kind.phases)
         steps.append(
             StepPlan(
-                name,
-                tuple((c.role, c.kind) for p in kind.phases for c in p.calls),
-                costs[top].activations,
-                costs[top].transient,
-                costs[top].peak,
-                total["floor"],
-                total["recompute"],
-                seconds,
-                kind.share,
-                max(phase.held for phase in kind.phases),
+                name, calls, top.activations, top.transient, top.peak, total["floor"],
+                total["recompute"], seconds, kind.share, held,
             )
-        )
+        )  # fmt: skip
     settings = {
         "compute": compute, "checkpointing": prepare.checkpointing,
         "checkpoint_every": prepare.checkpoint_every,
@@ -1470,10 +1329,10 @@ def plan_run(
     cache = None
     if recipe in CAUSAL_RECIPES:
         if recipe == "self_forcing":  # a micro-batch's rollout, over the whole video
-            capacity, samples = geometry.frames, batch / micro
+            capacity, samples = planner.frames, batch / micro
         else:  # the stream's, over the rank's batch
             capacity, samples = options.window_frames + options.sink_frames, batch
-        cache = (samples * capacity * geometry.cache_frame, capacity, cache_dtype)
+        cache = (samples * capacity * planner.cache_frame, capacity, cache_dtype)
     return RunPlan(
         recipe, world, shape, video, data.text_shape[0], tuple(roles),
         planner.saved(batch / micro * video / cp), planner.on_gpu, tuple(steps), table,
@@ -1486,12 +1345,8 @@ def plan_run(
 
 @attrs.frozen
 class Suggestion:
-    """A change that makes a run fit, and its plan.
-
-    Attributes:
-        change: The flags that make it (``--prepare.checkpointing narrow``).
-        plan: The re-planned run.
-    """
+    """A change that makes a run fit (its flags: ``--prepare.checkpointing narrow``), and
+    the re-planned run."""
 
     change: str
     plan: RunPlan
@@ -1541,33 +1396,30 @@ def suggest_changes(
         if n * m > nproc * nodes and (n, m) not in layouts:
             layouts.append((n, m))
     prepare = options.prepare
+    modes = ("none", "selective", "narrow", "attention", "full")
     for n, m in layouts:
-        degrees = [cp_now]
-        if recipe not in CAUSAL_RECIPES:  # a causal student cannot be context-parallel
-            degrees += [d for d in (2, 4, 8) if d != cp_now and d <= n and n % d == 0]
-        for cp in degrees:
-            for mode in ("none", "selective", "narrow", "attention", "full"):
-                for offload in (0, 4, 2, 1):
-                    flags = []
-                    if mode != prepare.checkpointing:
-                        flags.append(f"--prepare.checkpointing {mode}")
-                    if offload != prepare.offload_activations_every:
-                        flags.append(f"--prepare.offload_activations_every {offload}")
-                    if (n, m) != (nproc, nodes):
-                        flags.append(f"--nproc {n}" + (f" --nodes {m}" if m > 1 else ""))
-                    changes: dict[str, Any] = {
-                        "prepare.checkpointing": mode,
-                        "prepare.offload_activations_every": offload,
-                    }
-                    if cp != cp_now:
-                        flags.append(f"--context {cp} (each sample over {cp} GPUs)")
-                        if cp > 1 and prepare.compile:  # context parallel runs eagerly
-                            flags.append("--prepare.compile false")
-                            changes["prepare.compile"] = False
-                    if not flags:
-                        continue
-                    opts = _options_with(options, **changes)
-                    consider(" ".join(flags), recipe, opts, n, m, len(flags), cp)
+        # plan_run refuses a context-parallel causal student
+        degrees = [cp_now, *(d for d in (2, 4, 8) if d != cp_now and d <= n and n % d == 0)]
+        for cp, mode, offload in itertools.product(degrees, modes, (0, 4, 2, 1)):
+            flags = []
+            if mode != prepare.checkpointing:
+                flags.append(f"--prepare.checkpointing {mode}")
+            if offload != prepare.offload_activations_every:
+                flags.append(f"--prepare.offload_activations_every {offload}")
+            if (n, m) != (nproc, nodes):
+                flags.append(f"--nproc {n}" + (f" --nodes {m}" if m > 1 else ""))
+            changes: dict[str, Any] = {
+                "prepare.checkpointing": mode,
+                "prepare.offload_activations_every": offload,
+            }
+            if cp != cp_now:
+                flags.append(f"--context {cp} (each sample over {cp} GPUs)")
+                if cp > 1 and prepare.compile:  # context parallel runs eagerly
+                    flags.append("--prepare.compile false")
+                    changes["prepare.compile"] = False
+            if flags:
+                opts = _options_with(options, **changes)
+                consider(" ".join(flags), recipe, opts, n, m, len(flags), cp)
     if recipe == "finetune" and not options.lora.rank:
         opts = _options_with(options, **{"lora.rank": 64, "lora.alpha": 64})
         consider("--lora.rank 64 --lora.alpha 64", recipe, opts, nproc, nodes, 2, cp_now)
