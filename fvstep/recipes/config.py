@@ -59,7 +59,7 @@ _MAY_CHANGE = (
 
 
 class _ConfigFile(ActionConfigFile):
-    """``--config F``: YAML, or TOML by its suffix (handed to jsonargparse as JSON, which is YAML)."""
+    """``--config F``: YAML, or TOML by its suffix (passed on as JSON, which YAML reads)."""
 
     def __call__(self, parser: Any, cfg: Any, values: Any, option_string: Any = None) -> None:
         if isinstance(values, str) and values.endswith(".toml"):
@@ -109,7 +109,7 @@ def parse_options(recipe: Recipe, argv: Sequence[str]) -> Any:
 
 
 def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """``{"optim": {"lr": 1}}`` -> ``{"optim.lr": 1}``; a dict option (``init_from.roles``) is one key."""
+    """``{"optim": {"lr": 1}}`` -> ``{"optim.lr": 1}``; ``init_from.roles`` stays one key."""
     out: dict[str, Any] = {}
     for k, v in tree.items():
         key = f"{prefix}{k}"
@@ -132,8 +132,7 @@ def _may_change(key: str) -> bool:
 def check_config_change(saved: dict[str, Any], new: dict[str, Any]) -> list[str]:
     """The changed keys of a resumed run's config, for the log (``"optim.lr: 1.0 -> 2.0"``).
 
-    Raises ``ConfigChangeError`` for a change that alters the math (see docs/recipes.md).
-    """
+    Raises ``ConfigChangeError`` for a change that alters the math (see docs/recipes.md)."""
     if saved.get("recipe") != new.get("recipe"):
         raise ConfigChangeError(
             f"the run was made by recipe {saved.get('recipe')!r}, not {new.get('recipe')!r}: "

@@ -81,15 +81,13 @@ def _model_folder(path: Path) -> tuple[Path, str | None]:
 
 
 def load_transformer(model: ModelOptions, *, device: torch.device | None = None) -> nn.Module:
-    """The transformer of ``model``: a diffusers folder's weights, or a random init of a
-    config (``model.config``, else the tiny Wan of ``model.tiny``) seeded by ``model.seed``.
+    """The transformer of ``model``: a diffusers folder's weights, or a random init of
+    ``model.config`` (else of the tiny Wan) seeded by ``model.seed``.
 
-    A config's random init is drawn on ``device`` (not in host memory once per rank), the
-    rest on the CPU; the caller moves the module to its device.
+    Only a config's random init is drawn on ``device``; the caller moves the module there.
 
     Raises:
-        ValueError: If ``model.path`` is not a diffusers folder, or holds a causal Wan
-            (an fvstep export of one: the recipes build bidirectional models).
+        ValueError: If ``model.path`` is not a diffusers folder, or holds a causal Wan.
     """
     from fvstep.core._optional import needs_extra
 
@@ -197,8 +195,7 @@ def prepare_role(
 ) -> nn.Module:
     """:func:`fvstep.parallel.prepare` of ``module`` with the recipe's options, frozen roles too.
 
-    ``flash_attention_4`` enables FlashAttention-4 for the whole process; ``ValueError`` under fp32.
-    """
+    ``flash_attention_4`` enables FlashAttention-4 process-wide (``ValueError`` under fp32)."""
     device = next((p.device for p in module.parameters()), torch.device("cpu"))
     dtype = compute_dtype(options, device)
     if options.flash_attention_4:
@@ -291,8 +288,7 @@ def lora_over_base(
 ) -> tuple[nn.Module, dict[str, Any]]:  # fmt: skip
     """The base prepared frozen and one peft LoRA adapter per role over it (sharded over ``mesh``).
 
-    A fresh run fills them from ``init_from``, refused if trained on another ``base_role``.
-    """
+    A fresh run fills them from ``init_from``, refused if trained on another ``base_role``."""
     import peft
 
     from fvstep.methods.lora import add_adapters
@@ -397,7 +393,7 @@ def _collate_to(items: list[Any], *, device: torch.device) -> Any:
 
 
 def _held_out_items(data: DataOptions, num: int) -> dict[str, torch.Tensor]:
-    """``num`` held-out items (``latents``, ``text``): the dataset's, or synthetic ones of another key."""
+    """``num`` validation items: the dataset's held-out ones, or synthetic ones of another key."""
     if data.path is not None:
         from fvstep.executor.latents import LatentDataset
 

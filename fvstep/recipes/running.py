@@ -104,8 +104,7 @@ def run_prepared(spec: RunSpec, options: Any, **extra: Any) -> Any:
 def check_resume(recipe: Recipe, options: Any, *, world_size: int) -> tuple[Path | None, list[str]]:
     """The checkpoint ``run.out`` resumes from (``None``: a fresh run) and the config changes.
 
-    Reads only; raises ``ConfigChangeError`` as :func:`~fvstep.recipes.config.check_config_change`.
-    """
+    Reads only; raises as :func:`~fvstep.recipes.config.check_config_change`."""
     out = Path(options.run.out)
     resumed_from = ckpt.latest(out) if out.is_dir() else None
     saved = read_config(out)
