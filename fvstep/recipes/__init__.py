@@ -34,7 +34,6 @@ class RunSpec:
 
     Attributes:
         state: The initial state (the run resumes from its folder's checkpoint if any).
-        step: The compiled step.
         data: The data (``data.batch(step, rank=, world_size=)``).
         run_options: The keyword arguments of :func:`fvstep.run` (``num_steps``,
             ``checkpoints``, ``validation``, ``trackers``, ...).

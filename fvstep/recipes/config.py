@@ -28,12 +28,9 @@ from fvstep.core.errors import ConfigChangeError
 
 __all__ = [
     "CONFIG_NAME",
-    "MAY_CHANGE",
     "add_options",
     "check_config_change",
     "dataset_digest",
-    "describe_run",
-    "flatten_config",
     "options_from",
     "parse_options",
     "read_config",
@@ -43,7 +40,7 @@ __all__ = [
 CONFIG_NAME = "config.yaml"
 """The file of the resolved config in a run's folder."""
 
-MAY_CHANGE = (
+_MAY_CHANGE = (
     "run.out",
     "run.num_steps",
     "run.every",
@@ -57,14 +54,12 @@ MAY_CHANGE = (
     "init_from",
     "prepare.verify_compile",
 )
-"""Keys (and groups) that a resumed run may change: none of them alters the math of a
-step. Any key whose last part is ``lr`` may change too (a learning rate applies from the
-first step of the resumed run, as it would in a script)."""
+# Keys (and groups) a resumed run may change: none alters a step's math. Learning rates
+# (keys ending in ``lr``) may change too: they apply from the resumed run's first step.
 
 
 class _ConfigFile(ActionConfigFile):
-    """``--config F``: YAML, or TOML by its ``.toml`` suffix (read here and handed to
-    jsonargparse as JSON text, which YAML reads)."""
+    """``--config F``: YAML, or TOML by its suffix (passed on as JSON, which YAML reads)."""
 
     def __call__(self, parser: Any, cfg: Any, values: Any, option_string: Any = None) -> None:
         if isinstance(values, str) and values.endswith(".toml"):
@@ -113,19 +108,13 @@ def parse_options(recipe: Recipe, argv: Sequence[str]) -> Any:
         raise ValueError(str(e)) from None
 
 
-def flatten_config(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """``{"optim": {"lr": 1e-4}}`` -> ``{"optim.lr": 1e-4}`` (a dict-valued option such as
-    ``init_from.roles`` is one key).
-
-    Examples:
-        >>> flatten_config({"optim": {"lr": 1.0}, "run": {"out": "r"}})
-        {'optim.lr': 1.0, 'run.out': 'r'}
-    """
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"optim": {"lr": 1}}`` -> ``{"optim.lr": 1}``; ``init_from.roles`` stays one key."""
     out: dict[str, Any] = {}
     for k, v in tree.items():
         key = f"{prefix}{k}"
         if isinstance(v, dict) and v and not key.endswith(".roles"):
-            out.update(flatten_config(v, key + "."))
+            out.update(_flatten(v, key + "."))
         else:
             out[key] = v
     return out
@@ -136,28 +125,14 @@ def _may_change(key: str) -> bool:
     return (
         last == "lr"
         or last.endswith("_lr")
-        or any(key == k or key.startswith(k + ".") for k in MAY_CHANGE)
+        or any(key == k or key.startswith(k + ".") for k in _MAY_CHANGE)
     )
 
 
 def check_config_change(saved: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    """Compare a run's saved config (:func:`read_config`'s) with the config it is resumed
-    with (:func:`describe_run`'s).
+    """The changed keys of a resumed run's config, for the log (``"optim.lr: 1.0 -> 2.0"``).
 
-    Returns:
-        The changed keys that apply (``"optim.lr: 0.0001 -> 0.0003"``), for the log.
-
-    Raises:
-        ConfigChangeError: If the recipe, the dataset or the world size differs (a
-            ``new`` with a ``world_size`` refuses a ``saved`` without one), or a key
-            outside :data:`MAY_CHANGE` changed (naming the first such key and both
-            values), or ``validation.num_samples`` with ``data.path``.
-
-    Examples:
-        >>> check_config_change({"recipe": "finetune", "options": {"optim": {"lr": 1.0}}},
-        ...                     {"recipe": "finetune", "options": {"optim": {"lr": 2.0}}})
-        ['optim.lr: 1.0 -> 2.0']
-    """
+    Raises ``ConfigChangeError`` for a change that alters the math (see docs/recipes.md)."""
     if saved.get("recipe") != new.get("recipe"):
         raise ConfigChangeError(
             f"the run was made by recipe {saved.get('recipe')!r}, not {new.get('recipe')!r}: "
@@ -175,7 +150,7 @@ def check_config_change(saved: dict[str, Any], new: dict[str, Any]) -> list[str]
             "data.path holds another dataset than the run being resumed was trained on (index.json "
             "changed): put the dataset back, or start a new run (another run.out; init_from)"
         )
-    old, now = flatten_config(saved.get("options", {})), flatten_config(new["options"])
+    old, now = _flatten(saved.get("options", {})), _flatten(new["options"])
     split = old.get("data.path") is not None or now.get("data.path") is not None
     applied = []
     for key in sorted(set(old) | set(now)):
@@ -190,7 +165,7 @@ def check_config_change(saved: dict[str, Any], new: dict[str, Any]) -> list[str]
         if not _may_change(key):
             raise ConfigChangeError(
                 f"{key} was {a!r} in the run being resumed and is {b!r} now: put it back, or start a new "
-                f"run (another run.out; init_from). Keys that may change: {', '.join(MAY_CHANGE)}, and learning rates"
+                f"run (another run.out; init_from). Keys that may change: {', '.join(_MAY_CHANGE)}, and learning rates"
             )
         applied.append(f"{key}: {a!r} -> {b!r}")
     return applied
@@ -231,37 +206,16 @@ def read_config(run_dir: str | Path) -> dict[str, Any] | None:
 
 
 def dataset_digest(path: str | Path | None) -> str | None:
-    """The SHA-256 of a latent dataset's ``index.json`` (what it holds: its shards, their
-    checksums, the encode's settings), kept with the config so that a resume refuses
-    another dataset at the same ``data.path``; ``None`` for synthetic data or no index."""
+    """The SHA-256 of a latent dataset's ``index.json`` (its shards, checksums and encode
+    settings), so that a resume refuses another dataset; ``None`` without an index."""
     if path is None:
         return None
     index = Path(path) / "index.json"
     return hashlib.sha256(index.read_bytes()).hexdigest() if index.is_file() else None
 
 
-def describe_run(
-    recipe: str,
-    options: Any,
-    *,
-    world_size: int,
-    precision: str | None = None,
-    data_digest: str | None = None,
-) -> dict[str, Any]:
-    """What ``config.yaml`` holds: the recipe, the world size, the resolved precision
-    (``prepare.precision``'s ``"auto"`` made ``"bf16"`` or ``"fp32"`` by the device), the
-    options as plain data (tuples as lists) and the dataset's digest (:func:`dataset_digest`)."""
-    config: dict[str, Any] = {"recipe": recipe, "world_size": world_size}
-    if precision is not None:
-        config["precision"] = precision
-    config["options"] = json.loads(json.dumps(dataclasses.asdict(options)))
-    if data_digest is not None:
-        config["data_digest"] = data_digest
-    return config
-
-
 def write_config(run_dir: str | Path, config: dict[str, Any]) -> Path:
-    """Write ``config`` (:func:`describe_run`'s) as ``<run_dir>/config.yaml``, atomically."""
+    """Write ``config`` as ``<run_dir>/config.yaml``, atomically."""
     import yaml
 
     path = Path(run_dir) / CONFIG_NAME

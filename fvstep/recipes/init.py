@@ -60,11 +60,9 @@ def check_causal_source(path: str | os.PathLike[str], module: nn.Module, *, role
 
 
 def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
-    """A checkpoint folder: ``path`` itself, or the newest complete one in a run's folder.
+    """``path`` if it is a checkpoint, else the newest complete one in the run folder ``path``.
 
-    Raises:
-        ValueError: If ``path`` is neither a checkpoint nor a folder holding one.
-    """
+    Raises ``ValueError`` if there is none."""
     path = Path(path)
     if (path / "manifest.json").is_file():
         return path
@@ -170,12 +168,8 @@ def load_weights_into(module: nn.Module, weights: dict[str, torch.Tensor]) -> No
 def check_base_digest(
     path: str | os.PathLike[str], base: nn.Module, *, base_role: str = "teacher"
 ) -> None:
-    """Refuse adapters trained on another base: the checkpoint's digest of its frozen
-    ``base_role`` must be ``base``'s (when the checkpoint recorded one).
-
-    Raises:
-        fvstep.checkpoint.CheckpointError: If the digests differ.
-    """
+    """Raise ``CheckpointError`` if the checkpoint at ``path`` recorded a digest of its frozen
+    ``base_role`` that is not ``base``'s (adapters trained on another base)."""
     from fvstep.checkpoint import base_digest
 
     folder = resolve_checkpoint(path)
@@ -192,9 +186,7 @@ def check_base_digest(
 
 def check_init_state(options: Any) -> None:
     """Refuse (``ValueError``) ``init_from.kind="state"`` from a checkpoint at or past
-    ``run.num_steps`` (the run would train nothing and end "done"), or whose adapters were
-    trained with other ``lora`` options. A run whose folder holds a checkpoint resumes from
-    it and ignores ``init_from``: nothing is checked then."""
+    ``run.num_steps``, or whose adapters had other ``lora`` options; a resumed run passes."""
     source = options.init_from
     if source.path is None or source.kind != "state":
         return

@@ -44,7 +44,6 @@ __all__ = [
     "device_for",
     "distilled_run_spec",
     "dmd2_roles",
-    "held_out_items",
     "load_transformer",
     "lora_over_base",
     "make_data",
@@ -82,15 +81,13 @@ def _model_folder(path: Path) -> tuple[Path, str | None]:
 
 
 def load_transformer(model: ModelOptions, *, device: torch.device | None = None) -> nn.Module:
-    """The transformer of ``model``: a diffusers folder's weights, or a random init of a
-    config (``model.config``, else the tiny Wan of ``model.tiny``) seeded by ``model.seed``.
+    """The transformer of ``model``: a diffusers folder's weights, or a random init of
+    ``model.config`` (else of the tiny Wan) seeded by ``model.seed``.
 
-    A config's random init is drawn on ``device`` (not in host memory once per rank), the
-    rest on the CPU; the caller moves the module to its device.
+    Only a config's random init is drawn on ``device``; the caller moves the module there.
 
     Raises:
-        ValueError: If ``model.path`` is not a diffusers folder, or holds a causal Wan
-            (an fvstep export of one: the recipes build bidirectional models).
+        ValueError: If ``model.path`` is not a diffusers folder, or holds a causal Wan.
     """
     from fvstep.core._optional import needs_extra
 
@@ -196,14 +193,9 @@ def compute_dtype(options: PrepareOptions, device: torch.device) -> torch.dtype 
 def prepare_role(
     module: nn.Module, options: PrepareOptions, mesh: Any, *, trainable: bool
 ) -> nn.Module:
-    """:func:`fvstep.parallel.prepare` with the recipe's options (FSDP2 over ``mesh``).
+    """:func:`fvstep.parallel.prepare` of ``module`` with the recipe's options, frozen roles too.
 
-    Frozen roles take checkpointing, offloading and compile too (a frozen LoRA base needs
-    them); ``flash_attention_4`` enables FlashAttention-4 for the whole process.
-
-    Raises:
-        ValueError: For FlashAttention-4 under fp32 compute (it has no fp32 kernel).
-    """
+    ``flash_attention_4`` enables FlashAttention-4 process-wide (``ValueError`` under fp32)."""
     device = next((p.device for p in module.parameters()), torch.device("cpu"))
     dtype = compute_dtype(options, device)
     if options.flash_attention_4:
@@ -294,11 +286,9 @@ def lora_over_base(
     options: Any, base: nn.Module, roles: tuple[str, ...], *, fresh: bool, mesh: Any,
     base_role: str,
 ) -> tuple[nn.Module, dict[str, Any]]:  # fmt: skip
-    """One peft LoRA adapter per role of ``roles`` over ``base``, and the base prepared frozen.
+    """The base prepared frozen and one peft LoRA adapter per role over it (sharded over ``mesh``).
 
-    On a fresh run the adapters are filled from ``init_from``, refused when it was trained
-    on another base (its frozen ``base_role``); with ``mesh``, they are sharded over it.
-    """
+    A fresh run fills them from ``init_from``, refused if trained on another ``base_role``."""
     import peft
 
     from fvstep.methods.lora import add_adapters
@@ -359,7 +349,7 @@ def make_data(data: DataOptions, *, held_out: int = 0, device: torch.device | No
 
     Args:
         held_out: With ``data.path``, the validation items (``validation.num_samples``)
-            that the loader never draws (:func:`held_out_items`).
+            that the loader never draws.
         device: Where the batches are delivered (``None``: the CPU).
 
     Raises:
@@ -402,10 +392,8 @@ def _collate_to(items: list[Any], *, device: torch.device) -> Any:
     return {k: v.to(device) for k, v in default_collate(items).items()}
 
 
-def held_out_items(data: DataOptions, num: int) -> dict[str, torch.Tensor]:
-    """``num`` held-out items (``latents``, ``text``) for validation: the dataset's first
-    ``num`` of the first item's shapes (never trained on: :func:`make_data`), or synthetic
-    ones of another key."""
+def _held_out_items(data: DataOptions, num: int) -> dict[str, torch.Tensor]:
+    """``num`` validation items: the dataset's held-out ones, or synthetic ones of another key."""
     if data.path is not None:
         from fvstep.executor.latents import LatentDataset
 
@@ -442,15 +430,13 @@ def run_spec(
     sampler: Any = None,
     extra: dict[str, Any] | None = None,
 ) -> RunSpec:
-    """What every recipe returns: the state of ``roles`` (and ``extra``) keyed by
-    ``run.seed``, ``method`` compiled with the run's accumulation and clipping, the data,
-    and the options of :func:`fvstep.run` (checkpoints, cadences, validation of the
-    student, trackers, the layout on several ranks); with ``validation.sample_every``,
-    sample videos of the student by ``sampler`` (``None``: Euler steps).
+    """What every recipe returns: the state of ``roles`` (and ``extra``), ``method`` compiled
+    with the run's accumulation and clipping, the data and :func:`fvstep.run`'s options; the
+    student's sample videos by ``sampler`` (``None``: Euler steps).
 
     Raises:
-        ValueError: For ``validation.every`` without a held-out item, or as
-            :func:`fvstep.recipes.samples.check_samples`.
+        ValueError: For ``validation.every`` without a held-out item, or sample options a run
+            cannot honour.
     """
     from fvstep.executor.reporting import Validation
     from fvstep.executor.validation import validation_loss
@@ -480,7 +466,7 @@ def run_spec(
                 f"validation.num_samples is {validation.num_samples}: validation needs at "
                 "least 1 held-out item (or validation.every 0: no validation)"
             )
-        held = held_out_items(options.data, validation.num_samples)
+        held = _held_out_items(options.data, validation.num_samples)
         held = {k: v.to(device) for k, v in held.items()}
         loss = validation_loss(held["latents"], held["text"], role="student")
         run_options["validation"] = Validation(loss, every=validation.every)
@@ -496,7 +482,7 @@ def run_spec(
             count_collectives=options.parallel.count_collectives
         )
     if validation.sample_every:
-        held = held_out_items(options.data, validation.num_samples)
+        held = _held_out_items(options.data, validation.num_samples)
         samples = sample_validation(options, held, device=device, sampler=sampler)
         first = run_options.get("validation")
         run_options["validation"] = [samples] if first is None else [first, samples]

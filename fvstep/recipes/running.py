@@ -1,8 +1,5 @@
-"""Running a recipe: the resolved config checked and kept, ``init_from``, then :func:`fvstep.run`.
-
-:func:`train` is what ``fvstep train`` runs on every rank: rank 0 locks the run folder; a
-folder holding a checkpoint is resumed (its config checked), else ``init_from`` applies;
-rank 0 writes ``config.yaml`` (a refused run leaves nothing); :func:`fvstep.run` trains.
+"""Running a recipe: the resolved config checked and kept, ``init_from``, then :func:`fvstep.run`
+(:func:`train`, what ``fvstep train`` runs on every rank).
 
 Examples:
     >>> recipe = get_recipe("finetune")
@@ -12,6 +9,8 @@ Examples:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import json
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -29,7 +28,6 @@ from fvstep.recipes.config import (
     CONFIG_NAME,
     check_config_change,
     dataset_digest,
-    describe_run,
     read_config,
     write_config,
 )
@@ -66,23 +64,24 @@ def _on_rank0(fn: Callable[[], Any]) -> Any:
 
 
 def _describe(recipe: Recipe, options: Any, world_size: int, *, digest: bool = True) -> Any:
-    """:func:`describe_run` of ``options``, ``prepare.precision`` resolved on this rank's device."""
+    """What ``config.yaml`` holds, ``prepare.precision`` resolved on this rank's device."""
     compute = compute_dtype(options.prepare, device_for(options.run))
-    return describe_run(
-        recipe.name,
-        options,
-        world_size=world_size,
-        precision="fp32" if compute is None else "bf16",
-        data_digest=dataset_digest(options.data.path) if digest else None,
-    )
+    config: dict[str, Any] = {
+        "recipe": recipe.name,
+        "world_size": world_size,
+        "precision": "fp32" if compute is None else "bf16",
+        "options": json.loads(json.dumps(dataclasses.asdict(options))),  # tuples as lists
+    }
+    data_digest = dataset_digest(options.data.path) if digest else None
+    if data_digest is not None:
+        config["data_digest"] = data_digest
+    return config
 
 
 def compile_memory_budget(options: Any) -> contextlib.AbstractContextManager[Any]:
-    """A context holding ``prepare.compile_memory_budget`` for the graphs compiled in it
-    (blocks compile at their first call, inside :func:`fvstep.run`); a null context without one.
+    """A context applying ``prepare.compile_memory_budget`` to the blocks compiled inside it.
 
-    Raises:
-        ValueError: For a budget outside ``[0, 1]``.
+    Raises ``ValueError`` for a budget outside ``[0, 1]``.
     """
     budget = getattr(options.prepare, "compile_memory_budget", None)
     if budget is None:
@@ -95,28 +94,17 @@ def compile_memory_budget(options: Any) -> contextlib.AbstractContextManager[Any
 
 
 def run_prepared(spec: RunSpec, options: Any, **extra: Any) -> Any:
-    """Train a prepared run (:func:`prepare_run`) to ``options.run.num_steps``:
-    :func:`fvstep.run` with the spec's options and ``extra`` (e.g. ``on_metrics``), under
-    :func:`compile_memory_budget`. It does not close ``spec``; returns the final state.
-
-    Raises:
-        fvstep.Interrupted: If SIGTERM or Ctrl-C stopped the run (after it saved).
+    """:func:`fvstep.run` of a :func:`prepare_run` spec (and ``extra`` keywords) under
+    :func:`compile_memory_budget`; the final state. It does not close ``spec``.
     """
     with compile_memory_budget(options):
         return fs.run(spec.step, spec.state, spec.data, **spec.run_options, **extra)
 
 
 def check_resume(recipe: Recipe, options: Any, *, world_size: int) -> tuple[Path | None, list[str]]:
-    """Whether ``options.run.out`` holds a run to resume on ``world_size`` ranks (reads only).
+    """The checkpoint ``run.out`` resumes from (``None``: a fresh run) and the config changes.
 
-    Returns:
-        The checkpoint it resumes from (``None``: a fresh run), and the changed keys
-        that apply, for the log.
-
-    Raises:
-        fvstep.recipes.config.ConfigChangeError: For a change that alters the math of the
-            run, another world size included.
-    """
+    Reads only; raises as :func:`~fvstep.recipes.config.check_config_change`."""
     out = Path(options.run.out)
     resumed_from = ckpt.latest(out) if out.is_dir() else None
     saved = read_config(out)
@@ -128,17 +116,16 @@ def check_resume(recipe: Recipe, options: Any, *, world_size: int) -> tuple[Path
 def prepare_run(
     recipe: Recipe, options: Any, *, log: Callable[[str], None] = print, write: bool = True
 ) -> RunSpec:
-    """What :func:`train` does before it runs: lock the run folder, check the config, build
-    the run, apply ``init_from`` and (with ``write``) keep the config. Collective.
+    """What :func:`train` does before it runs: lock ``run.out``, check the config, build the
+    run, apply ``init_from`` and (with ``write``) keep the config. Collective.
 
-    With ``write``, the spec's ``checkpoints`` hold rank 0's lock of ``run.out`` for
-    :func:`fvstep.run`, and ``spec.close()`` releases it; without, nothing is locked or written.
+    With ``write``, the spec's ``checkpoints`` hold rank 0's lock and ``spec.close()`` releases
+    it; without, nothing is locked or written.
 
     Raises:
         fvstep.checkpoint.CheckpointLockedError: If another run holds the folder's lock.
-        fvstep.recipes.config.ConfigChangeError: As :func:`check_resume`.
-        ValueError: For options a run would refuse (a path holding nothing, an ``init_from``
-            state past ``run.num_steps``, samples without a VAE), before anything is written.
+        fvstep.recipes.config.ConfigChangeError: For a resume whose config changed the math.
+        ValueError: For options a run would refuse, before anything is written.
     """
     rank, world = rank_and_world()
     say = _say(rank, log)

@@ -1,8 +1,5 @@
-"""Sample videos of a recipe's student at a cadence (``validation.sample_every``).
-
-:func:`sample_validation` makes a :class:`fvstep.Validation` that samples one video per
-held-out prompt from fixed noise and decodes it by the VAE at ``model.path``
-(``validation.sample_every`` says where the files go). Sampling never changes the training.
+"""Sample videos of a recipe's student at a cadence (``validation.sample_every``; see
+``docs/recipes.md``, "Sample videos").
 
 Examples:
     >>> samples = sample_validation(options, held, device=torch.device("cpu"))
@@ -39,14 +36,8 @@ def _vae_folder(options: Any) -> Path | None:
 
 
 def check_samples(options: Any) -> None:
-    """Refuse ``validation.sample_every`` that a run could not honour, before it starts.
-
-    Raises:
-        ValueError: For a negative cadence; with samples, ``num_videos`` outside
-            ``1 .. num_samples``, ``sample_steps < 1``, no VAE (``model.path`` not a pipeline
-            folder with a ``vae/``), or ``sample_weights="ema"`` without ``optim.ema``.
-        fvstep.core._optional.MissingExtraError: Without ``imageio-ffmpeg`` (the MP4 files).
-    """
+    """Refuse (``ValueError``) ``validation`` sample options a run could not honour, before it
+    starts; ``MissingExtraError`` without ``imageio-ffmpeg`` (the MP4 files)."""
     v = options.validation
     if v.sample_every < 0:
         raise ValueError(
@@ -100,7 +91,6 @@ def sample_validation(
     held_out: Mapping[str, torch.Tensor],
     *,
     device: torch.device,
-    role: str = "student",
     sampler: Sampler | None = None,
 ) -> Validation | None:
     """The sample videos of ``options.validation`` (checked by :func:`check_samples`) as a
@@ -110,8 +100,8 @@ def sample_validation(
     returns the videos.
 
     Args:
-        held_out: The held-out items (:func:`fvstep.recipes.parts.held_out_items`): the
-            first ``validation.num_videos`` texts are the prompts, the latents the shape.
+        held_out: The held-out items: the first ``validation.num_videos`` texts are the
+            prompts, the latents the shape.
         sampler: The student's sampler (a distilled student's few-step schedule); ``None``:
             ``validation.sample_steps`` Euler steps at the pipeline scheduler's shift.
     """
@@ -129,10 +119,10 @@ def sample_validation(
     def videos(state: TrainState, key: torch.Tensor) -> Mapping[str, Any]:
         weights = v.sample_weights
         if weights == "auto":
-            weights = "ema" if state.role(role).ema is not None else "params"
+            weights = "ema" if state.role("student").ema is not None else "params"
         if weights not in by_weights:
             by_weights[weights] = sample_videos(
-                text, latent_shape=shape, vae=vae, role=role, sampler=chosen, weights=weights
+                text, latent_shape=shape, vae=vae, role="student", sampler=chosen, weights=weights
             )
         return by_weights[weights](state, key)
 

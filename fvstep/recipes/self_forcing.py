@@ -83,11 +83,8 @@ def check_latent_frames(data: DataOptions, chunk_frames: int) -> None:
 
 
 def causal_roles(options: Any, *, fresh: bool, device: torch.device) -> dict[str, fs.Role]:
-    """The prepared roles of the causal recipes (``self_forcing``, ``streaming``).
-
-    ``student``: a causal copy of the model (``options.chunk_frames``); ``critic``: a copy
-    (both from ``init_from`` on a fresh run, then trained); ``teacher``: the model, frozen.
-    """
+    """The prepared roles of the causal recipes: the frozen ``teacher``, a causal copy of it
+    as ``student`` and a plain copy as ``critic`` (both from ``init_from`` on a fresh run)."""
     teacher = parts.load_transformer(options.model, device=device)
     student = make_causal(copy.deepcopy(teacher), chunk_frames=options.chunk_frames)
     return parts.copied_roles(options, teacher, student, fresh=fresh, device=device)
