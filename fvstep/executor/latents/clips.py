@@ -41,17 +41,10 @@ def _images(folder: Path) -> list[Path]:
 def find_clips(
     root: str | os.PathLike[str], *, captions: Mapping[str, str] | None = None
 ) -> list[Clip]:
-    """The clips under ``root`` with their captions, sorted by key.
+    """The clips (video files, frame folders) under ``root``, keyed by relative path, sorted.
 
-    A clip is a video file or a frame folder (a directory of images, in name order), found
-    recursively; its key is its path relative to ``root``. Its caption is the text file of
-    the same stem beside it (``a/b.mp4`` -> ``a/b.txt``; frame folder ``a/c/`` -> ``a/c.txt``
-    or ``a/c/caption.txt``), unless ``captions`` (by key) has it.
-
-    Raises:
-        FileNotFoundError: If ``root`` is not a directory.
-        ValueError: If there are no clips, or some have no caption (the first few named).
-    """
+    A caption is ``captions[key]``, else ``a/b.txt`` beside ``a/b.mp4`` (``a/c.txt`` or
+    ``a/c/caption.txt`` for frame folder ``a/c/``); ValueError if none, or no clips at all."""
     root = Path(root)
     if not root.is_dir():
         raise FileNotFoundError(f"the clips folder {str(root)!r} does not exist")
@@ -99,9 +92,7 @@ def find_clips(
 def read_frames(clip: Clip, *, max_frames: int | None = None) -> torch.Tensor:
     """A clip's first ``max_frames`` frames (default all), ``uint8`` ``(F, H, W, 3)``.
 
-    Raises:
-        ValueError: If the clip cannot be read or has no frames (naming the file).
-    """
+    ValueError (naming the file) if the clip cannot be read or has no frames."""
     with needs_extra("data", "reading clips"):
         import imageio.v3 as iio
     import numpy as np
@@ -140,24 +131,10 @@ def fit_frames(
     temporal_factor: int = 4,
     multiple: int = 16,
 ) -> torch.Tensor:
-    """Cut frames to ``k * temporal_factor + 1`` and fit them to the size.
+    """Cut ``uint8`` frames ``(T, H, W, 3)`` to ``k * temporal_factor + 1``; fit them to the size.
 
-    With a size, resize to cover ``height x width`` and centre-crop; without one, centre-crop
-    to a multiple of ``multiple`` (16: the VAE's 8 times Wan's 2 x 2 patch).
-
-    Args:
-        frames: ``uint8`` frames ``(T, H, W, 3)``.
-        num_frames: At most this many frames (default all).
-        temporal_factor: The VAE's temporal compression.
-
-    Raises:
-        ValueError: If only one of ``height``/``width`` is given, or the frames are smaller
-            than ``multiple``.
-
-    Examples:
-        >>> fit_frames(torch.zeros(6, 20, 30, 3, dtype=torch.uint8), height=8, width=8).shape
-        torch.Size([5, 8, 8, 3])
-    """
+    Resize to cover ``height x width`` and centre-crop; without a size, centre-crop to a
+    multiple of ``multiple``. ValueError for one of height/width, or frames below ``multiple``."""
     if (height is None) != (width is None):
         raise ValueError("give both height and width, or neither")
     t = frames.shape[0] if num_frames is None else min(frames.shape[0], num_frames)

@@ -38,14 +38,9 @@ __all__ = ["EncodeResult", "encode_clips"]
 
 @dataclass
 class EncodeResult:
-    """What one call of :func:`encode_clips` did on this rank.
-
-    Attributes:
-        num_clips: Clips in the whole folder.
-        num_shards: Shards of the whole dataset.
-        skipped: This rank's shards that were already finished.
-        index: The index path once every shard is finished, else ``None``.
-    """
+    """What one call of :func:`encode_clips` did on this rank: clips and shards of the whole
+    folder, this rank's shards written and skipped (already finished), and the index path once
+    every shard is finished (else ``None``)."""
 
     num_clips: int
     num_shards: int
