@@ -30,7 +30,6 @@ __all__ = [
     "observe",
     "open_trackers",
     "progress_bar",
-    "show_losses",
     "validations",
 ]
 
@@ -159,7 +158,7 @@ class Sinks:
             for tracker in self.trackers:
                 tracker.log(row, step)
             if self.bar is not None:
-                show_losses(self.bar, row, self.shown_losses)
+                _show_losses(self.bar, row, self.shown_losses)
 
     def close(self) -> None:
         try:
@@ -194,7 +193,7 @@ def observe(validation: Validation, state: TrainState, step: int) -> Mapping[str
         release_modules(state)
 
 
-def show_losses(bar: Any, row: dict[str, Any], shown: dict[str, str]) -> None:
+def _show_losses(bar: Any, row: dict[str, Any], shown: dict[str, str]) -> None:
     """Show the latest value of each ``*loss`` metric on the progress bar: ``shown`` keeps
     a role's last loss through the steps that do not train it."""
     losses = {k: v for k, v in row.items() if k.endswith("loss") and isinstance(v, float)}
@@ -203,14 +202,12 @@ def show_losses(bar: Any, row: dict[str, Any], shown: dict[str, str]) -> None:
         bar.set_postfix(shown, refresh=False)
 
 
+# A thread lock, not tqdm's named semaphore: a rank ended by a signal would leak that.
 _BAR_LOCK = threading.RLock()
 
 
 def progress_bar(enabled: bool, start: int, total: int) -> Any:
-    """The run's progress bar on stderr (tqdm), or ``None`` when disabled or not installed.
-
-    A thread lock, not tqdm's named semaphore: a rank ended by a signal would leak that.
-    """
+    """The run's progress bar on stderr (tqdm), or ``None`` when disabled or not installed."""
     if not enabled:
         return None
     try:
