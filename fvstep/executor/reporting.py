@@ -77,15 +77,8 @@ class Validation:
             raise TypeError("Validation.key must be an fvstep key (fvstep.random.key(seed))")
 
     def due(self, step: int, *, start: int, num_steps: int) -> bool:
-        """Whether the validation runs on the state at ``step`` (the number of steps taken).
-
-        It is due when ``every`` divides ``step``, at ``num_steps`` with ``at_end``, and at
-        ``start`` (where the run started or resumed) with ``at_start``.
-
-        Examples:
-            >>> Validation(fn, every=10).due(20, start=0, num_steps=100)
-            True
-        """
+        """Whether the validation runs on the state at ``step`` (the number of steps taken);
+        ``start`` is where the run started or resumed."""
         return (
             (self.every is not None and step % self.every == 0)
             or (self.at_end and step == num_steps)

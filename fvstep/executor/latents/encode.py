@@ -129,12 +129,8 @@ def encode_clips(
     captions: Mapping[str, str] | None = None,
     log: Callable[[str], None] | None = None,
 ) -> EncodeResult:
-    """Encode the clips under ``source`` into a dataset in ``out``.
-
-    Latents are the VAE posterior's mean, ``(z - latents_mean) / latents_std``; text is
-    padded or truncated to ``max_tokens`` and zeroed past the caption. Rank ``r`` encodes
-    the shards ``k`` with ``k % world_size == r``; a rerun skips finished shards and refuses
-    an ``out`` encoded otherwise. See docs/concepts/data.md.
+    """Encode the clips under ``source`` into a dataset in ``out``; rank ``r`` encodes the shards
+    ``k`` with ``k % world_size == r``. What is stored, and reruns: docs/concepts/data.md.
 
     Args:
         vae: A diffusers ``AutoencoderKLWan`` (or a VAE with its ``encode`` and config).

@@ -204,10 +204,8 @@ def _to_device(batch: Any, device: torch.device) -> Any:
 class WorkerSource:
     """A data source that reads ``order``'s batches of ``dataset`` in worker processes.
 
-    It answers ``batch(step, rank=, world_size=)`` as ``order`` does, ``prefetch`` steps
-    ahead. Asked for any step but the next one (a resume, another rank or world size), it
-    starts a new DataLoader at that step, so a batch never depends on where the run started.
-    The workers ignore SIGINT and SIGTERM.
+    Asked for any step but the next one, it starts a new DataLoader at that step, so a batch
+    never depends on where the run started (docs/concepts/data.md).
 
     Args:
         dataset: A map-style dataset; with workers it must pickle.
@@ -392,10 +390,6 @@ def latent_source(
     Raises:
         FileNotFoundError: If ``root`` has no index.
         ShardError: If the index is malformed or lists a missing shard.
-
-    Examples:
-        >>> with latent_source("latents", key=fs.random.key(0), batch_size=1) as data:
-        ...     batch = data.batch(0, rank=0, world_size=1)
     """
     from fvstep.executor.latents.dataset import LatentDataset
     from fvstep.executor.latents.order import BucketedOrder
