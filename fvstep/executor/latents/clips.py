@@ -18,10 +18,10 @@ import torch.nn.functional as F
 
 from fvstep.core._optional import needs_extra
 
-__all__ = ["IMAGE_SUFFIXES", "VIDEO_SUFFIXES", "Clip", "find_clips", "fit_frames", "read_frames"]
+__all__ = ["Clip", "find_clips", "fit_frames", "read_frames"]
 
-VIDEO_SUFFIXES = (".mp4", ".webm", ".mov", ".mkv", ".avi", ".gif")
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
+_VIDEO_SUFFIXES = (".mp4", ".webm", ".mov", ".mkv", ".avi", ".gif")
+_IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ class Clip:
 
 
 def _images(folder: Path) -> list[Path]:
-    return sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
+    return sorted(p for p in folder.iterdir() if p.suffix.lower() in _IMAGE_SUFFIXES)
 
 
 def find_clips(
@@ -52,12 +52,12 @@ def find_clips(
     for dirpath, dirnames, filenames in os.walk(root):
         here = Path(dirpath)
         dirnames.sort()
-        if here != root and any(Path(f).suffix.lower() in IMAGE_SUFFIXES for f in filenames):
+        if here != root and any(Path(f).suffix.lower() in _IMAGE_SUFFIXES for f in filenames):
             found.append((here, "frames"))
             dirnames.clear()  # a frame folder is one clip
             continue
         found += [
-            (here / f, "video") for f in filenames if Path(f).suffix.lower() in VIDEO_SUFFIXES
+            (here / f, "video") for f in filenames if Path(f).suffix.lower() in _VIDEO_SUFFIXES
         ]
     clips, missing = [], []
     for path, kind in found:
@@ -83,7 +83,7 @@ def find_clips(
         )
     if not clips:
         raise ValueError(
-            f"no clips under {str(root)!r}: expected video files ({', '.join(VIDEO_SUFFIXES)}) "
+            f"no clips under {str(root)!r}: expected video files ({', '.join(_VIDEO_SUFFIXES)}) "
             "or folders of images"
         )
     return sorted(clips, key=lambda c: c.key)
