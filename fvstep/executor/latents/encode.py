@@ -1,9 +1,4 @@
-"""Encoding clips into the on-disk format: :func:`encode_clips` (``fvstep data encode``).
-
-Examples:
-    >>> # vae, text_encoder, tokenizer: see docs/concepts/data.md for tiny ones
-    >>> # encode_clips("clips/", "latents/", vae=vae, text_encoder=te, tokenizer=tok)
-"""
+"""Encoding clips into the on-disk format: :func:`encode_clips` (``fvstep data encode``)."""
 
 from __future__ import annotations
 
