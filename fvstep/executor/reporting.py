@@ -58,9 +58,6 @@ class Validation:
         every: Validate at every multiple of ``every`` steps (``None``: never between).
         at_start: Validate at the step a run starts or resumes at.
         at_end: Validate at ``num_steps``.
-
-    Examples:
-        >>> Validation(validation_loss(held_out["latents"], held_out["text"]), every=100)
     """
 
     fn: ValidationFn

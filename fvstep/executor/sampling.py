@@ -271,10 +271,6 @@ def sample_videos(
     Raises:
         ValueError: If ``text`` is not ``(P, L, D)`` or ``latent_shape`` not 4 sizes.
         ValueError: If the captions do not match the prompts.
-
-    Examples:
-        >>> fn = sample_videos(prompts, latent_shape=(16, 21, 60, 104), vae=vae,
-        ...                    sampler=FewStepSampler((1.0, 0.75, 0.5, 0.25)), weights="ema")
     """
     if text.dim() != 3:
         raise ValueError(f"text must be (P, L, D), got {tuple(text.shape)}")
