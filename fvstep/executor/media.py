@@ -85,10 +85,9 @@ def _even(frames: torch.Tensor) -> torch.Tensor:
 
 
 def write_mp4(video: Video, path: str | os.PathLike[str]) -> Path:
-    """Write ``video`` as an H.264 MP4 at ``path`` (its folder made); return the path.
+    """Write ``video`` as an H.264 MP4 at ``path`` (its folder made; odd sizes padded by one).
 
-    Odd heights or widths get one repeated row or column. MissingExtraError without
-    ``imageio``/``imageio-ffmpeg`` (``pip install fvstep[media]``)."""
+    MissingExtraError without ``imageio``/``imageio-ffmpeg`` (``pip install fvstep[media]``)."""
     imageio, path = _prepare_write(path)
     frames = _even(video.frames).numpy()
     imageio.v2.mimwrite(path, list(frames), fps=video.fps, macro_block_size=1, format="FFMPEG")

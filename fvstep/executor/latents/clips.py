@@ -41,9 +41,8 @@ def _images(folder: Path) -> list[Path]:
 def find_clips(
     root: str | os.PathLike[str], *, captions: Mapping[str, str] | None = None
 ) -> list[Clip]:
-    """The clips (video files, frame folders) under ``root``, keyed by relative path, sorted.
-
-    A caption is ``captions[key]``, else ``a/b.txt`` beside ``a/b.mp4`` (``a/c.txt`` or
+    """The clips (video files, frame folders) under ``root``, keyed by relative path, sorted;
+    a caption is ``captions[key]``, else ``a/b.txt`` beside ``a/b.mp4`` (``a/c.txt`` or
     ``a/c/caption.txt`` for frame folder ``a/c/``); ValueError if none, or no clips at all."""
     root = Path(root)
     if not root.is_dir():
@@ -131,10 +130,9 @@ def fit_frames(
     temporal_factor: int = 4,
     multiple: int = 16,
 ) -> torch.Tensor:
-    """Cut ``uint8`` frames ``(T, H, W, 3)`` to ``k * temporal_factor + 1``; fit them to the size.
-
-    Resize to cover ``height x width`` and centre-crop; without a size, centre-crop to a
-    multiple of ``multiple``. ValueError for one of height/width, or frames below ``multiple``."""
+    """Cut ``uint8`` frames ``(T, H, W, 3)`` to ``k * temporal_factor + 1``, resize to cover
+    ``height x width`` and centre-crop (without a size: crop to a multiple of ``multiple``);
+    ValueError for one of height/width, or frames below ``multiple``."""
     if (height is None) != (width is None):
         raise ValueError("give both height and width, or neither")
     t = frames.shape[0] if num_frames is None else min(frames.shape[0], num_frames)

@@ -183,10 +183,9 @@ def _differences(previous: Mapping[str, Any], settings: Mapping[str, Any]) -> st
 
 
 def agree_on_settings(out: Path, settings: dict[str, Any]) -> None:
-    """Record ``settings`` in ``out``; ValueError (each differing key, both values) if it has others.
+    """Record ``settings`` in ``out``; ValueError (naming each differing key) if it holds others.
 
-    Every rank calls it before writing; a hard link, not a rename, makes exactly one of ranks
-    starting at once publish (with a rename each would replace the other's and pass)."""
+    Every rank calls it before writing; a hard link (not a rename) lets exactly one publish."""
     path = out / _SETTINGS_FILE
     if not path.exists():
         tmp = temporary_path(path)

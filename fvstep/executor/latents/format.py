@@ -165,8 +165,7 @@ def write_shard(
 ) -> ShardInfo:
     """Write ``rows`` (dicts of tensors, strings, numbers) as one shard; its :class:`ShardInfo`.
 
-    Atomic (temporary name, fsync, rename); tensor fields may differ in shape and dtype.
-    ValueError if ``rows`` is empty or its rows have different fields."""
+    Atomic; tensor fields may differ in shape and dtype; ValueError for no rows or unlike ones."""
     if not rows:
         raise ValueError("a shard needs at least one row")
     pa, pq = _arrow()
