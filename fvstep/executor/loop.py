@@ -191,9 +191,6 @@ def run_until(
         parallelism: The process layout every step is called with; it also maps this
             rank to the data it reads. Default :func:`fvstep.parallel.default_layout`.
 
-    Returns:
-        A :class:`RunResult`.
-
     Raises:
         CheckpointLockedError: If another run holds the lock of ``checkpoints.dir``.
         CheckpointError: If a checkpoint does not fit ``state``, is damaged (as

@@ -265,9 +265,6 @@ def sample_videos(
         key: The noise key (default ``fvstep.random.key(0)``).
         negative_text: Negative prompt embeddings ``(P, L, D)`` for a guided sampler.
 
-    Returns:
-        ``fn(state, key) -> {"sample_<i>": Video}`` for :class:`fvstep.Validation`.
-
     Raises:
         ValueError: If ``text`` is not ``(P, L, D)`` or ``latent_shape`` not 4 sizes.
         ValueError: If the captions do not match the prompts.

@@ -111,9 +111,6 @@ def validation_loss(
         weights: ``"params"`` or ``"ema"`` (:func:`role_module`).
         batch_size: Evaluate this many samples at a time (``None``: all at once).
 
-    Returns:
-        ``fn(state, key) -> metrics`` for :class:`fvstep.Validation`.
-
     Raises:
         ValueError: If ``latents`` and ``text`` do not match.
         ValueError: If ``timesteps`` is empty or out of ``[0, 1]``.

@@ -142,9 +142,6 @@ def encode_clips(
         captions: Captions by clip key, over caption files.
         log: Called with one line per shard (e.g. ``print``).
 
-    Returns:
-        What this call did on this rank.
-
     Raises:
         ValueError: If a clip has no caption or cannot be read (naming it).
         ValueError: If ``out`` holds an encode with other settings or models (naming each

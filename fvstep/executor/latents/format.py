@@ -277,9 +277,6 @@ def write_dataset(
 ) -> list[ShardInfo]:
     """Write each list of rows as a shard of ``root`` and then the index: a whole dataset.
 
-    Returns:
-        The shards' :class:`ShardInfo`.
-
     Raises:
         ValueError: As :func:`write_shard`.
 
