@@ -1,9 +1,4 @@
-"""The inputs of an encode: clips found in a folder, their frames read and fitted.
-
-Examples:
-    >>> fit_frames(torch.zeros(11, 30, 40, 3, dtype=torch.uint8), multiple=16).shape
-    torch.Size([9, 16, 32, 3])
-"""
+"""The inputs of an encode: clips found in a folder, their frames read and fitted."""
 
 from __future__ import annotations
 

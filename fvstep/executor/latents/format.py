@@ -1,11 +1,7 @@
 """The on-disk format of precomputed samples: Parquet shards and a JSON index.
 
-A dataset is a directory of ``index.json`` (the shards in order, their row counts and each
-row's shapes, run-length encoded), ``encode.json`` (how ``fvstep data encode`` made it) and
-``shard-00000.parquet``, ... (one row, and one row group, per sample). A tensor field ``F``
-is three columns: ``F`` (its bytes, C order, little endian), ``F_shape`` (list of int32)
-and ``F_dtype`` (a torch dtype name); other fields are plain columns. This module holds the
-format's names, :class:`ShardInfo`, the shards' writer and reader and the index; why
+The format's names, :class:`ShardInfo`, the shards' writer and reader and the index. The
+format itself (a tensor field ``F`` is the columns ``F``, ``F_shape`` and ``F_dtype``), why
 Parquet, and reading a shard without fvstep: docs/concepts/data.md.
 """
 
