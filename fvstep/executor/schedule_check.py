@@ -15,8 +15,8 @@ from fvstep.parallel.ranks import rank_and_world
 
 __all__ = ["ScheduleLengthWarning", "check_schedule_lengths", "schedule_length"]
 
+# Longer runs are not planned step by step (planning takes time linear in the steps).
 _MAX_PLANNED = 1_000_000
-"""Longer runs are not planned step by step (planning takes time linear in the steps)."""
 
 
 class ScheduleLengthWarning(UserWarning):

@@ -39,15 +39,12 @@ class Tracker(Protocol):
 
     def log(self, metrics: Mapping[str, Scalar], step: int) -> None:
         """Log scalar metrics (``None`` for a non-finite value) at ``step``."""
-        ...
 
     def log_media(self, media: Mapping[str, Video], step: int) -> None:
         """Log videos at ``step``."""
-        ...
 
     def close(self) -> None:
         """Flush and release files and connections."""
-        ...
 
 
 def _number(v: Any) -> Any:
