@@ -40,9 +40,6 @@ class _StepIndices(list[int]):
         super().__init__(indices)
         self.step = step
 
-    def __reduce__(self) -> Any:
-        return (_StepIndices, (self.step, list(self)))
-
 
 class _WorkerFailure:
     """What a worker hands back instead of a batch when reading or collating raised."""
