@@ -92,11 +92,7 @@ def assert_resume_exact(
         AssertionError: Naming the first leaf where the resumed run differs.
         ValueError: For interruptions outside ``[0, num_steps)``.
 
-    Examples:
-        >>> def factory():
-        ...     state = fs.TrainState.create({...}, key=fs.random.key(0))
-        ...     return state, fs.compile(my_method), my_data
-        >>> assert_resume_exact(factory, num_steps=6, interruptions=[2, 4], workdir=tmp_path)
+    An example: docs/tutorial.md.
     """
     if any(not 0 <= s < num_steps for s in interruptions):
         raise ValueError(f"interruptions {list(interruptions)} must lie in [0, {num_steps})")
@@ -250,13 +246,7 @@ def check_compiled_gradients(
         ValueError: If ``module`` is sharded (use ``prepare(..., verify_compile=True)``).
         ValueError: If ``compiled`` asks to compile a module whose blocks are compiled.
 
-    Examples:
-        >>> student = parallel.prepare(tiny_wan(), compile={"backend": "aot_eager"})
-        >>> reports = check_compiled_gradients(
-        ...     student, hidden_states=x, timestep=t, encoder_hidden_states=text, return_dict=False
-        ... )
-        >>> [r.block for r in reports]
-        ['blocks.0', 'blocks.1']
+    An example: docs/concepts/prepare.md.
     """
     if is_sharded(module):
         raise ValueError(

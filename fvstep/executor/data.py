@@ -40,10 +40,8 @@ def _check_key(k: torch.Tensor) -> torch.Tensor:
 class ShuffledSource:
     """A deterministic, key-seeded shuffle over a map-style dataset, sharded by rank.
 
-    The order is one infinite stream of indices: epoch ``e`` contributes
-    ``randperm(len(dataset))`` seeded by ``fold_in(key, e)``. Each step takes the next
-    global batch of ``batch_size * world_size`` indices and rank ``r`` its ``r``-th slice,
-    so one rank with ``batch_size=B * W`` sees what ``W`` ranks with ``B`` see (resharding).
+    One rank with ``batch_size=B * W`` sees what ``W`` ranks with ``B`` see (resharding); the
+    order's construction: docs/concepts/checkpoints.md.
 
     Args:
         key: An fvstep key; it alone decides the order.

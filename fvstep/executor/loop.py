@@ -53,12 +53,6 @@ class RunResult:
             stopped the run early, after saving.
         checkpoint: The checkpoint that holds ``state`` (``None`` without checkpoints).
         resumed_from: The checkpoint the run resumed from (``None``: it did not resume).
-
-    Examples:
-        >>> result = run_until(step_fn, state, source, num_steps=1000,
-        ...                    checkpoints=Checkpoints("ckpt", every=100))
-        >>> if not result.completed:  # preempted: the job scheduler will restart us
-        ...     sys.exit(143)
     """
 
     state: TrainState
@@ -143,10 +137,6 @@ def run(
 
     Raises:
         Interrupted: If SIGTERM or a first Ctrl-C stopped the run before ``num_steps``.
-
-    Examples:
-        >>> state = run(step_fn, state, source, num_steps=1000,
-        ...             checkpoints=Checkpoints("ckpt", every=100, keep=3))
     """
     result = run_until(**locals())  # run's parameters are run_until's, by name
     if not result.completed:
@@ -200,9 +190,6 @@ def run_until(
             (and before each checkpoint, and at the end): one host sync per flush.
         parallelism: The process layout every step is called with; it also maps this
             rank to the data it reads. Default :func:`fvstep.parallel.default_layout`.
-
-    Returns:
-        A :class:`RunResult`.
 
     Raises:
         CheckpointLockedError: If another run holds the lock of ``checkpoints.dir``.

@@ -45,13 +45,7 @@ class Video:
 def frames_from_pixels(pixels: torch.Tensor) -> torch.Tensor:
     """``uint8`` frames from float pixels ``(F, H, W, 3)`` in ``[0, 1]``, as diffusers rounds.
 
-    Raises:
-        ValueError: If ``pixels`` is not floating point of shape ``(F, H, W, 3)``.
-
-    Examples:
-        >>> frames_from_pixels(torch.rand(5, 32, 32, 3)).dtype
-        torch.uint8
-    """
+    ValueError if ``pixels`` is not floating point of shape ``(F, H, W, 3)``."""
     if not pixels.is_floating_point() or pixels.dim() != 4 or pixels.shape[-1] != 3:
         raise ValueError(
             f"pixels must be floating point (F, H, W, 3) in [0, 1], got {pixels.dtype} "
@@ -91,21 +85,9 @@ def _even(frames: torch.Tensor) -> torch.Tensor:
 
 
 def write_mp4(video: Video, path: str | os.PathLike[str]) -> Path:
-    """Write ``video`` as an H.264 MP4; odd heights or widths get one repeated row or column.
+    """Write ``video`` as an H.264 MP4 at ``path`` (its folder made; odd sizes padded by one).
 
-    Args:
-        path: The file to write (its folder is created).
-
-    Returns:
-        The path written.
-
-    Raises:
-        MissingExtraError: If ``imageio`` or ``imageio-ffmpeg`` is not installed
-            (``pip install fvstep[media]``).
-
-    Examples:
-        >>> write_mp4(video, "samples/step_100/0.mp4")
-    """
+    MissingExtraError without ``imageio``/``imageio-ffmpeg`` (``pip install fvstep[media]``)."""
     imageio, path = _prepare_write(path)
     frames = _even(video.frames).numpy()
     imageio.v2.mimwrite(path, list(frames), fps=video.fps, macro_block_size=1, format="FFMPEG")

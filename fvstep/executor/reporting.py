@@ -30,7 +30,6 @@ __all__ = [
     "observe",
     "open_trackers",
     "progress_bar",
-    "show_losses",
     "validations",
 ]
 
@@ -59,9 +58,6 @@ class Validation:
         every: Validate at every multiple of ``every`` steps (``None``: never between).
         at_start: Validate at the step a run starts or resumes at.
         at_end: Validate at ``num_steps``.
-
-    Examples:
-        >>> Validation(validation_loss(held_out["latents"], held_out["text"]), every=100)
     """
 
     fn: ValidationFn
@@ -78,15 +74,8 @@ class Validation:
             raise TypeError("Validation.key must be an fvstep key (fvstep.random.key(seed))")
 
     def due(self, step: int, *, start: int, num_steps: int) -> bool:
-        """Whether the validation runs on the state at ``step`` (the number of steps taken).
-
-        It is due when ``every`` divides ``step``, at ``num_steps`` with ``at_end``, and at
-        ``start`` (where the run started or resumed) with ``at_start``.
-
-        Examples:
-            >>> Validation(fn, every=10).due(20, start=0, num_steps=100)
-            True
-        """
+        """Whether the validation runs on the state at ``step`` (the number of steps taken);
+        ``start`` is where the run started or resumed."""
         return (
             (self.every is not None and step % self.every == 0)
             or (self.at_end and step == num_steps)
@@ -159,7 +148,7 @@ class Sinks:
             for tracker in self.trackers:
                 tracker.log(row, step)
             if self.bar is not None:
-                show_losses(self.bar, row, self.shown_losses)
+                _show_losses(self.bar, row, self.shown_losses)
 
     def close(self) -> None:
         try:
@@ -194,7 +183,7 @@ def observe(validation: Validation, state: TrainState, step: int) -> Mapping[str
         release_modules(state)
 
 
-def show_losses(bar: Any, row: dict[str, Any], shown: dict[str, str]) -> None:
+def _show_losses(bar: Any, row: dict[str, Any], shown: dict[str, str]) -> None:
     """Show the latest value of each ``*loss`` metric on the progress bar: ``shown`` keeps
     a role's last loss through the steps that do not train it."""
     losses = {k: v for k, v in row.items() if k.endswith("loss") and isinstance(v, float)}
@@ -203,14 +192,12 @@ def show_losses(bar: Any, row: dict[str, Any], shown: dict[str, str]) -> None:
         bar.set_postfix(shown, refresh=False)
 
 
+# A thread lock, not tqdm's named semaphore: a rank ended by a signal would leak that.
 _BAR_LOCK = threading.RLock()
 
 
 def progress_bar(enabled: bool, start: int, total: int) -> Any:
-    """The run's progress bar on stderr (tqdm), or ``None`` when disabled or not installed.
-
-    A thread lock, not tqdm's named semaphore: a rank ended by a signal would leak that.
-    """
+    """The run's progress bar on stderr (tqdm), or ``None`` when disabled or not installed."""
     if not enabled:
         return None
     try:

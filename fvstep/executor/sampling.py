@@ -265,16 +265,9 @@ def sample_videos(
         key: The noise key (default ``fvstep.random.key(0)``).
         negative_text: Negative prompt embeddings ``(P, L, D)`` for a guided sampler.
 
-    Returns:
-        ``fn(state, key) -> {"sample_<i>": Video}`` for :class:`fvstep.Validation`.
-
     Raises:
         ValueError: If ``text`` is not ``(P, L, D)`` or ``latent_shape`` not 4 sizes.
         ValueError: If the captions do not match the prompts.
-
-    Examples:
-        >>> fn = sample_videos(prompts, latent_shape=(16, 21, 60, 104), vae=vae,
-        ...                    sampler=FewStepSampler((1.0, 0.75, 0.5, 0.25)), weights="ema")
     """
     if text.dim() != 3:
         raise ValueError(f"text must be (P, L, D), got {tuple(text.shape)}")

@@ -15,8 +15,8 @@ from fvstep.parallel.ranks import rank_and_world
 
 __all__ = ["ScheduleLengthWarning", "check_schedule_lengths", "schedule_length"]
 
+# Longer runs are not planned step by step (planning takes time linear in the steps).
 _MAX_PLANNED = 1_000_000
-"""Longer runs are not planned step by step (planning takes time linear in the steps)."""
 
 
 class ScheduleLengthWarning(UserWarning):
@@ -24,36 +24,15 @@ class ScheduleLengthWarning(UserWarning):
 
 
 def schedule_length(schedule: Any) -> int | None:
-    """The number of updates ``schedule`` is laid out over, or ``None`` (a constant, a join).
-
-    Examples:
-        >>> schedule_length(fs.schedules.cosine(1.0, total_steps=40))
-        40
-        >>> schedule_length(1e-4) is None
-        True
-    """
+    """The number of updates ``schedule`` is laid out over, or ``None`` (a constant, a join)."""
     length = getattr(schedule, "total_steps", None)
     return length if isinstance(length, int) else None
 
 
 def check_schedule_lengths(step: Any, state: TrainState, *, num_steps: int) -> None:
-    """Warn for each role whose schedule's length differs from its updates at ``num_steps``.
-
-    A schedule counts the role's *updates*, not the run's steps: a student that updates
-    every second step of a 100-step run makes 50. The updates are counted with
-    ``plan(step, i)`` on rank 0. Nothing is checked for a step that is not a
-    :class:`~fvstep.Step`, a role trained by a managed step, or a run of over a million steps.
-
-    Args:
-        state: The state the run starts from (after its resume).
-
-    Warns:
-        ScheduleLengthWarning: Naming the role, its ``total_steps`` and the value to use.
-
-    Examples:
-        >>> lr = fs.schedules.warmup_cosine(1e-4, warmup_steps=5, total_steps=50)
-        >>> check_schedule_lengths(step, state, num_steps=100)  # the student updates every 2nd step
-    """
+    """Warn (:class:`ScheduleLengthWarning`) for each role whose schedule's length is not its
+    updates from ``state`` (after resume) to ``num_steps``, counted with ``plan`` on rank 0; skips
+    a non-:class:`~fvstep.Step`, managed roles and runs of over a million steps."""
     if not isinstance(step, Step) or rank_and_world()[0] != 0:
         return
     lengths = {

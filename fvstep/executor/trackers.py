@@ -35,26 +35,16 @@ Scalar = bool | int | float | None
 class Tracker(Protocol):
     """Where metrics and media go, on rank 0 (docs/concepts/validation.md).
 
-    An optional ``start(step)`` is called once, first, with the step the run starts at.
-
-    Examples:
-        >>> class PrintTracker:
-        ...     def log(self, metrics, step): print(step, metrics)
-        ...     def log_media(self, media, step): pass
-        ...     def close(self): pass
-    """
+    An optional ``start(step)`` is called once, first, with the step the run starts at."""
 
     def log(self, metrics: Mapping[str, Scalar], step: int) -> None:
         """Log scalar metrics (``None`` for a non-finite value) at ``step``."""
-        ...
 
     def log_media(self, media: Mapping[str, Video], step: int) -> None:
         """Log videos at ``step``."""
-        ...
 
     def close(self) -> None:
         """Flush and release files and connections."""
-        ...
 
 
 def _number(v: Any) -> Any:

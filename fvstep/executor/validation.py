@@ -41,9 +41,6 @@ def role_module(
     ``with`` block and their own values again after it, bit for bit, also when it raises.
     Every rank of a sharded role enters it (docs/concepts/validation.md).
 
-    Yields:
-        The role's module.
-
     Raises:
         ValueError: For an unknown ``weights``, or ``"ema"`` for a role without an EMA.
         ValueError: For ``"params"`` inside a block that holds the role's EMA.
@@ -113,9 +110,6 @@ def validation_loss(
         key: The noise key (default ``fvstep.random.key(0)``).
         weights: ``"params"`` or ``"ema"`` (:func:`role_module`).
         batch_size: Evaluate this many samples at a time (``None``: all at once).
-
-    Returns:
-        ``fn(state, key) -> metrics`` for :class:`fvstep.Validation`.
 
     Raises:
         ValueError: If ``latents`` and ``text`` do not match.

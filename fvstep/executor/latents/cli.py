@@ -128,17 +128,6 @@ def run_encode(
         device: cpu or cuda (under torchrun: cuda:LOCAL_RANK)
         rank: this rank (default $RANK or 0)
         world_size: ranks sharing the work (default $WORLD_SIZE or 1)
-
-    Returns:
-        The exit code (0).
-
-    Raises:
-        UsageError: For a user error (``fvstep`` prints it as one line and exits 2).
-        ValueError: As :func:`fvstep.executor.latents.encode_clips`.
-
-    Examples:
-        >>> run_encode("clips", "latents", model="tiny-wan", max_tokens=16)  # doctest: +SKIP
-        0
     """
     import torch
 

@@ -1,9 +1,4 @@
-"""The inputs of an encode: clips found in a folder, their frames read and fitted.
-
-Examples:
-    >>> fit_frames(torch.zeros(11, 30, 40, 3, dtype=torch.uint8), multiple=16).shape
-    torch.Size([9, 16, 32, 3])
-"""
+"""The inputs of an encode: clips found in a folder, their frames read and fitted."""
 
 from __future__ import annotations
 
@@ -18,10 +13,10 @@ import torch.nn.functional as F
 
 from fvstep.core._optional import needs_extra
 
-__all__ = ["IMAGE_SUFFIXES", "VIDEO_SUFFIXES", "Clip", "find_clips", "fit_frames", "read_frames"]
+__all__ = ["Clip", "find_clips", "fit_frames", "read_frames"]
 
-VIDEO_SUFFIXES = (".mp4", ".webm", ".mov", ".mkv", ".avi", ".gif")
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
+_VIDEO_SUFFIXES = (".mp4", ".webm", ".mov", ".mkv", ".avi", ".gif")
+_IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 
 
 @dataclass(frozen=True)
@@ -35,23 +30,15 @@ class Clip:
 
 
 def _images(folder: Path) -> list[Path]:
-    return sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
+    return sorted(p for p in folder.iterdir() if p.suffix.lower() in _IMAGE_SUFFIXES)
 
 
 def find_clips(
     root: str | os.PathLike[str], *, captions: Mapping[str, str] | None = None
 ) -> list[Clip]:
-    """The clips under ``root`` with their captions, sorted by key.
-
-    A clip is a video file or a frame folder (a directory of images, in name order), found
-    recursively; its key is its path relative to ``root``. Its caption is the text file of
-    the same stem beside it (``a/b.mp4`` -> ``a/b.txt``; frame folder ``a/c/`` -> ``a/c.txt``
-    or ``a/c/caption.txt``), unless ``captions`` (by key) has it.
-
-    Raises:
-        FileNotFoundError: If ``root`` is not a directory.
-        ValueError: If there are no clips, or some have no caption (the first few named).
-    """
+    """The clips (video files, frame folders) under ``root``, keyed by relative path, sorted;
+    a caption is ``captions[key]``, else ``a/b.txt`` beside ``a/b.mp4`` (``a/c.txt`` or
+    ``a/c/caption.txt`` for frame folder ``a/c/``); ValueError if none, or no clips at all."""
     root = Path(root)
     if not root.is_dir():
         raise FileNotFoundError(f"the clips folder {str(root)!r} does not exist")
@@ -59,12 +46,12 @@ def find_clips(
     for dirpath, dirnames, filenames in os.walk(root):
         here = Path(dirpath)
         dirnames.sort()
-        if here != root and any(Path(f).suffix.lower() in IMAGE_SUFFIXES for f in filenames):
+        if here != root and any(Path(f).suffix.lower() in _IMAGE_SUFFIXES for f in filenames):
             found.append((here, "frames"))
             dirnames.clear()  # a frame folder is one clip
             continue
         found += [
-            (here / f, "video") for f in filenames if Path(f).suffix.lower() in VIDEO_SUFFIXES
+            (here / f, "video") for f in filenames if Path(f).suffix.lower() in _VIDEO_SUFFIXES
         ]
     clips, missing = [], []
     for path, kind in found:
@@ -90,7 +77,7 @@ def find_clips(
         )
     if not clips:
         raise ValueError(
-            f"no clips under {str(root)!r}: expected video files ({', '.join(VIDEO_SUFFIXES)}) "
+            f"no clips under {str(root)!r}: expected video files ({', '.join(_VIDEO_SUFFIXES)}) "
             "or folders of images"
         )
     return sorted(clips, key=lambda c: c.key)
@@ -99,9 +86,7 @@ def find_clips(
 def read_frames(clip: Clip, *, max_frames: int | None = None) -> torch.Tensor:
     """A clip's first ``max_frames`` frames (default all), ``uint8`` ``(F, H, W, 3)``.
 
-    Raises:
-        ValueError: If the clip cannot be read or has no frames (naming the file).
-    """
+    ValueError (naming the file) if the clip cannot be read or has no frames."""
     with needs_extra("data", "reading clips"):
         import imageio.v3 as iio
     import numpy as np
@@ -140,24 +125,9 @@ def fit_frames(
     temporal_factor: int = 4,
     multiple: int = 16,
 ) -> torch.Tensor:
-    """Cut frames to ``k * temporal_factor + 1`` and fit them to the size.
-
-    With a size, resize to cover ``height x width`` and centre-crop; without one, centre-crop
-    to a multiple of ``multiple`` (16: the VAE's 8 times Wan's 2 x 2 patch).
-
-    Args:
-        frames: ``uint8`` frames ``(T, H, W, 3)``.
-        num_frames: At most this many frames (default all).
-        temporal_factor: The VAE's temporal compression.
-
-    Raises:
-        ValueError: If only one of ``height``/``width`` is given, or the frames are smaller
-            than ``multiple``.
-
-    Examples:
-        >>> fit_frames(torch.zeros(6, 20, 30, 3, dtype=torch.uint8), height=8, width=8).shape
-        torch.Size([5, 8, 8, 3])
-    """
+    """Cut ``uint8`` frames ``(T, H, W, 3)`` to ``k * temporal_factor + 1``, resize to cover
+    ``height x width`` and centre-crop (without a size: crop to a multiple of ``multiple``);
+    ValueError for one of height/width, or frames below ``multiple``."""
     if (height is None) != (width is None):
         raise ValueError("give both height and width, or neither")
     t = frames.shape[0] if num_frames is None else min(frames.shape[0], num_frames)

@@ -93,11 +93,7 @@ class LatentDataset:
         )
 
     def locate(self, index: int) -> tuple[Path, int]:
-        """The shard file and row of item ``index``: ``(path, row)``.
-
-        Raises:
-            IndexError: If ``index`` is out of range.
-        """
+        """The shard file and row of item ``index``: ``(path, row)``; IndexError if out of range."""
         i = operator.index(index)
         if not 0 <= i < self._len:
             raise IndexError(f"index {i} out of range for a dataset of {self._len} items")

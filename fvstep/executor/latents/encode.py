@@ -1,9 +1,4 @@
-"""Encoding clips into the on-disk format: :func:`encode_clips` (``fvstep data encode``).
-
-Examples:
-    >>> # vae, text_encoder, tokenizer: see docs/concepts/data.md for tiny ones
-    >>> # encode_clips("clips/", "latents/", vae=vae, text_encoder=te, tokenizer=tok)
-"""
+"""Encoding clips into the on-disk format: :func:`encode_clips` (``fvstep data encode``)."""
 
 from __future__ import annotations
 
@@ -38,14 +33,9 @@ __all__ = ["EncodeResult", "encode_clips"]
 
 @dataclass
 class EncodeResult:
-    """What one call of :func:`encode_clips` did on this rank.
-
-    Attributes:
-        num_clips: Clips in the whole folder.
-        num_shards: Shards of the whole dataset.
-        skipped: This rank's shards that were already finished.
-        index: The index path once every shard is finished, else ``None``.
-    """
+    """What one call of :func:`encode_clips` did on this rank: clips and shards of the whole
+    folder, this rank's shards written and skipped (already finished), and the index path once
+    every shard is finished (else ``None``)."""
 
     num_clips: int
     num_shards: int
@@ -134,12 +124,8 @@ def encode_clips(
     captions: Mapping[str, str] | None = None,
     log: Callable[[str], None] | None = None,
 ) -> EncodeResult:
-    """Encode the clips under ``source`` into a dataset in ``out``.
-
-    Latents are the VAE posterior's mean, ``(z - latents_mean) / latents_std``; text is
-    padded or truncated to ``max_tokens`` and zeroed past the caption. Rank ``r`` encodes
-    the shards ``k`` with ``k % world_size == r``; a rerun skips finished shards and refuses
-    an ``out`` encoded otherwise. See docs/concepts/data.md.
+    """Encode the clips under ``source`` into a dataset in ``out``; rank ``r`` encodes the shards
+    ``k`` with ``k % world_size == r``. What is stored, and reruns: docs/concepts/data.md.
 
     Args:
         vae: A diffusers ``AutoencoderKLWan`` (or a VAE with its ``encode`` and config).
@@ -155,9 +141,6 @@ def encode_clips(
         dtype: The stored dtype of latents and text embeddings.
         captions: Captions by clip key, over caption files.
         log: Called with one line per shard (e.g. ``print``).
-
-    Returns:
-        What this call did on this rank.
 
     Raises:
         ValueError: If a clip has no caption or cannot be read (naming it).

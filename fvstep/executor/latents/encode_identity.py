@@ -21,9 +21,9 @@ import torch
 from fvstep.executor.latents.clips import Clip
 from fvstep.executor.latents.format import dtype_name, temporary_path
 
-__all__ = ["SETTINGS_FILE", "agree_on_settings", "describe_encode"]
+__all__ = ["agree_on_settings", "describe_encode"]
 
-SETTINGS_FILE = "encode.json"
+_SETTINGS_FILE = "encode.json"
 
 
 def _digest(obj: Any) -> str:
@@ -139,12 +139,9 @@ def describe_encode(
     text_encoder: Any,
     tokenizer: Any,
 ) -> dict[str, Any]:
-    """The identity of an encode, as ``encode.json`` records it (JSON-able).
+    """The identity of an encode of the whole folder's ``clips``, as ``encode.json`` records it.
 
-    Args:
-        clips: The clips of the whole folder.
-        options: The settings that decide the latents, JSON-able.
-    """
+    ``options``: the JSON-able settings that decide the latents."""
     return {
         "num_clips": len(clips),
         "clips_sha256": _digest([(c.key, c.caption) for c in clips]),
@@ -179,32 +176,17 @@ def _differences(previous: Mapping[str, Any], settings: Mapping[str, Any]) -> st
         return repr(values[key]) if key in values else "absent"  # an older encode's file
 
     keys = [k for k in sorted({*before, *now}) if show(before, k) != show(now, k)]
-    lines = [f"{k}: {show(before, k)} in {SETTINGS_FILE}, {show(now, k)} now" for k in keys]
+    lines = [f"{k}: {show(before, k)} in {_SETTINGS_FILE}, {show(now, k)} now" for k in keys]
     if any(k.endswith(".dtype") for k in keys):
         lines.append("(a weights digest is of the weights as loaded: it changes with the dtype)")
     return "; ".join(lines)
 
 
 def agree_on_settings(out: Path, settings: dict[str, Any]) -> None:
-    """Record ``settings`` in ``out``, or refuse if it holds an encode with other ones.
+    """Record ``settings`` in ``out``; ValueError (naming each differing key) if it holds others.
 
-    Every rank calls it before it writes anything. The first publishes its settings with a
-    hard link, which fails if the file exists: of ranks starting at once exactly one
-    publishes (a rename would let each replace the other's and pass).
-
-    Raises:
-        ValueError: If ``out`` holds an encode with other settings (naming each key that
-            differs, with both values).
-
-    Examples:
-        >>> import tempfile
-        >>> out = Path(tempfile.mkdtemp())
-        >>> agree_on_settings(out, {"dtype": "float32"})
-        >>> agree_on_settings(out, {"dtype": "bfloat16"})
-        Traceback (most recent call last):
-        ValueError: ... dtype: 'float32' in encode.json, 'bfloat16' now...
-    """
-    path = out / SETTINGS_FILE
+    Every rank calls it before writing; a hard link (not a rename) lets exactly one publish."""
+    path = out / _SETTINGS_FILE
     if not path.exists():
         tmp = temporary_path(path)
         tmp.write_text(json.dumps(settings, indent=1, sort_keys=True) + "\n")
@@ -223,5 +205,5 @@ def agree_on_settings(out: Path, settings: dict[str, Any]) -> None:
     if previous != settings:
         raise ValueError(
             f"{str(out)!r} holds an encode with other settings: {_differences(previous, settings)}; "
-            f"use another output folder, delete this one, or rerun with the settings of {SETTINGS_FILE}"
+            f"use another output folder, delete this one, or rerun with the settings of {_SETTINGS_FILE}"
         )

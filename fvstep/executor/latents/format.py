@@ -1,11 +1,7 @@
 """The on-disk format of precomputed samples: Parquet shards and a JSON index.
 
-A dataset is a directory of ``index.json`` (the shards in order, their row counts and each
-row's shapes, run-length encoded), ``encode.json`` (how ``fvstep data encode`` made it) and
-``shard-00000.parquet``, ... (one row, and one row group, per sample). A tensor field ``F``
-is three columns: ``F`` (its bytes, C order, little endian), ``F_shape`` (list of int32)
-and ``F_dtype`` (a torch dtype name); other fields are plain columns. This module holds the
-format's names, :class:`ShardInfo`, the shards' writer and reader and the index; why
+The format's names, :class:`ShardInfo`, the shards' writer and reader and the index. The
+format itself (a tensor field ``F`` is the columns ``F``, ``F_shape`` and ``F_dtype``), why
 Parquet, and reading a shard without fvstep: docs/concepts/data.md.
 """
 
@@ -50,31 +46,17 @@ Shapes = dict[str, tuple[int, ...]]
 
 
 def shard_name(index: int) -> str:
-    """The file name of shard ``index``.
-
-    Examples:
-        >>> shard_name(7)
-        'shard-00007.parquet'
-    """
+    """The file name of shard ``index``: ``shard-00007.parquet`` for 7."""
     return f"shard-{operator.index(index):05d}.parquet"
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    """The name a shard (and ``encode.json``) records for ``dtype``, without ``torch.``.
-
-    Examples:
-        >>> dtype_name(torch.bfloat16)
-        'bfloat16'
-    """
+    """The name a shard (and ``encode.json``) records for ``dtype``: ``bfloat16``, no ``torch.``."""
     return str(dtype).removeprefix("torch.")
 
 
 def parse_dtype(name: str) -> torch.dtype:
-    """The torch dtype that :func:`dtype_name` names.
-
-    Raises:
-        ValueError: If ``name`` is no torch dtype.
-    """
+    """The torch dtype that :func:`dtype_name` names; ValueError if there is none."""
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"unknown tensor dtype {name!r}")
@@ -87,17 +69,9 @@ def temporary_path(path: Path) -> Path:
 
 
 class ShardInfo:
-    """What the index records of one shard: its file name, row count and rows' shapes.
-
-    Args:
-        file: The shard's file name, relative to the dataset directory.
-        shapes: Runs of rows with equal tensor shapes, ``[({field: shape}, count), ...]``.
-
-    Examples:
-        >>> info = ShardInfo("shard-00000.parquet", 2, [({"latents": (4, 1, 2, 2)}, 2)])
-        >>> info.row_shapes()[1]
-        {'latents': (4, 1, 2, 2)}
-    """
+    """What the index records of one shard: its file name (relative to the dataset directory),
+    row count and rows' shapes as runs ``[({field: shape}, count), ...]``; ValueError if the runs
+    do not cover ``num_rows``."""
 
     def __init__(self, file: str, num_rows: int, shapes: Sequence[tuple[Shapes, int]]) -> None:
         self.file = file
@@ -119,12 +93,7 @@ class ShardInfo:
 
     @classmethod
     def from_json(cls, entry: Mapping[str, Any]) -> ShardInfo:
-        """The inverse of :meth:`to_json`.
-
-        Raises:
-            KeyError: If a key is missing.
-            ValueError: If the shape runs do not cover ``num_rows``.
-        """
+        """The inverse of :meth:`to_json` (KeyError for a missing key)."""
         runs = [({k: tuple(v) for k, v in s.items()}, n) for s, n in entry["shapes"]]
         return cls(str(entry["file"]), int(entry["num_rows"]), runs)
 
@@ -190,17 +159,9 @@ def write_shard(
     *,
     compression: str = "none",
 ) -> ShardInfo:
-    """Write ``rows`` (dicts of tensors, strings and numbers) as one Parquet shard, atomically.
+    """Write ``rows`` (dicts of tensors, strings, numbers) as one shard; its :class:`ShardInfo`.
 
-    Every row must have the same fields; tensor fields may differ in shape and dtype. The
-    file is written under a temporary name, synced and renamed: a shard that exists is whole.
-
-    Returns:
-        The shard's :class:`ShardInfo` (for :func:`write_index`).
-
-    Raises:
-        ValueError: If ``rows`` is empty or its rows have different fields.
-    """
+    Atomic; tensor fields may differ in shape and dtype; ValueError for no rows or unlike ones."""
     if not rows:
         raise ValueError("a shard needs at least one row")
     pa, pq = _arrow()
@@ -230,10 +191,7 @@ def write_shard(
 def open_shard(path: Path, *, verify: bool = True) -> tuple[Any, list[str]]:
     """``(parquet_file, tensor_fields)`` of an fvstep shard, its pages' checksums verified on read.
 
-    Raises:
-        ShardError: If the file is missing, is not an fvstep shard (or of a newer format
-            version), or is damaged.
-    """
+    ShardError if the file is missing, damaged, or no fvstep shard (or of a newer version)."""
     _, pq = _arrow()
     if not path.exists():
         raise ShardError(f"missing shard {str(path)!r}")
@@ -254,17 +212,7 @@ def open_shard(path: Path, *, verify: bool = True) -> tuple[Any, list[str]]:
 def describe_shard(path: str | os.PathLike[str]) -> ShardInfo:
     """Read a shard's :class:`ShardInfo` (only its small ``*_shape`` columns).
 
-    Raises:
-        ShardError: If the file is missing, is not an fvstep shard, or is damaged.
-
-    Examples:
-        >>> import tempfile, torch
-        >>> from pathlib import Path
-        >>> path = Path(tempfile.mkdtemp()) / "shard-00000.parquet"
-        >>> _ = write_shard(path, [{"x": torch.ones(2)}, {"x": torch.ones(3)}])
-        >>> describe_shard(path).shapes
-        [({'x': (2,)}, 1), ({'x': (3,)}, 1)]
-    """
+    ShardError if the file is missing, damaged, or no fvstep shard."""
     path = Path(path)
     pf, tensors = open_shard(path)
     try:
@@ -281,14 +229,9 @@ def write_index(
     *,
     extra: Mapping[str, Any] | None = None,
 ) -> Path:
-    """Write ``root/index.json`` for ``shards`` (in dataset order), atomically.
+    """Write ``root/index.json`` for ``shards`` (in dataset order) atomically; return its path.
 
-    Args:
-        extra: JSON-able facts to keep beside the index (``fvstep data encode``'s settings).
-
-    Returns:
-        The index's path.
-    """
+    ``extra``: JSON-able facts kept beside the index (``fvstep data encode``'s settings)."""
     root = Path(root)
     index = {
         "format": FORMAT,
@@ -307,10 +250,7 @@ def write_index(
 def read_index(root: str | os.PathLike[str]) -> list[ShardInfo]:
     """The shards listed by ``root/index.json``, in dataset order.
 
-    Raises:
-        FileNotFoundError: If there is no index (an encode that has not finished).
-        ShardError: If the index is malformed or of a newer format version.
-    """
+    FileNotFoundError without an index (unfinished encode); ShardError if malformed or newer."""
     path = Path(root) / INDEX_FILE
     if not path.exists():
         raise FileNotFoundError(
@@ -332,9 +272,6 @@ def write_dataset(
     root: str | os.PathLike[str], shards: Sequence[Sequence[Mapping[str, Any]]]
 ) -> list[ShardInfo]:
     """Write each list of rows as a shard of ``root`` and then the index: a whole dataset.
-
-    Returns:
-        The shards' :class:`ShardInfo`.
 
     Raises:
         ValueError: As :func:`write_shard`.

@@ -1,10 +1,9 @@
 """Worker loading in step order: :class:`WorkerSource`, a data source backed by a DataLoader.
 
-A worker hands a :class:`WorkerFailure` back in place of a batch, to be raised in the call
-for that step. Workers ignore SIGINT and SIGTERM (:class:`WorkerInit`): a signal to the
-process group is the trainer's, which saves at the next step boundary with its loader
-intact. At interpreter exit the workers of every source still open are shut down, then
-killed if need be. See docs/concepts/data.md.
+A worker hands a failure back in place of a batch, raised in the call for that step. Workers
+ignore SIGINT and SIGTERM: a signal to the process group is the trainer's, which saves at the
+next step boundary with its loader intact. At interpreter exit the workers of every source
+still open are shut down, then killed if need be. See docs/concepts/data.md.
 """
 
 from __future__ import annotations
@@ -34,18 +33,15 @@ from fvstep.executor.data import MapDataset
 __all__ = ["Order", "WorkerSource", "latent_source"]
 
 
-class StepIndices(list[int]):
+class _StepIndices(list[int]):
     """A batch's indices, tagged with its step (travels to the worker and back)."""
 
     def __init__(self, step: int, indices: list[int]) -> None:
         super().__init__(indices)
         self.step = step
 
-    def __reduce__(self) -> Any:
-        return (StepIndices, (self.step, list(self)))
 
-
-class WorkerFailure:
+class _WorkerFailure:
     """What a worker hands back instead of a batch when reading or collating raised."""
 
     def __init__(self, error: BaseException, indices: list[int]) -> None:
@@ -56,7 +52,7 @@ class WorkerFailure:
         self.trace = "".join(traceback.format_exception(type(error), error, error.__traceback__))
 
 
-class StepItems:
+class _StepItems:
     """The dataset as the DataLoader sees it: a step's items, or the failure to read them."""
 
     def __init__(self, dataset: MapDataset) -> None:
@@ -68,14 +64,14 @@ class StepItems:
     def __getitem__(self, index: int) -> Any:  # pragma: no cover - __getitems__ is used
         return self.dataset[index]
 
-    def __getitems__(self, indices: StepIndices) -> Any:
+    def __getitems__(self, indices: _StepIndices) -> Any:
         try:
             return indices.step, [self.dataset[i] for i in indices], list(indices)
         except Exception as e:
-            return indices.step, WorkerFailure(e, list(indices)), list(indices)
+            return indices.step, _WorkerFailure(e, list(indices)), list(indices)
 
 
-class StepCollate:
+class _StepCollate:
     """The DataLoader's ``collate_fn``: ``(step, batch)``, or the failure to collate it."""
 
     def __init__(self, collate: Callable[[list[Any]], Any]) -> None:
@@ -83,12 +79,12 @@ class StepCollate:
 
     def __call__(self, fetched: Any) -> tuple[int, Any]:
         step, items, indices = fetched
-        if isinstance(items, WorkerFailure):
+        if isinstance(items, _WorkerFailure):
             return step, items
         try:
             return step, self.collate(items)
         except Exception as e:
-            return step, WorkerFailure(e, indices)
+            return step, _WorkerFailure(e, indices)
 
 
 _PREEMPTION_SIGNALS = {signal.SIGINT, signal.SIGTERM}
@@ -97,7 +93,7 @@ _PREEMPTION_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 @contextlib.contextmanager
 def _preemption_signals_held() -> Iterator[None]:
     """Hold SIGINT and SIGTERM in this thread while it forks workers: a forked child keeps
-    the mask, so a signal before :class:`WorkerInit` runs stays pending instead of killing it."""
+    the mask, so a signal before ``_WorkerInit`` runs stays pending instead of killing it."""
     if not hasattr(signal, "pthread_sigmask"):  # Windows: no process groups to fear
         yield
         return
@@ -112,7 +108,7 @@ def _discard_preemption_signal(signum: int, frame: Any) -> None:
     """A worker's SIGINT/SIGTERM handler: nothing; the trainer handles the preemption."""
 
 
-class WorkerInit:
+class _WorkerInit:
     """The workers' ``worker_init_fn``: ignore SIGINT and SIGTERM, then run the user's
     ``worker_init_fn``, if any."""
 
@@ -170,16 +166,8 @@ def _stop_all_workers() -> None:
 atexit.register(_stop_all_workers)
 
 
-def start_workers(loader: DataLoader[Any], owner: _Closable) -> Iterator[Any]:
-    """Start ``loader``'s workers (its iterator); end them at interpreter exit if need be.
-
-    At interpreter exit ``owner.close()`` is called unless :func:`forget_workers` was called
-    for it first, and any of these workers still alive after it is killed.
-
-    Args:
-        loader: A DataLoader with workers, whose ``worker_init_fn`` is a :class:`WorkerInit`.
-        owner: What shuts the workers down (a ``WorkerSource``).
-    """
+def _start_workers(loader: DataLoader[Any], owner: _Closable) -> Iterator[Any]:
+    """Start ``loader``'s workers (its iterator); at exit close ``owner`` and kill any left."""
     before = {p.pid for p in multiprocessing.active_children()}
     with _preemption_signals_held():
         iterator = iter(loader)  # starts the workers
@@ -190,11 +178,6 @@ def start_workers(loader: DataLoader[Any], owner: _Closable) -> Iterator[Any]:
     ]
     _open_sources[owner] = trainer
     return iterator
-
-
-def forget_workers(owner: _Closable) -> None:
-    """Do not close ``owner`` at interpreter exit: its workers are shut down already."""
-    _open_sources.pop(owner, None)
 
 
 class Order(Protocol):
@@ -218,10 +201,8 @@ def _to_device(batch: Any, device: torch.device) -> Any:
 class WorkerSource:
     """A data source that reads ``order``'s batches of ``dataset`` in worker processes.
 
-    It answers ``batch(step, rank=, world_size=)`` as ``order`` does, ``prefetch`` steps
-    ahead. Asked for any step but the next one (a resume, another rank or world size), it
-    starts a new DataLoader at that step, so a batch never depends on where the run started.
-    The workers ignore SIGINT and SIGTERM.
+    Asked for any step but the next one, it starts a new DataLoader at that step, so a batch
+    never depends on where the run started (docs/concepts/data.md).
 
     Args:
         dataset: A map-style dataset; with workers it must pickle.
@@ -296,28 +277,28 @@ class WorkerSource:
         self._stop()
         workers = self._num_workers
         steps = (  # the batch sampler: the index lists of steps step, step + 1, ..., forever
-            StepIndices(s, self._order.indices(s, rank=rank, world_size=world))
+            _StepIndices(s, self._order.indices(s, rank=rank, world_size=world))
             for s in itertools.count(step)
         )
         loader: DataLoader[Any] = DataLoader(
-            StepItems(self._dataset),  # type: ignore[arg-type]
+            _StepItems(self._dataset),  # type: ignore[arg-type]
             batch_sampler=steps,
             num_workers=workers,
-            collate_fn=StepCollate(self._collate),
+            collate_fn=_StepCollate(self._collate),
             pin_memory=self._pin,
             prefetch_factor=self._prefetch if workers else None,
             multiprocessing_context=self._context if workers else None,
             timeout=self._timeout if workers else 0,
-            worker_init_fn=WorkerInit(self._worker_init) if workers else None,
+            worker_init_fn=_WorkerInit(self._worker_init) if workers else None,
         )
-        self._iter = start_workers(loader, self) if workers else iter(loader)
+        self._iter = _start_workers(loader, self) if workers else iter(loader)
         self._next = (step, rank, world)
         self.restarts += 1
 
     def _stop(self) -> None:
         # Dropping the DataLoader's iterator shuts its workers down (its __del__ joins them).
         self._iter, self._next = None, None
-        forget_workers(self)
+        _open_sources.pop(self, None)  # nothing left to close at exit
 
     def batch(
         self, step: SupportsIndex, *, rank: SupportsIndex = 0, world_size: SupportsIndex = 1
@@ -345,7 +326,7 @@ class WorkerSource:
             self._stop()
             raise self._report(RuntimeError(f"{where}: the data loader failed: {e}"), w) from e
         self._next = (s + 1, r, w)
-        if isinstance(payload, WorkerFailure):
+        if isinstance(payload, _WorkerFailure):
             self._stop()
             where += f" (items {payload.indices})"
             if payload.is_shard:
@@ -406,10 +387,6 @@ def latent_source(
     Raises:
         FileNotFoundError: If ``root`` has no index.
         ShardError: If the index is malformed or lists a missing shard.
-
-    Examples:
-        >>> with latent_source("latents", key=fs.random.key(0), batch_size=1) as data:
-        ...     batch = data.batch(0, rank=0, world_size=1)
     """
     from fvstep.executor.latents.dataset import LatentDataset
     from fvstep.executor.latents.order import BucketedOrder

@@ -20,13 +20,7 @@ __all__ = ["BucketedOrder", "bucket_key"]
 def bucket_key(shapes: Any) -> Hashable:
     """The bucket of an item with these ``shapes``: a hashable, sortable form of them.
 
-    A mapping ``{field: shape}`` becomes ``tuple(sorted((field, tuple(shape)), ...))``, a
-    shape ``tuple(shape)``; any other value is its own bucket.
-
-    Examples:
-        >>> bucket_key({"text": [3, 8], "latents": (4, 1, 2, 2)})
-        (('latents', (4, 1, 2, 2)), ('text', (3, 8)))
-    """
+    ``{field: shape}`` -> ``((field, shape), ...)`` sorted, a shape -> a tuple; else the value."""
     if isinstance(shapes, Mapping):
         return tuple(sorted((str(k), tuple(int(d) for d in v)) for k, v in shapes.items()))
     if isinstance(shapes, Sequence) and not isinstance(shapes, str):
