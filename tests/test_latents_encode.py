@@ -209,6 +209,12 @@ def test_encode_checks_num_frames(clips, models, tmp_path):
         encode(clips, tmp_path / "new", models, num_frames=6)
 
 
+def test_encode_refuses_one_of_height_and_width_before_writing_anything(clips, models, tmp_path):
+    with pytest.raises(ValueError, match="give both height and width"):
+        encode(clips, tmp_path / "new", models, height=32)
+    assert not (tmp_path / "new").exists()
+
+
 def rank_zero_of_two(reference, out) -> None:
     """What rank 0 of 2 leaves (shards 0 and 2, ``encode.json``; bitwise, as tested above)."""
     out.mkdir(exist_ok=True)

@@ -155,6 +155,8 @@ def encode_clips(
     rank = check_int(rank, "rank", minimum=0)
     if rank >= world_size:
         raise ValueError(f"rank must lie in [0, world_size) = [0, {world_size}), got {rank}")
+    if (height is None) != (width is None):  # before anything is written to `out`
+        raise ValueError("give both height and width, or neither")
     factor = int(2 ** sum(bool(d) for d in vae.config.temperal_downsample))  # diffusers' spelling
     if num_frames is not None and (num_frames < 1 or (num_frames - 1) % factor):
         raise ValueError(f"num_frames must be k * {factor} + 1 (e.g. 81), got {num_frames}")
