@@ -32,11 +32,8 @@ CAUSAL_ATTR = "_fvstep_causal_chunk_frames"  # on the rotary module: a plain int
 
 @attrs.frozen(eq=False)
 class _Rotary:
-    """What one forward's self-attention processors are given (as ``rotary_emb``).
-
-    Every shape is fixed by the call's frames and the cache's capacity, never by its fill
-    level: a compiled block sees the same inputs at every chunk of a rollout.
-    """
+    """One forward's inputs to the processors (as ``rotary_emb``), of shapes fixed by the
+    call's frames and the cache's capacity, so a compiled block sees the same at every chunk."""
 
     cos_q: torch.Tensor  # (1, queries, 1, head_dim): this call's tokens' rotation
     sin_q: torch.Tensor

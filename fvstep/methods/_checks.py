@@ -27,7 +27,6 @@ __all__ = [
     "check_count",
     "check_denoising_steps",
     "check_rollout_options",
-    "check_score_options",
     "check_step_index",
     "upcast_for",
 ]
@@ -142,20 +141,6 @@ def check_cache_fits(student: nn.Module, cache: Any, *, what: str = "the cache")
             )
 
 
-def check_score_options(
-    *, guidance_scale: float, shift: float, min_ratio: float, max_ratio: float
-) -> None:
-    """Refuse ``guidance_scale < 0``, ``shift <= 0``, or not ``0 <= min_ratio <= max_ratio <= 1``."""
-    if not guidance_scale >= 0:
-        raise ValueError(f"guidance_scale must be >= 0, got {guidance_scale}")
-    if not shift > 0:
-        raise ValueError(f"shift must be > 0, got {shift}")
-    if not 0.0 <= min_ratio <= max_ratio <= 1.0:
-        raise ValueError(
-            f"need 0 <= min_ratio <= max_ratio <= 1, got min_ratio={min_ratio}, max_ratio={max_ratio}"
-        )
-
-
 def check_denoising_steps(denoising_steps: Iterable[float]) -> tuple[float, ...]:
     """The few-step schedule as floats, refused unless strictly decreasing in ``(0, 1]``."""
     steps = tuple(float(s) for s in denoising_steps)
@@ -173,13 +158,18 @@ def check_rollout_options(
     shift: float,
     min_ratio: float,
     max_ratio: float,
-    context_time: float,
+    context_time: float = 0.0,
 ) -> tuple[float, ...]:
-    """The checks of the causal methods' options (self-forcing, streaming); the schedule."""
+    """The checks of the DMD methods' options (DMD2, self-forcing, streaming); the schedule."""
     steps = check_denoising_steps(denoising_steps)
-    check_score_options(
-        guidance_scale=guidance_scale, shift=shift, min_ratio=min_ratio, max_ratio=max_ratio
-    )
+    if not guidance_scale >= 0:
+        raise ValueError(f"guidance_scale must be >= 0, got {guidance_scale}")
+    if not shift > 0:
+        raise ValueError(f"shift must be > 0, got {shift}")
+    if not 0.0 <= min_ratio <= max_ratio <= 1.0:
+        raise ValueError(
+            f"need 0 <= min_ratio <= max_ratio <= 1, got min_ratio={min_ratio}, max_ratio={max_ratio}"
+        )
     if not 0.0 <= context_time < 1.0:
         raise ValueError(f"context_time must be in [0, 1), got {context_time}")
     return steps

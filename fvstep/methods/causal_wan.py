@@ -96,11 +96,8 @@ def chunk_frames_of(model: nn.Module) -> int:
 
 
 def recorded_chunk_frames(model_or_config: Any) -> int | None:
-    """The chunk a module's config (or a config mapping) records, if any.
-
-    Raises:
-        ValueError: If the record is not ``{"chunk_frames": n}``, ``n`` an int ``>= 1``.
-    """
+    """The chunk a module's config (or a config mapping) records, if any; ``ValueError`` if
+    the record is not ``{"chunk_frames": n}``, ``n`` an int ``>= 1``."""
     config = getattr(model_or_config, "config", model_or_config)
     record: Any = config.get(CAUSAL_CONFIG_KEY) if hasattr(config, "get") else None
     chunk = record.get("chunk_frames") if hasattr(record, "get") else record

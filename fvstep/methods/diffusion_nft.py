@@ -91,17 +91,6 @@ class SoftUpdate:
         return min(self.rate * (step - self.flat), self.max_decay)
 
 
-def _noise_like(
-    key: torch.Tensor, grouped: Mapping[str, Any], latent_shape: tuple[int, ...] | None
-) -> torch.Tensor:
-    text = grouped["text"]
-    if latent_shape is not None:
-        return _noise.randn(
-            key, (text.shape[0], *latent_shape), device=text.device, dtype=text.dtype
-        )
-    return _noise.randn_like(key, grouped["latents"])
-
-
 def diffusion_nft(
     *,
     reward_fn: RewardFn,
@@ -233,7 +222,10 @@ def diffusion_nft(
         if not 0.0 <= decay <= 1.0:
             raise ValueError(f"soft_update({ctx.step}) = {decay} is not in [0, 1]")
         k_noise, k_rollout, k_inner = fsrandom.split(key, 3)
-        noise = _noise_like(k_noise, grouped, shape)
+        if shape is None:
+            noise = _noise.randn_like(k_noise, grouped["latents"])
+        else:
+            noise = _noise.randn(k_noise, (num, *shape), device=text.device, dtype=text.dtype)
         with torch.no_grad():
             samples = sample(state.module(old), noise, text, k_rollout).detach()
             rewards = check_rewards(reward_fn(samples, grouped), num).float()

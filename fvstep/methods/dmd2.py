@@ -22,8 +22,7 @@ from fvstep.methods import _noise
 from fvstep.methods._checks import (
     check_batch,
     check_count,
-    check_denoising_steps,
-    check_score_options,
+    check_rollout_options,
     check_step_index,
 )
 from fvstep.methods.finetune import RoleLossFn, add_noise, x0_from_velocity
@@ -235,11 +234,10 @@ def dmd2_losses(
         >>> method = fvstep.sequence(fvstep.update("critic", losses.critic_loss),
         ...                          fvstep.every(5, fvstep.update("student", losses.generator_loss)))
     """
-    check_score_options(
-        guidance_scale=guidance_scale, shift=shift, min_ratio=min_ratio, max_ratio=max_ratio
-    )
-    steps = check_denoising_steps(denoising_steps)
-
+    steps = check_rollout_options(
+        denoising_steps, guidance_scale=guidance_scale, shift=shift, min_ratio=min_ratio,
+        max_ratio=max_ratio,
+    )  # fmt: skip
     score: dict[str, Any] = {"shift": shift, "min_ratio": min_ratio, "max_ratio": max_ratio}
     g_options = {**score, "guidance_scale": guidance_scale, "teacher": teacher, "critic": critic}
 

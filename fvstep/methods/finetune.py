@@ -24,7 +24,6 @@ __all__ = [
     "RoleLossFn",
     "TSampling",
     "add_noise",
-    "broadcast_time",
     "check_t_sampling",
     "finetune",
     "flow_matching_loss",
@@ -40,20 +39,20 @@ RoleLossFn = Callable[[TrainState, Any, torch.Tensor], tuple[torch.Tensor, dict[
 """A loss function for a unit that trains one role: ``(state, batch, key) -> (loss, metrics)``."""
 
 
-def broadcast_time(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+def _broadcast_time(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """Reshape per-sample times ``(B,)`` to broadcast against ``like`` ``(B, ...)``, in its dtype."""
     return t.to(like.dtype).reshape(-1, *([1] * (like.dim() - 1)))
 
 
 def add_noise(x0: torch.Tensor, eps: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     """The point ``x_t = (1 - t) * x0 + t * eps`` of the flow-matching path (``t``: ``(B,)``)."""
-    tb = broadcast_time(t, x0)
+    tb = _broadcast_time(t, x0)
     return (1 - tb) * x0 + tb * eps
 
 
 def x0_from_velocity(x_t: torch.Tensor, t: torch.Tensor, velocity: torch.Tensor) -> torch.Tensor:
     """The clean sample that a velocity points to: ``x0 = x_t - t * v`` (``t``: ``(B,)``)."""
-    return x_t - broadcast_time(t, x_t) * velocity
+    return x_t - _broadcast_time(t, x_t) * velocity
 
 
 def sample_time(

@@ -225,8 +225,7 @@ def add_adapters(
                     holder = layer._modules.pop(attr, None)
                     if holder is not None:
                         layer.__dict__[attr] = holder
-    for p in base.parameters():
-        p.requires_grad_(False)
+    base.requires_grad_(False)
     for _, layer in lora_layers(base):
         layer._disable_adapters = True
     # fvstep.parallel.prepare checkpoints the base's blocks with this context when it is

@@ -269,7 +269,6 @@ def streaming(
     ) -> tuple[TrainState, dict[str, Any]]:
         batch = check_batch(state, batch, "student")  # also for a caller of `.fn` alone
         stream = state.extra[name]
-        step = int(state.step)
         if starts(state, stream):
             stream = _restarted(stream, batch["text"])
         like = batch["latents"]
@@ -291,7 +290,7 @@ def streaming(
             "frame_tokens": ro.cache.frame_tokens,
         }
         metrics: dict[str, Any] = {}
-        if step % generator_update_interval == 0:
+        if int(state.step) % generator_update_interval == 0:
             state, metrics = ctx.update(state, generator_unit, inputs, k_generator)
         state, critic_metrics = ctx.update(state, critic_unit, inputs, k_critic)
         moved = StreamState(
