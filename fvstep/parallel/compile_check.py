@@ -1,8 +1,6 @@
 """Compiled gradients checked against eager ones, block by block, once per compiled graph.
 
-:func:`install_compile_check` (``prepare(..., verify_compile=True)``) arms a block compiled
-in place; :func:`compare_compiled_gradients` runs one comparison on its own. The ratios,
-the fp32 probe and the cost: ``docs/concepts/prepare.md`` (Checking compiled gradients).
+The ratios, the fp32 probe and the cost: ``docs/concepts/prepare.md`` (Checking compiled gradients).
 """
 
 from __future__ import annotations

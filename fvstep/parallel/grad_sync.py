@@ -1,8 +1,4 @@
-"""The FSDP2 gradient-sync policy of accumulation, and FSDP2 modules returned to rest.
-
-:class:`fvstep.parallel.Layout` puts these behind the core's
-:class:`~fvstep.core.layout.Parallelism` protocol.
-"""
+"""The FSDP2 gradient-sync policy of accumulation, and FSDP2 modules returned to rest."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
 """Precision at a role's boundary: frozen roles stored in bf16, activations cast in and out.
 
-What :func:`fvstep.parallel.prepare` does for a role computing in another dtype than its
-callers: :func:`store_in_dtype`, :func:`cast_at_boundary` (timesteps keep their
-precision) and, on one process, :func:`autocast_forward`.
+What :func:`fvstep.parallel.prepare` does for a role computing in another dtype than its callers.
 """
 
 from __future__ import annotations
