@@ -154,12 +154,7 @@ def resolve_checkpointing(
 ) -> ActivationCheckpointing:
     """The :class:`ActivationCheckpointing` that ``prepare(..., checkpointing=value)`` means.
 
-    ``None`` is no checkpointing; an :class:`ActivationCheckpointing` is returned as it is.
-
-    Raises:
-        TypeError: If ``value`` is none of these.
-        ValueError: On an unknown mode name.
-    """
+    Raises ``TypeError`` on a value of another type, ``ValueError`` on an unknown name."""
     if value is None:
         return ActivationCheckpointing("none")
     if isinstance(value, ActivationCheckpointing):
@@ -204,23 +199,9 @@ def apply_activation_checkpointing(
     *,
     checkpoint_context: Callable[[Callable[[], Any] | None], Callable[[], Any]] | None = None,
 ) -> tuple[str, ...]:
-    """Give each block that ``ac`` chooses a forward that runs under ``checkpoint``.
+    """Checkpoint, in place, the blocks ``ac`` chooses (counted in ``blocks``' order): their names.
 
-    In place, with ``use_reentrant=False``; the parameter names stay as they were.
-
-    Args:
-        blocks: The blocks by qualified name, in module order (``ac.every`` counts them).
-        checkpoint_context: ``context_fn -> context_fn`` for a recomputation that needs state
-            set back (:func:`fvstep.methods.lora.recompute_context`); not under compile.
-
-    Returns:
-        The qualified names of the checkpointed blocks, in order.
-
-    Examples:
-        >>> apply_activation_checkpointing(dict(model.blocks.named_children()),
-        ...                                ActivationCheckpointing("full", every=2))
-        ('0', '2')
-    """
+    ``checkpoint_context`` wraps an eager recomputation's ``context_fn`` (LoRA's state)."""
     chosen = tuple(name for i, name in enumerate(blocks) if ac.chooses(i))
     for name in chosen:
         block = blocks[name]

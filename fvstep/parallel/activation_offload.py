@@ -59,11 +59,7 @@ class ActivationOffloading:
 
 
 def resolve_offloading(value: ActivationOffloading | bool | None) -> ActivationOffloading | None:
-    """What ``prepare(..., offload_activations=value)`` means (``True``: every block).
-
-    Raises:
-        TypeError: On any other value.
-    """
+    """What ``prepare(..., offload_activations=value)`` means (``True``: every block)."""
     if value is None or value is False:
         return None
     if value is True:
@@ -85,11 +81,9 @@ def _changed_in_place(t: torch.Tensor, now: int, then: int) -> RuntimeError:
 
 
 class CudaCopies:
-    """How tensors go to pinned host memory and back: on two side streams per device.
+    """Copies to pinned host memory and back on two side streams per device.
 
-    A copy out waits for the compute stream and keeps the device memory from reuse until
-    it has been read; a copy back waits for the copy out, and the compute stream for it.
-    """
+    Each copy waits for what it reads; device memory is not reused before it is read."""
 
     def __init__(self) -> None:
         self._streams: dict[torch.device, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}
@@ -341,25 +335,9 @@ def offloaded_bytes(module: nn.Module) -> int:
 def apply_activation_offloading(
     blocks: Mapping[str, nn.Module], offload: ActivationOffloading
 ) -> tuple[str, ...]:
-    """Offload the saved activations of the blocks ``offload`` chooses, in place.
+    """Hook ``blocks`` (in forward order) to offload what the ones ``offload`` chooses save.
 
-    Forward hooks (around compiled blocks too) move what a chosen block saves to pinned
-    host memory; the other blocks' hooks say when to bring it back. Names do not change.
-
-    Args:
-        blocks: The blocks by qualified name, in the order their forwards run.
-
-    Returns:
-        The qualified names of the offloaded blocks, in order.
-
-    Raises:
-        ValueError: If a block is hooked already.
-
-    Examples:
-        >>> apply_activation_offloading(dict(model.blocks.named_children()),
-        ...                             ActivationOffloading(every=2))
-        ('0', '2')
-    """
+    Returns the chosen names; raises ``ValueError`` if a block is hooked already."""
     again = [name for name, block in blocks.items() if _OFFLOADED_ATTR in block.__dict__]
     if again:
         raise ValueError(f"activation offloading is applied to {again} already")

@@ -36,19 +36,9 @@ RECOMPILE_LIMIT = 64
 
 
 def resolve_compile_options(compile: bool | Mapping[str, Any]) -> dict[str, Any] | None:
-    """The ``block.compile`` arguments that ``prepare(..., compile=compile)`` compiles with.
+    """The ``block.compile`` arguments of ``prepare(..., compile=compile)``; ``None`` for ``False``.
 
-    ``fullgraph=True, dynamic=False``, the caller's mapping merged over them (``None`` for
-    ``False``). Under Inductor, ``options`` start from :data:`SAFE_INDUCTOR_OPTIONS` and
-    a ``mode``'s options.
-
-    Raises:
-        TypeError: If ``compile`` is neither a bool nor a mapping.
-
-    Examples:
-        >>> resolve_compile_options({"backend": "aot_eager"})
-        {'fullgraph': True, 'dynamic': False, 'backend': 'aot_eager'}
-    """
+    Inductor's ``options`` start from :data:`SAFE_INDUCTOR_OPTIONS`. ``TypeError`` on a non-mapping."""
     if compile is False:
         return None
     if compile is not True and not isinstance(compile, Mapping):
@@ -69,10 +59,7 @@ def resolve_compile_options(compile: bool | Mapping[str, Any]) -> dict[str, Any]
 
 
 def apply_compile(blocks: Iterable[nn.Module], options: Mapping[str, Any]) -> None:
-    """Compile each block in place with ``options`` (:func:`resolve_compile_options`).
-
-    Dynamo's process-wide recompile limit is raised to :data:`RECOMPILE_LIMIT` at least first.
-    """
+    """Compile each block in place, dynamo's recompile limit raised to :data:`RECOMPILE_LIMIT`."""
     torch_compat.raise_recompile_limit(RECOMPILE_LIMIT)
     for block in blocks:
         block.compile(**options)

@@ -1,8 +1,4 @@
-"""Counting the collectives a piece of code issues: the proof that a policy did what it says.
-
-:class:`CollectiveCounter` is what ``fvstep.parallel.Layout(count_collectives=True)`` uses
-for its ``collectives/*`` metrics.
-"""
+"""Counting the collectives a piece of code issues: the proof that a policy did what it says."""
 
 from __future__ import annotations
 

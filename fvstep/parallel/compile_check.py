@@ -1,8 +1,6 @@
 """Compiled gradients checked against eager ones, block by block, once per compiled graph.
 
-:func:`install_compile_check` (``prepare(..., verify_compile=True)``) arms a block compiled
-in place; :func:`compare_compiled_gradients` runs one comparison on its own. The ratios,
-the fp32 probe and the cost: ``docs/concepts/prepare.md`` (Checking compiled gradients).
+The ratios, the fp32 probe and the cost: ``docs/concepts/prepare.md`` (Checking compiled gradients).
 """
 
 from __future__ import annotations
@@ -30,7 +28,6 @@ __all__ = [
     "GRADIENT_FLOOR",
     "ROUNDING_FLOOR",
     "Comparison",
-    "CompileCheck",
     "CompiledGradientReport",
     "GradientDifference",
     "block_parameters",
@@ -62,14 +59,7 @@ GRADIENT_FLOOR = 0.1
 class GradientDifference:
     """How one tensor's compiled gradient differs from its eager one, against eager's noise.
 
-    The symbols are those of ``docs/concepts/prepare.md`` (How the verdict is formed).
-
-    Attributes:
-        name: The parameter's name in the block, or ``"input <name>"`` for an input.
-        relative_error: ``‖g_c − g_e‖ / s`` (``inf`` or ``nan`` when not finite).
-        relative_noise: ``‖g_e − g_r‖ / s`` (0 in fp32, where eager is the reference).
-        fp32_relative_error: ``‖g_p − g_r‖ / s``; ``None`` where no probe ran.
-    """
+    The numbers are those of ``docs/concepts/prepare.md`` (How the verdict is formed)."""
 
     name: str
     relative_error: float
@@ -125,14 +115,7 @@ def _finite_or_inf(x: float) -> float:
 class CompiledGradientReport:
     """One block's compiled gradients against its eager ones, on one input (one graph).
 
-    Attributes:
-        threshold: The largest ratio (:attr:`GradientDifference.ratio`) that passes.
-        precision: ``"fp32"``, ``"tf32"``, ``"bf16"`` or ``"fp16"`` (autocast's dtype, else
-            the lowest floating dtype of the parameters and inputs).
-        differences: One per parameter and input that requires grad, in module order.
-        seconds: Wall time of the whole comparison.
-        reference_seconds: Wall time of the fp32 reference (0 in fp32: none is run).
-    """
+    ``differences``: one per parameter and input that requires grad; ``precision``: fp32, tf32, bf16 or fp16."""
 
     block: str
     threshold: float
@@ -221,10 +204,7 @@ def compiled_gradient_error(report: CompiledGradientReport) -> CompiledGradientE
 def resolve_threshold(verify: bool | float) -> float:
     """The threshold a ``verify_compile`` value asks for: a bool means :data:`DEFAULT_THRESHOLD`.
 
-    Raises:
-        TypeError: If ``verify`` is neither a bool nor a number.
-        ValueError: If it is a number that is not positive and finite.
-    """
+    Raises ``TypeError`` on a non-number, ``ValueError`` on a number not positive and finite."""
     if isinstance(verify, bool):
         return DEFAULT_THRESHOLD
     if not isinstance(verify, (int, float)):
@@ -364,13 +344,9 @@ def _gradients(
 
 
 class Comparison:
-    """One comparison in steps, so that only the compiled forward runs in a compiled frame.
+    """One comparison in steps (as :func:`_run_compiled` calls them), each disabled for dynamo.
 
-    The order: ``__init__`` (eager, and below fp32 the fp32 reference), the compiled call,
-    :meth:`take_compiled`, in bf16/fp16 :meth:`enter_probe`, the compiled call in fp32 and
-    :meth:`take_probe`, then :meth:`report` and :meth:`close`. Inside a compiled block's
-    call dynamo compiles every frame the hook calls, so each step is disabled for it.
-    """
+    Only the compiled forward between the steps runs in a compiled frame."""
 
     @torch.compiler.disable
     def __init__(
@@ -595,33 +571,9 @@ def compare_compiled_gradients(
     seed: int = 0,
     arg_names: Sequence[str] | None = None,
 ) -> CompiledGradientReport:
-    """Compare a block's compiled gradients with its eager ones on one input.
+    """Compare a block's compiled gradients with its eager ones on one input: the report.
 
-    What is compared, and how: ``docs/concepts/prepare.md``. No ``.grad`` is left, and the
-    RNG state and an ``eager`` module's buffers are as they were.
-
-    Args:
-        eager: The block's eager forward (run under ``set_stance("force_eager")``).
-        compiled: Its compiled forward (e.g. ``torch.compile(block)``).
-        params: The block's parameters by name (all it computes with: below fp32 the
-            reference needs the low-precision ones in fp32).
-        seed: The cotangent's seed.
-        arg_names: Names of the positional inputs, for the report (default: those of
-            ``eager``'s forward if it is a module, else ``args[i]``).
-
-    Returns:
-        The report (check ``passed``: it does not raise on a difference).
-
-    Raises:
-        CompiledGradientError: If the forwards return different outputs.
-
-    Examples:
-        >>> report = compare_compiled_gradients(
-        ...     block, torch.compile(block), (x,), params=dict(block.named_parameters())
-        ... )
-        >>> report.passed
-        True
-    """
+    ``params``: all the block computes with; raises only if the forwards' outputs differ."""
     if arg_names is None and isinstance(eager, nn.Module):
         arg_names = positional_names(type(eager).forward)[1:]  # self
     buffers = list(eager.buffers()) if isinstance(eager, nn.Module) else []
@@ -682,12 +634,8 @@ def _signature(value: Any, tensors: list[torch.Tensor]) -> Hashable:
     return type(value).__qualname__
 
 
-class CompileCheck:
-    """The check installed on one compiled block (:func:`install_compile_check`).
-
-    Attributes:
-        reports: The reports of the comparisons it ran, in order: one per graph.
-    """
+class _CompileCheck:
+    """The check installed on one compiled block: ``reports``, one per graph, in order."""
 
     def __init__(
         self, block: nn.Module, name: str, threshold: float, mesh: DeviceMesh | None, seed: int
@@ -788,39 +736,16 @@ def install_compile_check(
     threshold: float = DEFAULT_THRESHOLD,
     mesh: DeviceMesh | None = None,
     seed: int = 0,
-) -> CompileCheck:
+) -> _CompileCheck:
     """Check a block compiled in place on the first grad-enabled call of each of its graphs.
 
-    A forward pre-hook runs the comparison on the call's real inputs when the call's
-    :func:`graph_key` was not checked yet and something requires grad, and raises before
-    the real forward runs; otherwise the real call runs as it would have (same RNG state,
-    same compiled graph). A graph that failed is checked again on its next call.
-
-    Args:
-        mesh: The FSDP2 mesh the block is sharded over: the verdict is agreed over it
-            (one all-reduce per check), so every rank must call the block with the same
-            shapes in the same calls.
-
-    Returns:
-        The :class:`CompileCheck` (``.reports``; ``.remove()`` disarms it).
-
-    Raises:
-        ValueError: If ``block`` is not compiled in place.
-        CompiledGradientError: At a call, if the compiled gradients differ.
-
-    Examples:
-        >>> block.compile(fullgraph=True)
-        >>> check = install_compile_check(block, name="blocks.0")
-        >>> loss = block(x, temb).square().mean()   # raises here if the gradients differ
-        >>> check.reports[0].passed
-        True
-    """
+    A failing call raises ``CompiledGradientError`` on every rank of ``mesh``; no compile: ``ValueError``."""
     if not is_compiled_in_place(block):
         raise ValueError(
             f"{name} is not compiled in place (block.compile()): nothing to check; for a "
             "separately compiled callable use compare_compiled_gradients"
         )
-    return CompileCheck(block, name, threshold, mesh, seed)
+    return _CompileCheck(block, name, threshold, mesh, seed)
 
 
 def is_compiled_in_place(module: nn.Module) -> bool:

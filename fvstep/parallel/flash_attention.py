@@ -18,13 +18,12 @@ from fvstep.core import _compat
 from fvstep.core._optional import needs_extra
 
 __all__ = [
-    "FLASH_ATTENTION_4",
     "disable_flash_attention_4",
     "enable_flash_attention_4",
     "flash_attention_4_enabled",
 ]
 
-FLASH_ATTENTION_4 = "fvstep-FA4"  # the name in PyTorch's registry of flash attention impls
+_FLASH_ATTENTION_4 = "fvstep-FA4"  # the name in PyTorch's registry of flash attention impls
 _INTERFACE = "flash_attn.cute.interface"  # where flash-attn-4 keeps its kernels
 
 
@@ -97,16 +96,16 @@ def enable_flash_attention_4(device: torch.device | int | None = None) -> None:
         return
     registry = _compat.flash_attention_registry()
     registry.register_flash_attention_impl(
-        FLASH_ATTENTION_4,
+        _FLASH_ATTENTION_4,
         register_fn=functools.partial(_compat.register_flash_attention_4, __name__),
     )
-    registry.activate_flash_attention_impl(FLASH_ATTENTION_4)
+    registry.activate_flash_attention_impl(_FLASH_ATTENTION_4)
 
 
 def flash_attention_4_enabled() -> bool:
     """Whether PyTorch's flash SDPA backend currently runs FlashAttention-4 through fvstep."""
     current = getattr(torch.nn.attention, "current_flash_attention_impl", None)
-    return current is not None and current() == FLASH_ATTENTION_4
+    return current is not None and current() == _FLASH_ATTENTION_4
 
 
 def disable_flash_attention_4() -> None:

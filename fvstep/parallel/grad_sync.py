@@ -1,8 +1,4 @@
-"""The FSDP2 gradient-sync policy of accumulation, and FSDP2 modules returned to rest.
-
-:class:`fvstep.parallel.Layout` puts these behind the core's
-:class:`~fvstep.core.layout.Parallelism` protocol.
-"""
+"""The FSDP2 gradient-sync policy of accumulation, and FSDP2 modules returned to rest."""
 
 from __future__ import annotations
 
@@ -27,17 +23,7 @@ __all__ = [
 class FSDPGradSync:
     """Applies an accumulation policy to the FSDP2 roots of the roles one unit trains.
 
-    Per micro-batch ``m`` of ``K`` (``last = m == K - 1``):
-
-    - ``every``: FSDP2's defaults (reduce-scatter each backward and wait for it);
-    - ``no_sync``: ``set_requires_gradient_sync(last)`` (needs ``Role(allow_no_sync=True)``);
-    - ``deferred``: ``set_is_last_backward(last)``;
-    - ``keep_params_gathered``: ``set_reshard_after_backward(last)``;
-    - HSDP with ``defer_all_reduce``: ``set_requires_all_reduce(last)``.
-
-    :meth:`end` restores FSDP2's defaults (sync on, last backward, reshard, all-reduce)
-    on every root it touched, also after an error.
-    """
+    Which switch each policy flips, and :meth:`end`'s restore: ``docs/concepts/sync-policies.md``."""
 
     def __init__(self, accumulation: Accumulation) -> None:
         self.accumulation = accumulation

@@ -79,8 +79,7 @@ def make_mesh(
 def is_block(name: str, module: nn.Module, parent: nn.Module | None) -> bool:
     """The default :data:`BlockFilter`: the items of the root's ``nn.ModuleList`` attributes.
 
-    ``blocks.0``, ``blocks.1``, ... of a Wan transformer; not lists nested inside blocks.
-    """
+    ``blocks.0``, ``blocks.1``, ... of a Wan transformer; not lists nested inside blocks."""
     return isinstance(parent, nn.ModuleList) and name.count(".") == 1
 
 

@@ -1,8 +1,6 @@
 """Precision at a role's boundary: frozen roles stored in bf16, activations cast in and out.
 
-What :func:`fvstep.parallel.prepare` does for a role computing in another dtype than its
-callers: :func:`store_in_dtype`, :func:`cast_at_boundary` (timesteps keep their
-precision) and, on one process, :func:`autocast_forward`.
+What :func:`fvstep.parallel.prepare` does for a role computing in another dtype than its callers.
 """
 
 from __future__ import annotations
@@ -32,10 +30,7 @@ near 1000 in bf16. Pass ``prepare(..., full_precision_inputs=...)`` to extend it
 
 
 def map_tensors(fn: Callable[[torch.Tensor], Any], value: Any) -> Any:
-    """``value`` with ``fn`` applied to each tensor in its tuples, lists and dicts.
-
-    Containers keep their types (a namedtuple, a dict subclass such as ``ModelOutput``).
-    """
+    """``value`` with ``fn`` applied to each tensor in its tuples, lists and dicts (types kept)."""
     if isinstance(value, torch.Tensor):
         return fn(value)
     if isinstance(value, (tuple, list)):
@@ -73,11 +68,7 @@ def positional_names(forward: Callable[..., Any] | inspect.Signature) -> tuple[s
 
 
 def resolve_full_precision_inputs(names: Collection[str]) -> frozenset[str]:
-    """The argument names a boundary cast leaves alone, as a set.
-
-    Raises:
-        TypeError: If ``names`` is a string, not a collection of names.
-    """
+    """The argument names a boundary cast leaves alone, as a set; ``TypeError`` on a string."""
     if isinstance(names, str):
         raise TypeError(
             f"full_precision_inputs must be a collection of argument names, got the string {names!r}; "
@@ -92,24 +83,9 @@ def cast_at_boundary(
     *,
     full_precision_inputs: Collection[str] = FULL_PRECISION_INPUTS,
 ) -> None:
-    """Cast ``module``'s floating activations to ``dtype`` on the way in, back on the way out.
+    """Hook ``module`` to cast floating inputs of 2-D and more to ``dtype``, outputs back.
 
-    Floating inputs of 2-D and more are cast to ``dtype``; floating outputs go back to the
-    dtype of the caller's first such input. Unlike FSDP2's ``cast_forward_inputs``,
-    timesteps are left alone.
-
-    Args:
-        full_precision_inputs: Names of ``module.forward``'s arguments never cast, whatever
-            their shape (positional ones named by the signature or ``forward_signature``).
-
-    Raises:
-        TypeError: If ``full_precision_inputs`` is a string, not a collection of names.
-
-    Examples:
-        >>> cast_at_boundary(teacher, torch.bfloat16)
-        >>> teacher(x_fp32, timestep=t_fp32).dtype   # t reached the model in fp32
-        torch.float32
-    """
+    The ``full_precision_inputs`` (by argument name: the timesteps) are never cast."""
     keep = resolve_full_precision_inputs(full_precision_inputs)
     # A delegating ``forward(*args, **kwargs)`` (LoRAModule) names its inputs by ``forward_signature``.
     signature = getattr(module, "forward_signature", None)
@@ -142,17 +118,7 @@ def cast_at_boundary(
 def autocast_forward(module: nn.Module, dtype: torch.dtype) -> None:
     """Run ``module``'s forward under ``torch.autocast(dtype)`` on its parameters' device.
 
-    Mixed precision on one process that training, validation and sampling all see; the
-    parameters stay as stored.
-
-    Raises:
-        ValueError: If ``dtype`` is not a 16-bit floating dtype.
-
-    Examples:
-        >>> autocast_forward(student, torch.bfloat16)
-        >>> student(x, t).dtype   # the output of its last layer, computed in bf16
-        torch.bfloat16
-    """
+    ``ValueError`` unless ``dtype`` is bfloat16 or float16."""
     if dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"autocast computes in bfloat16 or float16, not {dtype}")
     entered: list[Any] = []
@@ -186,14 +152,7 @@ def _kept_in_fp32(module: nn.Module) -> set[str]:
 def store_in_dtype(module: nn.Module, dtype: torch.dtype) -> None:
     """Store ``module``'s floating parameters and buffers in ``dtype``, in place (``.data``).
 
-    The tensors diffusers keeps in fp32 (``_keep_in_fp32_modules`` of any model inside
-    ``module``) stay as they are, as ``from_pretrained(torch_dtype=...)`` keeps them.
-
-    Examples:
-        >>> store_in_dtype(teacher, torch.bfloat16)
-        >>> teacher.scale_shift_table.dtype   # a diffusers Wan model keeps it in fp32
-        torch.float32
-    """
+    Those diffusers keeps in fp32 (``_keep_in_fp32_modules``) stay as they are."""
     kept = _kept_in_fp32(module)
     for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
         if tensor.is_floating_point() and name not in kept:

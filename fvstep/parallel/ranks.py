@@ -51,11 +51,7 @@ def gather_objects(obj: Any, *, group: Any = None) -> list[Any]:
 def broadcast_object(obj: Any, *, src: int = 0, group: Any = None) -> Any:
     """Rank ``src``'s (a global rank) ``obj`` on every rank; ``obj`` itself on one process.
 
-    The other ranks' ``obj`` is ignored (pass ``None``).
-
-    Examples:
-        >>> listing = broadcast_object(list_dirs(root) if rank == 0 else None)
-    """
+    The other ranks' ``obj`` is ignored (pass ``None``)."""
     if rank_and_world(group)[1] == 1:
         return obj
     box = [obj]
@@ -89,14 +85,7 @@ def max_over_ranks(
 ) -> list[Any]:
     """Element-wise maximum of ``values`` over the ranks of ``group``; ``values`` on one process.
 
-    Integers (and bools) are reduced exactly and come back as ``int``; other numbers as
-    ``float`` (float64). Every rank must pass as many values. ``device``: where the
-    reduction runs (default :func:`collective_device`).
-
-    Examples:
-        >>> slowest = max_over_ranks([seconds])[0]
-        >>> any_rank_stopped = max_over_ranks([int(stop)])[0] > 0
-    """
+    Integers and bools come back exact, as ``int``; others as float64. Every rank passes as many."""
     return _reduce_over_ranks(values, dist.ReduceOp.MAX, device, group)
 
 
@@ -111,12 +100,7 @@ def min_over_ranks(
 def host_group() -> Iterator[Any]:
     """A gloo group over every rank (``None`` on one process), destroyed on exit.
 
-    For control messages that must not wait for the GPU; every rank enters and leaves it.
-
-    Examples:
-        >>> with host_group() as group:
-        ...     stop = max_over_ranks([flag], device=torch.device("cpu"), group=group)[0]
-    """
+    For control messages that must not wait for the GPU; every rank enters and leaves it."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         yield None
         return
