@@ -43,8 +43,7 @@ __all__ = [
 ]
 
 
-def check_step(step: object, where: str) -> None:
-    """Refuse what is not a step (a ``TypeError`` naming ``where``)."""
+def _check_step(step: object, where: str) -> None:
     if not isinstance(step, Step):
         raise TypeError(
             f"{where} must be a step (a method: fvstep.update(...), sequence, every, cond, "
@@ -52,7 +51,7 @@ def check_step(step: object, where: str) -> None:
         )
 
 
-def check_unique_names(leaves: tuple[Leaf, ...], where: str) -> None:
+def _check_unique_names(leaves: tuple[Leaf, ...], where: str) -> None:
     """Refuse two leaves of one name: their keys would be the same."""
     seen: dict[str, Leaf] = {}
     for leaf in leaves:
@@ -165,9 +164,9 @@ def sequence(*steps: Step) -> Chain:
     if not steps:
         raise ValueError("sequence needs at least one step")
     for i, s in enumerate(steps):
-        check_step(s, f"sequence argument {i}")
+        _check_step(s, f"sequence argument {i}")
     composed = Chain(tuple(steps))
-    check_unique_names(composed.leaves(), "sequence")
+    _check_unique_names(composed.leaves(), "sequence")
     return composed
 
 
@@ -203,7 +202,7 @@ def every(n: int, inner: Step, *, offset: int = 0) -> Every:
         raise ValueError(f"every needs an integer n >= 1, got {n!r}")
     if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
         raise ValueError(f"every needs an integer offset >= 0, got {offset!r}")
-    check_step(inner, "every's step")
+    _check_step(inner, "every's step")
     return Every(n, inner, offset)
 
 
@@ -238,11 +237,11 @@ def cond(pred: Callable[[int], bool], if_true: Step, if_false: Step | None = Non
     """
     if not callable(pred):
         raise TypeError("cond's predicate must be a function of the step")
-    check_step(if_true, "cond's if_true")
+    _check_step(if_true, "cond's if_true")
     if if_false is not None:
-        check_step(if_false, "cond's if_false")
+        _check_step(if_false, "cond's if_false")
     composed = Cond(pred, if_true, if_false)
-    check_unique_names(composed.leaves(), "cond")
+    _check_unique_names(composed.leaves(), "cond")
     return composed
 
 
@@ -283,8 +282,8 @@ def compile(
     Examples:
         >>> step = compile(update("student", loss), accumulation=Accumulation(4))
     """
-    check_step(inner, "compile's step")
-    check_unique_names(inner.leaves(), "compile")
+    _check_step(inner, "compile's step")
+    _check_unique_names(inner.leaves(), "compile")
     if accumulation is not None and not isinstance(accumulation, Accumulation):
         raise TypeError(
             f"accumulation must be fvstep.Accumulation(...), got {type(accumulation).__name__}"
@@ -302,5 +301,5 @@ def plan(step_fn: Step, step: int) -> list[PlanEntry]:
         >>> [e.roles for e in plan(step_fn, 5)]
         [('critic',), ('student',)]
     """
-    check_step(step_fn, "plan's step function")
+    _check_step(step_fn, "plan's step function")
     return step_fn.plan(step)
