@@ -96,27 +96,20 @@ def update(
 ) -> Unit:
     """Train ``roles`` on ``loss_fn``: the unit that methods are built from.
 
-    For each micro-batch ``m`` of ``K``: ``loss_fn(state, batch_m, key_m)`` inside
-    ``fvstep.random.rng_scope(key_m)``, then backward of ``loss / K`` (of the sum of a
-    dict of losses: a loss that reads another trained role's output must detach it).
-    Then, per role: sanitize, clip by global norm, step the optimizer, update the EMA.
-    ``loss_fn`` may call any role's module; gradients reach only the trained roles.
+    Per micro-batch: ``loss_fn`` inside ``rng_scope`` of its key, backward of ``loss / K``;
+    then per role: sanitize, clip, step the optimizer, update the EMA
+    (``docs/concepts/composition.md``).
 
     Args:
         roles: The role (or roles) trained; each must have an optimizer.
-        loss_fn: ``(state, batch, key) -> loss | (loss, metrics) | ({role: loss}, metrics)``.
+        loss_fn: ``(state, batch, key) -> loss | (loss, metrics) | ({role: loss}, metrics)``;
+            several losses are summed into one backward (detach what crosses roles).
         clip: A :func:`fvstep.clip_grad_norm`, ``None`` for no clipping, or left out for
             the enclosing setting (a managed step's, then ``compile``'s; default off).
-        sanitize: What to do with a NaN or infinite gradient, or left out for the
-            enclosing setting (whose default is ``"error"``):
-
-            - ``"error"``: raise :class:`~fvstep.core.errors.NonFiniteGradientError`
-              before any leaf of the unit changes; one device sync per unit;
-            - ``"skip"``: leave the roles' parameters, optimizer state and EMA
-              bit-unchanged when their gradient norm is not finite (``<role>/skipped``);
-            - ``"nan_to_num"``: zero non-finite gradient entries, then step;
-            - ``None``: no check. Unsafe: a single NaN gradient silently turns every
-              parameter and optimizer moment of the role into NaN.
+        sanitize: ``"error"`` (the default: raise
+            :class:`~fvstep.core.errors.NonFiniteGradientError` before the unit changes
+            anything), ``"skip"``, ``"nan_to_num"``, or ``None`` (unsafe: no check); left
+            out, the enclosing setting.
         name: Keys the unit's randomness and labels its metrics (default: the roles
             joined by ``+``); unique among the leaves of a step.
 
