@@ -1,9 +1,8 @@
 """Learning-rate schedules as pure functions of the update count, in the style of optax.
 
 A schedule is a stateless function ``count -> lr`` (:data:`Schedule`) of the optimizer's
-*updates*; the decaying ones carry their length (``schedule.total_steps``). Each equals its
-``diffusers.optimization`` counterpart bit for bit; factories raise ``ValueError`` for an
-argument out of range (``docs/api/schedules.md``).
+*updates*; decaying ones carry ``schedule.total_steps``. Each equals its diffusers counterpart
+bit for bit; factories raise ``ValueError`` out of range (``docs/api/schedules.md``).
 
 Examples:
     >>> warmup_cosine(1e-3, warmup_steps=100, total_steps=1000)(50)
