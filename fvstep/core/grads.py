@@ -41,9 +41,8 @@ def clip_grad_norm(
 ) -> ClipGradNorm:
     """Clip each trained role's gradients by their global norm, as ``clip_grad_norm_`` does.
 
-    The norm is over every shard of every parameter. By default each role of a unit is
-    clipped by its own norm; with ``joint=True`` the roles a unit trains together are
-    clipped by one norm over all of them (metric ``<role>+<role>/grad_norm``).
+    The norm is over every shard; ``joint=True`` clips a unit's roles by one norm over all of
+    them (``docs/concepts/composition.md``).
 
     Args:
         max_norm: The maximum norm (> 0).
