@@ -17,12 +17,7 @@ __all__ = ["needs_extra"]
 @contextlib.contextmanager
 def needs_extra(extra: str, feature: str) -> Iterator[None]:
     """Turn an ``ImportError`` inside the block into a ``MissingExtraError`` naming the module,
-    ``feature`` (what needs it) and ``pip install 'fvstep[extra]'``.
-
-    Examples:
-        >>> with needs_extra("tracking", "TensorBoardTracker"):
-        ...     from torch.utils.tensorboard import SummaryWriter
-    """
+    ``feature`` (what needs it) and ``pip install 'fvstep[extra]'``."""
     try:
         yield
     except ImportError as e:

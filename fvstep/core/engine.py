@@ -28,7 +28,7 @@ from fvstep.core._compat import tensor_version, world_size_of_default_group
 from fvstep.core.accumulation import Accumulation
 from fvstep.core.errors import StepFailedError
 from fvstep.core.finite import raise_non_finite
-from fvstep.core.grads import ClipGradNorm, Sanitize, nan_to_num_
+from fvstep.core.grads import ClipGradNorm, Sanitize
 from fvstep.core.layout import GradSync, Parallelism
 from fvstep.core.settings import UNSET, PlanEntry, UnitSettings
 from fvstep.core.state import RoleState, TrainState, adopt, is_consumed, mark_consumed
@@ -47,7 +47,6 @@ __all__ = [
     "name_routes",
     "run_unit",
     "scheduled",
-    "split_microbatches",
 ]
 
 
@@ -65,14 +64,9 @@ class Gate:
 
 @attrs.frozen(eq=False)
 class Route:
-    """One leaf of a step as the step runs it, resolved when the step is built.
-
-    Attributes:
-        settings: The leaf's settings over the enclosing ``compile``s' (some may be unset).
-        resolved: ``settings`` over the defaults: what runs.
-        gates: The ``every``/``cond`` gates to the leaf, outermost first; all must open.
-        named: Whether its metrics are ``<its name>/<key>`` (:func:`name_routes`).
-    """
+    """One leaf of a step, resolved when the step is built: its ``settings`` over the enclosing
+    ``compile``s', those over the defaults (``resolved``), the ``gates`` to it (outermost first,
+    all must open) and whether its metrics are ``<name>/<key>`` (:func:`name_routes`)."""
 
     leaf: Leaf
     settings: UnitSettings
@@ -91,12 +85,8 @@ class Route:
 
 
 def name_routes(routes: Sequence[Route]) -> tuple[Route, ...]:
-    """``routes`` with :attr:`Route.named` resolved (called by ``sequence`` and ``cond``).
-
-    A leaf that trains a role an earlier leaf trains too, where both can run at one step
-    (not the two branches of one ``cond``), reports every metric as ``<its name>/<key>``,
-    at every step: a metric's key never depends on the step.
-    """
+    """``routes`` with :attr:`Route.named` set where a leaf trains a role an earlier leaf that can
+    run at the same step trains too: its metrics are ``<name>/<key>`` at every step."""
     out = []
     for position, route in enumerate(routes):
         named = any(
@@ -113,11 +103,8 @@ def name_routes(routes: Sequence[Route]) -> tuple[Route, ...]:
 
 
 def scheduled(routes: Sequence[Route], step: int) -> list[tuple[int, Route]]:
-    """The routes that run at ``step``, in order, with their positions.
-
-    A ``cond``'s predicate is called at most once per step, and only where the gates
-    before it opened (as a step that checked its branches one by one would).
-    """
+    """The ``(position, route)`` that run at ``step``, in order; a ``cond``'s predicate is
+    called at most once per step, and only where the gates before it opened."""
     decided: dict[int, bool] = {}
     out = []
     for position, route in enumerate(routes):
@@ -179,7 +166,8 @@ class Step(abc.ABC):
 
         Args:
             state: The current state; consumed by the call.
-            batch: A pytree of tensors split along dim 0 (:func:`split_microbatches`).
+            batch: A pytree of tensors split along dim 0 into micro-batches, or a list of them
+                (``docs/concepts/composition.md``).
             key: The key of this step's randomness; default ``state.key``.
             parallelism: ``fvstep.parallel.Layout(...)`` on several ranks; ``None``: one process.
 
@@ -188,7 +176,7 @@ class Step(abc.ABC):
 
         Raises:
             ConsumedStateError: If ``state`` was already consumed.
-            ValueError: Before anything runs, from :func:`check_call`.
+            ValueError: Before anything runs, if a leaf's roles or the layout do not fit ``state``.
             StepFailedError: If the step raised after it had changed a leaf of ``state``
                 (the error is ``__cause__``); any other error leaves ``state`` unchanged.
         """
@@ -198,7 +186,7 @@ class Step(abc.ABC):
             mark_consumed(state, "")  # raises ConsumedStateError, naming who consumed it
         step = int(state.step)
         routes = self.routes
-        check_call(routes, state, parallelism)
+        _check_call(routes, state, parallelism)
         if parallelism is None:
             replica, counter = 0, None
         else:
@@ -278,12 +266,8 @@ ROUTES = attrs.Factory(
 
 
 class Call:
-    """One call of a step as it runs: what its leaves read, and what they have changed.
-
-    ``changed`` lists the ``(position, leaf)`` that changed the state; buffers and ``extra``
-    tensors are watched by version counter (a BatchNorm forward changes them in place), so
-    a failed step never calls such an input unchanged (best effort).
-    """
+    """One call of a step as it runs: what its leaves read, and which changed the state
+    (``changed``; buffers and ``extra`` are watched by version counter, best effort)."""
 
     def __init__(
         self, state: TrainState, step: int, batch: Any, parallelism: Parallelism | None
@@ -345,9 +329,10 @@ _RECOVER = (
 )
 
 
-def check_call(routes: Sequence[Route], state: TrainState, parallelism: Parallelism | None) -> None:
-    """Refuse, before anything is consumed, a leaf (at any step) that trains or mutates a
-    missing role or trains a frozen one, and a state or process the layout cannot train."""
+def _check_call(
+    routes: Sequence[Route], state: TrainState, parallelism: Parallelism | None
+) -> None:
+    """Refuse a leaf's missing or frozen role and a state the layout cannot train, up front."""
     roles = state.roles
     for route in routes:
         leaf = route.leaf
@@ -393,9 +378,9 @@ def run_unit(
     if batch is call.batch:  # the step's own batch: split once per number of micro-batches
         microbatches = call.splits.get(num)
         if microbatches is None:
-            microbatches = call.splits[num] = split_microbatches(batch, num)
+            microbatches = call.splits[num] = _split_microbatches(batch, num)
     else:
-        microbatches = split_microbatches(batch, num)
+        microbatches = _split_microbatches(batch, num)
     parallelism = call.parallelism
     sync = None if parallelism is None else parallelism.grad_sync(state, accumulation)
     gradients = backward(
@@ -566,7 +551,8 @@ def backward(
         for group in groups:
             grads = [p.grad for p in group.params if p.grad is not None]
             if sanitize == "nan_to_num":
-                nan_to_num_(grads)
+                for g in grads:
+                    torch.nan_to_num_(g, nan=0.0, posinf=0.0, neginf=0.0)
             if clip is not None or sanitize in ("skip", "error"):
                 norm_type = clip.norm_type if clip is not None else 2.0
                 foreach = clip.foreach if clip is not None else None
@@ -662,16 +648,9 @@ def _update_ema(
     torch._foreach_add_(targets, sources, alpha=1.0 - decay)
 
 
-def split_microbatches(batch: Any, num: int) -> list[Any]:
-    """Split ``batch`` into ``num`` micro-batches along dim 0 of every tensor leaf.
-
-    A ``list`` (or tuple, not of tensors only) of exactly ``num`` items is taken as already
-    split. Non-tensor leaves (ints, strings) are shared by every micro-batch.
-
-    Raises:
-        ValueError: If a tensor's dim 0 is not divisible by ``num``, tensors disagree on
-            dim 0, or a given list has the wrong length.
-    """
+def _split_microbatches(batch: Any, num: int) -> list[Any]:
+    """``batch`` split along dim 0 of every tensor leaf (other leaves shared), or a list
+    (not a tuple of tensors) of ``num`` micro-batches as given."""
     if isinstance(batch, (list, tuple)) and not _is_tensor_tree(batch):
         if len(batch) != num:
             raise ValueError(f"got a list of {len(batch)} micro-batches, expected {num}")

@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING, NoReturn
 import torch
 
 from fvstep.core.errors import NonFiniteGradientError
-from fvstep.core.grads import first_non_finite
 from fvstep.core.tree import any_dtensor, local_tensor
 
 if TYPE_CHECKING:
@@ -44,7 +43,7 @@ def raise_non_finite(
             continue
         label = "+".join(group.names)
         for role, params in zip(group.names, group.params_by_role):
-            found = first_non_finite([(n, p.grad) for n, p in params.items() if p.grad is not None])
+            found = _first_non_finite({n: p.grad for n, p in params.items() if p.grad is not None})
             if found is None:
                 continue
             name, kind = found
@@ -75,6 +74,15 @@ def raise_non_finite(
             kind="Inf",
         )
     raise AssertionError(f"{where}: a failed verdict {verdict} with nothing non-finite")
+
+
+def _first_non_finite(named: Mapping[str, torch.Tensor]) -> tuple[str, str] | None:
+    """The first ``(name, "NaN" | "Inf")`` of ``named`` (local shards; a host sync per tensor)."""
+    for name, x in named.items():
+        local = local_tensor(x).detach()
+        if not bool(torch.isfinite(local).all()):
+            return name, "NaN" if bool(torch.isnan(local).any()) else "Inf"
+    return None
 
 
 def _raise_for_loss(

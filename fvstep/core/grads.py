@@ -7,21 +7,15 @@ so a step is bitwise a loop calling ``clip_grad_norm_``. The sanitize modes
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Literal
 
 import attrs
-import torch
-
-from fvstep.core.tree import local_tensor
 
 __all__ = [
     "SANITIZE_MODES",
     "ClipGradNorm",
     "Sanitize",
     "clip_grad_norm",
-    "first_non_finite",
-    "nan_to_num_",
 ]
 
 Sanitize = Literal["error", "nan_to_num", "skip"] | None
@@ -47,9 +41,8 @@ def clip_grad_norm(
 ) -> ClipGradNorm:
     """Clip each trained role's gradients by their global norm, as ``clip_grad_norm_`` does.
 
-    The norm is over every shard of every parameter. By default each role of a unit is
-    clipped by its own norm; with ``joint=True`` the roles a unit trains together are
-    clipped by one norm over all of them (metric ``<role>+<role>/grad_norm``).
+    The norm is over every shard; ``joint=True`` clips a unit's roles by one norm over all of
+    them (``docs/concepts/composition.md``).
 
     Args:
         max_norm: The maximum norm (> 0).
@@ -63,19 +56,3 @@ def clip_grad_norm(
         >>> step = fvstep.compile(method, clip=clip_grad_norm(1.0))
     """
     return ClipGradNorm(max_norm=max_norm, norm_type=norm_type, foreach=foreach, joint=joint)
-
-
-def first_non_finite(named: Sequence[tuple[str, torch.Tensor]]) -> tuple[str, str] | None:
-    """The first ``(name, kind)`` of ``named`` tensors with a NaN or infinite entry, on local
-    shards; one host sync per tensor: for error messages, not the hot path."""
-    for name, x in named:
-        local = local_tensor(x).detach()
-        if not bool(torch.isfinite(local).all()):
-            return name, "NaN" if bool(torch.isnan(local).any()) else "Inf"
-    return None
-
-
-def nan_to_num_(grads: Sequence[torch.Tensor]) -> None:
-    """Replace NaN and ±inf entries of ``grads`` by 0, in place."""
-    for g in grads:
-        torch.nan_to_num_(g, nan=0.0, posinf=0.0, neginf=0.0)

@@ -19,11 +19,8 @@ __all__ = ["CollectiveCounting", "GradSync", "Parallelism"]
 
 
 class GradSync(Protocol):
-    """What a unit does around its micro-batches to control gradient reduction.
-
-    :meth:`release` runs before a unit touches any module and after it (also on error):
-    nothing a unit leaves in a module (an unsharded FSDP2 group) reaches the next unit.
-    """
+    """What a unit does around its micro-batches to control gradient reduction; :meth:`release`
+    runs before and after (also on error), so no unsharded FSDP2 group reaches the next unit."""
 
     def release(self, state: TrainState, *, after_error: bool = False) -> None:
         """Return every role's module to rest (``after_error``: discard partial reductions too)."""

@@ -83,9 +83,8 @@ def managed(
         clip: Default clipping of its inner updates (else the enclosing ``compile``'s).
         sanitize: Default non-finite mode of its inner updates.
         name: Keys its randomness; labels its metrics.
-        check: ``check(state, batch, accumulation)``, run on the step's input before any
-            leaf runs: it raises on what ``fn`` cannot take (the input stays unconsumed)
-            and changes nothing.
+        check: ``check(state, batch, accumulation)``, run before any leaf runs: it raises
+            on what ``fn`` cannot take, leaving the input usable.
 
     Examples:
         >>> managed(rl_outer_step, trains="student")

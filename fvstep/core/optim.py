@@ -83,18 +83,9 @@ class Optimizer(Protocol[StateT]):
         ...
 
     def check_state(self, params: Mapping[str, torch.Tensor], state: StateT) -> None:
-        """Raise unless ``state`` has the structure :meth:`init` gives ``params``.
-
-        :meth:`update` relies on it unchecked: run this once on a state :meth:`init` did not
-        just make (``TrainState.create`` and a checkpoint load do).
-
-        Raises:
-            TypeError: If ``state`` is of another optimizer, or params is not a mapping of
-                names to tensors.
-            ValueError: If a dict's names differ from the params', two names share one
-                tensor, a moment does not fit its param, or a dict is filled that this
-                configuration keeps empty (or the reverse).
-        """
+        """Raise (``TypeError``/``ValueError``, naming the field) unless ``state`` has the structure
+        :meth:`init` gives ``params``; :meth:`update` relies on it unchecked, so run it once on a
+        state :meth:`init` did not just make (``TrainState.create`` and a checkpoint load do)."""
         ...
 
     def learning_rate(self, count: int) -> float:

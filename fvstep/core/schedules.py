@@ -1,8 +1,8 @@
 """Learning-rate schedules as pure functions of the update count, in the style of optax.
 
 A schedule is a stateless function ``count -> lr`` (:data:`Schedule`) of the optimizer's
-*updates*; the decaying ones carry their length (``schedule.total_steps``). Each equals its
-``diffusers.optimization`` counterpart bit for bit (``docs/api/schedules.md``).
+*updates*; decaying ones carry ``schedule.total_steps``. Each equals its diffusers counterpart
+bit for bit; factories raise ``ValueError`` out of range (``docs/api/schedules.md``).
 
 Examples:
     >>> warmup_cosine(1e-3, warmup_steps=100, total_steps=1000)(50)
@@ -89,9 +89,6 @@ def _lambda_lr(
 def constant(lr: float) -> Schedule:
     """A constant learning rate, finite and ``>= 0``: diffusers' ``get_scheduler("constant")``.
 
-    Raises:
-        ValueError: If ``lr`` is negative or not finite.
-
     Examples:
         >>> constant(1e-4)(12345)
         0.0001
@@ -107,18 +104,13 @@ def constant(lr: float) -> Schedule:
 def constant_with_warmup(lr: float, *, warmup_steps: int, init_ratio: float = 0.0) -> Schedule:
     """A linear warmup from ``init_ratio * lr`` to ``lr`` over ``warmup_steps`` steps, then ``lr``.
 
-    The multiplier is the closed form of torch's ``LinearLR(start_factor=init_ratio,
-    end_factor=1.0, total_iters=warmup_steps)``; with the default ``init_ratio=0`` the
-    schedule is diffusers' ``get_scheduler("constant_with_warmup")`` bit for bit. With
-    ``init_ratio > 0`` the held value can differ from ``lr`` by one rounding, as torch's does.
+    With ``init_ratio > 0`` the held value can differ from ``lr`` by one rounding, as torch's
+    ``LinearLR`` does.
 
     Args:
         lr: The learning rate after warmup, finite and ``>= 0``.
         warmup_steps: Length of the warmup, ``>= 0`` (0 means the schedule is constant).
         init_ratio: The LR at step 0 as a fraction of ``lr``, in ``[0, 1]``.
-
-    Raises:
-        ValueError: If an argument lies outside the range given above.
 
     Examples:
         >>> sched = constant_with_warmup(1.0, warmup_steps=4, init_ratio=0.5)
@@ -163,9 +155,6 @@ def warmup_cosine(
         min_ratio: The floor of the decay as a fraction of ``lr``, in ``[0, 1]``.
         num_cycles: Number of cosine periods between ``warmup_steps`` and
             ``total_steps``; the default 0.5 is a half cosine from ``lr`` down to the floor.
-
-    Raises:
-        ValueError: If an argument lies outside the range given above.
 
     Examples:
         >>> sched = warmup_cosine(1.0, warmup_steps=2, total_steps=6)
@@ -217,9 +206,6 @@ def warmup_cosine_restarts(
     The LR is 0 from ``total_steps`` on. ``lr``, ``warmup_steps`` and ``total_steps`` are as
     :func:`warmup_cosine`'s; ``num_cycles`` (the decays) is an integer ``>= 1``.
 
-    Raises:
-        ValueError: If an argument lies outside its range.
-
     Examples:
         >>> sched = warmup_cosine_restarts(1.0, warmup_steps=0, total_steps=4, num_cycles=2)
         >>> [round(sched(i), 6) for i in range(5)]
@@ -248,9 +234,6 @@ def warmup_linear(
 
     The LR stays at ``min_ratio * lr`` after ``total_steps``. The arguments are as
     :func:`warmup_cosine`'s.
-
-    Raises:
-        ValueError: If an argument lies outside its range.
 
     Examples:
         >>> sched = warmup_linear(1.0, warmup_steps=2, total_steps=6)
@@ -308,9 +291,6 @@ def polynomial(
         warmup_steps: Length of the warmup, ``0 <= warmup_steps < total_steps``.
         end_lr: The final learning rate, finite and ``>= 0``.
         power: The exponent of the decay, finite and ``> 0`` (1 is linear).
-
-    Raises:
-        ValueError: If an argument lies outside the range given above.
 
     Examples:
         >>> sched = polynomial(1.0, warmup_steps=0, total_steps=4, end_lr=0.0, power=2.0)
@@ -393,9 +373,6 @@ def piecewise_constant(values: Sequence[float], boundaries: Sequence[int]) -> Sc
     Args:
         values: ``len(boundaries) + 1`` learning rates, finite and ``>= 0``.
         boundaries: Strictly increasing step counts ``>= 0``.
-
-    Raises:
-        ValueError: If an argument is not as above.
 
     Examples:
         >>> sched = piecewise_constant([1e-3, 1e-4, 1e-5], [10, 20])

@@ -223,7 +223,13 @@ class TrainState:
             raise TypeError("key must be an fvstep key: use fvstep.random.key(seed)")
         _check_no_aliasing(roles)
         extra = dict(extra or {})
-        _check_tensor_leaves(extra, "extra")
+        paths, leaves, _ = flatten_with_paths(extra)
+        for path, leaf in zip(paths, leaves, strict=True):
+            if not isinstance(leaf, torch.Tensor):
+                raise TypeError(
+                    f"extra.{path} must be a tensor, got {type(leaf).__name__} ({leaf!r}); "
+                    "state leaves are tensors only (wrap counters as torch.tensor(...))"
+                )
         role_states = {name: _create_role_state(name, role) for name, role in roles.items()}
         return cls(
             step=torch.zeros((), dtype=torch.int64),
@@ -465,22 +471,6 @@ def _resolve_trainable_names(
     return trainable
 
 
-def _check_tensor_leaves(tree: Any, what: str) -> None:
-    """Refuse a leaf of ``tree`` (``what``) that is not a tensor."""
-    paths, flat, _ = flatten_with_paths(tree)
-    for path, leaf in zip(paths, flat, strict=False):
-        if not isinstance(leaf, torch.Tensor):
-            raise TypeError(
-                f"{what}.{path} must be a tensor, got {type(leaf).__name__} ({leaf!r}); "
-                "state leaves are tensors only (wrap counters as torch.tensor(...))"
-            )
-
-
-def _locate(module: nn.Module, name: str) -> tuple[nn.Module, str]:
-    prefix, _, leaf = name.rpartition(".")
-    return (module.get_submodule(prefix) if prefix else module), leaf
-
-
 def _live_tensors(
     module: nn.Module,
     params: Mapping[str, torch.Tensor],
@@ -512,6 +502,7 @@ def _bind_tensors(
 ) -> None:
     """Put the state's tensors (``mine``) into every slot of ``module``, aliases included."""
     for name in live:
-        owner, leaf = _locate(module, name)
+        prefix, _, leaf = name.rpartition(".")
+        owner = module.get_submodule(prefix) if prefix else module
         slot: dict[str, Any] = owner._parameters if name in live_params else owner._buffers
         slot[leaf] = mine[aliases.get(name, name)]

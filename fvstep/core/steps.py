@@ -43,8 +43,7 @@ __all__ = [
 ]
 
 
-def check_step(step: object, where: str) -> None:
-    """Refuse what is not a step (a ``TypeError`` naming ``where``)."""
+def _check_step(step: object, where: str) -> None:
     if not isinstance(step, Step):
         raise TypeError(
             f"{where} must be a step (a method: fvstep.update(...), sequence, every, cond, "
@@ -52,7 +51,7 @@ def check_step(step: object, where: str) -> None:
         )
 
 
-def check_unique_names(leaves: tuple[Leaf, ...], where: str) -> None:
+def _check_unique_names(leaves: tuple[Leaf, ...], where: str) -> None:
     """Refuse two leaves of one name: their keys would be the same."""
     seen: dict[str, Leaf] = {}
     for leaf in leaves:
@@ -97,27 +96,20 @@ def update(
 ) -> Unit:
     """Train ``roles`` on ``loss_fn``: the unit that methods are built from.
 
-    For each micro-batch ``m`` of ``K``: ``loss_fn(state, batch_m, key_m)`` inside
-    ``fvstep.random.rng_scope(key_m)``, then backward of ``loss / K`` (of the sum of a
-    dict of losses: a loss that reads another trained role's output must detach it).
-    Then, per role: sanitize, clip by global norm, step the optimizer, update the EMA.
-    ``loss_fn`` may call any role's module; gradients reach only the trained roles.
+    Per micro-batch: ``loss_fn`` inside ``rng_scope`` of its key, backward of ``loss / K``;
+    then per role: sanitize, clip, step the optimizer, update the EMA
+    (``docs/concepts/composition.md``).
 
     Args:
         roles: The role (or roles) trained; each must have an optimizer.
-        loss_fn: ``(state, batch, key) -> loss | (loss, metrics) | ({role: loss}, metrics)``.
+        loss_fn: ``(state, batch, key) -> loss | (loss, metrics) | ({role: loss}, metrics)``;
+            several losses are summed into one backward (detach what crosses roles).
         clip: A :func:`fvstep.clip_grad_norm`, ``None`` for no clipping, or left out for
             the enclosing setting (a managed step's, then ``compile``'s; default off).
-        sanitize: What to do with a NaN or infinite gradient, or left out for the
-            enclosing setting (whose default is ``"error"``):
-
-            - ``"error"``: raise :class:`~fvstep.core.errors.NonFiniteGradientError`
-              before any leaf of the unit changes; one device sync per unit;
-            - ``"skip"``: leave the roles' parameters, optimizer state and EMA
-              bit-unchanged when their gradient norm is not finite (``<role>/skipped``);
-            - ``"nan_to_num"``: zero non-finite gradient entries, then step;
-            - ``None``: no check. Unsafe: a single NaN gradient silently turns every
-              parameter and optimizer moment of the role into NaN.
+        sanitize: ``"error"`` (the default: raise
+            :class:`~fvstep.core.errors.NonFiniteGradientError` before the unit changes
+            anything), ``"skip"``, ``"nan_to_num"``, or ``None`` (unsafe: no check); left
+            out, the enclosing setting.
         name: Keys the unit's randomness and labels its metrics (default: the roles
             joined by ``+``); unique among the leaves of a step.
 
@@ -165,9 +157,9 @@ def sequence(*steps: Step) -> Chain:
     if not steps:
         raise ValueError("sequence needs at least one step")
     for i, s in enumerate(steps):
-        check_step(s, f"sequence argument {i}")
+        _check_step(s, f"sequence argument {i}")
     composed = Chain(tuple(steps))
-    check_unique_names(composed.leaves(), "sequence")
+    _check_unique_names(composed.leaves(), "sequence")
     return composed
 
 
@@ -203,7 +195,7 @@ def every(n: int, inner: Step, *, offset: int = 0) -> Every:
         raise ValueError(f"every needs an integer n >= 1, got {n!r}")
     if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
         raise ValueError(f"every needs an integer offset >= 0, got {offset!r}")
-    check_step(inner, "every's step")
+    _check_step(inner, "every's step")
     return Every(n, inner, offset)
 
 
@@ -238,11 +230,11 @@ def cond(pred: Callable[[int], bool], if_true: Step, if_false: Step | None = Non
     """
     if not callable(pred):
         raise TypeError("cond's predicate must be a function of the step")
-    check_step(if_true, "cond's if_true")
+    _check_step(if_true, "cond's if_true")
     if if_false is not None:
-        check_step(if_false, "cond's if_false")
+        _check_step(if_false, "cond's if_false")
     composed = Cond(pred, if_true, if_false)
-    check_unique_names(composed.leaves(), "cond")
+    _check_unique_names(composed.leaves(), "cond")
     return composed
 
 
@@ -283,8 +275,8 @@ def compile(
     Examples:
         >>> step = compile(update("student", loss), accumulation=Accumulation(4))
     """
-    check_step(inner, "compile's step")
-    check_unique_names(inner.leaves(), "compile")
+    _check_step(inner, "compile's step")
+    _check_unique_names(inner.leaves(), "compile")
     if accumulation is not None and not isinstance(accumulation, Accumulation):
         raise TypeError(
             f"accumulation must be fvstep.Accumulation(...), got {type(accumulation).__name__}"
@@ -302,5 +294,5 @@ def plan(step_fn: Step, step: int) -> list[PlanEntry]:
         >>> [e.roles for e in plan(step_fn, 5)]
         [('critic',), ('student',)]
     """
-    check_step(step_fn, "plan's step function")
+    _check_step(step_fn, "plan's step function")
     return step_fn.plan(step)

@@ -217,19 +217,9 @@ def assert_trees_equal(a: Any, b: Any, *, check_static: bool = True) -> None:
 def assert_trees_close(
     a: Any, b: Any, *, rtol: float = 1.3e-6, atol: float = 1e-5, check_static: bool = False
 ) -> None:
-    """Assert that two pytrees have the same paths and tensor leaves equal within tolerances.
-
-    For math that allows only summation-order differences (compiled against eager): state
-    the tolerance and why at the call. Tensor leaves go through
-    ``torch.testing.assert_close`` (NaN equals NaN; DTensors shard by shard), other leaves
-    must be equal; ``check_static`` as :func:`assert_trees_equal`'s.
-
-    Raises:
-        AssertionError: Naming the first path that differs, with the largest difference.
-
-    Examples:
-        >>> assert_trees_close(compiled.params, eager.params, rtol=0, atol=1e-6)
-    """
+    """Assert that two pytrees have the same paths and tensor leaves equal within tolerances
+    (``torch.testing.assert_close``, NaN equal to NaN, DTensors shard by shard): for compiled
+    against eager. An ``AssertionError`` names the first path that differs."""
     paths, flat_a, flat_b = _same_structure(a, b, check_static)
     for path, x, y in zip(paths, flat_a, flat_b, strict=False):
         if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):

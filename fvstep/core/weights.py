@@ -24,11 +24,8 @@ _OTHER_WEIGHTS = "_fvstep_other_weights"
 
 @contextlib.contextmanager
 def holding_other_weights(module: nn.Module) -> Iterator[None]:
-    """Mark ``module`` as holding other values than its role's live weights (nestable).
-
-    Readers of the live weights (a checkpoint save, an export) refuse while it is marked
-    (:func:`roles_holding_other_weights`), e.g. while validation swaps in the EMA.
-    """
+    """Mark ``module`` as holding other values than its role's live weights (nestable), e.g.
+    while validation swaps in the EMA: a save or an export refuses it meanwhile."""
     module.__dict__[_OTHER_WEIGHTS] = module.__dict__.get(_OTHER_WEIGHTS, 0) + 1
     try:
         yield
