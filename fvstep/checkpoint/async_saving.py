@@ -32,12 +32,8 @@ __all__ = ["AsyncSaver"]
 
 
 class _Stager:
-    """Copies a state's tensors to host memory, reusing its buffers from save to save.
-
-    DTensors are staged as DTensors with the same mesh and placements around a host copy
-    of their local shard (what DCP writes). From a GPU the copy goes to pinned memory,
-    asynchronously, and is synchronised once at the end.
-    """
+    """Copies a state's tensors (a DTensor's local shard) to host memory, pinned from a GPU,
+    reusing its buffers from save to save."""
 
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
@@ -117,12 +113,9 @@ class AsyncSaver:
     ) -> None:
         """Start saving ``state`` to ``path``; returns once the state has been staged.
 
-        Every rank calls it. A non-finite leaf is refused as by :func:`save`: from a GPU the
-        checksums run before staging, so this call raises; from a CPU they run in the
-        background, so the next call raises. A failed save leaves no ``.tmp-*`` directory.
-
-        The arguments are :func:`fvstep.checkpoint.save`'s; ``state`` may be updated in
-        place once this returns.
+        Every rank calls it, with :func:`fvstep.checkpoint.save`'s arguments. A non-finite
+        leaf is refused: from a GPU the checksums run before staging, so this call raises;
+        from a CPU they run in the background, so the next call raises.
 
         Raises:
             CheckpointError: If ``path`` exists and ``overwrite`` is false, or (on a GPU)

@@ -44,8 +44,7 @@ def _roles(paths: set[str]) -> set[str]:
 
 
 def _check_optimizer_states(like: Any, path: Path) -> None:
-    """Each trained role's optimizer state in ``like`` fits its parameters (the structure
-    an optimizer's ``update`` no longer re-checks on every call)."""
+    """Each trained role's optimizer state in ``like`` fits its parameters (``update`` trusts it)."""
     if not isinstance(like, TrainState):
         return
     for name, rs in like.roles.items():
@@ -114,11 +113,10 @@ def _subtrees(paths: list[str]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(".".join(p.split(".")[:2]) for p in paths))
 
 
-def check_frozen(
+def _check_frozen(
     manifest: Manifest, path: Path, paths: list[str], leaves: list[Any], group: Any
 ) -> None:
-    """Collective when the checkpoint has frozen entries: ``like``'s frozen parameters
-    must be those the checkpoint was saved with (dtype, shape and checksum)."""
+    """Collective: ``like``'s frozen parameters are those the checkpoint was saved with."""
     if not manifest.frozen:
         return
     index = {p: i for i, p in enumerate(paths)}
@@ -210,7 +208,7 @@ def load(
     if reset:
         pinned = {p: e for p, e in manifest.frozen.items() if not _under(p, reset)}
         manifest = attrs.evolve(manifest, frozen=pinned)
-    check_frozen(manifest, path, all_paths, all_leaves, group)
+    _check_frozen(manifest, path, all_paths, all_leaves, group)
     keep = [i for i, p in enumerate(all_paths) if p not in manifest.frozen and not _under(p, reset)]
     paths, leaves = [all_paths[i] for i in keep], [all_leaves[i] for i in keep]
     _check_fits(manifest, path, paths, leaves, world, reset)
