@@ -97,11 +97,6 @@ class AsyncSaver:
             max_workers=1, thread_name_prefix="fvstep-ckpt"
         )
 
-    def _uploads(self) -> Any:
-        if self._upload_group is None and rank_and_world(self._group)[1] > 1:
-            self._upload_group = dist.new_group(backend="gloo")
-        return self._upload_group
-
     def save(
         self,
         state: Any,
@@ -128,7 +123,8 @@ class AsyncSaver:
             state, final, writer_threads, self._group
         )
         self.wait()
-        upload_group = self._uploads()
+        if self._upload_group is None and rank_and_world(self._group)[1] > 1:
+            self._upload_group = dist.new_group(backend="gloo")
         step = int(getattr(state, "step", 0))
         prints = None
         if any(x.device.type == "cuda" for x in leaves):
@@ -151,7 +147,7 @@ class AsyncSaver:
             final,
             tmp,
             overwrite,
-            upload_group,
+            self._upload_group,
             prints,
             allow_nonfinite,
             frozen,
@@ -159,21 +155,13 @@ class AsyncSaver:
         )
 
     def wait(self) -> None:
-        """Wait for the save in flight; raise its error, if any.
-
-        Raises:
-            CheckpointError: The failure of the save in flight (naming its path).
-        """
+        """Wait for the save in flight; raise its failure (a ``CheckpointError``)."""
         pending, self._pending = self._pending, None
         if pending is not None:
             pending.result()
 
     def close(self) -> None:
-        """Wait for the save in flight (raising its error) and stop the background thread.
-
-        Raises:
-            CheckpointError: The failure of the save in flight (naming its path).
-        """
+        """Wait for the save in flight (raising its failure), then stop the background thread."""
         try:
             self.wait()
         finally:

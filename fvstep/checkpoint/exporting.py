@@ -120,10 +120,6 @@ class _Writer(NamedTuple):
     check: Callable[[], None] | None = None
 
 
-FORMATS: dict[str, Callable[[_ExportJob], _Writer]] = {}
-"""Format name to the function that makes its :class:`_Writer` for a checked call."""
-
-
 def export(
     state: TrainState,
     role: str,
@@ -519,7 +515,7 @@ def _lora(job: _ExportJob) -> _Writer:
 def _merged(job: _ExportJob) -> _Writer:
     base_role = _base_role(job, _lora_module(job))
     # the base's diffusers model folder (its config, its plain names), of merged tensors
-    base_folder = FORMATS["diffusers"](dataclasses.replace(job, role=base_role, options={}))
+    base_folder = _diffusers(dataclasses.replace(job, role=base_role, options={}))
     return _Writer(
         gather=lambda: merge_weights(
             job.state, job.role, weights=job.weights, dtype=job.dtype, rank0_only=job.rank0_only
@@ -528,13 +524,14 @@ def _merged(job: _ExportJob) -> _Writer:
     )
 
 
-FORMATS.update(
-    safetensors=_safetensors,
-    diffusers=_diffusers,
-    pipeline=_pipeline,
-    lora=_lora,
-    merged=_merged,
-)
+FORMATS: dict[str, Callable[[_ExportJob], _Writer]] = {
+    "safetensors": _safetensors,
+    "diffusers": _diffusers,
+    "pipeline": _pipeline,
+    "lora": _lora,
+    "merged": _merged,
+}
+"""Format name to the function that makes its :class:`_Writer` for a checked call."""
 
 
 # --- checks, gathers and atomic writes ----------------------------------------------------
@@ -584,10 +581,8 @@ def _diffusers_class(module: nn.Module, role: str) -> type[Any]:
             f"format='diffusers' needs a diffusers ModelMixin, but role {role!r} holds a "
             f"{type(module).__name__}; use format='safetensors' for a plain safetensors file"
         )
-    for cls in type(module).__mro__:
-        if issubclass(cls, ModelMixin) and not issubclass(cls, FSDPModule):
-            return cls
-    raise AssertionError("unreachable: a ModelMixin instance has a ModelMixin class")
+    unwrapped = (c for c in type(module).__mro__ if not issubclass(c, FSDPModule))
+    return next(c for c in unwrapped if issubclass(c, ModelMixin))
 
 
 def _check_causal_record(module: nn.Module, role: str) -> None:

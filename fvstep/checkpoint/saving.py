@@ -88,11 +88,9 @@ class Manifest:
     """What a checkpoint holds.
 
     Attributes:
-        world_size: Ranks that saved it.
         leaves: ``path -> {"dtype", "shape", "sharded", "per_rank"}`` (global shapes).
         checksums: ``path -> int``: global content checksums of shared leaves.
         per_rank: ``path -> [int by rank]``: checksums of values saved per rank.
-        format_version: The layout version (a newer one is refused).
         frozen: ``path -> {"dtype", "shape", "checksum"}``: frozen parameters saved by
             checksum only (``Role(save_frozen=False)``), not in ``leaves``.
     """
@@ -634,11 +632,8 @@ def split_frozen(
 
 
 def fsync(path: str | os.PathLike[str]) -> None:
-    """Flush a file, or a directory's entries, to disk (skipped for a directory off POSIX).
-
-    Raises:
-        OSError: If ``path`` cannot be opened or flushed.
-    """
+    """Flush a file, or a directory's entries (off POSIX: skipped), to disk; ``OSError`` if it
+    cannot be opened or flushed."""
     path = Path(path)
     is_dir = path.is_dir()
     if is_dir and os.name != "posix":
@@ -760,11 +755,9 @@ def write_checkpoint(
     frozen: dict[str, dict[str, Any]] | None = None,
     writer_threads: int = WRITER_THREADS,
 ) -> None:
-    """Collective: write the shards into ``tmp``, then (rank 0) the manifest, and commit.
-
-    ``prints``: the :func:`fingerprint` of leaves checked already (else computed during the
-    write). Any failure raises a ``CheckpointError`` on every rank; a return means committed.
-    """
+    """Collective: write the shards into ``tmp``, then (rank 0) the manifest, and commit; any
+    failure raises a ``CheckpointError`` on every rank. ``prints``: the :func:`fingerprint` of
+    leaves checked already (``None``: computed during the write)."""
     rank, world = rank_and_world(group)
     try:
         with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
@@ -899,11 +892,8 @@ def save(
 ) -> Path:
     """Save ``state`` (a ``TrainState`` or any fvstep pytree of tensors) to ``path``, atomically.
 
-    Every rank calls it. The shards are written into ``.tmp-<name>`` beside ``path``; rank 0
-    then writes the manifest and renames the directory to ``path``. A crash before the
-    rename leaves no checkpoint at ``path``; a failure raises on every rank and removes the
-    temporary directory. A NaN or infinity in a floating-point leaf, on any rank, is refused:
-    resuming from it could only continue a diverged run.
+    Every rank calls it. The commit is atomic, and a NaN or infinity in a floating-point
+    leaf, on any rank, is refused (``docs/concepts/checkpoints.md``).
 
     Args:
         state: The state to save; it is not consumed or changed.
