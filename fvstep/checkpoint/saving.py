@@ -821,7 +821,12 @@ def write_checkpoint(
             step=step,
             world_size=world,
             leaves={
-                p: {**_meta(x), "sharded": is_dtensor(x), "per_rank": p in per_rank}
+                p: {
+                    "dtype": str(x.dtype).removeprefix("torch."),
+                    "shape": list(x.shape),
+                    "sharded": is_dtensor(x),
+                    "per_rank": p in per_rank,
+                }
                 for p, x in zip(paths, leaves)
             },
             checksums=checksums,
