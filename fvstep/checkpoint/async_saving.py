@@ -32,12 +32,8 @@ __all__ = ["AsyncSaver"]
 
 
 class _Stager:
-    """Copies a state's tensors to host memory, reusing its buffers from save to save.
-
-    DTensors are staged as DTensors with the same mesh and placements around a host copy
-    of their local shard (what DCP writes). From a GPU the copy goes to pinned memory,
-    asynchronously, and is synchronised once at the end.
-    """
+    """Copies a state's tensors (a DTensor's local shard) to host memory, pinned from a GPU,
+    reusing its buffers from save to save."""
 
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
@@ -101,11 +97,6 @@ class AsyncSaver:
             max_workers=1, thread_name_prefix="fvstep-ckpt"
         )
 
-    def _uploads(self) -> Any:
-        if self._upload_group is None and rank_and_world(self._group)[1] > 1:
-            self._upload_group = dist.new_group(backend="gloo")
-        return self._upload_group
-
     def save(
         self,
         state: Any,
@@ -117,12 +108,9 @@ class AsyncSaver:
     ) -> None:
         """Start saving ``state`` to ``path``; returns once the state has been staged.
 
-        Every rank calls it. A non-finite leaf is refused as by :func:`save`: from a GPU the
-        checksums run before staging, so this call raises; from a CPU they run in the
-        background, so the next call raises. A failed save leaves no ``.tmp-*`` directory.
-
-        The arguments are :func:`fvstep.checkpoint.save`'s; ``state`` may be updated in
-        place once this returns.
+        Every rank calls it, with :func:`fvstep.checkpoint.save`'s arguments. A non-finite
+        leaf is refused: from a GPU the checksums run before staging, so this call raises;
+        from a CPU they run in the background, so the next call raises.
 
         Raises:
             CheckpointError: If ``path`` exists and ``overwrite`` is false, or (on a GPU)
@@ -135,7 +123,8 @@ class AsyncSaver:
             state, final, writer_threads, self._group
         )
         self.wait()
-        upload_group = self._uploads()
+        if self._upload_group is None and rank_and_world(self._group)[1] > 1:
+            self._upload_group = dist.new_group(backend="gloo")
         step = int(getattr(state, "step", 0))
         prints = None
         if any(x.device.type == "cuda" for x in leaves):
@@ -158,7 +147,7 @@ class AsyncSaver:
             final,
             tmp,
             overwrite,
-            upload_group,
+            self._upload_group,
             prints,
             allow_nonfinite,
             frozen,
@@ -166,21 +155,13 @@ class AsyncSaver:
         )
 
     def wait(self) -> None:
-        """Wait for the save in flight; raise its error, if any.
-
-        Raises:
-            CheckpointError: The failure of the save in flight (naming its path).
-        """
+        """Wait for the save in flight; raise its failure (a ``CheckpointError``)."""
         pending, self._pending = self._pending, None
         if pending is not None:
             pending.result()
 
     def close(self) -> None:
-        """Wait for the save in flight (raising its error) and stop the background thread.
-
-        Raises:
-            CheckpointError: The failure of the save in flight (naming its path).
-        """
+        """Wait for the save in flight (raising its failure), then stop the background thread."""
         try:
             self.wait()
         finally:

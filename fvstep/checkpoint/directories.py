@@ -92,14 +92,8 @@ def list_step_dirs(root: str | os.PathLike[str]) -> list[tuple[int, Path]]:
 
 
 def set_aside(path: Path) -> Path:
-    """Rename a damaged checkpoint ``step_<n>`` to ``step_<n>.damaged`` (or ``.damaged-<k>``).
-
-    Returns:
-        Its new path.
-
-    Raises:
-        OSError: If it cannot be renamed.
-    """
+    """Rename a damaged checkpoint ``step_<n>`` to ``step_<n>.damaged`` (or ``.damaged-<k>``)
+    and return its new path; an ``OSError`` if it cannot be renamed."""
     target = path.with_name(f"{path.name}.damaged")
     k = 1
     while target.exists():
@@ -149,11 +143,6 @@ class DirectoryLock:
     def __init__(self, path: Path, fd: int | None) -> None:
         self.path = path
         self._fd = fd
-
-    @property
-    def held(self) -> bool:
-        """Whether this object still holds the lock."""
-        return self._fd is not None
 
     def release(self) -> None:
         """Release the lock (idempotent). The file stays: deleting it would let two runs

@@ -34,16 +34,13 @@ __all__ = [
     "CAUSAL_METADATA_KEY",
     "FORMATS",
     "MERGED_DTYPE",
-    "WEIGHTS_NAME",
-    "ExportJob",
-    "Writer",
     "export",
     "export_names",
     "gather_weights",
     "merge_weights",
 ]
 
-WEIGHTS_NAME = "model.safetensors"
+_WEIGHTS_NAME = "model.safetensors"
 """The file name ``format="safetensors"`` writes when given a directory."""
 CAUSAL_METADATA_KEY = "_fvstep_causal"
 """The key of a causal Wan's chunk: in a safetensors export's metadata, and in a diffusers
@@ -53,7 +50,7 @@ Tensors = dict[str, torch.Tensor]
 
 
 @dataclasses.dataclass(frozen=True)
-class ExportJob:
+class _ExportJob:
     """One call of :func:`export`, checked, as a format reads it."""
 
     state: TrainState
@@ -73,9 +70,7 @@ class ExportJob:
         dtype_for: Callable[[str], torch.dtype | None] | None = None,
         names: Callable[[str], str | None] | None = None,
     ) -> Tensors | None:
-        """The role's tensors (:func:`gather_weights`) under their export names:
-        ``names(state_dict name)`` (``None`` leaves the tensor out; no ``names``: the
-        ``state_dict`` names, see :func:`export_names`)."""
+        """The role's tensors (:func:`gather_weights`), renamed by ``names``."""
         keep = not self.rank0_only or rank_and_world()[0] == 0
         role_state = self.state.roles[self.role]
         # the one rule for "the EMA weights" (has the EMA started?)
@@ -115,19 +110,14 @@ class ExportJob:
         return out if keep else None
 
 
-class Writer(NamedTuple):
-    """What a format writes: ``write(gather(), into)`` on the writing ranks, ``into`` a
-    fresh folder renamed to the target (``file`` set: a temporary file renamed to it);
-    ``check`` runs on the writing ranks before the target's own checks."""
+class _Writer(NamedTuple):
+    """What a format writes: ``write(gather(), into)``, ``into`` a fresh folder (``file`` set:
+    a file) renamed to the target; ``check`` runs before the target's own checks."""
 
     gather: Callable[[], Tensors | None]
     write: Callable[[Tensors, Path], None]
     file: Path | None = None
     check: Callable[[], None] | None = None
-
-
-FORMATS: dict[str, Callable[[ExportJob], Writer]] = {}
-"""Format name to the function that makes its :class:`Writer` for a checked call."""
 
 
 def export(
@@ -179,7 +169,7 @@ def export(
     if format not in FORMATS:
         raise ValueError(f"unknown export format {format!r}; one of {sorted(FORMATS)}")
     _check(state, role, weights, dtype)
-    job = ExportJob(state, role, Path(path), weights, dtype, rank0_only, options)
+    job = _ExportJob(state, role, Path(path), weights, dtype, rank0_only, options)
     writer = FORMATS[format](job)
     if job.options:
         raise ValueError(f"format={format!r} has no option {sorted(job.options)[0]!r}")
@@ -234,7 +224,7 @@ def gather_weights(
         >>> sd = gather_weights(state, "student", weights="ema", dtype=torch.bfloat16)
     """
     _check(state, role, weights, dtype)
-    return ExportJob(state, role, Path(), weights, dtype, rank0_only, {}).gather()
+    return _ExportJob(state, role, Path(), weights, dtype, rank0_only, {}).gather()
 
 
 def export_names(
@@ -319,20 +309,20 @@ def export_names(
 # --- the formats of this layer ------------------------------------------------------------
 
 
-def _safetensors(job: ExportJob) -> Writer:
+def _safetensors(job: _ExportJob) -> _Writer:
     names = export_names(job.module, job.role, keep_own_adapters=True)
     metadata = {"format": "pt"}
     chunk = _causal_chunk(job.module)
     if chunk is not None:  # a causal Wan, or adapters over one: the file says so
         metadata[CAUSAL_METADATA_KEY] = json.dumps({"chunk_frames": int(chunk)})
-    return Writer(
+    return _Writer(
         gather=lambda: job.gather(names=names),
         write=lambda tensors, tmp: _save_safetensors(tensors, tmp, metadata),
-        file=job.path if job.path.suffix == ".safetensors" else job.path / WEIGHTS_NAME,
+        file=job.path if job.path.suffix == ".safetensors" else job.path / _WEIGHTS_NAME,
     )
 
 
-def _diffusers(job: ExportJob) -> Writer:
+def _diffusers(job: _ExportJob) -> _Writer:
     module = job.module
     cls = _diffusers_class(module, job.role)
     _check_causal_record(module, job.role)
@@ -353,10 +343,10 @@ def _diffusers(job: ExportJob) -> Writer:
         for file in (SAFETENSORS_WEIGHTS_NAME, cls.config_name, "."):
             fsync(folder / file)
 
-    return Writer(gather=lambda: job.gather(dtype_for, names), write=write)
+    return _Writer(gather=lambda: job.gather(dtype_for, names), write=write)
 
 
-def _pipeline(job: ExportJob) -> Writer:
+def _pipeline(job: _ExportJob) -> _Writer:
     base = job.options.pop("base", None)
     component = job.options.pop("component", "transformer")
     scheduler = job.options.pop("scheduler", None)
@@ -402,7 +392,7 @@ def _pipeline(job: ExportJob) -> Writer:
         (tmp / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
         fsync(tmp / "model_index.json")
 
-    return Writer(gather=model.gather, write=write, check=check)
+    return _Writer(gather=model.gather, write=write, check=check)
 
 
 # --- LoRA roles: the adapter alone, or merged into its base --------------------------------
@@ -412,7 +402,7 @@ MERGED_DTYPE = torch.float32
 base's dtype (why: ``docs/concepts/lora.md``, "Export")."""
 
 
-def _lora_module(job: ExportJob) -> LoRAModule:
+def _lora_module(job: _ExportJob) -> LoRAModule:
     """The module of the job's role, which must be a LoRA role."""
     module = job.module
     if not isinstance(module, LoRAModule):
@@ -423,7 +413,7 @@ def _lora_module(job: ExportJob) -> LoRAModule:
     return module
 
 
-def _base_role(job: ExportJob, module: LoRAModule) -> str:
+def _base_role(job: _ExportJob, module: LoRAModule) -> str:
     """The role that holds the base of the job's LoRA role."""
     for name, rs in job.state.roles.items():
         if rs.role.module is module.base:
@@ -482,7 +472,7 @@ def merge_weights(
         >>> net.load_state_dict(merge_weights(state, "student"))
     """
     _check(state, role, weights, dtype)
-    job = ExportJob(state, role, Path(), weights, None, rank0_only, {})
+    job = _ExportJob(state, role, Path(), weights, None, rank0_only, {})
     module = _lora_module(job)
     merges = _merge_names(module)
     base = gather_weights(state, _base_role(job, module), rank0_only=rank0_only)
@@ -503,7 +493,7 @@ def merge_weights(
     return out
 
 
-def _lora(job: ExportJob) -> Writer:
+def _lora(job: _ExportJob) -> _Writer:
     with needs_extra("lora", "LoRA export"):
         from diffusers import WanPipeline
 
@@ -514,7 +504,7 @@ def _lora(job: ExportJob) -> Writer:
     metadata: dict[str, Any] = {
         k: sorted(v) if isinstance(v, set) else v for k, v in config.items() if k in keys
     }
-    return Writer(
+    return _Writer(
         gather=job.gather,
         write=lambda tensors, folder: WanPipeline.save_lora_weights(
             folder, transformer_lora_layers=tensors, transformer_lora_adapter_metadata=metadata
@@ -522,11 +512,11 @@ def _lora(job: ExportJob) -> Writer:
     )
 
 
-def _merged(job: ExportJob) -> Writer:
+def _merged(job: _ExportJob) -> _Writer:
     base_role = _base_role(job, _lora_module(job))
     # the base's diffusers model folder (its config, its plain names), of merged tensors
-    base_folder = FORMATS["diffusers"](dataclasses.replace(job, role=base_role, options={}))
-    return Writer(
+    base_folder = _diffusers(dataclasses.replace(job, role=base_role, options={}))
+    return _Writer(
         gather=lambda: merge_weights(
             job.state, job.role, weights=job.weights, dtype=job.dtype, rank0_only=job.rank0_only
         ),
@@ -534,13 +524,14 @@ def _merged(job: ExportJob) -> Writer:
     )
 
 
-FORMATS.update(
-    safetensors=_safetensors,
-    diffusers=_diffusers,
-    pipeline=_pipeline,
-    lora=_lora,
-    merged=_merged,
-)
+FORMATS: dict[str, Callable[[_ExportJob], _Writer]] = {
+    "safetensors": _safetensors,
+    "diffusers": _diffusers,
+    "pipeline": _pipeline,
+    "lora": _lora,
+    "merged": _merged,
+}
+"""Format name to the function that makes its :class:`_Writer` for a checked call."""
 
 
 # --- checks, gathers and atomic writes ----------------------------------------------------
@@ -567,8 +558,7 @@ def _check(state: TrainState, role: str, weights: str, dtype: torch.dtype | None
 
 
 def _causal_chunk(module: Any) -> int | None:
-    """The chunk of a causal Wan (``make_causal`` marks its rotary module), or of the base
-    a LoRA role's adapters compute over (held as ``base``, not a submodule); else ``None``."""
+    """The chunk of a causal Wan (``make_causal`` marks its rotary module) or LoRA role's base."""
     for candidate in (module, module.__dict__.get("base")):
         chunk = getattr(getattr(candidate, "rope", None), _CAUSAL_ROPE_ATTR, None)
         if chunk is not None:
@@ -591,15 +581,12 @@ def _diffusers_class(module: nn.Module, role: str) -> type[Any]:
             f"format='diffusers' needs a diffusers ModelMixin, but role {role!r} holds a "
             f"{type(module).__name__}; use format='safetensors' for a plain safetensors file"
         )
-    for cls in type(module).__mro__:
-        if issubclass(cls, ModelMixin) and not issubclass(cls, FSDPModule):
-            return cls
-    raise AssertionError("unreachable: a ModelMixin instance has a ModelMixin class")
+    unwrapped = (c for c in type(module).__mro__ if not issubclass(c, FSDPModule))
+    return next(c for c in unwrapped if issubclass(c, ModelMixin))
 
 
 def _check_causal_record(module: nn.Module, role: str) -> None:
-    """Refuse a module whose config records a causal chunk its rotary module does not have
-    (the checkpoint layer reads the two names; it may not import the methods)."""
+    """Refuse a module whose config records a causal chunk its rotary module does not have."""
     record = getattr(module, "config", {}).get(CAUSAL_METADATA_KEY)
     if record is None:
         return
@@ -613,9 +600,7 @@ def _check_causal_record(module: nn.Module, role: str) -> None:
 
 
 def _config_json(module: nn.Module, cls: type[Any]) -> str:
-    """``config.json`` as ``cls.save_config`` writes it, for ``module``'s config: a
-    stand-in named after ``cls`` (``to_json_string`` names ``type(self)``, for a module
-    wrapped by ``fully_shard`` the ``FSDP<Name>`` class that diffusers cannot load)."""
+    """``config.json`` of ``module`` as ``cls.save_config`` writes it, not naming ``FSDP<Name>``."""
     with needs_extra("models", "a diffusers export"):
         from diffusers.configuration_utils import ConfigMixin, FrozenDict
 
@@ -626,12 +611,8 @@ def _config_json(module: nn.Module, cls: type[Any]) -> str:
 
 
 def _agree(what: str, action: Callable[[], None] | None) -> None:
-    """Run ``action`` (on the ranks that have one), then share its outcome with every rank.
-
-    The rank(s) whose action raised re-raise their error; the others raise a
-    ``RuntimeError`` naming the failed rank, or a ``ValueError`` when the failure was one,
-    so that all ranks leave together and no rank waits in a later collective.
-    """
+    """Run ``action`` (on the ranks that have one); if it failed on any rank, every rank raises
+    (a ``RuntimeError`` naming that rank, or a ``ValueError`` if the failure was one)."""
     error: Exception | None = None
     if action is not None:
         try:
@@ -657,8 +638,7 @@ def _save_safetensors(tensors: Tensors, path: Path, metadata: dict[str, str] | N
 
 
 def _write_atomically(target: Path, fill: Callable[[Path], None], folder: bool) -> None:
-    """Fill a fresh file or folder beside ``target``, fsync it, rename it to ``target`` (an
-    existing folder is moved aside first: rename(2) replaces empty directories only)."""
+    """Fill a fresh file or folder beside ``target``, fsync it, rename it to ``target``."""
     tmp = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex}"
     try:
         if folder:
@@ -669,7 +649,7 @@ def _write_atomically(target: Path, fill: Callable[[Path], None], folder: bool) 
                 fsync(entry)
         fsync(tmp)
         old = target.parent / f".{target.name}.old-{uuid.uuid4().hex}"
-        moved = folder and target.is_dir() and any(target.iterdir())
+        moved = folder and target.is_dir() and any(target.iterdir())  # rename(2) needs it empty
         if moved:
             os.replace(target, old)
         os.replace(tmp, target)

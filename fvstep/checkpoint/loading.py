@@ -44,8 +44,7 @@ def _roles(paths: set[str]) -> set[str]:
 
 
 def _check_optimizer_states(like: Any, path: Path) -> None:
-    """Each trained role's optimizer state in ``like`` fits its parameters (the structure
-    an optimizer's ``update`` no longer re-checks on every call)."""
+    """Refuse a ``like`` whose optimizer states do not fit their parameters."""
     if not isinstance(like, TrainState):
         return
     for name, rs in like.roles.items():
@@ -102,23 +101,18 @@ def _check_fits(
             )
     per_rank = sorted(p for p in manifest.per_rank if not _under(p, reset))
     if per_rank and manifest.world_size != world:
-        saved_by, reset_hint = manifest.world_size, _subtrees(per_rank)
+        saved_by = manifest.world_size
+        reset_hint = tuple(dict.fromkeys(".".join(p.split(".")[:2]) for p in per_rank))  # subtrees
         raise CheckpointError(
             f"checkpoint {str(path)!r}: per-rank values {_few(per_rank)} saved by {saved_by} ranks cannot be "
             f"loaded on {world}; pass reset={reset_hint!r} to start them afresh (fvstep.run: Checkpoints(reset=...))"
         )
 
 
-def _subtrees(paths: list[str]) -> tuple[str, ...]:
-    """The subtrees (``extra.<name>``, ``roles.<role>``) that hold ``paths``, each once."""
-    return tuple(dict.fromkeys(".".join(p.split(".")[:2]) for p in paths))
-
-
-def check_frozen(
+def _check_frozen(
     manifest: Manifest, path: Path, paths: list[str], leaves: list[Any], group: Any
 ) -> None:
-    """Collective when the checkpoint has frozen entries: ``like``'s frozen parameters
-    must be those the checkpoint was saved with (dtype, shape and checksum)."""
+    """Collective: ``like``'s frozen parameters are those the checkpoint was saved with."""
     if not manifest.frozen:
         return
     index = {p: i for i, p in enumerate(paths)}
@@ -162,10 +156,9 @@ def load(
 ) -> T:
     """Load the checkpoint at ``path`` into a *new* state shaped like ``like``.
 
-    ``like`` gives the structure, static metadata and sharding, and is not changed. If
-    anything fails, no state is returned and ``like`` and the files are untouched. Loading
-    on another world size reshards. Frozen parameters saved by checksum only
-    (``Role(save_frozen=False)``) are not read: ``like``'s own are verified and kept.
+    ``like`` gives the structure, static metadata and sharding, and is not changed; loading
+    on another world size reshards (``docs/concepts/checkpoints.md``). Frozen parameters
+    saved by checksum (``Role(save_frozen=False)``) are not read: ``like``'s are verified.
 
     Args:
         path: A checkpoint directory (see :func:`fvstep.checkpoint.latest`).
@@ -210,7 +203,7 @@ def load(
     if reset:
         pinned = {p: e for p, e in manifest.frozen.items() if not _under(p, reset)}
         manifest = attrs.evolve(manifest, frozen=pinned)
-    check_frozen(manifest, path, all_paths, all_leaves, group)
+    _check_frozen(manifest, path, all_paths, all_leaves, group)
     keep = [i for i, p in enumerate(all_paths) if p not in manifest.frozen and not _under(p, reset)]
     paths, leaves = [all_paths[i] for i in keep], [all_leaves[i] for i in keep]
     _check_fits(manifest, path, paths, leaves, world, reset)

@@ -38,7 +38,6 @@ from fvstep.core.weights import roles_holding_other_weights
 from fvstep.parallel.ranks import collective_device, gather_objects, rank_and_world
 
 __all__ = [
-    "FORMAT",
     "FORMAT_VERSION",
     "MANIFEST_NAME",
     "WRITER_THREADS",
@@ -65,15 +64,10 @@ __all__ = [
 ]
 
 
-def _installed_version() -> str:
-    """fvstep's version from the installed distribution (no module imports the package face)."""
-    try:
-        return importlib.metadata.version("fvstep")
-    except importlib.metadata.PackageNotFoundError:  # a checkout on sys.path, not installed
-        return "0+unknown"
-
-
-_FVSTEP_VERSION = _installed_version()
+try:  # the distribution's version: no module imports the package face
+    _FVSTEP_VERSION = importlib.metadata.version("fvstep")
+except importlib.metadata.PackageNotFoundError:  # a checkout on sys.path, not installed
+    _FVSTEP_VERSION = "0+unknown"
 
 #: Files each rank writes at once by default (DCP's ``thread_count``). Not more, because a
 #: write that fails on one of DCP's helper threads prints its own traceback (fvstep still
@@ -84,7 +78,7 @@ WRITER_THREADS = 1
 # The manifest: what a checkpoint holds
 # ---------------------------------------------------------------------------------------
 
-FORMAT = "fvstep-checkpoint"
+_FORMAT = "fvstep-checkpoint"
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 
@@ -94,11 +88,9 @@ class Manifest:
     """What a checkpoint holds.
 
     Attributes:
-        world_size: Ranks that saved it.
         leaves: ``path -> {"dtype", "shape", "sharded", "per_rank"}`` (global shapes).
         checksums: ``path -> int``: global content checksums of shared leaves.
         per_rank: ``path -> [int by rank]``: checksums of values saved per rank.
-        format_version: The layout version (a newer one is refused).
         frozen: ``path -> {"dtype", "shape", "checksum"}``: frozen parameters saved by
             checksum only (``Role(save_frozen=False)``), not in ``leaves``.
     """
@@ -132,12 +124,9 @@ class Manifest:
         return {role: frozen_digest(entries) for role, entries in by_role.items()}
 
     def write(self, directory: Path) -> None:
-        """Write ``manifest.json`` (with ``format`` and ``digest``) into ``directory``, fsynced.
-
-        Raises:
-            OSError: If the file cannot be written (e.g. a full disk).
-        """
-        body = {"format": FORMAT, **attrs.asdict(self), "digest": self.digest}
+        """Write ``manifest.json`` (with ``format`` and ``digest``) into ``directory``, fsynced;
+        an ``OSError`` if it cannot be written."""
+        body = {"format": _FORMAT, **attrs.asdict(self), "digest": self.digest}
         with open(directory / MANIFEST_NAME, "w") as f:
             f.write(json.dumps(body, indent=1, sort_keys=True))
             f.flush()
@@ -145,15 +134,8 @@ class Manifest:
 
 
 def frozen_digest(entries: dict[str, dict[str, Any]]) -> str:
-    """SHA-256 of frozen weights' ``name -> {"dtype", "shape", "checksum"}`` entries.
-
-    The checksums are :func:`fingerprint`'s (of the global tensor), so the digest does not
-    depend on the world size.
-
-    Examples:
-        >>> len(frozen_digest({"w": {"dtype": "float32", "shape": [2], "checksum": 7}}))
-        64
-    """
+    """SHA-256 of frozen weights' ``name -> {"dtype", "shape", "checksum"}`` entries; the
+    checksums are :func:`fingerprint`'s, of the global tensors, whatever the world size."""
     rows = sorted(
         (name, e["dtype"], list(e["shape"]), int(e["checksum"])) for name, e in entries.items()
     )
@@ -291,7 +273,7 @@ def read_manifest(directory: str | os.PathLike[str]) -> Manifest:
         what = "UTF-8" if isinstance(e, UnicodeDecodeError) else "JSON"
         cause = str(e) if isinstance(e, OSError) else f"it is not valid {what} ({e})"
         raise DamagedCheckpointError(f"the manifest {str(path)!r} is damaged: {cause}") from None
-    if not isinstance(body, dict) or body.get("format") != FORMAT:
+    if not isinstance(body, dict) or body.get("format") != _FORMAT:
         raise DamagedCheckpointError(f"{str(path)!r} is not an fvstep checkpoint manifest")
     _check_fields(path, "", body, {"format_version": _AT_LEAST_ONE})
     if (version := body["format_version"]) > FORMAT_VERSION:
@@ -367,11 +349,7 @@ def _pool() -> concurrent.futures.ThreadPoolExecutor:
 
 
 def _finite(part: torch.Tensor) -> torch.Tensor:
-    """Whether every element of ``part`` is finite, as a 0-d bool tensor on its device.
-
-    ``aminmax`` propagates NaN and returns an infinity when there is one: one read, nothing
-    of the chunk's size allocated. One-byte floats (no ``aminmax`` kernel) are widened.
-    """
+    """Whether ``part`` is finite, a 0-d bool tensor: one ``aminmax`` (which propagates NaN)."""
     if part.is_complex():
         part = torch.view_as_real(part)
     if not part.is_floating_point():
@@ -383,9 +361,7 @@ def _finite(part: torch.Tensor) -> torch.Tensor:
 
 
 def _segment_sum(ints: torch.Tensor, start: int, chunk: int) -> torch.Tensor:
-    """The checksum terms of the 1-d raw bits ``ints`` on a device, the first at global
-    index ``start``: each chunk mixed in place in reused buffers (``bitwise_xor`` with the
-    int64 ``index * K2`` widens the bits as ``to(int64)`` does)."""
+    """The checksum of the 1-d raw bits ``ints`` on a device, the first at global ``start``."""
     device = ints.device
     chunk = min(chunk, ints.numel())
     index_k2 = torch.arange(start, start + chunk, dtype=torch.int64, device=device)
@@ -410,9 +386,7 @@ def _segment_sum(ints: torch.Tensor, start: int, chunk: int) -> torch.Tensor:
 def _segment_sum_cpu(
     ints: torch.Tensor, start: int, chunk: int, nonfinite: tuple[int, int] | None = None
 ) -> tuple[torch.Tensor, bool]:
-    """:func:`_segment_sum` of a CPU tensor, in numpy (the same wrapping int64 arithmetic),
-    and whether no element's bits are NaN or infinity (``nonfinite``: its
-    :data:`_NONFINITE_BITS` entry; ``None``: not checked, ``True``)."""
+    """:func:`_segment_sum` in numpy, and whether no bits match ``nonfinite`` (``None``: none)."""
     values = ints.numpy()
     chunk = min(chunk, values.size)
     index_k2 = np.arange(start, start + chunk, dtype=np.int64)
@@ -444,12 +418,8 @@ def _segment_sum_cpu(
 def _rows_checks(
     flat: torch.Tensor, start: int, check_finite: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The checksum terms of the contiguous 1-d ``flat`` whose first element has global
-    flat index ``start``, and whether it is finite.
-
-    On a CPU a leaf of several segments is summed by the checksum threads, a segment each;
-    on a device the finiteness of a float leaf is one ``aminmax``.
-    """
+    """The checksum of the contiguous 1-d ``flat`` (first global index ``start``), and whether
+    it is finite; on a CPU, a large leaf is summed by the checksum threads, a segment each."""
     device = flat.device
     finite = torch.ones((), dtype=torch.bool, device=device)
     values = torch.view_as_real(flat).reshape(-1) if flat.is_complex() else flat
@@ -554,11 +524,8 @@ def local_checks(
 
 
 def leaf_checksum(x: Any) -> torch.Tensor:
-    """This rank's contribution to the global checksum of ``x`` (a tensor or a DTensor).
-
-    Returns:
-        A 0-d int64 tensor on ``x``'s device; the global checksum is the sum over ranks.
-    """
+    """This rank's contribution to the global checksum of ``x`` (the sum over ranks), a 0-d
+    int64 tensor on ``x``'s device."""
     return local_checks([x], check_finite=False)[0][0].to(x.device)
 
 
@@ -665,11 +632,8 @@ def split_frozen(
 
 
 def fsync(path: str | os.PathLike[str]) -> None:
-    """Flush a file, or a directory's entries, to disk (skipped for a directory off POSIX).
-
-    Raises:
-        OSError: If ``path`` cannot be opened or flushed.
-    """
+    """Flush a file, or a directory's entries (off POSIX: skipped), to disk; ``OSError`` if it
+    cannot be opened or flushed."""
     path = Path(path)
     is_dir = path.is_dir()
     if is_dir and os.name != "posix":
@@ -682,14 +646,8 @@ def fsync(path: str | os.PathLike[str]) -> None:
 
 
 def discard(path: Path) -> None:
-    """Delete a checkpoint directory; a crash midway never leaves a listed, broken one.
-
-    It is first renamed ``.tmp-deleting-<name>`` (atomic; temporaries are never listed and
-    later prunes sweep them), then deleted.
-
-    Raises:
-        OSError: If it cannot be renamed.
-    """
+    """Delete a checkpoint directory, renamed ``.tmp-deleting-<name>`` first so that a crash
+    midway never leaves a listed, broken one; an ``OSError`` if it cannot be renamed."""
     aside = path.with_name(f".tmp-deleting-{path.name}")
     if aside.exists():
         shutil.rmtree(aside)
@@ -754,12 +712,8 @@ def refuse_nonfinite(
 
 
 class _CheckedWriter(FileSystemWriter):
-    """DCP's ``FileSystemWriter``, whose writes on helper threads are all accounted for.
-
-    DCP loses a failure on a helper thread (``thread_count > 1``): the thread dies and its
-    items' results are missing. This writer records any exception that passes through a
-    file stream and raises when fewer items were written than planned.
-    """
+    """DCP's ``FileSystemWriter``, raising when fewer items were written than planned (DCP
+    loses a failure on a helper thread: the thread dies, its items' results are missing)."""
 
     def __init__(self, path: Path, thread_count: int) -> None:
         super().__init__(path, thread_count=thread_count)
@@ -801,14 +755,9 @@ def write_checkpoint(
     frozen: dict[str, dict[str, Any]] | None = None,
     writer_threads: int = WRITER_THREADS,
 ) -> None:
-    """Collective: write the shards into ``tmp``, then (rank 0) the manifest, and commit.
-
-    Unless ``prints`` (the :func:`fingerprint` of leaves checked already) are given, the
-    checksums and finiteness of sharded leaves (on one process, of every leaf) are computed
-    on a second thread while DCP writes. On any failure every rank raises a
-    ``CheckpointError`` naming ``final`` and the cause, and rank 0 removes ``tmp``; once it
-    returns, on any rank, the checkpoint is committed.
-    """
+    """Collective: write the shards into ``tmp``, then (rank 0) the manifest, and commit; any
+    failure raises a ``CheckpointError`` on every rank. ``prints``: the :func:`fingerprint` of
+    leaves checked already (``None``: computed during the write)."""
     rank, world = rank_and_world(group)
     try:
         with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
@@ -916,12 +865,8 @@ def write_checkpoint(
 def prepare_save(
     state: Any, final: Path, writer_threads: Any, group: Any
 ) -> tuple[int, list[str], list[torch.Tensor], dict[str, dict[str, Any]]]:
-    """Collective: check a save's arguments, then split off the frozen leaves saved by checksum.
-
-    Returns:
-        ``(writer_threads, paths, leaves, frozen)``: the leaves saved by value and the
-        frozen entries (:func:`split_frozen`).
-    """
+    """Collective: check a save's arguments; ``(writer_threads, paths, leaves, frozen)``, the
+    leaves saved by value and the frozen entries (:func:`split_frozen`)."""
     try:
         writer_threads = operator.index(writer_threads)
     except TypeError:
@@ -952,11 +897,8 @@ def save(
 ) -> Path:
     """Save ``state`` (a ``TrainState`` or any fvstep pytree of tensors) to ``path``, atomically.
 
-    Every rank calls it. The shards are written into ``.tmp-<name>`` beside ``path``; rank 0
-    then writes the manifest and renames the directory to ``path``. A crash before the
-    rename leaves no checkpoint at ``path``; a failure raises on every rank and removes the
-    temporary directory. A NaN or infinity in a floating-point leaf, on any rank, is refused:
-    resuming from it could only continue a diverged run.
+    Every rank calls it. The commit is atomic, and a NaN or infinity in a floating-point
+    leaf, on any rank, is refused (``docs/concepts/checkpoints.md``).
 
     Args:
         state: The state to save; it is not consumed or changed.

@@ -97,12 +97,8 @@ def lock_run_dir(
 def resume(
     state: TrainState, checkpoints: Checkpoints, num_steps: int, rank: int
 ) -> tuple[TrainState, Path | None]:
-    """Collective: load the newest checkpoint that verifies, skipping (or refusing) damaged
-    ones; return the state and the checkpoint it came from (``None``: none to resume from).
-
-    Every rank tries the same candidates in the same order (rank 0's listing), and ``load``
-    agrees on every failure, so all ranks resume from the same checkpoint.
-    """
+    """Collective: the state loaded from the newest checkpoint that verifies (damaged ones
+    skipped or refused) and its path (``None``: none); every rank tries rank 0's listing."""
     root = checkpoints.dir
     listed = broadcast_object(
         (directories.list_step_dirs(root), directories.list_complete(root)) if rank == 0 else None
