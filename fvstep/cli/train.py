@@ -45,16 +45,8 @@ def recipe_parser(
     command: str, fn: Callable[..., Any], argv: Sequence[str]
 ) -> tuple[Recipe, Parser, list[str]]:
     """The recipe that ``argv`` (the words after ``fvstep COMMAND``) names, the parser of
-    its options, ``--config`` and ``fn``'s keyword-only parameters, and the words to parse.
-
-    Raises:
-        CLIError: For an unknown recipe.
-
-    Example:
-        >>> recipe, parser, words = recipe_parser("train", run_train, ["dmd2", "--nproc", "2"])
-        >>> recipe.name, parser.prog, words
-        ('dmd2', 'fvstep train dmd2', ['--nproc', '2'])
-    """
+    its options, ``--config`` and ``fn``'s keyword-only parameters, and the words to parse;
+    ``CLIError`` for an unknown recipe."""
     from fvstep.recipes import get_recipe
     from fvstep.recipes.config import add_options
 
@@ -75,16 +67,7 @@ def parse_recipe_args(
     command: str, fn: Callable[..., Any], argv: Sequence[str]
 ) -> tuple[Recipe, Any, dict[str, Any]]:
     """``argv`` parsed by :func:`recipe_parser`'s parser: the recipe, its options, and the
-    command's own options (by name).
-
-    Raises:
-        CLIError: For an unknown recipe, key or value (naming the closest key).
-
-    Example:
-        >>> recipe, options, own = parse_recipe_args("train", run_train, ["dmd2", "--nproc", "2"])
-        >>> options.critic_lr, own
-        (0.0004, {'nproc': 2, 'dry_run': False})
-    """
+    command's own options by name; ``CLIError`` for an unknown recipe, key or value."""
     from fvstep.recipes.config import options_from
 
     recipe, parser, words = recipe_parser(command, fn, argv)
