@@ -1,7 +1,5 @@
-"""``fvstep train RECIPE [--config F] [--key value ...]``: run a recipe (:func:`run_train`).
-
-:func:`recipe_parser` (``fvstep plan`` uses it too) reads the recipe's options and the
-command's own; with ``--nproc N`` each of N launched ranks parses the words again.
+"""``fvstep train RECIPE [--config F] [--key value ...]``: run a recipe (:func:`run_train`);
+:func:`recipe_parser` (``fvstep plan``'s too) reads the recipe's options and the command's own.
 """
 
 from __future__ import annotations
