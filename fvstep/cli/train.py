@@ -76,16 +76,19 @@ def parse_recipe_args(
 
 
 def _check_options(name: str, options: Any) -> None:
-    """What a run would refuse before it starts, refused before it writes anything."""
+    """What a run would refuse before it starts, refused (``CLIError``) before it writes."""
     from fvstep.recipes.init import check_init_state
     from fvstep.recipes.parts import check_lora, check_paths
     from fvstep.recipes.samples import check_samples
 
-    check_paths(options)
-    if hasattr(options, "lora"):
-        check_lora(options, required=name != "finetune")
-    check_init_state(options)
-    check_samples(options)
+    try:
+        check_paths(options)
+        if hasattr(options, "lora"):
+            check_lora(options, required=name != "finetune")
+        check_init_state(options)
+        check_samples(options)
+    except ValueError as e:
+        raise CLIError(f"fvstep train {name}: {e}") from None
 
 
 def _check_before_launch(recipe: Any, options: Any, nproc: int) -> None:
@@ -105,7 +108,7 @@ def _check_before_launch(recipe: Any, options: Any, nproc: int) -> None:
         check_resume(recipe, options, world_size=nproc)
     except (CheckpointLockedError, ConfigChangeError) as e:
         raise CLIError(f"fvstep train: {e}") from None
-    except ValueError as e:  # _check_options's
+    except ValueError as e:
         raise CLIError(f"fvstep train {recipe.name}: {e}") from None
 
 
@@ -115,10 +118,7 @@ def _train(recipe: Recipe, options: Any, dry_run: bool) -> dict[str, Any]:
     from fvstep.core.errors import CheckpointLockedError, ConfigChangeError
     from fvstep.recipes.running import train
 
-    try:
-        _check_options(recipe.name, options)
-    except ValueError as e:
-        raise CLIError(f"fvstep train {recipe.name}: {e}") from None
+    _check_options(recipe.name, options)
     try:
         state = train(recipe, options, dry_run=dry_run, log=lambda line: print(line, flush=True))
     except fs.Interrupted as e:
