@@ -111,10 +111,7 @@ def _demo_summary(
     config: Any, summary: dict[str, Any], png: Path | None, elapsed: float
 ) -> list[str]:
     """The summary's lines: every number in it was observed on the runs, not planned."""
-    from fvstep.cli.demo_runs import read_metrics
-
     out = Path(config.out)
-    metrics = read_metrics(out / "interrupted")
     world = summary["world_size"]
     rows = [
         ("ranks", f"{world} (gloo, FSDP2)" if world > 1 else "1 (no sharding)"),
@@ -134,8 +131,8 @@ def _demo_summary(
             f"{_steps_text(summary['checkpoints_uninterrupted'])}; interrupted/ "
             f"{_steps_text(summary['checkpoints_final'])}",
         ),
-        ("final losses", _last_losses(metrics)),
-        ("validation", _validation_line(metrics)),
+        ("final losses", _last_losses(out)),
+        ("validation", _validation_line(out)),
         (
             "checkpoint size",
             f"{summary['checkpoint_bytes'] / 2**20:.2f} MiB ({summary['num_leaves']} leaves "
@@ -188,18 +185,21 @@ def _steps_text(steps: list[int]) -> str:
     return ("step " if len(steps) == 1 else "steps ") + ", ".join(str(s) for s in steps)
 
 
-def _validation_line(rows: list[dict[str, Any]]) -> str:
+def _validation_line(out: Path) -> str:
     """``val/loss`` from its first to its last value, and why it need not fall."""
-    from fvstep.cli.demo_runs import VAL_LOSS_NOTE
+    from fvstep.cli.demo_runs import VAL_LOSS_NOTE, read_metrics
 
+    rows = read_metrics(out / "interrupted")
     values = [row["val/loss"] for row in rows if "val/loss" in row]
     if not values:
         return "none logged"
     return f"val/loss {values[0]:.4f} -> {values[-1]:.4f} (the student's flow-matching loss on held-out latents): {VAL_LOSS_NOTE}"
 
 
-def _last_losses(rows: list[dict[str, Any]]) -> str:
+def _last_losses(out: Path) -> str:
+    from fvstep.cli.demo_runs import read_metrics
+
     last: dict[str, float] = {}
-    for row in rows:
+    for row in read_metrics(out / "interrupted"):
         last.update({k: v for k, v in row.items() if k.endswith("/loss")})
     return ", ".join(f"{k} {v:.4f}" for k, v in sorted(last.items()))
