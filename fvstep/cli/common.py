@@ -20,7 +20,6 @@ __all__ = [
     "Parser",
     "check_positive",
     "command_parser",
-    "did_you_mean",
     "from_rank0",
     "parse",
     "run_on_ranks",
@@ -64,13 +63,7 @@ class Parser(ArgumentParser):
 
 def command_parser(fn: Callable[..., Any], prog: str, skip: Sequence[str] = ()) -> Parser:
     """The parser of a command whose options are ``fn``'s parameters (``skip`` aside), its
-    description ``fn``'s docstring up to ``Args:``, and ``--debug``.
-
-    Example:
-        >>> from fvstep.cli.demo import run_demo
-        >>> command_parser(run_demo, "fvstep demo").parse_args(["--nproc", "1"]).nproc
-        1
-    """
+    description ``fn``'s docstring up to ``Args:``, and ``--debug``."""
     parser = Parser(prog, (inspect.getdoc(fn) or "").split("\n\nArgs:")[0])
     parser.add_signature(fn, skip)
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
@@ -78,30 +71,19 @@ def command_parser(fn: Callable[..., Any], prog: str, skip: Sequence[str] = ()) 
 
 
 def parse(parser: ArgumentParser, argv: Sequence[str]) -> Any:
-    """``argv`` parsed by ``parser``: a namespace without ``debug``, its dataclass groups
-    (a recipe's) instantiated.
-
-    Raises:
-        CLIError: For a bad option (one line, naming the closest option).
-    """
+    """``argv`` parsed by ``parser``: a namespace without ``debug``, its dataclass groups (a
+    recipe's) instantiated; ``CLIError`` for a bad option, naming the closest one."""
     try:
         namespace = parser.instantiate(parser.parse_args(list(argv)))
     except (ArgumentError, TypeError, ValueError) as e:
-        message = " ".join(str(e).split()) + did_you_mean(parser, argv)
+        message = " ".join(str(e).split()) + _did_you_mean(parser, argv)
         raise CLIError(f"{parser.prog}: {message} (see {parser.prog} --help)") from None
     namespace.pop("debug", None)
     return namespace
 
 
-def did_you_mean(parser: ArgumentParser, argv: Sequence[str]) -> str:
-    """``": did you mean --optim.lr?"`` for each unknown flag of ``argv`` close to an option
-    (by difflib, then by its last dotted part); ``""`` when none is.
-
-    Example:
-        >>> from fvstep.cli.demo import run_demo
-        >>> did_you_mean(command_parser(run_demo, "fvstep demo"), ["--evry", "2"])
-        ': did you mean --every?'
-    """
+def _did_you_mean(parser: ArgumentParser, argv: Sequence[str]) -> str:
+    """``": did you mean --optim.lr?"`` for the unknown flags of ``argv`` close to an option."""
     import argparse
     import difflib
 
@@ -154,12 +136,8 @@ def from_rank0(value: Any) -> Any:
 
 def run_on_ranks(fn: Any, arg: Any, nproc: int) -> list[Any]:
     """Every rank's ``fn(arg)``, by rank: in place (under ``torchrun``, gathered), or on
-    ``nproc`` launched ranks (1: in place).
-
-    Args:
-        fn: a module-level function (the launched ranks import it by name).
-        arg: its one argument (picklable).
-    """
+    ``nproc`` launched ranks (1: in place); ``fn`` is module-level (the launched ranks
+    import it by name) and ``arg`` picklable."""
     if under_launcher():
         return _gather(lambda: fn(arg))
     if nproc == 1:

@@ -1,6 +1,4 @@
-"""``fvstep demo``: a tiny DMD2 distillation that interrupts itself, resumes and proves it.
-
-The command and its summary; :mod:`fvstep.cli.demo_runs` is its work."""
+"""``fvstep demo``: the command and its summary; :mod:`fvstep.cli.demo_runs` is its work."""
 
 from __future__ import annotations
 

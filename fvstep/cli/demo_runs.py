@@ -1,8 +1,5 @@
-"""The work of ``fvstep demo``: a tiny DMD2 distillation (FSDP2 on several ranks) run twice.
-
-The *interrupted* run crashes before ``crash_at`` and resumes from its newest checkpoint;
-both validate as they go. The demo checks the two final states are bitwise equal, and
-plots their losses with the resume point.
+"""The work of ``fvstep demo``: a tiny DMD2 distillation (FSDP2 on several ranks) run twice,
+once interrupted and resumed (docs/cli.md: ``fvstep demo``), and the plot of both runs' losses.
 """
 
 from __future__ import annotations

@@ -1,10 +1,5 @@
 """``fvstep export CHECKPOINT --out DIR``: a trained role of a ``fvstep train`` run, for
-inference (:func:`run_export`).
-
-The run's ``config.yaml`` rebuilds the state's structure (its ``model.path`` must still be
-there), the checkpoint is loaded into it (resharded on one process), and
-:func:`fvstep.checkpoint.export` writes the role.
-"""
+inference (:func:`run_export`; docs/cli.md says how the run is rebuilt)."""
 
 from __future__ import annotations
 

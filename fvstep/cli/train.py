@@ -1,7 +1,5 @@
-"""``fvstep train RECIPE [--config F] [--key value ...]``: run a recipe (:func:`run_train`).
-
-:func:`recipe_parser` (``fvstep plan`` uses it too) reads the recipe's options and the
-command's own; with ``--nproc N`` each of N launched ranks parses the words again.
+"""``fvstep train RECIPE [--config F] [--key value ...]``: run a recipe (:func:`run_train`);
+:func:`recipe_parser` (``fvstep plan``'s too) reads the recipe's options and the command's own.
 """
 
 from __future__ import annotations
@@ -45,16 +43,8 @@ def recipe_parser(
     command: str, fn: Callable[..., Any], argv: Sequence[str]
 ) -> tuple[Recipe, Parser, list[str]]:
     """The recipe that ``argv`` (the words after ``fvstep COMMAND``) names, the parser of
-    its options, ``--config`` and ``fn``'s keyword-only parameters, and the words to parse.
-
-    Raises:
-        CLIError: For an unknown recipe.
-
-    Example:
-        >>> recipe, parser, words = recipe_parser("train", run_train, ["dmd2", "--nproc", "2"])
-        >>> recipe.name, parser.prog, words
-        ('dmd2', 'fvstep train dmd2', ['--nproc', '2'])
-    """
+    its options, ``--config`` and ``fn``'s keyword-only parameters, and the words to parse;
+    ``CLIError`` for an unknown recipe."""
     from fvstep.recipes import get_recipe
     from fvstep.recipes.config import add_options
 
@@ -75,16 +65,7 @@ def parse_recipe_args(
     command: str, fn: Callable[..., Any], argv: Sequence[str]
 ) -> tuple[Recipe, Any, dict[str, Any]]:
     """``argv`` parsed by :func:`recipe_parser`'s parser: the recipe, its options, and the
-    command's own options (by name).
-
-    Raises:
-        CLIError: For an unknown recipe, key or value (naming the closest key).
-
-    Example:
-        >>> recipe, options, own = parse_recipe_args("train", run_train, ["dmd2", "--nproc", "2"])
-        >>> options.critic_lr, own
-        (0.0004, {'nproc': 2, 'dry_run': False})
-    """
+    command's own options by name; ``CLIError`` for an unknown recipe, key or value."""
     from fvstep.recipes.config import options_from
 
     recipe, parser, words = recipe_parser(command, fn, argv)
@@ -95,16 +76,19 @@ def parse_recipe_args(
 
 
 def _check_options(name: str, options: Any) -> None:
-    """What a run would refuse before it starts, refused before it writes anything."""
+    """What a run would refuse before it starts, refused (``CLIError``) before it writes."""
     from fvstep.recipes.init import check_init_state
     from fvstep.recipes.parts import check_lora, check_paths
     from fvstep.recipes.samples import check_samples
 
-    check_paths(options)
-    if hasattr(options, "lora"):
-        check_lora(options, required=name != "finetune")
-    check_init_state(options)
-    check_samples(options)
+    try:
+        check_paths(options)
+        if hasattr(options, "lora"):
+            check_lora(options, required=name != "finetune")
+        check_init_state(options)
+        check_samples(options)
+    except ValueError as e:
+        raise CLIError(f"fvstep train {name}: {e}") from None
 
 
 def _check_before_launch(recipe: Any, options: Any, nproc: int) -> None:
@@ -124,7 +108,7 @@ def _check_before_launch(recipe: Any, options: Any, nproc: int) -> None:
         check_resume(recipe, options, world_size=nproc)
     except (CheckpointLockedError, ConfigChangeError) as e:
         raise CLIError(f"fvstep train: {e}") from None
-    except ValueError as e:  # _check_options's
+    except ValueError as e:
         raise CLIError(f"fvstep train {recipe.name}: {e}") from None
 
 
@@ -134,10 +118,7 @@ def _train(recipe: Recipe, options: Any, dry_run: bool) -> dict[str, Any]:
     from fvstep.core.errors import CheckpointLockedError, ConfigChangeError
     from fvstep.recipes.running import train
 
-    try:
-        _check_options(recipe.name, options)
-    except ValueError as e:
-        raise CLIError(f"fvstep train {recipe.name}: {e}") from None
+    _check_options(recipe.name, options)
     try:
         state = train(recipe, options, dry_run=dry_run, log=lambda line: print(line, flush=True))
     except fs.Interrupted as e:

@@ -30,7 +30,6 @@ from fvstep.recipes import RECIPES
 __all__ = [
     "CACHE_PASS_BYTES",
     "COMPILED_NONE_FRACTION",
-    "KERNEL_TABLES",
     "SAVED_BYTES_PER_TOKEN",
     "KernelTable",
     "ModelShape",
@@ -47,8 +46,8 @@ __all__ = [
 ]
 
 GIB = 2**30
-CAUSAL_RECIPES = ("self_forcing", "streaming")
-"""The recipes whose student is a causal Wan with a KV cache (no context parallel)."""
+_MARGIN = 2.0 * GIB  # kept free for the caching allocator's fragmentation
+_CAUSAL_RECIPES = ("self_forcing", "streaming")  # a causal student with a KV cache
 
 
 # ------------------------------------------------------------------ kernels
@@ -103,7 +102,7 @@ _H200 = KernelTable(
     "chunk's masked attention over its cache 352 forward, 331 forward+backward, from "
     "the streaming kernel profile)",
 )
-KERNEL_TABLES: dict[str, KernelTable] = {
+_KERNEL_TABLES: dict[str, KernelTable] = {
     "h200": _H200,
     "h100": attrs.evolve(
         _H200,
@@ -114,29 +113,21 @@ KERNEL_TABLES: dict[str, KernelTable] = {
         "with the H100's 80 GB and HBM3 bandwidth",
     ),
 }
-"""The shipped kernel tables, by name (``fvstep plan --kernels h200``)."""
 
 
 def load_kernel_table(name_or_path: str | None) -> KernelTable:
     """A shipped kernel table by name (``None``: the H200's), or a JSON file written by
-    ``fvstep plan --calibrate`` (a missing field gets its default).
-
-    Raises:
-        ValueError: If it is neither a shipped name nor a readable table.
-
-    Examples:
-        >>> load_kernel_table("h200").attention_forward_backward["fa4"]
-        645.0
-    """
+    ``fvstep plan --calibrate`` (a missing field gets its default); ``ValueError`` for
+    anything else."""
     if name_or_path is None:
-        return KERNEL_TABLES["h200"]
-    if name_or_path in KERNEL_TABLES:
-        return KERNEL_TABLES[name_or_path]
+        return _KERNEL_TABLES["h200"]
+    if name_or_path in _KERNEL_TABLES:
+        return _KERNEL_TABLES[name_or_path]
     try:
         return KernelTable(**json.loads(Path(name_or_path).read_text()))
     except (OSError, ValueError, TypeError) as e:
         raise ValueError(
-            f"--kernels {name_or_path!r} is neither {' nor '.join(KERNEL_TABLES)} nor a "
+            f"--kernels {name_or_path!r} is neither {' nor '.join(_KERNEL_TABLES)} nor a "
             f"kernel table written by `fvstep plan --calibrate` ({e})"
         ) from None
 
@@ -162,19 +153,9 @@ def calibrate_kernels(
     tokens: int | None = None,
     repeats: int = 5,
 ) -> KernelTable:
-    """Measure this machine's attention and GEMM rates at ``shape``'s sizes.
-
-    SDPA (bf16 on CUDA, fp32 elsewhere), a causal chunk's masked attention and the
-    up-projection's GEMM, each the median of ``repeats`` calls after a warm-up.
-    FlashAttention-4's rate is the H200's scaled by the measured SDPA rate; the other
-    fields are the H200's.
-
-    Args:
-        tokens: Sequence length (default: 32,760 on CUDA, 512 elsewhere).
-
-    Returns:
-        The measured table, named after the device.
-    """
+    """This device's SDPA, masked-attention and GEMM rates at ``shape``'s sizes (``tokens``
+    default: 32,760 on CUDA, 512 elsewhere); FA4's rate is the H200's scaled by the measured
+    SDPA rate, the other fields the H200's."""
     device = torch.device(device)
     cuda = device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
@@ -209,7 +190,7 @@ def calibrate_kernels(
     x = torch.randn(t, shape.dim, device=device, dtype=dtype)
     w = torch.randn(shape.ffn_dim, shape.dim, device=device, dtype=dtype)
     gemm = 2.0 * t * shape.dim * shape.ffn_dim / _median_seconds(lambda: x @ w.t(), device, 3)
-    base = KERNEL_TABLES["h200"]
+    base = _KERNEL_TABLES["h200"]
     scale = attention_fb / base.attention_forward_backward["cudnn"]
     name = torch.cuda.get_device_name(device) if cuda else "cpu"
     memory = torch.cuda.get_device_properties(device).total_memory / GIB if cuda else 0.0
@@ -234,17 +215,9 @@ def calibrate_kernels(
 
 @attrs.frozen
 class ModelShape:
-    """The sizes of a Wan transformer the plan needs, read from its meta module.
-
-    Attributes:
-        block_linear_numel: Weights of one block's linear layers.
-        linears: ``(name, fan_in, fan_out)`` of every linear layer (and the patch
-            embedding, a linear map per token).
-        tensors: Parameter tensors of the whole model (AdamW keeps a step count a tensor).
-        convs: The names in ``linears`` that are convolutions (LoRA skips them).
-        fp32_numel: Parameters a frozen role keeps in fp32 whatever its dtype (diffusers'
-            ``_keep_in_fp32_modules``).
-    """
+    """The sizes of a Wan transformer the plan needs: ``linears`` are ``(name, fan_in,
+    fan_out)`` of each linear layer and convolution (``convs``); ``fp32_numel`` the
+    parameters a frozen role keeps in fp32 (diffusers' ``_keep_in_fp32_modules``)."""
 
     num_layers: int
     dim: int
@@ -408,15 +381,8 @@ def _model_config(model: Any) -> dict[str, Any]:
 
 
 def meta_transformer(model: Any) -> nn.Module:
-    """The transformer of a recipe's ``ModelOptions`` (:func:`_model_config`), on ``meta``.
-
-    Raises:
-        ValueError: If ``model.path`` holds no ``config.json``.
-
-    Examples:
-        >>> meta_transformer(ModelOptions()).blocks[0].ffn.net[2].weight.device
-        device(type='meta')
-    """
+    """The transformer of a recipe's ``ModelOptions`` (:func:`_model_config`), on ``meta``;
+    ``ValueError`` if ``model.path`` holds no ``config.json``."""
     return _meta_module(_model_config(model))
 
 
@@ -472,8 +438,7 @@ COMPILED_NONE_FRACTION: tuple[tuple[float, float], ...] = ((0.65, 0.289), (1.0, 
 """Compiled blocks without checkpointing: the fraction of eager's ``none`` bytes kept,
 ``(budget limit, fraction)``, the first row above the budget (docs/plan.md)."""
 
-COMPILED_DEFAULT_FRACTION = 0.65
-"""The same, at torch's default budget."""
+_COMPILED_DEFAULT_FRACTION = 0.65  # the same, at torch's default budget
 
 
 def block_saved_bytes(
@@ -486,21 +451,9 @@ def block_saved_bytes(
     memory_budget: float | None = None,
     fp32_weights: bool = True,
 ) -> float:
-    """Bytes one Wan block keeps for its backward (:data:`SAVED_BYTES_PER_TOKEN`).
-
-    Args:
-        tokens: Video tokens of the micro-batch (all its samples).
-        checkpointing: ``"none"``, ``"full"``, ``"selective"``, ``"attention"``, ``"narrow"``.
-        compute: ``"bf16"`` (autocast or FSDP2's bf16 parameters) or ``"fp32"``.
-        compiled: Whether the block is compiled (changes ``"none"`` only).
-        memory_budget: Inductor's activation memory budget (compiled ``"none"`` only).
-        fp32_weights: Whether bf16 compute casts fp32 weights (one process under
-            autocast: the casts are kept for the backward under ``"none"``).
-
-    Examples:
-        >>> block_saved_bytes(shape, 32760, checkpointing="narrow") / 2**30  # 1.3B
-        0.94...
-    """
+    """Bytes one Wan block keeps for its backward on ``tokens`` video tokens (the whole
+    micro-batch's), by :data:`SAVED_BYTES_PER_TOKEN`; ``compiled``, ``memory_budget`` and
+    ``fp32_weights`` (autocast's kept bf16 casts) change ``"none"`` only."""
     a, b, c = SAVED_BYTES_PER_TOKEN[(checkpointing, compute)]
     per_token = a * shape.dim + b * shape.ffn_dim + c * shape.num_heads
     saved = per_token * tokens
@@ -508,7 +461,7 @@ def block_saved_bytes(
         if compute == "bf16" and fp32_weights:
             saved += 2.0 * shape.block_linear_numel  # autocast's bf16 copies of the weights
         if compiled:
-            fraction = COMPILED_DEFAULT_FRACTION
+            fraction = _COMPILED_DEFAULT_FRACTION
             if memory_budget is not None and memory_budget < 1.0:
                 fraction = next(f for limit, f in COMPILED_NONE_FRACTION if memory_budget < limit)
             saved *= fraction
@@ -525,24 +478,13 @@ APPEND_COPIES: dict[str, float] = {"grows": 3.5, "evicts": 6.0}
 CACHED_TRANSIENT_BYTES = 14.0
 """A cached call's backward's short-lived bytes per key element (docs/plan.md)."""
 
-ROTARY_SAVED_BYTES = 16.0
+_ROTARY_SAVED_BYTES = 16.0
 """Bytes a cached call under grad keeps per key and head dimension: its fp32 rotary
 tables and the table they are sliced from."""
 
 
-def _cache_frame_bytes(shape: ModelShape, frame_tokens: int, dtype_bytes: int) -> float:
-    """Bytes of one sample's KV cache per latent frame: keys and values of every layer."""
-    return 2.0 * shape.num_layers * frame_tokens * shape.dim * dtype_bytes
-
-
 def _model_bytes(options: Any) -> int:
     return {"float32": 4, "bfloat16": 2, "float16": 2}[options.model.dtype]
-
-
-def _cache_dtype_bytes(options: Any) -> int:
-    """The KV cache's bytes per element: the student's compute dtype, as the causal
-    recipes keep it."""
-    return 2 if _compute(options) == "bf16" else _model_bytes(options)
 
 
 # ------------------------------------------------------------------ roles
@@ -550,13 +492,8 @@ def _cache_dtype_bytes(options: Any) -> int:
 
 @attrs.frozen
 class RolePlan:
-    """One role's static bytes per GPU: its weights, AdamW's moments and an EMA copy
-    (and the gradients a trained role adds during a step).
-
-    Attributes:
-        numel: Its parameters (a LoRA role: its adapters).
-        note: How it is stored.
-    """
+    """One role's bytes per GPU: its weights, AdamW's moments, an EMA copy, and the
+    gradients a trained role adds during a step (``numel``: a LoRA role's adapters)."""
 
     name: str
     trained: bool
@@ -637,8 +574,8 @@ def _roles(recipe: str, options: Any, shape: ModelShape, world: int) -> list[Rol
     student = trained("student", shape.numel, ema, master)
     if recipe == "finetune" and not _is_lora(recipe, options):
         return [student]
-    if recipe in ("dmd2", *CAUSAL_RECIPES):
-        if recipe in CAUSAL_RECIPES:
+    if recipe in ("dmd2", *_CAUSAL_RECIPES):
+        if recipe in _CAUSAL_RECIPES:
             student = attrs.evolve(student, note=student.note + ", causal")
         return [
             student,
@@ -755,11 +692,6 @@ def _cycle(kinds: Sequence[str]) -> dict[str, float]:
     return shares
 
 
-def _every_nth(interval: int) -> dict[str, float]:
-    """The shares of a cycle where the student trains at ``i % interval == 0``."""
-    return _cycle(["critic-only" if i % interval else "student+critic" for i in range(interval)])
-
-
 _TRAINS = {"student+critic": ("student", "critic"), "critic-only": ("critic",)}
 """The roles each kind of a distillation step trains."""
 
@@ -863,9 +795,11 @@ def _step_kinds(recipe: str, options: Any, g: _Planner) -> dict[str, _Kind]:
             _Phase("critic", critic, per, m, held, accumulates=("critic",)),
         )
         phases = {"student+critic": (rollout, *updates), "critic-only": (rollout, updates[1])}
+    interval = options.generator_update_interval  # the student trains at i % interval == 0
+    cycle = _cycle(["critic-only" if i % interval else "student+critic" for i in range(interval)])
     return {
         name: _Kind(phases[name], tuple((r, 1.0) for r in _TRAINS[name]), share)
-        for name, share in _every_nth(options.generator_update_interval).items()
+        for name, share in cycle.items()
     }
 
 
@@ -874,18 +808,9 @@ def _step_kinds(recipe: str, options: Any, g: _Planner) -> dict[str, _Kind]:
 
 @attrs.frozen
 class StepPlan:
-    """One kind of step of the method: its peak (bytes per GPU) and its time (seconds).
-
-    Attributes:
-        name: ``"student"`` (fine-tune, DiffusionNFT), ``"critic-only"``,
-            ``"student+critic"``.
-        calls: ``(role, kind)`` of each group of alike model calls, in order.
-        activations: The saved activations at the step's peak.
-        peak: Predicted ``max_memory_allocated``.
-        floor: The attention and GEMM kernels, no recomputation.
-        share: The fraction of the method's steps of this kind.
-        held: Bytes beyond the static ones held at most in the step (caches, rollouts).
-    """
+    """One kind of step (``"student"``, ``"critic-only"``, ``"student+critic"``): its
+    predicted ``max_memory_allocated`` (``peak``, bytes per GPU), its time (seconds; ``floor``:
+    the kernels alone) and its ``share`` of the method's steps."""
 
     name: str
     calls: tuple[tuple[str, str], ...]
@@ -1006,13 +931,9 @@ class RunPlan:
 def _options_with(options: Any, **changes: Any) -> Any:
     """``options`` with dotted keys changed (``prepare.checkpointing="full"``)."""
     for key, value in changes.items():
-        group, _, field = key.partition(".")
-        if field:
-            options = dataclasses.replace(
-                options, **{group: dataclasses.replace(getattr(options, group), **{field: value})}
-            )
-        else:
-            options = dataclasses.replace(options, **{group: value})
+        group, field = key.split(".")
+        changed = dataclasses.replace(getattr(options, group), **{field: value})
+        options = dataclasses.replace(options, **{group: changed})
     return options
 
 
@@ -1188,7 +1109,7 @@ class _Planner:
             block = self.saved(tokens)
             acts += c.count * block * self.on_gpu
             if c.keys is not None:  # the rotary tables its checkpoint keeps
-                acts += c.count * ROTARY_SAVED_BYTES * n * k * s.head_dim
+                acts += c.count * _ROTARY_SAVED_BYTES * n * k * s.head_dim
             offload += times * 2 * self.offloaded * block / (t.host_bandwidth * 1e9)
             # a backward's: the hidden stream's and feed-forward's gradients (fitted)
             buffers = 8.0 * tokens * (s.dim + s.ffn_dim) + CACHED_TRANSIENT_BYTES * cached
@@ -1220,7 +1141,6 @@ def plan_run(
     nproc: int = 1,
     nodes: int = 1,
     kernels: KernelTable | str | None = None,
-    margin_gib: float = 2.0,
     context: int | None = None,
     _shape: ModelShape | None = None,
     _benchmark: bool = False,
@@ -1233,7 +1153,6 @@ def plan_run(
         nproc: GPUs a node (FSDP2 over all of them when more than one).
         kernels: A :class:`KernelTable`, a shipped table's name or a calibrated table's
             file (default: the H200's).
-        margin_gib: Memory kept free for the caching allocator's fragmentation.
         context: The context-parallel degree (Ulysses), the rest data parallel (default:
             ``options.parallel.context`` where the options have it, else 1).
 
@@ -1250,7 +1169,7 @@ def plan_run(
     cp = context if context is not None else getattr(options.parallel, "context", 1)
     if cp < 1 or world % cp:
         raise ValueError(f"the context-parallel degree {cp} must divide the {world} GPU(s)")
-    if cp > 1 and recipe in CAUSAL_RECIPES:
+    if cp > 1 and recipe in _CAUSAL_RECIPES:
         raise ValueError(
             f"{recipe}'s causal student cannot be context-parallel (fvstep.methods.causal_wan "
             "refuses it: its KV cache follows the whole sequence)"
@@ -1288,10 +1207,13 @@ def plan_run(
     if _is_lora(recipe, options):
         _, layers, fan_in = _lora_numel(shape, options.lora.rank, options.lora.targets)
         lora = (layers, fan_in, options.lora.rank)
-    cache_dtype = _cache_dtype_bytes(options)
+    # the causal recipes keep the KV cache in the student's compute dtype
+    cache_dtype = 2 if compute == "bf16" else _model_bytes(options)
+    # one sample's KV cache a latent frame: keys and values of every layer
+    cache_frame = 2.0 * shape.num_layers * frame_tokens * shape.dim * cache_dtype
     planner = _Planner(
         shape, table, prepare, compute, {r.name: r for r in roles}, world, nodes, cp, video,
-        frames // pf, data.text_shape[0], _cache_frame_bytes(shape, frame_tokens, cache_dtype),
+        frames // pf, data.text_shape[0], cache_frame,
         fp32_weights=world == 1 and options.model.dtype == "float32" and lora is None,
         lora=lora,
     )  # fmt: skip
@@ -1327,7 +1249,7 @@ def plan_run(
         "budget": prepare.compile_memory_budget, "batch": batch, "microbatches": micro,
     }  # fmt: skip
     cache = None
-    if recipe in CAUSAL_RECIPES:
+    if recipe in _CAUSAL_RECIPES:
         if recipe == "self_forcing":  # a micro-batch's rollout, over the whole video
             capacity, samples = planner.frames, batch / micro
         else:  # the stream's, over the rank's batch
@@ -1336,7 +1258,7 @@ def plan_run(
     return RunPlan(
         recipe, world, shape, video, data.text_shape[0], tuple(roles),
         planner.saved(batch / micro * video / cp), planner.on_gpu, tuple(steps), table,
-        planner.backend, table.memory_gib * GIB, margin_gib * GIB, settings, cp, cache,
+        planner.backend, table.memory_gib * GIB, _MARGIN, settings, cp, cache,
     )  # fmt: skip
 
 
