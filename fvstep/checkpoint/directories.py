@@ -144,6 +144,11 @@ class DirectoryLock:
         self.path = path
         self._fd = fd
 
+    @property
+    def held(self) -> bool:
+        """Whether this object still holds the lock."""
+        return self._fd is not None
+
     def release(self) -> None:
         """Release the lock (idempotent). The file stays: deleting it would let two runs
         lock two different files of the same name."""

@@ -64,10 +64,15 @@ __all__ = [
 ]
 
 
-try:  # the distribution's version: no module imports the package face
-    _FVSTEP_VERSION = importlib.metadata.version("fvstep")
-except importlib.metadata.PackageNotFoundError:  # a checkout on sys.path, not installed
-    _FVSTEP_VERSION = "0+unknown"
+def _installed_version() -> str:
+    """fvstep's version from the installed distribution (no module imports the package face)."""
+    try:
+        return importlib.metadata.version("fvstep")
+    except importlib.metadata.PackageNotFoundError:  # a checkout on sys.path, not installed
+        return "0+unknown"
+
+
+_FVSTEP_VERSION = _installed_version()
 
 #: Files each rank writes at once by default (DCP's ``thread_count``). Not more, because a
 #: write that fails on one of DCP's helper threads prints its own traceback (fvstep still
