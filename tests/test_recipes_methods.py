@@ -217,3 +217,30 @@ def test_a_dataset_streams_from_its_first_batch_and_its_frames_are_checked_again
             options("self_forcing", tmp_path, *data, "--chunk_frames", "2", out="sf"),
             log=quiet,
         )
+
+
+@pytest.mark.multirank
+def test_a_two_rank_streaming_run_exports_its_student_from_one_process(tmp_path):
+    # Its checkpoints hold each rank's stream (a cache per rank); `fvstep export` refused
+    # them ("per-rank values ... cannot be loaded on 1") before it started them afresh.
+    from safetensors.torch import load_file
+
+    from fvstep.cli import main
+
+    out, target = tmp_path / "run", tmp_path / "student"
+    train_argv = [*QUIET, *SMALL["streaming"], "--run.out", str(out), "--run.every", "2"]
+    assert main(["train", "streaming", *train_argv, "--run.num_steps", "2", "--nproc", "2"]) == 0
+    manifest = ckpt.read_manifest(ckpt.latest(out))
+    assert any(p.startswith("extra.stream.") for p in manifest.per_rank)
+    export_argv = ["--role", "student", "--format", "safetensors", "--out", str(target)]
+    assert main(["export", str(out), *export_argv]) == 0
+    like = prepare_run(
+        get_recipe("streaming"), options("streaming", tmp_path, out="x"), write=False
+    )
+    like.close()
+    state = ckpt.load(ckpt.latest(out), like=like.state, reset="extra.stream")
+    written = load_file(target / "model.safetensors")
+    expected = ckpt.gather_weights(state, "student")
+    assert expected is not None and written.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(written[name], tensor), name

@@ -46,9 +46,13 @@ def _load_run(checkpoint: str) -> tuple[Any, Any]:
         validation=dataclasses.replace(options.validation, every=0),
         prepare=dataclasses.replace(prepare, flash_attention_4=False, verify_compile=False),
     )
+    # Values saved per rank (a stream's cache on each rank) are not weights: one process
+    # starts them afresh, so that a run of several ranks exports like a run of one.
+    per_rank = ckpt.read_manifest(folder).per_rank
+    reset = sorted(p for p in per_rank if not p.startswith("roles."))
     spec = recipe.build(options, fresh=False)
     try:
-        return ckpt.load(folder, like=spec.state), folder
+        return ckpt.load(folder, like=spec.state, reset=reset), folder
     finally:
         spec.close()
 
