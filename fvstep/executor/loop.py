@@ -138,7 +138,21 @@ def run(
     Raises:
         Interrupted: If SIGTERM or a first Ctrl-C stopped the run before ``num_steps``.
     """
-    result = run_until(**locals())  # run's parameters are run_until's, by name
+    result = run_until(
+        step,
+        state,
+        data,
+        num_steps=num_steps,
+        checkpoints=checkpoints,
+        metrics_path=metrics_path,
+        progress=progress,
+        on_metrics=on_metrics,
+        handle_signals=handle_signals,
+        validation=validation,
+        trackers=trackers,
+        log_every=log_every,
+        parallelism=parallelism,
+    )
     if not result.completed:
         raise Interrupted(
             result.stopped_by,
